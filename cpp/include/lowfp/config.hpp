@@ -1,0 +1,29 @@
+// Shared by the CPU and CUDA drivers: every function in this directory is host+device and
+// allocation-free, so one formula serves both backends.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define LOWFP_HD __host__ __device__ __forceinline__
+#else
+#define LOWFP_HD inline
+#endif
+
+namespace lowfp {
+
+// Bit-exact reinterpretation; memcpy is understood by both gcc's vectoriser and nvcc.
+template <class To, class From>
+LOWFP_HD To bit_cast(const From& from) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast needs equal sizes");
+  To to;
+  memcpy(&to, &from, sizeof(To));
+  return to;
+}
+
+template <class T>
+LOWFP_HD T min_of(T a, T b) { return a < b ? a : b; }
+template <class T>
+LOWFP_HD T max_of(T a, T b) { return a < b ? b : a; }
+
+}  // namespace lowfp

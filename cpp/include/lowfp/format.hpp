@@ -1,0 +1,160 @@
+// Formats fp(e, m, b) and the constants the rounding kernel needs for one carrier (DESIGN §2-3).
+#pragma once
+#include <cmath>
+#include <string>
+
+#include "config.hpp"
+
+namespace lowfp {
+
+enum class Specials : int32_t { None = 0, IEEE = 1, FN = 2, FNUZ = 3 };
+enum class Overflow : int32_t { Saturate = 0, Inf = 1, NaN = 2 };
+enum class Rounding : int32_t {
+  Nearest = 0, NearestAway = 1, TowardZero = 2, Up = 3, Down = 4, Stochastic = 5
+};
+// Storage types of buffers handed to the drivers.
+enum class DType : int32_t { Float16 = 0, BFloat16 = 1, Float32 = 2, Float64 = 3 };
+
+struct FormatSpec {
+  int32_t e;         // exponent bits
+  int32_t m;         // mantissa (fraction) bits
+  int32_t b;         // extra exponent bias
+  Specials specials;
+  bool subnormals;
+};
+
+// Derived exponents. B = 2^(e-1) - 1 + b, emin = 1 - B.
+LOWFP_HD int32_t exponent_bias(const FormatSpec& f) { return (1 << (f.e - 1)) - 1 + f.b; }
+LOWFP_HD int32_t min_exponent(const FormatSpec& f) { return 1 - exponent_bias(f); }
+LOWFP_HD int32_t max_exponent(const FormatSpec& f) {
+  const int32_t top = (1 << f.e) - 1 - exponent_bias(f);
+  return f.specials == Specials::IEEE ? top - 1 : top;  // IEEE reserves the top code for inf/NaN
+}
+// Largest finite value is 2^emax * max_significand; "fn" gives its all-ones code to NaN.
+inline double max_significand(const FormatSpec& f) {
+  return 2.0 - std::ldexp(1.0, (f.specials == Specials::FN ? 1 : 0) - f.m);
+}
+inline double max_value(const FormatSpec& f) {
+  return std::ldexp(max_significand(f), max_exponent(f));
+}
+// Exponent of the smallest positive value: a subnormal, or 2^emin without subnormals.
+LOWFP_HD int32_t smallest_exponent(const FormatSpec& f) {
+  return min_exponent(f) - (f.subnormals ? f.m : 0);
+}
+
+// What a storage or carrier type can hold exactly.
+struct TypeLimits {
+  const char* name;
+  int32_t mant_bits;
+  int32_t max_exp;
+  int32_t smallest_exp;
+};
+inline TypeLimits type_limits(DType t) {
+  switch (t) {
+    case DType::Float16: return {"float16", 10, 15, -24};
+    case DType::BFloat16: return {"bfloat16", 7, 127, -133};
+    case DType::Float32: return {"float32", 23, 127, -149};
+    default: return {"float64", 52, 1023, -1074};
+  }
+}
+
+// Empty when every value of f is exactly representable in t; else which limit it exceeds.
+inline std::string fit_error(const FormatSpec& f, DType t) {
+  const TypeLimits lim = type_limits(t);
+  const std::string fmt = "fp(" + std::to_string(f.e) + "," + std::to_string(f.m) + "," +
+                          std::to_string(f.b) + ")";
+  if (f.m > lim.mant_bits)
+    return fmt + " has m=" + std::to_string(f.m) + " mantissa bits; " + lim.name + " holds at most " +
+           std::to_string(lim.mant_bits);
+  if (max_exponent(f) > lim.max_exp)
+    return fmt + " has largest exponent emax=" + std::to_string(max_exponent(f)) + "; " + lim.name +
+           " allows at most " + std::to_string(lim.max_exp);
+  if (smallest_exponent(f) < lim.smallest_exp)
+    return fmt + " has smallest value 2^" + std::to_string(smallest_exponent(f)) + "; " + lim.name +
+           " reaches down to 2^" + std::to_string(lim.smallest_exp);
+  return std::string();
+}
+
+// Empty when (e, m, b, specials) describes a format some carrier can hold.
+inline std::string spec_error(const FormatSpec& f) {
+  if (f.e < 1 || f.e > 11) return "e must be between 1 and 11, got " + std::to_string(f.e);
+  if (f.m < 0 || f.m > 52) return "m must be between 0 and 52, got " + std::to_string(f.m);
+  if (f.b < -4096 || f.b > 4096) return "b must be between -4096 and 4096, got " + std::to_string(f.b);
+  if (f.specials == Specials::IEEE && f.e < 2)
+    return "specials='ieee' needs e >= 2 (the top exponent code is reserved), got e=" +
+           std::to_string(f.e);
+  if (f.specials == Specials::FN && f.m < 1)
+    return "specials='fn' needs m >= 1 (the all-ones code is NaN), got m=" + std::to_string(f.m);
+  return fit_error(f, DType::Float64);
+}
+
+// Integer view of a binary floating-point carrier.
+template <class Bits> struct CarrierTraits;
+template <> struct CarrierTraits<uint32_t> {
+  using Float = float;
+  static constexpr int32_t kMantBits = 23, kExpBias = 127, kMaxShift = 31;
+  static constexpr uint32_t kSign = 0x80000000u, kInf = 0x7f800000u, kQuietNaN = 0x7fc00000u;
+  static constexpr uint32_t kMantMask = 0x007fffffu, kImplicit = 0x00800000u;
+  static constexpr DType kDType = DType::Float32;
+};
+template <> struct CarrierTraits<uint64_t> {
+  using Float = double;
+  static constexpr int32_t kMantBits = 52, kExpBias = 1023, kMaxShift = 63;
+  static constexpr uint64_t kSign = 0x8000000000000000ull, kInf = 0x7ff0000000000000ull;
+  static constexpr uint64_t kQuietNaN = 0x7ff8000000000000ull;
+  static constexpr uint64_t kMantMask = 0x000fffffffffffffull, kImplicit = 0x0010000000000000ull;
+  static constexpr DType kDType = DType::Float64;
+};
+
+// Everything the element kernel needs, as carrier bit patterns; built once per call on the host.
+template <class Bits>
+struct RoundParams {
+  int32_t normal_drop;    // carrier mantissa bits dropped at or above 2^emin: MB - m
+  int32_t below_drop;     // MB - m_low below 2^emin (m_low = m with subnormals, else 0) ...
+  int32_t emin;           // ... plus (emin - exponent) for each binade further down
+  Bits below_step;        // grid step below 2^emin, 2^(emin - m_low): the result when d > MB
+  Bits max_bits;          // largest finite magnitude
+  Bits overflow_pos;      // what a positive overflow becomes (full bit pattern)
+  Bits overflow_neg;      // what a negative overflow becomes
+  bool inf_stays_inf;     // policy "inf": infinite inputs stay infinite whatever the mode
+  bool no_negative_zero;  // "fnuz": zero is +0
+  bool ties_away;         // nearest_away
+  bool away_pos, away_neg;  // directed modes: which signs round their magnitude up
+  uint32_t sr_shift;      // 32 - sr_bits: the random word keeps its top sr_bits bits
+};
+
+template <class Bits>
+inline Bits float_bits(typename CarrierTraits<Bits>::Float v) { return bit_cast<Bits>(v); }
+
+// Host-side construction; the caller has checked that fit_error(f, carrier) is empty.
+template <class Bits>
+RoundParams<Bits> make_round_params(const FormatSpec& f, Overflow overflow, Rounding mode,
+                                    int32_t sr_bits) {
+  using C = CarrierTraits<Bits>;
+  using F = typename C::Float;
+  RoundParams<Bits> p{};
+  const int32_t m_low = f.subnormals ? f.m : 0;
+  p.normal_drop = C::kMantBits - f.m;
+  p.below_drop = C::kMantBits - m_low;
+  p.emin = min_exponent(f);
+  p.below_step = float_bits<Bits>(std::ldexp(F(1), p.emin - m_low));
+  p.max_bits = float_bits<Bits>(F(max_value(f)));
+  const Bits inf = C::kInf, mx = p.max_bits, s = C::kSign;
+  switch (overflow) {
+    case Overflow::Saturate: p.overflow_pos = mx; p.overflow_neg = s | mx; break;
+    case Overflow::NaN: p.overflow_pos = p.overflow_neg = C::kQuietNaN; break;
+    case Overflow::Inf:  // as IEEE 754 overflow: directed modes stop at max on their side
+      p.overflow_pos = (mode == Rounding::TowardZero || mode == Rounding::Down) ? mx : inf;
+      p.overflow_neg = s | ((mode == Rounding::TowardZero || mode == Rounding::Up) ? mx : inf);
+      break;
+  }
+  p.inf_stays_inf = overflow == Overflow::Inf;
+  p.no_negative_zero = f.specials == Specials::FNUZ;
+  p.ties_away = mode == Rounding::NearestAway;
+  p.away_pos = mode == Rounding::Up;
+  p.away_neg = mode == Rounding::Down;
+  p.sr_shift = uint32_t(32 - sr_bits);
+  return p;
+}
+
+}  // namespace lowfp

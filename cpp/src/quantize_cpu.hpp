@@ -1,0 +1,48 @@
+// CPU driver for quantize: one call describes a whole buffer; the dispatcher splits it over
+// threads and hands contiguous ranges to the kernel built for the best instruction set.
+#pragma once
+#include <cstdint>
+
+#include "lowfp/format.hpp"
+
+namespace lowfp {
+
+struct QuantizeCall {
+  const void* x;
+  DType x_dtype;
+  void* y;
+  DType y_dtype;
+  int64_t n;
+  bool wide;                     // carrier is float64 (else float32)
+  RoundParams<uint32_t> p32;
+  RoundParams<uint64_t> p64;
+  Rounding mode;
+  uint64_t seed, offset;
+  bool count;
+};
+
+struct EventCounts {
+  int64_t overflow = 0, underflow = 0, nan = 0;
+  void add(const EventCounts& o) { overflow += o.overflow; underflow += o.underflow; nan += o.nan; }
+};
+
+// Elements per tile: a multiple of 4 so that tiles start on Philox block boundaries.
+constexpr int64_t kTile = 2048;
+
+// One kernel per instruction-set level (same source compiled with different -march flags).
+#define LOWFP_DECLARE_KERNEL(ns) \
+  namespace ns { void quantize_range(const QuantizeCall&, int64_t, int64_t, EventCounts&); }
+LOWFP_DECLARE_KERNEL(isa_baseline)
+LOWFP_DECLARE_KERNEL(isa_avx2)
+LOWFP_DECLARE_KERNEL(isa_avx512)
+#undef LOWFP_DECLARE_KERNEL
+
+// Runs the whole call on the CPU threads; adds {overflow, underflow, nan, numel} to counts
+// when counts is not null.
+void quantize_cpu(const QuantizeCall& call, int64_t* counts);
+
+const char* cpu_kernel_name();
+void set_num_threads(int n);
+int get_num_threads();
+
+}  // namespace lowfp

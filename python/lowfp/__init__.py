@@ -1,0 +1,30 @@
+"""lowfp: emulated low-precision floating point for PyTorch training loops.
+
+>>> import torch, lowfp
+>>> x = torch.tensor([0.1, 1.0, 3.3, 100.0])
+>>> lowfp.quantize(x, "fp(4,3,4)")
+tensor([ 0.1016,  1.0000,  3.2500, 30.0000])
+"""
+
+from . import _C
+from . import formats
+from .backends import cuda_built
+from .formats import Format, fp
+from .quantize import ROUNDING_MODES, draw_seed, quantize, quantize_
+from .stats import Stats
+
+__version__ = "0.1.0"
+
+__all__ = ["Format", "fp", "formats", "quantize", "quantize_", "Stats", "ROUNDING_MODES",
+           "draw_seed", "cuda_built", "set_num_threads", "get_num_threads"]
+
+
+def set_num_threads(n: int) -> None:
+    """Threads used by lowfp's CPU kernels (0: one per core). Results never depend on it."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    _C.set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    return _C.get_num_threads()

@@ -1,0 +1,43 @@
+"""Which compiled backend runs a tensor: lowfp._C on the CPU, lowfp._C_cuda on CUDA devices."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _C
+
+try:  # present only when lowfp was built with nvcc (LOWFP_CUDA=AUTO/ON)
+    from . import _C_cuda  # type: ignore[attr-defined]
+except ImportError:
+    _C_cuda = None
+
+__all__ = ["cuda_built", "for_device"]
+
+
+def cuda_built() -> bool:
+    """Whether this lowfp build includes the CUDA backend."""
+    return _C_cuda is not None
+
+
+class _CpuBackend:
+    name = "cpu"
+
+    @staticmethod
+    def quantize(x, x_code, y, y_code, n, args, counts_ptr):
+        _C.quantize(x.data_ptr(), x_code, y.data_ptr(), y_code, n, *args, counts_ptr)
+
+
+_CPU = _CpuBackend()
+
+
+def for_device(device: torch.device, argname: str):
+    if device.type == "cpu":
+        return _CPU
+    if device.type == "cuda":
+        if _C_cuda is None:
+            raise ValueError(f"{argname} is a CUDA tensor ({device}) but this lowfp build has no CUDA "
+                             "backend (lowfp.cuda_built() is False); move it to the CPU or reinstall "
+                             "lowfp on a machine with nvcc")
+        from . import _cuda_backend
+        return _cuda_backend.backend()
+    raise ValueError(f"{argname} is on device {device}; lowfp supports cpu and cuda tensors")

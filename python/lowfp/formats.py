@@ -1,0 +1,246 @@
+"""Floating-point formats fp(e, m, b) and the named formats of DESIGN §2.
+
+>>> import lowfp
+>>> f = lowfp.fp(4, 3, 4)
+>>> f.max, f.min_normal, f.min_subnormal
+(30.0, 0.0009765625, 0.0001220703125)
+>>> lowfp.formats.float8_e4m3fn == lowfp.Format.parse("float8_e4m3fn")
+True
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+
+from . import _C
+
+__all__ = ["Format", "fp", "named", "to_format", "SPECIALS", "OVERFLOW_POLICIES"]
+
+SPECIALS = ("none", "ieee", "fn", "fnuz")
+OVERFLOW_POLICIES = ("saturate", "inf", "nan")
+# DESIGN §3: the overflow policy a format uses unless a call overrides it.
+DEFAULT_OVERFLOW = {"none": "saturate", "ieee": "inf", "fn": "saturate", "fnuz": "nan"}
+
+_TORCH_DTYPE_NAMES = {
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+}
+
+
+def _check_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return value
+
+
+class Format:
+    """A binary floating-point format with ``e`` exponent bits, ``m`` mantissa bits and an extra
+    exponent bias ``b`` (bias = 2^(e-1) - 1 + b).
+
+    ``specials`` picks the special-value convention: ``"none"`` (every code finite),
+    ``"ieee"`` (top exponent code is inf/NaN), ``"fn"`` (only the all-ones code is NaN, as OCP
+    E4M3) or ``"fnuz"`` (the value set of ``"none"`` without negative zero). ``overflow`` is the
+    default overflow policy (``"saturate"``, ``"inf"`` or ``"nan"``; None picks the convention's
+    default: saturate for none/fn, inf for ieee, nan for fnuz).
+    """
+
+    __slots__ = ("_key", "_info")
+
+    def __init__(self, e: int, m: int, b: int = 0, *, specials: str = "none",
+                 subnormals: bool = True, overflow: Optional[str] = None):
+        e, m, b = _check_int(e, "e"), _check_int(m, "m"), _check_int(b, "b")
+        if specials not in SPECIALS:
+            raise ValueError(f"specials must be one of {SPECIALS}, got {specials!r}")
+        if not isinstance(subnormals, bool):
+            raise TypeError(f"subnormals must be a bool, got {subnormals!r}")
+        if overflow is None:
+            overflow = DEFAULT_OVERFLOW[specials]
+        if overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES} or None, got {overflow!r}")
+        try:
+            info = _C.format_info(e, m, b, SPECIALS.index(specials), subnormals)
+        except ValueError as err:
+            raise ValueError(f"invalid format fp({e},{m},{b}, specials={specials!r}): {err}") from None
+        self._key = (e, m, b, specials, subnormals, overflow)
+        self._info = info
+
+    # -- parameters -------------------------------------------------------------------------
+    e = property(lambda self: self._key[0], doc="exponent bits")
+    m = property(lambda self: self._key[1], doc="mantissa (fraction) bits")
+    b = property(lambda self: self._key[2], doc="extra exponent bias")
+    specials = property(lambda self: self._key[3], doc="special-value convention")
+    subnormals = property(lambda self: self._key[4], doc="whether subnormals exist")
+    overflow = property(lambda self: self._key[5], doc="default overflow policy")
+
+    # -- derived ----------------------------------------------------------------------------
+    @property
+    def bias(self) -> int:
+        """Exponent bias B = 2^(e-1) - 1 + b."""
+        return self._info["bias"]
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal value."""
+        return self._info["emin"]
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest finite value."""
+        return self._info["emax"]
+
+    @property
+    def max(self) -> float:
+        """Largest finite value."""
+        return self._info["max"]
+
+    @property
+    def min_normal(self) -> float:
+        return math.ldexp(1.0, self.emin)
+
+    @property
+    def min_subnormal(self) -> Optional[float]:
+        """Smallest positive subnormal (None when the format has no subnormals)."""
+        return math.ldexp(1.0, self.emin - self.m) if self.subnormals else None
+
+    @property
+    def smallest(self) -> float:
+        """Smallest positive value (a subnormal, or min_normal without subnormals)."""
+        return math.ldexp(1.0, self._info["smallest_exp"])
+
+    @property
+    def eps(self) -> float:
+        """Distance from 1 to the next larger value, 2^-m."""
+        return math.ldexp(1.0, -self.m)
+
+    @property
+    def bits(self) -> int:
+        """Storage bits: sign + e + m."""
+        return 1 + self.e + self.m
+
+    @property
+    def range_binades(self) -> float:
+        """Dynamic range log2(max / smallest) in binades."""
+        return math.log2(self.max) - self._info["smallest_exp"]
+
+    @property
+    def name(self) -> Optional[str]:
+        """The named format this equals, if any."""
+        return _NAME_OF_KEY.get(self._key)
+
+    def fit_error(self, dtype: torch.dtype) -> str:
+        """'' when every value of the format is exact in ``dtype``, else the limit it exceeds."""
+        return self._info["fit_errors"][_TORCH_DTYPE_NAMES[dtype]]
+
+    def fits(self, dtype: torch.dtype) -> bool:
+        return self.fit_error(dtype) == ""
+
+    def replace(self, *, overflow: Optional[str] = None, subnormals: Optional[bool] = None) -> "Format":
+        """This format with another default overflow policy or subnormal setting."""
+        e, m, b, specials, sub, ovf = self._key
+        return Format(e, m, b, specials=specials,
+                      subnormals=sub if subnormals is None else subnormals,
+                      overflow=ovf if overflow is None else overflow)
+
+    # -- value semantics --------------------------------------------------------------------
+    @property
+    def key(self) -> Tuple:
+        """(e, m, b, specials, subnormals, overflow): what equality and hashing compare."""
+        return self._key
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Format) and other._key == self._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __str__(self) -> str:
+        if self.name is not None:
+            return self.name
+        e, m, b, specials, subnormals, overflow = self._key
+        extra = ""
+        if specials != "none":
+            extra += f",specials={specials!r}"
+        if not subnormals:
+            extra += ",subnormals=False"
+        if overflow != DEFAULT_OVERFLOW[specials]:
+            extra += f",overflow={overflow!r}"
+        return f"fp({e},{m},{b}{extra})"
+
+    __repr__ = __str__
+
+    def __reduce__(self):
+        return (Format.parse, (str(self),))
+
+    @staticmethod
+    def parse(text: str) -> "Format":
+        """Parse a named format (``"float8_e4m3fn"``) or ``"fp(e,m[,b][,specials=...,...])"``."""
+        if not isinstance(text, str):
+            raise TypeError(f"format string expected, got {type(text).__name__}")
+        s = text.strip()
+        if s in _NAMED:
+            return _NAMED[s]
+        try:
+            node = ast.parse(s, mode="eval").body
+        except SyntaxError:
+            node = None
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "fp"):
+            raise ValueError(f"cannot parse format {text!r}: expected one of {sorted(_NAMED)} "
+                             "or 'fp(e,m,b)' such as 'fp(4,3,4)'")
+        try:
+            args = [ast.literal_eval(a) for a in node.args]
+            kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        except ValueError:
+            raise ValueError(f"cannot parse format {text!r}: arguments must be literals") from None
+        return fp(*args, **kwargs)
+
+
+def fp(e: int, m: int, b: int = 0, *, specials: str = "none", subnormals: bool = True,
+       overflow: Optional[str] = None) -> Format:
+    """The format fp(e, m, b): ``specials="none"``, subnormals and saturation by default."""
+    return Format(e, m, b, specials=specials, subnormals=subnormals, overflow=overflow)
+
+
+_NAMED: Dict[str, Format] = {
+    "float16": fp(5, 10, 0, specials="ieee"),
+    "bfloat16": fp(8, 7, 0, specials="ieee"),
+    "float8_e5m2": fp(5, 2, 0, specials="ieee"),
+    "float8_e4m3fn": fp(4, 3, 0, specials="fn"),
+    "float8_e4m3": fp(4, 3, 0, specials="ieee"),
+    "float8_e3m4": fp(3, 4, 0, specials="ieee"),
+    "float8_e4m3fnuz": fp(4, 3, 1, specials="fnuz"),
+    "float8_e5m2fnuz": fp(5, 2, 1, specials="fnuz"),
+    "float8_e4m3b11fnuz": fp(4, 3, 4, specials="fnuz"),
+    "float6_e3m2fn": fp(3, 2, 0),
+    "float6_e2m3fn": fp(2, 3, 0),
+    "float4_e2m1fn": fp(2, 1, 0),
+}
+_NAME_OF_KEY = {f.key: name for name, f in _NAMED.items()}
+globals().update(_NAMED)
+__all__ += list(_NAMED)
+
+# The precision-assignment paper's candidates.
+SEED_FORMATS = {"fp(4,3,4)": fp(4, 3, 4), "fp(5,2,0)": fp(5, 2, 0), "fp(6,9,0)": fp(6, 9, 0)}
+
+
+def named() -> Dict[str, Format]:
+    """The named formats, by name."""
+    return dict(_NAMED)
+
+
+def to_format(value: Union[Format, str], argname: str = "fmt") -> Format:
+    """Accept a Format or its string form; anything else is a TypeError naming ``argname``."""
+    if isinstance(value, Format):
+        return value
+    if isinstance(value, str):
+        try:
+            return Format.parse(value)
+        except ValueError as err:
+            raise ValueError(f"{argname}: {err}") from None
+    raise TypeError(f"{argname} must be a lowfp.Format or a format string such as 'fp(4,3,4)' "
+                    f"or 'float8_e4m3fn', got {type(value).__name__}")

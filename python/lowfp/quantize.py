@@ -1,0 +1,251 @@
+"""``lowfp.quantize``: round tensors and arrays to a format (DESIGN §3)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+from . import _C
+from . import backends
+from .formats import SPECIALS, Format, to_format
+from .stats import Stats
+
+__all__ = ["quantize", "quantize_", "ROUNDING_MODES"]
+
+ROUNDING_MODES = ("nearest", "nearest_away", "toward_zero", "up", "down", "stochastic")
+_OVERFLOW_CODES = {"saturate": 0, "inf": 1, "nan": 2}
+DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+_NUMPY_TO_TORCH = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
+                   np.dtype(np.float64): torch.float64}
+_ALLOWED = "torch.float16, torch.bfloat16, torch.float32 or torch.float64"
+
+Tensorish = Union[torch.Tensor, np.ndarray]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A fully checked request: what the C++/CUDA drivers take besides the buffers."""
+
+    fmt: Format
+    rounding: int
+    sr_bits: int
+    seed: int
+    offset: int
+
+    def args(self):
+        f = self.fmt
+        return (f.e, f.m, f.b, SPECIALS.index(f.specials), f.subnormals,
+                _OVERFLOW_CODES[f.overflow], self.rounding, self.sr_bits, self.seed, self.offset)
+
+
+def _check_uint64(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= value < 2**64:
+        raise ValueError(f"{name} must be in [0, 2**64), got {value}")
+    return value
+
+
+def draw_seed(generator: Optional[torch.Generator] = None) -> int:
+    """A 64-bit seed from ``generator`` (default: torch's default CPU generator)."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    device = generator.device if generator is not None else "cpu"
+    words = torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator, device=device)
+    lo, hi = words.tolist()
+    return lo | (hi << 32)
+
+
+def _make_call(fmt, rounding, overflow, subnormals, seed, generator, offset, sr_bits) -> _Call:
+    fmt = to_format(fmt, "fmt")
+    if overflow is not None or subnormals is not None:
+        if overflow is not None and overflow not in _OVERFLOW_CODES:
+            raise ValueError(f"overflow must be one of {tuple(_OVERFLOW_CODES)} or None, got {overflow!r}")
+        if subnormals is not None and not isinstance(subnormals, bool):
+            raise TypeError(f"subnormals must be a bool or None, got {subnormals!r}")
+        fmt = fmt.replace(overflow=overflow, subnormals=subnormals)
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got {rounding!r}")
+    if isinstance(sr_bits, bool) or not isinstance(sr_bits, int):
+        raise TypeError(f"sr_bits must be an int, got {type(sr_bits).__name__}")
+    if not 1 <= sr_bits <= 32:
+        raise ValueError(f"sr_bits must be between 1 and 32, got {sr_bits}")
+    offset = _check_uint64(offset, "offset")
+    if rounding == "stochastic":
+        seed = draw_seed(generator) if seed is None else _check_uint64(seed, "seed")
+    else:
+        seed = 0 if seed is None else _check_uint64(seed, "seed")
+    return _Call(fmt, ROUNDING_MODES.index(rounding), sr_bits, seed, offset)
+
+
+def _result_dtype(x: torch.Tensor, fmt: Format, out, out_dtype) -> torch.dtype:
+    if out_dtype is not None and out_dtype not in DTYPE_CODES:
+        raise TypeError(f"out_dtype must be {_ALLOWED}, got {out_dtype}")
+    if out is not None:
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise ValueError(f"out has dtype {out.dtype} but out_dtype is {out_dtype}")
+        dtype = out.dtype
+    else:
+        dtype = out_dtype if out_dtype is not None else x.dtype
+    wide = torch.float64 in (x.dtype, dtype)
+    carrier = torch.float64 if wide else torch.float32
+    reason = fmt.fit_error(carrier)
+    if reason:
+        raise ValueError(f"fmt {fmt} does not fit the float32 carrier used for {x.dtype} input: "
+                         f"{reason}; pass out_dtype=torch.float64 to round in float64")
+    reason = fmt.fit_error(dtype)
+    if reason:
+        if out is not None:
+            where = f"out has dtype {dtype}, which cannot hold every value of fmt {fmt}"
+        elif out_dtype is not None:
+            where = f"out_dtype {dtype} cannot hold every value of fmt {fmt}"
+        else:
+            where = f"x has dtype {dtype}, which cannot hold every value of fmt {fmt}"
+        wider = "torch.float64" if dtype == torch.float32 else "torch.float32"
+        raise ValueError(f"{where} ({reason}); pass out_dtype={wider}")
+    return dtype
+
+
+def _run(x: torch.Tensor, y: torch.Tensor, call: _Call, stats: Optional[Stats]) -> torch.Tensor:
+    """Round x into y (same shape, any layout) on x's device."""
+    backend = backends.for_device(x.device, "x")
+    src = x.contiguous()
+    dst = y if y.is_contiguous() else torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    counts = stats.counts.data_ptr() if stats is not None else 0
+    backend.quantize(src, DTYPE_CODES[src.dtype], dst, DTYPE_CODES[dst.dtype], src.numel(),
+                     call.args(), counts)
+    if dst is not y:
+        y.copy_(dst)
+    return y
+
+
+class _QuantizeFunction(torch.autograd.Function):
+    """Straight-through estimator; the gradient is optionally rounded to grad_fmt."""
+
+    @staticmethod
+    def forward(ctx, x, call, dtype, stats, grad_fmt, grad_rounding):
+        ctx.grad_spec = (grad_fmt, grad_rounding)
+        y = torch.empty(x.shape, dtype=dtype, device=x.device)
+        return _run(x, y, call, stats)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_fmt, grad_rounding = ctx.grad_spec
+        if grad_fmt is not None:
+            grad = quantize(grad, grad_fmt, grad_rounding)
+        return grad, None, None, None, None, None
+
+
+def _check_tensor_args(x: torch.Tensor, out, stats):
+    if x.dtype not in DTYPE_CODES:
+        raise TypeError(f"x must have dtype {_ALLOWED}, got {x.dtype}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor for tensor input, got {type(out).__name__}")
+        if out.shape != x.shape:
+            raise ValueError(f"out has shape {tuple(out.shape)} but x has shape {tuple(x.shape)}")
+        if out.device != x.device:
+            raise ValueError(f"out is on {out.device} but x is on {x.device}")
+    if stats is not None:
+        if not isinstance(stats, Stats):
+            raise TypeError(f"stats must be a lowfp.Stats or None, got {type(stats).__name__}")
+        if stats.device != x.device:
+            raise ValueError(f"stats lives on {stats.device} but x is on {x.device}; "
+                             f"use lowfp.Stats(device={str(x.device)!r})")
+
+
+def _numpy_as_tensor(a: np.ndarray, name: str) -> torch.Tensor:
+    if a.dtype not in _NUMPY_TO_TORCH:
+        raise TypeError(f"{name} must have dtype float16, float32 or float64, got numpy {a.dtype}")
+    if any(s < 0 for s in a.strides) or not a.dtype.isnative:
+        a = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("="))
+    with warnings.catch_warnings():  # read-only arrays are only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
+
+
+def _quantize_numpy(x: np.ndarray, fmt, rounding, out, out_dtype, kwargs):
+    xt = _numpy_as_tensor(x, "x")
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        np_dtype = np.dtype(out_dtype)
+        if np_dtype not in _NUMPY_TO_TORCH:
+            raise TypeError(f"out_dtype must be float16, float32 or float64, got {out_dtype}")
+        out_dtype = _NUMPY_TO_TORCH[np_dtype]
+    if out is None:
+        return quantize(xt, fmt, rounding, out_dtype=out_dtype, **kwargs).numpy()
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy.ndarray for array input, got {type(out).__name__}")
+    if not out.flags.writeable:
+        raise ValueError("out is a read-only array")
+    out_t = _numpy_as_tensor(out, "out")
+    if out_t.data_ptr() == out.ctypes.data or out.size == 0:
+        quantize(xt, fmt, rounding, out=out_t, out_dtype=out_dtype, **kwargs)
+    else:  # out could only be viewed through a copy (e.g. negative strides)
+        np.copyto(out, quantize(xt, fmt, rounding, out_dtype=out_dtype, **kwargs).numpy())
+    return out
+
+
+def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *,
+             overflow: Optional[str] = None, subnormals: Optional[bool] = None,
+             seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
+             offset: int = 0, sr_bits: int = 32, stats: Optional[Stats] = None,
+             out: Optional[Tensorish] = None, out_dtype: Optional[torch.dtype] = None,
+             grad_fmt: Optional[Union[Format, str]] = None,
+             grad_rounding: str = "nearest") -> Tensorish:
+    """Round every element of ``x`` to ``fmt`` and return the result as a new tensor/array.
+
+    Args:
+        x: torch tensor or numpy array of float16, bfloat16 (torch only), float32 or float64,
+            any shape or layout; never modified (unless it is also ``out``).
+        fmt: a :class:`lowfp.Format` or its string (``"fp(4,3,4)"``, ``"float8_e4m3fn"``).
+        rounding: ``"nearest"`` (ties to even), ``"nearest_away"``, ``"toward_zero"``, ``"up"``,
+            ``"down"`` or ``"stochastic"``.
+        overflow, subnormals: override the format's overflow policy / subnormal setting.
+        seed, generator, offset, sr_bits: stochastic rounding. Element ``i`` uses Philox4x32-10
+            word ``i % 4`` of block ``offset + i // 4`` under key ``seed``; ``seed=None`` draws one
+            from ``generator`` (default: torch's default generator, so ``torch.manual_seed``
+            makes runs reproducible). ``sr_bits`` random bits decide each rounding.
+        stats: a :class:`lowfp.Stats` that accumulates overflow/underflow/nan/numel counts.
+        out: write the result here (same shape; dtype ``out_dtype`` if given).
+        out_dtype: result dtype. float16/bfloat16 inputs are rounded in float32 and returned
+            in their own dtype when the format's values fit it; otherwise pass a wider one.
+        grad_fmt, grad_rounding: the gradient passes straight through, or is rounded to
+            ``grad_fmt`` with ``grad_rounding`` when given.
+    """
+    if isinstance(x, np.ndarray):
+        if grad_fmt is not None:
+            raise ValueError("grad_fmt applies to torch tensors only (numpy arrays have no gradients)")
+        kwargs = dict(overflow=overflow, subnormals=subnormals, seed=seed, generator=generator,
+                      offset=offset, sr_bits=sr_bits, stats=stats)
+        return _quantize_numpy(x, fmt, rounding, out, out_dtype, kwargs)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+    _check_tensor_args(x, out, stats)
+    call = _make_call(fmt, rounding, overflow, subnormals, seed, generator, offset, sr_bits)
+    dtype = _result_dtype(x, call.fmt, out, out_dtype)
+    if grad_fmt is not None:
+        grad_fmt = to_format(grad_fmt, "grad_fmt")
+        if grad_rounding not in ROUNDING_MODES:
+            raise ValueError(f"grad_rounding must be one of {ROUNDING_MODES}, got {grad_rounding!r}")
+    if x.requires_grad and torch.is_grad_enabled():
+        if out is not None:
+            raise ValueError("quantize(): out= does not support automatic differentiation "
+                             "(x requires grad); drop out= or run under torch.no_grad()")
+        return _QuantizeFunction.apply(x, call, dtype, stats, grad_fmt, grad_rounding)
+    y = out if out is not None else torch.empty(x.shape, dtype=dtype, device=x.device)
+    return _run(x, y, call, stats)
+
+
+def quantize_(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", **kwargs) -> Tensorish:
+    """In-place :func:`quantize`: rounds ``x`` in its own dtype and returns it."""
+    for bad in ("out", "out_dtype", "grad_fmt"):
+        if bad in kwargs:
+            raise TypeError(f"quantize_() does not take {bad}=")
+    if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
+        raise ValueError("quantize_() cannot run in place on a tensor that requires grad; "
+                         "use lowfp.quantize or torch.no_grad()")
+    return quantize(x, fmt, rounding, out=x, **kwargs)
