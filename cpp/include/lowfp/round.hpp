@@ -8,6 +8,8 @@
 // an integer add on the carrier bits (a carry into the exponent field is the next binade); for
 // d > MB, |x| is below one grid step and the result is 0 or that step.
 #pragma once
+#include <type_traits>
+
 #include "format.hpp"
 
 namespace lowfp {
@@ -33,7 +35,15 @@ LOWFP_HD Bits round_bits(Bits x, const RoundParams<Bits>& p, uint32_t rand, Roun
   const int32_t ex = int32_t(a >> C::kMantBits);
   const int32_t e_eff = max_of(ex, int32_t(1)) - C::kExpBias;  // carrier subnormals share 2^(1-bias)
   const Bits sig = (a & C::kMantMask) | (ex != 0 ? C::kImplicit : Bits(0));
-  const int32_t d = e_eff < p.emin ? p.below_drop + (p.emin - e_eff) : p.normal_drop;
+  // True exponent: for carrier subnormals, that of sig's leading bit (read off the exact
+  // integer-to-float conversion, which vectorises); it matters when the target's normal range
+  // reaches below the carrier's (e.g. fp(8,m,1) in float32).
+  using F = typename C::Float;
+  using SInt = std::conditional_t<sizeof(Bits) == 4, int32_t, int64_t>;
+  const int32_t lead = int32_t(bit_cast<Bits>(F(SInt(sig))) >> C::kMantBits) - C::kExpBias;
+  const int32_t e_true = ex != 0 ? e_eff : e_eff - C::kMantBits + lead;
+  const int32_t d = e_true < p.emin ? p.below_drop + (p.emin - e_eff)
+                                    : p.normal_drop + (e_true - e_eff);
   const int32_t dm = min_of(d, C::kMaxShift);  // shifts past the significand all behave alike
   const Bits unit = Bits(1) << dm;
   const Bits rem = sig & (unit - 1);
