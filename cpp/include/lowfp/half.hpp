@@ -15,7 +15,7 @@ LOWFP_HD uint32_t half_to_float_bits(uint16_t h) {
   const uint32_t sub_bits = bit_cast<uint32_t>(sub);
   const uint32_t normal_bits = ((ex + (127 - 15)) << 23) | (frac << 13);
   const uint32_t special_bits = 0x7f800000u | (frac << 13);  // inf, or NaN keeping its payload
-  const uint32_t mag = ex == 0 ? sub_bits : (ex == 0x1f ? special_bits : normal_bits);
+  const uint32_t mag = select(ex == 0, sub_bits, select(ex == 0x1f, special_bits, normal_bits));
   return sign | mag;
 }
 
@@ -26,9 +26,10 @@ LOWFP_HD uint16_t float_bits_to_half(uint32_t f) {
   // Normal half: rebias and drop the 13 low fraction bits (zero for representable values).
   const uint32_t normal = (uint32_t(ex - (127 - 15)) << 10) | ((a >> 13) & 0x3ffu);
   // Subnormal half (|v| < 2^-14): the value in units of 2^-24, exact for representable values.
-  const uint32_t sub = uint32_t(bit_cast<float>(a) * 16777216.0f);
-  const uint32_t special = a > 0x7f800000u ? 0x7e00u : 0x7c00u;
-  const uint32_t mag = a >= 0x7f800000u ? special : (ex >= 127 - 14 ? normal : sub);
+  // (clamped to 2^-14 so that the discarded lanes convert in range)
+  const uint32_t sub = uint32_t(int32_t(bit_cast<float>(min_of(a, 0x38800000u)) * 16777216.0f));
+  const uint32_t special = select(a > 0x7f800000u, 0x7e00u, 0x7c00u);
+  const uint32_t mag = select(a >= 0x7f800000u, special, select(ex >= 127 - 14, normal, sub));
   return uint16_t(sign | mag);
 }
 
@@ -38,7 +39,7 @@ LOWFP_HD uint16_t float_bits_to_bfloat16(uint32_t f) {
   // Truncation is exact for representable values; a NaN whose payload sits in the low half
   // must not turn into inf.
   const bool nan = (f & 0x7fffffffu) > 0x7f800000u;
-  return uint16_t(nan ? ((f >> 16) | 0x0040u) : (f >> 16));
+  return uint16_t(select(nan, (f >> 16) | 0x0040u, f >> 16));
 }
 
 }  // namespace lowfp

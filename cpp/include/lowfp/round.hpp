@@ -34,49 +34,54 @@ LOWFP_HD Bits round_bits(Bits x, const RoundParams<Bits>& p, uint32_t rand, Roun
   const Bits a = x & ~C::kSign;
   const int32_t ex = int32_t(a >> C::kMantBits);
   const int32_t e_eff = max_of(ex, int32_t(1)) - C::kExpBias;  // carrier subnormals share 2^(1-bias)
-  const Bits sig = (a & C::kMantMask) | (ex != 0 ? C::kImplicit : Bits(0));
+  const Bits sig = (a & C::kMantMask) | select(ex != 0, C::kImplicit, Bits(0));
   // True exponent: for carrier subnormals, that of sig's leading bit (read off the exact
   // integer-to-float conversion, which vectorises); it matters when the target's normal range
   // reaches below the carrier's (e.g. fp(8,m,1) in float32).
   using F = typename C::Float;
   using SInt = std::conditional_t<sizeof(Bits) == 4, int32_t, int64_t>;
   const int32_t lead = int32_t(bit_cast<Bits>(F(SInt(sig))) >> C::kMantBits) - C::kExpBias;
-  const int32_t e_true = ex != 0 ? e_eff : e_eff - C::kMantBits + lead;
-  const int32_t d = e_true < p.emin ? p.below_drop + (p.emin - e_eff)
-                                    : p.normal_drop + (e_true - e_eff);
+  const int32_t e_true = select(ex != 0, e_eff, e_eff - C::kMantBits + lead);
+  const int32_t d = select(e_true < p.emin, p.below_drop + (p.emin - e_eff),
+                           p.normal_drop + (e_true - e_eff));
   const int32_t dm = min_of(d, C::kMaxShift);  // shifts past the significand all behave alike
   const Bits unit = Bits(1) << dm;
   const Bits rem = sig & (unit - 1);
   const Bits trunc = sig >> dm;
 
-  bool up;
+  // up is 0 or 1 in the carrier's integer width (bools in the data flow defeat gcc's vectoriser).
+  Bits up;
   if constexpr (Kind == RoundKind::Nearest) {
+    // 2 rem > unit, or a tie with an odd kept part (or ties away). 2 rem is even and unit a
+    // power of two, so adding the 0/1 tie flag can only turn an exact tie into "greater".
     const Bits twice_rem = rem << 1;  // sig < 2^(MB+1): no overflow
-    up = twice_rem > unit || (twice_rem == unit && ((trunc & 1) != 0 || p.ties_away));
+    const Bits tie_up = (trunc | Bits(p.ties_away)) & 1;
+    up = Bits(twice_rem + tie_up > unit);
   } else if constexpr (Kind == RoundKind::Directed) {
-    up = rem != 0 && (sign != 0 ? p.away_neg : p.away_pos);
+    up = Bits(rem != 0) & select(sign != 0, Bits(p.away_neg), Bits(p.away_pos));
   } else {
     // Up with probability floor(f * 2^R) / 2^R, f = rem / 2^d: compare R random bits with the top
     // R bits of the dropped fraction.
     const int32_t r_bits = 32 - int32_t(p.sr_shift);
-    const Bits threshold = d <= r_bits ? rem << min_of(r_bits - d, C::kMaxShift)
-                                       : rem >> min_of(d - r_bits, C::kMaxShift);
-    up = Bits(rand >> p.sr_shift) < threshold;
+    // (shift counts clamped to [0, kMaxShift]: the lane not selected must not shift out of range)
+    const Bits widened = rem << min_of(max_of(r_bits - d, 0), C::kMaxShift);
+    const Bits narrowed = rem >> min_of(max_of(d - r_bits, 0), C::kMaxShift);
+    const Bits threshold = select(d <= r_bits, widened, narrowed);
+    up = Bits(Bits(rand >> p.sr_shift) < threshold);
   }
 
-  const Bits stepped = (a & ~(unit - 1)) + (Bits(up) << dm);
-  const Bits mag = d <= C::kMantBits ? stepped : (up ? p.below_step : Bits(0));
+  const Bits stepped = (a & ~(unit - 1)) + (up << dm);
+  const Bits mag = select(d <= C::kMantBits, stepped, p.below_step * up);
 
   ev.nan = a > C::kInf;
-  ev.overflow = !ev.nan && mag > p.max_bits;  // includes infinite inputs
-  ev.underflow = !ev.nan && a != 0 && mag == 0;
+  ev.overflow = !ev.nan & (mag > p.max_bits);  // includes infinite inputs
+  ev.underflow = !ev.nan & (a != 0) & (mag == 0);
 
-  const Bits zero_sign = p.no_negative_zero && mag == 0 ? Bits(0) : sign;
+  const Bits zero_sign = select(p.no_negative_zero & (mag == 0), Bits(0), sign);
   const Bits rounded = zero_sign | mag;
-  const Bits overflowed = (a == C::kInf && p.inf_stays_inf) ? x
-                          : sign != 0                      ? p.overflow_neg
-                                                           : p.overflow_pos;
-  return ev.nan ? x : (ev.overflow ? overflowed : rounded);
+  const Bits overflowed = select((a == C::kInf) & p.inf_stays_inf, x,
+                                 select(sign != 0, p.overflow_neg, p.overflow_pos));
+  return select(ev.nan, x, select(ev.overflow, overflowed, rounded));
 }
 
 }  // namespace lowfp

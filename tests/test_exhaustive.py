@@ -1,0 +1,97 @@
+"""All 2^32 float32 bit patterns, modes nearest and toward_zero, against a reference that shares
+no code with the engine: the format's values are decoded code by code (reference.positive_values),
+and the float32 patterns that round to each value form one run between two boundaries (midpoints
+for nearest, with a tie going to the neighbour whose significand is even; the values themselves
+for toward_zero). Patterns are checked in chunks against np.repeat of that table."""
+
+import math
+
+import numpy as np
+import pytest
+
+import lowfp
+from reference import Spec, positive_values
+
+CHUNK = 1 << 24
+INF_BITS = 0x7F800000
+SIGN = np.uint32(0x80000000)
+
+CASES = {
+    "fp(4,3,4)": Spec(4, 3, 4, "none"),
+    "float8_e4m3fn": Spec(4, 3, 0, "fn"),
+    "float8_e5m2": Spec(5, 2, 0, "ieee"),
+    "bfloat16": Spec(8, 7, 0, "ieee"),
+}
+
+
+def f32_bits(v: float) -> int:
+    with np.errstate(over="ignore"):
+        return int(np.array([v], dtype=np.float32).view(np.uint32)[0])
+
+
+def reference_runs(spec: Spec, mode: str, policy: str):
+    """(starts, result_bits): pattern p in [0, inf] rounds to result_bits[i] for the last
+    starts[i] <= p; the inf pattern itself is handled by the caller."""
+    vals = positive_values(spec)
+    step_top = vals[-1] - vals[-2] if spec.m == 0 else 2 ** (spec.emax - spec.m)
+    extended = vals + [vals[-1] + step_top]  # V continues above max
+    starts, results = [0], [0]
+    for lo, hi in zip(extended[:-1], extended[1:]):
+        if mode == "toward_zero":
+            start = f32_bits(float(hi))
+        else:
+            q = hi - lo
+            lower_is_even = (lo / q).numerator % 2 == 0
+            start = f32_bits(float(lo + q / 2)) + (1 if lower_is_even else 0)
+        starts.append(min(start, INF_BITS))
+        results.append(f32_bits(float(hi)))
+    # the last run is overflow: the policy's value for a positive finite overflow
+    mx = float(vals[-1])
+    if policy == "saturate" or mode == "toward_zero":
+        results[-1] = f32_bits(mx)
+    else:
+        results[-1] = INF_BITS
+    return np.array(starts, dtype=np.int64), np.array(results, dtype=np.uint32)
+
+
+def expected_chunk(starts, results, lo, hi):
+    i0 = np.searchsorted(starts, lo, side="right") - 1
+    i1 = np.searchsorted(starts, hi - 1, side="right") - 1
+    seg_start = np.maximum(starts[i0:i1 + 1], lo)
+    seg_end = np.append(starts[i0 + 1:i1 + 1], hi)
+    return np.repeat(results[i0:i1 + 1], seg_end - seg_start)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "toward_zero"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_all_float32_patterns(name, mode):
+    spec = CASES[name]
+    fmt = lowfp.Format.parse(name)
+    policy = fmt.overflow
+    starts, results = reference_runs(spec, mode, policy)
+    inf_result = INF_BITS if policy == "inf" else f32_bits(fmt.max)
+    base = np.arange(CHUNK, dtype=np.uint32)
+    out = np.empty(CHUNK, dtype=np.float32)
+    checked = 0
+    for lo in range(0, 1 << 31, CHUNK):
+        pos = base + np.uint32(lo)
+        finite_end = min(lo + CHUNK, INF_BITS) - lo  # patterns below inf in this chunk
+        want = np.empty(CHUNK, dtype=np.uint32)
+        if finite_end > 0:
+            want[:finite_end] = expected_chunk(starts, results, lo, lo + finite_end)
+        if 0 <= INF_BITS - lo < CHUNK:
+            want[INF_BITS - lo] = inf_result
+        nan_from = max(INF_BITS + 1 - lo, 0)
+        for sign in (np.uint32(0), SIGN):
+            x = (pos | sign).view(np.float32)
+            got = lowfp.quantize(x, fmt, mode, out=out).view(np.uint32)
+            if nan_from < CHUNK:
+                assert np.isnan(out[nan_from:]).all()
+            n = min(nan_from, CHUNK)
+            bad = np.flatnonzero(got[:n] != (want[:n] | sign))
+            if bad.size:
+                i = bad[:4]
+                pytest.fail(f"{name} {mode}: patterns {[hex(int(p)) for p in (pos[i] | sign)]} "
+                            f"got {[hex(int(g)) for g in got[i]]} want {[hex(int(w | sign)) for w in want[i]]}")
+            checked += CHUNK
+    assert checked == 2**32
