@@ -19,9 +19,13 @@ namespace lowfp {
 template <class To, class From>
 LOWFP_HD To bit_cast(const From& from) {
   static_assert(sizeof(To) == sizeof(From), "bit_cast needs equal sizes");
+#if defined(__CUDA_ARCH__) || !defined(__GNUC__)
   To to;
   memcpy(&to, &from, sizeof(To));
   return to;
+#else
+  return __builtin_bit_cast(To, from);  // unlike memcpy, vectorises for 64-bit lanes too
+#endif
 }
 
 // Branch-free select for integers: gcc if-converts these reliably where it leaves ?: as control
@@ -31,9 +35,10 @@ LOWFP_HD T select(bool c, T a, T b) {
   const T mask = T(0) - T(c);
   return (a & mask) | (b & ~mask);
 }
+// Plain conditionals become MIN/MAX_EXPR, which vectorise without narrowing shift counts.
 template <class T>
-LOWFP_HD T min_of(T a, T b) { return select(a < b, a, b); }
+LOWFP_HD T min_of(T a, T b) { return a < b ? a : b; }
 template <class T>
-LOWFP_HD T max_of(T a, T b) { return select(a < b, b, a); }
+LOWFP_HD T max_of(T a, T b) { return a < b ? b : a; }
 
 }  // namespace lowfp

@@ -32,22 +32,26 @@ LOWFP_HD Bits round_bits(Bits x, const RoundParams<Bits>& p, uint32_t rand, Roun
   using C = CarrierTraits<Bits>;
   const Bits sign = x & C::kSign;
   const Bits a = x & ~C::kSign;
-  const int32_t ex = int32_t(a >> C::kMantBits);
-  const int32_t e_eff = max_of(ex, int32_t(1)) - C::kExpBias;  // carrier subnormals share 2^(1-bias)
+  // Exponent arithmetic in the carrier's own width: mixing 32- and 64-bit lanes defeats gcc's
+  // vectoriser for the float64 carrier.
+  using SInt = std::make_signed_t<Bits>;
+  using F = typename C::Float;
+  const SInt ex = SInt(a >> C::kMantBits);
+  const SInt e_eff = max_of(ex, SInt(1)) - C::kExpBias;  // carrier subnormals share 2^(1-bias)
   const Bits sig = (a & C::kMantMask) | select(ex != 0, C::kImplicit, Bits(0));
   // True exponent: for carrier subnormals, that of sig's leading bit (read off the exact
   // integer-to-float conversion, which vectorises); it matters when the target's normal range
   // reaches below the carrier's (e.g. fp(8,m,1) in float32).
-  using F = typename C::Float;
-  using SInt = std::conditional_t<sizeof(Bits) == 4, int32_t, int64_t>;
-  const int32_t lead = int32_t(bit_cast<Bits>(F(SInt(sig))) >> C::kMantBits) - C::kExpBias;
-  const int32_t e_true = select(ex != 0, e_eff, e_eff - C::kMantBits + lead);
-  const int32_t d = select(e_true < p.emin, p.below_drop + (p.emin - e_eff),
-                           p.normal_drop + (e_true - e_eff));
-  const int32_t dm = min_of(d, C::kMaxShift);  // shifts past the significand all behave alike
-  const Bits unit = Bits(1) << dm;
+  const SInt lead = SInt(bit_cast<Bits>(F(SInt(sig))) >> C::kMantBits) - C::kExpBias;
+  const SInt e_true = select(ex != 0, e_eff, e_eff - C::kMantBits + lead);
+  const SInt emin = p.emin;
+  const SInt d = select(e_true < emin, SInt(p.below_drop) + (emin - e_eff),
+                        SInt(p.normal_drop) + (e_true - e_eff));
+  const SInt max_shift = C::kMaxShift;
+  const SInt dm = min_of(d, max_shift);  // shifts past the significand all behave alike
+  const Bits unit = Bits(1) << Bits(dm);
   const Bits rem = sig & (unit - 1);
-  const Bits trunc = sig >> dm;
+  const Bits trunc = sig >> Bits(dm);
 
   // up is 0 or 1 in the carrier's integer width (bools in the data flow defeat gcc's vectoriser).
   Bits up;
@@ -62,16 +66,16 @@ LOWFP_HD Bits round_bits(Bits x, const RoundParams<Bits>& p, uint32_t rand, Roun
   } else {
     // Up with probability floor(f * 2^R) / 2^R, f = rem / 2^d: compare R random bits with the top
     // R bits of the dropped fraction.
-    const int32_t r_bits = 32 - int32_t(p.sr_shift);
+    const SInt r_bits = 32 - SInt(p.sr_shift);
     // (shift counts clamped to [0, kMaxShift]: the lane not selected must not shift out of range)
-    const Bits widened = rem << min_of(max_of(r_bits - d, 0), C::kMaxShift);
-    const Bits narrowed = rem >> min_of(max_of(d - r_bits, 0), C::kMaxShift);
+    const Bits widened = rem << Bits(min_of(max_of(r_bits - d, SInt(0)), max_shift));
+    const Bits narrowed = rem >> Bits(min_of(max_of(d - r_bits, SInt(0)), max_shift));
     const Bits threshold = select(d <= r_bits, widened, narrowed);
     up = Bits(Bits(rand >> p.sr_shift) < threshold);
   }
 
-  const Bits stepped = (a & ~(unit - 1)) + (up << dm);
-  const Bits mag = select(d <= C::kMantBits, stepped, p.below_step * up);
+  const Bits stepped = (a & ~(unit - 1)) + (up << Bits(dm));
+  const Bits mag = select(d <= SInt(C::kMantBits), stepped, p.below_step * up);
 
   ev.nan = a > C::kInf;
   ev.overflow = !ev.nan & (mag > p.max_bits);  // includes infinite inputs
