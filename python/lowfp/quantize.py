@@ -146,6 +146,8 @@ def _check_tensor_args(x: torch.Tensor, out, stats):
     if out is not None:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor for tensor input, got {type(out).__name__}")
+        if out.dtype not in DTYPE_CODES:
+            raise TypeError(f"out must have dtype {_ALLOWED}, got {out.dtype}")
         if out.shape != x.shape:
             raise ValueError(f"out has shape {tuple(out.shape)} but x has shape {tuple(x.shape)}")
         if out.device != x.device:
@@ -216,6 +218,12 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
         grad_fmt, grad_rounding: the gradient passes straight through, or is rounded to
             ``grad_fmt`` with ``grad_rounding`` when given.
     """
+    if isinstance(x, np.floating):  # numpy scalar in, numpy scalar out (as numpy ufuncs do)
+        if out is not None:
+            raise TypeError("out= is not supported for numpy scalar x")
+        return quantize(np.asarray(x), fmt, rounding, overflow=overflow, subnormals=subnormals,
+                        seed=seed, generator=generator, offset=offset, sr_bits=sr_bits,
+                        stats=stats, out_dtype=out_dtype)[()]
     if isinstance(x, np.ndarray):
         if grad_fmt is not None:
             raise ValueError("grad_fmt applies to torch tensors only (numpy arrays have no gradients)")

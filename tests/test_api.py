@@ -1,0 +1,255 @@
+"""The quantize API: layouts, dtypes, out=/in-place, numpy, autograd, errors (DESIGN §3, §7)."""
+
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import lowfp
+
+F = "fp(4,3,4)"
+
+
+def ref(x):
+    """Element-wise reference via the contiguous float64 path (checked elsewhere)."""
+    return lowfp.quantize(x.contiguous().double(), F).to(x.dtype)
+
+
+# -- shapes and layouts -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(()),                               # 0-d
+    lambda: torch.randn(0),                                # empty
+    lambda: torch.randn(3, 0, 5),
+    lambda: torch.randn(7, 9).t(),                         # transposed
+    lambda: torch.randn(100)[::3],                         # strided
+    lambda: torch.randn(2, 3, 5, 7).to(memory_format=torch.channels_last),
+    lambda: torch.randn(4, 1).expand(4, 6),                # broadcast view (stride 0)
+])
+def test_layouts(make):
+    x = make() * 20
+    before = x.clone()
+    y = lowfp.quantize(x, F)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert torch.equal(y, ref(x))
+    assert torch.equal(x, before)  # input untouched
+
+
+def test_out_and_inplace():
+    x = torch.randn(64, 33) * 30
+    want = ref(x)
+    out = torch.empty_like(x)
+    assert lowfp.quantize(x, F, out=out) is out and torch.equal(out, want)
+    out_t = torch.empty(33, 64).t()  # non-contiguous out
+    lowfp.quantize(x, F, out=out_t)
+    assert torch.equal(out_t, want)
+    view = x.clone()[:, ::2]
+    base = view._base
+    y = lowfp.quantize_(view, F)
+    assert y is view and torch.equal(view, ref(x[:, ::2]))
+    assert torch.equal(base[:, 1::2], x[:, 1::2])  # the other columns untouched
+    z = x.clone()
+    lowfp.quantize(z, F, out=z)  # out aliasing the input
+    assert torch.equal(z, want)
+
+
+def test_dtypes_and_out_dtype():
+    x = torch.randn(1000) * 8
+    for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        xd = x.to(dt)
+        y = lowfp.quantize(xd, "float8_e4m3fn")
+        assert y.dtype == dt
+        assert torch.equal(y.double(), lowfp.quantize(xd.double(), "float8_e4m3fn"))
+    y = lowfp.quantize(x.half(), "bfloat16", out_dtype=torch.float32)
+    assert y.dtype == torch.float32 and torch.equal(y, x.half().float().bfloat16().float())
+    # fp(8,7,0) does not fit float32 but fits float64: the float32 input is rounded in float64
+    big = torch.tensor([3e38, 1e39 / 1e1, 1.0])
+    y = lowfp.quantize(big, "fp(8,7,0)", out_dtype=torch.float64)
+    assert y.dtype == torch.float64 and y[2] == 1.0
+    # float64 input to a float32 result is rounded once, in float64
+    v = torch.tensor([464 + 2.0**-20], dtype=torch.float64)
+    assert lowfp.quantize(v, "float8_e4m3fn", overflow="nan", out_dtype=torch.float32).isnan().all()
+
+
+def test_numpy_arrays():
+    rng = np.random.default_rng(0)
+    for dt in (np.float16, np.float32, np.float64):
+        a = (rng.standard_normal((5, 6)) * 10).astype(dt)
+        before = a.copy()
+        y = lowfp.quantize(a, F)
+        assert isinstance(y, np.ndarray) and y.dtype == dt and y.shape == a.shape
+        np.testing.assert_array_equal(y, lowfp.quantize(torch.from_numpy(a), F).numpy())
+        np.testing.assert_array_equal(a, before)
+    a = rng.standard_normal(50).astype(np.float32) * 10
+    np.testing.assert_array_equal(lowfp.quantize(a[::-2], F), lowfp.quantize(a[::-2].copy(), F))
+    ro = a.copy()
+    ro.flags.writeable = False
+    np.testing.assert_array_equal(lowfp.quantize(ro, F), lowfp.quantize(a, F))
+    out = np.empty(50, dtype=np.float32)
+    assert lowfp.quantize(a, F, out=out) is out
+    back = np.empty(100, dtype=np.float32)[::-2]  # negative-stride out
+    lowfp.quantize(a, F, out=back)
+    np.testing.assert_array_equal(back, lowfp.quantize(a, F))
+    b = a.copy()
+    lowfp.quantize_(b, F)
+    np.testing.assert_array_equal(b, lowfp.quantize(a, F))
+    assert lowfp.quantize(np.array(3.3, dtype=np.float32), F).shape == ()
+    scalar = lowfp.quantize(np.float32(3.3), F)
+    assert isinstance(scalar, np.float32) and scalar == np.float32(3.25)
+    wide = np.empty(50)  # a float64 out sets the result dtype: rounded in float64
+    lowfp.quantize(a, F, out=wide)
+    np.testing.assert_array_equal(wide, lowfp.quantize(a.astype(np.float64), F))
+    np.testing.assert_array_equal(lowfp.quantize(a, F, out_dtype=np.float64),
+                                  lowfp.quantize(a.astype(np.float64), F))
+
+
+def test_stats_accumulate():
+    s = lowfp.Stats()
+    x = torch.tensor([1.0, 1e5, -1e5, 1e-9, 0.0, float("nan"), float("inf")])
+    lowfp.quantize(x, F, stats=s)
+    lowfp.quantize(x, F, stats=s)
+    assert s.as_dict() == {"overflow": 6, "underflow": 2, "nan": 2, "numel": 14}
+    assert s.ratio("overflow") == 6 / 14
+    assert "overflow=6" in repr(s)
+    s.reset()
+    assert s.numel == 0 and s.ratio("nan") == 0.0
+
+
+# -- autograd -----------------------------------------------------------------------------------
+
+def test_straight_through_gradient():
+    x = (torch.randn(50) * 10).requires_grad_()
+    y = lowfp.quantize(x, F)
+    assert torch.equal(y.detach(), ref(x.detach()))
+    g = torch.randn(50)
+    y.backward(g)
+    assert torch.equal(x.grad, g)
+
+
+def test_gradient_rounded_to_grad_fmt():
+    x = (torch.randn(50) * 10).requires_grad_()
+    g = torch.randn(50) * 1000
+    lowfp.quantize(x, F, grad_fmt="fp(5,2,0)").backward(g)
+    assert torch.equal(x.grad, lowfp.quantize(g, "fp(5,2,0)"))
+    x.grad = None
+    lowfp.quantize(x, F, grad_fmt="fp(5,2,0)", grad_rounding="toward_zero").backward(g)
+    assert torch.equal(x.grad, lowfp.quantize(g, "fp(5,2,0)", "toward_zero"))
+
+
+def test_gradient_with_dtype_change():
+    x = torch.randn(10, dtype=torch.float16, requires_grad=True)
+    y = lowfp.quantize(x, "bfloat16", out_dtype=torch.float32)
+    y.sum().backward()
+    assert x.grad.dtype == torch.float16 and torch.equal(x.grad, torch.ones(10, dtype=torch.float16))
+
+
+# -- large tensors --------------------------------------------------------------------------------
+
+def test_more_than_2_to_the_31_elements():
+    n = 2**31 + 9
+    x = torch.full((n,), 0.3, dtype=torch.float16)
+    x[-3:] = torch.tensor([100.0, -7.7, 1e-4])
+    s = lowfp.Stats()
+    lowfp.quantize_(x, "float8_e4m3fn", stats=s)
+    assert s.numel == n and s.overflow == 0 and s.underflow == 1
+    want = torch.tensor([0.3, 100.0, -7.7, 1e-4], dtype=torch.float16)
+    want = lowfp.quantize(want.float(), "float8_e4m3fn").half()
+    assert torch.equal(x[[0, n - 3, n - 2, n - 1]], want)
+    assert torch.equal(x[2**31 - 2: 2**31 + 2], want[:1].expand(4))
+    del x
+
+
+# -- every CPU kernel variant gives the same bits -------------------------------------------------
+
+def test_cpu_kernel_variants_agree(tmp_path):
+    script = """
+import sys, torch, lowfp
+torch.manual_seed(0)
+bits = torch.randint(-2**31, 2**31 - 1, (300_000,), dtype=torch.int32)
+x32 = bits.view(torch.float32)
+x64 = (torch.randn(300_000, dtype=torch.float64) * 2.0 ** torch.randint(-30, 30, (300_000,)))
+xh = torch.randint(-2**15, 2**15 - 1, (300_000,), dtype=torch.int16).view(torch.float16)
+outs = []
+for mode in lowfp.ROUNDING_MODES:
+    for fmt in ["float8_e4m3fn", "fp(4,3,4)", "fp(8,0,1)", "float8_e5m2fnuz"]:
+        s = lowfp.Stats()
+        outs += [lowfp.quantize(x32, fmt, mode, seed=3, stats=s).view(torch.int32),
+                 lowfp.quantize(x64, fmt, mode, seed=3, stats=s).view(torch.int64),
+                 lowfp.quantize(xh, fmt, mode, seed=3, stats=s, out_dtype=torch.float32).view(torch.int32),
+                 s.counts]
+torch.save([lowfp._C.cpu_kernel()] + outs, sys.argv[1])
+"""
+    results = {}
+    for kernel in ("baseline", "avx2", "avx512"):
+        path = tmp_path / f"{kernel}.pt"
+        env = dict(os.environ, LOWFP_CPU_KERNEL=kernel)
+        subprocess.run([sys.executable, "-c", script, str(path)], env=env, check=True)
+        results[kernel] = torch.load(path)
+    ran = {r[0] for r in results.values()}
+    assert "baseline" in ran
+    ref_outs = results["baseline"][1:]
+    for kernel, r in results.items():
+        for a, b in zip(r[1:], ref_outs):
+            assert torch.equal(a, b), kernel
+
+
+# -- errors (DESIGN §7) ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: lowfp.quantize([1.0], F), TypeError, "x must be a torch.Tensor"),
+    (lambda: lowfp.quantize(torch.arange(3), F), TypeError, "x must have dtype"),
+    (lambda: lowfp.quantize(torch.ones(2, dtype=torch.complex64), F), TypeError, "x must have dtype"),
+    (lambda: lowfp.quantize(torch.ones(2, dtype=torch.bool), F), TypeError, "x must have dtype"),
+    (lambda: lowfp.quantize(np.arange(3), F), TypeError, "x must have dtype"),
+    (lambda: lowfp.quantize(torch.ones(2), 3), TypeError, "fmt must be"),
+    (lambda: lowfp.quantize(torch.ones(2), "fp(4,3"), ValueError, "cannot parse"),
+    (lambda: lowfp.quantize(torch.ones(2), "float7"), ValueError, "cannot parse"),
+    (lambda: lowfp.quantize(torch.ones(2), F, "round"), ValueError, "rounding must be one of"),
+    (lambda: lowfp.quantize(torch.ones(2), F, overflow="wrap"), ValueError, "overflow must be"),
+    (lambda: lowfp.quantize(torch.ones(2), F, subnormals=1), TypeError, "subnormals"),
+    (lambda: lowfp.quantize(torch.ones(2), F, "stochastic", sr_bits=0), ValueError, "sr_bits"),
+    (lambda: lowfp.quantize(torch.ones(2), F, "stochastic", sr_bits=33), ValueError, "sr_bits"),
+    (lambda: lowfp.quantize(torch.ones(2), F, "stochastic", seed=-1), ValueError, "seed"),
+    (lambda: lowfp.quantize(torch.ones(2), F, "stochastic", seed=2**64), ValueError, "seed"),
+    (lambda: lowfp.quantize(torch.ones(2), F, "stochastic", seed=1.5), TypeError, "seed"),
+    (lambda: lowfp.quantize(torch.ones(2), F, "stochastic", generator=3), TypeError, "generator"),
+    (lambda: lowfp.quantize(torch.ones(2), F, offset=-1), ValueError, "offset"),
+    (lambda: lowfp.quantize(torch.ones(2), F, out=torch.empty(3)), ValueError, "out has shape"),
+    (lambda: lowfp.quantize(torch.ones(2), F, out=np.empty(2)), TypeError, "out must be a torch.Tensor"),
+    (lambda: lowfp.quantize(torch.ones(2), F, out=torch.empty(2, dtype=torch.int32)), TypeError,
+     "out must have dtype"),
+    (lambda: lowfp.quantize(torch.ones(2), F, out=torch.empty(2), out_dtype=torch.float64),
+     ValueError, "out_dtype"),
+    (lambda: lowfp.quantize(torch.ones(2), F, out_dtype=torch.int8), TypeError, "out_dtype"),
+    (lambda: lowfp.quantize(torch.ones(2), F, out=torch.empty(2, device="meta")), ValueError,
+     "out is on meta"),
+    (lambda: lowfp.quantize(torch.ones(2, device="meta"), F), ValueError, "device meta"),
+    (lambda: lowfp.quantize(torch.ones(2), F, stats=lowfp.Stats("meta")), ValueError, "stats lives on"),
+    (lambda: lowfp.quantize(torch.ones(2), F, stats={}), TypeError, "stats must be"),
+    (lambda: lowfp.quantize(torch.ones(2, dtype=torch.float16), "bfloat16"), ValueError,
+     "out_dtype=torch.float32"),
+    (lambda: lowfp.quantize(torch.ones(2), "fp(8,7,0)"), ValueError, "emax=128; float32 allows at most 127"),
+    (lambda: lowfp.quantize(torch.ones(2, requires_grad=True), F, out=torch.empty(2)), ValueError,
+     "automatic differentiation"),
+    (lambda: lowfp.quantize_(torch.ones(2, requires_grad=True), F), ValueError, "requires grad"),
+    (lambda: lowfp.quantize_(torch.ones(2), F, out=torch.empty(2)), TypeError, "does not take out"),
+    (lambda: lowfp.quantize(np.ones(2, dtype=np.float32), F, out=np.ones(2, dtype=np.int64)), TypeError,
+     "out must have dtype"),
+    (lambda: lowfp.quantize(torch.ones(2), F, grad_fmt="fp(4,3,4)", grad_rounding="x"), ValueError,
+     "grad_rounding"),
+])
+def test_bad_input_raises_named_error(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_cuda_tensor_without_cuda_build_is_a_clear_error():
+    from lowfp import backends
+    if backends.cuda_built():
+        pytest.skip("this build has the CUDA backend; the error path is for CPU-only builds")
+    with pytest.raises(ValueError, match="no CUDA backend"):
+        backends.for_device(torch.device("cuda", 0), "x")

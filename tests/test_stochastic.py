@@ -1,0 +1,125 @@
+"""Stochastic rounding and its random numbers (DESIGN §3)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import lowfp
+from reference import Spec, philox4x32_10, philox_word, stochastic_exact
+
+E4M3FN = Spec(4, 3, 0, "fn")
+
+
+# Known-answer vectors of Philox4x32-10 (Random123's kat_vectors).
+KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("ctr,key,want", KAT)
+def test_philox_known_answers(ctr, key, want):
+    assert tuple(philox4x32_10(ctr, key)) == want  # the test's own implementation
+    assert lowfp._C.philox4x32_10(*ctr, *key) == want  # the engine's
+
+
+@pytest.mark.parametrize("sr_bits", [32, 1, 2, 5, 13])
+@pytest.mark.parametrize("seed,offset", [(0, 0), (0x123456789ABCDEF0, 7), (2**64 - 1, 2**40)])
+def test_results_follow_the_specified_stream_exactly(seed, offset, sr_bits):
+    """Every element equals the spec: up iff (word >> (32-R)) < floor(f 2^R), word from (seed, offset, i)."""
+    rng = np.random.default_rng(seed % 1000 + sr_bits)
+    n = 1003
+    # normal and subnormal range of float8_e4m3fn, both signs, some exact grid values
+    x = rng.uniform(-300, 300, n) * 2.0 ** rng.integers(-14, 1, n)
+    x[::17] = np.round(x[::17])
+    x = x.astype(np.float32)
+    got = lowfp.quantize(x, lowfp.formats.float8_e4m3fn, "stochastic", seed=seed, offset=offset,
+                         sr_bits=sr_bits)
+    want = [stochastic_exact(float(v), E4M3FN, philox_word(seed, offset, i), sr_bits)
+            for i, v in enumerate(x)]
+    np.testing.assert_array_equal(got, np.array(want, dtype=np.float32))
+
+
+@pytest.mark.parametrize("x", [0.3, 1.0 + 2**-5, -5.1, 300.0, 2.0**-8, 3 * 2.0**-11, -2.0**-10 * 1.7])
+def test_only_neighbours_and_unbiased_mean(x):
+    """Results are the two neighbours; the mean of many draws is within 5 sigma of x."""
+    fmt = lowfp.formats.float8_e4m3fn
+    n = 200_000
+    xs = torch.full((n,), x, dtype=torch.float64)
+    got = lowfp.quantize(xs, fmt, "stochastic", seed=99)
+    lo = lowfp.quantize(xs[:1], fmt, "toward_zero").item()
+    hi = lowfp.quantize(xs[:1], fmt, "up" if x > 0 else "down").item()
+    assert set(got.unique().tolist()) <= {lo, hi}
+    p = (abs(x) - abs(lo)) / (abs(hi) - abs(lo)) if hi != lo else 0.0
+    sigma = abs(hi - lo) * math.sqrt(p * (1 - p) / n)
+    assert abs(got.mean().item() - x) <= 5 * sigma + 1e-12 * abs(x)
+
+
+def test_sr_bits_sets_the_resolution():
+    """With R bits, P(up) = floor(f 2^R) / 2^R: for f = 0.3, R=1 never rounds up, R=2 does 1/4."""
+    fmt = lowfp.fp(4, 3, 4)
+    x = torch.full((100_000,), 1.0 + 0.3 * 2**-3, dtype=torch.float64)  # f = 0.3 of a 2^-3 step
+    up = 1.0 + 2**-3
+    frac = {r: (lowfp.quantize(x, fmt, "stochastic", seed=5, sr_bits=r) == up).double().mean().item()
+            for r in (1, 2, 3, 32)}
+    assert frac[1] == 0.0
+    assert abs(frac[2] - 0.25) < 0.01
+    assert abs(frac[3] - 0.25) < 0.01  # floor(0.3 * 8) / 8 = 2/8
+    assert abs(frac[32] - 0.3) < 0.01
+
+
+def test_same_bits_for_any_thread_count_and_chunking():
+    x = torch.randn(300_001) * 10
+    fmt = "fp(5,2,0)"
+    ref = lowfp.quantize(x, fmt, "stochastic", seed=1234)
+    old = lowfp.get_num_threads()
+    try:
+        for t in (1, 2, 3):
+            lowfp.set_num_threads(t)
+            assert torch.equal(lowfp.quantize(x, fmt, "stochastic", seed=1234), ref)
+    finally:
+        lowfp.set_num_threads(old)
+    # chunks that start at multiples of 4 continue the stream with offset = start / 4
+    for cuts in ([0, 4, 1000, 77_776, 300_001], [0, 65_536 * 3, 300_001]):
+        parts = [lowfp.quantize(x[a:b], fmt, "stochastic", seed=1234, offset=a // 4)
+                 for a, b in zip(cuts[:-1], cuts[1:])]
+        assert torch.equal(torch.cat(parts), ref)
+    # and a non-contiguous view gives the same as its contiguous copy
+    assert torch.equal(lowfp.quantize(x[::3], fmt, "stochastic", seed=1234),
+                       lowfp.quantize(x[::3].contiguous(), fmt, "stochastic", seed=1234))
+
+
+def test_seeds_and_generators():
+    x = torch.randn(10_000)
+    f = lowfp.fp(4, 3, 4)
+    a = lowfp.quantize(x, f, "stochastic", seed=1)
+    assert not torch.equal(a, lowfp.quantize(x, f, "stochastic", seed=2))
+    torch.manual_seed(0)
+    b = lowfp.quantize(x, f, "stochastic")
+    c = lowfp.quantize(x, f, "stochastic")
+    assert not torch.equal(b, c)  # seed=None draws a fresh seed each call
+    torch.manual_seed(0)
+    assert torch.equal(b, lowfp.quantize(x, f, "stochastic"))
+    g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    assert torch.equal(lowfp.quantize(x, f, "stochastic", generator=g1),
+                       lowfp.quantize(x, f, "stochastic", generator=g2))
+    # deterministic modes do not consume the generator
+    state = torch.get_rng_state()
+    lowfp.quantize(x, f, "nearest")
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def test_stochastic_in_each_carrier_dtype_agrees():
+    """float16/bfloat16/float32/float64 inputs of the same values give the same draws."""
+    x32 = (torch.randn(5000) * 4).bfloat16().float()  # representable in every dtype
+    want = lowfp.quantize(x32, "fp(4,3,4)", "stochastic", seed=3)
+    for dt in (torch.bfloat16, torch.float64):
+        got = lowfp.quantize(x32.to(dt), "fp(4,3,4)", "stochastic", seed=3)
+        assert torch.equal(got.float(), want)
+    x16 = (torch.randn(5000)).half().float()
+    want = lowfp.quantize(x16, "fp(4,3,4)", "stochastic", seed=3)
+    assert torch.equal(lowfp.quantize(x16.half(), "fp(4,3,4)", "stochastic", seed=3).float(), want)
