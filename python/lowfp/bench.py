@@ -1,0 +1,150 @@
+"""Throughput of lowfp.quantize against baselines measured in the same run (DESIGN §8).
+
+Baselines: ``y.copy_(x)`` (the memory roofline), torch's round-trip casts
+``x.to(dtype).float()``, and, when installed, ml_dtypes ``astype`` round trips and QPyTorch's
+``float_quantize``. Prints a table with rates and ratios and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from . import _C, quantize
+from .stats import Stats
+
+FORMATS = ["float8_e4m3fn", "float8_e5m2", "fp(4,3,4)", "bfloat16"]
+TORCH_CASTS = {"bfloat16": torch.bfloat16, "float16": torch.float16,
+               "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+def _time(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds per call after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, lowfp CPU kernel {_C.cpu_kernel()}, torch {torch.__version__}"
+
+
+def _optional_baselines(x: torch.Tensor) -> Dict[str, Callable[[], object]]:
+    out: Dict[str, Callable[[], object]] = {}
+    try:
+        import ml_dtypes
+        xn = x.numpy()
+        for name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+            t = getattr(ml_dtypes, name)
+            out[f"ml_dtypes {name} astype round trip"] = (lambda t=t: xn.astype(t).astype(np.float32))
+    except ImportError:
+        pass
+    try:
+        from qtorch.quant import float_quantize
+        out["QPyTorch float_quantize e4m3 nearest"] = lambda: float_quantize(x, 4, 3, rounding="nearest")
+        out["QPyTorch float_quantize e4m3 stochastic"] = lambda: float_quantize(x, 4, 3, rounding="stochastic")
+    except Exception:  # not installed, or its extension failed to build
+        pass
+    return out
+
+
+def run_cpu(size: int, repeats: int) -> List[dict]:
+    torch.manual_seed(0)
+    x = torch.randn(size) * 4
+    y = torch.empty_like(x)
+    rows: List[dict] = []
+
+    def add(kind: str, label: str, fn: Callable[[], object]):
+        rows.append({"kind": kind, "label": label, "seconds": _time(fn, repeats)})
+
+    add("baseline", "y.copy_(x)", lambda: y.copy_(x))
+    for name, dt in TORCH_CASTS.items():
+        add("baseline", f"torch x.to({name}).float()", lambda dt=dt: x.to(dt).float())
+    for label, fn in _optional_baselines(x).items():
+        add("baseline", label, fn)
+    stats = Stats()
+    for fmt in FORMATS:
+        for mode in ("nearest", "stochastic"):
+            add("lowfp", f"{fmt} {mode} allocating", lambda f=fmt, m=mode: quantize(x, f, m, seed=1))
+            add("lowfp", f"{fmt} {mode} out=", lambda f=fmt, m=mode: quantize(x, f, m, seed=1, out=y))
+            add("lowfp", f"{fmt} {mode} out= stats",
+                lambda f=fmt, m=mode: quantize(x, f, m, seed=1, out=y, stats=stats))
+    for r in rows:
+        r["elements_per_s"] = size / r["seconds"]
+    return rows
+
+
+def summarize(rows: List[dict]) -> Dict[str, Optional[float]]:
+    """The issue's target ratios, from the rows of one run."""
+    rate = {r["label"]: r["elements_per_s"] for r in rows}
+    copy = rate["y.copy_(x)"]
+    bf16 = rate["torch x.to(bfloat16).float()"]
+    near_out = [rate[f"{f} nearest out="] for f in FORMATS]
+    near_alloc = [rate[f"{f} nearest allocating"] for f in FORMATS]
+    sto_out = [rate[f"{f} stochastic out="] for f in FORMATS]
+    with_stats = [rate[f"{f} {m} out= stats"] / rate[f"{f} {m} out="] for f in FORMATS
+                  for m in ("nearest", "stochastic")]
+    return {
+        "nearest out= / copy (min over formats; target >= 0.5)": min(near_out) / copy,
+        "nearest allocating / torch bf16 round trip (min; target >= 1)": min(near_alloc) / bf16,
+        "stochastic / nearest, out= (min; target >= 0.5)": min(s / n for s, n in zip(sto_out, near_out)),
+        "stats cost: 1 - with/without (max; target <= 0.10)": 1 - min(with_stats),
+    }
+
+
+def format_table(rows: List[dict]) -> str:
+    copy = next(r for r in rows if r["label"] == "y.copy_(x)")["elements_per_s"]
+    bf16 = next(r for r in rows if r["label"] == "torch x.to(bfloat16).float()")["elements_per_s"]
+    lines = [f"{'what':58s} {'elements/s':>11s} {'vs copy':>8s} {'vs bf16 rt':>10s}"]
+    for r in rows:
+        e = r["elements_per_s"]
+        lines.append(f"{r['kind'] + ': ' + r['label']:58s} {e:11.3e} {e / copy:8.2f} {e / bf16:10.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None, default_size: int = 1 << 24) -> int:
+    p = argparse.ArgumentParser(prog="lowfp bench", description=__doc__.splitlines()[0])
+    p.add_argument("--size", type=int, default=default_size, help="float32 elements (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=7, help="timed calls per case (median reported)")
+    p.add_argument("--threads", type=int, default=0, help="lowfp CPU threads (0: all cores)")
+    p.add_argument("--json", default=None, help="write results here (default: print only)")
+    args = p.parse_args(argv)
+    if args.size <= 0 or args.repeats <= 0:
+        p.error("--size and --repeats must be positive")
+    _C.set_num_threads(args.threads)
+    machine = machine_description()
+    print(f"lowfp quantize benchmark: {args.size} float32 elements, median of {args.repeats}")
+    print(f"machine: {machine}")
+    rows = run_cpu(args.size, args.repeats)
+    print(format_table(rows))
+    summary = summarize(rows)
+    print("\ntargets (ratios from this run):")
+    for k, v in summary.items():
+        print(f"  {k}: {v:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine, "size": args.size, "repeats": args.repeats,
+                       "rows": rows, "summary": summary}, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,65 @@
+"""The ``lowfp`` command line: ``lowfp formats [FMT ...]``, ``lowfp bench [...]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from .formats import SEED_FORMATS, Format, named
+
+
+def _fmt_num(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.6g}"
+
+
+def formats_table(items) -> str:
+    head = ("format", "e", "m", "b", "bias", "specials", "subnormals", "overflow", "max",
+            "min normal", "min subnormal", "eps", "range")
+    rows = [head]
+    for label, f in items:
+        rows.append((label, str(f.e), str(f.m), str(f.b), str(f.bias), f.specials,
+                     "yes" if f.subnormals else "no", f.overflow, _fmt_num(f.max),
+                     _fmt_num(f.min_normal), _fmt_num(f.min_subnormal), _fmt_num(f.eps),
+                     f"{f.range_binades:.1f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    out = []
+    for n, r in enumerate(rows):
+        out.append("  ".join(c.ljust(w) if i in (0, 5, 6, 7) else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(r, widths))))
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out) + "\n(range: log2(max / smallest positive value), in binades)"
+
+
+def cmd_formats(args) -> int:
+    if args.format:
+        items = []
+        for text in args.format:
+            try:
+                items.append((text, Format.parse(text)))
+            except (ValueError, TypeError) as err:
+                print(f"lowfp formats: {err}", file=sys.stderr)
+                return 2
+    else:
+        items = list(named().items()) + list(SEED_FORMATS.items())
+    print(formats_table(items))
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="lowfp", description="Emulated low-precision floating point.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_formats = sub.add_parser("formats", help="print the named formats, or the ones given")
+    p_formats.add_argument("format", nargs="*", help="e.g. 'fp(4,3,4)' or float8_e4m3fn")
+    sub.add_parser("bench", help="benchmark quantize (lowfp bench --help)", add_help=False)
+    if argv and argv[0] == "bench":  # the benchmark parses its own options
+        from . import bench
+        return bench.main(argv[1:], default_size=1 << 22)
+    args = parser.parse_args(argv)
+    return cmd_formats(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
