@@ -1,0 +1,42 @@
+"""The lowfp command line (run as `python -m lowfp` so the test needs no PATH entry)."""
+
+import json
+import subprocess
+import sys
+
+import lowfp
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "lowfp", *args], capture_output=True, text=True)
+
+
+def test_formats_table_lists_named_and_seed_formats():
+    r = run("formats")
+    assert r.returncode == 0
+    lines = r.stdout.splitlines()
+    for name in list(lowfp.formats.named()) + ["fp(4,3,4)", "fp(5,2,0)", "fp(6,9,0)"]:
+        assert any(line.startswith(name + " ") for line in lines), name
+    row = next(line for line in lines if line.startswith("fp(4,3,4) "))
+    assert row.split()[8] == "30"  # max
+    row = next(line for line in lines if line.startswith("fp(5,2,0) "))
+    assert row.split()[8] == "114688"
+
+
+def test_formats_one_and_bad():
+    r = run("formats", "fp(4,3,4)", "float8_e5m2")
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 5
+    r = run("formats", "fp(4,x)")
+    assert r.returncode == 2 and "cannot parse" in r.stderr
+
+
+def test_bench_writes_json(tmp_path):
+    out = tmp_path / "b.json"
+    r = run("bench", "--size", "4096", "--repeats", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    labels = {row["label"] for row in data["rows"]}
+    assert "y.copy_(x)" in labels and "float8_e4m3fn stochastic out=" in labels
+    assert all(row["elements_per_s"] > 0 for row in data["rows"])
+    assert len(data["summary"]) == 4
+    assert run("bench", "--size", "0").returncode == 2
