@@ -1,9 +1,25 @@
-// Validates one quantize request and turns it into a QuantizeCall (shared by the CPU and CUDA
-// bindings). Throws std::invalid_argument, which pybind11 raises as ValueError.
+// One quantize request, validated and turned into what the CPU and CUDA drivers take (shared by
+// both bindings). make_quantize_call throws std::invalid_argument (pybind11: ValueError).
 #pragma once
-#include "quantize_cpu.hpp"
+#include <cstdint>
+
+#include "lowfp/format.hpp"
 
 namespace lowfp {
+
+struct QuantizeCall {
+  const void* x;
+  DType x_dtype;
+  void* y;
+  DType y_dtype;
+  int64_t n;
+  bool wide;                     // carrier is float64 (else float32)
+  RoundParams<uint32_t> p32;
+  RoundParams<uint64_t> p64;
+  Rounding mode;
+  uint64_t seed, offset;
+  bool count;                    // accumulate overflow/underflow/nan/numel counts
+};
 
 struct QuantizeRequest {
   FormatSpec spec;

@@ -3,23 +3,9 @@
 #pragma once
 #include <cstdint>
 
-#include "lowfp/format.hpp"
+#include "quantize_call.hpp"
 
 namespace lowfp {
-
-struct QuantizeCall {
-  const void* x;
-  DType x_dtype;
-  void* y;
-  DType y_dtype;
-  int64_t n;
-  bool wide;                     // carrier is float64 (else float32)
-  RoundParams<uint32_t> p32;
-  RoundParams<uint64_t> p64;
-  Rounding mode;
-  uint64_t seed, offset;
-  bool count;
-};
 
 struct EventCounts {
   int64_t overflow = 0, underflow = 0, nan = 0;

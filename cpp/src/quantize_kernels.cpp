@@ -1,12 +1,9 @@
 // The quantize loop, compiled once per instruction-set level (LOWFP_ISA_NS names the copy).
 // Each loop body is the shared element math of cpp/include/lowfp/, inlined into a plain loop the
-// compiler vectorises; the storage type, carrier, rounding kind and counting are template
-// parameters so no branch on them remains inside the loop.
-#include <type_traits>
-
-#include "lowfp/half.hpp"
+// compiler vectorises; the storage types, carrier, rounding kind and counting are template
+// parameters (dispatch.hpp) so no branch on them remains inside the loop.
+#include "dispatch.hpp"
 #include "lowfp/philox.hpp"
-#include "lowfp/round.hpp"
 #include "quantize_cpu.hpp"
 
 #ifndef LOWFP_ISA_NS
@@ -17,47 +14,11 @@ namespace lowfp {
 namespace LOWFP_ISA_NS {
 namespace {
 
-struct Half { uint16_t v; };
-struct BFloat { uint16_t v; };
-
-template <class Bits> struct Widen;
-template <> struct Widen<uint32_t> {
-  static uint32_t from(Half h) { return half_to_float_bits(h.v); }
-  static uint32_t from(BFloat h) { return bfloat16_to_float_bits(h.v); }
-  static uint32_t from(float f) { return bit_cast<uint32_t>(f); }
-};
-template <> struct Widen<uint64_t> {
-  static uint64_t f32(uint32_t b) { return bit_cast<uint64_t>(double(bit_cast<float>(b))); }
-  static uint64_t from(Half h) { return f32(half_to_float_bits(h.v)); }
-  static uint64_t from(BFloat h) { return f32(bfloat16_to_float_bits(h.v)); }
-  static uint64_t from(float f) { return bit_cast<uint64_t>(double(f)); }
-  static uint64_t from(double f) { return bit_cast<uint64_t>(f); }
-};
-
-// Narrowing stores only see values on the format's grid, which fits the storage type.
-template <class Out> struct Store;
-template <> struct Store<Half> {
-  static Half from(uint32_t b) { return Half{float_bits_to_half(b)}; }
-  static Half from(uint64_t b) { return from(bit_cast<uint32_t>(float(bit_cast<double>(b)))); }
-};
-template <> struct Store<BFloat> {
-  static BFloat from(uint32_t b) { return BFloat{float_bits_to_bfloat16(b)}; }
-  static BFloat from(uint64_t b) { return from(bit_cast<uint32_t>(float(bit_cast<double>(b)))); }
-};
-template <> struct Store<float> {
-  static float from(uint32_t b) { return bit_cast<float>(b); }
-  static float from(uint64_t b) { return float(bit_cast<double>(b)); }
-};
-template <> struct Store<double> {
-  static double from(uint64_t b) { return bit_cast<double>(b); }
-};
-
 template <class In, class Out, class Bits, RoundKind Kind, bool kCount>
 void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts) {
   const In* x = static_cast<const In*>(c.x);
   Out* y = static_cast<Out*>(c.y);
-  RoundParams<Bits> p;
-  if constexpr (std::is_same_v<Bits, uint32_t>) p = c.p32; else p = c.p64;
+  const RoundParams<Bits> p = round_params<Bits>(c);
   alignas(64) uint32_t rand[kTile];
   int64_t overflow = 0, underflow = 0, nan = 0;
   for (int64_t t0 = begin; t0 < end; t0 += kTile) {
@@ -99,49 +60,13 @@ void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts)
   counts.nan += nan;
 }
 
-template <class In, class Out, class Bits>
-void run_mode(const QuantizeCall& c, int64_t b, int64_t e, EventCounts& k) {
-  switch (round_kind(c.mode)) {
-    case RoundKind::Nearest:
-      return c.count ? run<In, Out, Bits, RoundKind::Nearest, true>(c, b, e, k)
-                     : run<In, Out, Bits, RoundKind::Nearest, false>(c, b, e, k);
-    case RoundKind::Directed:
-      return c.count ? run<In, Out, Bits, RoundKind::Directed, true>(c, b, e, k)
-                     : run<In, Out, Bits, RoundKind::Directed, false>(c, b, e, k);
-    default:
-      return c.count ? run<In, Out, Bits, RoundKind::Stochastic, true>(c, b, e, k)
-                     : run<In, Out, Bits, RoundKind::Stochastic, false>(c, b, e, k);
-  }
-}
-
-// The carrier is float64 exactly when one side is float64 (QuantizeCall::wide).
-template <class In>
-void run_in(const QuantizeCall& c, int64_t b, int64_t e, EventCounts& k) {
-  if (c.wide) {
-    switch (c.y_dtype) {
-      case DType::Float16: return run_mode<In, Half, uint64_t>(c, b, e, k);
-      case DType::BFloat16: return run_mode<In, BFloat, uint64_t>(c, b, e, k);
-      case DType::Float32: return run_mode<In, float, uint64_t>(c, b, e, k);
-      case DType::Float64: return run_mode<In, double, uint64_t>(c, b, e, k);
-    }
-  } else if constexpr (!std::is_same_v<In, double>) {
-    switch (c.y_dtype) {
-      case DType::Float16: return run_mode<In, Half, uint32_t>(c, b, e, k);
-      case DType::BFloat16: return run_mode<In, BFloat, uint32_t>(c, b, e, k);
-      default: return run_mode<In, float, uint32_t>(c, b, e, k);
-    }
-  }
-}
-
 }  // namespace
 
 void quantize_range(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts) {
-  switch (c.x_dtype) {
-    case DType::Float16: return run_in<Half>(c, begin, end, counts);
-    case DType::BFloat16: return run_in<BFloat>(c, begin, end, counts);
-    case DType::Float32: return run_in<float>(c, begin, end, counts);
-    case DType::Float64: return run_in<double>(c, begin, end, counts);
-  }
+  dispatch_quantize(c, [&](auto in, auto out, auto bits, auto kind, auto count) {
+    run<typename decltype(in)::type, typename decltype(out)::type, typename decltype(bits)::type,
+        decltype(kind)::value, decltype(count)::value>(c, begin, end, counts);
+  });
 }
 
 }  // namespace LOWFP_ISA_NS

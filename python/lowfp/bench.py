@@ -95,6 +95,63 @@ def run_cpu(size: int, repeats: int) -> List[dict]:
     return rows
 
 
+def _time_cuda(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds per call, timed with CUDA events on the current stream."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def run_gpu(size: int, repeats: int) -> List[dict]:
+    torch.manual_seed(0)
+    x = torch.randn(size, device="cuda") * 4
+    y = torch.empty_like(x)
+    rows: List[dict] = []
+
+    def add(kind: str, label: str, fn: Callable[[], object]):
+        rows.append({"kind": kind, "label": label, "seconds": _time_cuda(fn, repeats)})
+
+    add("baseline", "y.copy_(x)", lambda: y.copy_(x))
+    for name, dt in TORCH_CASTS.items():
+        add("baseline", f"torch x.to({name}).float()", lambda dt=dt: x.to(dt).float())
+    try:
+        from qtorch.quant import float_quantize
+        add("baseline", "QPyTorch float_quantize e4m3 nearest", lambda: float_quantize(x, 4, 3, rounding="nearest"))
+        add("baseline", "QPyTorch float_quantize e4m3 stochastic",
+            lambda: float_quantize(x, 4, 3, rounding="stochastic"))
+    except Exception:
+        pass
+    stats = Stats("cuda")
+    for fmt in FORMATS:
+        for mode in ("nearest", "stochastic"):
+            add("lowfp", f"{fmt} {mode} out=", lambda f=fmt, m=mode: quantize(x, f, m, seed=1, out=y))
+            add("lowfp", f"{fmt} {mode} out= stats",
+                lambda f=fmt, m=mode: quantize(x, f, m, seed=1, out=y, stats=stats))
+    for r in rows:
+        r["elements_per_s"] = size / r["seconds"]
+        r["GB_per_s"] = 8 * size / r["seconds"] / 1e9  # float32 read + write
+    return rows
+
+
+def summarize_gpu(rows: List[dict]) -> Dict[str, float]:
+    rate = {r["label"]: r["elements_per_s"] for r in rows}
+    copy = rate["y.copy_(x)"]
+    return {
+        "nearest out= / copy bandwidth (min over formats; target >= 0.85)":
+            min(rate[f"{f} nearest out="] for f in FORMATS) / copy,
+        "stochastic out= / copy bandwidth (min; target >= 0.75)":
+            min(rate[f"{f} stochastic out="] for f in FORMATS) / copy,
+    }
+
+
 def summarize(rows: List[dict]) -> Dict[str, Optional[float]]:
     """The issue's target ratios, from the rows of one run."""
     rate = {r["label"]: r["elements_per_s"] for r in rows}
@@ -125,26 +182,48 @@ def format_table(rows: List[dict]) -> str:
 
 def main(argv: Optional[List[str]] = None, default_size: int = 1 << 24) -> int:
     p = argparse.ArgumentParser(prog="lowfp bench", description=__doc__.splitlines()[0])
-    p.add_argument("--size", type=int, default=default_size, help="float32 elements (default %(default)s)")
+    p.add_argument("--size", type=int, default=default_size, help="float32 elements on the CPU (default %(default)s)")
+    p.add_argument("--gpu-size", type=int, default=1 << 28, help="float32 elements on the GPU (default %(default)s)")
+    p.add_argument("--device", choices=("cpu", "cuda", "all"), default="all",
+                   help="where to run (default: the CPU, and the GPU when one is usable)")
     p.add_argument("--repeats", type=int, default=7, help="timed calls per case (median reported)")
     p.add_argument("--threads", type=int, default=0, help="lowfp CPU threads (0: all cores)")
     p.add_argument("--json", default=None, help="write results here (default: print only)")
     args = p.parse_args(argv)
-    if args.size <= 0 or args.repeats <= 0:
-        p.error("--size and --repeats must be positive")
+    if args.size <= 0 or args.gpu_size <= 0 or args.repeats <= 0:
+        p.error("--size, --gpu-size and --repeats must be positive")
+    from .backends import cuda_built
+    gpu_ok = torch.cuda.is_available() and cuda_built()
+    if args.device == "cuda" and not gpu_ok:
+        p.error("--device cuda needs a CUDA GPU and lowfp built with nvcc")
     _C.set_num_threads(args.threads)
-    machine = machine_description()
-    print(f"lowfp quantize benchmark: {args.size} float32 elements, median of {args.repeats}")
-    print(f"machine: {machine}")
-    rows = run_cpu(args.size, args.repeats)
-    print(format_table(rows))
-    summary = summarize(rows)
-    print("\ntargets (ratios from this run):")
-    for k, v in summary.items():
-        print(f"  {k}: {v:.2f}")
+    result: Dict[str, object] = {"machine": machine_description(), "repeats": args.repeats}
+    print(f"machine: {result['machine']}")
+    if args.device in ("cpu", "all"):
+        print(f"\nCPU: {args.size} float32 elements, median of {args.repeats}")
+        rows = run_cpu(args.size, args.repeats)
+        print(format_table(rows))
+        summary = summarize(rows)
+        print("\nCPU targets (ratios from this run):")
+        for k, v in summary.items():
+            print(f"  {k}: {v:.2f}")
+        result["cpu"] = {"size": args.size, "rows": rows, "summary": summary}
+    if args.device in ("cuda", "all") and gpu_ok:
+        name = torch.cuda.get_device_name()
+        print(f"\nGPU {name}: {args.gpu_size} float32 elements, CUDA events, median of {args.repeats}")
+        rows = run_gpu(args.gpu_size, args.repeats)
+        copy = rows[0]["elements_per_s"]
+        print(f"{'what':58s} {'elements/s':>11s} {'GB/s':>8s} {'vs copy':>8s}")
+        for r in rows:
+            print(f"{r['kind'] + ': ' + r['label']:58s} {r['elements_per_s']:11.3e} {r['GB_per_s']:8.1f} "
+                  f"{r['elements_per_s'] / copy:8.2f}")
+        summary = summarize_gpu(rows)
+        print("\nGPU targets (ratios from this run):")
+        for k, v in summary.items():
+            print(f"  {k}: {v:.2f}")
+        result["gpu"] = {"name": name, "size": args.gpu_size, "rows": rows, "summary": summary}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine, "size": args.size, "repeats": args.repeats,
-                       "rows": rows, "summary": summary}, f, indent=2)
+            json.dump(result, f, indent=2)
         print(f"wrote {args.json}")
     return 0

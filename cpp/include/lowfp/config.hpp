@@ -19,7 +19,7 @@ namespace lowfp {
 template <class To, class From>
 LOWFP_HD To bit_cast(const From& from) {
   static_assert(sizeof(To) == sizeof(From), "bit_cast needs equal sizes");
-#if defined(__CUDA_ARCH__) || !defined(__GNUC__)
+#if defined(__CUDACC__) || !defined(__GNUC__)
   To to;
   memcpy(&to, &from, sizeof(To));
   return to;

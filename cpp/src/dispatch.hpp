@@ -1,0 +1,70 @@
+// Maps a QuantizeCall's runtime choices (storage types, carrier, rounding kind, counting) to the
+// template arguments of a driver's loop, for the CPU and CUDA drivers alike. `fn` is called as
+// fn(Type<In>{}, Type<Out>{}, Type<Bits>{}, Kind<k>{}, Flag<count>{}).
+#pragma once
+#include <type_traits>
+
+#include "lowfp/round.hpp"
+#include "lowfp/storage.hpp"
+#include "quantize_call.hpp"
+
+namespace lowfp {
+
+template <class T> struct Type { using type = T; };
+template <RoundKind K> struct Kind { static constexpr RoundKind value = K; };
+template <bool B> struct Flag { static constexpr bool value = B; };
+
+namespace detail {
+
+template <class In, class Out, class Bits, class Fn>
+void dispatch_mode(const QuantizeCall& c, Fn&& fn) {
+  auto with_count = [&](auto kind) {
+    if (c.count) fn(Type<In>{}, Type<Out>{}, Type<Bits>{}, kind, Flag<true>{});
+    else fn(Type<In>{}, Type<Out>{}, Type<Bits>{}, kind, Flag<false>{});
+  };
+  switch (round_kind(c.mode)) {
+    case RoundKind::Nearest: return with_count(Kind<RoundKind::Nearest>{});
+    case RoundKind::Directed: return with_count(Kind<RoundKind::Directed>{});
+    default: return with_count(Kind<RoundKind::Stochastic>{});
+  }
+}
+
+// The carrier is float64 exactly when one side is float64 (QuantizeCall::wide).
+template <class In, class Fn>
+void dispatch_out(const QuantizeCall& c, Fn&& fn) {
+  if (c.wide) {
+    switch (c.y_dtype) {
+      case DType::Float16: return dispatch_mode<In, Half, uint64_t>(c, fn);
+      case DType::BFloat16: return dispatch_mode<In, BFloat, uint64_t>(c, fn);
+      case DType::Float32: return dispatch_mode<In, float, uint64_t>(c, fn);
+      case DType::Float64: return dispatch_mode<In, double, uint64_t>(c, fn);
+    }
+  } else if constexpr (!std::is_same_v<In, double>) {
+    switch (c.y_dtype) {
+      case DType::Float16: return dispatch_mode<In, Half, uint32_t>(c, fn);
+      case DType::BFloat16: return dispatch_mode<In, BFloat, uint32_t>(c, fn);
+      default: return dispatch_mode<In, float, uint32_t>(c, fn);
+    }
+  }
+}
+
+}  // namespace detail
+
+template <class Fn>
+void dispatch_quantize(const QuantizeCall& c, Fn&& fn) {
+  switch (c.x_dtype) {
+    case DType::Float16: return detail::dispatch_out<Half>(c, fn);
+    case DType::BFloat16: return detail::dispatch_out<BFloat>(c, fn);
+    case DType::Float32: return detail::dispatch_out<float>(c, fn);
+    case DType::Float64: return detail::dispatch_out<double>(c, fn);
+  }
+}
+
+// The rounding constants for the carrier Bits.
+template <class Bits>
+const RoundParams<Bits>& round_params(const QuantizeCall& c) {
+  if constexpr (std::is_same_v<Bits, uint32_t>) return c.p32;
+  else return c.p64;
+}
+
+}  // namespace lowfp

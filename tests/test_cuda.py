@@ -1,0 +1,120 @@
+"""CUDA backend: bit-identical to the CPU engine (DESIGN §1, §3). Needs a GPU and the CUDA build."""
+
+import numpy as np
+import pytest
+import torch
+
+import lowfp
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and lowfp.cuda_built()),
+    reason="needs a CUDA GPU and lowfp built with nvcc (LOWFP_CUDA=AUTO/ON)")
+
+MODES = lowfp.ROUNDING_MODES
+NAMED = list(lowfp.formats.named())
+
+
+def random_patterns(n, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.float64:
+        x = torch.randn(n, generator=g, dtype=torch.float64)
+        return x * torch.exp2(torch.randint(-60, 60, (n,), generator=g).double())
+    int_dtype = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[dtype]
+    info = torch.iinfo(int_dtype)
+    return torch.randint(info.min, info.max, (n,), generator=g, dtype=int_dtype).view(dtype)
+
+
+def same_bits(a, b):
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+
+
+def cpu_and_gpu(x, fmt, mode, **kw):
+    s_cpu, s_gpu = lowfp.Stats(), lowfp.Stats("cuda")
+    y_cpu = lowfp.quantize(x, fmt, mode, seed=77, stats=s_cpu, **kw)
+    y_gpu = lowfp.quantize(x.cuda(), fmt, mode, seed=77, stats=s_gpu, **kw)
+    return y_cpu, y_gpu.cpu(), s_cpu.as_dict(), s_gpu.as_dict()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_named_formats_match_cpu(mode, dtype):
+    x = random_patterns(1 << 20, dtype)
+    for name in NAMED:
+        fmt = lowfp.formats.named()[name]
+        out_dtype = dtype if fmt.fits(dtype) else torch.float32
+        for policy in ("saturate", "inf", "nan"):
+            a, b, ca, cb = cpu_and_gpu(x, fmt, mode, overflow=policy, out_dtype=out_dtype)
+            assert same_bits(a, b), (name, mode, policy, dtype)
+            assert ca == cb
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grid_matches_cpu(mode):
+    x32 = random_patterns(1 << 16, torch.float32, seed=1)
+    x64 = random_patterns(1 << 16, torch.float64, seed=2)
+    for e in range(2, 9):
+        for m in (0, 1, 3, 7, 10):
+            for b in (-3, 0, 4, 6):
+                for specials in ("none", "ieee", "fn", "fnuz"):
+                    for sub in (True, False):
+                        try:
+                            fmt = lowfp.fp(e, m, b, specials=specials, subnormals=sub)
+                        except ValueError:
+                            continue
+                        for x in ((x32, x64) if fmt.fits(torch.float32) else (x64,)):
+                            a, b_, ca, cb = cpu_and_gpu(x, fmt, mode, sr_bits=13 if e % 2 else 32)
+                            assert same_bits(a, b_) and ca == cb, (str(fmt), mode, x.dtype)
+
+
+def test_layouts_out_inplace_and_errors():
+    x = torch.randn(64, 48, device="cuda") * 40
+    want = lowfp.quantize(x.cpu(), "fp(4,3,4)")
+    assert torch.equal(lowfp.quantize(x.t(), "fp(4,3,4)").cpu(), want.t())
+    out = torch.empty(48, 64, device="cuda").t()
+    lowfp.quantize(x, "fp(4,3,4)", out=out)
+    assert torch.equal(out.cpu(), want)
+    y = x.clone()
+    lowfp.quantize_(y, "fp(4,3,4)")
+    assert torch.equal(y.cpu(), want)
+    assert lowfp.quantize(torch.empty(0, device="cuda"), "fp(4,3,4)").numel() == 0
+    with pytest.raises(ValueError, match="out is on cpu"):
+        lowfp.quantize(x, "fp(4,3,4)", out=torch.empty(64, 48))
+    with pytest.raises(ValueError, match="stats lives on cpu"):
+        lowfp.quantize(x, "fp(4,3,4)", stats=lowfp.Stats())
+
+
+def test_gradients_on_gpu():
+    x = (torch.randn(100, device="cuda") * 10).requires_grad_()
+    lowfp.quantize(x, "fp(4,3,4)", grad_fmt="fp(5,2,0)").backward(torch.full((100,), 1e5, device="cuda"))
+    assert torch.equal(x.grad.cpu(), lowfp.quantize(torch.full((100,), 1e5), "fp(5,2,0)"))
+
+
+def test_streams_and_device_counts():
+    """Work is enqueued on torch's current stream; counts stay on the device until read."""
+    side = torch.cuda.Stream()
+    x = torch.randn(1 << 22, device="cuda") * 100
+    stats = lowfp.Stats("cuda")
+    with torch.cuda.stream(side):
+        x_side = x * 1  # produced on the side stream, so the next op is ordered after it
+        y = lowfp.quantize(x_side, "fp(4,3,4)", "stochastic", seed=5, stats=stats)
+    assert stats.counts.is_cuda
+    side.synchronize()
+    a = lowfp.quantize(x.cpu(), "fp(4,3,4)", "stochastic", seed=5)
+    assert torch.equal(y.cpu(), a)
+    assert stats.numel == x.numel() and stats.overflow == int((x.abs() > 31).sum())
+
+
+def test_more_than_2_to_the_31_elements():
+    n = 2**31 + 9
+    tail = torch.tensor([0.3] * 6 + [100.0, -7.7, 1e-4], dtype=torch.float16)
+    x = torch.full((n,), 0.3, dtype=torch.float16, device="cuda")
+    x[-3:] = tail[-3:].cuda()
+    s = lowfp.Stats("cuda")
+    lowfp.quantize_(x, "float8_e4m3fn", "stochastic", seed=9, stats=s)
+    assert s.numel == n and s.overflow == 0
+    # the last 9 elements start at index 2^31, a multiple of 4: block offset 2^31 / 4
+    want = lowfp.quantize(tail, "float8_e4m3fn", "stochastic", seed=9, offset=2**31 // 4)
+    assert torch.equal(x[2**31:].cpu(), want)
+    del x
+    torch.cuda.empty_cache()
