@@ -19,7 +19,7 @@ constexpr int kThreads = 256;
 struct ThreadCounts {
   uint32_t overflow = 0, underflow = 0, nan = 0;
   __device__ void add(const RoundEvents& ev) {
-    overflow += ev.overflow;
+    overflow += ev.overflow();
     underflow += ev.underflow;
     nan += ev.nan;
   }

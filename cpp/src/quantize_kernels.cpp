@@ -39,19 +39,19 @@ void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts)
     Out* yt = y + t0;
     // Per-tile counts in the carrier's lane width (a tile cannot overflow them): int64 sums
     // would halve the vector width of the whole loop.
-    Bits tile_overflow = 0, tile_underflow = 0, tile_nan = 0;
+    Bits tile_above_max = 0, tile_underflow = 0, tile_nan = 0;
     for (int64_t i = 0; i < len; ++i) {
       RoundEvents ev;
       const uint32_t r = Kind == RoundKind::Stochastic ? rand[i] : 0u;
       const Bits v = round_bits<Kind, Bits>(Widen<Bits>::from(xt[i]), p, r, ev);
       yt[i] = Store<Out>::from(v);
       if constexpr (kCount) {
-        tile_overflow += Bits(ev.overflow);
+        tile_above_max += Bits(ev.above_max);
         tile_underflow += Bits(ev.underflow);
         tile_nan += Bits(ev.nan);
       }
     }
-    overflow += int64_t(tile_overflow);
+    overflow += int64_t(tile_above_max) - int64_t(tile_nan);  // see RoundEvents
     underflow += int64_t(tile_underflow);
     nan += int64_t(tile_nan);
   }

@@ -22,8 +22,12 @@ LOWFP_HD RoundKind round_kind(Rounding mode) {
                                                                          : RoundKind::Directed;
 }
 
+// What happened to one element. above_max also holds for NaN inputs (their magnitude bits exceed
+// max's), so the overflow count is count(above_max) - count(nan): one mask operation less per
+// element than testing overflow directly, which the counting loops feel.
 struct RoundEvents {
-  bool overflow, underflow, nan;
+  bool above_max, underflow, nan;
+  LOWFP_HD bool overflow() const { return above_max & !nan; }
 };
 
 // rand: one 32-bit Philox word (ignored unless Kind is Stochastic).
@@ -78,14 +82,15 @@ LOWFP_HD Bits round_bits(Bits x, const RoundParams<Bits>& p, uint32_t rand, Roun
   const Bits mag = select(d <= SInt(C::kMantBits), stepped, p.below_step * up);
 
   ev.nan = a > C::kInf;
-  ev.overflow = !ev.nan & (mag > p.max_bits);  // includes infinite inputs
-  ev.underflow = !ev.nan & (a != 0) & (mag == 0);
+  ev.above_max = mag > p.max_bits;  // overflow (infinite inputs included), or NaN
+  // (a NaN never gets mag == 0: its exponent field keeps the stepped value above inf's bits)
+  ev.underflow = (a != 0) & (mag == 0);
 
   const Bits zero_sign = select(p.no_negative_zero & (mag == 0), Bits(0), sign);
   const Bits rounded = zero_sign | mag;
   const Bits overflowed = select((a == C::kInf) & p.inf_stays_inf, x,
                                  select(sign != 0, p.overflow_neg, p.overflow_pos));
-  return select(ev.nan, x, select(ev.overflow, overflowed, rounded));
+  return select(ev.nan, x, select(ev.above_max, overflowed, rounded));
 }
 
 }  // namespace lowfp
