@@ -253,3 +253,20 @@ def test_cuda_tensor_without_cuda_build_is_a_clear_error():
         pytest.skip("this build has the CUDA backend; the error path is for CPU-only builds")
     with pytest.raises(ValueError, match="no CUDA backend"):
         backends.for_device(torch.device("cuda", 0), "x")
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("mode", ["nearest", "stochastic"])
+def test_every_storage_dtype_pair(x_dtype, out_dtype, mode):
+    """Each input/output storage pair equals rounding the same values in float64."""
+    fmt = "fp(4,2,1)"  # fits every dtype
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(20_000, generator=g) * 2.0 ** torch.randint(-16, 8, (20_000,), generator=g)).to(x_dtype)
+    x[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0], dtype=x_dtype)
+    got = lowfp.quantize(x, fmt, mode, seed=4, out_dtype=out_dtype, overflow="inf")
+    want = lowfp.quantize(x.double(), fmt, mode, seed=4, overflow="inf")
+    assert got.dtype == out_dtype
+    assert torch.equal(got[4:].double(), want[4:])
+    assert got[0].isnan() and got[1] == float("inf") and got[2] == -float("inf")
+    assert got[3] == 0 and torch.signbit(got[3])
