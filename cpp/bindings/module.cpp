@@ -2,8 +2,8 @@
 // argument checking with user-facing messages happens in python/lowfp.
 #include <pybind11/pybind11.h>
 
+#include "def_quantize.hpp"
 #include "lowfp/philox.hpp"
-#include "quantize_call.hpp"
 #include "quantize_cpu.hpp"
 
 namespace py = pybind11;
@@ -29,19 +29,6 @@ py::dict format_info(int32_t e, int32_t m, int32_t b, int32_t specials, bool sub
   return d;
 }
 
-void quantize(uintptr_t x, int32_t x_dtype, uintptr_t y, int32_t y_dtype, int64_t n, int32_t e,
-              int32_t m, int32_t b, int32_t specials, bool subnormals, int32_t overflow,
-              int32_t rounding, int32_t sr_bits, uint64_t seed, uint64_t offset,
-              uintptr_t counts) {
-  const QuantizeRequest r{{e, m, b, Specials(specials), subnormals}, Overflow(overflow),
-                          Rounding(rounding), sr_bits, DType(x_dtype), DType(y_dtype), seed,
-                          offset};
-  const QuantizeCall call = make_quantize_call(r, reinterpret_cast<const void*>(x),
-                                               reinterpret_cast<void*>(y), n, counts != 0);
-  py::gil_scoped_release release;
-  quantize_cpu(call, reinterpret_cast<int64_t*>(counts));
-}
-
 py::tuple philox(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
   const Philox4x32Block r = philox4x32_10(c0, c1, c2, c3, k0, k1);
   return py::make_tuple(r.w[0], r.w[1], r.w[2], r.w[3]);
@@ -52,7 +39,9 @@ py::tuple philox(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0
 PYBIND11_MODULE(_C, mod) {
   mod.doc() = "lowfp CPU core (raw-buffer interface; use the lowfp package)";
   mod.def("format_info", &format_info);
-  mod.def("quantize", &quantize);
+  def_quantize(mod, [](const QuantizeCall& call, int64_t* counts, int32_t, uintptr_t) {
+    quantize_cpu(call, counts);  // (device and stream are the CUDA module's)
+  });
   mod.def("philox4x32_10", &philox);
   mod.def("set_num_threads", &set_num_threads);
   mod.def("get_num_threads", &get_num_threads);

@@ -24,7 +24,7 @@ class _CpuBackend:
 
     @staticmethod
     def quantize(x, x_code, y, y_code, n, args, counts_ptr):
-        _C.quantize(x.data_ptr(), x_code, y.data_ptr(), y_code, n, *args, counts_ptr)
+        _C.quantize(x.data_ptr(), x_code, y.data_ptr(), y_code, n, *args, counts_ptr, -1, 0)
 
 
 _CPU = _CpuBackend()

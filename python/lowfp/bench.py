@@ -51,8 +51,11 @@ def machine_description() -> str:
 
 
 def _optional_baselines(x: torch.Tensor) -> Dict[str, Callable[[], object]]:
+    """ml_dtypes (CPU only) and QPyTorch round trips, where installed."""
     out: Dict[str, Callable[[], object]] = {}
     try:
+        if x.device.type != "cpu":
+            raise ImportError
         import ml_dtypes
         xn = x.numpy()
         for name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
@@ -70,28 +73,32 @@ def _optional_baselines(x: torch.Tensor) -> Dict[str, Callable[[], object]]:
 
 
 def run_cpu(size: int, repeats: int) -> List[dict]:
+    return _run_cases("cpu", size, repeats, _time, allocating=True)
+
+
+def _run_cases(device: str, size: int, repeats: int, timer, allocating: bool) -> List[dict]:
+    """The same cases on either device: baselines, then lowfp per format and mode."""
     torch.manual_seed(0)
-    x = torch.randn(size) * 4
+    x = torch.randn(size, device=device) * 4
     y = torch.empty_like(x)
-    rows: List[dict] = []
-
-    def add(kind: str, label: str, fn: Callable[[], object]):
-        rows.append({"kind": kind, "label": label, "seconds": _time(fn, repeats)})
-
-    add("baseline", "y.copy_(x)", lambda: y.copy_(x))
+    cases: List[tuple] = [("baseline", "y.copy_(x)", lambda: y.copy_(x))]
     for name, dt in TORCH_CASTS.items():
-        add("baseline", f"torch x.to({name}).float()", lambda dt=dt: x.to(dt).float())
-    for label, fn in _optional_baselines(x).items():
-        add("baseline", label, fn)
-    stats = Stats()
+        cases.append(("baseline", f"torch x.to({name}).float()", lambda dt=dt: x.to(dt).float()))
+    cases += [("baseline", label, fn) for label, fn in _optional_baselines(x).items()]
+    stats = Stats(device)
     for fmt in FORMATS:
         for mode in ("nearest", "stochastic"):
-            add("lowfp", f"{fmt} {mode} allocating", lambda f=fmt, m=mode: quantize(x, f, m, seed=1))
-            add("lowfp", f"{fmt} {mode} out=", lambda f=fmt, m=mode: quantize(x, f, m, seed=1, out=y))
-            add("lowfp", f"{fmt} {mode} out= stats",
-                lambda f=fmt, m=mode: quantize(x, f, m, seed=1, out=y, stats=stats))
-    for r in rows:
-        r["elements_per_s"] = size / r["seconds"]
+            if allocating:
+                cases.append(("lowfp", f"{fmt} {mode} allocating",
+                              lambda f=fmt, m=mode: quantize(x, f, m, seed=1)))
+            cases.append(("lowfp", f"{fmt} {mode} out=", lambda f=fmt, m=mode: quantize(x, f, m, seed=1, out=y)))
+            cases.append(("lowfp", f"{fmt} {mode} out= stats",
+                          lambda f=fmt, m=mode: quantize(x, f, m, seed=1, out=y, stats=stats)))
+    rows = []
+    for kind, label, fn in cases:
+        seconds = timer(fn, repeats)
+        rows.append({"kind": kind, "label": label, "seconds": seconds, "elements_per_s": size / seconds,
+                     "GB_per_s": 8 * size / seconds / 1e9})  # float32 read + write
     return rows
 
 
@@ -111,34 +118,7 @@ def _time_cuda(fn: Callable[[], object], repeats: int) -> float:
 
 
 def run_gpu(size: int, repeats: int) -> List[dict]:
-    torch.manual_seed(0)
-    x = torch.randn(size, device="cuda") * 4
-    y = torch.empty_like(x)
-    rows: List[dict] = []
-
-    def add(kind: str, label: str, fn: Callable[[], object]):
-        rows.append({"kind": kind, "label": label, "seconds": _time_cuda(fn, repeats)})
-
-    add("baseline", "y.copy_(x)", lambda: y.copy_(x))
-    for name, dt in TORCH_CASTS.items():
-        add("baseline", f"torch x.to({name}).float()", lambda dt=dt: x.to(dt).float())
-    try:
-        from qtorch.quant import float_quantize
-        add("baseline", "QPyTorch float_quantize e4m3 nearest", lambda: float_quantize(x, 4, 3, rounding="nearest"))
-        add("baseline", "QPyTorch float_quantize e4m3 stochastic",
-            lambda: float_quantize(x, 4, 3, rounding="stochastic"))
-    except Exception:
-        pass
-    stats = Stats("cuda")
-    for fmt in FORMATS:
-        for mode in ("nearest", "stochastic"):
-            add("lowfp", f"{fmt} {mode} out=", lambda f=fmt, m=mode: quantize(x, f, m, seed=1, out=y))
-            add("lowfp", f"{fmt} {mode} out= stats",
-                lambda f=fmt, m=mode: quantize(x, f, m, seed=1, out=y, stats=stats))
-    for r in rows:
-        r["elements_per_s"] = size / r["seconds"]
-        r["GB_per_s"] = 8 * size / r["seconds"] / 1e9  # float32 read + write
-    return rows
+    return _run_cases("cuda", size, repeats, _time_cuda, allocating=False)
 
 
 def summarize_gpu(rows: List[dict]) -> Dict[str, float]:

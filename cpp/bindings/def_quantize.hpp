@@ -1,0 +1,28 @@
+// The one Python signature of quantize shared by lowfp._C and lowfp._C_cuda:
+// quantize(x_ptr, x_dtype, y_ptr, y_dtype, n, e, m, b, specials, subnormals, overflow, rounding,
+//          sr_bits, seed, offset, counts_ptr, device, stream)
+// `run(call, counts, device, stream)` executes a checked call with the GIL released.
+#pragma once
+#include <pybind11/pybind11.h>
+
+#include "quantize_call.hpp"
+
+namespace lowfp {
+
+template <class Run>
+void def_quantize(pybind11::module_& mod, Run run) {
+  mod.def("quantize", [run](uintptr_t x, int32_t x_dtype, uintptr_t y, int32_t y_dtype, int64_t n,
+                            int32_t e, int32_t m, int32_t b, int32_t specials, bool subnormals,
+                            int32_t overflow, int32_t rounding, int32_t sr_bits, uint64_t seed,
+                            uint64_t offset, uintptr_t counts, int32_t device, uintptr_t stream) {
+    const QuantizeRequest r{{e, m, b, Specials(specials), subnormals}, Overflow(overflow),
+                            Rounding(rounding), sr_bits, DType(x_dtype), DType(y_dtype), seed,
+                            offset};
+    const QuantizeCall call = make_quantize_call(r, reinterpret_cast<const void*>(x),
+                                                 reinterpret_cast<void*>(y), n, counts != 0);
+    pybind11::gil_scoped_release release;
+    run(call, reinterpret_cast<int64_t*>(counts), device, stream);
+  });
+}
+
+}  // namespace lowfp
