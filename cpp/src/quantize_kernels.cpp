@@ -3,7 +3,7 @@
 // compiler vectorises; the storage types, carrier, rounding kind and counting are template
 // parameters (dispatch.hpp) so no branch on them remains inside the loop.
 #include "dispatch.hpp"
-#include "lowfp/philox.hpp"
+#include "philox_lanes.hpp"
 #include "quantize_cpu.hpp"
 
 #ifndef LOWFP_ISA_NS
@@ -25,15 +25,7 @@ void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts)
     const int64_t len = min_of(kTile, end - t0);
     if constexpr (Kind == RoundKind::Stochastic) {
       // t0 is a multiple of 4: element t0 + j uses word j % 4 of block offset + (t0 + j) / 4.
-      const uint64_t block0 = c.offset + uint64_t(t0) / 4;
-      const int64_t blocks = (len + 3) / 4;
-      for (int64_t j = 0; j < blocks; ++j) {
-        const Philox4x32Block r = philox_block(c.seed, block0 + uint64_t(j));
-        rand[4 * j + 0] = r.w[0];
-        rand[4 * j + 1] = r.w[1];
-        rand[4 * j + 2] = r.w[2];
-        rand[4 * j + 3] = r.w[3];
-      }
+      philox_fill(rand, c.seed, c.offset + uint64_t(t0) / 4, (len + 3) / 4);
     }
     const In* xt = x + t0;
     Out* yt = y + t0;
