@@ -11,6 +11,7 @@ import torch
 
 from . import _C
 from . import backends
+from ._memory import new_output
 from .formats import SPECIALS, Format, to_format
 from .stats import Stats
 
@@ -129,7 +130,7 @@ class _QuantizeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, call, dtype, stats, grad_fmt, grad_rounding):
         ctx.grad_spec = (grad_fmt, grad_rounding)
-        y = torch.empty(x.shape, dtype=dtype, device=x.device)
+        y = new_output(x.shape, dtype, x.device)
         return _run(x, y, call, stats)
 
     @staticmethod
@@ -244,7 +245,7 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
             raise ValueError("quantize(): out= does not support automatic differentiation "
                              "(x requires grad); drop out= or run under torch.no_grad()")
         return _QuantizeFunction.apply(x, call, dtype, stats, grad_fmt, grad_rounding)
-    y = out if out is not None else torch.empty(x.shape, dtype=dtype, device=x.device)
+    y = out if out is not None else new_output(x.shape, dtype, x.device)
     return _run(x, y, call, stats)
 
 
