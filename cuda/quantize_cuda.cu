@@ -40,7 +40,7 @@ __device__ void flush_counts(const ThreadCounts& c, unsigned long long* counts) 
   }
 }
 
-template <class In, class Out, class Bits, RoundKind K, bool kCount>
+template <class In, class Out, class Bits, RoundKind K, bool kCount, bool kSubExp>
 __global__ void __launch_bounds__(kThreads)
 quantize_kernel(const In* __restrict__ x, Out* __restrict__ y, int64_t n, RoundParams<Bits> p,
                 uint64_t seed, uint64_t offset, unsigned long long* counts) {
@@ -55,7 +55,7 @@ quantize_kernel(const In* __restrict__ x, Out* __restrict__ y, int64_t n, RoundP
         const int64_t i = 4 * g + k;
         if (i < n) {
           RoundEvents ev;
-          y[i] = Store<Out>::from(round_bits<K, Bits>(Widen<Bits>::from(x[i]), p, r.w[k], ev));
+          y[i] = Store<Out>::from(round_bits<K, Bits, kSubExp>(Widen<Bits>::from(x[i]), p, r.w[k], ev));
           if (kCount) tc.add(ev);
         }
       }
@@ -63,7 +63,7 @@ quantize_kernel(const In* __restrict__ x, Out* __restrict__ y, int64_t n, RoundP
   } else {
     for (int64_t i = first; i < n; i += stride) {
       RoundEvents ev;
-      y[i] = Store<Out>::from(round_bits<K, Bits>(Widen<Bits>::from(x[i]), p, 0u, ev));
+      y[i] = Store<Out>::from(round_bits<K, Bits, kSubExp>(Widen<Bits>::from(x[i]), p, 0u, ev));
       if (kCount) tc.add(ev);
     }
   }
@@ -94,13 +94,13 @@ void quantize_cuda(const QuantizeCall& c, int64_t* counts, int device, uintptr_t
   check(cudaGetDevice(&previous), "cudaGetDevice");
   check(cudaSetDevice(device), "cudaSetDevice");
   const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  dispatch_quantize(c, [&](auto in, auto out, auto bits, auto kind, auto count) {
+  dispatch_quantize(c, [&](auto in, auto out, auto bits, auto kind, auto count, auto sub_exp) {
     using In = typename decltype(in)::type;
     using Out = typename decltype(out)::type;
     using Bits = typename decltype(bits)::type;
     constexpr RoundKind K = decltype(kind)::value;
     const int64_t work = K == RoundKind::Stochastic ? (c.n + 3) / 4 : c.n;
-    quantize_kernel<In, Out, Bits, K, decltype(count)::value>
+    quantize_kernel<In, Out, Bits, K, decltype(count)::value, decltype(sub_exp)::value>
         <<<grid_size(device, work), kThreads, 0, stream>>>(
             static_cast<const In*>(c.x), static_cast<Out*>(c.y), c.n, round_params<Bits>(c), c.seed,
             c.offset, reinterpret_cast<unsigned long long*>(counts));

@@ -1,6 +1,7 @@
-// Maps a QuantizeCall's runtime choices (storage types, carrier, rounding kind, counting) to the
-// template arguments of a driver's loop, for the CPU and CUDA drivers alike. `fn` is called as
-// fn(Type<In>{}, Type<Out>{}, Type<Bits>{}, Kind<k>{}, Flag<count>{}).
+// Maps a QuantizeCall's runtime choices (storage types, carrier, rounding kind, counting, whether
+// carrier subnormals need their true exponent) to the template arguments of a driver's loop, for
+// the CPU and CUDA drivers alike. `fn` is called as
+// fn(Type<In>{}, Type<Out>{}, Type<Bits>{}, Kind<k>{}, Flag<count>{}, Flag<subnormal_exponent>{}).
 #pragma once
 #include <type_traits>
 
@@ -16,11 +17,22 @@ template <bool B> struct Flag { static constexpr bool value = B; };
 
 namespace detail {
 
+template <class Bits>
+const RoundParams<Bits>& round_params_of(const QuantizeCall& c) {
+  if constexpr (std::is_same_v<Bits, uint32_t>) return c.p32;
+  else return c.p64;
+}
+
 template <class In, class Out, class Bits, class Fn>
 void dispatch_mode(const QuantizeCall& c, Fn&& fn) {
+  const bool sub_exp = round_params_of<Bits>(c).subnormal_exponent;
+  auto with_flags = [&](auto kind, auto count) {
+    if (sub_exp) fn(Type<In>{}, Type<Out>{}, Type<Bits>{}, kind, count, Flag<true>{});
+    else fn(Type<In>{}, Type<Out>{}, Type<Bits>{}, kind, count, Flag<false>{});
+  };
   auto with_count = [&](auto kind) {
-    if (c.count) fn(Type<In>{}, Type<Out>{}, Type<Bits>{}, kind, Flag<true>{});
-    else fn(Type<In>{}, Type<Out>{}, Type<Bits>{}, kind, Flag<false>{});
+    if (c.count) with_flags(kind, Flag<true>{});
+    else with_flags(kind, Flag<false>{});
   };
   switch (round_kind(c.mode)) {
     case RoundKind::Nearest: return with_count(Kind<RoundKind::Nearest>{});
@@ -63,8 +75,7 @@ void dispatch_quantize(const QuantizeCall& c, Fn&& fn) {
 // The rounding constants for the carrier Bits.
 template <class Bits>
 const RoundParams<Bits>& round_params(const QuantizeCall& c) {
-  if constexpr (std::is_same_v<Bits, uint32_t>) return c.p32;
-  else return c.p64;
+  return detail::round_params_of<Bits>(c);
 }
 
 }  // namespace lowfp

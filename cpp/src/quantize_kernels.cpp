@@ -14,7 +14,7 @@ namespace lowfp {
 namespace LOWFP_ISA_NS {
 namespace {
 
-template <class In, class Out, class Bits, RoundKind Kind, bool kCount>
+template <class In, class Out, class Bits, RoundKind Kind, bool kCount, bool kSubExp>
 void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts) {
   const In* x = static_cast<const In*>(c.x);
   Out* y = static_cast<Out*>(c.y);
@@ -35,7 +35,7 @@ void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts)
     for (int64_t i = 0; i < len; ++i) {
       RoundEvents ev;
       const uint32_t r = Kind == RoundKind::Stochastic ? rand[i] : 0u;
-      const Bits v = round_bits<Kind, Bits>(Widen<Bits>::from(xt[i]), p, r, ev);
+      const Bits v = round_bits<Kind, Bits, kSubExp>(Widen<Bits>::from(xt[i]), p, r, ev);
       yt[i] = Store<Out>::from(v);
       if constexpr (kCount) {
         tile_above_max += Bits(ev.above_max);
@@ -55,9 +55,9 @@ void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts)
 }  // namespace
 
 void quantize_range(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts) {
-  dispatch_quantize(c, [&](auto in, auto out, auto bits, auto kind, auto count) {
+  dispatch_quantize(c, [&](auto in, auto out, auto bits, auto kind, auto count, auto sub_exp) {
     run<typename decltype(in)::type, typename decltype(out)::type, typename decltype(bits)::type,
-        decltype(kind)::value, decltype(count)::value>(c, begin, end, counts);
+        decltype(kind)::value, decltype(count)::value, decltype(sub_exp)::value>(c, begin, end, counts);
   });
 }
 

@@ -121,6 +121,7 @@ struct RoundParams {
   bool ties_away;         // nearest_away
   bool away_pos, away_neg;  // directed modes: which signs round their magnitude up
   uint32_t sr_shift;      // 32 - sr_bits: the random word keeps its top sr_bits bits
+  bool subnormal_exponent;  // carrier subnormals need their true exponent (see round_bits)
 };
 
 template <class Bits>
@@ -154,6 +155,11 @@ RoundParams<Bits> make_round_params(const FormatSpec& f, Overflow overflow, Roun
   p.away_pos = mode == Rounding::Up;
   p.away_neg = mode == Rounding::Down;
   p.sr_shift = uint32_t(32 - sr_bits);
+  // Carrier subnormals lie below the carrier's emin. Taking their exponent as that emin gives the
+  // same grid step when the target's emin is above it, or equal with subnormals on; otherwise
+  // (e.g. fp(8,m,1) in float32) the kernel must find their leading bit.
+  const int32_t carrier_emin = 1 - C::kExpBias;
+  p.subnormal_exponent = p.emin < carrier_emin || (p.emin == carrier_emin && !f.subnormals);
   return p;
 }
 

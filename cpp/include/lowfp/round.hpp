@@ -31,7 +31,9 @@ struct RoundEvents {
 };
 
 // rand: one 32-bit Philox word (ignored unless Kind is Stochastic).
-template <RoundKind Kind, class Bits>
+// kSubnormalExponent must equal p.subnormal_exponent (a template parameter so that the common
+// formats skip the work; drivers dispatch on it).
+template <RoundKind Kind, class Bits, bool kSubnormalExponent>
 LOWFP_HD Bits round_bits(Bits x, const RoundParams<Bits>& p, uint32_t rand, RoundEvents& ev) {
   using C = CarrierTraits<Bits>;
   const Bits sign = x & C::kSign;
@@ -44,10 +46,13 @@ LOWFP_HD Bits round_bits(Bits x, const RoundParams<Bits>& p, uint32_t rand, Roun
   const SInt e_eff = max_of(ex, SInt(1)) - C::kExpBias;  // carrier subnormals share 2^(1-bias)
   const Bits sig = (a & C::kMantMask) | select(ex != 0, C::kImplicit, Bits(0));
   // True exponent: for carrier subnormals, that of sig's leading bit (read off the exact
-  // integer-to-float conversion, which vectorises); it matters when the target's normal range
-  // reaches below the carrier's (e.g. fp(8,m,1) in float32).
-  const SInt lead = SInt(bit_cast<Bits>(F(SInt(sig))) >> C::kMantBits) - C::kExpBias;
-  const SInt e_true = select(ex != 0, e_eff, e_eff - C::kMantBits + lead);
+  // integer-to-float conversion, which vectorises). Only formats whose grid below the carrier's
+  // emin differs from the carrier's subnormal grid need it (RoundParams::subnormal_exponent).
+  SInt e_true = e_eff;
+  if constexpr (kSubnormalExponent) {
+    const SInt lead = SInt(bit_cast<Bits>(F(SInt(sig))) >> C::kMantBits) - C::kExpBias;
+    e_true = select(ex != 0, e_eff, e_eff - C::kMantBits + lead);
+  }
   const SInt emin = p.emin;
   const SInt d = select(e_true < emin, SInt(p.below_drop) + (emin - e_eff),
                         SInt(p.normal_drop) + (e_true - e_eff));
