@@ -40,9 +40,11 @@ __device__ void flush_counts(const ThreadCounts& c, unsigned long long* counts) 
   }
 }
 
+// x and y are not __restrict__: quantize_(x) and out=x pass the same buffer (each element is read
+// by the thread that writes it, before it writes it).
 template <class In, class Out, class Bits, RoundKind K, bool kCount, bool kSubExp>
 __global__ void __launch_bounds__(kThreads)
-quantize_kernel(const In* __restrict__ x, Out* __restrict__ y, int64_t n, RoundParams<Bits> p,
+quantize_kernel(const In* x, Out* y, int64_t n, RoundParams<Bits> p,
                 uint64_t seed, uint64_t offset, unsigned long long* counts) {
   ThreadCounts tc;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
