@@ -100,9 +100,13 @@ def test_streams_and_device_counts():
         y = lowfp.quantize(x_side, "fp(4,3,4)", "stochastic", seed=5, stats=stats)
     assert stats.counts.is_cuda
     side.synchronize()
-    a = lowfp.quantize(x.cpu(), "fp(4,3,4)", "stochastic", seed=5)
+    cpu_stats = lowfp.Stats()
+    a = lowfp.quantize(x.cpu(), "fp(4,3,4)", "stochastic", seed=5, stats=cpu_stats)
     assert torch.equal(y.cpu(), a)
-    assert stats.numel == x.numel() and stats.overflow == int((x.abs() > 31).sum())
+    # Stochastic overflow is random (values between max and the next binade may round down),
+    # so the reference is the CPU's count for the same seed; most of |x| > 32 must overflow.
+    assert stats.numel == x.numel() and stats.as_dict() == cpu_stats.as_dict()
+    assert stats.overflow >= int((x.abs() >= 32).sum()) > 0
 
 
 def test_more_than_2_to_the_31_elements():
