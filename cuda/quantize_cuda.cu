@@ -1,51 +1,13 @@
 // The quantize kernel: the shared element math of cpp/include/lowfp/ in a grid-stride loop over
 // groups of four elements (vector loads and stores; one Philox block per group when rounding
 // stochastically). Counts are reduced per warp and added to the device buffer with atomics.
-#include <cuda_runtime.h>
-
-#include <stdexcept>
-#include <string>
-
+#include "common.cuh"
 #include "dispatch.hpp"
 #include "lowfp/philox.hpp"
 #include "quantize_cuda.hpp"
 
 namespace lowfp {
 namespace {
-
-constexpr int kThreads = 256;
-
-struct ThreadCounts {
-  uint32_t overflow = 0, underflow = 0, nan = 0;
-  __device__ void add(const RoundEvents& ev) {
-    overflow += ev.overflow();
-    underflow += ev.underflow;
-    nan += ev.nan;
-  }
-};
-
-__device__ uint64_t warp_sum(uint64_t v) {
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
-  return v;
-}
-
-__device__ void flush_counts(const ThreadCounts& c, unsigned long long* counts) {
-  // Per-thread counts are < 2^32 (grid-stride steps per thread are far fewer), warp sums fit int64.
-  const uint64_t o = warp_sum(c.overflow), u = warp_sum(c.underflow), n = warp_sum(c.nan);
-  if ((threadIdx.x & 31) == 0) {
-    if (o) atomicAdd(counts + 0, (unsigned long long)o);
-    if (u) atomicAdd(counts + 1, (unsigned long long)u);
-    if (n) atomicAdd(counts + 2, (unsigned long long)n);
-  }
-}
-
-// Four consecutive elements, loaded or stored with one vector access (16 bytes for float32 in and
-// out; two accesses for float64). Four because a Philox block holds four random words.
-template <class T> struct alignas(4 * sizeof(T) > 16 ? 16 : 4 * sizeof(T)) Quad { T v[4]; };
-
-template <class T> bool quad_aligned(const void* p) {
-  return reinterpret_cast<uintptr_t>(p) % alignof(Quad<T>) == 0;
-}
 
 // Each thread takes one group of four consecutive elements per grid-stride step. Stochastic
 // rounding draws group g's four words from Philox block offset + g (DESIGN §3), so every word is
@@ -93,26 +55,11 @@ quantize_kernel(const In* x, Out* y, int64_t n, RoundParams<Bits> p, uint64_t se
   }
 }
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("lowfp CUDA: ") + what + ": " + cudaGetErrorString(err));
-}
-
-// Enough blocks to fill the device several times over; the grid-stride loop covers the rest.
-int grid_size(int device, int64_t work) {
-  int sms = 0;
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "device query");
-  const int64_t wanted = (work + kThreads - 1) / kThreads;
-  return int(min_of<int64_t>(wanted, int64_t(sms) * 16));
-}
-
 }  // namespace
 
 void quantize_cuda(const QuantizeCall& c, int64_t* counts, int device, uintptr_t stream_handle) {
   if (c.n == 0) return;
-  int previous = -1;
-  check(cudaGetDevice(&previous), "cudaGetDevice");
-  check(cudaSetDevice(device), "cudaSetDevice");
+  const DeviceGuard guard(device);
   const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
   dispatch_quantize(c, [&](auto in, auto out, auto bits, auto kind, auto count, auto sub_exp) {
     using In = typename decltype(in)::type;
@@ -125,9 +72,7 @@ void quantize_cuda(const QuantizeCall& c, int64_t* counts, int device, uintptr_t
             static_cast<const In*>(c.x), static_cast<Out*>(c.y), c.n, round_params<Bits>(c), c.seed,
             c.offset, reinterpret_cast<unsigned long long*>(counts), quad_io);
   });
-  const cudaError_t launch = cudaGetLastError();
-  cudaSetDevice(previous);
-  check(launch, "kernel launch");
+  check(cudaGetLastError(), "kernel launch");
 }
 
 }  // namespace lowfp

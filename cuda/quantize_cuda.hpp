@@ -10,4 +10,9 @@ namespace lowfp {
 // null (a device buffer of 4 int64), {overflow, underflow, nan, numel} are added to it on the GPU.
 void quantize_cuda(const QuantizeCall& call, int64_t* counts, int device, uintptr_t stream);
 
+// S2FP8 enqueued likewise: sums (int64[kSumSize]) and params (double[kParamSize]) are device
+// buffers written by the kernels; counts as for quantize_cuda.
+void s2fp8_cuda(const S2fp8Call& call, int64_t* sums, double* params, int64_t* counts, int device,
+                uintptr_t stream);
+
 }  // namespace lowfp

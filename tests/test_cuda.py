@@ -122,3 +122,54 @@ def test_more_than_2_to_the_31_elements():
     assert torch.equal(x[2**31:].cpu(), want)
     del x
     torch.cuda.empty_cache()
+
+
+# S2FP8 (DESIGN §4): statistics and x' equal to the CPU's bit for bit.
+
+def s2fp8_cpu_and_gpu(x, fmt="float8_e5m2", mode="nearest", **kw):
+    s_cpu, s_gpu = lowfp.Stats(), lowfp.Stats("cuda")
+    y_cpu, st_cpu = lowfp.s2fp8_quantize(x, fmt, rounding=mode, seed=21, stats=s_cpu, **kw)
+    y_gpu, st_gpu = lowfp.s2fp8_quantize(x.cuda(), fmt, rounding=mode, seed=21, stats=s_gpu, **kw)
+    assert st_gpu.params.is_cuda and y_gpu.is_cuda
+    assert torch.equal(st_cpu.sums, st_gpu.sums.cpu())
+    assert same_bits(st_cpu.params, st_gpu.params.cpu())
+    assert s_cpu.as_dict() == s_gpu.as_dict()
+    return y_cpu, y_gpu.cpu()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_s2fp8_matches_cpu(dtype, mode):
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(300_001, generator=g, dtype=torch.float64)
+         * torch.exp2(torch.randint(-12, 12, (300_001,), generator=g).double())).to(dtype)
+    x[::1000] = 0
+    x[5] = float("nan")
+    x[7] = float("inf")
+    y_cpu, y_gpu = s2fp8_cpu_and_gpu(x, mode=mode)
+    assert same_bits(y_cpu, y_gpu)
+
+
+@pytest.mark.parametrize("fmt,log_max", [("float8_e4m3fn", 8.0), ("fp(4,3,4)", 4.0), ("fp(5,2,0)", 15.0)])
+def test_s2fp8_formats_match_cpu(fmt, log_max):
+    x = random_patterns(100_003, torch.float32, seed=4)
+    y_cpu, y_gpu = s2fp8_cpu_and_gpu(x, fmt, "stochastic", log_max=log_max)
+    assert same_bits(y_cpu, y_gpu)
+
+
+def test_s2fp8_edge_cases_on_gpu():
+    for x in (torch.zeros(7), torch.empty(0), torch.tensor([2.5] * 9), torch.tensor(3.0)):
+        y_cpu, y_gpu = s2fp8_cpu_and_gpu(x)
+        assert same_bits(y_cpu, y_gpu)
+    base = torch.randn(300, 300, device="cuda")
+    view = base.t()[::3]
+    want, _ = lowfp.s2fp8_quantize(view.contiguous())
+    got, _ = lowfp.s2fp8_quantize(view)
+    assert torch.equal(got, want)
+    c = base.clone()
+    lowfp.quantize_(c, "s2fp8")
+    assert torch.equal(c, lowfp.quantize(base, "s2fp8"))
+    x = torch.randn(1000, device="cuda", requires_grad=True)
+    up = torch.randn(1000, device="cuda")
+    lowfp.s2fp8_quantize(x, truncate_grad=True)[0].backward(up)
+    assert torch.equal(x.grad.cpu(), lowfp.s2fp8_quantize(up.cpu())[0])

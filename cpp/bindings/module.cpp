@@ -42,7 +42,12 @@ PYBIND11_MODULE(_C, mod) {
   def_quantize(mod, [](const QuantizeCall& call, int64_t* counts, int32_t, uintptr_t) {
     quantize_cpu(call, counts);  // (device and stream are the CUDA module's)
   });
+  def_s2fp8(mod, [](const S2fp8Call& call, int64_t* sums, double* params, int64_t* counts,
+                    int32_t, uintptr_t) { s2fp8_cpu(call, sums, params, counts); });
   mod.def("philox4x32_10", &philox);
+  // The deterministic log2/exp2 that S2FP8 uses (tests compare them with float64 references).
+  mod.def("log2_det", [](double x) { return log2_det(x); });
+  mod.def("exp2_det", [](double t) { return exp2_det(t); });
   mod.def("set_num_threads", &set_num_threads);
   mod.def("get_num_threads", &get_num_threads);
   mod.def("cpu_kernel", &cpu_kernel_name);

@@ -9,4 +9,5 @@
 PYBIND11_MODULE(_C_cuda, mod) {
   mod.doc() = "lowfp CUDA core (raw-buffer interface; use the lowfp package)";
   lowfp::def_quantize(mod, &lowfp::quantize_cuda);
+  lowfp::def_s2fp8(mod, &lowfp::s2fp8_cuda);
 }

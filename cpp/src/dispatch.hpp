@@ -72,6 +72,17 @@ void dispatch_quantize(const QuantizeCall& c, Fn&& fn) {
   }
 }
 
+// S2FP8 calls: x and y share their storage type; Y is always rounded in the float64 carrier.
+template <class Fn>
+void dispatch_s2fp8(const QuantizeCall& c, Fn&& fn) {
+  switch (c.x_dtype) {
+    case DType::Float16: return detail::dispatch_mode<Half, Half, uint64_t>(c, fn);
+    case DType::BFloat16: return detail::dispatch_mode<BFloat, BFloat, uint64_t>(c, fn);
+    case DType::Float32: return detail::dispatch_mode<float, float, uint64_t>(c, fn);
+    case DType::Float64: return detail::dispatch_mode<double, double, uint64_t>(c, fn);
+  }
+}
+
 // The rounding constants for the carrier Bits.
 template <class Bits>
 const RoundParams<Bits>& round_params(const QuantizeCall& c) {

@@ -41,4 +41,20 @@ QuantizeCall make_quantize_call(const QuantizeRequest& r, const void* x, void* y
   return c;
 }
 
+S2fp8Call make_s2fp8_call(const QuantizeRequest& r, double log_max, const void* x, void* y,
+                          int64_t n, bool count) {
+  if (r.x_dtype != r.y_dtype) throw std::invalid_argument("S2FP8 writes x's own dtype");
+  if (!(log_max > 0 && log_max < 1e300)) throw std::invalid_argument("log_max must be finite and > 0");
+  QuantizeRequest wide = r;  // Y is rounded in float64 whatever x's dtype
+  wide.x_dtype = wide.y_dtype = DType::Float64;
+  S2fp8Call c{make_quantize_call(wide, x, y, n, count), log_max, {}};
+  c.q.x_dtype = c.q.y_dtype = r.x_dtype;
+  if (r.x_dtype == DType::Float16 || r.x_dtype == DType::BFloat16) {
+    const FormatSpec store = r.x_dtype == DType::Float16 ? FormatSpec{5, 10, 0, Specials::IEEE, true}
+                                                         : FormatSpec{8, 7, 0, Specials::IEEE, true};
+    c.p_store = make_round_params<uint64_t>(store, Overflow::Inf, Rounding::Nearest, 32);
+  }
+  return c;
+}
+
 }  // namespace lowfp

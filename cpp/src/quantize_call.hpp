@@ -33,4 +33,15 @@ struct QuantizeRequest {
 QuantizeCall make_quantize_call(const QuantizeRequest& r, const void* x, void* y, int64_t n,
                                 bool count);
 
+// S2FP8 (DESIGN §4): x and y share one dtype; Y is rounded to the request's format in a float64
+// carrier (q.p64); x' is stored in the dtype, rounded to nearest once when it is 16-bit.
+struct S2fp8Call {
+  QuantizeCall q;
+  double log_max;
+  RoundParams<uint64_t> p_store;  // float16/bfloat16 grid for x' (nearest, overflow to inf)
+};
+
+S2fp8Call make_s2fp8_call(const QuantizeRequest& r, double log_max, const void* x, void* y,
+                          int64_t n, bool count);
+
 }  // namespace lowfp

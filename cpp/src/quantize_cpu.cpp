@@ -10,12 +10,15 @@
 namespace lowfp {
 namespace {
 
-using KernelFn = void (*)(const QuantizeCall&, int64_t, int64_t, EventCounts&);
-
 struct Kernel {
-  KernelFn fn;
+  void (*quantize)(const QuantizeCall&, int64_t, int64_t, EventCounts&);
+  void (*s2fp8_reduce)(const S2fp8Call&, int64_t, int64_t, S2fp8Partial&);
+  void (*s2fp8_transform)(const S2fp8Call&, const S2fp8Stats&, int64_t, int64_t, EventCounts&);
   const char* name;
 };
+
+#define LOWFP_KERNEL(ns, name) \
+  { ns::quantize_range, ns::s2fp8_reduce_range, ns::s2fp8_transform_range, name }
 
 bool cpu_has(const char* level) {
 #if defined(__x86_64__) && defined(LOWFP_MULTI_ISA)
@@ -30,10 +33,10 @@ bool cpu_has(const char* level) {
 Kernel pick_kernel() {
   const Kernel all[] = {
 #if defined(LOWFP_MULTI_ISA)
-      {isa_avx512::quantize_range, "avx512"},
-      {isa_avx2::quantize_range, "avx2"},
+      LOWFP_KERNEL(isa_avx512, "avx512"),
+      LOWFP_KERNEL(isa_avx2, "avx2"),
 #endif
-      {isa_baseline::quantize_range, "baseline"},
+      LOWFP_KERNEL(isa_baseline, "baseline"),
   };
   const char* want = std::getenv("LOWFP_CPU_KERNEL");
   for (const Kernel& k : all)
@@ -64,34 +67,78 @@ int get_num_threads() {
   return hw > 0 ? int(hw) : 1;
 }
 
-void quantize_cpu(const QuantizeCall& call, int64_t* counts) {
-  const KernelFn fn = kernel().fn;
-  const int64_t n = call.n;
+namespace {
+
+// Runs fn(thread, begin, end) over contiguous ranges of whole tiles (so every range starts on a
+// Philox block boundary) on as many threads as the size is worth; returns the thread count.
+template <class Fn>
+int parallel_tiles(int64_t n, Fn&& fn) {
   const int64_t want = (n + kMinPerThread - 1) / kMinPerThread;
   const int threads = int(min_of<int64_t>(get_num_threads(), max_of<int64_t>(want, 1)));
-  EventCounts total;
   if (threads <= 1) {
-    fn(call, 0, n, total);
-  } else {
-    // Contiguous ranges made of whole tiles, so every tile starts on a Philox block boundary.
-    const int64_t tiles = (n + kTile - 1) / kTile;
-    std::vector<EventCounts> per_thread(threads);
+    fn(0, int64_t(0), n);
+    return 1;
+  }
+  const int64_t tiles = (n + kTile - 1) / kTile;
 #pragma omp parallel num_threads(threads)
-    {
-      const int t = omp_get_thread_num();
-      const int nt = omp_get_num_threads();
-      const int64_t t_begin = tiles * t / nt, t_end = tiles * (t + 1) / nt;
-      const int64_t begin = t_begin * kTile, end = min_of(t_end * kTile, n);
-      if (begin < end) fn(call, begin, end, per_thread[t]);
-    }
-    for (const EventCounts& c : per_thread) total.add(c);
+  {
+    const int t = omp_get_thread_num();
+    const int nt = omp_get_num_threads();
+    const int64_t begin = tiles * t / nt * kTile, end = min_of(tiles * (t + 1) / nt * kTile, n);
+    if (begin < end) fn(t, begin, end);
   }
-  if (counts != nullptr) {
-    counts[0] += total.overflow;
-    counts[1] += total.underflow;
-    counts[2] += total.nan;
-    counts[3] += n;
+  return threads;
+}
+
+void add_counts(const std::vector<EventCounts>& per_thread, int64_t n, int64_t* counts) {
+  if (counts == nullptr) return;
+  EventCounts total;
+  for (const EventCounts& c : per_thread) total.add(c);
+  counts[0] += total.overflow;
+  counts[1] += total.underflow;
+  counts[2] += total.nan;
+  counts[3] += n;
+}
+
+}  // namespace
+
+void quantize_cpu(const QuantizeCall& call, int64_t* counts) {
+  std::vector<EventCounts> per_thread(get_num_threads());
+  const auto fn = kernel().quantize;
+  parallel_tiles(call.n, [&](int t, int64_t begin, int64_t end) {
+    fn(call, begin, end, per_thread[t]);
+  });
+  add_counts(per_thread, call.n, counts);
+}
+
+void s2fp8_cpu(const S2fp8Call& call, int64_t* sums, double* params, int64_t* counts) {
+  const Kernel& k = kernel();
+  std::vector<S2fp8Partial> parts(get_num_threads());
+  parallel_tiles(call.q.n, [&](int t, int64_t begin, int64_t end) {
+    k.s2fp8_reduce(call, begin, end, parts[t]);
+  });
+  S2fp8Partial total;  // integer sums and a max: the same whatever the split
+  for (const S2fp8Partial& p : parts) {
+    total.high += p.high;
+    total.low += p.low;
+    total.carry();
+    total.count += p.count;
+    total.max_abs = max_of(total.max_abs, p.max_abs);
   }
+  sums[kSumLogHigh] = total.high;
+  sums[kSumLogLow] = int64_t(total.low);
+  sums[kSumCount] = total.count;
+  sums[kSumMaxAbs] = int64_t(total.max_abs);
+  const S2fp8Stats s = s2fp8_stats(sums, call.log_max);
+  params[kAlpha] = s.alpha;
+  params[kBeta] = s.beta;
+  params[kMu] = s.mu;
+  params[kMax] = s.m;
+  std::vector<EventCounts> per_thread(get_num_threads());
+  parallel_tiles(call.q.n, [&](int t, int64_t begin, int64_t end) {
+    k.s2fp8_transform(call, s, begin, end, per_thread[t]);
+  });
+  add_counts(per_thread, call.q.n, counts);
 }
 
 }  // namespace lowfp

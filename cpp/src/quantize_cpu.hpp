@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 
+#include "lowfp/s2fp8.hpp"
 #include "quantize_call.hpp"
 
 namespace lowfp {
@@ -16,8 +17,12 @@ struct EventCounts {
 constexpr int64_t kTile = 2048;
 
 // One kernel per instruction-set level (same source compiled with different -march flags).
-#define LOWFP_DECLARE_KERNEL(ns) \
-  namespace ns { void quantize_range(const QuantizeCall&, int64_t, int64_t, EventCounts&); }
+#define LOWFP_DECLARE_KERNEL(ns)                                                              \
+  namespace ns {                                                                              \
+  void quantize_range(const QuantizeCall&, int64_t, int64_t, EventCounts&);                   \
+  void s2fp8_reduce_range(const S2fp8Call&, int64_t, int64_t, S2fp8Partial&);                 \
+  void s2fp8_transform_range(const S2fp8Call&, const S2fp8Stats&, int64_t, int64_t, EventCounts&); \
+  }
 LOWFP_DECLARE_KERNEL(isa_baseline)
 LOWFP_DECLARE_KERNEL(isa_avx2)
 LOWFP_DECLARE_KERNEL(isa_avx512)
@@ -26,6 +31,10 @@ LOWFP_DECLARE_KERNEL(isa_avx512)
 // Runs the whole call on the CPU threads; adds {overflow, underflow, nan, numel} to counts
 // when counts is not null.
 void quantize_cpu(const QuantizeCall& call, int64_t* counts);
+
+// S2FP8 on the CPU threads: writes the reduction's sums (int64[kSumSize]) and the statistics
+// (double[kParamSize]: alpha, beta, mu, m), then x' into call.q.y; counts as quantize_cpu.
+void s2fp8_cpu(const S2fp8Call& call, int64_t* sums, double* params, int64_t* counts);
 
 const char* cpu_kernel_name();
 void set_num_threads(int n);

@@ -9,13 +9,15 @@ tensor([ 0.1016,  1.0000,  3.2500, 30.0000])
 from . import _C
 from . import formats
 from .backends import cuda_built
-from .formats import Format, fp
+from .formats import Format, S2FP8, fp
 from .quantize import ROUNDING_MODES, draw_seed, quantize, quantize_
+from .s2fp8 import S2FP8Stats, s2fp8_quantize
 from .stats import Stats
 
 __version__ = "0.1.0"
 
 __all__ = ["Format", "fp", "formats", "quantize", "quantize_", "Stats", "ROUNDING_MODES",
+           "S2FP8", "S2FP8Stats", "s2fp8_quantize",
            "draw_seed", "cuda_built", "set_num_threads", "get_num_threads"]
 
 

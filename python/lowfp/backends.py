@@ -26,6 +26,11 @@ class _CpuBackend:
     def quantize(x, x_code, y, y_code, n, args, counts_ptr):
         _C.quantize(x.data_ptr(), x_code, y.data_ptr(), y_code, n, *args, counts_ptr, -1, 0)
 
+    @staticmethod
+    def s2fp8(x, code, y, n, args, log_max, sums, params, counts_ptr):
+        _C.s2fp8(x.data_ptr(), code, y.data_ptr(), n, *args, log_max, sums.data_ptr(),
+                 params.data_ptr(), counts_ptr, -1, 0)
+
 
 _CPU = _CpuBackend()
 

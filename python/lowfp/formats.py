@@ -18,7 +18,8 @@ import torch
 
 from . import _C
 
-__all__ = ["Format", "fp", "named", "to_format", "SPECIALS", "OVERFLOW_POLICIES"]
+__all__ = ["Format", "fp", "named", "to_format", "S2FP8", "to_precision", "SPECIALS",
+           "OVERFLOW_POLICIES"]
 
 SPECIALS = ("none", "ieee", "fn", "fnuz")
 OVERFLOW_POLICIES = ("saturate", "inf", "nan")
@@ -231,6 +232,91 @@ SEED_FORMATS = {"fp(4,3,4)": fp(4, 3, 4), "fp(5,2,0)": fp(5, 2, 0), "fp(6,9,0)":
 def named() -> Dict[str, Format]:
     """The named formats, by name."""
     return dict(_NAMED)
+
+
+class S2FP8:
+    """S2FP8 as a precision (DESIGN §4): each tensor is squeezed and shifted by its own statistics
+    α, β so that log2|Y| has mean 0 and maximum ``log_max``, Y is rounded to ``fmt``, and the
+    result is mapped back. Accepted by :func:`lowfp.quantize` wherever a format is.
+
+    ``bits`` is the storage per element (``fmt``'s); each tensor also keeps α and β.
+    """
+
+    __slots__ = ("fmt", "log_max")
+
+    def __init__(self, fmt: Union["Format", str] = "float8_e5m2", log_max: float = 15.0):
+        fmt = to_format(fmt, "fmt")
+        if isinstance(log_max, bool) or not isinstance(log_max, (int, float)):
+            raise TypeError(f"log_max must be a real number, got {type(log_max).__name__}")
+        log_max = float(log_max)
+        if not (0.0 < log_max < 1e300):
+            raise ValueError(f"log_max must be finite and > 0, got {log_max}")
+        object.__setattr__(self, "fmt", fmt)
+        object.__setattr__(self, "log_max", log_max)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("S2FP8 is immutable")
+
+    @property
+    def bits(self) -> int:
+        return self.fmt.bits
+
+    @property
+    def key(self) -> Tuple:
+        return ("s2fp8", self.fmt.key, self.log_max)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, S2FP8) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __str__(self) -> str:
+        return f"S2FP8({str(self.fmt)!r}, log_max={self.log_max!r})"
+
+    __repr__ = __str__
+
+    def __reduce__(self):
+        return (S2FP8, (self.fmt, self.log_max))
+
+    @staticmethod
+    def parse(text: str) -> "S2FP8":
+        """``"s2fp8"`` (the defaults) or ``"S2FP8('float8_e5m2', log_max=15.0)"``."""
+        s = text.strip()
+        if s.lower() == "s2fp8":
+            return S2FP8()
+        try:
+            node = ast.parse(s, mode="eval").body
+        except SyntaxError:
+            node = None
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id.lower() == "s2fp8"):
+            raise ValueError(f"cannot parse {text!r} as S2FP8: expected \"S2FP8('float8_e5m2', "
+                             "log_max=15.0)\" or 's2fp8'")
+        try:
+            args = [ast.literal_eval(a) for a in node.args]
+            kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        except ValueError:
+            raise ValueError(f"cannot parse {text!r}: arguments must be literals") from None
+        return S2FP8(*args, **kwargs)
+
+
+Precision = Union[Format, S2FP8]
+
+
+def to_precision(value, argname: str = "fmt") -> Precision:
+    """A Format or an S2FP8 (or the string of either); anything else is a TypeError."""
+    if isinstance(value, (Format, S2FP8)):
+        return value
+    if isinstance(value, str) and value.strip().lower().startswith("s2fp8"):
+        try:
+            return S2FP8.parse(value)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{argname}: {err}") from None
+    if isinstance(value, str):
+        return to_format(value, argname)
+    raise TypeError(f"{argname} must be a lowfp.Format, a lowfp.S2FP8 or a format string such as "
+                    f"'fp(4,3,4)', 'float8_e4m3fn' or 's2fp8', got {type(value).__name__}")
 
 
 def to_format(value: Union[Format, str], argname: str = "fmt") -> Format:

@@ -12,7 +12,7 @@ import torch
 from . import _C
 from . import backends
 from ._memory import new_output
-from .formats import SPECIALS, Format, to_format
+from .formats import SPECIALS, Format, S2FP8, to_format, to_precision
 from .stats import Stats
 
 __all__ = ["quantize", "quantize_", "ROUNDING_MODES"]
@@ -204,7 +204,9 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
     Args:
         x: torch tensor or numpy array of float16, bfloat16 (torch only), float32 or float64,
             any shape or layout; never modified (unless it is also ``out``).
-        fmt: a :class:`lowfp.Format` or its string (``"fp(4,3,4)"``, ``"float8_e4m3fn"``).
+        fmt: a :class:`lowfp.Format` or its string (``"fp(4,3,4)"``, ``"float8_e4m3fn"``), or a
+            :class:`lowfp.S2FP8` (``"s2fp8"``): x is then truncated with its own statistics
+            (the result keeps x's dtype; :func:`lowfp.s2fp8_quantize` also returns them).
         rounding: ``"nearest"`` (ties to even), ``"nearest_away"``, ``"toward_zero"``, ``"up"``,
             ``"down"`` or ``"stochastic"``.
         overflow, subnormals: override the format's overflow policy / subnormal setting.
@@ -233,11 +235,18 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
         return _quantize_numpy(x, fmt, rounding, out, out_dtype, kwargs)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+    fmt = to_precision(fmt, "fmt")
+    if isinstance(fmt, S2FP8):
+        from .s2fp8 import apply_s2fp8
+        return apply_s2fp8(x, fmt, rounding, overflow=overflow, subnormals=subnormals, seed=seed,
+                           generator=generator, offset=offset, sr_bits=sr_bits, stats=stats,
+                           out=out, out_dtype=out_dtype, grad_fmt=grad_fmt,
+                           grad_rounding=grad_rounding)[0]
     _check_tensor_args(x, out, stats)
     call = _make_call(fmt, rounding, overflow, subnormals, seed, generator, offset, sr_bits)
     dtype = _result_dtype(x, call.fmt, out, out_dtype)
     if grad_fmt is not None:
-        grad_fmt = to_format(grad_fmt, "grad_fmt")
+        grad_fmt = to_precision(grad_fmt, "grad_fmt")
         if grad_rounding not in ROUNDING_MODES:
             raise ValueError(f"grad_rounding must be one of {ROUNDING_MODES}, got {grad_rounding!r}")
     if x.requires_grad and torch.is_grad_enabled():

@@ -1,0 +1,76 @@
+// log2 and exp2 in double precision from IEEE additions, multiplications and one division only,
+// so the CPU and CUDA builds (both without fused multiply-adds) return the same bits, which
+// libm and CUDA's math library do not promise. Accurate to a few ulp; branch-free, so the CPU
+// loops that call them vectorise.
+#pragma once
+#include "config.hpp"
+
+namespace lowfp {
+
+constexpr uint64_t kF64SignBit = 0x8000000000000000ull;
+constexpr uint64_t kF64ExpMask = 0x7FF0000000000000ull;   // also the bits of +inf
+constexpr uint64_t kF64MantMask = 0x000FFFFFFFFFFFFFull;
+constexpr uint64_t kF64Sqrt2Mant = 0x6A09E667F3BCDull;     // significand bits of sqrt(2)
+
+// log2(x) for finite x > 0 (normal or subnormal).
+LOWFP_HD double log2_det(double x) {
+  // Subnormals are scaled into the normal range first.
+  const bool subnormal = bit_cast<uint64_t>(x) < (uint64_t(1) << 52);
+  const uint64_t b = bit_cast<uint64_t>(subnormal ? x * 0x1p64 : x);
+  // x = 2^e * f with f in [sqrt(1/2), sqrt(2)): a significand above sqrt(2) is halved.
+  const bool upper = (b & kF64MantMask) >= kF64Sqrt2Mant;
+  const int64_t e = int64_t(b >> 52) - 1023 - (subnormal ? 64 : 0) + (upper ? 1 : 0);
+  const uint64_t f_exp = upper ? uint64_t(1022) << 52 : uint64_t(1023) << 52;
+  const double f = bit_cast<double>((b & kF64MantMask) | f_exp);
+  // ln f = 2 atanh(s) = 2 (s + s^3/3 + s^5/5 + ...), s = (f-1)/(f+1), |s| <= 0.1716: the terms
+  // through s^21 leave a truncation error below 1e-18.
+  const double s = (f - 1.0) / (f + 1.0);
+  const double z = s * s;
+  double p = 1.0 / 21;
+  p = p * z + 1.0 / 19;
+  p = p * z + 1.0 / 17;
+  p = p * z + 1.0 / 15;
+  p = p * z + 1.0 / 13;
+  p = p * z + 1.0 / 11;
+  p = p * z + 1.0 / 9;
+  p = p * z + 1.0 / 7;
+  p = p * z + 1.0 / 5;
+  p = p * z + 1.0 / 3;
+  p = p * z + 1.0;
+  constexpr double kTwoLog2E = 2.8853900817779268;  // 2 / ln 2
+  return double(e) + (s * kTwoLog2E) * p;
+}
+
+// 2^t for finite t (overflow gives +inf, underflow 0 or a correctly scaled subnormal).
+LOWFP_HD double exp2_det(double t) {
+  t = min_of(max_of(t, -1100.0), 1100.0);  // beyond these the result is 0 or inf anyway
+  constexpr double kRound = 0x1.8p52;      // adding it rounds |t| < 2^51 to an integer
+  const double k = (t + kRound) - kRound;
+  const double r = t - k;                  // exact, |r| <= 1/2
+  // e^u, u = r ln 2, |u| <= 0.347: Taylor terms through u^13 leave an error below 1e-17.
+  constexpr double kLn2 = 0.69314718055994531;
+  const double u = r * kLn2;
+  double p = 1.0 / 6227020800;             // 1/13!
+  p = p * u + 1.0 / 479001600;
+  p = p * u + 1.0 / 39916800;
+  p = p * u + 1.0 / 3628800;
+  p = p * u + 1.0 / 362880;
+  p = p * u + 1.0 / 40320;
+  p = p * u + 1.0 / 5040;
+  p = p * u + 1.0 / 720;
+  p = p * u + 1.0 / 120;
+  p = p * u + 1.0 / 24;
+  p = p * u + 1.0 / 6;
+  p = p * u + 0.5;
+  p = p * u + 1.0;
+  p = p * u + 1.0;
+  // Scale by 2^k in two exact power-of-two factors (each within the normal range), so a
+  // subnormal result is rounded once, by the second product.
+  const int64_t ki = int64_t(k);
+  const int64_t k1 = ki / 2, k2 = ki - k1;
+  const double s1 = bit_cast<double>(uint64_t(k1 + 1023) << 52);
+  const double s2 = bit_cast<double>(uint64_t(k2 + 1023) << 52);
+  return (p * s1) * s2;
+}
+
+}  // namespace lowfp

@@ -1,0 +1,77 @@
+// Pieces shared by the CUDA drivers: vector access to groups of four elements, per-thread event
+// counts reduced per warp into the device counts buffer, launch sizing, device selection.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "lowfp/round.hpp"
+
+namespace lowfp {
+namespace {
+
+constexpr int kThreads = 256;
+
+struct ThreadCounts {
+  uint32_t overflow = 0, underflow = 0, nan = 0;
+  __device__ void add(const RoundEvents& ev) {
+    overflow += ev.overflow();
+    underflow += ev.underflow;
+    nan += ev.nan;
+  }
+};
+
+__device__ uint64_t warp_sum(uint64_t v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+__device__ void flush_counts(const ThreadCounts& c, unsigned long long* counts) {
+  // Per-thread counts are < 2^32 (grid-stride steps per thread are far fewer), warp sums fit int64.
+  const uint64_t o = warp_sum(c.overflow), u = warp_sum(c.underflow), n = warp_sum(c.nan);
+  if ((threadIdx.x & 31) == 0) {
+    if (o) atomicAdd(counts + 0, (unsigned long long)o);
+    if (u) atomicAdd(counts + 1, (unsigned long long)u);
+    if (n) atomicAdd(counts + 2, (unsigned long long)n);
+  }
+}
+
+// Four consecutive elements, loaded or stored with one vector access (16 bytes for float32 in and
+// out; two accesses for float64). Four because a Philox block holds four random words.
+template <class T> struct alignas(4 * sizeof(T) > 16 ? 16 : 4 * sizeof(T)) Quad { T v[4]; };
+
+template <class T> bool quad_aligned(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % alignof(Quad<T>) == 0;
+}
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("lowfp CUDA: ") + what + ": " + cudaGetErrorString(err));
+}
+
+// Enough blocks to fill the device several times over; the grid-stride loop covers the rest.
+int grid_size(int device, int64_t work) {
+  int sms = 0;
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "device query");
+  const int64_t wanted = (work + kThreads - 1) / kThreads;
+  return int(min_of<int64_t>(wanted, int64_t(sms) * 16));
+}
+
+// Makes `device` current for the lifetime of the guard (launches go to the tensor's device).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice");
+    check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+}  // namespace
+}  // namespace lowfp

@@ -1,0 +1,128 @@
+// S2FP8 on the GPU (DESIGN §4): a reduction kernel, a one-thread kernel turning the sums into
+// alpha, beta, mu, m, and the element kernel, all enqueued on one stream with no host sync. The
+// math is cpp/include/lowfp/s2fp8.hpp's; the reduction is made of integer sums and a max, so its
+// result does not depend on how the work is split and equals the CPU's bit for bit.
+#include "common.cuh"
+#include "dispatch.hpp"
+#include "lowfp/philox.hpp"
+#include "lowfp/s2fp8.hpp"
+#include "quantize_cuda.hpp"
+
+namespace lowfp {
+namespace {
+
+template <class T>
+__device__ Quad<T> load_group(const T* x, int64_t g, int64_t n, int64_t full_groups) {
+  Quad<T> in = {};
+  if (g < full_groups) {
+    in = reinterpret_cast<const Quad<T>*>(x)[g];
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (4 * g + k < n) in.v[k] = x[4 * g + k];
+  }
+  return in;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+s2fp8_reduce_kernel(const T* x, int64_t n, bool quad_io, unsigned long long* sums) {
+  S2fp8Partial part;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t groups = (n + 3) / 4, full_groups = quad_io ? n / 4 : 0;
+  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride) {
+    const Quad<T> in = load_group(x, g, n, full_groups);
+#pragma unroll
+    for (int k = 0; k < 4; ++k)  // padding elements of the last group are +0: not counted
+      part.add(Widen<uint64_t>::from(in.v[k]) & ~kF64SignBit);
+    part.carry();
+  }
+  // Warp sums: high and count as two's-complement adds, low < 2^32 per thread, max of bits.
+  uint64_t high = uint64_t(part.high), low = part.low, count = uint64_t(part.count);
+  uint64_t max_abs = part.max_abs;
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    high += __shfl_down_sync(0xffffffffu, high, offset);
+    low += __shfl_down_sync(0xffffffffu, low, offset);
+    count += __shfl_down_sync(0xffffffffu, count, offset);
+    max_abs = max_of<uint64_t>(max_abs, __shfl_down_sync(0xffffffffu, max_abs, offset));
+  }
+  if ((threadIdx.x & 31) == 0 && count != 0) {
+    atomicAdd(sums + kSumLogHigh, (unsigned long long)high);
+    atomicAdd(sums + kSumLogLow, (unsigned long long)low);
+    atomicAdd(sums + kSumCount, (unsigned long long)count);
+    atomicMax(sums + kSumMaxAbs, (unsigned long long)max_abs);
+  }
+}
+
+__global__ void s2fp8_stats_kernel(const int64_t* sums, double log_max, double* params) {
+  const S2fp8Stats s = s2fp8_stats(sums, log_max);
+  params[kAlpha] = s.alpha;
+  params[kBeta] = s.beta;
+  params[kMu] = s.mu;
+  params[kMax] = s.m;
+}
+
+// x and y may alias (in place): each element is read by the thread that writes it.
+template <class T, RoundKind K, bool kCount, bool kSubExp>
+__global__ void __launch_bounds__(kThreads)
+s2fp8_transform_kernel(const T* x, T* y, int64_t n, bool quad_io, const double* params,
+                       RoundParams<uint64_t> p, RoundParams<uint64_t> p_store, uint64_t seed,
+                       uint64_t offset, unsigned long long* counts) {
+  const S2fp8Stats s{params[kAlpha], params[kBeta], params[kMu], params[kMax]};
+  const double inv_alpha = 1.0 / s.alpha;
+  ThreadCounts tc;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t groups = (n + 3) / 4, full_groups = quad_io ? n / 4 : 0;
+  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride) {
+    const Quad<T> in = load_group(x, g, n, full_groups);
+    Philox4x32Block r = {{0u, 0u, 0u, 0u}};
+    if constexpr (K == RoundKind::Stochastic) r = philox_block(seed, offset + uint64_t(g));
+    Quad<T> out;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      RoundEvents ev;
+      const uint64_t v =
+          s2fp8_element<K, kSubExp>(Widen<uint64_t>::from(in.v[k]), s, inv_alpha, p, r.w[k], ev);
+      out.v[k] = s2fp8_store<T>(v, p_store);
+      if (kCount && 4 * g + k < n) tc.add(ev);
+    }
+    if (g < full_groups) {
+      reinterpret_cast<Quad<T>*>(y)[g] = out;
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (4 * g + k < n) y[4 * g + k] = out.v[k];
+    }
+  }
+  if constexpr (kCount) {
+    flush_counts(tc, counts);
+    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(counts + 3, (unsigned long long)n);
+  }
+}
+
+}  // namespace
+
+void s2fp8_cuda(const S2fp8Call& c, int64_t* sums, double* params, int64_t* counts, int device,
+                uintptr_t stream_handle) {
+  const DeviceGuard guard(device);
+  const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  auto* sums_u = reinterpret_cast<unsigned long long*>(sums);
+  check(cudaMemsetAsync(sums, 0, kSumSize * sizeof(int64_t), stream), "cudaMemsetAsync");
+  const int grid = grid_size(device, max_of<int64_t>((c.q.n + 3) / 4, 1));
+  dispatch_s2fp8(c.q, [&](auto in, auto, auto, auto kind, auto count, auto sub_exp) {
+    using T = typename decltype(in)::type;
+    const T* x = static_cast<const T*>(c.q.x);
+    T* y = static_cast<T*>(c.q.y);
+    const bool quad_io = quad_aligned<T>(x) && quad_aligned<T>(y);
+    if (c.q.n > 0) s2fp8_reduce_kernel<T><<<grid, kThreads, 0, stream>>>(x, c.q.n, quad_io, sums_u);
+    s2fp8_stats_kernel<<<1, 1, 0, stream>>>(sums, c.log_max, params);
+    if (c.q.n > 0)
+      s2fp8_transform_kernel<T, decltype(kind)::value, decltype(count)::value,
+                             decltype(sub_exp)::value><<<grid, kThreads, 0, stream>>>(
+          x, y, c.q.n, quad_io, params, c.q.p64, c.p_store, c.q.seed, c.q.offset,
+          reinterpret_cast<unsigned long long*>(counts));
+  });
+  check(cudaGetLastError(), "kernel launch");
+}
+
+}  // namespace lowfp

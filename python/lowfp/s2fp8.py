@@ -1,0 +1,168 @@
+"""S2FP8: shifted-and-squeezed 8-bit truncation with per-tensor statistics (DESIGN §4).
+
+>>> import torch, lowfp
+>>> g = torch.tensor([3e-7, -1e-6, 2.5e-6, 0.0])
+>>> y, st = lowfp.s2fp8_quantize(g)
+>>> round(st.m - st.mu, 6) > 0, (y == 0).tolist()
+(True, [False, False, False, True])
+
+One reduction pass computes μ = mean log2|x| and m = max log2|x| over the finite nonzero
+elements (in double, order-independent, so every thread count and the GPU agree bit for bit);
+one element pass maps x to Y = sign(x) 2^β |x|^α, rounds Y to the 8-bit format and maps it back.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple, Union
+
+import numpy as np
+import torch
+
+from . import backends
+from ._memory import new_output
+from .formats import Format, S2FP8, to_format, to_precision
+from .quantize import (DTYPE_CODES, ROUNDING_MODES, _Call, _check_tensor_args, _make_call,
+                       _numpy_as_tensor)
+from .stats import Stats
+
+__all__ = ["S2FP8", "S2FP8Stats", "s2fp8_quantize"]
+
+_SUM_FIELDS = ("log_high", "log_low", "count", "max_abs_bits")
+
+
+class S2FP8Stats:
+    """α, β, μ, m of one S2FP8 call and the number of finite nonzero elements they were taken
+    over (``count``). The values live in device tensors (``params``: float64 [α, β, μ, m];
+    ``sums``: the reduction's int64 accumulators) and are read only when a property is used, so a
+    GPU call does not synchronise."""
+
+    def __init__(self, device: Union[str, torch.device], numel: int):
+        self.sums = torch.zeros(4, dtype=torch.int64, device=device)
+        self.params = torch.zeros(4, dtype=torch.float64, device=device)
+        self.numel = numel
+
+    alpha = property(lambda self: float(self.params[0]), doc="squeeze exponent α")
+    beta = property(lambda self: float(self.params[1]), doc="shift β (log2 units)")
+    mu = property(lambda self: float(self.params[2]), doc="mean log2|x| over finite nonzero x")
+    m = property(lambda self: float(self.params[3]), doc="max log2|x| over finite nonzero x")
+    count = property(lambda self: int(self.sums[2]), doc="finite nonzero elements")
+
+    def as_dict(self) -> Dict[str, float]:
+        alpha, beta, mu, m = self.params.tolist()
+        return {"alpha": alpha, "beta": beta, "mu": mu, "m": m, "count": self.count,
+                "numel": self.numel}
+
+    def __repr__(self) -> str:
+        d = self.as_dict()
+        return ("S2FP8Stats(alpha={alpha!r}, beta={beta!r}, mu={mu!r}, m={m!r}, count={count}, "
+                "numel={numel})").format(**d)
+
+
+def _run(x: torch.Tensor, y: torch.Tensor, spec: S2FP8, call: _Call, result: S2FP8Stats,
+         stats: Optional[Stats]) -> torch.Tensor:
+    backend = backends.for_device(x.device, "x")
+    src = x.contiguous()
+    dst = y if y.is_contiguous() else torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    counts = stats.counts.data_ptr() if stats is not None else 0
+    backend.s2fp8(src, DTYPE_CODES[src.dtype], dst, src.numel(), call.args(), spec.log_max,
+                  result.sums, result.params, counts)
+    if dst is not y:
+        y.copy_(dst)
+    return y
+
+
+class _S2FP8Function(torch.autograd.Function):
+    """Straight-through estimator; the gradient is optionally rounded to grad_fmt (an S2FP8
+    grad_fmt truncates it with the gradient's own statistics)."""
+
+    @staticmethod
+    def forward(ctx, x, spec, call, result, stats, grad_fmt, grad_rounding):
+        ctx.grad_spec = (grad_fmt, grad_rounding)
+        return _run(x, new_output(x.shape, x.dtype, x.device), spec, call, result, stats)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_fmt, grad_rounding = ctx.grad_spec
+        if grad_fmt is not None:
+            from .quantize import quantize
+            grad = quantize(grad, grad_fmt, grad_rounding)
+        return grad, None, None, None, None, None, None
+
+
+def apply_s2fp8(x: torch.Tensor, spec: S2FP8, rounding: str, *, overflow=None, subnormals=None,
+                seed=None, generator=None, offset=0, sr_bits=32, stats=None, out=None,
+                out_dtype=None, grad_fmt=None, grad_rounding="nearest"
+                ) -> Tuple[torch.Tensor, S2FP8Stats]:
+    """S2FP8 on a tensor (``quantize`` and ``s2fp8_quantize`` both end here)."""
+    _check_tensor_args(x, out, stats)
+    if out is not None and out.dtype != x.dtype:
+        raise ValueError(f"S2FP8 returns x's dtype {x.dtype}, but out has dtype {out.dtype}")
+    if out_dtype is not None and out_dtype != x.dtype:
+        raise ValueError(f"S2FP8 returns x's dtype {x.dtype}; out_dtype={out_dtype} is not supported")
+    call = _make_call(spec.fmt, rounding, overflow, subnormals, seed, generator, offset, sr_bits)
+    reason = call.fmt.fit_error(torch.float64)
+    if reason:
+        raise ValueError(f"fmt {call.fmt} cannot be used by S2FP8: {reason}")
+    if grad_fmt is not None:
+        grad_fmt = to_precision(grad_fmt, "grad_fmt")
+        if grad_rounding not in ROUNDING_MODES:
+            raise ValueError(f"grad_rounding must be one of {ROUNDING_MODES}, got {grad_rounding!r}")
+    result = S2FP8Stats(x.device, x.numel())
+    if x.requires_grad and torch.is_grad_enabled():
+        if out is not None:
+            raise ValueError("out= does not support automatic differentiation (x requires grad); "
+                             "drop out= or run under torch.no_grad()")
+        y = _S2FP8Function.apply(x, spec, call, result, stats, grad_fmt, grad_rounding)
+        return y, result
+    y = out if out is not None else new_output(x.shape, x.dtype, x.device)
+    return _run(x, y, spec, call, result, stats), result
+
+
+def s2fp8_quantize(x, fmt: Union[Format, S2FP8, str] = "float8_e5m2", *,
+                   log_max: Optional[float] = None, rounding: str = "nearest",
+                   overflow: Optional[str] = None, subnormals: Optional[bool] = None,
+                   seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                   offset: int = 0, sr_bits: int = 32, stats: Optional[Stats] = None, out=None,
+                   truncate_grad: bool = False):
+    """Truncate ``x`` with S2FP8 and return ``(x', S2FP8Stats)``; x' has x's shape and dtype.
+
+    Args:
+        x: torch tensor (CPU or CUDA) or numpy array of float16, bfloat16 (torch), float32 or
+            float64; never modified (unless it is also ``out``).
+        fmt: the 8-bit format Y is rounded to (default float8_e5m2; any format that fits
+            float64), or a :class:`lowfp.S2FP8`, which also gives ``log_max``.
+        log_max: the maximum of log2|Y| (default 15).
+        rounding, overflow, subnormals, seed, generator, offset, sr_bits: how Y is rounded, as
+            in :func:`lowfp.quantize`.
+        stats: a :class:`lowfp.Stats` that accumulates the overflow/underflow/nan counts of Y's
+            rounding (an infinite x counts as an overflow, a NaN as a nan).
+        out: write x' here (same shape and dtype).
+        truncate_grad: the gradient passes straight through (default) or, when True, is itself
+            truncated by S2FP8 with its own statistics (round to nearest).
+    """
+    if isinstance(fmt, S2FP8):
+        if log_max is not None and float(log_max) != fmt.log_max:
+            raise ValueError(f"log_max={log_max} conflicts with fmt={fmt}")
+        spec = fmt
+    else:
+        spec = S2FP8(to_format(fmt, "fmt"), 15.0 if log_max is None else log_max)
+    if not isinstance(truncate_grad, bool):
+        raise TypeError(f"truncate_grad must be a bool, got {type(truncate_grad).__name__}")
+    kwargs = dict(overflow=overflow, subnormals=subnormals, seed=seed, generator=generator,
+                  offset=offset, sr_bits=sr_bits, stats=stats)
+    if isinstance(x, np.ndarray):
+        if truncate_grad:
+            raise ValueError("truncate_grad applies to torch tensors only")
+        xt = _numpy_as_tensor(x, "x")
+        if out is not None:
+            if not isinstance(out, np.ndarray) or not out.flags.writeable:
+                raise TypeError("out must be a writeable numpy.ndarray for array input")
+            y, result = apply_s2fp8(xt, spec, rounding, **kwargs)
+            np.copyto(out, y.numpy())
+            return out, result
+        y, result = apply_s2fp8(xt, spec, rounding, **kwargs)
+        return y.numpy(), result
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+    return apply_s2fp8(x, spec, rounding, out=out, grad_fmt=spec if truncate_grad else None,
+                       **kwargs)

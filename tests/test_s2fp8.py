@@ -1,0 +1,289 @@
+"""S2FP8 (DESIGN §4) against a float64 reference of its equations written here.
+
+Reference: mu = mean log2|x| (math.fsum), m = max log2|x| over finite nonzero x, alpha =
+log_max / (m - mu), beta = -alpha mu, Y = sign(x) 2^(alpha log2|x| + beta), Y rounded to the
+format (ml_dtypes for float8_e5m2 to nearest; lowfp.quantize, tested against exact references
+elsewhere, for other formats and modes), x' = sign(Y_r) 2^((log2|Y_r| - beta) / alpha) in float64,
+then cast to x's dtype.
+
+Bound stated and checked: lowfp computes log2 and exp2 with its own deterministic double
+routines (a few ulp from numpy's), so its float64 x' is within 1e-13 relative of the reference's
+(the exponent (log2|Y_r| - beta) / alpha is up to ~1000 in size, and an ulp of it moves 2^t by
+~1e-13 relative); after the final cast to a narrower dtype the results are equal except where the
+reference lies that close to a rounding boundary, where they differ by one ulp of that dtype.
+"""
+
+import math
+import pickle
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import lowfp
+
+FP8 = "float8_e5m2"
+
+
+def reference(x: np.ndarray, log_max=15.0, fmt=FP8, rounding="nearest", seed=None):
+    x = np.asarray(x, dtype=np.float64)
+    a = np.abs(x)
+    use = np.isfinite(a) & (a > 0)
+    logs = np.log2(a[use])
+    if logs.size == 0:
+        return dict(alpha=1.0, beta=0.0, mu=0.0, m=0.0, y=None, xr=x.copy(), use=use)
+    mu = math.fsum(logs) / logs.size
+    m = float(logs.max())
+    if m - mu > 2.0 ** -32:
+        alpha = log_max / (m - mu)
+        beta = -alpha * mu
+    else:  # one magnitude (lowfp's threshold: 2^-32 of a binade)
+        alpha, beta = 1.0, -mu
+    y = np.zeros_like(x)
+    with np.errstate(over="ignore"):
+        y[use] = np.sign(x[use]) * np.exp2(alpha * logs + beta)
+    if fmt == FP8 and rounding == "nearest":
+        yr = y.astype(ml_dtypes.float8_e5m2).astype(np.float64)
+    else:
+        yr = lowfp.quantize(y, fmt, rounding, seed=seed)
+    xr = x.copy()
+    back = use & np.isfinite(yr) & (yr != 0)
+    with np.errstate(over="ignore"):
+        xr[back] = np.sign(yr[back]) * np.exp2((np.log2(np.abs(yr[back])) - beta) * (1.0 / alpha))
+    xr[use & ~back] = yr[use & ~back]
+    return dict(alpha=alpha, beta=beta, mu=mu, m=m, y=y, yr=yr, xr=xr, use=use)
+
+
+def check_stats(st, ref):
+    for name in ("alpha", "beta", "mu", "m"):
+        # mu is summed in 2^-48 steps of log2: up to 2^-49 absolute besides the relative error.
+        assert getattr(st, name) == pytest.approx(ref[name], rel=1e-12, abs=2.0 ** -45), name
+
+
+def ulps_apart(a: np.ndarray, b: np.ndarray, dtype) -> np.ndarray:
+    """Distance in ulps of `dtype` between two arrays of that dtype (finite, same sign)."""
+    it = {np.float32: np.int32, np.float64: np.int64, np.float16: np.int16}[dtype]
+    return np.abs(a.astype(dtype).view(it).astype(np.int64) - b.astype(dtype).view(it).astype(np.int64))
+
+
+def gradients_like(n, seed=0):
+    g = np.random.default_rng(seed)
+    return (g.standard_normal(n) * 2.0 ** -20).astype(np.float32)
+
+
+def activations_like(n, seed=1):
+    g = np.random.default_rng(seed)
+    return (np.sign(g.standard_normal(n)) * np.exp2(g.uniform(-10, 10, n))).astype(np.float32)
+
+
+@pytest.mark.parametrize("make", [gradients_like, activations_like])
+def test_float32_against_reference(make):
+    x = make(1 << 20)
+    y, st = lowfp.s2fp8_quantize(torch.from_numpy(x))
+    ref = reference(x)
+    check_stats(st, ref)
+    assert st.count == x.size and st.numel == x.size
+    want = ref["xr"].astype(np.float32)
+    got = y.numpy()
+    d = ulps_apart(got, want, np.float32)
+    assert d.max() <= 1
+    assert (d == 0).mean() > 0.999  # equal except at float32 rounding boundaries
+    # log2|Y| has mean 0 and max log_max before rounding.
+    assert st.alpha * ref["mu"] + st.beta == pytest.approx(0.0, abs=1e-9)
+    assert st.alpha * ref["m"] + st.beta == pytest.approx(15.0, rel=1e-12)
+
+
+def test_float64_spanning_more_than_float32_range():
+    g = np.random.default_rng(2)
+    logs = np.concatenate([g.uniform(-1000, -900, 2000), g.normal(0, 60, 198_000)])
+    x = np.sign(g.standard_normal(logs.size)) * np.exp2(logs)  # magnitudes 2^-1000 .. 2^250
+    stats = lowfp.Stats()
+    y, st = lowfp.s2fp8_quantize(x, stats=stats)
+    assert isinstance(y, np.ndarray) and y.dtype == np.float64
+    ref = reference(x)
+    check_stats(st, ref)
+    nz = ref["xr"] != 0
+    assert np.array_equal(y == 0, ~nz)  # the same elements underflow in Y
+    rel = np.abs(y[nz] - ref["xr"][nz]) / np.abs(ref["xr"][nz])
+    assert rel.max() < 1e-13
+    # Y's underflows are counted: finite nonzero x whose Y rounds to zero.
+    assert stats.underflow == int((ref["use"] & (ref["yr"] == 0)).sum()) > 0
+    assert stats.overflow == 0 and stats.nan == 0 and stats.numel == x.size
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_inputs(dtype):
+    x = torch.from_numpy(activations_like(100_000) / 64).to(dtype)
+    y, st = lowfp.s2fp8_quantize(x)
+    assert y.dtype == dtype
+    ref = reference(x.double().numpy())
+    check_stats(st, ref)
+    want = torch.from_numpy(ref["xr"]).to(dtype)  # torch rounds float64 to 16 bits directly
+    diff = (y.float() - want.float()).abs()
+    ulp = torch.from_numpy(np.spacing(np.abs(want.float().numpy())))
+    one_ulp = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
+    assert bool((diff <= want.float().abs() * one_ulp + ulp).all())
+    assert (y == want).float().mean().item() > 0.999
+
+
+@pytest.mark.parametrize("fmt,rounding,log_max", [
+    ("float8_e4m3fn", "nearest", 8.0),
+    ("fp(4,3,4)", "nearest", 4.0),
+    (FP8, "toward_zero", 15.0),
+    (FP8, "up", 15.0),
+    (FP8, "down", 12.0),
+    (FP8, "nearest_away", 15.0),
+    (FP8, "stochastic", 15.0),
+    ("float8_e4m3fn", "stochastic", 8.0),
+])
+def test_other_formats_and_modes(fmt, rounding, log_max):
+    x = activations_like(200_000, seed=3)
+    y, st = lowfp.s2fp8_quantize(torch.from_numpy(x), fmt, log_max=log_max, rounding=rounding,
+                                 seed=11)
+    ref = reference(x, log_max, fmt, rounding, seed=11)
+    check_stats(st, ref)
+    d = ulps_apart(y.numpy(), ref["xr"].astype(np.float32), np.float32)
+    assert d.max() <= 1 and (d == 0).mean() > 0.999
+
+
+def test_stochastic_depends_on_seed_only():
+    x = torch.from_numpy(gradients_like(300_000))
+    a, _ = lowfp.s2fp8_quantize(x, rounding="stochastic", seed=5)
+    b, _ = lowfp.s2fp8_quantize(x, rounding="stochastic", seed=5)
+    c, _ = lowfp.s2fp8_quantize(x, rounding="stochastic", seed=6)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    torch.manual_seed(1)
+    d, _ = lowfp.s2fp8_quantize(x, rounding="stochastic")
+    torch.manual_seed(1)
+    e, _ = lowfp.s2fp8_quantize(x, rounding="stochastic")
+    assert torch.equal(d, e)
+
+
+def test_results_do_not_depend_on_thread_count():
+    x = torch.from_numpy(activations_like(1 << 20, seed=4))
+    old = lowfp.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            lowfp.set_num_threads(n)
+            y, st = lowfp.s2fp8_quantize(x, rounding="stochastic", seed=3)
+            outs.append((y, st.sums.clone(), st.params.clone()))
+    finally:
+        lowfp.set_num_threads(old)
+    for y, sums, params in outs[1:]:
+        assert torch.equal(y, outs[0][0])
+        assert torch.equal(sums, outs[0][1]) and torch.equal(params, outs[0][2])
+
+
+def test_zeros_signs_nan_inf():
+    x = torch.tensor([0.0, -0.0, 1e-3, -2e-3, float("nan"), float("inf"), -float("inf"), 5.0, -7.0])
+    stats = lowfp.Stats()
+    y, st = lowfp.s2fp8_quantize(x, stats=stats)
+    assert st.count == 4  # finite nonzero only
+    assert y[0].item() == 0 and math.copysign(1, y[0].item()) == 1
+    assert y[1].item() == 0 and math.copysign(1, y[1].item()) == -1
+    assert math.isnan(y[4].item()) and y[5].item() == math.inf and y[6].item() == -math.inf
+    assert bool((torch.sign(y[2:4]) == torch.sign(x[2:4])).all()) and y[8].item() < 0
+    assert stats.nan == 1 and stats.overflow == 2 and stats.numel == 9
+    ref = reference(x.numpy())
+    check_stats(st, ref)
+
+
+def test_no_finite_nonzero_element():
+    for x in (torch.zeros(10), torch.tensor([0.0, float("nan"), -float("inf")]), torch.empty(0)):
+        y, st = lowfp.s2fp8_quantize(x)
+        assert (st.alpha, st.beta, st.count) == (1.0, 0.0, 0)
+        assert torch.equal(y.isnan(), x.isnan())
+        assert torch.equal(torch.nan_to_num(y), torch.nan_to_num(x)) and y.shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_one_repeated_magnitude(dtype):
+    x = torch.tensor([3.3e-3, -3.3e-3] * 500, dtype=dtype)
+    y, st = lowfp.s2fp8_quantize(x)
+    assert st.alpha == 1.0 and st.beta == pytest.approx(-math.log2(abs(x[0].item())), rel=1e-12)
+    if dtype == torch.float64:
+        assert torch.allclose(y, x, rtol=1e-14, atol=0)
+    else:
+        assert torch.equal(y, x)
+
+
+def test_layouts_out_and_inplace():
+    base = torch.from_numpy(activations_like(40_000, seed=5)).reshape(200, 200)
+    view = base.t()[::2]  # non-contiguous
+    want, st_want = lowfp.s2fp8_quantize(view.contiguous())
+    got, st = lowfp.s2fp8_quantize(view)
+    assert torch.equal(got, want) and torch.equal(st.params, st_want.params)
+    out = torch.empty(100, 200).t()
+    r, _ = lowfp.s2fp8_quantize(view, out=out.t())
+    assert torch.equal(r, want)
+    x0 = torch.tensor(5.0)
+    assert lowfp.s2fp8_quantize(x0)[0].shape == ()
+    c = view.clone()
+    lowfp.quantize_(c, lowfp.S2FP8())
+    assert torch.equal(c, want)
+    keep = base.clone()
+    lowfp.s2fp8_quantize(base)
+    assert torch.equal(base, keep)  # the input is not modified
+
+
+def test_quantize_accepts_s2fp8_as_a_format():
+    x = torch.from_numpy(gradients_like(10_000))
+    want, _ = lowfp.s2fp8_quantize(x, "float8_e4m3fn", log_max=8)
+    spec = lowfp.S2FP8("float8_e4m3fn", log_max=8)
+    assert torch.equal(lowfp.quantize(x, spec), want)
+    assert torch.equal(lowfp.quantize(x, str(spec)), want)
+    assert torch.equal(lowfp.quantize(x, "s2fp8"), lowfp.s2fp8_quantize(x)[0])
+    assert lowfp.S2FP8.parse(str(spec)) == spec and hash(lowfp.S2FP8()) == hash(lowfp.S2FP8.parse("s2fp8"))
+    assert pickle.loads(pickle.dumps(spec)) == spec and spec.bits == 8
+    assert torch.equal(lowfp.s2fp8_quantize(x, spec)[0], want)
+
+
+def test_gradients():
+    x = torch.from_numpy(gradients_like(1000)).requires_grad_()
+    up = torch.from_numpy(activations_like(1000))
+    y, _ = lowfp.s2fp8_quantize(x)
+    y.backward(up)
+    assert torch.equal(x.grad, up)  # straight through
+    x.grad = None
+    y, _ = lowfp.s2fp8_quantize(x, truncate_grad=True)
+    y.backward(up)
+    assert torch.equal(x.grad, lowfp.s2fp8_quantize(up)[0]) and not torch.equal(x.grad, up)
+    x.grad = None
+    lowfp.quantize(x, "s2fp8", grad_fmt="s2fp8").backward(up)
+    assert torch.equal(x.grad, lowfp.s2fp8_quantize(up)[0])
+
+
+def test_bad_arguments():
+    x = torch.ones(4)
+    with pytest.raises(ValueError, match="log_max"):
+        lowfp.s2fp8_quantize(x, log_max=-1)
+    with pytest.raises(TypeError, match="log_max"):
+        lowfp.S2FP8(log_max="15")
+    with pytest.raises(ValueError, match="dtype"):
+        lowfp.s2fp8_quantize(x, out=torch.empty(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="out_dtype"):
+        lowfp.quantize(x, "s2fp8", out_dtype=torch.float64)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        lowfp.s2fp8_quantize(torch.ones(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="rounding"):
+        lowfp.s2fp8_quantize(x, rounding="bad")
+    with pytest.raises(ValueError, match="S2FP8"):
+        lowfp.quantize(x, "S2FP8(float8_e5m2")
+    with pytest.raises(ValueError, match="conflicts"):
+        lowfp.s2fp8_quantize(x, lowfp.S2FP8(log_max=8), log_max=15)
+
+
+def test_deterministic_log2_exp2_accuracy():
+    g = np.random.default_rng(7)
+    xs = np.concatenate([np.exp2(g.uniform(-1074, 1023, 20000)), 1 + g.uniform(-1e-3, 1e-3, 2000),
+                         [5e-324, 2.2e-308, 1.0, 2.0, 0.5, 1.7976931348623157e308]])
+    for v in xs:
+        got, want = lowfp._C.log2_det(float(v)), math.log2(v)
+        assert abs(got - want) <= 4 * math.ulp(want) + 1e-300, v
+    for t in np.concatenate([g.uniform(-1022, 1023, 20000), [-0.5, 0.5, 0.0, 1023.9]]):
+        got, want = lowfp._C.exp2_det(float(t)), 2.0 ** float(t)
+        assert abs(got - want) <= 3 * math.ulp(want), t
+    assert lowfp._C.exp2_det(1024.5) == math.inf and lowfp._C.exp2_det(-1080.0) == 0.0
+    assert lowfp._C.exp2_det(-1074.0) == 5e-324
