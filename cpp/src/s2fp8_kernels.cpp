@@ -38,23 +38,29 @@ void transform(const S2fp8Call& c, const S2fp8Stats& s, int64_t begin, int64_t e
   const RoundParams<uint64_t>& p = c.q.p64;
   const double inv_alpha = 1.0 / s.alpha;
   alignas(64) uint32_t rand[kTile];
+  alignas(64) uint64_t y_bits[kTile];
   for (int64_t t0 = begin; t0 < end; t0 += kTile) {
     const int64_t len = min_of(kTile, end - t0);
     if constexpr (Kind == RoundKind::Stochastic)
       philox_fill(rand, c.q.seed, c.q.offset + uint64_t(t0) / 4, (len + 3) / 4);
+    const T* xt = x + t0;
+    for (int64_t i = 0; i < len; ++i)  // vectorised
+      y_bits[i] = s2fp8_squeeze(Widen<uint64_t>::from(xt[i]), s);
     uint64_t above_max = 0, underflow = 0, nan = 0;
-    for (int64_t i = 0; i < len; ++i) {
+    for (int64_t i = 0; i < len; ++i) {  // scalar: 64-bit per-lane shifts
       RoundEvents ev;
       const uint32_t r = Kind == RoundKind::Stochastic ? rand[i] : 0u;
-      const uint64_t v = s2fp8_element<Kind, kSubExp>(Widen<uint64_t>::from(x[t0 + i]), s,
-                                                       inv_alpha, p, r, ev);
-      y[t0 + i] = s2fp8_store<T>(v, c.p_store);
+      y_bits[i] = round_bits<Kind, uint64_t, kSubExp>(y_bits[i], p, r, ev);
       if constexpr (kCount) {
         above_max += uint64_t(ev.above_max);
         underflow += uint64_t(ev.underflow);
         nan += uint64_t(ev.nan);
       }
     }
+    T* yt = y + t0;  // may alias xt: element i is read before it is written
+    for (int64_t i = 0; i < len; ++i)  // vectorised
+      yt[i] = s2fp8_store<T>(s2fp8_unsqueeze(Widen<uint64_t>::from(xt[i]), y_bits[i], s, inv_alpha),
+                             c.p_store);
     counts.overflow += int64_t(above_max) - int64_t(nan);  // see RoundEvents
     counts.underflow += int64_t(underflow);
     counts.nan += int64_t(nan);

@@ -32,7 +32,9 @@ struct S2fp8Stats {
   double alpha, beta, mu, m;
 };
 
-LOWFP_HD bool finite_nonzero_abs(uint64_t abs_bits) { return abs_bits != 0 && abs_bits < kF64ExpMask; }
+constexpr uint64_t kOneBits = 0x3FF0000000000000ull;  // 1.0: a harmless stand-in operand
+
+LOWFP_HD bool finite_nonzero_abs(uint64_t abs_bits) { return (abs_bits - 1) < (kF64ExpMask - 1); }
 
 // log2|x| in fixed point, rounded to the nearest step, ties away from zero (|log2 x| < 1075, so
 // it fits 59 bits).
@@ -48,13 +50,14 @@ struct S2fp8Partial {
   uint64_t low = 0;
   int64_t count = 0;
   uint64_t max_abs = 0;
-  LOWFP_HD void add(uint64_t abs_bits) {
+  LOWFP_HD void add(uint64_t abs_bits) {  // branch-free: the CPU loop over it vectorises
     const bool use = finite_nonzero_abs(abs_bits);
-    const int64_t q = s2fp8_fixed_log(bit_cast<double>(use ? abs_bits : uint64_t(0x3FF0000000000000ull)));
-    high += use ? (q >> 32) : 0;
-    low += use ? uint64_t(q) & 0xFFFFFFFFull : 0;
-    count += use ? 1 : 0;
-    max_abs = use && abs_bits > max_abs ? abs_bits : max_abs;
+    const uint64_t mask = uint64_t(0) - uint64_t(use);
+    const int64_t q = s2fp8_fixed_log(bit_cast<double>(select(use, abs_bits, kOneBits)));
+    high += int64_t(uint64_t(q >> 32) & mask);
+    low += uint64_t(q) & 0xFFFFFFFFull & mask;
+    count += int64_t(use);
+    max_abs = max_of(max_abs, abs_bits & mask);
   }
   LOWFP_HD void carry() {  // keeps low below 2^32 without changing high * 2^32 + low
     high += int64_t(low >> 32);
@@ -76,23 +79,38 @@ LOWFP_HD S2fp8Stats s2fp8_stats(const int64_t* sums, double log_max) {
   return {alpha, -alpha * mu, mu, m};
 }
 
-// x' for one element given as float64 bits. Zeros, infinities and NaN pass through; the
-// rounding of Y reports its events (an infinite or NaN x reports them as quantize would).
+// The element transform in three steps, so a CPU loop can run the two transcendental steps
+// vectorised and the rounding (whose 64-bit per-lane shifts gcc does not vectorise) on its own.
+// Zeros, infinities and NaN pass through: s2fp8_squeeze gives them to the rounding unchanged
+// (so an infinite or NaN x reports its events as quantize would) and s2fp8_unsqueeze returns x.
+
+// Y = sign(x) 2^(alpha log2|x| + beta) as float64 bits.
+LOWFP_HD uint64_t s2fp8_squeeze(uint64_t x, const S2fp8Stats& s) {
+  const uint64_t abs_x = x & ~kF64SignBit;
+  const bool use = finite_nonzero_abs(abs_x);
+  const double log_x = log2_det(bit_cast<double>(select(use, abs_x, kOneBits)));
+  const double y = exp2_det(s.alpha * log_x + s.beta);
+  return select(use, bit_cast<uint64_t>(y) | (x & kF64SignBit), x);
+}
+
+// x' = sign(Y_r) 2^((log2|Y_r| - beta) / alpha), Y_r the rounded Y; a Y_r of +-0 (underflow),
+// +-inf or NaN is kept.
+LOWFP_HD uint64_t s2fp8_unsqueeze(uint64_t x, uint64_t y_rounded, const S2fp8Stats& s,
+                                  double inv_alpha) {
+  const uint64_t abs_r = y_rounded & ~kF64SignBit;
+  const bool back = finite_nonzero_abs(abs_r);
+  const double log_r = log2_det(bit_cast<double>(select(back, abs_r, kOneBits)));
+  const double x_new = exp2_det((log_r - s.beta) * inv_alpha);
+  const uint64_t out = select(back, bit_cast<uint64_t>(x_new) | (y_rounded & kF64SignBit), y_rounded);
+  return select(finite_nonzero_abs(x & ~kF64SignBit), out, x);
+}
+
+// All three steps for one element (x as float64 bits); the rounding reports its events.
 template <RoundKind Kind, bool kSubExp>
 LOWFP_HD uint64_t s2fp8_element(uint64_t x, const S2fp8Stats& s, double inv_alpha,
                                 const RoundParams<uint64_t>& p, uint32_t rand, RoundEvents& ev) {
-  const uint64_t sign = x & kF64SignBit, abs_x = x & ~kF64SignBit;
-  const bool use = finite_nonzero_abs(abs_x);
-  const double log_x = log2_det(bit_cast<double>(use ? abs_x : uint64_t(0x3FF0000000000000ull)));
-  const double y = exp2_det(s.alpha * log_x + s.beta);
-  const uint64_t y_rounded = round_bits<Kind, uint64_t, kSubExp>(use ? bit_cast<uint64_t>(y) | sign : x,
-                                                                 p, rand, ev);
-  const uint64_t abs_r = y_rounded & ~kF64SignBit;
-  const bool back = finite_nonzero_abs(abs_r);  // else +-0 (underflow), +-inf or NaN: kept
-  const double log_r = log2_det(bit_cast<double>(back ? abs_r : uint64_t(0x3FF0000000000000ull)));
-  const double x_new = exp2_det((log_r - s.beta) * inv_alpha);
-  const uint64_t out = back ? bit_cast<uint64_t>(x_new) | (y_rounded & kF64SignBit) : y_rounded;
-  return use ? out : x;
+  const uint64_t y = round_bits<Kind, uint64_t, kSubExp>(s2fp8_squeeze(x, s), p, rand, ev);
+  return s2fp8_unsqueeze(x, y, s, inv_alpha);
 }
 
 // x' in the storage type: float16/bfloat16 take one rounding to nearest from float64 (p_store),

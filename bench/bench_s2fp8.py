@@ -1,0 +1,74 @@
+"""S2FP8 throughput against plain lowfp.quantize to the same format, measured in the same run.
+
+    python bench/bench_s2fp8.py [--device cpu|cuda|all] [--size N] [--gpu-size N] [--json FILE]
+
+Both sides round to float8_e5m2 (and float8_e4m3fn with log_max 8) on the same float32 data
+(gradient-like values around 2^-20). Target (issue 4): S2FP8 >= 0.4x plain quantize.
+"""
+
+import argparse
+import json
+import sys
+
+import torch
+
+import lowfp
+from lowfp.bench import _time, _time_cuda, machine_description
+
+CASES = [("float8_e5m2", 15.0), ("float8_e4m3fn", 8.0)]
+
+
+def run(device: str, size: int, repeats: int):
+    timer = _time if device == "cpu" else _time_cuda
+    torch.manual_seed(0)
+    x = torch.randn(size, device=device) * 2.0 ** -20
+    y = torch.empty_like(x)
+    rows = [("y.copy_(x)", timer(lambda: y.copy_(x), repeats), None)]
+    for fmt, log_max in CASES:
+        spec = lowfp.S2FP8(fmt, log_max)
+        for mode in ("nearest", "stochastic"):
+            for alloc in (True, False):
+                out = None if alloc else y
+                how = "allocating" if alloc else "out="
+                q = timer(lambda: lowfp.quantize(x, fmt, mode, seed=1, out=out), repeats)
+                s = timer(lambda: lowfp.quantize(x, spec, mode, seed=1, out=out), repeats)
+                rows.append((f"quantize {fmt} {mode} {how}", q, None))
+                rows.append((f"S2FP8 {fmt} {mode} {how}", s, q))
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("cpu", "cuda", "all"), default="all")
+    p.add_argument("--size", type=int, default=1 << 24, help="float32 elements on the CPU")
+    p.add_argument("--gpu-size", type=int, default=1 << 28, help="float32 elements on the GPU")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
+    if args.device == "all" and not (torch.cuda.is_available() and lowfp.cuda_built()):
+        devices = ["cpu"]
+    print("machine:", machine_description())
+    results = {}
+    for dev in devices:
+        size = args.size if dev == "cpu" else args.gpu_size
+        name = torch.cuda.get_device_name() if dev == "cuda" else "CPU"
+        print(f"\n{name}: {size} float32 elements, best of {args.repeats}")
+        print(f"{'what':50s} {'elements/s':>11s} {'S2FP8 / quantize':>17s}")
+        rows = run(dev, size, args.repeats)
+        ratios = []
+        for label, sec, base in rows:
+            ratio = "" if base is None else f"{base / sec:17.2f}"
+            if base is not None:
+                ratios.append(base / sec)
+            print(f"{label:50s} {size / sec:11.3e} {ratio}")
+        print(f"S2FP8 / quantize, min over cases (target >= 0.4): {min(ratios):.2f}")
+        results[dev] = [{"label": l, "seconds": s, "elements_per_s": size / s} for l, s, _ in rows]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine_description(), "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
