@@ -287,3 +287,13 @@ def test_deterministic_log2_exp2_accuracy():
         assert abs(got - want) <= 3 * math.ulp(want), t
     assert lowfp._C.exp2_det(1024.5) == math.inf and lowfp._C.exp2_det(-1080.0) == 0.0
     assert lowfp._C.exp2_det(-1074.0) == 5e-324
+
+
+def test_demo_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+    demo = Path(__file__).resolve().parents[1] / "examples" / "s2fp8_demo.py"
+    out = subprocess.run([sys.executable, str(demo), "--size", "4096"], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.count("S2FP8 (alpha=") == 5 and "loss scale 2^" in out
