@@ -14,11 +14,18 @@ struct Kernel {
   void (*quantize)(const QuantizeCall&, int64_t, int64_t, EventCounts&);
   void (*s2fp8_reduce)(const S2fp8Call&, int64_t, int64_t, S2fp8Partial&);
   void (*s2fp8_transform)(const S2fp8Call&, const S2fp8Stats&, int64_t, int64_t, EventCounts&);
+  void (*extra_bits_step)(const ExtraBitsStep&, int64_t, int64_t, int64_t, EventCounts&);
+  void (*extra_bits_split)(const ExtraBitsParams&, Rounding, const ExtraBitsSplit&, int64_t, int64_t,
+                           EventCounts&);
+  void (*extra_bits_merge)(const ExtraBitsParams&, const ExtraBitsMerge&, int64_t, int64_t);
   const char* name;
 };
 
-#define LOWFP_KERNEL(ns, name) \
-  { ns::quantize_range, ns::s2fp8_reduce_range, ns::s2fp8_transform_range, name }
+#define LOWFP_KERNEL(ns, name)                                                     \
+  {                                                                                \
+    ns::quantize_range, ns::s2fp8_reduce_range, ns::s2fp8_transform_range,         \
+        ns::extra_bits_step_range, ns::extra_bits_split_range, ns::extra_bits_merge_range, name \
+  }
 
 bool cpu_has(const char* level) {
 #if defined(__x86_64__) && defined(LOWFP_MULTI_ISA)
@@ -139,6 +146,70 @@ void s2fp8_cpu(const S2fp8Call& call, int64_t* sums, double* params, int64_t* co
     k.s2fp8_transform(call, s, begin, end, per_thread[t]);
   });
   add_counts(per_thread, call.q.n, counts);
+}
+
+namespace {
+
+// Contiguous block ranges of one buffer of n elements, one per thread (Philox offsets follow the
+// element index, so the split does not change results).
+template <class Fn>
+void parallel_blocks(int64_t n, Fn&& fn) {
+  const int64_t blocks = (n + 31) / 32;
+  const int64_t want = (n + kMinPerThread - 1) / kMinPerThread;
+  const int threads = int(min_of<int64_t>(get_num_threads(), max_of<int64_t>(want, 1)));
+  if (threads <= 1) {
+    fn(0, int64_t(0), blocks);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+    if (b0 < b1) fn(t, b0, b1);
+  }
+}
+
+EventCounts sum(const std::vector<EventCounts>& parts) {
+  EventCounts total;
+  for (const EventCounts& c : parts) total.add(c);
+  return total;
+}
+
+}  // namespace
+
+EventCounts extra_bits_split_cpu(const ExtraBitsParams& e, Rounding mode, const ExtraBitsSplit& a) {
+  std::vector<EventCounts> parts(get_num_threads());
+  const auto fn = kernel().extra_bits_split;
+  parallel_blocks(a.n, [&](int t, int64_t b0, int64_t b1) { fn(e, mode, a, b0, b1, parts[t]); });
+  return sum(parts);
+}
+
+void extra_bits_merge_cpu(const ExtraBitsParams& e, const ExtraBitsMerge& a) {
+  const auto fn = kernel().extra_bits_merge;
+  parallel_blocks(a.n, [&](int, int64_t b0, int64_t b1) { fn(e, a, b0, b1); });
+}
+
+EventCounts extra_bits_step_cpu(const ExtraBitsStep& s) {
+  // Work items of up to kChunkBlocks blocks from every parameter, shared out dynamically.
+  constexpr int64_t kChunkBlocks = 256;
+  struct Chunk { int64_t slot, b0, b1; };
+  std::vector<Chunk> chunks;
+  int64_t total = 0;
+  for (size_t i = 0; i < s.slots.size(); ++i) {
+    const int64_t blocks = (s.slots[i].n + 31) / 32;
+    total += s.slots[i].n;
+    for (int64_t b = 0; b < blocks; b += kChunkBlocks)
+      chunks.push_back({int64_t(i), b, min_of(b + kChunkBlocks, blocks)});
+  }
+  const auto fn = kernel().extra_bits_step;
+  const int64_t want = (total + kMinPerThread - 1) / kMinPerThread;
+  const int threads = int(min_of<int64_t>(get_num_threads(), max_of<int64_t>(want, 1)));
+  std::vector<EventCounts> parts(threads);
+  const int64_t n_chunks = int64_t(chunks.size());
+#pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1)
+  for (int64_t c = 0; c < n_chunks; ++c)
+    fn(s, chunks[c].slot, chunks[c].b0, chunks[c].b1, parts[omp_get_thread_num()]);
+  return sum(parts);
 }
 
 }  // namespace lowfp

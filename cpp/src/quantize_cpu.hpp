@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 
+#include "extra_bits_call.hpp"
 #include "lowfp/s2fp8.hpp"
 #include "quantize_call.hpp"
 
@@ -22,6 +23,10 @@ constexpr int64_t kTile = 2048;
   void quantize_range(const QuantizeCall&, int64_t, int64_t, EventCounts&);                   \
   void s2fp8_reduce_range(const S2fp8Call&, int64_t, int64_t, S2fp8Partial&);                 \
   void s2fp8_transform_range(const S2fp8Call&, const S2fp8Stats&, int64_t, int64_t, EventCounts&); \
+  void extra_bits_step_range(const ExtraBitsStep&, int64_t, int64_t, int64_t, EventCounts&);  \
+  void extra_bits_split_range(const ExtraBitsParams&, Rounding, const ExtraBitsSplit&, int64_t,   \
+                              int64_t, EventCounts&);                                         \
+  void extra_bits_merge_range(const ExtraBitsParams&, const ExtraBitsMerge&, int64_t, int64_t); \
   }
 LOWFP_DECLARE_KERNEL(isa_baseline)
 LOWFP_DECLARE_KERNEL(isa_avx2)
@@ -35,6 +40,13 @@ void quantize_cpu(const QuantizeCall& call, int64_t* counts);
 // S2FP8 on the CPU threads: writes the reduction's sums (int64[kSumSize]) and the statistics
 // (double[kParamSize]: alpha, beta, mu, m), then x' into call.q.y; counts as quantize_cpu.
 void s2fp8_cpu(const S2fp8Call& call, int64_t* sums, double* params, int64_t* counts);
+
+// Extra bits (DESIGN §5) on the CPU threads; the returned counts are the 16-bit weights'
+// rounding events (overflow, underflow, nan).
+EventCounts extra_bits_split_cpu(const ExtraBitsParams& e, Rounding mode, const ExtraBitsSplit& a);
+void extra_bits_merge_cpu(const ExtraBitsParams& e, const ExtraBitsMerge& a);
+// One fused optimizer step over every slot (parameter) of a group, all threads over all blocks.
+EventCounts extra_bits_step_cpu(const ExtraBitsStep& s);
 
 const char* cpu_kernel_name();
 void set_num_threads(int n);

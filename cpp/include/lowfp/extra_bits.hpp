@@ -1,0 +1,89 @@
+// 16-bit weights plus k extra bits (DESIGN §5): split an fp32 master W into a float16/bfloat16
+// weight w and the next k bits of W's significand below the truncation t of W, merge them back
+// into W' (W truncated to 16-bit precision + k bits), and pack q bits per element (k, plus a flag
+// bit when w was rounded away from t) into blocks of 32 elements = q int32 words.
+#pragma once
+#include "round.hpp"
+#include "storage.hpp"
+
+namespace lowfp {
+
+// The 16-bit type and k; built on the host (make_extra_bits_params).
+struct ExtraBitsParams {
+  RoundParams<uint32_t> round;  // rounding of W to the 16-bit type by the chosen mode
+  int32_t m16, emin16, emax16;  // the 16-bit type's fraction bits and exponent range
+  uint32_t k;                   // extra bits per element
+  uint32_t q;                   // packed bits per element: k, + 1 flag bit unless toward_zero
+  bool bf16;
+};
+
+constexpr uint32_t kF32Abs = 0x7fffffffu, kF32Inf = 0x7f800000u;
+
+// The k bits of |W| just below the last bit of t = W truncated toward zero to the 16-bit type:
+// floor((|W| - |t|) / ulp(t) * 2^k). Zero for inf/NaN and for |W| >= 2^(emax16 + 1) (t is then
+// not in W's binade). Branch-free 32-bit integer code.
+LOWFP_HD uint32_t extra_bits_of(uint32_t w32, const ExtraBitsParams& e) {
+  const uint32_t a = w32 & kF32Abs;
+  const int32_t field = int32_t(a >> 23);
+  const int32_t exp_w = field - 127;  // -127 for zero and float32 subnormals
+  const uint32_t sig = (a & 0x7fffffu) | (field != 0 ? 0x800000u : 0u);  // |W| = sig * 2^e_w
+  const int32_t e_t = max_of(exp_w, e.emin16) - e.m16;                 // ulp(t) = 2^e_t
+  const int32_t e_w = max_of(exp_w, -126) - 23;
+  const int32_t d = e_t - e_w;  // |W| mod ulp(t) = (sig mod 2^d) * 2^e_w; d >= k for every W
+  const uint32_t low = d >= 32 ? sig : sig & ((1u << min_of(d, 31)) - 1u);
+  const uint32_t extra = low >> min_of(d - int32_t(e.k), 31);
+  return (field < 255 && exp_w <= e.emax16) ? extra : 0u;
+}
+
+// split: the 16-bit weight (W rounded by the mode), its extra bits and flag.
+template <class W16, RoundKind Kind, bool kSubExp>
+LOWFP_HD W16 split_bits(uint32_t w32, const ExtraBitsParams& e, uint32_t rand, uint32_t& extra,
+                        uint32_t& flag, RoundEvents& ev) {
+  const uint32_t w = round_bits<Kind, uint32_t, kSubExp>(w32, e.round, rand, ev);
+  // w is t or t's neighbour away from zero; the latter exactly when |w| > |W|.
+  const uint32_t a = w32 & kF32Abs;
+  flag = (a <= kF32Inf && (w & kF32Abs) > a) ? 1u : 0u;
+  extra = extra_bits_of(w32, e);
+  return Store<W16>::from(w);
+}
+
+// merge: W' = t + extra * ulp(t) / 2^k, t = w stepped one ulp toward zero when flag is set
+// (on the 16-bit pattern: from inf, a rounded-up overflow, that is the type's largest value).
+// Exact: W' is representable in float32, so the float addition does not round.
+template <class W16>
+LOWFP_HD uint32_t merge_bits(W16 w, uint32_t extra, uint32_t flag, const ExtraBitsParams& e) {
+  const uint32_t t = Widen<uint32_t>::from(W16{uint16_t(w.v - flag)});
+  const uint32_t a = t & kF32Abs;
+  const int32_t e_scale = max_of(int32_t(a >> 23) - 127, e.emin16) - e.m16 - int32_t(e.k);
+  // 2^e_scale as a float (>= 2^-149: a float32 subnormal below 2^-126)
+  const float scale = e_scale >= -126 ? bit_cast<float>(uint32_t(e_scale + 127) << 23)
+                                      : bit_cast<float>(1u << max_of(e_scale + 149, 0));
+  const uint32_t mag = bit_cast<uint32_t>(bit_cast<float>(a) + float(extra) * scale);
+  return a >= kF32Inf ? t : mag | (t & ~kF32Abs);
+}
+
+// Packing: element j of a 32-element block occupies bits [j q, (j + 1) q) of the block's q words
+// (a little-endian bit string); value = extra | flag << k.
+LOWFP_HD uint32_t unpack_one(const uint32_t* block, uint32_t q, uint32_t j) {
+  const uint32_t bit = j * q, word = bit >> 5, shift = bit & 31;
+  uint64_t window = block[word];
+  if (shift + q > 32) window |= uint64_t(block[word + 1]) << 32;
+  return uint32_t(window >> shift) & ((1u << q) - 1u);
+}
+
+// Writes the 32 values of a block (each < 2^q) into its q words.
+LOWFP_HD void pack_block(const uint32_t* values, uint32_t q, uint32_t* block) {
+  uint64_t acc = 0;
+  uint32_t filled = 0, out = 0;
+  for (uint32_t j = 0; j < 32; ++j) {
+    acc |= uint64_t(values[j]) << filled;
+    filled += q;
+    if (filled >= 32) {
+      block[out++] = uint32_t(acc);
+      acc >>= 32;
+      filled -= 32;
+    }
+  }
+}
+
+}  // namespace lowfp

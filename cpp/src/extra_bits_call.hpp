@@ -1,0 +1,59 @@
+// Requests for the extra-bits drivers (DESIGN §5), validated by make_extra_bits_params.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "lowfp/extra_bits.hpp"
+#include "lowfp/format.hpp"
+#include "lowfp/optim_math.hpp"
+
+namespace lowfp {
+
+// k, the 16-bit type (Float16 or BFloat16) and the rounding of w (toward_zero, nearest,
+// stochastic); throws std::invalid_argument otherwise.
+ExtraBitsParams make_extra_bits_params(DType weights, int32_t k, Rounding mode);
+
+struct ExtraBitsSplit {       // W (float32) -> w (16-bit) + packed words
+  const float* w32;
+  void* w16;
+  uint32_t* words;
+  int64_t n;
+  uint64_t seed, offset;      // stochastic rounding: Philox block offset + i / 4, word i % 4
+};
+
+struct ExtraBitsMerge {       // w + packed words -> W' (float32)
+  const void* w16;
+  const uint32_t* words;
+  float* w32;
+  int64_t n;
+};
+
+// One parameter of a fused step: its 16-bit weights, gradient (same dtype), packed words and
+// optimizer state (momentum buffer, or exp_avg / exp_avg_sq / max_exp_avg_sq; unused: null).
+struct ExtraBitsSlot {
+  void* w16;
+  const void* grad;
+  uint32_t* words;
+  void* state0;
+  void* state1;
+  void* state2;
+  int64_t n;
+  uint64_t rand_offset;       // Philox block offset of element 0 (elements never share words)
+};
+
+enum class OptimKind : int32_t { Sgd = 0, Adam = 1 };
+
+struct ExtraBitsStep {
+  ExtraBitsParams e;
+  Rounding mode;
+  DType weights, state;       // state: Float32 or BFloat16 moments
+  OptimKind opt;
+  bool has_momentum;          // SGD with momentum != 0
+  SgdHyper sgd;
+  AdamHyper adam;
+  RoundParams<uint32_t> state_round;  // bfloat16 moments: round to nearest
+  uint64_t seed;
+  std::vector<ExtraBitsSlot> slots;
+};
+
+}  // namespace lowfp

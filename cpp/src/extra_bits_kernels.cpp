@@ -1,0 +1,227 @@
+// The extra-bits loops (DESIGN §5), compiled once per instruction-set level like
+// quantize_kernels.cpp: split, merge and the fused optimizer steps over whole 32-element blocks.
+// Each tile unpacks its blocks into one value per element, runs a branch-free element loop the
+// compiler vectorises (merge, update, split: cpp/include/lowfp/), and packs the blocks back.
+#include <type_traits>
+
+#include "dispatch.hpp"
+#include "extra_bits_call.hpp"
+#include "philox_lanes.hpp"
+#include "quantize_cpu.hpp"
+
+#ifndef LOWFP_ISA_NS
+#error "compile with -DLOWFP_ISA_NS=<namespace>"
+#endif
+
+namespace lowfp {
+namespace LOWFP_ISA_NS {
+namespace {
+
+constexpr int64_t kTileBlocks = kTile / 32;
+
+void unpack_tile(const uint32_t* words, uint32_t q, int64_t blocks, uint32_t* values) {
+  for (int64_t b = 0; b < blocks; ++b)
+    for (uint32_t j = 0; j < 32; ++j) values[b * 32 + j] = unpack_one(words + b * q, q, j);
+}
+
+void pack_tile(const uint32_t* values, uint32_t q, int64_t blocks, uint32_t* words) {
+  for (int64_t b = 0; b < blocks; ++b) pack_block(values + b * 32, q, words + b * q);
+}
+
+void add_events(EventCounts& c, uint32_t above_max, uint32_t underflow, uint32_t nan) {
+  c.overflow += int64_t(above_max) - int64_t(nan);
+  c.underflow += underflow;
+  c.nan += nan;
+}
+
+template <class S> LOWFP_HD float load_state(const S* p, int64_t i) {
+  return bit_cast<float>(Widen<uint32_t>::from(p[i]));
+}
+template <class S> LOWFP_HD void store_state(S* p, int64_t i, float v, const RoundParams<uint32_t>& r) {
+  if constexpr (std::is_same_v<S, float>) {
+    p[i] = v;
+  } else {
+    RoundEvents ignored;
+    p[i] = Store<S>::from(round_bits<RoundKind::Nearest, uint32_t, false>(bit_cast<uint32_t>(v), r, 0u, ignored));
+  }
+}
+
+// Update functors: new weight from (W', g, element index), keeping their own state.
+struct SgdPlain {
+  const SgdHyper& h;
+  float operator()(float w, float g, int64_t) const {
+    float unused = 0.0f;
+    return sgd_update(w, g, unused, false, h);
+  }
+};
+
+template <class S>
+struct SgdMomentum {
+  const SgdHyper& h;
+  S* buf;
+  const RoundParams<uint32_t>& r;
+  float operator()(float w, float g, int64_t i) const {
+    float b = load_state(buf, i);
+    const float out = sgd_update(w, g, b, true, h);
+    store_state(buf, i, b, r);
+    return out;
+  }
+};
+
+template <class S, bool kAmsgrad>
+struct Adam {
+  const AdamHyper& h;
+  S* m;
+  S* v;
+  S* v_max;
+  const RoundParams<uint32_t>& r;
+  float operator()(float w, float g, int64_t i) const {
+    float mi = load_state(m, i), vi = load_state(v, i);
+    float vm = kAmsgrad ? load_state(v_max, i) : 0.0f;
+    const float out = adam_update(w, g, mi, vi, vm, h);
+    store_state(m, i, mi, r);
+    store_state(v, i, vi, r);
+    if (kAmsgrad) store_state(v_max, i, vm, r);
+    return out;
+  }
+};
+
+template <class W16, RoundKind K, class Update>
+void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, int64_t b1,
+                 EventCounts& counts, const Update& update) {
+  const ExtraBitsParams& e = s.e;
+  W16* w16 = static_cast<W16*>(slot.w16);
+  const W16* grad = static_cast<const W16*>(slot.grad);
+  const uint32_t k_mask = (1u << e.k) - 1u;
+  alignas(64) uint32_t values[kTile];
+  alignas(64) uint32_t rand[kTile];
+  for (int64_t t = b0; t < b1; t += kTileBlocks) {
+    const int64_t blocks = min_of(kTileBlocks, b1 - t);
+    const int64_t i0 = t * 32, len = min_of(blocks * 32, slot.n - i0);
+    uint32_t* words = slot.words + t * e.q;
+    unpack_tile(words, e.q, blocks, values);
+    if constexpr (K == RoundKind::Stochastic)
+      philox_fill(rand, s.seed, slot.rand_offset + uint64_t(i0) / 4, (len + 3) / 4);
+    uint32_t above_max = 0, underflow = 0, nan = 0;
+    for (int64_t i = 0; i < len; ++i) {
+      const uint32_t w = merge_bits(w16[i0 + i], values[i] & k_mask, values[i] >> e.k, e);
+      const float g = bit_cast<float>(Widen<uint32_t>::from(grad[i0 + i]));
+      const float w_new = update(bit_cast<float>(w), g, i0 + i);
+      uint32_t extra, flag;
+      RoundEvents ev;
+      const uint32_t r = K == RoundKind::Stochastic ? rand[i] : 0u;
+      w16[i0 + i] = split_bits<W16, K, false>(bit_cast<uint32_t>(w_new), e, r, extra, flag, ev);
+      values[i] = extra | (flag << e.k);
+      above_max += ev.above_max;
+      underflow += ev.underflow;
+      nan += ev.nan;
+    }
+    for (int64_t i = len; i < blocks * 32; ++i) values[i] = 0;
+    pack_tile(values, e.q, blocks, words);
+    add_events(counts, above_max, underflow, nan);
+  }
+}
+
+template <class W16, RoundKind K>
+void step_dispatch(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, int64_t b1,
+                   EventCounts& counts) {
+  const bool bf16_state = s.state == DType::BFloat16;
+  if (s.opt == OptimKind::Sgd) {
+    if (!s.has_momentum)
+      return step_blocks<W16, K>(s, slot, b0, b1, counts, SgdPlain{s.sgd});
+    if (bf16_state)
+      return step_blocks<W16, K>(s, slot, b0, b1, counts,
+                                 SgdMomentum<BFloat>{s.sgd, static_cast<BFloat*>(slot.state0), s.state_round});
+    return step_blocks<W16, K>(s, slot, b0, b1, counts,
+                               SgdMomentum<float>{s.sgd, static_cast<float*>(slot.state0), s.state_round});
+  }
+  auto adam = [&](auto state_type, auto amsgrad) {
+    using S = typename decltype(state_type)::type;
+    step_blocks<W16, K>(s, slot, b0, b1, counts,
+                        Adam<S, decltype(amsgrad)::value>{s.adam, static_cast<S*>(slot.state0),
+                                                          static_cast<S*>(slot.state1),
+                                                          static_cast<S*>(slot.state2), s.state_round});
+  };
+  if (bf16_state) {
+    if (s.adam.amsgrad) adam(Type<BFloat>{}, Flag<true>{});
+    else adam(Type<BFloat>{}, Flag<false>{});
+  } else {
+    if (s.adam.amsgrad) adam(Type<float>{}, Flag<true>{});
+    else adam(Type<float>{}, Flag<false>{});
+  }
+}
+
+template <class Fn>
+void with_weights_and_kind(const ExtraBitsParams& e, Rounding mode, Fn&& fn) {
+  auto kind = [&](auto w16) {
+    switch (round_kind(mode)) {
+      case RoundKind::Nearest: return fn(w16, Kind<RoundKind::Nearest>{});
+      case RoundKind::Directed: return fn(w16, Kind<RoundKind::Directed>{});
+      default: return fn(w16, Kind<RoundKind::Stochastic>{});
+    }
+  };
+  if (e.bf16) kind(Type<BFloat>{});
+  else kind(Type<Half>{});
+}
+
+}  // namespace
+
+void extra_bits_step_range(const ExtraBitsStep& s, int64_t slot, int64_t b0, int64_t b1,
+                           EventCounts& counts) {
+  with_weights_and_kind(s.e, s.mode, [&](auto w16, auto kind) {
+    step_dispatch<typename decltype(w16)::type, decltype(kind)::value>(s, s.slots[slot], b0, b1, counts);
+  });
+}
+
+void extra_bits_split_range(const ExtraBitsParams& e, Rounding mode, const ExtraBitsSplit& a,
+                            int64_t b0, int64_t b1, EventCounts& counts) {
+  with_weights_and_kind(e, mode, [&](auto w16_type, auto kind) {
+    using W16 = typename decltype(w16_type)::type;
+    constexpr RoundKind K = decltype(kind)::value;
+    W16* w16 = static_cast<W16*>(a.w16);
+    alignas(64) uint32_t values[kTile];
+    alignas(64) uint32_t rand[kTile];
+    for (int64_t t = b0; t < b1; t += kTileBlocks) {
+      const int64_t blocks = min_of(kTileBlocks, b1 - t);
+      const int64_t i0 = t * 32, len = min_of(blocks * 32, a.n - i0);
+      if constexpr (K == RoundKind::Stochastic)
+        philox_fill(rand, a.seed, a.offset + uint64_t(i0) / 4, (len + 3) / 4);
+      uint32_t above_max = 0, underflow = 0, nan = 0;
+      for (int64_t i = 0; i < len; ++i) {
+        uint32_t extra, flag;
+        RoundEvents ev;
+        const uint32_t r = K == RoundKind::Stochastic ? rand[i] : 0u;
+        w16[i0 + i] = split_bits<W16, K, false>(bit_cast<uint32_t>(a.w32[i0 + i]), e, r, extra, flag, ev);
+        values[i] = extra | (flag << e.k);
+        above_max += ev.above_max;
+        underflow += ev.underflow;
+        nan += ev.nan;
+      }
+      for (int64_t i = len; i < blocks * 32; ++i) values[i] = 0;
+      pack_tile(values, e.q, blocks, a.words + t * e.q);
+      add_events(counts, above_max, underflow, nan);
+    }
+  });
+}
+
+void extra_bits_merge_range(const ExtraBitsParams& e, const ExtraBitsMerge& a, int64_t b0,
+                            int64_t b1) {
+  auto run = [&](auto w16_type) {
+    using W16 = typename decltype(w16_type)::type;
+    const W16* w16 = static_cast<const W16*>(a.w16);
+    const uint32_t k_mask = (1u << e.k) - 1u;
+    alignas(64) uint32_t values[kTile];
+    for (int64_t t = b0; t < b1; t += kTileBlocks) {
+      const int64_t blocks = min_of(kTileBlocks, b1 - t);
+      const int64_t i0 = t * 32, len = min_of(blocks * 32, a.n - i0);
+      unpack_tile(a.words + t * e.q, e.q, blocks, values);
+      for (int64_t i = 0; i < len; ++i)
+        a.w32[i0 + i] = bit_cast<float>(merge_bits(w16[i0 + i], values[i] & k_mask, values[i] >> e.k, e));
+    }
+  };
+  if (e.bf16) run(Type<BFloat>{});
+  else run(Type<Half>{});
+}
+
+}  // namespace LOWFP_ISA_NS
+}  // namespace lowfp

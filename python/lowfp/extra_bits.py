@@ -1,0 +1,105 @@
+"""16-bit weights plus k packed extra bits (DESIGN §5).
+
+>>> import torch, lowfp
+>>> w = torch.tensor([1.0 + 2**-9 + 2**-20, -3.14159])
+>>> w16, packed = lowfp.extra_bits.split(w, torch.bfloat16, k=16)
+>>> torch.equal(lowfp.extra_bits.merge(w16, packed, k=16), w)   # bfloat16 + 16 bits = float32
+True
+
+``split`` rounds W to the 16-bit type (``rounding``: ``"toward_zero"``, ``"nearest"`` or
+``"stochastic"``) and keeps the k bits of W's significand just below the 16-bit truncation's last
+bit, plus a flag bit for modes other than toward_zero; ``merge`` returns W truncated to 16-bit
+precision + k bits. Packing: q = k (+1) bits per element, blocks of 32 elements in q int32 words.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import _C
+from .quantize import DTYPE_CODES, ROUNDING_MODES, _check_uint64, draw_seed
+
+__all__ = ["split", "merge", "packed_words", "bits_per_element", "EXTRA_BITS_ROUNDING", "max_extra_bits"]
+
+EXTRA_BITS_ROUNDING = ("toward_zero", "nearest", "stochastic")
+_MAX_K = {torch.bfloat16: 16, torch.float16: 13}
+
+
+def max_extra_bits(dtype: torch.dtype) -> int:
+    if dtype not in _MAX_K:
+        raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    return _MAX_K[dtype]
+
+
+def check_extra_bits(dtype: torch.dtype, k, rounding: str, name: str = "k") -> None:
+    kmax = max_extra_bits(dtype)
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"{name} must be an int, got {type(k).__name__}")
+    if not 1 <= k <= kmax:
+        raise ValueError(f"{name} must be between 1 and {kmax} for {dtype}, got {k}")
+    if rounding not in EXTRA_BITS_ROUNDING:
+        raise ValueError(f"rounding must be one of {EXTRA_BITS_ROUNDING}, got {rounding!r}")
+
+
+def bits_per_element(k: int, rounding: str) -> int:
+    """q: k extra bits, plus the flag bit that modes other than toward_zero need."""
+    return k + (0 if rounding == "toward_zero" else 1)
+
+
+def packed_words(numel: int, k: int, rounding: str) -> int:
+    """int32 words holding ``numel`` elements: ceil(numel / 32) * q."""
+    return (numel + 31) // 32 * bits_per_element(k, rounding)
+
+
+def _check_cpu(t: torch.Tensor, name: str) -> None:
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}: extra bits run on the CPU in this build "
+                         "(the CUDA driver is not written yet)")
+
+
+def split(w32: torch.Tensor, dtype: torch.dtype = torch.bfloat16, k: int = 16,
+          rounding: str = "toward_zero", *, seed: Optional[int] = None,
+          generator: Optional[torch.Generator] = None, offset: int = 0
+          ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Split float32 ``w32`` into a ``dtype`` tensor of the same shape and its packed extra bits
+    (int32, ``packed_words(numel, k, rounding)`` words). Stochastic rounding draws Philox words as
+    :func:`lowfp.quantize` does (``seed``, ``generator``, ``offset``)."""
+    if not isinstance(w32, torch.Tensor) or w32.dtype != torch.float32:
+        raise TypeError(f"w32 must be a float32 torch.Tensor, got "
+                        f"{w32.dtype if isinstance(w32, torch.Tensor) else type(w32).__name__}")
+    check_extra_bits(dtype, k, rounding)
+    _check_cpu(w32, "w32")
+    if rounding == "stochastic":
+        seed = draw_seed(generator) if seed is None else _check_uint64(seed, "seed")
+    else:
+        seed = 0
+    offset = _check_uint64(offset, "offset")
+    src = w32.contiguous()
+    w16 = torch.empty(w32.shape, dtype=dtype)
+    packed = torch.empty(packed_words(src.numel(), k, rounding), dtype=torch.int32)
+    _C.extra_bits_split(src.data_ptr(), w16.data_ptr(), DTYPE_CODES[dtype], packed.data_ptr(),
+                        src.numel(), k, ROUNDING_MODES.index(rounding), seed, offset)
+    return w16, packed
+
+
+def merge(w16: torch.Tensor, packed: torch.Tensor, k: int = 16, rounding: str = "toward_zero"
+          ) -> torch.Tensor:
+    """W' (float32, w16's shape) from a 16-bit tensor and its packed extra bits."""
+    if not isinstance(w16, torch.Tensor):
+        raise TypeError(f"w16 must be a torch.Tensor, got {type(w16).__name__}")
+    check_extra_bits(w16.dtype, k, rounding)
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32:
+        raise TypeError("packed must be an int32 torch.Tensor")
+    _check_cpu(w16, "w16")
+    want = packed_words(w16.numel(), k, rounding)
+    if packed.numel() != want:
+        raise ValueError(f"packed has {packed.numel()} words but {w16.numel()} elements with "
+                         f"k={k}, rounding={rounding!r} need {want}")
+    src = w16.contiguous()
+    words = packed.contiguous()
+    out = torch.empty(w16.shape, dtype=torch.float32)
+    _C.extra_bits_merge(src.data_ptr(), DTYPE_CODES[w16.dtype], words.data_ptr(), out.data_ptr(),
+                        src.numel(), k, ROUNDING_MODES.index(rounding))
+    return out
