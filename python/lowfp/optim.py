@@ -1,0 +1,318 @@
+"""Optimizers that keep 16-bit weights plus k packed extra bits instead of an fp32 master copy
+(DESIGN §5): ``ExtraBitsSGD``, ``ExtraBitsAdam``, ``ExtraBitsAdamW``.
+
+>>> import torch, lowfp
+>>> model = torch.nn.Linear(4, 2)                       # float32 parameters ...
+>>> opt = lowfp.optim.ExtraBitsAdamW(model.parameters(), lr=1e-3, extra_bits=16)
+>>> model.weight.dtype                                  # ... now bfloat16 + 16 extra bits
+torch.bfloat16
+
+Each step merges w and its extra bits into W' (float32), applies torch.optim's update formula in
+float32, and splits the result back, in one fused pass over every element of a parameter group.
+Arguments, defaults, param groups, LR schedulers, ``zero_grad`` and ``state_dict`` work as in
+torch.optim. float32 parameters are converted to ``param_dtype`` in place when the optimizer is
+built, their cut-off bits becoming the initial extra bits (so nothing is lost with bfloat16 and
+k=16); the model then computes in that dtype. float16/bfloat16 parameters start with zero extra bits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, List, Optional
+
+import torch
+
+from . import _C
+from .extra_bits import (EXTRA_BITS_ROUNDING, check_extra_bits, merge, packed_words, split)
+from .quantize import DTYPE_CODES, ROUNDING_MODES, draw_seed
+from .stats import Stats
+
+__all__ = ["ExtraBitsSGD", "ExtraBitsAdam", "ExtraBitsAdamW"]
+
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+_MOMENT_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+class _ExtraBitsOptimizer(torch.optim.Optimizer):
+    _opt_code = -1
+
+    def __init__(self, params, defaults: dict):
+        k, rounding = defaults["extra_bits"], defaults["rounding"]
+        param_dtype, state_dtype = defaults["param_dtype"], defaults["state_dtype"]
+        if param_dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"param_dtype must be torch.float16 or torch.bfloat16, got {param_dtype}")
+        check_extra_bits(param_dtype, k, rounding, "extra_bits")
+        if state_dtype not in _STATE_DTYPES:
+            raise TypeError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
+        self.weight_stats = Stats()  # 16-bit weight roundings: overflow, underflow, nan, numel
+        super().__init__(params, defaults)
+
+    # -- parameters -------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        k, rounding = group["extra_bits"], group["rounding"]
+        if group["state_dtype"] not in _STATE_DTYPES:
+            raise TypeError(f"state_dtype must be torch.float32 or torch.bfloat16, got {group['state_dtype']}")
+        for p in group["params"]:
+            if p.device.type != "cpu":
+                raise ValueError(f"parameter on {p.device}: lowfp's extra-bits optimizers run on the "
+                                 "CPU in this build (the CUDA driver is not written yet)")
+            if p.dtype == torch.float32:
+                dtype = group["param_dtype"]
+                check_extra_bits(dtype, k, rounding, "extra_bits")
+                w16, packed = split(p.detach(), dtype, k, rounding)
+                p.data = w16
+                p.grad = None
+                self.state[p].update(extra=packed, extra_bits=k, rounding=rounding)
+            elif p.dtype in (torch.float16, torch.bfloat16):
+                check_extra_bits(p.dtype, k, rounding, "extra_bits")
+            else:
+                raise TypeError(f"parameters must be float16 or bfloat16 (or float32, converted to "
+                                f"param_dtype), got {p.dtype}")
+            if not p.is_contiguous():
+                raise ValueError("parameters must be contiguous")
+
+    def _extra(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        state = self.state[p]
+        k, rounding = group["extra_bits"], group["rounding"]
+        if "extra" not in state:
+            state.update(extra=torch.zeros(packed_words(p.numel(), k, rounding), dtype=torch.int32),
+                         extra_bits=k, rounding=rounding)
+        elif (state["extra_bits"], state["rounding"]) != (k, rounding):
+            raise ValueError(f"extra_bits/rounding of a parameter group changed from "
+                             f"{state['extra_bits']}/{state['rounding']!r} to {k}/{rounding!r} after its "
+                             "extra bits were created; build a new optimizer instead")
+        return state["extra"]
+
+    # -- the step -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._step_params(group, params)
+        return loss
+
+    def _grad(self, p: torch.Tensor) -> torch.Tensor:
+        g = p.grad
+        if g.is_sparse:
+            raise ValueError("lowfp's extra-bits optimizers do not support sparse gradients")
+        if g.dtype != p.dtype:
+            g = g.to(p.dtype)
+        return g.contiguous()
+
+    def _step_params(self, group: dict, params: List[torch.Tensor]) -> None:
+        """One fused call per set of parameters that share their per-parameter hyperparameters."""
+        batches: Dict[tuple, list] = {}
+        for p in params:
+            batches.setdefault(self._batch_key(group, p), []).append(p)
+        for key, ps in batches.items():
+            self._fused_call(group, ps, key)
+
+    def _fused_call(self, group: dict, params: List[torch.Tensor], key: tuple) -> None:
+        hyper = self._hyper(group, key)
+        rounding = group["rounding"]
+        seed = draw_seed() if rounding == "stochastic" else 0
+        state_dtype = group["state_dtype"]
+        slots, keep, offset = [], [], 0
+        for p in params:
+            g = self._grad(p)
+            extra = self._extra(p, group)
+            states = self._moments(p, group, state_dtype)
+            keep.append((g, states))
+            ptrs = [s.data_ptr() for s in states] + [0] * (3 - len(states))
+            slots.append((p.data_ptr(), g.data_ptr(), extra.data_ptr(), *ptrs, p.numel(), offset))
+            offset += (p.numel() + 3) // 4  # every parameter starts on a fresh Philox block
+        dtypes = {p.dtype for p in params}
+        for dtype in dtypes:
+            chosen = [s for s, p in zip(slots, params) if p.dtype == dtype]
+            counts = _C.extra_bits_step(self._opt_code, DTYPE_CODES[dtype], group["extra_bits"],
+                                        ROUNDING_MODES.index(rounding), DTYPE_CODES[state_dtype],
+                                        hyper, seed, chosen)
+            self.weight_stats.counts += torch.tensor(
+                [*counts, sum(s[6] for s in chosen)], dtype=torch.int64)
+        self._after_step(params)
+
+    # Subclasses: _batch_key, _hyper, _moments, _after_step.
+    def _after_step(self, params) -> None:
+        pass
+
+    # -- inspection and state -------------------------------------------------------------------
+
+    @torch.no_grad()
+    def master_weights(self) -> List[torch.Tensor]:
+        """W' of every parameter as a float32 tensor, in param_groups order."""
+        out = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p, {})
+                if "extra" in state:
+                    out.append(merge(p.detach(), state["extra"], state["extra_bits"], state["rounding"]))
+                else:
+                    out.append(p.detach().float())
+        return out
+
+    def memory_bytes(self) -> Dict[str, int]:
+        """Bytes held for the parameters: 16-bit weights, packed extra bits, optimizer moments."""
+        weights = extra = moments = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                weights += p.numel() * p.element_size()
+                state = self.state.get(p, {})
+                k, rounding = group["extra_bits"], group["rounding"]
+                extra += 4 * (state["extra"].numel() if "extra" in state
+                              else packed_words(p.numel(), k, rounding))
+                for key in _MOMENT_KEYS:
+                    if key in state and torch.is_tensor(state[key]):
+                        moments += state[key].numel() * state[key].element_size()
+        return {"weights": weights, "extra_bits": extra, "moments": moments,
+                "total": weights + extra + moments}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # torch casts floating state to the parameter dtype (bfloat16 here), which would round
+        # float32 moments; the saved tensors are put back with their own dtypes afterwards.
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(ids, params):
+            for key, value in saved.get(pid, {}).items():
+                if torch.is_tensor(value):
+                    self.state[p][key] = value.to(device=p.device, copy=True)
+            state = self.state.get(p, {})
+            if "extra" in state:
+                want = packed_words(p.numel(), state["extra_bits"], state["rounding"])
+                if state["extra"].dtype != torch.int32 or state["extra"].numel() != want:
+                    raise ValueError("loaded extra bits do not match the parameter's size, extra_bits "
+                                     "and rounding")
+
+
+def _check_common(lr, weight_decay):
+    if isinstance(lr, torch.Tensor):
+        raise TypeError("lr as a tensor is not supported by lowfp's extra-bits optimizers; pass a float")
+    if lr < 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if weight_decay < 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+class ExtraBitsSGD(_ExtraBitsOptimizer):
+    """torch.optim.SGD on W' = 16-bit weight + ``extra_bits`` packed bits (DESIGN §5).
+
+    Args: as torch.optim.SGD (``lr=1e-3, momentum=0, dampening=0, weight_decay=0,
+    nesterov=False, maximize=False``), plus ``extra_bits`` (k: 1-16 for bfloat16, 1-13 for
+    float16), ``rounding`` of the 16-bit weights (``"toward_zero"``, ``"nearest"``,
+    ``"stochastic"``), ``state_dtype`` of the momentum buffer (float32 or bfloat16) and
+    ``param_dtype`` (the 16-bit type float32 parameters are converted to).
+    """
+
+    _opt_code = 0
+
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
+                 extra_bits: int = 16, rounding: str = "toward_zero",
+                 state_dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.bfloat16):
+        _check_common(lr, weight_decay)
+        if momentum < 0.0:
+            raise ValueError(f"Invalid momentum value: {momentum}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, maximize=maximize, extra_bits=extra_bits,
+                        rounding=rounding, state_dtype=state_dtype, param_dtype=param_dtype)
+        super().__init__(params, defaults)
+
+    def _batch_key(self, group, p):
+        return (group["momentum"] != 0 and "momentum_buffer" not in self.state[p],)
+
+    def _hyper(self, group, key):
+        (first,) = key
+        return (-group["lr"], group["momentum"], 1 - group["dampening"], group["weight_decay"],
+                group["nesterov"], group["maximize"], first, group["momentum"] != 0)
+
+    def _moments(self, p, group, state_dtype):
+        if group["momentum"] == 0:
+            return []
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros(p.shape, dtype=state_dtype)
+        return [state["momentum_buffer"]]
+
+
+class ExtraBitsAdam(_ExtraBitsOptimizer):
+    """torch.optim.Adam on W' = 16-bit weight + ``extra_bits`` packed bits (DESIGN §5).
+
+    Args: as torch.optim.Adam (``lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
+    amsgrad=False, maximize=False``), plus ``extra_bits``, ``rounding``, ``state_dtype`` (of
+    exp_avg / exp_avg_sq) and ``param_dtype`` as in :class:`ExtraBitsSGD`.
+    """
+
+    _opt_code = 1
+    _decoupled = False
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
+                 extra_bits: int = 16, rounding: str = "toward_zero",
+                 state_dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.bfloat16):
+        _check_common(lr, weight_decay)
+        if eps < 0.0:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameters: {betas}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        amsgrad=amsgrad, maximize=maximize, extra_bits=extra_bits,
+                        rounding=rounding, state_dtype=state_dtype, param_dtype=param_dtype)
+        super().__init__(params, defaults)
+
+    def _step_count(self, p) -> float:
+        state = self.state[p]
+        return float(state["step"]) if "step" in state else 0.0
+
+    def _batch_key(self, group, p):
+        return (self._step_count(p) + 1,)
+
+    def _hyper(self, group, key):
+        (step,) = key
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        bias_correction1 = 1 - beta1 ** step
+        bias_correction2 = 1 - beta2 ** step
+        step_size = lr / bias_correction1
+        decay = 1 - lr * wd if (self._decoupled and wd != 0) else 1.0
+        return (decay, 0.0 if self._decoupled else wd, 1 - beta1, beta2, 1 - beta2,
+                math.sqrt(bias_correction2), eps, -step_size, self._decoupled, group["amsgrad"],
+                group["maximize"])
+
+    def _moments(self, p, group, state_dtype):
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros(p.shape, dtype=state_dtype)
+            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=state_dtype)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=state_dtype)
+        out = [state["exp_avg"], state["exp_avg_sq"]]
+        if group["amsgrad"]:
+            out.append(state["max_exp_avg_sq"])
+        return out
+
+    def _after_step(self, params) -> None:
+        for p in params:
+            self.state[p]["step"] += 1
+
+
+class ExtraBitsAdamW(ExtraBitsAdam):
+    """torch.optim.AdamW (decoupled weight decay, default ``weight_decay=1e-2``) on W' =
+    16-bit weight + ``extra_bits`` packed bits; arguments as :class:`ExtraBitsAdam`."""
+
+    _decoupled = True
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, **kwargs):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
