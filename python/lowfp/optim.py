@@ -17,6 +17,7 @@ k=16); the model then computes in that dtype. float16/bfloat16 parameters start 
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Dict, Iterable, List, Optional
 
@@ -184,8 +185,8 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(ids, params):
             for key, value in saved.get(pid, {}).items():
-                if torch.is_tensor(value):
-                    self.state[p][key] = value.to(device=p.device, copy=True)
+                self.state[p][key] = (value.to(device=p.device, copy=True) if torch.is_tensor(value)
+                                      else copy.deepcopy(value))
             state = self.state.get(p, {})
             if "extra" in state:
                 want = packed_words(p.numel(), state["extra_bits"], state["rounding"])

@@ -1,0 +1,368 @@
+"""Extra bits (DESIGN §5): split/merge/packing and the ExtraBits optimizers, against references
+written here: float64/integer arithmetic for truncation, a Python bit string for packing, and a
+numpy float32 optimizer that performs torch.optim's operations in the same order (numpy's
+float32 element-wise operations round each operation: no fused multiply-adds)."""
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import lowfp
+import lowfp.extra_bits as eb
+from lowfp.optim import ExtraBitsAdam, ExtraBitsAdamW, ExtraBitsSGD
+
+F32 = np.float32
+
+
+def random_float32(n, seed=0, lo=-30, hi=30):
+    g = np.random.default_rng(seed)
+    x = (g.standard_normal(n) * np.exp2(g.uniform(lo, hi, n))).astype(F32)
+    return torch.from_numpy(x)
+
+
+def truncate_bits(w: torch.Tensor, dtype, k) -> torch.Tensor:
+    """W truncated toward zero to (16-bit precision + k) bits, in float64 arithmetic."""
+    m16, emin = (7, -126) if dtype == torch.bfloat16 else (10, -14)
+    x = w.double().numpy()
+    a = np.abs(x)
+    e = np.floor(np.log2(np.where(a > 0, a, 1.0)))
+    step = np.exp2(np.maximum(e, emin) - m16 - k)
+    return torch.from_numpy(np.sign(x) * np.floor(a / step) * step).float()
+
+
+@pytest.mark.parametrize("rounding", eb.EXTRA_BITS_ROUNDING)
+def test_bfloat16_plus_16_is_float32(rounding):
+    bits = torch.randint(-2**31, 2**31 - 1, (200_000,), dtype=torch.int32,
+                         generator=torch.Generator().manual_seed(1))
+    w = bits.view(torch.float32)
+    w = torch.where(torch.isfinite(w), w, torch.zeros_like(w))  # every finite pattern, subnormals too
+    w16, packed = eb.split(w, torch.bfloat16, 16, rounding, seed=3)
+    assert packed.numel() == (w.numel() + 31) // 32 * (16 if rounding == "toward_zero" else 17)
+    assert torch.equal(eb.merge(w16, packed, 16, rounding).view(torch.int32), w.view(torch.int32))
+    if rounding == "nearest":
+        assert torch.equal(w16, w.to(torch.bfloat16))  # torch rounds to nearest even
+
+
+@pytest.mark.parametrize("rounding", eb.EXTRA_BITS_ROUNDING)
+def test_float16_plus_13_is_float32_in_normal_range(rounding):
+    w = random_float32(200_000, seed=2, lo=-14, hi=15)
+    w = w[(w.abs() >= 2.0 ** -14) & (w.abs() < 65504)]
+    w16, packed = eb.split(w, torch.float16, 13, rounding, seed=4)
+    assert torch.equal(eb.merge(w16, packed, 13, rounding), w)
+    if rounding == "nearest":
+        assert torch.equal(w16, w.to(torch.float16))
+
+
+@pytest.mark.parametrize("dtype,ks", [(torch.bfloat16, [1, 3, 8, 12, 15]), (torch.float16, [1, 4, 8, 12])])
+@pytest.mark.parametrize("rounding", eb.EXTRA_BITS_ROUNDING)
+def test_smaller_k_truncates(dtype, ks, rounding):
+    # float16: its normal and subnormal ranges, and below (t = 0); bfloat16: all of float32's.
+    w = random_float32(50_000, seed=5, lo=-30, hi=15) if dtype == torch.float16 else random_float32(50_000, seed=5, lo=-140, hi=120)
+    w = w[w.abs() < 65504]  # overflow: test_overflow_and_specials
+    for k in ks:
+        w16, packed = eb.split(w, dtype, k, rounding, seed=k)
+        assert torch.equal(eb.merge(w16, packed, k, rounding), truncate_bits(w, dtype, k)), k
+        # w is t (toward_zero) or a neighbour of W on the 16-bit grid
+        t = truncate_bits(w, dtype, 0)
+        if rounding == "toward_zero":
+            assert torch.equal(w16.float(), t)
+        else:
+            up = w16.float().abs() > t.abs()
+            assert bool((w16.float()[~up] == t[~up]).all())
+
+
+def test_packing_layout_matches_a_bit_string():
+    for k, rounding in [(1, "toward_zero"), (7, "nearest"), (13, "toward_zero"), (16, "stochastic"), (5, "stochastic")]:
+        q = eb.bits_per_element(k, rounding)
+        w = random_float32(70, seed=k)  # 3 blocks, the last one partial
+        w16, packed = eb.split(w, torch.bfloat16, k, rounding, seed=9)
+        # values: extra bits from the truncation, flag = |w16| > |t|
+        t = truncate_bits(w, torch.bfloat16, 0)
+        wk = truncate_bits(w, torch.bfloat16, k)
+        ulp_t = torch.from_numpy(np.exp2(np.maximum(np.floor(np.log2(np.abs(w.double().numpy()))), -126) - 7))
+        extra = ((wk.double() - t.double()).abs() / ulp_t * 2 ** k).round().long().tolist()
+        flags = (w16.float().abs() > t.abs()).long().tolist() if q > k else [0] * 70
+        bits = ""
+        for i in range(96):
+            v = (extra[i] | (flags[i] << k)) if i < 70 else 0
+            bits += format(v, f"0{q}b")[::-1]  # least significant bit first
+        words = [int(bits[32 * j:32 * j + 32][::-1], 2) for j in range(3 * q)]
+        assert packed.view(torch.int64 if False else torch.int32).tolist() == [
+            wd - 2**32 if wd >= 2**31 else wd for wd in words], (k, rounding)
+
+
+def test_stochastic_split_is_unbiased_and_flag_restores():
+    f = (2.0 ** -9 + 2.0 ** -12) / 2.0 ** -7  # 0.28125 of a bfloat16 ulp above 1
+    x = torch.full((400_000,), 1.0 + f * 2.0 ** -7)
+    w16, packed = eb.split(x, torch.bfloat16, 8, "stochastic", seed=123)
+    up = (w16.float() > 1).double().mean().item()
+    sd = math.sqrt(f * (1 - f) / x.numel())
+    assert abs(up - f) < 5 * sd
+    assert abs(w16.double().mean().item() - x[0].item()) < 5 * sd * 2 ** -7
+    assert torch.equal(eb.merge(w16, packed, 8, "stochastic"), x)
+
+
+def test_overflow_and_specials():
+    w = torch.tensor([1e5, -7e4, 65504.0, 65519.0, 65520.0, float("inf"), float("nan"), 0.0, -0.0, 1e-9])
+    w16, packed = eb.split(w, torch.float16, 10, "nearest")
+    assert w16[0].item() == math.inf and w16[1].item() == -math.inf and w16[4].item() == math.inf
+    back = eb.merge(w16, packed, 10, "nearest")
+    assert back[0].item() == 65504 and back[1].item() == -65504  # beyond 2^16: the largest value
+    assert back[3].item() == 65519 and back[4].item() == 65520   # same binade as max: kept
+    assert back[5].item() == math.inf and math.isnan(back[6].item())
+    assert math.copysign(1, back[8].item()) == -1 and back[9].item() == math.floor(1e-9 / 2.0 ** -34) * 2.0 ** -34
+    w16z, pz = eb.split(w, torch.float16, 10, "toward_zero")
+    assert w16z[0].item() == 65504 and eb.merge(w16z, pz, 10, "toward_zero")[0].item() == 65504
+
+
+def test_split_merge_errors():
+    w = torch.ones(10)
+    with pytest.raises(ValueError, match="between 1 and 13"):
+        eb.split(w, torch.float16, 14)
+    with pytest.raises(ValueError, match="between 1 and 16"):
+        eb.split(w, torch.bfloat16, 0)
+    with pytest.raises(TypeError, match="float16 or torch.bfloat16"):
+        eb.split(w, torch.float32, 8)
+    with pytest.raises(ValueError, match="rounding"):
+        eb.split(w, torch.bfloat16, 8, "up")
+    with pytest.raises(TypeError, match="w32"):
+        eb.split(w.double(), torch.bfloat16, 8)
+    w16, packed = eb.split(w, torch.bfloat16, 8)
+    with pytest.raises(ValueError, match="words"):
+        eb.merge(w16, packed[:-1], 8)
+    keep = w.clone()
+    eb.split(w, torch.bfloat16, 8, "stochastic")
+    assert torch.equal(w, keep)
+
+
+# ---- optimizers ------------------------------------------------------------------------------
+
+class RefSGD:
+    """torch.optim.SGD's single-tensor formulas in numpy float32, operation by operation."""
+
+    def __init__(self, w, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False):
+        self.w, self.buf = [x.copy() for x in w], [None] * len(w)
+        self.h = (F32(-lr), F32(momentum), F32(1 - dampening), F32(weight_decay), nesterov, maximize, momentum != 0)
+
+    def step(self, grads):
+        neg_lr, mom, omd, wd, nesterov, maximize, has_m = self.h
+        for i, g in enumerate(grads):
+            d = -g if maximize else g
+            if wd != 0:
+                d = d + wd * self.w[i]
+            if has_m:
+                self.buf[i] = d.copy() if self.buf[i] is None else self.buf[i] * mom + omd * d
+                d = d + mom * self.buf[i] if nesterov else self.buf[i]
+            self.w[i] = self.w[i] + neg_lr * d
+
+
+class RefAdam:
+    """torch.optim.Adam/AdamW's single-tensor formulas in numpy float32."""
+
+    def __init__(self, w, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False,
+                 maximize=False, decoupled=False):
+        self.w = [x.copy() for x in w]
+        self.m = [np.zeros_like(x) for x in w]
+        self.v = [np.zeros_like(x) for x in w]
+        self.vmax = [np.zeros_like(x) for x in w]
+        self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
+        self.amsgrad, self.maximize, self.decoupled, self.t = amsgrad, maximize, decoupled, 0
+
+    def step(self, grads):
+        self.t += 1
+        b1, b2 = self.betas
+        bc1, bc2 = 1 - b1 ** self.t, 1 - b2 ** self.t
+        neg_ss, bc2s = F32(-(self.lr / bc1)), F32(math.sqrt(bc2))
+        lw = F32(1 - b1)
+        for i, g in enumerate(grads):
+            g = -g if self.maximize else g
+            w = self.w[i]
+            if self.decoupled and self.wd != 0:
+                w = w * F32(1 - self.lr * self.wd)
+            elif self.wd != 0:
+                g = g + F32(self.wd) * w
+            m = self.m[i]
+            self.m[i] = m + lw * (g - m) if abs(lw) < 0.5 else g - (g - m) * (F32(1) - lw)
+            self.v[i] = self.v[i] * F32(b2) + (F32(1 - b2) * g) * g
+            v = self.v[i]
+            if self.amsgrad:
+                self.vmax[i] = np.maximum(self.vmax[i], self.v[i])
+                v = self.vmax[i]
+            denom = np.sqrt(v) / bc2s + F32(self.eps)
+            self.w[i] = w + (neg_ss * self.m[i]) / denom
+
+
+def small_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
+                               torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+
+def run_exactness(opt_cls, ref_cls, kwargs, dtype=torch.bfloat16, k=16, rounding="toward_zero",
+                  steps=300, truncate=None, state_dtype=torch.float32):
+    model = small_model()
+    ref = ref_cls([p.detach().numpy().copy() for p in model.parameters()], **{
+        key: v for key, v in kwargs.items()})
+    opt = opt_cls(model.parameters(), extra_bits=k, rounding=rounding, param_dtype=dtype,
+                  state_dtype=state_dtype, **kwargs)
+    if truncate is not None:  # float32 parameters were converted with their extra bits
+        ref.w = [truncate(torch.from_numpy(w)).numpy() for w in ref.w]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 16, generator=g)
+    y = torch.randint(0, 4, (256,), generator=g)
+    for step in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x.to(dtype)).float(), y)
+        loss.backward()
+        ref.step([p.grad.float().numpy() for p in model.parameters()])
+        opt.step()
+        if truncate is not None:  # a master truncated to 16 + k bits after every step
+            ref.w = [truncate(torch.from_numpy(w)).numpy() for w in ref.w]
+        for got, want in zip(opt.master_weights(), ref.w):
+            assert np.array_equal(got.numpy().view(np.int32), want.view(np.int32)), step
+    return model, opt
+
+
+SGD_CASES = [dict(lr=0.05), dict(lr=0.05, momentum=0.9), dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+             dict(lr=0.05, momentum=0.8, dampening=0.1, maximize=True)]
+ADAM_CASES = [dict(lr=1e-3), dict(lr=3e-3, weight_decay=1e-2, amsgrad=True), dict(lr=1e-3, betas=(0.8, 0.99), maximize=True)]
+
+
+@pytest.mark.parametrize("kwargs", SGD_CASES)
+def test_sgd_bfloat16_16_is_an_fp32_master(kwargs):
+    run_exactness(ExtraBitsSGD, RefSGD, kwargs)
+
+
+@pytest.mark.parametrize("kwargs", ADAM_CASES)
+def test_adam_bfloat16_16_is_an_fp32_master(kwargs):
+    run_exactness(ExtraBitsAdam, RefAdam, kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(lr=1e-3), dict(lr=1e-3, weight_decay=0.1, amsgrad=True)])
+def test_adamw_bfloat16_16_is_an_fp32_master(kwargs):
+    run_exactness(ExtraBitsAdamW, lambda w, **kw: RefAdam(w, decoupled=True, **{"weight_decay": 1e-2, **kw}), kwargs)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_float16_13_is_an_fp32_master(rounding):
+    run_exactness(ExtraBitsAdamW, lambda w, **kw: RefAdam(w, decoupled=True, weight_decay=1e-2, **kw),
+                  dict(lr=1e-3), dtype=torch.float16, k=13, rounding=rounding, steps=150)
+
+
+@pytest.mark.parametrize("k", [4, 8])
+def test_smaller_k_is_a_truncated_master(k):
+    run_exactness(ExtraBitsSGD, RefSGD, dict(lr=0.05, momentum=0.9), k=k, rounding="nearest", steps=150,
+                  truncate=lambda w: truncate_bits(w, torch.bfloat16, k))
+
+
+def test_against_torch_optim():
+    """Largest difference from torch.optim on an fp32 master fed the same gradients (torch's CPU
+    kernels may fuse multiply-adds), in units of ulp of the larger operand |W| + |update|."""
+    for opt_cls, torch_cls, kw in [(ExtraBitsSGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
+                                   (ExtraBitsAdam, torch.optim.Adam, dict(lr=1e-3)),
+                                   (ExtraBitsAdamW, torch.optim.AdamW, dict(lr=1e-3))]:
+        model = small_model()
+        master = [p.detach().clone().requires_grad_() for p in model.parameters()]
+        opt = opt_cls(model.parameters(), **kw)
+        topt = torch_cls(master, **kw)
+        g = torch.Generator().manual_seed(2)
+        worst = 0.0
+        for _ in range(100):
+            grads = [torch.randn(p.shape, generator=g).to(torch.bfloat16) for p in model.parameters()]
+            before = [m.detach().clone() for m in master]
+            for p, m, gr in zip(model.parameters(), master, grads):
+                p.grad, m.grad = gr, gr.float()
+            opt.step()
+            topt.step()
+            for got, want, b in zip(opt.master_weights(), master, before):
+                scale = b.abs() + (want.detach() - b).abs()
+                ulp = torch.from_numpy(np.spacing(scale.numpy().astype(F32)))
+                worst = max(worst, ((got - want.detach()).abs() / ulp).max().item())
+                want.data.copy_(got)  # compare one step at a time from the same weights
+        print(f"{opt_cls.__name__}: largest difference from {torch_cls.__name__} {worst} ulp")
+        assert worst <= 8.0, (opt_cls.__name__, worst)  # measured: SGD 1, Adam/AdamW 4 (torch 2.13 CPU)
+
+
+def test_state_dict_round_trip_into_a_fresh_optimizer():
+    model = small_model()
+    opt = ExtraBitsAdamW(model.parameters(), lr=1e-2, extra_bits=8, rounding="stochastic")
+    x = torch.randn(32, 16)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x.bfloat16()).float().pow(2).mean().backward()
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    clone = copy.deepcopy(model)
+    opt2 = ExtraBitsAdamW(clone.parameters(), lr=1e-2, extra_bits=8, rounding="stochastic")
+    opt2.load_state_dict(sd)
+    for p, q in zip(model.parameters(), clone.parameters()):
+        s1, s2 = opt.state[p], opt2.state[q]
+        assert torch.equal(s1["extra"], s2["extra"]) and s2["extra"].dtype == torch.int32
+        assert s2["exp_avg"].dtype == torch.float32 and torch.equal(s1["exp_avg"], s2["exp_avg"])
+    for m in (model, clone):
+        for p in m.parameters():
+            p.grad = torch.ones_like(p)
+    torch.manual_seed(7)
+    opt.step()
+    torch.manual_seed(7)
+    opt2.step()
+    assert all(torch.equal(a, b) for a, b in zip(opt.master_weights(), opt2.master_weights()))
+
+
+def test_float32_model_conversion_and_memory():
+    model = small_model()
+    w32 = [p.detach().clone() for p in model.parameters()]
+    opt = ExtraBitsSGD(model.parameters(), lr=0.1, momentum=0.9, extra_bits=16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(opt.master_weights(), w32))  # nothing lost
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    mem = opt.memory_bytes()
+    n = sum(p.numel() for p in model.parameters())
+    assert mem["weights"] == 2 * n
+    assert mem["extra_bits"] == sum(opt.state[p]["extra"].numel() * 4 for p in model.parameters())
+    assert mem["moments"] == sum(opt.state[p]["momentum_buffer"].numel() * 4 for p in model.parameters())
+    assert mem["total"] == mem["weights"] + mem["extra_bits"] + mem["moments"]
+    opt16 = ExtraBitsAdam(small_model().bfloat16().parameters(), extra_bits=8, state_dtype=torch.bfloat16)
+    for group in opt16.param_groups:
+        for p in group["params"]:
+            p.grad = torch.ones_like(p)
+    opt16.step()
+    assert opt16.memory_bytes()["moments"] == sum(2 * 2 * p.numel() for g in opt16.param_groups for p in g["params"])
+
+
+def test_param_groups_schedulers_and_zero_grad():
+    model = small_model().bfloat16()
+    opt = ExtraBitsSGD([{"params": model[0].parameters(), "lr": 0.5},
+                        {"params": model[2].parameters()}, {"params": model[4].parameters(), "extra_bits": 4}],
+                       lr=0.1, extra_bits=12)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    before = [w.clone() for w in opt.master_weights()]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    sched.step()
+    after = opt.master_weights()
+    assert opt.param_groups[0]["lr"] == 0.25 and opt.param_groups[1]["lr"] == 0.05
+    assert opt.state[model[4].weight]["extra"].numel() == (model[4].weight.numel() + 31) // 32 * 4
+    d0 = (after[0] - before[0]).abs().max().item()
+    assert d0 == pytest.approx(0.5, rel=1e-2)  # group 0 stepped with its own lr
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_optimizer_errors():
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        ExtraBitsSGD([torch.nn.Parameter(torch.ones(3, dtype=torch.float64))])
+    with pytest.raises(ValueError, match="between 1 and 13"):
+        ExtraBitsSGD([torch.nn.Parameter(torch.ones(3, dtype=torch.float16))], extra_bits=14)
+    with pytest.raises(ValueError, match="rounding"):
+        ExtraBitsAdam([torch.nn.Parameter(torch.ones(3))], rounding="up")
+    with pytest.raises(TypeError, match="state_dtype"):
+        ExtraBitsAdam([torch.nn.Parameter(torch.ones(3))], state_dtype=torch.float16)
+    with pytest.raises(ValueError, match="Nesterov"):
+        ExtraBitsSGD([torch.nn.Parameter(torch.ones(3))], nesterov=True)
