@@ -366,3 +366,75 @@ def test_optimizer_errors():
         ExtraBitsAdam([torch.nn.Parameter(torch.ones(3))], state_dtype=torch.float16)
     with pytest.raises(ValueError, match="Nesterov"):
         ExtraBitsSGD([torch.nn.Parameter(torch.ones(3))], nesterov=True)
+
+
+# ---- step inside backward ----------------------------------------------------------------------
+
+def twin_models(opt_cls, **kw):
+    a = small_model()
+    b = copy.deepcopy(a)
+    torch.manual_seed(0)  # the same stochastic split of the float32 parameters
+    opt_a = opt_cls(a.parameters(), **kw)
+    torch.manual_seed(0)
+    return a, b, opt_a, opt_cls(b.parameters(), **kw)
+
+
+def loss_of(model, x, y, scale=1.0):
+    return torch.nn.functional.cross_entropy(model(x.bfloat16()).float(), y) * scale
+
+
+@pytest.mark.parametrize("opt_cls,kw", [(ExtraBitsAdamW, dict(lr=1e-2, extra_bits=8, rounding="stochastic")),
+                                        (ExtraBitsSGD, dict(lr=0.1, momentum=0.9, extra_bits=16, rounding="nearest"))])
+def test_step_in_backward_equals_a_normal_step(opt_cls, kw):
+    a, b, opt_a, opt_b = twin_models(opt_cls, **kw)
+    handle = lowfp.optim.step_in_backward(opt_b)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    for step in range(5):
+        torch.manual_seed(step)
+        opt_a.zero_grad()
+        loss_of(a, x, y).backward()
+        opt_a.step()
+        torch.manual_seed(step)
+        loss_of(b, x, y).backward()
+        assert all(p.grad is None for p in b.parameters())  # freed as they were used
+        for wa, wb in zip(opt_a.master_weights(), opt_b.master_weights()):
+            assert torch.equal(wa, wb), step
+    handle.remove()
+    loss_of(b, x, y).backward()
+    assert all(p.grad is not None for p in b.parameters())  # hooks gone: ordinary gradients
+
+
+def test_step_in_backward_unscales_clips_and_skips():
+    a, b, opt_a, opt_b = twin_models(ExtraBitsSGD, lr=0.1, extra_bits=16)
+
+    class Scaler:
+        def get_scale(self):
+            return 1024.0
+
+    handle = lowfp.optim.step_in_backward(opt_b, scaler=Scaler(), clip_value=0.01)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    loss_of(a, x, y).backward()
+    for p in a.parameters():
+        p.grad = p.grad.float().clamp(-0.01, 0.01).to(p.dtype)
+    opt_a.step()
+    loss_of(b, x, y, scale=1024.0).backward()
+    assert all(torch.equal(wa, wb) for wa, wb in zip(opt_a.master_weights(), opt_b.master_weights()))
+    assert handle.skipped == 0 and not handle.found_inf
+    before = opt_b.master_weights()
+    b[4].bias.register_hook(lambda g: torch.full_like(g, float("inf")))
+    loss_of(b, x, y, scale=1024.0).backward()
+    after = opt_b.master_weights()
+    assert handle.skipped == 1 and handle.found_inf
+    assert torch.equal(before[-1], after[-1]) and not torch.equal(before[0], after[0])
+
+
+def test_step_in_backward_refusals():
+    opt = ExtraBitsSGD(small_model().parameters())
+    with pytest.raises(ValueError, match="clip_norm"):
+        lowfp.optim.step_in_backward(opt, clip_norm=1.0)
+    with pytest.raises(ValueError, match="accumulation"):
+        lowfp.optim.step_in_backward(opt, accumulation_steps=4)
+    with pytest.raises(TypeError, match="ExtraBits"):
+        lowfp.optim.step_in_backward(torch.optim.SGD(small_model().parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="get_scale"):
+        lowfp.optim.step_in_backward(opt, scaler=object())

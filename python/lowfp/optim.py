@@ -28,7 +28,7 @@ from .extra_bits import (EXTRA_BITS_ROUNDING, check_extra_bits, merge, packed_wo
 from .quantize import DTYPE_CODES, ROUNDING_MODES, draw_seed
 from .stats import Stats
 
-__all__ = ["ExtraBitsSGD", "ExtraBitsAdam", "ExtraBitsAdamW"]
+__all__ = ["ExtraBitsSGD", "ExtraBitsAdam", "ExtraBitsAdamW", "step_in_backward", "StepInBackward"]
 
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _MOMENT_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -102,35 +102,52 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         return loss
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor:
-        g = p.grad
+        return self._grad_of(p, p.grad)
+
+    @staticmethod
+    def _grad_of(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         if g.is_sparse:
             raise ValueError("lowfp's extra-bits optimizers do not support sparse gradients")
         if g.dtype != p.dtype:
             g = g.to(p.dtype)
         return g.contiguous()
 
-    def _step_params(self, group: dict, params: List[torch.Tensor]) -> None:
-        """One fused call per set of parameters that share their per-parameter hyperparameters."""
+    def _step_params(self, group: dict, params: List[torch.Tensor], seed: Optional[int] = None,
+                     grads: Optional[Dict[int, torch.Tensor]] = None) -> None:
+        """One fused call per set of parameters that share their per-parameter hyperparameters.
+        Stochastic rounding uses one seed per group and step; each parameter's Philox offset is
+        fixed by its place in the group, so stepping parameters one by one (step in backward)
+        gives the same result as stepping them together."""
+        if seed is None:
+            seed = draw_seed() if group["rounding"] == "stochastic" else 0
         batches: Dict[tuple, list] = {}
         for p in params:
             batches.setdefault(self._batch_key(group, p), []).append(p)
         for key, ps in batches.items():
-            self._fused_call(group, ps, key)
+            self._fused_call(group, ps, key, seed, grads or {})
 
-    def _fused_call(self, group: dict, params: List[torch.Tensor], key: tuple) -> None:
+    @staticmethod
+    def _philox_offsets(group: dict) -> Dict[int, int]:
+        offsets, offset = {}, 0
+        for p in group["params"]:
+            offsets[id(p)] = offset
+            offset += (p.numel() + 3) // 4  # every parameter starts on a fresh Philox block
+        return offsets
+
+    def _fused_call(self, group: dict, params: List[torch.Tensor], key: tuple, seed: int,
+                    grads: Dict[int, torch.Tensor]) -> None:
         hyper = self._hyper(group, key)
         rounding = group["rounding"]
-        seed = draw_seed() if rounding == "stochastic" else 0
         state_dtype = group["state_dtype"]
-        slots, keep, offset = [], [], 0
+        offsets = self._philox_offsets(group)
+        slots, keep = [], []
         for p in params:
-            g = self._grad(p)
+            g = grads[id(p)] if id(p) in grads else self._grad(p)
             extra = self._extra(p, group)
             states = self._moments(p, group, state_dtype)
             keep.append((g, states))
             ptrs = [s.data_ptr() for s in states] + [0] * (3 - len(states))
-            slots.append((p.data_ptr(), g.data_ptr(), extra.data_ptr(), *ptrs, p.numel(), offset))
-            offset += (p.numel() + 3) // 4  # every parameter starts on a fresh Philox block
+            slots.append((p.data_ptr(), g.data_ptr(), extra.data_ptr(), *ptrs, p.numel(), offsets[id(p)]))
         dtypes = {p.dtype for p in params}
         for dtype in dtypes:
             chosen = [s for s, p in zip(slots, params) if p.dtype == dtype]
@@ -317,3 +334,96 @@ class ExtraBitsAdamW(ExtraBitsAdam):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, **kwargs):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+class StepInBackward:
+    """The handle :func:`step_in_backward` returns: ``remove()`` takes the hooks off;
+    ``skipped`` counts parameter steps skipped for a non-finite gradient (``found_inf`` says
+    whether the last backward pass had one)."""
+
+    def __init__(self, optimizer: _ExtraBitsOptimizer, clip_value: Optional[float], scaler):
+        self.optimizer, self.clip_value, self.scaler = optimizer, clip_value, scaler
+        self.skipped = 0
+        self.found_inf = False
+        self._seeds: Optional[Dict[int, int]] = None  # per group, drawn at the first hook of a pass
+        self._handles = []
+        for gi, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    lambda param, gi=gi: self._hook(param, gi)))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _end_of_backward(self) -> None:
+        self._seeds = None
+
+    @torch.no_grad()
+    def _hook(self, p: torch.Tensor, gi: int) -> None:
+        opt = self.optimizer
+        group = opt.param_groups[gi]
+        if self._seeds is None:  # first parameter of this backward pass
+            self.found_inf = False
+            self._seeds = {i: (draw_seed() if g["rounding"] == "stochastic" else 0)
+                           for i, g in enumerate(opt.param_groups)}
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        g = p.grad
+        if self.scaler is not None or self.clip_value is not None:
+            g = g.float()
+            if self.scaler is not None:
+                g = g * (1.0 / float(self.scaler.get_scale()))
+            if not bool(torch.isfinite(g).all()):
+                self.skipped += 1
+                self.found_inf = True
+                p.grad = None
+                return
+            if self.clip_value is not None:
+                g = g.clamp(-self.clip_value, self.clip_value)
+            g = g.to(p.dtype)
+        elif not bool(torch.isfinite(g).all()):
+            self.skipped += 1
+            self.found_inf = True
+            p.grad = None
+            return
+        opt._step_params(group, [p], seed=self._seeds[gi], grads={id(p): opt._grad_of(p, g)})
+        p.grad = None  # freed as soon as it is used
+
+
+def step_in_backward(optimizer, *, clip_value: Optional[float] = None, scaler=None,
+                     clip_norm: Optional[float] = None, accumulation_steps: int = 1,
+                     model: Optional[torch.nn.Module] = None) -> StepInBackward:
+    """Step each parameter as soon as its gradient is accumulated, then free that gradient, so
+    the gradients of the whole model never exist at once (DESIGN §5). Call ``loss.backward()``
+    and nothing else: ``optimizer.step()`` and ``zero_grad()`` are not needed.
+
+    Args:
+        optimizer: an ExtraBitsSGD/Adam/AdamW.
+        clip_value: clamp every gradient element to [-clip_value, clip_value] (after unscaling).
+        scaler: a loss scaler with ``get_scale()``: gradients are divided by it; a parameter whose
+            unscaled gradient is not finite is not stepped (counted in ``handle.skipped``; the
+            pass sets ``handle.found_inf`` for the scaler's update).
+        clip_norm, accumulation_steps, model: refused where they cannot work: norm clipping needs
+            every gradient before any step, accumulation needs gradients kept across backward
+            passes, and DistributedDataParallel reduces gradients after these hooks would run.
+    Returns a handle whose ``remove()`` restores ordinary stepping.
+    """
+    if not isinstance(optimizer, _ExtraBitsOptimizer):
+        raise TypeError(f"optimizer must be a lowfp ExtraBits optimizer, got {type(optimizer).__name__}")
+    if clip_norm is not None:
+        raise ValueError("clip_norm: gradient norm clipping needs every gradient before any "
+                         "parameter steps, which stepping inside backward does not allow; use "
+                         "clip_value (element-wise) or step normally")
+    if accumulation_steps != 1:
+        raise ValueError("accumulation_steps: gradient accumulation needs gradients kept across "
+                         "backward passes, but stepping inside backward frees each one at once")
+    if model is not None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ValueError("model: DistributedDataParallel all-reduces gradients after the per-"
+                         "parameter hooks would have stepped; step normally with DDP")
+    if clip_value is not None and not (isinstance(clip_value, (int, float)) and clip_value > 0):
+        raise ValueError(f"clip_value must be a positive number, got {clip_value!r}")
+    if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
+        raise TypeError("scaler must have a get_scale() method (torch.amp.GradScaler, "
+                        "lowfp.DynamicLossScaler)")
+    return StepInBackward(optimizer, clip_value, scaler)
