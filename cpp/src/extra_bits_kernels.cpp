@@ -2,7 +2,9 @@
 // quantize_kernels.cpp: split, merge and the fused optimizer steps over whole 32-element blocks.
 // Each tile unpacks its blocks into one value per element, runs a branch-free element loop the
 // compiler vectorises (merge, update, split: cpp/include/lowfp/), and packs the blocks back.
+#include <array>
 #include <type_traits>
+#include <utility>
 
 #include "dispatch.hpp"
 #include "extra_bits_call.hpp"
@@ -19,13 +21,42 @@ namespace {
 
 constexpr int64_t kTileBlocks = kTile / 32;
 
+// Packing with q known at compile time: the 32 elements of a block unroll into constant shifts
+// (the run-time-q loop of the header costs more than the whole update). One instance per q.
+template <uint32_t Q>
+void unpack_tile_q(const uint32_t* words, int64_t blocks, uint32_t* values) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint32_t* block = words + b * Q;
+#pragma GCC unroll 32
+    for (uint32_t j = 0; j < 32; ++j) values[b * 32 + j] = unpack_one(block, Q, j);
+  }
+}
+
+template <uint32_t Q>
+void pack_tile_q(const uint32_t* values, int64_t blocks, uint32_t* words) {
+  for (int64_t b = 0; b < blocks; ++b) pack_block(values + b * 32, Q, words + b * Q);
+}
+
+using UnpackFn = void (*)(const uint32_t*, int64_t, uint32_t*);
+using PackFn = void (*)(const uint32_t*, int64_t, uint32_t*);
+
+template <uint32_t... Q>
+constexpr std::array<UnpackFn, sizeof...(Q)> unpack_table(std::integer_sequence<uint32_t, Q...>) {
+  return {unpack_tile_q<Q + 1>...};
+}
+template <uint32_t... Q>
+constexpr std::array<PackFn, sizeof...(Q)> pack_table(std::integer_sequence<uint32_t, Q...>) {
+  return {pack_tile_q<Q + 1>...};
+}
+constexpr auto kUnpack = unpack_table(std::make_integer_sequence<uint32_t, 17>{});  // q = 1..17
+constexpr auto kPack = pack_table(std::make_integer_sequence<uint32_t, 17>{});
+
 void unpack_tile(const uint32_t* words, uint32_t q, int64_t blocks, uint32_t* values) {
-  for (int64_t b = 0; b < blocks; ++b)
-    for (uint32_t j = 0; j < 32; ++j) values[b * 32 + j] = unpack_one(words + b * q, q, j);
+  kUnpack[q - 1](words, blocks, values);
 }
 
 void pack_tile(const uint32_t* values, uint32_t q, int64_t blocks, uint32_t* words) {
-  for (int64_t b = 0; b < blocks; ++b) pack_block(values + b * 32, q, words + b * q);
+  kPack[q - 1](values, blocks, words);
 }
 
 void add_events(EventCounts& c, uint32_t above_max, uint32_t underflow, uint32_t nan) {
@@ -47,9 +78,11 @@ template <class S> LOWFP_HD void store_state(S* p, int64_t i, float v, const Rou
 }
 
 // Update functors: new weight from (W', g, element index), keeping their own state.
+// Hyperparameters are held by value: a reference could alias the arrays, which would make the
+// compiler reload them every element and give up vectorising.
 struct SgdPlain {
-  const SgdHyper& h;
-  float operator()(float w, float g, int64_t) const {
+  const SgdHyper h;
+  LOWFP_HD float operator()(float w, float g, int64_t) const {
     float unused = 0.0f;
     return sgd_update(w, g, unused, false, h);
   }
@@ -57,10 +90,10 @@ struct SgdPlain {
 
 template <class S>
 struct SgdMomentum {
-  const SgdHyper& h;
+  const SgdHyper h;
   S* buf;
-  const RoundParams<uint32_t>& r;
-  float operator()(float w, float g, int64_t i) const {
+  const RoundParams<uint32_t> r;
+  LOWFP_HD float operator()(float w, float g, int64_t i) const {
     float b = load_state(buf, i);
     const float out = sgd_update(w, g, b, true, h);
     store_state(buf, i, b, r);
@@ -70,12 +103,12 @@ struct SgdMomentum {
 
 template <class S, bool kAmsgrad>
 struct Adam {
-  const AdamHyper& h;
+  const AdamHyper h;
   S* m;
   S* v;
   S* v_max;
-  const RoundParams<uint32_t>& r;
-  float operator()(float w, float g, int64_t i) const {
+  const RoundParams<uint32_t> r;
+  LOWFP_HD float operator()(float w, float g, int64_t i) const {
     float mi = load_state(m, i), vi = load_state(v, i);
     float vm = kAmsgrad ? load_state(v_max, i) : 0.0f;
     const float out = adam_update(w, g, mi, vi, vm, h);
@@ -88,13 +121,15 @@ struct Adam {
 
 template <class W16, RoundKind K, class Update>
 void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, int64_t b1,
-                 EventCounts& counts, const Update& update) {
-  const ExtraBitsParams& e = s.e;
+                 EventCounts& counts, const Update update) {
+  const ExtraBitsParams e = s.e;
   W16* w16 = static_cast<W16*>(slot.w16);
   const W16* grad = static_cast<const W16*>(slot.grad);
   const uint32_t k_mask = (1u << e.k) - 1u;
   alignas(64) uint32_t values[kTile];
   alignas(64) uint32_t rand[kTile];
+  alignas(64) uint32_t w_bits[kTile];
+  alignas(64) float g32[kTile];
   for (int64_t t = b0; t < b1; t += kTileBlocks) {
     const int64_t blocks = min_of(kTileBlocks, b1 - t);
     const int64_t i0 = t * 32, len = min_of(blocks * 32, slot.n - i0);
@@ -102,20 +137,25 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
     unpack_tile(words, e.q, blocks, values);
     if constexpr (K == RoundKind::Stochastic)
       philox_fill(rand, s.seed, slot.rand_offset + uint64_t(i0) / 4, (len + 3) / 4);
+    // Three loops, so that 16-bit and 32-bit lanes never share one (gcc vectorises each).
+    for (int64_t i = 0; i < len; ++i) {
+      w_bits[i] = truncation_bits(w16[i0 + i], values[i] >> e.k);
+      g32[i] = bit_cast<float>(Widen<uint32_t>::from(grad[i0 + i]));
+    }
     uint32_t above_max = 0, underflow = 0, nan = 0;
     for (int64_t i = 0; i < len; ++i) {
-      const uint32_t w = merge_bits(w16[i0 + i], values[i] & k_mask, values[i] >> e.k, e);
-      const float g = bit_cast<float>(Widen<uint32_t>::from(grad[i0 + i]));
-      const float w_new = update(bit_cast<float>(w), g, i0 + i);
+      const uint32_t w = merge_bits(w_bits[i], values[i] & k_mask, e);
+      const float w_new = update(bit_cast<float>(w), g32[i], i0 + i);
       uint32_t extra, flag;
       RoundEvents ev;
       const uint32_t r = K == RoundKind::Stochastic ? rand[i] : 0u;
-      w16[i0 + i] = split_bits<W16, K, false>(bit_cast<uint32_t>(w_new), e, r, extra, flag, ev);
+      w_bits[i] = split_bits<K, false>(bit_cast<uint32_t>(w_new), e, r, extra, flag, ev);
       values[i] = extra | (flag << e.k);
       above_max += ev.above_max;
       underflow += ev.underflow;
       nan += ev.nan;
     }
+    for (int64_t i = 0; i < len; ++i) w16[i0 + i] = Store<W16>::from(w_bits[i]);
     for (int64_t i = len; i < blocks * 32; ++i) values[i] = 0;
     pack_tile(values, e.q, blocks, words);
     add_events(counts, above_max, underflow, nan);
@@ -191,7 +231,8 @@ void extra_bits_split_range(const ExtraBitsParams& e, Rounding mode, const Extra
         uint32_t extra, flag;
         RoundEvents ev;
         const uint32_t r = K == RoundKind::Stochastic ? rand[i] : 0u;
-        w16[i0 + i] = split_bits<W16, K, false>(bit_cast<uint32_t>(a.w32[i0 + i]), e, r, extra, flag, ev);
+        w16[i0 + i] = Store<W16>::from(
+            split_bits<K, false>(bit_cast<uint32_t>(a.w32[i0 + i]), e, r, extra, flag, ev));
         values[i] = extra | (flag << e.k);
         above_max += ev.above_max;
         underflow += ev.underflow;
@@ -216,7 +257,8 @@ void extra_bits_merge_range(const ExtraBitsParams& e, const ExtraBitsMerge& a, i
       const int64_t i0 = t * 32, len = min_of(blocks * 32, a.n - i0);
       unpack_tile(a.words + t * e.q, e.q, blocks, values);
       for (int64_t i = 0; i < len; ++i)
-        a.w32[i0 + i] = bit_cast<float>(merge_bits(w16[i0 + i], values[i] & k_mask, values[i] >> e.k, e));
+        a.w32[i0 + i] = bit_cast<float>(
+            merge_bits(truncation_bits(w16[i0 + i], values[i] >> e.k), values[i] & k_mask, e));
     }
   };
   if (e.bf16) run(Type<BFloat>{});

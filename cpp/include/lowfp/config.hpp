@@ -35,6 +35,11 @@ LOWFP_HD T select(bool c, T a, T b) {
   const T mask = T(0) - T(c);
   return (a & mask) | (b & ~mask);
 }
+// The same for floats, through their bit patterns (a ?: on a loop-invariant bool can stop gcc
+// vectorising a float loop).
+LOWFP_HD float select_float(bool c, float a, float b) {
+  return bit_cast<float>(select(c, bit_cast<uint32_t>(a), bit_cast<uint32_t>(b)));
+}
 // Plain conditionals become MIN/MAX_EXPR, which vectorise without narrowing shift counts.
 template <class T>
 LOWFP_HD T min_of(T a, T b) { return a < b ? a : b; }

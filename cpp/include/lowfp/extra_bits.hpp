@@ -30,36 +30,42 @@ LOWFP_HD uint32_t extra_bits_of(uint32_t w32, const ExtraBitsParams& e) {
   const int32_t e_t = max_of(exp_w, e.emin16) - e.m16;                 // ulp(t) = 2^e_t
   const int32_t e_w = max_of(exp_w, -126) - 23;
   const int32_t d = e_t - e_w;  // |W| mod ulp(t) = (sig mod 2^d) * 2^e_w; d >= k for every W
-  const uint32_t low = d >= 32 ? sig : sig & ((1u << min_of(d, 31)) - 1u);
+  const uint32_t low = select(d >= 32, sig, sig & ((1u << min_of(d, 31)) - 1u));
   const uint32_t extra = low >> min_of(d - int32_t(e.k), 31);
-  return (field < 255 && exp_w <= e.emax16) ? extra : 0u;
+  return select((field < 255) & (exp_w <= e.emax16), extra, 0u);
 }
 
-// split: the 16-bit weight (W rounded by the mode), its extra bits and flag.
-template <class W16, RoundKind Kind, bool kSubExp>
-LOWFP_HD W16 split_bits(uint32_t w32, const ExtraBitsParams& e, uint32_t rand, uint32_t& extra,
-                        uint32_t& flag, RoundEvents& ev) {
+// split: w = W rounded to the 16-bit type by the mode (returned as float32 bits; Store<W16>
+// narrows them exactly), its extra bits and its flag.
+template <RoundKind Kind, bool kSubExp>
+LOWFP_HD uint32_t split_bits(uint32_t w32, const ExtraBitsParams& e, uint32_t rand, uint32_t& extra,
+                             uint32_t& flag, RoundEvents& ev) {
   const uint32_t w = round_bits<Kind, uint32_t, kSubExp>(w32, e.round, rand, ev);
   // w is t or t's neighbour away from zero; the latter exactly when |w| > |W|.
   const uint32_t a = w32 & kF32Abs;
-  flag = (a <= kF32Inf && (w & kF32Abs) > a) ? 1u : 0u;
+  flag = uint32_t(a <= kF32Inf) & uint32_t((w & kF32Abs) > a);  // & not &&: no branch
   extra = extra_bits_of(w32, e);
-  return Store<W16>::from(w);
+  return w;
 }
 
-// merge: W' = t + extra * ulp(t) / 2^k, t = w stepped one ulp toward zero when flag is set
-// (on the 16-bit pattern: from inf, a rounded-up overflow, that is the type's largest value).
-// Exact: W' is representable in float32, so the float addition does not round.
+// t, the truncation of W, from w and its flag: w stepped one ulp toward zero on the 16-bit
+// pattern when the flag is set (from inf, a rounded-up overflow, that is the largest value).
 template <class W16>
-LOWFP_HD uint32_t merge_bits(W16 w, uint32_t extra, uint32_t flag, const ExtraBitsParams& e) {
-  const uint32_t t = Widen<uint32_t>::from(W16{uint16_t(w.v - flag)});
+LOWFP_HD uint32_t truncation_bits(W16 w, uint32_t flag) {
+  return Widen<uint32_t>::from(W16{uint16_t(w.v - flag)});
+}
+
+// merge: W' = t + extra * ulp(t) / 2^k (t as float32 bits). Exact: W' is representable in
+// float32, so the float addition does not round.
+LOWFP_HD uint32_t merge_bits(uint32_t t, uint32_t extra, const ExtraBitsParams& e) {
   const uint32_t a = t & kF32Abs;
   const int32_t e_scale = max_of(int32_t(a >> 23) - 127, e.emin16) - e.m16 - int32_t(e.k);
   // 2^e_scale as a float (>= 2^-149: a float32 subnormal below 2^-126)
-  const float scale = e_scale >= -126 ? bit_cast<float>(uint32_t(e_scale + 127) << 23)
-                                      : bit_cast<float>(1u << max_of(e_scale + 149, 0));
-  const uint32_t mag = bit_cast<uint32_t>(bit_cast<float>(a) + float(extra) * scale);
-  return a >= kF32Inf ? t : mag | (t & ~kF32Abs);
+  const uint32_t scale_bits = select(e_scale >= -126, uint32_t(max_of(e_scale + 127, 0)) << 23,
+                                     1u << min_of(max_of(e_scale + 149, 0), 31));
+  const float extra_f = float(int32_t(extra));  // < 2^17
+  const uint32_t mag = bit_cast<uint32_t>(bit_cast<float>(a) + extra_f * bit_cast<float>(scale_bits));
+  return select(a >= kF32Inf, t, mag | (t & ~kF32Abs));
 }
 
 // Packing: element j of a 32-element block occupies bits [j q, (j + 1) q) of the block's q words
@@ -75,6 +81,7 @@ LOWFP_HD uint32_t unpack_one(const uint32_t* block, uint32_t q, uint32_t j) {
 LOWFP_HD void pack_block(const uint32_t* values, uint32_t q, uint32_t* block) {
   uint64_t acc = 0;
   uint32_t filled = 0, out = 0;
+#pragma GCC unroll 32
   for (uint32_t j = 0; j < 32; ++j) {
     acc |= uint64_t(values[j]) << filled;
     filled += q;

@@ -32,29 +32,29 @@ struct AdamHyper {
 LOWFP_HD float lerp_torch(float self, float end, float w) {
   const float small = self + w * (end - self);
   const float large = end - (end - self) * (1.0f - w);
-  return (w < 0.5f && w > -0.5f) ? small : large;
+  return select_float((w < 0.5f) & (w > -0.5f), small, large);
 }
 
 // SGD: returns the new weight; buf is the momentum buffer (ignored when momentum == 0).
 LOWFP_HD float sgd_update(float w, float g, float& buf, bool has_momentum, const SgdHyper& h) {
-  float d = h.maximize ? -g : g;
-  d = h.weight_decay != 0.0f ? d + h.weight_decay * w : d;  // grad.add(param, alpha=wd)
+  float d = select_float(h.maximize, -g, g);
+  d = select_float(h.weight_decay != 0.0f, d + h.weight_decay * w, d);  // grad.add(param, alpha=wd)
   if (has_momentum) {
-    buf = h.first_step ? d : buf * h.momentum + h.one_minus_dampening * d;
-    d = h.nesterov ? d + h.momentum * buf : buf;
+    buf = select_float(h.first_step, d, buf * h.momentum + h.one_minus_dampening * d);
+    d = select_float(h.nesterov, d + h.momentum * buf, buf);
   }
   return w + h.neg_lr * d;  // param.add_(d_p, alpha=-lr)
 }
 
 // Adam / AdamW: returns the new weight; m, v (and v_max with amsgrad) are updated in place.
 LOWFP_HD float adam_update(float w, float g, float& m, float& v, float& v_max, const AdamHyper& h) {
-  g = h.maximize ? -g : g;
-  w = h.decoupled ? w * h.decay : w;                                          // param.mul_(1 - lr wd)
-  g = (!h.decoupled && h.weight_decay != 0.0f) ? g + h.weight_decay * w : g;  // grad.add(param, wd)
+  g = select_float(h.maximize, -g, g);
+  w = select_float(h.decoupled, w * h.decay, w);                              // param.mul_(1 - lr wd)
+  g = select_float(!h.decoupled & (h.weight_decay != 0.0f), g + h.weight_decay * w, g);  // grad.add(param, wd)
   m = lerp_torch(m, g, h.lerp_weight);                                        // exp_avg.lerp_(grad, 1 - b1)
   v = v * h.beta2 + (h.one_minus_beta2 * g) * g;  // exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
-  v_max = h.amsgrad ? max_of(v_max, v) : v_max;
-  const float denom = sqrtf(h.amsgrad ? v_max : v) / h.bias_correction2_sqrt + h.eps;
+  v_max = select_float(h.amsgrad, max_of(v_max, v), v_max);
+  const float denom = sqrtf(select_float(h.amsgrad, v_max, v)) / h.bias_correction2_sqrt + h.eps;
   return w + (h.neg_step_size * m) / denom;  // param.addcdiv_(exp_avg, denom, value=-step_size)
 }
 
