@@ -438,3 +438,13 @@ def test_step_in_backward_refusals():
         lowfp.optim.step_in_backward(torch.optim.SGD(small_model().parameters(), lr=0.1))
     with pytest.raises(TypeError, match="get_scale"):
         lowfp.optim.step_in_backward(opt, scaler=object())
+
+
+def test_demo_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+    demo = Path(__file__).resolve().parents[1] / "examples" / "extra_bits_demo.py"
+    out = subprocess.run([sys.executable, str(demo), "--data", "synthetic", "--epochs", "1"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "pure bfloat16" in out and "fp16 + 13" in out and out.count("\n") >= 8
