@@ -173,3 +173,48 @@ def test_s2fp8_edge_cases_on_gpu():
     up = torch.randn(1000, device="cuda")
     lowfp.s2fp8_quantize(x, truncate_grad=True)[0].backward(up)
     assert torch.equal(x.grad.cpu(), lowfp.s2fp8_quantize(up.cpu())[0])
+
+
+# Extra bits (DESIGN §5): split, merge and fused steps equal the CPU's bit for bit.
+
+@pytest.mark.parametrize("dtype,k", [(torch.bfloat16, 16), (torch.bfloat16, 5), (torch.float16, 13), (torch.float16, 8)])
+@pytest.mark.parametrize("rounding", ["toward_zero", "nearest", "stochastic"])
+def test_extra_bits_split_merge_match_cpu(dtype, k, rounding):
+    import lowfp.extra_bits as eb
+    w = random_patterns(100_003, torch.float32, seed=5)
+    w = torch.where(torch.isfinite(w), w, torch.zeros_like(w))
+    s_cpu, s_gpu = lowfp.Stats(), lowfp.Stats("cuda")
+    a16, ap = eb.split(w, dtype, k, rounding, seed=3, stats=s_cpu)
+    b16, bp = eb.split(w.cuda(), dtype, k, rounding, seed=3, stats=s_gpu)
+    assert same_bits(a16, b16.cpu()) and torch.equal(ap, bp.cpu())
+    assert s_cpu.as_dict() == s_gpu.as_dict()
+    assert torch.equal(eb.merge(a16, ap, k, rounding), eb.merge(b16, bp, k, rounding).cpu())
+
+
+@pytest.mark.parametrize("opt_name,kw", [
+    ("ExtraBitsSGD", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, extra_bits=8, rounding="stochastic")),
+    ("ExtraBitsAdam", dict(lr=1e-3, amsgrad=True, extra_bits=16, rounding="nearest", state_dtype=torch.bfloat16)),
+    ("ExtraBitsAdamW", dict(lr=1e-3, extra_bits=13, rounding="stochastic", param_dtype=torch.float16)),
+])
+def test_extra_bits_optimizers_match_cpu(opt_name, kw):
+    import copy
+    from lowfp import optim
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(33, 70), torch.nn.Tanh(), torch.nn.Linear(70, 3))
+    gpu_model = copy.deepcopy(model).cuda()
+    torch.manual_seed(1)
+    cpu_opt = getattr(optim, opt_name)(model.parameters(), **kw)
+    torch.manual_seed(1)
+    gpu_opt = getattr(optim, opt_name)(gpu_model.parameters(), **kw)
+    g = torch.Generator().manual_seed(2)
+    for step in range(5):
+        for p, q in zip(model.parameters(), gpu_model.parameters()):
+            grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            p.grad, q.grad = grad, grad.cuda()
+        torch.manual_seed(10 + step)
+        cpu_opt.step()
+        torch.manual_seed(10 + step)
+        gpu_opt.step()
+        for a, b in zip(cpu_opt.master_weights(), gpu_opt.master_weights()):
+            assert torch.equal(a, b.cpu()), step
+    assert cpu_opt.weight_stats.as_dict() == gpu_opt.weight_stats.as_dict()

@@ -6,8 +6,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "dispatch.hpp"
-#include "extra_bits_call.hpp"
+#include "extra_bits_dispatch.hpp"
 #include "philox_lanes.hpp"
 #include "quantize_cpu.hpp"
 
@@ -65,60 +64,6 @@ void add_events(EventCounts& c, uint32_t above_max, uint32_t underflow, uint32_t
   c.nan += nan;
 }
 
-template <class S> LOWFP_HD float load_state(const S* p, int64_t i) {
-  return bit_cast<float>(Widen<uint32_t>::from(p[i]));
-}
-template <class S> LOWFP_HD void store_state(S* p, int64_t i, float v, const RoundParams<uint32_t>& r) {
-  if constexpr (std::is_same_v<S, float>) {
-    p[i] = v;
-  } else {
-    RoundEvents ignored;
-    p[i] = Store<S>::from(round_bits<RoundKind::Nearest, uint32_t, false>(bit_cast<uint32_t>(v), r, 0u, ignored));
-  }
-}
-
-// Update functors: new weight from (W', g, element index), keeping their own state.
-// Hyperparameters are held by value: a reference could alias the arrays, which would make the
-// compiler reload them every element and give up vectorising.
-struct SgdPlain {
-  const SgdHyper h;
-  LOWFP_HD float operator()(float w, float g, int64_t) const {
-    float unused = 0.0f;
-    return sgd_update(w, g, unused, false, h);
-  }
-};
-
-template <class S>
-struct SgdMomentum {
-  const SgdHyper h;
-  S* buf;
-  const RoundParams<uint32_t> r;
-  LOWFP_HD float operator()(float w, float g, int64_t i) const {
-    float b = load_state(buf, i);
-    const float out = sgd_update(w, g, b, true, h);
-    store_state(buf, i, b, r);
-    return out;
-  }
-};
-
-template <class S, bool kAmsgrad>
-struct Adam {
-  const AdamHyper h;
-  S* m;
-  S* v;
-  S* v_max;
-  const RoundParams<uint32_t> r;
-  LOWFP_HD float operator()(float w, float g, int64_t i) const {
-    float mi = load_state(m, i), vi = load_state(v, i);
-    float vm = kAmsgrad ? load_state(v_max, i) : 0.0f;
-    const float out = adam_update(w, g, mi, vi, vm, h);
-    store_state(m, i, mi, r);
-    store_state(v, i, vi, r);
-    if (kAmsgrad) store_state(v_max, i, vm, r);
-    return out;
-  }
-};
-
 template <class W16, RoundKind K, class Update>
 void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, int64_t b1,
                  EventCounts& counts, const Update update) {
@@ -162,60 +107,21 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
   }
 }
 
-template <class W16, RoundKind K>
-void step_dispatch(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, int64_t b1,
-                   EventCounts& counts) {
-  const bool bf16_state = s.state == DType::BFloat16;
-  if (s.opt == OptimKind::Sgd) {
-    if (!s.has_momentum)
-      return step_blocks<W16, K>(s, slot, b0, b1, counts, SgdPlain{s.sgd});
-    if (bf16_state)
-      return step_blocks<W16, K>(s, slot, b0, b1, counts,
-                                 SgdMomentum<BFloat>{s.sgd, static_cast<BFloat*>(slot.state0), s.state_round});
-    return step_blocks<W16, K>(s, slot, b0, b1, counts,
-                               SgdMomentum<float>{s.sgd, static_cast<float*>(slot.state0), s.state_round});
-  }
-  auto adam = [&](auto state_type, auto amsgrad) {
-    using S = typename decltype(state_type)::type;
-    step_blocks<W16, K>(s, slot, b0, b1, counts,
-                        Adam<S, decltype(amsgrad)::value>{s.adam, static_cast<S*>(slot.state0),
-                                                          static_cast<S*>(slot.state1),
-                                                          static_cast<S*>(slot.state2), s.state_round});
-  };
-  if (bf16_state) {
-    if (s.adam.amsgrad) adam(Type<BFloat>{}, Flag<true>{});
-    else adam(Type<BFloat>{}, Flag<false>{});
-  } else {
-    if (s.adam.amsgrad) adam(Type<float>{}, Flag<true>{});
-    else adam(Type<float>{}, Flag<false>{});
-  }
-}
-
-template <class Fn>
-void with_weights_and_kind(const ExtraBitsParams& e, Rounding mode, Fn&& fn) {
-  auto kind = [&](auto w16) {
-    switch (round_kind(mode)) {
-      case RoundKind::Nearest: return fn(w16, Kind<RoundKind::Nearest>{});
-      case RoundKind::Directed: return fn(w16, Kind<RoundKind::Directed>{});
-      default: return fn(w16, Kind<RoundKind::Stochastic>{});
-    }
-  };
-  if (e.bf16) kind(Type<BFloat>{});
-  else kind(Type<Half>{});
-}
-
 }  // namespace
 
 void extra_bits_step_range(const ExtraBitsStep& s, int64_t slot, int64_t b0, int64_t b1,
                            EventCounts& counts) {
-  with_weights_and_kind(s.e, s.mode, [&](auto w16, auto kind) {
-    step_dispatch<typename decltype(w16)::type, decltype(kind)::value>(s, s.slots[slot], b0, b1, counts);
+  dispatch_extra_bits_step(s, [&](auto w16, auto kind, auto maker) {
+    using Maker = typename decltype(maker)::type;
+    const ExtraBitsSlot& sl = s.slots[slot];
+    step_blocks<typename decltype(w16)::type, decltype(kind)::value>(
+        s, sl, b0, b1, counts, Maker::make(s.sgd, s.adam, s.state_round, sl));
   });
 }
 
 void extra_bits_split_range(const ExtraBitsParams& e, Rounding mode, const ExtraBitsSplit& a,
                             int64_t b0, int64_t b1, EventCounts& counts) {
-  with_weights_and_kind(e, mode, [&](auto w16_type, auto kind) {
+  dispatch_extra_bits_kind(e, mode, [&](auto w16_type, auto kind) {
     using W16 = typename decltype(w16_type)::type;
     constexpr RoundKind K = decltype(kind)::value;
     W16* w16 = static_cast<W16*>(a.w16);

@@ -11,7 +11,7 @@ try:  # present only when lowfp was built with nvcc (LOWFP_CUDA=AUTO/ON)
 except ImportError:
     _C_cuda = None
 
-__all__ = ["cuda_built", "for_device"]
+__all__ = ["cuda_built", "for_device", "native"]
 
 
 def cuda_built() -> bool:
@@ -46,3 +46,12 @@ def for_device(device: torch.device, argname: str):
         from . import _cuda_backend
         return _cuda_backend.backend()
     raise ValueError(f"{argname} is on device {device}; lowfp supports cpu and cuda tensors")
+
+
+def native(t: torch.Tensor, argname: str):
+    """(module, device index, stream handle) that run raw-buffer functions on t's device."""
+    if t.device.type == "cpu":
+        return _C, -1, 0
+    for_device(t.device, argname)  # the clear errors
+    device = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return _C_cuda, device, torch.cuda.current_stream(device).cuda_stream

@@ -18,8 +18,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _C
+from . import backends
 from .quantize import DTYPE_CODES, ROUNDING_MODES, _check_uint64, draw_seed
+from .stats import Stats
 
 __all__ = ["split", "merge", "packed_words", "bits_per_element", "EXTRA_BITS_ROUNDING", "max_extra_bits"]
 
@@ -53,34 +54,33 @@ def packed_words(numel: int, k: int, rounding: str) -> int:
     return (numel + 31) // 32 * bits_per_element(k, rounding)
 
 
-def _check_cpu(t: torch.Tensor, name: str) -> None:
-    if t.device.type != "cpu":
-        raise ValueError(f"{name} is on {t.device}: extra bits run on the CPU in this build "
-                         "(the CUDA driver is not written yet)")
-
-
 def split(w32: torch.Tensor, dtype: torch.dtype = torch.bfloat16, k: int = 16,
           rounding: str = "toward_zero", *, seed: Optional[int] = None,
-          generator: Optional[torch.Generator] = None, offset: int = 0
-          ) -> Tuple[torch.Tensor, torch.Tensor]:
+          generator: Optional[torch.Generator] = None, offset: int = 0,
+          stats: Optional[Stats] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Split float32 ``w32`` into a ``dtype`` tensor of the same shape and its packed extra bits
     (int32, ``packed_words(numel, k, rounding)`` words). Stochastic rounding draws Philox words as
-    :func:`lowfp.quantize` does (``seed``, ``generator``, ``offset``)."""
+    :func:`lowfp.quantize` does (``seed``, ``generator``, ``offset``); ``stats`` counts the
+    16-bit weights' overflows, underflows and NaNs."""
     if not isinstance(w32, torch.Tensor) or w32.dtype != torch.float32:
         raise TypeError(f"w32 must be a float32 torch.Tensor, got "
                         f"{w32.dtype if isinstance(w32, torch.Tensor) else type(w32).__name__}")
     check_extra_bits(dtype, k, rounding)
-    _check_cpu(w32, "w32")
+    mod, device, stream = backends.native(w32, "w32")
+    if stats is not None and (not isinstance(stats, Stats) or stats.device != w32.device):
+        raise ValueError(f"stats must be a lowfp.Stats on {w32.device}")
     if rounding == "stochastic":
         seed = draw_seed(generator) if seed is None else _check_uint64(seed, "seed")
     else:
         seed = 0
     offset = _check_uint64(offset, "offset")
     src = w32.contiguous()
-    w16 = torch.empty(w32.shape, dtype=dtype)
-    packed = torch.empty(packed_words(src.numel(), k, rounding), dtype=torch.int32)
-    _C.extra_bits_split(src.data_ptr(), w16.data_ptr(), DTYPE_CODES[dtype], packed.data_ptr(),
-                        src.numel(), k, ROUNDING_MODES.index(rounding), seed, offset)
+    w16 = torch.empty(w32.shape, dtype=dtype, device=w32.device)
+    packed = torch.empty(packed_words(src.numel(), k, rounding), dtype=torch.int32, device=w32.device)
+    counts = stats.counts.data_ptr() if stats is not None else 0
+    mod.extra_bits_split(src.data_ptr(), w16.data_ptr(), DTYPE_CODES[dtype], packed.data_ptr(),
+                         src.numel(), k, ROUNDING_MODES.index(rounding), seed, offset, counts,
+                         device, stream)
     return w16, packed
 
 
@@ -92,14 +92,16 @@ def merge(w16: torch.Tensor, packed: torch.Tensor, k: int = 16, rounding: str = 
     check_extra_bits(w16.dtype, k, rounding)
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32:
         raise TypeError("packed must be an int32 torch.Tensor")
-    _check_cpu(w16, "w16")
+    mod, device, stream = backends.native(w16, "w16")
+    if packed.device != w16.device:
+        raise ValueError(f"packed is on {packed.device} but w16 is on {w16.device}")
     want = packed_words(w16.numel(), k, rounding)
     if packed.numel() != want:
         raise ValueError(f"packed has {packed.numel()} words but {w16.numel()} elements with "
                          f"k={k}, rounding={rounding!r} need {want}")
     src = w16.contiguous()
     words = packed.contiguous()
-    out = torch.empty(w16.shape, dtype=torch.float32)
-    _C.extra_bits_merge(src.data_ptr(), DTYPE_CODES[w16.dtype], words.data_ptr(), out.data_ptr(),
-                        src.numel(), k, ROUNDING_MODES.index(rounding))
+    out = torch.empty(w16.shape, dtype=torch.float32, device=w16.device)
+    mod.extra_bits_merge(src.data_ptr(), DTYPE_CODES[w16.dtype], words.data_ptr(), out.data_ptr(),
+                         src.numel(), k, ROUNDING_MODES.index(rounding), device, stream)
     return out

@@ -23,7 +23,7 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
-from . import _C
+from . import backends
 from .extra_bits import (EXTRA_BITS_ROUNDING, check_extra_bits, merge, packed_words, split)
 from .quantize import DTYPE_CODES, ROUNDING_MODES, draw_seed
 from .stats import Stats
@@ -45,7 +45,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         check_extra_bits(param_dtype, k, rounding, "extra_bits")
         if state_dtype not in _STATE_DTYPES:
             raise TypeError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
-        self.weight_stats = Stats()  # 16-bit weight roundings: overflow, underflow, nan, numel
+        self.weight_stats: Optional[Stats] = None  # 16-bit weight roundings (on the params' device)
         super().__init__(params, defaults)
 
     # -- parameters -------------------------------------------------------------------------
@@ -57,9 +57,12 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         if group["state_dtype"] not in _STATE_DTYPES:
             raise TypeError(f"state_dtype must be torch.float32 or torch.bfloat16, got {group['state_dtype']}")
         for p in group["params"]:
-            if p.device.type != "cpu":
-                raise ValueError(f"parameter on {p.device}: lowfp's extra-bits optimizers run on the "
-                                 "CPU in this build (the CUDA driver is not written yet)")
+            backends.native(p, "parameter")  # a CUDA parameter needs the CUDA build
+            if self.weight_stats is None:
+                self.weight_stats = Stats(p.device)
+            elif self.weight_stats.device != p.device:
+                raise ValueError(f"all parameters must be on one device: {self.weight_stats.device} "
+                                 f"and {p.device}")
             if p.dtype == torch.float32:
                 dtype = group["param_dtype"]
                 check_extra_bits(dtype, k, rounding, "extra_bits")
@@ -79,7 +82,8 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         k, rounding = group["extra_bits"], group["rounding"]
         if "extra" not in state:
-            state.update(extra=torch.zeros(packed_words(p.numel(), k, rounding), dtype=torch.int32),
+            state.update(extra=torch.zeros(packed_words(p.numel(), k, rounding), dtype=torch.int32,
+                                           device=p.device),
                          extra_bits=k, rounding=rounding)
         elif (state["extra_bits"], state["rounding"]) != (k, rounding):
             raise ValueError(f"extra_bits/rounding of a parameter group changed from "
@@ -148,14 +152,12 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             keep.append((g, states))
             ptrs = [s.data_ptr() for s in states] + [0] * (3 - len(states))
             slots.append((p.data_ptr(), g.data_ptr(), extra.data_ptr(), *ptrs, p.numel(), offsets[id(p)]))
-        dtypes = {p.dtype for p in params}
-        for dtype in dtypes:
+        mod, device, stream = backends.native(params[0], "parameter")
+        for dtype in {p.dtype for p in params}:
             chosen = [s for s, p in zip(slots, params) if p.dtype == dtype]
-            counts = _C.extra_bits_step(self._opt_code, DTYPE_CODES[dtype], group["extra_bits"],
-                                        ROUNDING_MODES.index(rounding), DTYPE_CODES[state_dtype],
-                                        hyper, seed, chosen)
-            self.weight_stats.counts += torch.tensor(
-                [*counts, sum(s[6] for s in chosen)], dtype=torch.int64)
+            mod.extra_bits_step(self._opt_code, DTYPE_CODES[dtype], group["extra_bits"],
+                                ROUNDING_MODES.index(rounding), DTYPE_CODES[state_dtype], hyper, seed,
+                                chosen, self.weight_stats.counts.data_ptr(), device, stream)
         self._after_step(params)
 
     # Subclasses: _batch_key, _hyper, _moments, _after_step.
@@ -260,7 +262,7 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
             return []
         state = self.state[p]
         if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros(p.shape, dtype=state_dtype)
+            state["momentum_buffer"] = torch.zeros(p.shape, dtype=state_dtype, device=p.device)
         return [state["momentum_buffer"]]
 
 
@@ -311,10 +313,10 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
         state = self.state[p]
         if "exp_avg" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros(p.shape, dtype=state_dtype)
-            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=state_dtype)
+            state["exp_avg"] = torch.zeros(p.shape, dtype=state_dtype, device=p.device)
+            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=state_dtype, device=p.device)
             if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=state_dtype)
+                state["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=state_dtype, device=p.device)
         out = [state["exp_avg"], state["exp_avg_sq"]]
         if group["amsgrad"]:
             out.append(state["max_exp_avg_sq"])

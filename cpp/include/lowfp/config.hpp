@@ -28,6 +28,13 @@ LOWFP_HD To bit_cast(const From& from) {
 #endif
 }
 
+// Fully unroll a short constant-trip loop (CUDA and gcc spell it differently).
+#if defined(__CUDACC__)
+#define LOWFP_UNROLL _Pragma("unroll")
+#else
+#define LOWFP_UNROLL _Pragma("GCC unroll 32")
+#endif
+
 // Branch-free select for integers: gcc if-converts these reliably where it leaves ?: as control
 // flow that blocks loop vectorisation.
 template <class T>

@@ -81,7 +81,7 @@ LOWFP_HD uint32_t unpack_one(const uint32_t* block, uint32_t q, uint32_t j) {
 LOWFP_HD void pack_block(const uint32_t* values, uint32_t q, uint32_t* block) {
   uint64_t acc = 0;
   uint32_t filled = 0, out = 0;
-#pragma GCC unroll 32
+LOWFP_UNROLL
   for (uint32_t j = 0; j < 32; ++j) {
     acc |= uint64_t(values[j]) << filled;
     filled += q;

@@ -3,6 +3,7 @@
 // kernels do). Compiled without fused multiply-adds, so each operation rounds on its own.
 #pragma once
 #include <cmath>
+#include <type_traits>
 
 #include "round.hpp"
 #include "storage.hpp"
@@ -57,5 +58,60 @@ LOWFP_HD float adam_update(float w, float g, float& m, float& v, float& v_max, c
   const float denom = sqrtf(select_float(h.amsgrad, v_max, v)) / h.bias_correction2_sqrt + h.eps;
   return w + (h.neg_step_size * m) / denom;  // param.addcdiv_(exp_avg, denom, value=-step_size)
 }
+
+template <class S> LOWFP_HD float load_state(const S* p, int64_t i) {
+  return bit_cast<float>(Widen<uint32_t>::from(p[i]));
+}
+template <class S> LOWFP_HD void store_state(S* p, int64_t i, float v, const RoundParams<uint32_t>& r) {
+  if constexpr (std::is_same_v<S, float>) {
+    p[i] = v;
+  } else {
+    RoundEvents ignored;
+    p[i] = Store<S>::from(round_bits<RoundKind::Nearest, uint32_t, false>(bit_cast<uint32_t>(v), r, 0u, ignored));
+  }
+}
+
+// Update functors for the drivers: the new weight from (W', g, element index), reading and
+// writing their own state arrays (float32 or bfloat16, rounded to nearest).
+// Hyperparameters are held by value: a reference could alias the arrays, which would make the
+// compiler reload them every element and give up vectorising.
+struct SgdPlain {
+  const SgdHyper h;
+  LOWFP_HD float operator()(float w, float g, int64_t) const {
+    float unused = 0.0f;
+    return sgd_update(w, g, unused, false, h);
+  }
+};
+
+template <class S>
+struct SgdMomentum {
+  const SgdHyper h;
+  S* buf;
+  const RoundParams<uint32_t> r;
+  LOWFP_HD float operator()(float w, float g, int64_t i) const {
+    float b = load_state(buf, i);
+    const float out = sgd_update(w, g, b, true, h);
+    store_state(buf, i, b, r);
+    return out;
+  }
+};
+
+template <class S, bool kAmsgrad>
+struct Adam {
+  const AdamHyper h;
+  S* m;
+  S* v;
+  S* v_max;
+  const RoundParams<uint32_t> r;
+  LOWFP_HD float operator()(float w, float g, int64_t i) const {
+    float mi = load_state(m, i), vi = load_state(v, i);
+    float vm = kAmsgrad ? load_state(v_max, i) : 0.0f;
+    const float out = adam_update(w, g, mi, vi, vm, h);
+    store_state(m, i, mi, r);
+    store_state(v, i, vi, r);
+    if (kAmsgrad) store_state(v_max, i, vm, r);
+    return out;
+  }
+};
 
 }  // namespace lowfp

@@ -1,0 +1,93 @@
+// The extra-bits functions shared by lowfp._C and lowfp._C_cuda (one signature for both):
+//   extra_bits_split(w32, w16, dtype, words, n, k, rounding, seed, offset, counts, device, stream)
+//   extra_bits_merge(w16, dtype, words, w32, n, k, rounding, device, stream)
+//   extra_bits_step(opt, dtype, k, rounding, state_dtype, hyper, seed, slots, counts, device, stream)
+// slots: (w16, grad, words, state0, state1, state2, n, rand_offset) per parameter; counts: an
+// int64[4] buffer (overflow, underflow, nan, numel) of the weights' roundings, or 0.
+#pragma once
+#include <pybind11/pybind11.h>
+
+#include <stdexcept>
+
+#include "extra_bits_call.hpp"
+
+namespace lowfp {
+
+template <class T> T* as_ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
+
+// slots: (w16, grad, words, state0, state1, state2, n, rand_offset) per parameter.
+inline ExtraBitsStep make_extra_bits_step(int32_t opt, int32_t weights, int32_t k, int32_t rounding, int32_t state,
+                        const pybind11::tuple& hyper, uint64_t seed, const pybind11::list& slots) {
+  ExtraBitsStep s{};
+  if (weights < 0 || weights > 3 || state < 0 || state > 3 || rounding < 0 || rounding > 5)
+    throw std::invalid_argument("bad dtype or rounding code");
+  s.e = make_extra_bits_params(DType(weights), k, Rounding(rounding));
+  s.mode = Rounding(rounding);
+  s.weights = DType(weights);
+  s.state = DType(state);
+  if (s.state != DType::Float32 && s.state != DType::BFloat16)
+    throw std::invalid_argument("state dtype must be float32 or bfloat16");
+  s.state_round = make_round_params<uint32_t>(FormatSpec{8, 7, 0, Specials::IEEE, true},
+                                              Overflow::Inf, Rounding::Nearest, 32);
+  s.seed = seed;
+  if (opt == 0) {
+    s.opt = OptimKind::Sgd;
+    s.sgd = SgdHyper{hyper[0].cast<float>(), hyper[1].cast<float>(), hyper[2].cast<float>(),
+                     hyper[3].cast<float>(), hyper[4].cast<bool>(), hyper[5].cast<bool>(),
+                     hyper[6].cast<bool>()};
+    s.has_momentum = hyper[7].cast<bool>();
+  } else if (opt == 1) {
+    s.opt = OptimKind::Adam;
+    s.adam = AdamHyper{hyper[0].cast<float>(), hyper[1].cast<float>(), hyper[2].cast<float>(),
+                       hyper[3].cast<float>(), hyper[4].cast<float>(), hyper[5].cast<float>(),
+                       hyper[6].cast<float>(), hyper[7].cast<float>(), hyper[8].cast<bool>(),
+                       hyper[9].cast<bool>(), hyper[10].cast<bool>()};
+  } else {
+    throw std::invalid_argument("bad optimizer code");
+  }
+  for (const auto& item : slots) {
+    const pybind11::tuple t = item.cast<pybind11::tuple>();
+    s.slots.push_back({as_ptr<void>(t[0].cast<uintptr_t>()), as_ptr<const void>(t[1].cast<uintptr_t>()),
+                       as_ptr<uint32_t>(t[2].cast<uintptr_t>()), as_ptr<void>(t[3].cast<uintptr_t>()),
+                       as_ptr<void>(t[4].cast<uintptr_t>()), as_ptr<void>(t[5].cast<uintptr_t>()),
+                       t[6].cast<int64_t>(), t[7].cast<uint64_t>()});
+  }
+  return s;
+}
+
+
+template <class Split, class Merge, class Step>
+void def_extra_bits(pybind11::module_& mod, Split split, Merge merge, Step step) {
+  mod.def("extra_bits_split", [split](uintptr_t w32, uintptr_t w16, int32_t weights, uintptr_t words,
+                                      int64_t n, int32_t k, int32_t rounding, uint64_t seed,
+                                      uint64_t offset, uintptr_t counts, int32_t device,
+                                      uintptr_t stream) {
+    if (weights < 0 || weights > 3 || rounding < 0 || rounding > 5)
+      throw std::invalid_argument("bad dtype or rounding code");
+    const ExtraBitsParams e = make_extra_bits_params(DType(weights), k, Rounding(rounding));
+    const ExtraBitsSplit a{as_ptr<const float>(w32), as_ptr<void>(w16), as_ptr<uint32_t>(words), n,
+                           seed, offset};
+    pybind11::gil_scoped_release release;
+    split(e, Rounding(rounding), a, as_ptr<int64_t>(counts), device, stream);
+  });
+  mod.def("extra_bits_merge", [merge](uintptr_t w16, int32_t weights, uintptr_t words, uintptr_t w32,
+                                      int64_t n, int32_t k, int32_t rounding, int32_t device,
+                                      uintptr_t stream) {
+    if (weights < 0 || weights > 3 || rounding < 0 || rounding > 5)
+      throw std::invalid_argument("bad dtype or rounding code");
+    const ExtraBitsParams e = make_extra_bits_params(DType(weights), k, Rounding(rounding));
+    const ExtraBitsMerge a{as_ptr<const void>(w16), as_ptr<const uint32_t>(words), as_ptr<float>(w32), n};
+    pybind11::gil_scoped_release release;
+    merge(e, a, device, stream);
+  });
+  mod.def("extra_bits_step", [step](int32_t opt, int32_t weights, int32_t k, int32_t rounding,
+                                    int32_t state, const pybind11::tuple& hyper, uint64_t seed,
+                                    const pybind11::list& slots, uintptr_t counts, int32_t device,
+                                    uintptr_t stream) {
+    const ExtraBitsStep s = make_extra_bits_step(opt, weights, k, rounding, state, hyper, seed, slots);
+    pybind11::gil_scoped_release release;
+    step(s, as_ptr<int64_t>(counts), device, stream);
+  });
+}
+
+}  // namespace lowfp

@@ -1,0 +1,66 @@
+// Maps an ExtraBitsStep's runtime choices (16-bit type, rounding kind, optimizer, momentum,
+// state dtype, amsgrad) to template arguments, for the CPU and CUDA drivers alike:
+// fn(Type<W16>{}, Kind<K>{}, Type<Maker>{}), where Maker::make(step, slot) builds the update
+// functor of cpp/include/lowfp/optim_math.hpp for one parameter.
+#pragma once
+#include "dispatch.hpp"
+#include "extra_bits_call.hpp"
+
+namespace lowfp {
+
+struct MakeSgdPlain {
+  static LOWFP_HD SgdPlain make(const SgdHyper& h, const AdamHyper&, const RoundParams<uint32_t>&,
+                                const ExtraBitsSlot&) {
+    return SgdPlain{h};
+  }
+};
+
+template <class S>
+struct MakeSgdMomentum {
+  static LOWFP_HD SgdMomentum<S> make(const SgdHyper& h, const AdamHyper&,
+                                      const RoundParams<uint32_t>& r, const ExtraBitsSlot& slot) {
+    return SgdMomentum<S>{h, static_cast<S*>(slot.state0), r};
+  }
+};
+
+template <class S, bool kAmsgrad>
+struct MakeAdam {
+  static LOWFP_HD Adam<S, kAmsgrad> make(const SgdHyper&, const AdamHyper& h,
+                                         const RoundParams<uint32_t>& r, const ExtraBitsSlot& slot) {
+    return Adam<S, kAmsgrad>{h, static_cast<S*>(slot.state0), static_cast<S*>(slot.state1),
+                             static_cast<S*>(slot.state2), r};
+  }
+};
+
+template <class Fn>
+void dispatch_extra_bits_kind(const ExtraBitsParams& e, Rounding mode, Fn&& fn) {
+  auto kind = [&](auto w16) {
+    switch (round_kind(mode)) {
+      case RoundKind::Nearest: return fn(w16, Kind<RoundKind::Nearest>{});
+      case RoundKind::Directed: return fn(w16, Kind<RoundKind::Directed>{});
+      default: return fn(w16, Kind<RoundKind::Stochastic>{});
+    }
+  };
+  if (e.bf16) kind(Type<BFloat>{});
+  else kind(Type<Half>{});
+}
+
+template <class Fn>
+void dispatch_extra_bits_step(const ExtraBitsStep& s, Fn&& fn) {
+  dispatch_extra_bits_kind(s.e, s.mode, [&](auto w16, auto kind) {
+    const bool bf16_state = s.state == DType::BFloat16;
+    if (s.opt == OptimKind::Sgd) {
+      if (!s.has_momentum) return fn(w16, kind, Type<MakeSgdPlain>{});
+      if (bf16_state) return fn(w16, kind, Type<MakeSgdMomentum<BFloat>>{});
+      return fn(w16, kind, Type<MakeSgdMomentum<float>>{});
+    }
+    if (bf16_state) {
+      if (s.adam.amsgrad) return fn(w16, kind, Type<MakeAdam<BFloat, true>>{});
+      return fn(w16, kind, Type<MakeAdam<BFloat, false>>{});
+    }
+    if (s.adam.amsgrad) return fn(w16, kind, Type<MakeAdam<float, true>>{});
+    return fn(w16, kind, Type<MakeAdam<float, false>>{});
+  });
+}
+
+}  // namespace lowfp
