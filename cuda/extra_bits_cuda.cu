@@ -69,13 +69,13 @@ step_kernel(SlotTable table, ExtraBitsParams e, SgdHyper sgd, AdamHyper adam,
       W16* w16 = static_cast<W16*>(slot.w16);
       const W16* grad = static_cast<const W16*>(slot.grad);
       const auto update = Maker::make(sgd, adam, state_round, slot);
-      const uint32_t w = merge_bits(truncation_bits(w16[i], value >> e.k), value & ((1u << e.k) - 1u), e);
+      const uint32_t w = merge_bits<W16>(truncation_bits(w16[i], value >> e.k), value & ((1u << e.k) - 1u), e);
       const float g = bit_cast<float>(Widen<uint32_t>::from(grad[i]));
       const float w_new = update(bit_cast<float>(w), g, i);
       const uint32_t r = K == RoundKind::Stochastic ? philox_word(seed, slot.rand_offset, i) : 0u;
       uint32_t extra, flag;
       RoundEvents ev;
-      w16[i] = Store<W16>::from(split_bits<K, false>(bit_cast<uint32_t>(w_new), e, r, extra, flag, ev));
+      w16[i] = Store<W16>::from(split_bits<W16, K, false>(bit_cast<uint32_t>(w_new), e, r, extra, flag, ev));
       out = extra | (flag << e.k);
       tc.add(ev);
     }
@@ -98,7 +98,7 @@ split_kernel(const float* w32, W16* w16, uint32_t* words, int64_t n, ExtraBitsPa
       const uint32_t r = K == RoundKind::Stochastic ? philox_word(seed, offset, i) : 0u;
       uint32_t extra, flag;
       RoundEvents ev;
-      w16[i] = Store<W16>::from(split_bits<K, false>(bit_cast<uint32_t>(w32[i]), e, r, extra, flag, ev));
+      w16[i] = Store<W16>::from(split_bits<W16, K, false>(bit_cast<uint32_t>(w32[i]), e, r, extra, flag, ev));
       out = extra | (flag << e.k);
       tc.add(ev);
     }
@@ -113,7 +113,7 @@ merge_kernel(const W16* w16, const uint32_t* words, float* w32, int64_t n, Extra
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     const uint32_t value = unpack_one(words + (i / 32) * e.q, e.q, uint32_t(i % 32));
-    w32[i] = bit_cast<float>(merge_bits(truncation_bits(w16[i], value >> e.k), value & ((1u << e.k) - 1u), e));
+    w32[i] = bit_cast<float>(merge_bits<W16>(truncation_bits(w16[i], value >> e.k), value & ((1u << e.k) - 1u), e));
   }
 }
 

@@ -89,12 +89,12 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
     }
     uint32_t above_max = 0, underflow = 0, nan = 0;
     for (int64_t i = 0; i < len; ++i) {
-      const uint32_t w = merge_bits(w_bits[i], values[i] & k_mask, e);
+      const uint32_t w = merge_bits<W16>(w_bits[i], values[i] & k_mask, e);
       const float w_new = update(bit_cast<float>(w), g32[i], i0 + i);
       uint32_t extra, flag;
       RoundEvents ev;
       const uint32_t r = K == RoundKind::Stochastic ? rand[i] : 0u;
-      w_bits[i] = split_bits<K, false>(bit_cast<uint32_t>(w_new), e, r, extra, flag, ev);
+      w_bits[i] = split_bits<W16, K, false>(bit_cast<uint32_t>(w_new), e, r, extra, flag, ev);
       values[i] = extra | (flag << e.k);
       above_max += ev.above_max;
       underflow += ev.underflow;
@@ -138,7 +138,7 @@ void extra_bits_split_range(const ExtraBitsParams& e, Rounding mode, const Extra
         RoundEvents ev;
         const uint32_t r = K == RoundKind::Stochastic ? rand[i] : 0u;
         w16[i0 + i] = Store<W16>::from(
-            split_bits<K, false>(bit_cast<uint32_t>(a.w32[i0 + i]), e, r, extra, flag, ev));
+            split_bits<W16, K, false>(bit_cast<uint32_t>(a.w32[i0 + i]), e, r, extra, flag, ev));
         values[i] = extra | (flag << e.k);
         above_max += ev.above_max;
         underflow += ev.underflow;
@@ -164,7 +164,7 @@ void extra_bits_merge_range(const ExtraBitsParams& e, const ExtraBitsMerge& a, i
       unpack_tile(a.words + t * e.q, e.q, blocks, values);
       for (int64_t i = 0; i < len; ++i)
         a.w32[i0 + i] = bit_cast<float>(
-            merge_bits(truncation_bits(w16[i0 + i], values[i] >> e.k), values[i] & k_mask, e));
+            merge_bits<W16>(truncation_bits(w16[i0 + i], values[i] >> e.k), values[i] & k_mask, e));
     }
   };
   if (e.bf16) run(Type<BFloat>{});

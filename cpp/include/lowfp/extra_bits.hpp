@@ -3,6 +3,8 @@
 // into W' (W truncated to 16-bit precision + k bits), and pack q bits per element (k, plus a flag
 // bit when w was rounded away from t) into blocks of 32 elements = q int32 words.
 #pragma once
+#include <type_traits>
+
 #include "round.hpp"
 #include "storage.hpp"
 
@@ -22,7 +24,13 @@ constexpr uint32_t kF32Abs = 0x7fffffffu, kF32Inf = 0x7f800000u;
 // The k bits of |W| just below the last bit of t = W truncated toward zero to the 16-bit type:
 // floor((|W| - |t|) / ulp(t) * 2^k). Zero for inf/NaN and for |W| >= 2^(emax16 + 1) (t is then
 // not in W's binade). Branch-free 32-bit integer code.
+template <class W16>
 LOWFP_HD uint32_t extra_bits_of(uint32_t w32, const ExtraBitsParams& e) {
+  if constexpr (std::is_same_v<W16, BFloat>) {
+    // bfloat16 is the top half of float32 (subnormals included): the extra bits are the next k.
+    const bool finite = (w32 & kF32Abs) < kF32Inf;
+    return select(finite, (w32 >> (16 - e.k)) & ((1u << e.k) - 1u), 0u);
+  }
   const uint32_t a = w32 & kF32Abs;
   const int32_t field = int32_t(a >> 23);
   const int32_t exp_w = field - 127;  // -127 for zero and float32 subnormals
@@ -37,14 +45,14 @@ LOWFP_HD uint32_t extra_bits_of(uint32_t w32, const ExtraBitsParams& e) {
 
 // split: w = W rounded to the 16-bit type by the mode (returned as float32 bits; Store<W16>
 // narrows them exactly), its extra bits and its flag.
-template <RoundKind Kind, bool kSubExp>
+template <class W16, RoundKind Kind, bool kSubExp>
 LOWFP_HD uint32_t split_bits(uint32_t w32, const ExtraBitsParams& e, uint32_t rand, uint32_t& extra,
                              uint32_t& flag, RoundEvents& ev) {
   const uint32_t w = round_bits<Kind, uint32_t, kSubExp>(w32, e.round, rand, ev);
   // w is t or t's neighbour away from zero; the latter exactly when |w| > |W|.
   const uint32_t a = w32 & kF32Abs;
   flag = uint32_t(a <= kF32Inf) & uint32_t((w & kF32Abs) > a);  // & not &&: no branch
-  extra = extra_bits_of(w32, e);
+  extra = extra_bits_of<W16>(w32, e);
   return w;
 }
 
@@ -57,7 +65,12 @@ LOWFP_HD uint32_t truncation_bits(W16 w, uint32_t flag) {
 
 // merge: W' = t + extra * ulp(t) / 2^k (t as float32 bits). Exact: W' is representable in
 // float32, so the float addition does not round.
+template <class W16>
 LOWFP_HD uint32_t merge_bits(uint32_t t, uint32_t extra, const ExtraBitsParams& e) {
+  if constexpr (std::is_same_v<W16, BFloat>) {
+    // The same sum as below, as bits: t's low 16 bits are zero and extra fills the top k of them.
+    return t | (extra << (16 - e.k));
+  }
   const uint32_t a = t & kF32Abs;
   const int32_t e_scale = max_of(int32_t(a >> 23) - 127, e.emin16) - e.m16 - int32_t(e.k);
   // 2^e_scale as a float (>= 2^-149: a float32 subnormal below 2^-126)
