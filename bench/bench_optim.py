@@ -15,12 +15,11 @@ import os
 import resource
 import subprocess
 import sys
-import time
 
 import torch
 
 import lowfp
-from lowfp.bench import machine_description
+from lowfp.bench import _time as best, machine_description
 from lowfp.optim import ExtraBitsAdamW, ExtraBitsSGD
 
 SHAPES_PER_10M = [(2048, 2048)] * 2 + [(1024, 1024)] * 5 + [(4096,)] * 4  # ~13.6M
@@ -39,16 +38,6 @@ def make_params(total, dtype):
     for p in params:
         p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(dtype)
     return params
-
-
-def best(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def cases(total):

@@ -58,6 +58,38 @@ int grid_size(int device, int64_t work) {
   return int(min_of<int64_t>(wanted, int64_t(sms) * 16));
 }
 
+// Group g of four elements: one vector access when it lies in the first full_groups (the caller
+// checked alignment), else element by element up to n (the padding of a last group reads as 0).
+template <class T>
+__device__ Quad<T> load_group(const T* x, int64_t g, int64_t n, int64_t full_groups) {
+  Quad<T> in = {};
+  if (g < full_groups) {
+    in = reinterpret_cast<const Quad<T>*>(x)[g];
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (4 * g + k < n) in.v[k] = x[4 * g + k];
+  }
+  return in;
+}
+
+template <class T>
+__device__ void store_group(T* y, int64_t g, int64_t n, int64_t full_groups, const Quad<T>& out) {
+  if (g < full_groups) {
+    reinterpret_cast<Quad<T>*>(y)[g] = out;
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (4 * g + k < n) y[4 * g + k] = out.v[k];
+  }
+}
+
+// The end of a counting kernel: this thread's events, and numel once per launch.
+__device__ void finish_counts(const ThreadCounts& c, unsigned long long* counts, int64_t n) {
+  flush_counts(c, counts);
+  if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(counts + 3, (unsigned long long)n);
+}
+
 // Makes `device` current for the lifetime of the guard (launches go to the tensor's device).
 class DeviceGuard {
  public:

@@ -23,14 +23,7 @@ quantize_kernel(const In* x, Out* y, int64_t n, RoundParams<Bits> p, uint64_t se
   const int64_t groups = (n + 3) / 4;
   const int64_t full_groups = quad_io ? n / 4 : 0;  // groups read and written as one Quad
   for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride) {
-    Quad<In> in = {};
-    if (g < full_groups) {
-      in = reinterpret_cast<const Quad<In>*>(x)[g];
-    } else {
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if (4 * g + k < n) in.v[k] = x[4 * g + k];
-    }
+    const Quad<In> in = load_group(x, g, n, full_groups);
     Philox4x32Block r = {{0u, 0u, 0u, 0u}};
     if constexpr (K == RoundKind::Stochastic) r = philox_block(seed, offset + uint64_t(g));
     Quad<Out> out;
@@ -41,18 +34,9 @@ quantize_kernel(const In* x, Out* y, int64_t n, RoundParams<Bits> p, uint64_t se
           round_bits<K, Bits, kSubExp>(Widen<Bits>::from(in.v[k]), p, r.w[k], ev));
       if (kCount && 4 * g + k < n) tc.add(ev);
     }
-    if (g < full_groups) {
-      reinterpret_cast<Quad<Out>*>(y)[g] = out;
-    } else {
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if (4 * g + k < n) y[4 * g + k] = out.v[k];
-    }
+    store_group(y, g, n, full_groups, out);
   }
-  if constexpr (kCount) {
-    flush_counts(tc, counts);
-    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(counts + 3, (unsigned long long)n);
-  }
+  if constexpr (kCount) finish_counts(tc, counts, n);
 }
 
 }  // namespace

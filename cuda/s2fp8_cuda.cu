@@ -12,19 +12,6 @@ namespace lowfp {
 namespace {
 
 template <class T>
-__device__ Quad<T> load_group(const T* x, int64_t g, int64_t n, int64_t full_groups) {
-  Quad<T> in = {};
-  if (g < full_groups) {
-    in = reinterpret_cast<const Quad<T>*>(x)[g];
-  } else {
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      if (4 * g + k < n) in.v[k] = x[4 * g + k];
-  }
-  return in;
-}
-
-template <class T>
 __global__ void __launch_bounds__(kThreads)
 s2fp8_reduce_kernel(const T* x, int64_t n, bool quad_io, unsigned long long* sums) {
   S2fp8Partial part;
@@ -86,18 +73,9 @@ s2fp8_transform_kernel(const T* x, T* y, int64_t n, bool quad_io, const double* 
       out.v[k] = s2fp8_store<T>(v, p_store);
       if (kCount && 4 * g + k < n) tc.add(ev);
     }
-    if (g < full_groups) {
-      reinterpret_cast<Quad<T>*>(y)[g] = out;
-    } else {
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if (4 * g + k < n) y[4 * g + k] = out.v[k];
-    }
+    store_group(y, g, n, full_groups, out);
   }
-  if constexpr (kCount) {
-    flush_counts(tc, counts);
-    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(counts + 3, (unsigned long long)n);
-  }
+  if constexpr (kCount) finish_counts(tc, counts, n);
 }
 
 }  // namespace

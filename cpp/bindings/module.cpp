@@ -35,14 +35,6 @@ py::tuple philox(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0
   return py::make_tuple(r.w[0], r.w[1], r.w[2], r.w[3]);
 }
 
-void add_counts(const EventCounts& c, int64_t n, int64_t* counts) {
-  if (counts == nullptr) return;
-  counts[0] += c.overflow;
-  counts[1] += c.underflow;
-  counts[2] += c.nan;
-  counts[3] += n;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_C, mod) {

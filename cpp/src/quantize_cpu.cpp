@@ -97,17 +97,21 @@ int parallel_tiles(int64_t n, Fn&& fn) {
   return threads;
 }
 
-void add_counts(const std::vector<EventCounts>& per_thread, int64_t n, int64_t* counts) {
-  if (counts == nullptr) return;
+EventCounts sum(const std::vector<EventCounts>& parts) {
   EventCounts total;
-  for (const EventCounts& c : per_thread) total.add(c);
-  counts[0] += total.overflow;
-  counts[1] += total.underflow;
-  counts[2] += total.nan;
-  counts[3] += n;
+  for (const EventCounts& c : parts) total.add(c);
+  return total;
 }
 
 }  // namespace
+
+void add_counts(const EventCounts& c, int64_t n, int64_t* counts) {
+  if (counts == nullptr) return;
+  counts[0] += c.overflow;
+  counts[1] += c.underflow;
+  counts[2] += c.nan;
+  counts[3] += n;
+}
 
 void quantize_cpu(const QuantizeCall& call, int64_t* counts) {
   std::vector<EventCounts> per_thread(get_num_threads());
@@ -115,7 +119,7 @@ void quantize_cpu(const QuantizeCall& call, int64_t* counts) {
   parallel_tiles(call.n, [&](int t, int64_t begin, int64_t end) {
     fn(call, begin, end, per_thread[t]);
   });
-  add_counts(per_thread, call.n, counts);
+  add_counts(sum(per_thread), call.n, counts);
 }
 
 void s2fp8_cpu(const S2fp8Call& call, int64_t* sums, double* params, int64_t* counts) {
@@ -145,7 +149,7 @@ void s2fp8_cpu(const S2fp8Call& call, int64_t* sums, double* params, int64_t* co
   parallel_tiles(call.q.n, [&](int t, int64_t begin, int64_t end) {
     k.s2fp8_transform(call, s, begin, end, per_thread[t]);
   });
-  add_counts(per_thread, call.q.n, counts);
+  add_counts(sum(per_thread), call.q.n, counts);
 }
 
 namespace {
@@ -167,12 +171,6 @@ void parallel_blocks(int64_t n, Fn&& fn) {
     const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
     if (b0 < b1) fn(t, b0, b1);
   }
-}
-
-EventCounts sum(const std::vector<EventCounts>& parts) {
-  EventCounts total;
-  for (const EventCounts& c : parts) total.add(c);
-  return total;
 }
 
 }  // namespace

@@ -33,6 +33,9 @@ LOWFP_DECLARE_KERNEL(isa_avx2)
 LOWFP_DECLARE_KERNEL(isa_avx512)
 #undef LOWFP_DECLARE_KERNEL
 
+// Adds {overflow, underflow, nan} and n to a counts buffer (int64[4]; nothing when null).
+void add_counts(const EventCounts& c, int64_t n, int64_t* counts);
+
 // Runs the whole call on the CPU threads; adds {overflow, underflow, nan, numel} to counts
 // when counts is not null.
 void quantize_cpu(const QuantizeCall& call, int64_t* counts);

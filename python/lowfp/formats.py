@@ -186,19 +186,28 @@ class Format:
         s = text.strip()
         if s in _NAMED:
             return _NAMED[s]
-        try:
-            node = ast.parse(s, mode="eval").body
-        except SyntaxError:
-            node = None
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "fp"):
+        call = _parse_call(s, ("fp",))
+        if call is None:
             raise ValueError(f"cannot parse format {text!r}: expected one of {sorted(_NAMED)} "
                              "or 'fp(e,m,b)' such as 'fp(4,3,4)'")
-        try:
-            args = [ast.literal_eval(a) for a in node.args]
-            kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-        except ValueError:
-            raise ValueError(f"cannot parse format {text!r}: arguments must be literals") from None
-        return fp(*args, **kwargs)
+        return fp(*call[0], **call[1])
+
+
+def _parse_call(text: str, names: Tuple[str, ...]) -> Optional[Tuple[list, dict]]:
+    """The literal arguments of ``name(...)`` for a name in ``names``, or None when the text is
+    not such a call. Non-literal arguments are a ValueError."""
+    try:
+        node = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in names):
+        return None
+    try:
+        return ([ast.literal_eval(a) for a in node.args],
+                {k.arg: ast.literal_eval(k.value) for k in node.keywords})
+    except ValueError:
+        raise ValueError(f"cannot parse {text!r}: arguments must be literals") from None
 
 
 def fp(e: int, m: int, b: int = 0, *, specials: str = "none", subnormals: bool = True,
@@ -285,20 +294,11 @@ class S2FP8:
         s = text.strip()
         if s.lower() == "s2fp8":
             return S2FP8()
-        try:
-            node = ast.parse(s, mode="eval").body
-        except SyntaxError:
-            node = None
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                and node.func.id.lower() == "s2fp8"):
+        call = _parse_call(s, ("S2FP8", "s2fp8"))
+        if call is None:
             raise ValueError(f"cannot parse {text!r} as S2FP8: expected \"S2FP8('float8_e5m2', "
                              "log_max=15.0)\" or 's2fp8'")
-        try:
-            args = [ast.literal_eval(a) for a in node.args]
-            kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-        except ValueError:
-            raise ValueError(f"cannot parse {text!r}: arguments must be literals") from None
-        return S2FP8(*args, **kwargs)
+        return S2FP8(*call[0], **call[1])
 
 
 Precision = Union[Format, S2FP8]

@@ -46,6 +46,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         if state_dtype not in _STATE_DTYPES:
             raise TypeError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
         self.weight_stats: Optional[Stats] = None  # 16-bit weight roundings (on the params' device)
+        self._philox_offset: Dict[int, int] = {}  # per parameter, set once in add_param_group
         super().__init__(params, defaults)
 
     # -- parameters -------------------------------------------------------------------------
@@ -54,6 +55,12 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         k, rounding = group["extra_bits"], group["rounding"]
+        # Each parameter's Philox block offset within its group, fixed by its place there, so
+        # stepping parameters one by one (step in backward) draws the same words as together.
+        offset = 0
+        for p in group["params"]:
+            self._philox_offset[id(p)] = offset
+            offset += (p.numel() + 3) // 4  # every parameter starts on a fresh Philox block
         if group["state_dtype"] not in _STATE_DTYPES:
             raise TypeError(f"state_dtype must be torch.float32 or torch.bfloat16, got {group['state_dtype']}")
         for p in group["params"]:
@@ -130,20 +137,11 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         for key, ps in batches.items():
             self._fused_call(group, ps, key, seed, grads or {})
 
-    @staticmethod
-    def _philox_offsets(group: dict) -> Dict[int, int]:
-        offsets, offset = {}, 0
-        for p in group["params"]:
-            offsets[id(p)] = offset
-            offset += (p.numel() + 3) // 4  # every parameter starts on a fresh Philox block
-        return offsets
-
     def _fused_call(self, group: dict, params: List[torch.Tensor], key: tuple, seed: int,
                     grads: Dict[int, torch.Tensor]) -> None:
         hyper = self._hyper(group, key)
         rounding = group["rounding"]
         state_dtype = group["state_dtype"]
-        offsets = self._philox_offsets(group)
         slots, keep = [], []
         for p in params:
             g = grads[id(p)] if id(p) in grads else self._grad(p)
@@ -151,7 +149,8 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             states = self._moments(p, group, state_dtype)
             keep.append((g, states))
             ptrs = [s.data_ptr() for s in states] + [0] * (3 - len(states))
-            slots.append((p.data_ptr(), g.data_ptr(), extra.data_ptr(), *ptrs, p.numel(), offsets[id(p)]))
+            slots.append((p.data_ptr(), g.data_ptr(), extra.data_ptr(), *ptrs, p.numel(),
+                          self._philox_offset[id(p)]))
         mod, device, stream = backends.native(params[0], "parameter")
         for dtype in {p.dtype for p in params}:
             chosen = [s for s, p in zip(slots, params) if p.dtype == dtype]

@@ -111,17 +111,22 @@ def _result_dtype(x: torch.Tensor, fmt: Format, out, out_dtype) -> torch.dtype:
     return dtype
 
 
-def _run(x: torch.Tensor, y: torch.Tensor, call: _Call, stats: Optional[Stats]) -> torch.Tensor:
-    """Round x into y (same shape, any layout) on x's device."""
-    backend = backends.for_device(x.device, "x")
+def run_contiguous(x: torch.Tensor, y: torch.Tensor, launch) -> torch.Tensor:
+    """launch(src, dst) on contiguous buffers for x and y (same shape, any layouts); returns y."""
     src = x.contiguous()
     dst = y if y.is_contiguous() else torch.empty(y.shape, dtype=y.dtype, device=y.device)
-    counts = stats.counts.data_ptr() if stats is not None else 0
-    backend.quantize(src, DTYPE_CODES[src.dtype], dst, DTYPE_CODES[dst.dtype], src.numel(),
-                     call.args(), counts)
+    launch(src, dst)
     if dst is not y:
         y.copy_(dst)
     return y
+
+
+def _run(x: torch.Tensor, y: torch.Tensor, call: _Call, stats: Optional[Stats]) -> torch.Tensor:
+    """Round x into y (same shape, any layout) on x's device."""
+    backend = backends.for_device(x.device, "x")
+    counts = stats.counts.data_ptr() if stats is not None else 0
+    return run_contiguous(x, y, lambda src, dst: backend.quantize(
+        src, DTYPE_CODES[src.dtype], dst, DTYPE_CODES[dst.dtype], src.numel(), call.args(), counts))
 
 
 class _QuantizeFunction(torch.autograd.Function):

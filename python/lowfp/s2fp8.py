@@ -22,7 +22,7 @@ from . import backends
 from ._memory import new_output
 from .formats import Format, S2FP8, to_format, to_precision
 from .quantize import (DTYPE_CODES, ROUNDING_MODES, _Call, _check_tensor_args, _make_call,
-                       _numpy_as_tensor)
+                       _numpy_as_tensor, run_contiguous)
 from .stats import Stats
 
 __all__ = ["S2FP8", "S2FP8Stats", "s2fp8_quantize"]
@@ -61,14 +61,10 @@ class S2FP8Stats:
 def _run(x: torch.Tensor, y: torch.Tensor, spec: S2FP8, call: _Call, result: S2FP8Stats,
          stats: Optional[Stats]) -> torch.Tensor:
     backend = backends.for_device(x.device, "x")
-    src = x.contiguous()
-    dst = y if y.is_contiguous() else torch.empty(y.shape, dtype=y.dtype, device=y.device)
     counts = stats.counts.data_ptr() if stats is not None else 0
-    backend.s2fp8(src, DTYPE_CODES[src.dtype], dst, src.numel(), call.args(), spec.log_max,
-                  result.sums, result.params, counts)
-    if dst is not y:
-        y.copy_(dst)
-    return y
+    return run_contiguous(x, y, lambda src, dst: backend.s2fp8(
+        src, DTYPE_CODES[src.dtype], dst, src.numel(), call.args(), spec.log_max, result.sums,
+        result.params, counts))
 
 
 class _S2FP8Function(torch.autograd.Function):
