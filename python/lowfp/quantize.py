@@ -272,3 +272,58 @@ def quantize_(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", 
         raise ValueError("quantize_() cannot run in place on a tensor that requires grad; "
                          "use lowfp.quantize or torch.no_grad()")
     return quantize(x, fmt, rounding, out=x, **kwargs)
+
+
+class Rounder:
+    """A precision, rounding mode and overflow policy checked once and applied many times.
+
+    The emulation runtime rounds every tensor of every training step; validating arguments on each
+    of those calls would cost more than the rounding of a small tensor. ``rounder(x, stats)``
+    returns a new tensor with x's shape, dtype and (dense) layout, adding its counts to ``stats``
+    (a :class:`lowfp.Stats` on x's device, or None). No autograd.
+    """
+
+    def __init__(self, precision, rounding: str = "nearest", overflow: Optional[str] = None):
+        self.precision = to_precision(precision, "precision")
+        if rounding not in ROUNDING_MODES:
+            raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got {rounding!r}")
+        self.rounding = rounding
+        self.overflow = overflow
+        fmt = self.precision.fmt if isinstance(self.precision, S2FP8) else self.precision
+        self._call = _make_call(fmt, rounding, overflow, None, 0, None, 0, 32)
+        self._args = self._call.args()
+        self._fits: dict = {}
+
+    def _check_dtype(self, dtype: torch.dtype) -> None:
+        reason = self._fits.get(dtype)
+        if reason is None:
+            if dtype not in DTYPE_CODES:
+                reason = f"tensors of dtype {dtype} cannot be rounded (allowed: {_ALLOWED})"
+            elif isinstance(self.precision, Format):
+                reason = self._call.fmt.fit_error(dtype)
+                if reason:
+                    reason = f"{self.precision} does not fit {dtype} tensors ({reason})"
+            self._fits[dtype] = reason
+        if reason:
+            raise ValueError(reason)
+
+    def __call__(self, x: torch.Tensor, stats: Optional[Stats] = None) -> torch.Tensor:
+        self._check_dtype(x.dtype)
+        if isinstance(self.precision, S2FP8):
+            from .s2fp8 import apply_s2fp8
+            with torch.no_grad():
+                return apply_s2fp8(x, self.precision, self.rounding, overflow=self.overflow,
+                                   stats=stats)[0]
+        if not (x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))):
+            x = x.contiguous()
+        y = torch.empty_like(x)  # same dense strides: element i of both buffers is the same element
+        args = self._args
+        if self.rounding == "stochastic":
+            args = _Call(self._call.fmt, self._call.rounding, 32, draw_seed(), 0).args()
+        code = DTYPE_CODES[x.dtype]
+        counts = stats.counts.data_ptr() if stats is not None else 0
+        backends.for_device(x.device, "x").quantize(x, code, y, code, x.numel(), args, counts)
+        return y
+
+    def __repr__(self) -> str:
+        return f"Rounder({self.precision}, {self.rounding!r}, overflow={self.overflow!r})"

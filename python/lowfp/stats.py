@@ -22,6 +22,16 @@ class Stats:
     def __init__(self, device: Union[str, torch.device] = "cpu"):
         self.counts = torch.zeros(4, dtype=torch.int64, device=device)
 
+    @classmethod
+    def view(cls, counts: torch.Tensor) -> "Stats":
+        """A Stats whose counters are ``counts`` (4 contiguous int64 values, e.g. one row of a
+        table that holds the counts of many tensors and is read with one synchronisation)."""
+        if counts.dtype != torch.int64 or counts.shape != (4,) or not counts.is_contiguous():
+            raise ValueError("counts must be a contiguous int64 tensor of shape (4,)")
+        stats = cls.__new__(cls)
+        stats.counts = counts
+        return stats
+
     @property
     def device(self) -> torch.device:
         return self.counts.device
