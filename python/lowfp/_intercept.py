@@ -1,0 +1,291 @@
+"""The operator-level view of a model's forward pass that ``assign.trace`` and ``emulate`` share
+(DESIGN §6).
+
+While the model's ``forward`` runs, a ``TorchFunctionMode`` sees every call of a torch function,
+a ``torch.nn.functional`` function or a Tensor method — from nn.Modules and from user code alike
+(``x + y``, ``torch.cat``, ``F.linear``) — without rewriting the model. Each call is one of:
+
+- **pass**: metadata (``size``, ``dtype``, ``requires_grad``), factories (``zeros_like``) and
+  anything that returns no floating tensor: not part of the training step's tensors.
+- **view**: calls that move or reinterpret values without changing any (``view``, ``transpose``,
+  ``flatten``, ``__getitem__``, ``chunk``, ``contiguous``, ``clone``, dtype casts, ``repeat``,
+  channel shuffles): their result is the same tensor of TS as their input, so it is not recorded
+  or rounded again.
+- **operator**: everything else that takes a tracked tensor (an activation of this step, a model
+  input or a parameter) and returns floating tensors. Its floating outputs are new activations v.
+
+One call is one operator: a Python-level composite that torch dispatches as a single function is
+one operator too (``F.multi_head_attention_forward`` for nn.MultiheadAttention, ``torch.lstm`` for
+nn.LSTM, ``F.layer_norm``). Operators are named ``<module path>:<function>`` (``#n`` for the n-th
+repeat inside the same module in one forward), which stays the same from step to step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode, resolve_name
+
+PASS, VIEW, OP = 0, 1, 2
+
+_VIEW_NAMES = frozenset("""
+view view_as reshape reshape_as flatten unflatten squeeze unsqueeze squeeze_ unsqueeze_ transpose
+transpose_ t t_ permute movedim moveaxis swapaxes swapdims expand expand_as broadcast_to contiguous
+__getitem__ chunk split split_with_sizes tensor_split hsplit vsplit dsplit unbind narrow select
+detach detach_ clone to float double half bfloat16 type type_as cpu cuda requires_grad_ repeat tile
+flip fliplr flipud roll rot90 diagonal unfold as_strided channel_shuffle native_channel_shuffle
+pixel_shuffle pixel_unshuffle index_select gather take masked_select repeat_interleave
+""".split())
+_PROPERTY_VIEWS = frozenset({"T", "mT", "H", "mH"})
+_CONSTANT_NAMES = frozenset("""
+zeros_like ones_like empty_like full_like rand_like randn_like randint_like new_zeros new_ones
+new_empty new_full new_tensor
+""".split())
+# DESIGN §6: linear, conv*, matmul/mm/bmm/addmm/baddbmm/einsum, scaled-dot-product attention; plus
+# the composites that are one operator here and consist of GEMMs (attention, recurrent layers).
+GEMM_NAMES = frozenset("""
+linear bilinear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d conv_tbc
+matmul __matmul__ __rmatmul__ mm bmm addmm addbmm baddbmm addmv mv einsum tensordot chain_matmul
+multi_dot scaled_dot_product_attention multi_head_attention_forward lstm gru rnn_tanh rnn_relu
+lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell
+""".split())
+
+_classes: Dict[object, Tuple[int, str]] = {}
+
+
+def classify(func) -> Tuple[int, str]:
+    """(PASS | VIEW | OP, short name) of a function seen by the mode (cached)."""
+    try:
+        return _classes[func]
+    except (KeyError, TypeError):
+        pass
+    full = None
+    try:
+        full = resolve_name(func)
+    except Exception:  # resolve_name walks torch's namespaces; never let it break a forward
+        full = None
+    if not full:
+        full = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    parts = full.split(".")
+    if parts[-1] in ("__get__", "__set__", "__delete__") and len(parts) > 1:
+        name = parts[-2]
+        kind = VIEW if parts[-1] == "__get__" and name in _PROPERTY_VIEWS else PASS
+    else:
+        name = parts[-1]
+        kind = VIEW if name in _VIEW_NAMES else PASS if name in _CONSTANT_NAMES else OP
+    try:
+        _classes[func] = (kind, name)
+    except TypeError:
+        pass
+    return kind, name
+
+
+_TAG = "_lowfp_ts"          # (forward serial, TS name) on every tensor the current forward tracks
+_serials = itertools.count(1)
+
+
+def _floating(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def floating_outputs(out) -> Tuple[List[torch.Tensor], object]:
+    """The floating tensors of an operator's result and a function that rebuilds the result with
+    replacements for them (tuples, lists and torch.return_types keep their type)."""
+    if isinstance(out, torch.Tensor):
+        return ([out] if out.is_floating_point() else []), (lambda new: new[0])
+    if isinstance(out, (tuple, list)):
+        slots = [i for i, o in enumerate(out) if _floating(o)]
+
+        def rebuild(new, out=out, slots=slots):
+            items = list(out)
+            for i, t in zip(slots, new):
+                items[i] = t
+            if isinstance(out, list):
+                return items
+            return type(out)(items) if type(out) is not tuple else tuple(items)
+        return [out[i] for i in slots], rebuild
+    return [], None
+
+
+class _Mode(TorchFunctionMode):
+    """The torch-function mode pushed while the model's forward runs; it hands every call to
+    its session (kept apart so that sessions can be context managers of their own)."""
+
+    def __init__(self, session: "ForwardSession"):
+        super().__init__()
+        self.session = session
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self.session.call(func, args, kwargs)
+
+
+class ForwardSession:
+    """Runs a model's forward with every torch-function call classified and tracked tensors
+    tagged. Subclasses decide what a parameter, a model input and an operator output become:
+    ``_param(p, name)``, ``_input(t, name)``, ``_output(t, name)`` and ``_operator(op)``."""
+
+    def __init__(self, model: torch.nn.Module):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.param_names: Dict[int, str] = {id(p): n for n, p in model.named_parameters()}
+        self._module_stack: List[str] = []
+        self._repeats: Dict[str, int] = {}
+        self.serial = 0
+        self._hooks = []
+        self._installed = False
+        self._saved_forward = None
+        self._mode = _Mode(self)
+
+    # -- installation ----------------------------------------------------------------------
+    def install(self) -> None:
+        if self._installed:
+            return
+        model = self.model
+        if model.__dict__.get("_lowfp_session") is not None:
+            raise ValueError("model is already traced or emulated by another lowfp session; "
+                             "close that one first")
+        for name, module in model.named_modules():
+            self._hooks.append(module.register_forward_pre_hook(
+                lambda mod, args, name=name: self._module_stack.append(name)))
+            self._hooks.append(module.register_forward_hook(
+                lambda mod, args, out: self._pop_module(), always_call=True))
+        self._saved_forward = model.__dict__.get("forward")
+        inner = model.forward
+        session = self
+
+        def forward(*args, **kwargs):
+            return session._run_forward(inner, args, kwargs)
+        model.forward = forward
+        model.__dict__["_lowfp_session"] = self
+        self._installed = True
+
+    def remove(self) -> None:
+        if not self._installed:
+            return
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        model = self.model
+        if self._saved_forward is not None:
+            model.forward = self._saved_forward
+        else:
+            del model.forward
+        model.__dict__.pop("_lowfp_session", None)
+        self._installed = False
+
+    def _pop_module(self) -> None:
+        if self._module_stack:
+            self._module_stack.pop()
+
+    # -- one forward -----------------------------------------------------------------------
+    def _begin(self) -> None:
+        """Called before each forward (subclasses reset their per-step state here)."""
+        self.serial = next(_serials)
+        self._module_stack.clear()
+        self._repeats.clear()
+
+    def _run_forward(self, inner, args, kwargs):
+        self._begin()
+        args = tuple(self._map_input(a, f"input[{i}]") for i, a in enumerate(args))
+        kwargs = {k: self._map_input(v, f"input[{k}]") for k, v in kwargs.items()}
+        with self._mode:
+            return inner(*args, **kwargs)
+
+    def _map_input(self, a, name):
+        if _floating(a):
+            r = self._input(a, "v:" + name)
+            return self._tag(r if r is not a else a.view_as(a), "v:" + name)  # not the caller's tensor
+        if isinstance(a, (tuple, list)) and any(_floating(x) for x in a):
+            items = [self._map_input(x, f"{name[:-1]}.{i}]") for i, x in enumerate(a)]
+            return items if isinstance(a, list) else tuple(items)
+        return a
+
+    def _tag(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        setattr(t, _TAG, (self.serial, name))
+        return t
+
+    def tracked_name(self, t: torch.Tensor) -> Optional[str]:
+        tag = getattr(t, _TAG, None)
+        return tag[1] if tag is not None and tag[0] == self.serial else None
+
+    def _map_args(self, args, inputs: List[str]):
+        """args with parameters replaced by self._param(...); TS names of tracked tensors are
+        appended to inputs. Returns args itself when nothing was replaced."""
+        new = None
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                r = self._see(a, inputs)
+            elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+                r = self._map_args(a, inputs)
+            else:
+                continue
+            if r is not a:
+                if new is None:
+                    new = list(args)
+                new[i] = r
+        if new is None:
+            return args
+        return new if isinstance(args, list) else tuple(new)
+
+    def _see(self, t: torch.Tensor, inputs: List[str]) -> torch.Tensor:
+        tag = getattr(t, _TAG, None)
+        if tag is not None and tag[0] == self.serial:
+            inputs.append(tag[1])
+            return t
+        if isinstance(t, torch.nn.Parameter):
+            pname = self.param_names.get(id(t))
+            if pname is not None:
+                name = "theta:" + pname
+                inputs.append(name)
+                r = self._param(t, name)
+                return self._tag(r, name) if r is not t else r  # never tag the user's Parameter
+        return t
+
+    def call(self, func, args, kwargs):
+        """One torch-function call made by the model's forward (see the module docs)."""
+        kwargs = kwargs or {}
+        kind, fname = classify(func)
+        if kind == PASS:
+            return func(*args, **kwargs)
+        inputs: List[str] = []
+        args = self._map_args(args, inputs)
+        if kwargs:
+            values = list(kwargs.values())
+            mapped = self._map_args(values, inputs)
+            if mapped is not values:
+                kwargs = dict(zip(kwargs.keys(), mapped))
+        out = func(*args, **kwargs)
+        if not inputs:  # constants: computed from nothing this step tracks
+            return out
+        tensors, rebuild = floating_outputs(out)
+        if not tensors:
+            return out
+        if kind == VIEW:
+            for t in tensors:
+                self._tag(t, inputs[0])
+            return out
+        module = self._module_stack[-1] if self._module_stack else ""
+        base = f"{module}:{fname}" if module else fname
+        n = self._repeats.get(base, 0)
+        self._repeats[base] = n + 1
+        key = base if n == 0 else f"{base}#{n}"
+        names = ["v:" + key] if len(tensors) == 1 else [f"v:{key}[{j}]" for j in range(len(tensors))]
+        new = [self._tag(self._output(t, name), name) for t, name in zip(tensors, names)]
+        self._operator(key, fname, module, fname in GEMM_NAMES, inputs, names, tensors)
+        return rebuild(new)
+
+    # -- what subclasses decide ------------------------------------------------------------
+    def _param(self, p: torch.nn.Parameter, name: str) -> torch.Tensor:
+        return p
+
+    def _input(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        return t
+
+    def _output(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        return t
+
+    def _operator(self, key, fname, module, is_gemm, inputs, outputs, tensors) -> None:
+        pass

@@ -1,0 +1,178 @@
+"""Small image classifiers for emulated-training experiments (``lowfp train``, tests, benchmarks).
+
+Each takes the input channels, the number of classes and a width multiplier, works on any image
+size (8×8 digits to 32×32 CIFAR), and is written the way people write models — in-place ReLUs,
+``out += identity`` residuals, ``torch.cat`` and channel shuffles, nn.MultiheadAttention — so
+that emulating them exercises what lowfp.emulate must handle.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["ResidualCNN", "MobileNetCNN", "ShuffleNetCNN", "TransformerClassifier", "MODELS", "build"]
+
+
+def _ch(c: int, width: float) -> int:
+    return max(4, int(round(c * width / 4)) * 4)
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.shortcut = None
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        identity = x if self.shortcut is None else self.shortcut(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class ResidualCNN(nn.Module):
+    """A ResNet-style CNN: a 3×3 stem and two stages of two basic blocks (the second strided)."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, width: float = 1.0):
+        super().__init__()
+        c1, c2 = _ch(16, width), _ch(32, width)
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, c1, 3, 1, 1, bias=False), nn.BatchNorm2d(c1),
+                                  nn.ReLU(inplace=True))
+        self.layer1 = nn.Sequential(_BasicBlock(c1, c1, 1), _BasicBlock(c1, c1, 1))
+        self.layer2 = nn.Sequential(_BasicBlock(c1, c2, 2), _BasicBlock(c2, c2, 1))
+        self.fc = nn.Linear(c2, num_classes)
+
+    def forward(self, x):
+        x = self.layer2(self.layer1(self.stem(x)))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class _DepthwiseSeparable(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.dw = nn.Conv2d(cin, cin, 3, stride, 1, groups=cin, bias=False)
+        self.bn1 = nn.BatchNorm2d(cin)
+        self.pw = nn.Conv2d(cin, cout, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+
+    def forward(self, x):
+        x = F.relu6(self.bn1(self.dw(x)))
+        return F.relu6(self.bn2(self.pw(x)))
+
+
+class MobileNetCNN(nn.Module):
+    """A MobileNet-style CNN of depthwise-separable convolutions."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, width: float = 1.0):
+        super().__init__()
+        c = [_ch(n, width) for n in (16, 32, 64)]
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, c[0], 3, 1, 1, bias=False), nn.BatchNorm2d(c[0]),
+                                  nn.ReLU6(inplace=True))
+        self.blocks = nn.Sequential(_DepthwiseSeparable(c[0], c[1], 1), _DepthwiseSeparable(c[1], c[1], 2),
+                                    _DepthwiseSeparable(c[1], c[2], 1))
+        self.fc = nn.Linear(c[2], num_classes)
+
+    def forward(self, x):
+        x = self.blocks(self.stem(x))
+        return self.fc(x.mean((2, 3)))
+
+
+def channel_shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
+    n, c, h, w = x.shape
+    return x.view(n, groups, c // groups, h, w).transpose(1, 2).contiguous().view(n, c, h, w)
+
+
+class _ShuffleUnit(nn.Module):
+    """ShuffleNet v2 unit (stride 1): split the channels, transform one half, concatenate, shuffle."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        half = channels // 2
+        self.branch = nn.Sequential(
+            nn.Conv2d(half, half, 1, bias=False), nn.BatchNorm2d(half), nn.ReLU(inplace=True),
+            nn.Conv2d(half, half, 3, 1, 1, groups=half, bias=False), nn.BatchNorm2d(half),
+            nn.Conv2d(half, half, 1, bias=False), nn.BatchNorm2d(half), nn.ReLU(inplace=True))
+
+    def forward(self, x):
+        a, b = x.chunk(2, dim=1)
+        return channel_shuffle(torch.cat((a, self.branch(b)), dim=1), 2)
+
+
+class ShuffleNetCNN(nn.Module):
+    """A ShuffleNet-style CNN: channel split, depthwise convolutions, concatenation, shuffles."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, width: float = 1.0):
+        super().__init__()
+        c1, c2 = _ch(16, width), _ch(32, width)
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, c1, 3, 1, 1, bias=False), nn.BatchNorm2d(c1),
+                                  nn.ReLU(inplace=True))
+        self.stage1 = nn.Sequential(_ShuffleUnit(c1), _ShuffleUnit(c1))
+        self.down = nn.Sequential(nn.Conv2d(c1, c2, 3, 2, 1, bias=False), nn.BatchNorm2d(c2), nn.ReLU(inplace=True))
+        self.stage2 = nn.Sequential(_ShuffleUnit(c2), _ShuffleUnit(c2))
+        self.fc = nn.Linear(c2, num_classes)
+
+    def forward(self, x):
+        x = self.stage2(self.down(self.stage1(self.stem(x))))
+        return self.fc(x.mean((2, 3)))
+
+
+class _EncoderBlock(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class TransformerClassifier(nn.Module):
+    """A small vision Transformer: patch embedding, learned positions, pre-norm encoder blocks
+    with nn.MultiheadAttention, mean pooling."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, width: float = 1.0,
+                 image_size: int = 8, patch: int = 2, depth: int = 2, heads: int = 4):
+        super().__init__()
+        dim = _ch(32, width) if heads <= 4 else _ch(8 * heads, width)
+        if image_size % patch:
+            raise ValueError(f"image_size {image_size} is not a multiple of patch {patch}")
+        self.embed = nn.Conv2d(in_channels, dim, patch, patch)
+        self.pos = nn.Parameter(torch.zeros(1, (image_size // patch) ** 2, dim))
+        nn.init.normal_(self.pos, std=0.02)
+        self.blocks = nn.Sequential(*[_EncoderBlock(dim, heads) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, x):
+        x = self.embed(x).flatten(2).transpose(1, 2) + self.pos
+        x = self.norm(self.blocks(x))
+        return self.head(x.mean(1))
+
+
+MODELS = {"resnet": ResidualCNN, "mobilenet": MobileNetCNN, "shufflenet": ShuffleNetCNN,
+          "transformer": TransformerClassifier}
+
+
+def build(name: str, in_channels: int, num_classes: int, width: float = 1.0, image_size: int = 8) -> nn.Module:
+    """A model of ``MODELS`` by name."""
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {tuple(MODELS)}, got {name!r}")
+    if not (isinstance(width, (int, float)) and width > 0):
+        raise ValueError(f"width must be a positive number, got {width!r}")
+    if name == "transformer":
+        patch = 2 if image_size <= 8 else 4
+        return TransformerClassifier(in_channels, num_classes, width, image_size=image_size, patch=patch)
+    return MODELS[name](in_channels, num_classes, width)
