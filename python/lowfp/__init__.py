@@ -7,17 +7,20 @@ tensor([ 0.1016,  1.0000,  3.2500, 30.0000])
 """
 
 from . import _C
-from . import extra_bits, formats, optim
+from . import assign, extra_bits, formats, models, optim
 from .backends import cuda_built
 from .formats import Format, S2FP8, fp
 from .quantize import ROUNDING_MODES, draw_seed, quantize, quantize_
 from .s2fp8 import S2FP8Stats, s2fp8_quantize
 from .stats import Stats
+from .emulate import Emulator, History, emulate
+from .scaler import DynamicLossScaler
 
 __version__ = "0.1.0"
 
 __all__ = ["Format", "fp", "formats", "extra_bits", "optim", "quantize", "quantize_", "Stats", "ROUNDING_MODES",
            "S2FP8", "S2FP8Stats", "s2fp8_quantize",
+           "assign", "emulate", "Emulator", "History", "DynamicLossScaler",
            "draw_seed", "cuda_built", "set_num_threads", "get_num_threads"]
 
 

@@ -361,6 +361,14 @@ class StepInBackward:
     def _end_of_backward(self) -> None:
         self._seeds = None
 
+    def _skip(self, p: torch.Tensor) -> None:
+        self.skipped += 1
+        self.found_inf = True
+        p.grad = None
+        note = getattr(self.scaler, "_record_found_inf", None)  # lowfp.DynamicLossScaler
+        if note is not None:
+            note()
+
     @torch.no_grad()
     def _hook(self, p: torch.Tensor, gi: int) -> None:
         opt = self.optimizer
@@ -376,17 +384,13 @@ class StepInBackward:
             if self.scaler is not None:
                 g = g * (1.0 / float(self.scaler.get_scale()))
             if not bool(torch.isfinite(g).all()):
-                self.skipped += 1
-                self.found_inf = True
-                p.grad = None
+                self._skip(p)
                 return
             if self.clip_value is not None:
                 g = g.clamp(-self.clip_value, self.clip_value)
             g = g.to(p.dtype)
         elif not bool(torch.isfinite(g).all()):
-            self.skipped += 1
-            self.found_inf = True
-            p.grad = None
+            self._skip(p)
             return
         opt._step_params(group, [p], seed=self._seeds[gi], grads={id(p): opt._grad_of(p, g)})
         p.grad = None  # freed as soon as it is used

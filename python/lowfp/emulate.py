@@ -1,0 +1,331 @@
+"""Emulated low-precision training (DESIGN §6): every tensor of the training step is rounded to
+the format its assignment gives it, in forward and backward, with promotion of overflowing
+tensors and a per-step history.
+
+>>> import torch, lowfp
+>>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+>>> x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+>>> tr = lowfp.assign.trace(model, x, torch.nn.functional.cross_entropy, y)
+>>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> with lowfp.emulate(model, lowfp.assign.uniform(tr)) as em:
+...     for _ in range(3):
+...         loss = torch.nn.functional.cross_entropy(model(x), y)
+...         opt.zero_grad(); loss.backward(); opt.step()
+>>> len(em.history.steps)
+3
+
+What is rounded where:
+- an operator's floating outputs v as they are produced (forward formats saturate);
+- a parameter theta once per forward, at its first use (the optimizer keeps the unrounded one);
+- the model's floating inputs on entry;
+- in backward, the gradient dv of each v once it is complete (summed over its uses) and each
+  weight gradient dtheta before it is accumulated into ``.grad``; backward formats let overflow
+  become inf (``backward_overflow="saturate"`` hides it from the values, not from the counts).
+
+One step is one training forward (grad enabled, ``model.training``) and the backward of its
+result. Each step's per-tensor overflow/underflow counts accumulate on the device in one int64
+table that is read once, when the step is closed: at the next training forward, at
+``end_step()`` or when the emulation ends. Forwards under ``torch.no_grad()`` or in eval mode
+are rounded but not counted.
+
+An in-place operator on an activation (``relu_``, ``x += y``) returns a rounded copy: code that
+uses the returned value (as nn.Modules do) sees rounded values; a tensor mutated in place and then
+used without the returned value keeps the unrounded result.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+
+from ._intercept import ForwardSession
+from .assign import FORWARD_ROLES, Assignment, grad_name, role_of
+from .quantize import Rounder
+from .stats import Stats
+
+__all__ = ["emulate", "Emulator", "History"]
+
+log = logging.getLogger("lowfp")
+_OVERFLOW = ("saturate", "inf", "nan")
+
+
+class _Round(torch.autograd.Function):
+    """Forward: round x with fwd (or copy it); backward: round the gradient with bwd."""
+
+    @staticmethod
+    def forward(ctx, x, fwd, fwd_stats, bwd, bwd_stats, observe):
+        ctx.bwd = (bwd, bwd_stats, observe)
+        return x.clone() if fwd is None else fwd(x, fwd_stats)
+
+    @staticmethod
+    def backward(ctx, grad):
+        bwd, stats, observe = ctx.bwd
+        if bwd is not None:
+            grad = bwd(grad, stats)
+            if observe is not None:
+                observe[0](grad_name(observe[1]), grad)
+        return grad, None, None, None, None, None
+
+
+class History:
+    """Per-step records of an emulated run: ``steps`` (dicts with step, loss_scale, ratio_lo,
+    aggregate_bits, promotions, top_overflow, top_underflow and anything given to
+    ``Emulator.record``) and ``promotions`` (step, tensor, overflow ratio, from, to)."""
+
+    def __init__(self):
+        self.steps: List[dict] = []
+        self.promotions: List[dict] = []
+
+    def to_dict(self) -> dict:
+        return {"steps": self.steps, "promotions": self.promotions}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    def plot(self, path, title: Optional[str] = None) -> None:
+        """Loss (when recorded), loss scale, ratio_lo and aggregate, and the largest overflow
+        ratio per step, with promotions marked, as a PNG."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        steps = [s["step"] for s in self.steps]
+        panels = [("loss", "loss", False), ("loss_scale", "loss scale", True),
+                  ("ratio_lo", "ratio_lo", False), ("aggregate_bits", "aggregate (bits)", False),
+                  ("max_overflow", "max overflow ratio", False)]
+        series = {k: [s.get(k) for s in self.steps] for k, _, _ in panels}
+        series["max_overflow"] = [max([r for _, r in s["top_overflow"]], default=0.0)
+                                  for s in self.steps]
+        panels = [p for p in panels if any(v is not None for v in series[p[0]])]
+        fig, axes = plt.subplots(len(panels), 1, figsize=(7, 1.9 * len(panels) + 0.6),
+                                 sharex=True, squeeze=False)
+        for ax, (key, label, logy) in zip(axes[:, 0], panels):
+            pts = [(x, y) for x, y in zip(steps, series[key]) if y is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2)
+            if logy:
+                ax.set_yscale("log", base=2)
+            ax.set_ylabel(label)
+            for ev in self.promotions:
+                ax.axvline(ev["step"], color="tab:red", lw=0.6, alpha=0.5)
+        axes[-1, 0].set_xlabel("step (red: promotions)")
+        if title:
+            fig.suptitle(title)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+
+class Emulator(ForwardSession):
+    """The runtime behind :func:`lowfp.emulate` (see the module docs)."""
+
+    def __init__(self, model: torch.nn.Module, assignment: Assignment, *, promote: bool = True,
+                 threshold: float = 0.01, rounding: str = "nearest",
+                 backward_overflow: str = "inf", top: int = 5):
+        super().__init__(model)
+        if not isinstance(assignment, Assignment):
+            raise TypeError(f"assignment must be a lowfp.assign.Assignment, got {type(assignment).__name__}")
+        if not isinstance(promote, bool):
+            raise TypeError(f"promote must be a bool, got {promote!r}")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
+            raise ValueError(f"threshold must be a number in [0, 1], got {threshold!r}")
+        if backward_overflow not in _OVERFLOW:
+            raise ValueError(f"backward_overflow must be one of {_OVERFLOW}, got {backward_overflow!r}")
+        if rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+        params = dict(model.named_parameters())
+        unknown = [n for n, t in assignment.trace.tensors.items() if t.role == "theta" and (
+            n[len("theta:"):] not in params or params[n[len("theta:"):]].numel() != t.numel)]
+        if unknown:
+            raise ValueError(f"assignment was recorded on another model: model has no parameters "
+                             f"{unknown[:3]} of the recorded sizes")
+        self.assignment = assignment.copy()   # promotions change this copy only
+        self.promote, self.threshold, self.top = promote, float(threshold), int(top)
+        self.rounding, self.backward_overflow = rounding, backward_overflow
+        self.history = History()
+        self.scaler = None                     # set by DynamicLossScaler(emulator=...)
+        self.observer = None                   # observer(name, tensor): every rounded result
+        self.step = 0                          # closed training steps
+        names = list(self.assignment.trace.tensors)
+        self._row = {n: i for i, n in enumerate(names)}
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.counts = torch.zeros(len(names), 4, dtype=torch.int64, device=device)
+        self._stats = {n: Stats.view(self.counts[i]) for n, i in self._row.items()}
+        self._backward_rows = torch.tensor([i for n, i in self._row.items()
+                                            if role_of(n) in ("dv", "dtheta")],
+                                           dtype=torch.int64, device=device)
+        self._rounders: Dict[tuple, Rounder] = {}
+        self._plan: Dict[str, Optional[Rounder]] = {n: self._rounder_for(n) for n in names}
+        self._params: Dict[int, torch.Tensor] = {}
+        self._pending = False      # a training step whose counts are not yet read
+        self._counting = False     # the current forward is a training step
+        self._scalars: Dict[str, float] = {}
+        self._step_scale = None
+        self._unknown_warned: set = set()
+
+    # -- formats ---------------------------------------------------------------------------
+    def _rounder_for(self, name: str) -> Optional[Rounder]:
+        fmt = self.assignment.formats[name]
+        if fmt is None:
+            return None
+        overflow = "saturate" if role_of(name) in FORWARD_ROLES else self.backward_overflow
+        key = (fmt, overflow)
+        if key not in self._rounders:
+            self._rounders[key] = Rounder(fmt, self.rounding, overflow)
+        return self._rounders[key]
+
+    def _rounders_of(self, name: str):
+        """(forward rounder, its stats, backward rounder, its stats) for a v or theta name."""
+        plan = self._plan
+        if name not in plan:  # not in the recorded step: keep it at hi, say so once
+            if name not in self._unknown_warned:
+                self._unknown_warned.add(name)
+                warnings.warn(f"lowfp.emulate: {name} was not in the recorded step; it is rounded "
+                              f"to the hi candidate. Trace the model again if its structure changed.")
+            cand = self.assignment.candidates
+            hi = None if cand is None else Rounder(cand.hi, self.rounding, "saturate")
+            hib = None if cand is None else Rounder(cand.hi, self.rounding, self.backward_overflow)
+            return hi, None, hib, None
+        gname = grad_name(name)
+        counting = self._counting
+        return (plan[name], self._stats[name] if counting else None,
+                plan.get(gname), self._stats.get(gname) if counting else None)
+
+    def _round(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        fwd, fs, bwd, bs = self._rounders_of(name)
+        if fwd is None and bwd is None:
+            return t
+        observe = None if self.observer is None else (self.observer, name)
+        if t.requires_grad and torch.is_grad_enabled():
+            out = _Round.apply(t, fwd, fs, bwd, bs, observe)
+        elif fwd is None:
+            return t
+        else:
+            out = fwd(t, fs)
+        if observe is not None and fwd is not None:
+            self.observer(name, out)
+        return out
+
+    # -- ForwardSession decisions -----------------------------------------------------------
+    def _begin(self) -> None:
+        super()._begin()
+        training = self.model.training and torch.is_grad_enabled()
+        if training:
+            self.end_step()
+            self._pending = True
+            self._step_scale = None if self.scaler is None else self.scaler.get_scale()
+        self._counting = training
+        self._params.clear()
+
+    def _param(self, p, name):
+        q = self._params.get(id(p))
+        if q is None:
+            q = self._params[id(p)] = self._round(p, name)
+        return q
+
+    def _input(self, t, name):
+        return self._round(t, name)
+
+    def _output(self, t, name):
+        return self._round(t, name)
+
+    # -- steps -----------------------------------------------------------------------------
+    def record(self, **scalars: float) -> None:
+        """Attach values (e.g. ``loss=loss.item()``) to the current step's history entry."""
+        for k, v in scalars.items():
+            self._scalars[k] = float(v)
+
+    def backward_overflows(self) -> torch.Tensor:
+        """Overflows of the backward roundings (dv, dtheta) in the current step, as a 0-d int64
+        tensor on the device (no synchronisation)."""
+        return self.counts.index_select(0, self._backward_rows)[:, 0].sum()
+
+    def end_step(self) -> Optional[dict]:
+        """Close the current training step: read its counts (one synchronisation), promote
+        forward tensors whose overflow ratio exceeds the threshold, and append to ``history``.
+        Called automatically by the next training forward; returns the history entry."""
+        if not self._pending:
+            return None
+        self._pending = False
+        self.step += 1
+        rows = self.counts.tolist()
+        self.counts.zero_()
+        over, under = [], []
+        promoted = []
+        for name, i in self._row.items():
+            o, u, _, n = rows[i]
+            if n == 0:
+                continue
+            if o:
+                over.append((name, o / n))
+            if u:
+                under.append((name, u / n))
+            if (self.promote and o / n > self.threshold and role_of(name) in FORWARD_ROLES
+                    and name in self.assignment.lo):
+                promoted.append((name, o / n))
+        for name, ratio in promoted:
+            self._promote(name, ratio)
+        over.sort(key=lambda x: -x[1])
+        under.sort(key=lambda x: -x[1])
+        a = self.assignment
+        entry = {"step": self.step, "loss_scale": self._step_scale, "ratio_lo": a.ratio_lo,
+                 "aggregate_bits": a.aggregate_bits, "promotions": [n for n, _ in promoted],
+                 "top_overflow": over[:self.top], "top_underflow": under[:self.top]}
+        entry.update(self._scalars)
+        self._scalars = {}
+        self.history.steps.append(entry)
+        return entry
+
+    def _promote(self, name: str, ratio: float) -> None:
+        a = self.assignment
+        old = a.formats[name]
+        a.formats[name] = a.candidates.hi
+        a.lo.discard(name)
+        self._plan[name] = self._rounder_for(name)
+        self.history.promotions.append({"step": self.step, "tensor": name, "overflow_ratio": ratio,
+                                        "from": str(old), "to": str(a.candidates.hi)})
+        log.info("lowfp: step %d: promoted %s from %s to %s (overflow ratio %.4g)",
+                 self.step, name, old, a.candidates.hi, ratio)
+
+    # -- context manager -------------------------------------------------------------------
+    def __enter__(self):
+        self.install()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def close(self) -> None:
+        """Close the last step and take the emulation off the model."""
+        if self._installed:
+            self.end_step()
+            self.remove()
+
+
+def emulate(model: torch.nn.Module, assignment: Assignment, *, promote: bool = True,
+            threshold: float = 0.01, rounding: str = "nearest",
+            backward_overflow: str = "inf") -> Emulator:
+    """Round every forward and backward tensor of ``model``'s training steps to the format
+    ``assignment`` gives it (see the module docs). Use as a context manager (``with
+    lowfp.emulate(model, a) as em:``), or call ``em.install()`` and ``em.close()``.
+
+    Args:
+        model: the nn.Module the assignment was traced on (any torch optimizer can train it).
+        assignment: from :mod:`lowfp.assign` (``uniform(tr)``, ``ours(tr, 0.5)``, ...).
+        promote, threshold: after each step, forward tensors at a lo format whose overflow ratio
+            exceeds ``threshold`` (default 0.01) are promoted to the hi candidate for the rest of
+            the run (``history.promotions`` logs them).
+        rounding: ``"nearest"`` (ties to even) or ``"stochastic"``.
+        backward_overflow: what an overflowing gradient becomes: ``"inf"`` (default; a loss
+            scaler's finiteness check sees it), ``"saturate"`` or ``"nan"``. The counts reach
+            :class:`lowfp.DynamicLossScaler` either way.
+    """
+    return Emulator(model, assignment, promote=promote, threshold=threshold, rounding=rounding,
+                    backward_overflow=backward_overflow)

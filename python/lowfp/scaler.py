@@ -1,0 +1,205 @@
+"""Dynamic loss scaling that also sees emulated overflows (DESIGN §6)."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+__all__ = ["DynamicLossScaler"]
+
+_READY, _UNSCALED, _STEPPED = 0, 1, 2
+
+
+class DynamicLossScaler:
+    """torch.amp.GradScaler's interface and defaults (``scale``, ``unscale_``, ``step``,
+    ``update``, ``get_scale``, ``state_dict``), for float32, bfloat16 and float16 parameters and
+    lowfp's optimizers.
+
+    The loss is multiplied by the scale; ``step`` unscales the gradients, and skips the optimizer
+    step when any gradient is not finite **or** when an emulated backward rounding of
+    ``emulator`` overflowed in this step (a saturating backward format hides an overflow from a
+    finiteness check, its counts do not). ``update`` then multiplies the scale by
+    ``backoff_factor`` after a skipped step, and by ``growth_factor`` after ``growth_interval``
+    steps in a row without one.
+
+    Gradients are unscaled in their own dtype (float16 gradients of tiny values can underflow
+    there, as they would on hardware). With :func:`lowfp.optim.step_in_backward` pass the scaler
+    to it: each parameter is unscaled and checked by itself, the pass reports a non-finite
+    gradient here, and ``update()`` is called after ``backward()`` with no ``step``.
+    """
+
+    def __init__(self, device="cpu", init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True,
+                 emulator=None):
+        if not (isinstance(init_scale, (int, float)) and init_scale > 0):
+            raise ValueError(f"init_scale must be a positive number, got {init_scale!r}")
+        if not (isinstance(growth_factor, (int, float)) and growth_factor > 1.0):
+            raise ValueError(f"growth_factor must be a number > 1, got {growth_factor!r}")
+        if not (isinstance(backoff_factor, (int, float)) and 0.0 < backoff_factor < 1.0):
+            raise ValueError(f"backoff_factor must be a number in (0, 1), got {backoff_factor!r}")
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool, got {enabled!r}")
+        self.device = torch.device(device)
+        self._scale = float(init_scale)
+        self._growth_factor = float(growth_factor)
+        self._backoff_factor = float(backoff_factor)
+        self._growth_interval = growth_interval
+        self._growth_tracker = 0
+        self._enabled = enabled
+        self._states: Dict[int, dict] = {}
+        self._found_inf_in_backward = False
+        self.emulator = None
+        if emulator is not None:
+            self.watch(emulator)
+
+    def watch(self, emulator) -> "DynamicLossScaler":
+        """Also back off when ``emulator``'s backward roundings overflow; its history records
+        the scale of every step."""
+        from .emulate import Emulator
+        if not isinstance(emulator, Emulator):
+            raise TypeError(f"emulator must be a lowfp Emulator (from lowfp.emulate), got "
+                            f"{type(emulator).__name__}")
+        self.emulator = emulator
+        emulator.scaler = self
+        return self
+
+    # -- GradScaler's interface ---------------------------------------------------------------
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def get_scale(self) -> float:
+        return self._scale if self._enabled else 1.0
+
+    def get_growth_factor(self) -> float:
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._growth_factor = float(new_factor)
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._backoff_factor = float(new_factor)
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._growth_interval = int(new_interval)
+
+    def scale(self, outputs):
+        """outputs (a tensor or nested lists/tuples of tensors) times the scale."""
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            return outputs * self._scale
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(self.scale(o) for o in outputs)
+        raise TypeError(f"outputs must be a tensor or a list/tuple of tensors, got {type(outputs).__name__}")
+
+    def _state(self, optimizer) -> dict:
+        return self._states.setdefault(id(optimizer), {"stage": _READY, "found_inf": None})
+
+    def unscale_(self, optimizer) -> None:
+        """Divide optimizer's gradients by the scale in place and note whether any is not finite
+        (once per step; ``step`` calls it when it was not called)."""
+        if not self._enabled:
+            return
+        state = self._state(optimizer)
+        if state["stage"] == _UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if state["stage"] == _STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        inv = 1.0 / self._scale
+        flags = []
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    g = p.grad
+                    if g is None:
+                        continue
+                    if g.is_sparse:
+                        raise ValueError("DynamicLossScaler does not support sparse gradients")
+                    g.mul_(inv)
+                    flags.append(torch.isfinite(g).all())
+        found = ~torch.stack(flags).all() if flags else torch.zeros((), dtype=torch.bool)
+        if self.emulator is not None:
+            found = found.to(self.emulator.counts.device) | (self.emulator.backward_overflows() > 0)
+        state["found_inf"] = found
+        state["stage"] = _UNSCALED
+
+    def step(self, optimizer, *args, **kwargs):
+        """``optimizer.step(*args, **kwargs)`` unless this step found a non-finite gradient or an
+        emulated backward overflow; returns its result (None when skipped)."""
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if DynamicLossScaler is enabled.")
+        state = self._state(optimizer)
+        if state["stage"] == _STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if state["stage"] == _READY:
+            self.unscale_(optimizer)
+        result = None
+        if not bool(state["found_inf"]):
+            result = optimizer.step(*args, **kwargs)
+        state["stage"] = _STEPPED
+        return result
+
+    def _record_found_inf(self) -> None:
+        """Called by step_in_backward when a parameter's unscaled gradient was not finite."""
+        self._found_inf_in_backward = True
+
+    def update(self, new_scale: Optional[float] = None) -> None:
+        """Back off after a skipped step, grow after growth_interval clean steps (or set
+        ``new_scale``); starts the next iteration."""
+        if not self._enabled:
+            return
+        if new_scale is not None:
+            if isinstance(new_scale, torch.Tensor):
+                new_scale = float(new_scale)
+            if not (isinstance(new_scale, (int, float)) and new_scale > 0):
+                raise ValueError(f"new_scale must be a positive number, got {new_scale!r}")
+            self._scale = float(new_scale)
+        else:
+            infs = [s["found_inf"] for s in self._states.values() if s["found_inf"] is not None]
+            found = self._found_inf_in_backward or any(bool(f) for f in infs)
+            if not infs and not self._found_inf_in_backward and self.emulator is not None:
+                found = bool(self.emulator.backward_overflows() > 0)  # step_in_backward runs
+            if found:
+                self._scale *= self._backoff_factor
+                self._growth_tracker = 0
+            else:
+                self._growth_tracker += 1
+                if self._growth_tracker == self._growth_interval:
+                    self._scale *= self._growth_factor
+                    self._growth_tracker = 0
+        self._states.clear()
+        self._found_inf_in_backward = False
+
+    def state_dict(self) -> dict:
+        if not self._enabled:
+            return {}
+        return {"scale": self._scale, "growth_factor": self._growth_factor,
+                "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
+                "_growth_tracker": self._growth_tracker}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError("The source state dict is empty, possibly because it was saved "
+                               "from a disabled instance of DynamicLossScaler.")
+        self._scale = float(state_dict["scale"])
+        self._growth_factor = float(state_dict["growth_factor"])
+        self._backoff_factor = float(state_dict["backoff_factor"])
+        self._growth_interval = int(state_dict["growth_interval"])
+        self._growth_tracker = int(state_dict["_growth_tracker"])
+
+    def __repr__(self) -> str:
+        return (f"DynamicLossScaler(scale={self.get_scale()}, growth_tracker={self._growth_tracker}, "
+                f"watching={'an emulator' if self.emulator is not None else 'nothing'})")

@@ -1,0 +1,277 @@
+"""Emulated training (DESIGN §6): every tensor on its format's grid, fp32 bit for bit, promotion,
+and the loss scaler seeing emulated overflows."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import lowfp
+from lowfp import assign as A
+from lowfp import models
+
+
+def batch(n=16, c=1, hw=8, classes=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, c, hw, hw, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def on_grid(t, fmt, overflow):
+    """t equals its own rounding (NaN-free; inf stays inf under overflow='inf')."""
+    if isinstance(fmt, lowfp.S2FP8):
+        return True  # S2FP8's grid depends on the tensor's statistics; checked in test_s2fp8
+    return torch.equal(lowfp.quantize(t.detach(), fmt, overflow=overflow), t.detach())
+
+
+MODELS = {
+    "resnet": lambda: models.ResidualCNN(1, 10, 0.5),
+    "mobilenet": lambda: models.MobileNetCNN(1, 10, 0.5),
+    "shufflenet": lambda: models.ShuffleNetCNN(1, 10, 0.5),
+    "transformer": lambda: models.TransformerClassifier(1, 10, 0.5, image_size=8, patch=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("strategy", ["uniform", "ours", "op_io"])
+def test_every_tensor_is_on_its_grid(name, strategy):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    x, y = batch()
+    tr = A.trace(model, x, F.cross_entropy, y)
+    a = A.make(tr, strategy, **({"r": 0.5} if strategy == "ours" else {}))
+    seen = {}
+    leaf_outputs = []
+    hooks = [m.register_forward_hook(lambda m, i, o: leaf_outputs.append(o))
+             for m in model.modules() if not list(m.children()) and isinstance(m, (nn.Conv2d, nn.Linear))]
+    with lowfp.emulate(model, a) as em:
+        em.observer = lambda n, t: seen.setdefault(n, []).append(t.detach().clone())
+        out = model(x)
+        out_grads = []
+        out.register_hook(lambda g: out_grads.append(g))
+        F.cross_entropy(out, y).backward()
+    for h in hooks:
+        h.remove()
+    # every tensor of the recorded step was rounded, and each result lies on its format's grid
+    assert set(seen) == set(tr.tensors)
+    for n, ts in seen.items():
+        fmt = a.formats[n]
+        overflow = "saturate" if A.role_of(n) in ("v", "theta") else "inf"
+        for t in ts:
+            assert on_grid(t, fmt, overflow), n
+    # independent of the observer: the model's output, its gradient, leaf GEMM outputs, .grad
+    key = tr.ops[-1].outputs[0]
+    assert on_grid(out, a.formats[key], "saturate")
+    # the gradient reaching the output is rounded to dv's format before it flows into the model
+    dfmt = a.formats[A.grad_name(key)]
+    assert torch.equal(seen[A.grad_name(key)][0], lowfp.quantize(out_grads[0], dfmt, overflow="inf"))
+    for o in leaf_outputs:
+        assert any(on_grid(o, f, "saturate") for f in {a.formats[n] for n in a.formats})
+    for pname, p in model.named_parameters():
+        assert on_grid(p.grad, a.formats["dtheta:" + pname], "inf"), pname
+    assert len(em.history.steps) == 1
+
+
+def train(model, steps, x, y, emulation=None, lr=0.05, scaler=None):
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        if emulation is not None:
+            emulation.record(loss=loss.item())
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("name", ["resnet", "transformer"])
+def test_fp32_assignment_reproduces_an_unemulated_run_bit_for_bit(name):
+    torch.manual_seed(1)
+    plain = MODELS[name]()
+    emulated = copy.deepcopy(plain)
+    x, y = batch()
+    tr = A.trace(emulated, x, F.cross_entropy, y)
+    torch.manual_seed(5)
+    ref_losses = train(plain, 4, x, y)
+    torch.manual_seed(5)
+    with lowfp.emulate(emulated, A.fp32(tr)) as em:
+        losses = train(emulated, 4, x, y, em)
+    assert losses == ref_losses
+    for (n, p), q in zip(plain.state_dict().items(), emulated.state_dict().values()):
+        assert torch.equal(p, q), n
+    assert [s["ratio_lo"] for s in em.history.steps] == [0.0] * 4
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_models_trace_and_train_under_ours(name):
+    torch.manual_seed(2)
+    model = MODELS[name]()
+    x, y = batch(32)
+    tr = A.trace(model, x, F.cross_entropy, y)
+    assert len(tr.gemms) >= 3
+    with lowfp.emulate(model, A.ours(tr, 0.5)) as em:
+        losses = train(model, 15, x, y, em, lr=0.05)
+    assert losses[-1] < 0.85 * losses[0], losses
+    assert len(em.history.steps) == 15 and em.history.steps[3]["loss"] == losses[3]
+
+
+def test_transformer_attention_is_one_gemm_operator():
+    model = MODELS["transformer"]()
+    x, y = batch(4)
+    tr = A.trace(model, x, F.cross_entropy, y)
+    attn = [o for o in tr.ops if o.func == "multi_head_attention_forward"]
+    assert len(attn) == 2 and all(o.is_gemm for o in attn)
+    assert "theta:blocks.0.attn.in_proj_weight" in attn[0].inputs
+    assert "theta:blocks.0.attn.out_proj.weight" in attn[0].inputs
+
+
+def test_promotion_fires_on_a_model_driven_to_overflow():
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    with torch.no_grad():
+        model[0].weight.mul_(200.0)  # pre-activations far beyond fp(4,3,4)'s max of 30
+    x, y = torch.randn(64, 8), torch.randint(0, 4, (64,))
+    tr = A.trace(model, x, F.cross_entropy, y)
+    a = A.uniform(tr)
+    with lowfp.emulate(model, a, threshold=0.01) as em:
+        train(model, 3, x, y, em, lr=1e-4)
+        promoted = em.assignment
+    events = em.history.promotions
+    names = [e["tensor"] for e in events]
+    s1, s2 = em.history.steps[0], em.history.steps[1]
+    assert "v:0:linear" in s1["promotions"] and len(set(names)) == len(names)
+    assert [e["step"] for e in events] == sorted(e["step"] for e in events)
+    assert all(e["overflow_ratio"] > 0.01 and e["to"] == "fp(6,9,0)" for e in events)
+    assert s1["ratio_lo"] < a.ratio_lo and s2["ratio_lo"] <= s1["ratio_lo"]
+    assert promoted["v:0:linear"] == lowfp.fp(6, 9, 0) and "v:0:linear" not in promoted.lo
+    # after promotion it is no longer among the overflowing tensors
+    assert "v:0:linear" not in [n for n, _ in s2["top_overflow"]]
+    assert a["v:0:linear"] == lowfp.fp(4, 3, 4)  # the caller's assignment is untouched
+    # without promotion the overflow goes on
+    torch.manual_seed(3)
+    with lowfp.emulate(model, a, promote=False) as em2:
+        train(model, 2, x, y, em2, lr=1e-4)
+    assert em2.history.promotions == []
+    assert "v:0:linear" in [n for n, _ in em2.history.steps[1]["top_overflow"]]
+
+
+def test_scaler_backs_off_on_an_overflow_a_saturating_format_hides():
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    tr = A.trace(model, x, F.cross_entropy, y)
+    before = [p.detach().clone() for p in model.parameters()]
+    with lowfp.emulate(model, A.uniform(tr), backward_overflow="saturate") as em:
+        # dL/dlogits ~ 1/32 per element; times 2^24 it is far beyond fp(5,2,0)'s max (114688)
+        scaler = lowfp.DynamicLossScaler(init_scale=2.0 ** 24, emulator=em)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())  # hidden by saturation
+        assert int(em.backward_overflows()) > 0
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() == 2.0 ** 23
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # step skipped
+    assert em.history.steps[0]["loss_scale"] == 2.0 ** 24
+    # torch's GradScaler, seeing finite gradients, would have stepped
+    gs = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)
+    with lowfp.emulate(model, A.uniform(tr), backward_overflow="saturate"):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        gs.scale(loss).backward()
+        gs.step(opt)
+        gs.update()
+    assert gs.get_scale() == 2.0 ** 24
+
+
+def test_eval_and_no_grad_forwards_round_but_are_not_steps():
+    torch.manual_seed(5)
+    model = models.ResidualCNN(1, 10, 0.5)
+    x, y = batch()
+    tr = A.trace(model, x, F.cross_entropy, y)
+    a = A.uniform(tr)
+    with lowfp.emulate(model, a) as em:
+        train(model, 2, x, y, em)
+        model.eval()
+        with torch.no_grad():
+            out = model(x)
+        model.train()
+    assert on_grid(out, a.formats[tr.ops[-1].outputs[0]], "saturate")
+    assert len(em.history.steps) == 2
+    assert "forward" not in model.__dict__
+
+
+def test_history_json_and_plot(tmp_path):
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    tr = A.trace(model, x, F.cross_entropy, y)
+    with lowfp.emulate(model, A.ours(tr, 0.5)) as em:
+        scaler = lowfp.DynamicLossScaler(init_scale=256.0, emulator=em)
+        train(model, 5, x, y, em, scaler=scaler)
+    h = em.history
+    assert [s["step"] for s in h.steps] == [1, 2, 3, 4, 5]
+    assert all(s["loss_scale"] == 256.0 for s in h.steps)
+    path = tmp_path / "h.json"
+    h.save(path)
+    import json
+    back = json.loads(path.read_text())
+    assert back["steps"][2]["loss"] == h.steps[2]["loss"] and back["promotions"] == []
+    png = tmp_path / "h.png"
+    h.plot(png, title="test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_emulate_errors():
+    model = nn.Linear(4, 2)
+    tr = A.trace(model, torch.randn(3, 4))
+    with pytest.raises(TypeError, match="assignment must be"):
+        lowfp.emulate(model, "uniform")
+    with pytest.raises(ValueError, match="threshold"):
+        lowfp.emulate(model, A.uniform(tr), threshold=2)
+    with pytest.raises(ValueError, match="backward_overflow"):
+        lowfp.emulate(model, A.uniform(tr), backward_overflow="wrap")
+    with pytest.raises(ValueError, match="rounding"):
+        lowfp.emulate(model, A.uniform(tr), rounding="up")
+    with lowfp.emulate(model, A.uniform(tr)):
+        with pytest.raises(ValueError, match="already"):
+            lowfp.emulate(model, A.uniform(tr)).install()
+    # a format that cannot hold the activations' dtype is named in the error
+    half = nn.Linear(4, 2).to(torch.bfloat16)
+    tr16 = A.trace(half, torch.randn(3, 4, dtype=torch.bfloat16))
+    with lowfp.emulate(half, A.all_hi(tr16)):
+        with pytest.raises(ValueError, match="does not fit torch.bfloat16"):
+            half(torch.randn(3, 4, dtype=torch.bfloat16))
+    assert "forward" not in half.__dict__
+
+
+def test_bfloat16_model_with_extra_bits_optimizer_and_scaler():
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 4)).to(torch.bfloat16)
+    x, y = torch.randn(64, 8, dtype=torch.bfloat16), torch.randint(0, 4, (64,))
+    loss_fn = lambda out, t: F.cross_entropy(out.float(), t)  # noqa: E731
+    tr = A.trace(model, x, loss_fn, y)
+    cand = A.Candidates(hi="bfloat16")  # the hi format must fit the bfloat16 activations
+    opt = lowfp.optim.ExtraBitsSGD(model.parameters(), lr=0.3, momentum=0.9, extra_bits=8)
+    losses = []
+    with lowfp.emulate(model, A.ours(tr, 0.5, candidates=cand)) as em:
+        scaler = lowfp.DynamicLossScaler(init_scale=2.0 ** 10, emulator=em)
+        for _ in range(25):
+            loss = loss_fn(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())

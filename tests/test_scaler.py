@@ -1,0 +1,121 @@
+"""lowfp.DynamicLossScaler against torch.amp.GradScaler, with 16-bit parameters and lowfp's
+optimizers."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import lowfp
+
+
+def model_and_data(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(dtype)
+    x = torch.randn(32, 8, dtype=dtype)
+    y = torch.randint(0, 4, (32,))
+    return model, x, y
+
+
+def test_defaults_match_grad_scaler():
+    ours, theirs = lowfp.DynamicLossScaler(), torch.amp.GradScaler("cpu")
+    assert ours.get_scale() == theirs.get_scale() == 2.0 ** 16
+    assert ours.get_growth_factor() == theirs.get_growth_factor()
+    assert ours.get_backoff_factor() == theirs.get_backoff_factor()
+    assert ours.get_growth_interval() == theirs.get_growth_interval()
+    assert set(ours.state_dict()) == set(theirs.state_dict())
+
+
+def test_same_scales_and_steps_as_grad_scaler():
+    model, x, y = model_and_data()
+    twin = copy.deepcopy(model)
+    kw = dict(init_scale=1024.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+    ours, theirs = lowfp.DynamicLossScaler(**kw), torch.amp.GradScaler("cpu", **kw)
+    opt_a = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(twin.parameters(), lr=0.1)
+    bad_steps = {2, 3, 9}
+    for step in range(14):
+        for m, opt, sc in ((model, opt_a, ours), (twin, opt_b, theirs)):
+            loss = F.cross_entropy(m(x), y)
+            if step in bad_steps:
+                loss = loss * float("inf")
+            opt.zero_grad()
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+        assert ours.get_scale() == theirs.get_scale(), step
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q), step
+    assert ours.state_dict() == {k: (float(v) if k == "scale" else v) for k, v in theirs.state_dict().items()}
+    fresh = lowfp.DynamicLossScaler()
+    fresh.load_state_dict(ours.state_dict())
+    assert fresh.state_dict() == ours.state_dict()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sixteen_bit_parameters_with_torch_and_lowfp_optimizers(dtype):
+    for make in (lambda ps: torch.optim.SGD(ps, lr=0.1),
+                 lambda ps: lowfp.optim.ExtraBitsAdamW(ps, lr=3e-3, extra_bits=8)):
+        model, x, y = model_and_data(dtype)
+        opt = make(model.parameters())
+        scaler = lowfp.DynamicLossScaler(init_scale=2.0 ** 8, growth_interval=4)
+        losses = []
+        for step in range(20):
+            loss = F.cross_entropy(model(x).float(), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            if step == 5:  # an overflowing gradient: the step is skipped and the scale backs off
+                next(model.parameters()).grad[0, 0] = float("inf")
+            scale = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            if step == 5:
+                assert scaler.get_scale() == scale / 2
+                assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+            losses.append(loss.item())
+        assert all(p.dtype == dtype for p in model.parameters())
+        assert losses[-1] < losses[0]
+
+
+def test_step_in_backward_reports_non_finite_gradients():
+    model, x, y = model_and_data(torch.bfloat16)
+    opt = lowfp.optim.ExtraBitsSGD(model.parameters(), lr=0.1, extra_bits=8)
+    scaler = lowfp.DynamicLossScaler(init_scale=2.0 ** 10, growth_interval=1)
+    handle = lowfp.optim.step_in_backward(opt, scaler=scaler)
+    loss = F.cross_entropy(model(x).float(), y)
+    scaler.scale(loss).backward()
+    scaler.update()
+    assert scaler.get_scale() == 2.0 ** 11  # clean pass: grows (interval 1)
+    loss = F.cross_entropy(model(x).float(), y) * float("inf")
+    scaler.scale(loss).backward()
+    assert handle.found_inf
+    scaler.update()
+    assert scaler.get_scale() == 2.0 ** 10
+    handle.remove()
+
+
+def test_disabled_and_errors():
+    off = lowfp.DynamicLossScaler(enabled=False)
+    t = torch.ones(())
+    assert off.scale(t) is t and off.get_scale() == 1.0 and off.state_dict() == {}
+    with pytest.raises(ValueError, match="init_scale"):
+        lowfp.DynamicLossScaler(init_scale=0)
+    with pytest.raises(ValueError, match="backoff_factor"):
+        lowfp.DynamicLossScaler(backoff_factor=2.0)
+    with pytest.raises(ValueError, match="growth_interval"):
+        lowfp.DynamicLossScaler(growth_interval=0)
+    with pytest.raises(TypeError, match="emulator"):
+        lowfp.DynamicLossScaler(emulator=object())
+    model, x, y = model_and_data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sc = lowfp.DynamicLossScaler()
+    sc.scale(F.cross_entropy(model(x), y)).backward()
+    sc.unscale_(opt)
+    with pytest.raises(RuntimeError, match="already been called"):
+        sc.unscale_(opt)
+    sc.step(opt)
+    with pytest.raises(RuntimeError, match="already been called"):
+        sc.step(opt)
