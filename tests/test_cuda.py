@@ -218,3 +218,32 @@ def test_extra_bits_optimizers_match_cpu(opt_name, kw):
         for a, b in zip(cpu_opt.master_weights(), gpu_opt.master_weights()):
             assert torch.equal(a, b.cpu()), step
     assert cpu_opt.weight_stats.as_dict() == gpu_opt.weight_stats.as_dict()
+
+
+def test_emulated_training_on_cuda():
+    import torch.nn.functional as F
+    from lowfp import assign as A
+    torch.manual_seed(0)
+    model = lowfp.models.ResidualCNN(1, 10, 0.5).cuda()
+    x, y = torch.randn(16, 1, 8, 8, device="cuda"), torch.randint(0, 10, (16,), device="cuda")
+    tr = A.trace(model, x, F.cross_entropy, y)
+    a = A.ours(tr, 0.5)
+    seen = {}
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    with lowfp.emulate(model, a) as em:
+        assert em.counts.is_cuda
+        scaler = lowfp.DynamicLossScaler("cuda", init_scale=256.0, emulator=em)
+        for step in range(10):
+            em.observer = (lambda n, t: seen.setdefault(n, t.detach().clone())) if step == 0 else None
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+    assert set(seen) == set(tr.tensors)
+    for n, t in seen.items():
+        overflow = "saturate" if A.role_of(n) in ("v", "theta") else "inf"
+        assert torch.equal(lowfp.quantize(t, a.formats[n], overflow=overflow), t), n
+    assert losses[-1] < losses[0] and len(em.history.steps) == 10

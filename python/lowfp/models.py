@@ -19,6 +19,11 @@ def _ch(c: int, width: float) -> int:
     return max(4, int(round(c * width / 4)) * 4)
 
 
+def _stem(cin: int, cout: int, act=nn.ReLU) -> nn.Sequential:
+    """3×3 convolution, batch norm, in-place activation: the first layer of the CNNs here."""
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout), act(inplace=True))
+
+
 class _BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int):
         super().__init__()
@@ -45,8 +50,7 @@ class ResidualCNN(nn.Module):
     def __init__(self, in_channels: int = 1, num_classes: int = 10, width: float = 1.0):
         super().__init__()
         c1, c2 = _ch(16, width), _ch(32, width)
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, c1, 3, 1, 1, bias=False), nn.BatchNorm2d(c1),
-                                  nn.ReLU(inplace=True))
+        self.stem = _stem(in_channels, c1)
         self.layer1 = nn.Sequential(_BasicBlock(c1, c1, 1), _BasicBlock(c1, c1, 1))
         self.layer2 = nn.Sequential(_BasicBlock(c1, c2, 2), _BasicBlock(c2, c2, 1))
         self.fc = nn.Linear(c2, num_classes)
@@ -75,8 +79,7 @@ class MobileNetCNN(nn.Module):
     def __init__(self, in_channels: int = 1, num_classes: int = 10, width: float = 1.0):
         super().__init__()
         c = [_ch(n, width) for n in (16, 32, 64)]
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, c[0], 3, 1, 1, bias=False), nn.BatchNorm2d(c[0]),
-                                  nn.ReLU6(inplace=True))
+        self.stem = _stem(in_channels, c[0], nn.ReLU6)
         self.blocks = nn.Sequential(_DepthwiseSeparable(c[0], c[1], 1), _DepthwiseSeparable(c[1], c[1], 2),
                                     _DepthwiseSeparable(c[1], c[2], 1))
         self.fc = nn.Linear(c[2], num_classes)
@@ -113,10 +116,10 @@ class ShuffleNetCNN(nn.Module):
     def __init__(self, in_channels: int = 1, num_classes: int = 10, width: float = 1.0):
         super().__init__()
         c1, c2 = _ch(16, width), _ch(32, width)
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, c1, 3, 1, 1, bias=False), nn.BatchNorm2d(c1),
-                                  nn.ReLU(inplace=True))
+        self.stem = _stem(in_channels, c1)
         self.stage1 = nn.Sequential(_ShuffleUnit(c1), _ShuffleUnit(c1))
-        self.down = nn.Sequential(nn.Conv2d(c1, c2, 3, 2, 1, bias=False), nn.BatchNorm2d(c2), nn.ReLU(inplace=True))
+        self.down = nn.Sequential(nn.Conv2d(c1, c2, 3, 2, 1, bias=False), nn.BatchNorm2d(c2),
+                                  nn.ReLU(inplace=True))
         self.stage2 = nn.Sequential(_ShuffleUnit(c2), _ShuffleUnit(c2))
         self.fc = nn.Linear(c2, num_classes)
 
