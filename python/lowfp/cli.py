@@ -1,4 +1,5 @@
-"""The ``lowfp`` command line: ``lowfp formats [FMT ...]``, ``lowfp bench [...]``."""
+"""The ``lowfp`` command line: ``lowfp formats [FMT ...]``, ``lowfp bench [...]``,
+``lowfp train [...]``."""
 
 from __future__ import annotations
 
@@ -54,9 +55,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     p_formats = sub.add_parser("formats", help="print the named formats, or the ones given")
     p_formats.add_argument("format", nargs="*", help="e.g. 'fp(4,3,4)' or float8_e4m3fn")
     sub.add_parser("bench", help="benchmark quantize (lowfp bench --help)", add_help=False)
+    sub.add_parser("train", help="train a model under a precision assignment (lowfp train --help)",
+                   add_help=False)
     if argv and argv[0] == "bench":  # the benchmark parses its own options
         from . import bench
         return bench.main(argv[1:], default_size=1 << 22)
+    if argv and argv[0] == "train":
+        from . import train
+        return train.main(argv[1:])
     args = parser.parse_args(argv)
     return cmd_formats(args)
 

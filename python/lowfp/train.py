@@ -1,0 +1,275 @@
+"""``lowfp train``: train a model under a precision assignment and report accuracy, ratio_lo, the
+aggregate and promotions per epoch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import assign as A
+from . import data as D
+from . import models as M
+from .emulate import emulate
+from .scaler import DynamicLossScaler
+
+__all__ = ["TrainConfig", "run", "add_arguments", "config_from_args", "main"]
+
+OPTIMIZERS = ("sgd", "adamw", "extrabits-sgd", "extrabits-adamw")
+ASSIGNMENTS = ("fp32", "all_hi", "uniform", "op", "op_io", "ours")
+
+
+@dataclass
+class TrainConfig:
+    model: str = "resnet"
+    width: float = 0.5
+    data: str = "digits"
+    data_dir: Optional[str] = None
+    assignment: str = "ours"
+    r: float = 0.5
+    order: str = "decreasing"
+    promote: bool = True
+    threshold: float = 0.01
+    hi: str = "fp(6,9,0)"
+    lo_forward: str = "fp(4,3,4)"
+    lo_backward: str = "fp(5,2,0)"
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    extra_bits: int = 8
+    rounding: str = "nearest"
+    step_in_backward: bool = False
+    loss_scale: str = "dynamic"
+    epochs: int = 5
+    batch_size: int = 64
+    schedule: str = "cosine"
+    seed: int = 0
+    device: str = "cpu"
+
+
+def _check(cfg: TrainConfig) -> None:
+    if cfg.model not in M.MODELS:
+        raise ValueError(f"model must be one of {tuple(M.MODELS)}, got {cfg.model!r}")
+    if cfg.assignment not in ASSIGNMENTS:
+        raise ValueError(f"assignment must be one of {ASSIGNMENTS}, got {cfg.assignment!r}")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {cfg.optimizer!r}")
+    if cfg.schedule not in ("cosine", "constant"):
+        raise ValueError(f"schedule must be 'cosine' or 'constant', got {cfg.schedule!r}")
+    if cfg.epochs < 1 or cfg.batch_size < 1:
+        raise ValueError("epochs and batch_size must be positive")
+    if cfg.step_in_backward and not cfg.optimizer.startswith("extrabits"):
+        raise ValueError("step_in_backward needs an extrabits optimizer (--optimizer extrabits-sgd "
+                         "or extrabits-adamw)")
+    if cfg.loss_scale not in ("dynamic", "none"):
+        try:
+            if float(cfg.loss_scale) <= 0:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"loss_scale must be 'dynamic', 'none' or a positive number, "
+                             f"got {cfg.loss_scale!r}") from None
+
+
+def _progress(label: str, done: int, total: int, extra: str, stream) -> None:
+    width = 24
+    filled = int(width * done / total)
+    stream.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {extra}")
+    if done == total:
+        stream.write("\n")
+    stream.flush()
+
+
+def evaluate(model, x, y, batch_size: int) -> float:
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for i in range(0, len(y), batch_size):
+            correct += int((model(x[i:i + batch_size]).argmax(1) == y[i:i + batch_size]).sum())
+    model.train()
+    return correct / max(1, len(y))
+
+
+def run(cfg: TrainConfig, log=print, progress=None) -> dict:
+    """Train as ``cfg`` says; returns a result dict (per-epoch records, the assignment summary,
+    history of the last emulation, final and best test accuracy). ``progress``: a stream for
+    progress bars (None: none)."""
+    _check(cfg)
+    torch.manual_seed(cfg.seed)
+    device = torch.device(cfg.device)
+    ds = D.load(cfg.data, cfg.data_dir, seed=cfg.seed)
+    model = M.build(cfg.model, ds.in_channels, ds.num_classes, cfg.width, ds.image_size)
+    if cfg.optimizer.startswith("extrabits"):
+        model = model.to(torch.bfloat16)
+    model = model.to(device)
+    dtype = next(model.parameters()).dtype
+    tx, ty = ds.train_x.to(device, dtype), ds.train_y.to(device)
+    vx, vy = ds.test_x.to(device, dtype), ds.test_y.to(device)
+
+    def loss_fn(out, target):
+        return F.cross_entropy(out.float(), target)
+
+    n = len(ty)
+    bs = min(cfg.batch_size, n)
+    tr = A.trace(model, tx[:bs], loss_fn, ty[:bs])
+    cand = A.Candidates(cfg.hi, cfg.lo_forward, cfg.lo_backward)
+    kwargs = {"r": cfg.r, "order": cfg.order, "seed": cfg.seed} if cfg.assignment == "ours" else {}
+    assignment = A.make(tr, cfg.assignment, candidates=cand, **kwargs)
+
+    if cfg.optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    elif cfg.optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    else:
+        from .optim import ExtraBitsAdamW, ExtraBitsSGD
+        if cfg.optimizer == "extrabits-sgd":
+            opt = ExtraBitsSGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                               weight_decay=cfg.weight_decay, extra_bits=cfg.extra_bits, rounding=cfg.rounding)
+        else:
+            opt = ExtraBitsAdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                 extra_bits=cfg.extra_bits, rounding=cfg.rounding)
+    steps_per_epoch = math.ceil(n / bs)
+    total_steps = cfg.epochs * steps_per_epoch
+    sched = None
+    if cfg.schedule == "cosine":
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total_steps)
+
+    log(f"lowfp train: {cfg.model} (width {cfg.width}) on {ds}, {assignment.name}: "
+        f"ratio_lo {assignment.ratio_lo:.3f}, aggregate {assignment.aggregate_bits / 8 / 2**20:.2f} MiB, "
+        f"optimizer {cfg.optimizer}, {cfg.epochs} epochs of {steps_per_epoch} steps")
+    epochs: List[dict] = []
+    gen = torch.Generator().manual_seed(cfg.seed)
+    diverged = False
+    with emulate(model, assignment, promote=cfg.promote, threshold=cfg.threshold,
+                 rounding="nearest") as em:
+        scaler = None
+        if cfg.loss_scale != "none":
+            init = 2.0 ** 16 if cfg.loss_scale == "dynamic" else float(cfg.loss_scale)
+            growth = 2000 if cfg.loss_scale == "dynamic" else 10 ** 9
+            scaler = DynamicLossScaler(device, init_scale=init, growth_interval=growth, emulator=em)
+        handle = None
+        if cfg.step_in_backward:
+            from .optim import step_in_backward
+            handle = step_in_backward(opt, scaler=scaler)
+        for epoch in range(1, cfg.epochs + 1):
+            t0 = time.perf_counter()
+            perm = torch.randperm(n, generator=gen).to(device)
+            total_loss, seen = 0.0, 0
+            for i in range(steps_per_epoch):
+                idx = perm[i * bs:(i + 1) * bs]
+                loss = loss_fn(model(tx[idx]), ty[idx])
+                if handle is None:
+                    opt.zero_grad(set_to_none=True)
+                scaled = scaler.scale(loss) if scaler is not None else loss
+                scaled.backward()
+                if handle is None:
+                    if scaler is not None:
+                        scaler.step(opt)
+                    else:
+                        opt.step()
+                if scaler is not None:
+                    scaler.update()
+                if sched is not None:
+                    with warnings.catch_warnings():  # skipped steps / step-in-backward never call opt.step
+                        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+                        sched.step()
+                value = loss.item()
+                em.record(loss=value)
+                total_loss += value * len(idx)
+                seen += len(idx)
+                if progress is not None:
+                    _progress(f"epoch {epoch}/{cfg.epochs}", i + 1, steps_per_epoch,
+                              f"loss {total_loss / seen:.4f}", progress)
+            em.end_step()
+            train_loss = total_loss / seen
+            acc = evaluate(model, vx, vy, 512)
+            promotions = [p for p in em.history.promotions if p["step"] > epoch_start(epochs)]
+            rec = {"epoch": epoch, "train_loss": train_loss, "test_acc": acc,
+                   "ratio_lo": em.assignment.ratio_lo, "aggregate_bits": em.assignment.aggregate_bits,
+                   "promotions": len(promotions), "loss_scale": None if scaler is None else scaler.get_scale(),
+                   "seconds": time.perf_counter() - t0, "step": em.step}
+            epochs.append(rec)
+            log(f"epoch {epoch}: train loss {train_loss:.4f}, test acc {acc:.4f}, ratio_lo "
+                f"{rec['ratio_lo']:.3f}, aggregate {rec['aggregate_bits'] / 8 / 2**20:.2f} MiB, "
+                f"promotions {len(promotions)}" + ("" if scaler is None else f", loss scale {rec['loss_scale']:g}")
+                + f" ({rec['seconds']:.1f} s)")
+            if not math.isfinite(train_loss):
+                diverged = True
+                log("training diverged (non-finite loss); stopping")
+                break
+        if handle is not None:
+            handle.remove()
+    accs = [e["test_acc"] for e in epochs]
+    return {"config": asdict(cfg), "assignment": assignment.name,
+            "initial_ratio_lo": assignment.ratio_lo, "initial_aggregate_bits": assignment.aggregate_bits,
+            "ratio_lo": em.assignment.ratio_lo, "aggregate_bits": em.assignment.aggregate_bits,
+            "final_acc": accs[-1], "best_acc": max(accs), "diverged": diverged,
+            "promotions": em.history.promotions, "epochs": epochs,
+            "history": em.history.to_dict()}
+
+
+def epoch_start(epochs: List[dict]) -> int:
+    return epochs[-1]["step"] if epochs else 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    p.add_argument("--model", default=d.model, choices=tuple(M.MODELS))
+    p.add_argument("--width", type=float, default=d.width, help="width multiplier")
+    p.add_argument("--data", default=d.data, choices=D.DATASETS)
+    p.add_argument("--data-dir", default=None, help="folder with the CIFAR python-version files")
+    p.add_argument("--assignment", default=d.assignment, choices=ASSIGNMENTS)
+    p.add_argument("--r", type=float, default=d.r, help="low-precision ratio for --assignment ours")
+    p.add_argument("--order", default=d.order, choices=A.ORDERS)
+    p.add_argument("--no-promotion", dest="promote", action="store_false")
+    p.add_argument("--threshold", type=float, default=d.threshold, help="promotion threshold Θ")
+    p.add_argument("--hi", default=d.hi)
+    p.add_argument("--lo-forward", default=d.lo_forward)
+    p.add_argument("--lo-backward", default=d.lo_backward)
+    p.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZERS)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--momentum", type=float, default=d.momentum)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--extra-bits", type=int, default=d.extra_bits)
+    p.add_argument("--rounding", default=d.rounding, choices=("toward_zero", "nearest", "stochastic"),
+                   help="extra-bits rounding of the ExtraBits optimizers")
+    p.add_argument("--step-in-backward", action="store_true")
+    p.add_argument("--loss-scale", default=d.loss_scale, help="'dynamic', 'none' or a fixed scale")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--schedule", default=d.schedule, choices=("cosine", "constant"))
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--device", default=d.device)
+
+
+def config_from_args(args) -> TrainConfig:
+    names = TrainConfig.__dataclass_fields__
+    return TrainConfig(**{k: getattr(args, k) for k in names})
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="lowfp train", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    p.add_argument("--json", help="write the result here")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+        result = run(cfg, progress=None if args.quiet else sys.stderr)
+    except ValueError as err:
+        print(f"lowfp train: {err}", file=sys.stderr)
+        return 2
+    print(f"best test accuracy {result['best_acc']:.4f}, final {result['final_acc']:.4f}, "
+          f"ratio_lo {result['ratio_lo']:.3f}, promotions {len(result['promotions'])}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
