@@ -195,9 +195,8 @@ class ForwardSession:
             return inner(*args, **kwargs)
 
     def _map_input(self, a, name):
-        if _floating(a):
-            r = self._input(a, "v:" + name)
-            return self._tag(r if r is not a else a.view_as(a), "v:" + name)  # not the caller's tensor
+        if _floating(a):  # an alias, so that neither tags nor hooks land on the caller's tensor
+            return self._tag(self._input(a.view_as(a), "v:" + name), "v:" + name)
         if isinstance(a, (tuple, list)) and any(_floating(x) for x in a):
             items = [self._map_input(x, f"{name[:-1]}.{i}]") for i, x in enumerate(a)]
             return items if isinstance(a, list) else tuple(items)

@@ -141,8 +141,11 @@ class _Recorder(ForwardSession):
         if t.requires_grad:
             t.register_hook(lambda g, name=name: self.has_grad.add(name))
 
+    def _param(self, p, name):
+        self.numel[name] = p.numel()
+        return p
+
     def _input(self, t, name):
-        t = t.view_as(t)
         self.numel[name] = t.numel()
         self.first_op[name] = "input"
         self.group[name] = 0
@@ -233,18 +236,13 @@ def trace(model: torch.nn.Module, example_inputs, loss_fn: Optional[Callable] = 
     order = list(rec.first_op)  # inputs, then per operator its new parameters and outputs
     for name in order:
         role = role_of(name)
-        tensors.append(TensorInfo(name, role, rec.numel.get(name) or _param_numel(model, name),
-                                  rec.first_op[name], rec.group[name]))
+        tensors.append(TensorInfo(name, role, rec.numel[name], rec.first_op[name], rec.group[name]))
         gname = grad_name(name)
         has = (name in rec.has_grad) if role == "v" else (name[len("theta:"):] in param_grads)
         if has:
             tensors.append(TensorInfo(gname, _GRAD_OF[role], tensors[-1].numel,
                                       rec.first_op[name], rec.group[name]))
     return Trace(rec.ops, tensors)
-
-
-def _param_numel(model, name: str) -> int:
-    return model.get_parameter(name[len("theta:"):]).numel()
 
 
 # -- candidates and assignments ------------------------------------------------------------------

@@ -170,15 +170,18 @@ class Emulator(ForwardSession):
         self._unknown_warned: set = set()
 
     # -- formats ---------------------------------------------------------------------------
-    def _rounder_for(self, name: str) -> Optional[Rounder]:
-        fmt = self.assignment.formats[name]
+    def _rounder(self, fmt, forward: bool) -> Optional[Rounder]:
+        """One Rounder per (format, direction), shared by every tensor that uses it."""
         if fmt is None:
             return None
-        overflow = "saturate" if role_of(name) in FORWARD_ROLES else self.backward_overflow
-        key = (fmt, overflow)
+        key = (fmt, forward)
         if key not in self._rounders:
+            overflow = "saturate" if forward else self.backward_overflow
             self._rounders[key] = Rounder(fmt, self.rounding, overflow)
         return self._rounders[key]
+
+    def _rounder_for(self, name: str) -> Optional[Rounder]:
+        return self._rounder(self.assignment.formats[name], role_of(name) in FORWARD_ROLES)
 
     def _rounders_of(self, name: str):
         """(forward rounder, its stats, backward rounder, its stats) for a v or theta name."""
@@ -188,10 +191,8 @@ class Emulator(ForwardSession):
                 self._unknown_warned.add(name)
                 warnings.warn(f"lowfp.emulate: {name} was not in the recorded step; it is rounded "
                               f"to the hi candidate. Trace the model again if its structure changed.")
-            cand = self.assignment.candidates
-            hi = None if cand is None else Rounder(cand.hi, self.rounding, "saturate")
-            hib = None if cand is None else Rounder(cand.hi, self.rounding, self.backward_overflow)
-            return hi, None, hib, None
+            hi = None if self.assignment.candidates is None else self.assignment.candidates.hi
+            return self._rounder(hi, True), None, self._rounder(hi, False), None
         gname = grad_name(name)
         counting = self._counting
         return (plan[name], self._stats[name] if counting else None,

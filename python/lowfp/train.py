@@ -191,7 +191,8 @@ def run(cfg: TrainConfig, log=print, progress=None) -> dict:
             em.end_step()
             train_loss = total_loss / seen
             acc = evaluate(model, vx, vy, 512)
-            promotions = [p for p in em.history.promotions if p["step"] > epoch_start(epochs)]
+            last_step = epochs[-1]["step"] if epochs else 0
+            promotions = [p for p in em.history.promotions if p["step"] > last_step]
             rec = {"epoch": epoch, "train_loss": train_loss, "test_acc": acc,
                    "ratio_lo": em.assignment.ratio_lo, "aggregate_bits": em.assignment.aggregate_bits,
                    "promotions": len(promotions), "loss_scale": None if scaler is None else scaler.get_scale(),
@@ -214,10 +215,6 @@ def run(cfg: TrainConfig, log=print, progress=None) -> dict:
             "final_acc": accs[-1], "best_acc": max(accs), "diverged": diverged,
             "promotions": em.history.promotions, "epochs": epochs,
             "history": em.history.to_dict()}
-
-
-def epoch_start(epochs: List[dict]) -> int:
-    return epochs[-1]["step"] if epochs else 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
