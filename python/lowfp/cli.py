@@ -1,5 +1,5 @@
 """The ``lowfp`` command line: ``lowfp formats [FMT ...]``, ``lowfp bench [...]``,
-``lowfp train [...]``."""
+``lowfp train [...]``, ``lowfp sweep [...]``."""
 
 from __future__ import annotations
 
@@ -57,12 +57,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub.add_parser("bench", help="benchmark quantize (lowfp bench --help)", add_help=False)
     sub.add_parser("train", help="train a model under a precision assignment (lowfp train --help)",
                    add_help=False)
+    sub.add_parser("sweep", help="the memory-accuracy trade-off of the assignments (lowfp sweep --help)",
+                   add_help=False)
     if argv and argv[0] == "bench":  # the benchmark parses its own options
         from . import bench
         return bench.main(argv[1:], default_size=1 << 22)
     if argv and argv[0] == "train":
         from . import train
         return train.main(argv[1:])
+    if argv and argv[0] == "sweep":
+        from . import sweep
+        return sweep.main(argv[1:])
     args = parser.parse_args(argv)
     return cmd_formats(args)
 

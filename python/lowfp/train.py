@@ -4,13 +4,14 @@ aggregate and promotions per epoch."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,7 @@ from . import models as M
 from .emulate import emulate
 from .scaler import DynamicLossScaler
 
-__all__ = ["TrainConfig", "run", "add_arguments", "config_from_args", "main"]
+__all__ = ["TrainConfig", "check_config", "run", "add_arguments", "config_from_args", "main"]
 
 OPTIMIZERS = ("sgd", "adamw", "extrabits-sgd", "extrabits-adamw")
 ASSIGNMENTS = ("fp32", "all_hi", "uniform", "op", "op_io", "ours")
@@ -56,7 +57,8 @@ class TrainConfig:
     device: str = "cpu"
 
 
-def _check(cfg: TrainConfig) -> None:
+def check_config(cfg: TrainConfig) -> None:
+    """Raise ValueError naming the first option of ``cfg`` that is not allowed."""
     if cfg.model not in M.MODELS:
         raise ValueError(f"model must be one of {tuple(M.MODELS)}, got {cfg.model!r}")
     if cfg.assignment not in ASSIGNMENTS:
@@ -98,11 +100,13 @@ def evaluate(model, x, y, batch_size: int) -> float:
     return correct / max(1, len(y))
 
 
-def run(cfg: TrainConfig, log=print, progress=None) -> dict:
+def run(cfg: TrainConfig, log=None, progress=None) -> dict:
     """Train as ``cfg`` says; returns a result dict (per-epoch records, the assignment summary,
     history of the last emulation, final and best test accuracy). ``progress``: a stream for
-    progress bars (None: none)."""
-    _check(cfg)
+    progress bars (None: none); ``log``: called with each message line (default: print, flushed
+    at once so that piped output keeps up)."""
+    check_config(cfg)
+    log = log or functools.partial(print, flush=True)
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.device)
     ds = D.load(cfg.data, cfg.data_dir, seed=cfg.seed)
@@ -217,39 +221,48 @@ def run(cfg: TrainConfig, log=print, progress=None) -> dict:
             "history": em.history.to_dict()}
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser, skip: Tuple[str, ...] = ()) -> None:
+    """The options of ``TrainConfig`` on ``p``, less the fields named in ``skip`` (``lowfp sweep``
+    sets those itself)."""
     d = TrainConfig()
-    p.add_argument("--model", default=d.model, choices=tuple(M.MODELS))
-    p.add_argument("--width", type=float, default=d.width, help="width multiplier")
-    p.add_argument("--data", default=d.data, choices=D.DATASETS)
-    p.add_argument("--data-dir", default=None, help="folder with the CIFAR python-version files")
-    p.add_argument("--assignment", default=d.assignment, choices=ASSIGNMENTS)
-    p.add_argument("--r", type=float, default=d.r, help="low-precision ratio for --assignment ours")
-    p.add_argument("--order", default=d.order, choices=A.ORDERS)
-    p.add_argument("--no-promotion", dest="promote", action="store_false")
-    p.add_argument("--threshold", type=float, default=d.threshold, help="promotion threshold Θ")
-    p.add_argument("--hi", default=d.hi)
-    p.add_argument("--lo-forward", default=d.lo_forward)
-    p.add_argument("--lo-backward", default=d.lo_backward)
-    p.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZERS)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--momentum", type=float, default=d.momentum)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--extra-bits", type=int, default=d.extra_bits)
-    p.add_argument("--rounding", default=d.rounding, choices=("toward_zero", "nearest", "stochastic"),
-                   help="extra-bits rounding of the ExtraBits optimizers")
-    p.add_argument("--step-in-backward", action="store_true")
-    p.add_argument("--loss-scale", default=d.loss_scale, help="'dynamic', 'none' or a fixed scale")
-    p.add_argument("--epochs", type=int, default=d.epochs)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--schedule", default=d.schedule, choices=("cosine", "constant"))
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--device", default=d.device)
+
+    def add(*args, **kwargs):
+        dest = kwargs.get("dest") or args[0].lstrip("-").replace("-", "_")
+        if dest not in skip:
+            p.add_argument(*args, **kwargs)
+
+    add("--model", default=d.model, choices=tuple(M.MODELS))
+    add("--width", type=float, default=d.width, help="width multiplier")
+    add("--data", default=d.data, choices=D.DATASETS)
+    add("--data-dir", default=None, help="folder with the CIFAR python-version files")
+    add("--assignment", default=d.assignment, choices=ASSIGNMENTS)
+    add("--r", type=float, default=d.r, help="low-precision ratio for --assignment ours")
+    add("--order", default=d.order, choices=A.ORDERS)
+    add("--no-promotion", dest="promote", action="store_false")
+    add("--threshold", type=float, default=d.threshold, help="promotion threshold Θ")
+    add("--hi", default=d.hi)
+    add("--lo-forward", default=d.lo_forward)
+    add("--lo-backward", default=d.lo_backward)
+    add("--optimizer", default=d.optimizer, choices=OPTIMIZERS)
+    add("--lr", type=float, default=d.lr)
+    add("--momentum", type=float, default=d.momentum)
+    add("--weight-decay", type=float, default=d.weight_decay)
+    add("--extra-bits", type=int, default=d.extra_bits)
+    add("--rounding", default=d.rounding, choices=("toward_zero", "nearest", "stochastic"),
+        help="extra-bits rounding of the ExtraBits optimizers")
+    add("--step-in-backward", action="store_true")
+    add("--loss-scale", default=d.loss_scale, help="'dynamic', 'none' or a fixed scale")
+    add("--epochs", type=int, default=d.epochs)
+    add("--batch-size", type=int, default=d.batch_size)
+    add("--schedule", default=d.schedule, choices=("cosine", "constant"))
+    add("--seed", type=int, default=d.seed)
+    add("--device", default=d.device)
 
 
-def config_from_args(args) -> TrainConfig:
-    names = TrainConfig.__dataclass_fields__
-    return TrainConfig(**{k: getattr(args, k) for k in names})
+def config_from_args(args, **fixed) -> TrainConfig:
+    """A TrainConfig from parsed options; ``fixed`` gives the fields the parser skipped."""
+    names = [k for k in TrainConfig.__dataclass_fields__ if k not in fixed]
+    return TrainConfig(**{k: getattr(args, k) for k in names}, **fixed)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
