@@ -4,10 +4,15 @@
 
 Both sides round to float8_e5m2 (and float8_e4m3fn with log_max 8) on the same float32 data
 (gradient-like values around 2^-20). Target (issue 4): S2FP8 >= 0.4x plain quantize.
+
+On the CPU it also times S2FP8 (float8_e5m2, nearest, out=) per input dtype on its two paths:
+the float32 path (Y rounded to odd into float32, x' from a per-call table) and the float64 path
+that LOWFP_S2FP8_FLOAT64=1 forces; both give the same bits.
 """
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -34,6 +39,29 @@ def run(device: str, size: int, repeats: int):
                 s = timer(lambda: lowfp.quantize(x, spec, mode, seed=1, out=out), repeats)
                 rows.append((f"quantize {fmt} {mode} {how}", q, None))
                 rows.append((f"S2FP8 {fmt} {mode} {how}", s, q))
+    return rows
+
+
+def run_paths(size: int, repeats: int):
+    """(dtype, float64-path seconds, float32-path seconds) for S2FP8 float8_e5m2 nearest out=."""
+    torch.manual_seed(0)
+    x = torch.randn(size) * 2.0 ** -20
+    rows = []
+    old = os.environ.get("LOWFP_S2FP8_FLOAT64")
+    try:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            xd = (x * 2.0 ** 20).to(dtype) if dtype == torch.float16 else x.to(dtype)  # float16: in range
+            yd = torch.empty_like(xd)
+            times = []
+            for wide in ("1", "0"):
+                os.environ["LOWFP_S2FP8_FLOAT64"] = wide
+                times.append(_time(lambda: lowfp.s2fp8_quantize(xd, "float8_e5m2", out=yd), repeats))
+            rows.append((str(dtype).replace("torch.", ""), *times))
+    finally:
+        if old is None:
+            os.environ.pop("LOWFP_S2FP8_FLOAT64", None)
+        else:
+            os.environ["LOWFP_S2FP8_FLOAT64"] = old
     return rows
 
 
@@ -64,6 +92,14 @@ def main(argv=None):
             print(f"{label:50s} {size / sec:11.3e} {ratio}")
         print(f"S2FP8 / quantize, min over cases (target >= 0.4): {min(ratios):.2f}")
         results[dev] = [{"label": l, "seconds": s, "elements_per_s": size / s} for l, s, _ in rows]
+        if dev == "cpu":
+            print(f"\nCPU S2FP8 float8_e5m2 nearest out=, by input dtype: float64 path vs float32 path")
+            print(f"{'dtype':10s} {'float64 path /s':>16s} {'float32 path /s':>16s} {'speed-up':>9s}")
+            paths = run_paths(size, args.repeats)
+            for dtype, wide, narrow in paths:
+                print(f"{dtype:10s} {size / wide:16.3e} {size / narrow:16.3e} {wide / narrow:8.2f}x")
+            results["cpu_paths"] = [{"dtype": d, "float64_path_s": w, "float32_path_s": n}
+                                    for d, w, n in paths]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine_description(), "results": results}, f, indent=1)

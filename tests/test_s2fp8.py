@@ -176,6 +176,59 @@ def test_results_do_not_depend_on_thread_count():
         assert torch.equal(sums, outs[0][1]) and torch.equal(params, outs[0][2])
 
 
+def _mixed_tensor(n, dtype, seed):
+    """Magnitudes over several binades plus a cluster 2^-20 below the rest (whose Y underflows),
+    both signs, zeros of both signs, infinities and NaN."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64) * torch.exp2(torch.randint(-4, 4, (n,), generator=g).double())
+    x[5::10] *= 2.0 ** -20
+    x[::97] = 0.0
+    x[1::97] = -0.0
+    x[2::501] = float("inf")
+    x[3::503] = -float("inf")
+    x[4::509] = float("nan")
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_float32_path_equals_float64_path(dtype, monkeypatch):
+    """The CPU rounds Y in float32 after rounding to odd and reads x' from a per-call table
+    (DESIGN §4 unchanged): every output bit, count and statistic must equal the float64 path's,
+    for every deterministic mode, overflow policy and a range of formats."""
+    x = _mixed_tensor(6000, dtype, seed=11)
+    cases = [(f, r, o) for f in ("float8_e5m2", "float8_e4m3fn", "float8_e4m3fnuz", "fp(4,3,4)",
+                                 lowfp.fp(5, 2, 0, subnormals=False), "fp(6,9,0)")
+             for r in ("nearest", "nearest_away", "toward_zero", "up", "down")
+             for o in ("saturate", "inf", "nan")]
+    compared = 0
+    for fmt, rounding, overflow in cases:
+        results = []
+        for wide in ("0", "1"):
+            monkeypatch.setenv("LOWFP_S2FP8_FLOAT64", wide)
+            stats = lowfp.Stats()
+            try:
+                y, st = lowfp.s2fp8_quantize(x, fmt, log_max=12.0, rounding=rounding,
+                                             overflow=overflow, stats=stats)
+            except ValueError:  # an overflow policy the format cannot express
+                break
+            bits = y.view(torch.int16 if y.element_size() == 2 else
+                          torch.int32 if y.element_size() == 4 else torch.int64)
+            results.append((bits, st.params.clone(), (stats.overflow, stats.underflow, stats.nan)))
+        if len(results) < 2:
+            continue
+        (b0, p0, c0), (b1, p1, c1) = results
+        assert torch.equal(b0, b1), (fmt, rounding, overflow, int((b0 != b1).sum()))
+        assert torch.equal(p0, p1) and c0 == c1, (fmt, rounding, overflow, c0, c1)
+        compared += 1
+    assert compared >= 60
+    # the mixture really makes Y underflow, and overflow beyond the infinite elements
+    monkeypatch.setenv("LOWFP_S2FP8_FLOAT64", "0")
+    stats = lowfp.Stats()
+    lowfp.s2fp8_quantize(x, "fp(4,3,4)", log_max=12.0, stats=stats)
+    infinite = int(torch.isinf(x).sum())
+    assert stats.underflow > 100 and stats.overflow > infinite + 100 and stats.nan >= 1
+
+
 def test_zeros_signs_nan_inf():
     x = torch.tensor([0.0, -0.0, 1e-3, -2e-3, float("nan"), float("inf"), -float("inf"), 5.0, -7.0])
     stats = lowfp.Stats()

@@ -72,7 +72,8 @@ void dispatch_quantize(const QuantizeCall& c, Fn&& fn) {
   }
 }
 
-// S2FP8 calls: x and y share their storage type; Y is always rounded in the float64 carrier.
+// S2FP8 calls: x and y share their storage type; Y is rounded in the float64 carrier (the CPU's
+// float32 path takes its float32 constants from c.p32 itself).
 template <class Fn>
 void dispatch_s2fp8(const QuantizeCall& c, Fn&& fn) {
   switch (c.x_dtype) {

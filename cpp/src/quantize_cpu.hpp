@@ -14,6 +14,14 @@ struct EventCounts {
   void add(const EventCounts& o) { overflow += o.overflow; underflow += o.underflow; nan += o.nan; }
 };
 
+// x' for every positive value Y_r of an S2FP8 call's format, in the storage type (raw bits), for
+// the float32 path of the transform: entry k belongs to the float32 bit pattern
+// (first + k) << shift. Built per call once the statistics are known.
+struct S2fp8Table {
+  const void* entries = nullptr;  // uint16/32/64 by the storage type's size
+  uint32_t first = 0, shift = 0, size = 0;
+};
+
 // Elements per tile: a multiple of 4 so that tiles start on Philox block boundaries.
 constexpr int64_t kTile = 2048;
 
@@ -22,7 +30,8 @@ constexpr int64_t kTile = 2048;
   namespace ns {                                                                              \
   void quantize_range(const QuantizeCall&, int64_t, int64_t, EventCounts&);                   \
   void s2fp8_reduce_range(const S2fp8Call&, int64_t, int64_t, S2fp8Partial&);                 \
-  void s2fp8_transform_range(const S2fp8Call&, const S2fp8Stats&, int64_t, int64_t, EventCounts&); \
+  void s2fp8_transform_range(const S2fp8Call&, const S2fp8Stats&, const S2fp8Table*, int64_t, \
+                             int64_t, EventCounts&);                                          \
   void extra_bits_step_range(const ExtraBitsStep&, int64_t, int64_t, int64_t, EventCounts&);  \
   void extra_bits_split_range(const ExtraBitsParams&, Rounding, const ExtraBitsSplit&, int64_t,   \
                               int64_t, EventCounts&);                                         \

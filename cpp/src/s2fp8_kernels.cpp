@@ -1,6 +1,8 @@
 // The S2FP8 loops (DESIGN §4), compiled once per instruction-set level like quantize_kernels.cpp:
 // the reduction over log2|x| and the element transform, both the shared math of
 // cpp/include/lowfp/s2fp8.hpp in plain loops the compiler vectorises.
+#include <type_traits>
+
 #include "dispatch.hpp"
 #include "lowfp/s2fp8.hpp"
 #include "philox_lanes.hpp"
@@ -67,6 +69,93 @@ void transform(const S2fp8Call& c, const S2fp8Stats& s, int64_t begin, int64_t e
   }
 }
 
+template <class T>
+using RawOf = std::conditional_t<sizeof(T) == 2, uint16_t,
+                                 std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>>;
+
+// The bits of +inf in each storage type.
+template <class T> constexpr RawOf<T> kInfBits = 0;
+template <> constexpr uint16_t kInfBits<Half> = 0x7C00;
+template <> constexpr uint16_t kInfBits<BFloat> = 0x7F80;
+template <> constexpr uint32_t kInfBits<float> = 0x7F800000u;
+template <> constexpr uint64_t kInfBits<double> = kF64ExpMask;
+
+// The third loop of transform_narrow: x' from the table, x kept where the table has no answer
+// (redo[i] != 0 marks elements for the float64 path). The restrict qualifiers tell the compiler
+// that storing y cannot change the table, which lets it vectorise the lookups as gathers; x and
+// y may be the same buffer.
+template <class T, class Raw = RawOf<T>>
+Raw lookup_x_new(const T* xt, Raw* yt, const uint32_t* __restrict y32, const Raw* __restrict table,
+                 const S2fp8Table& tab, int64_t len, Raw* __restrict redo) {
+  constexpr int kRawBits = 8 * sizeof(Raw);
+  constexpr Raw kSign = Raw(Raw(1) << (kRawBits - 1));
+  const uint32_t first = tab.first, shift = tab.shift, last = tab.size - 1;
+  Raw redo_any = 0;
+  for (int64_t i = 0; i < len; ++i) {  // vectorised (a gather) for float32 x
+    const Raw x_raw = bit_cast<Raw>(xt[i]);
+    const Raw x_abs = Raw(x_raw & ~kSign);
+    const Raw y_sign = Raw(Raw(y32[i] >> 31) << (kRawBits - 1));
+    const uint32_t y_abs = y32[i] & 0x7FFFFFFFu;
+    const uint32_t k = min_of((y_abs >> shift) - first, last);
+    const Raw from_table = select(y_abs == 0, y_sign, Raw(table[k] | (x_raw & kSign)));
+    // x infinite or NaN, or Y rounded to infinity or NaN (overflow policies inf and nan)
+    const Raw bad = Raw(x_abs >= kInfBits<T>) | (Raw(x_abs != 0) & Raw(y_abs >= 0x7F800000u));
+    yt[i] = select((x_abs == 0) | (bad != 0), x_raw, from_table);
+    redo[i] = bad;
+    redo_any |= bad;
+  }
+  return redo_any;
+}
+
+// The float32 path (call.narrow, with a table): Y rounded to odd into float32 and to the format in
+// the float32 carrier, both vectorised, and x' read from the table; the same bits and events as
+// transform(). x = 0 gives x' = x and Y rounded to 0 a zero with Y's sign, as there. The rare
+// rest (x infinite or NaN, Y rounded to infinity or NaN) keeps x's bits in the third loop and is
+// redone by the float64 path in a fourth, which only runs for tiles that have any.
+template <class T, RoundKind Kind, bool kCount, bool kSubExp>
+void transform_narrow(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8Table& tab, int64_t begin,
+                      int64_t end, EventCounts& counts) {
+  using Raw = RawOf<T>;
+  const T* x = static_cast<const T*>(c.q.x);
+  T* y = static_cast<T*>(c.q.y);
+  const Raw* table = static_cast<const Raw*>(tab.entries);
+  const RoundParams<uint32_t>& p = c.q.p32;
+  const double inv_alpha = 1.0 / s.alpha;
+  alignas(64) uint32_t y32[kTile];
+  alignas(64) Raw redo[kTile];
+  for (int64_t t0 = begin; t0 < end; t0 += kTile) {
+    const int64_t len = min_of(kTile, end - t0);
+    const T* xt = x + t0;
+    for (int64_t i = 0; i < len; ++i)  // vectorised
+      y32[i] = s2fp8_to_odd_f32(s2fp8_squeeze(Widen<uint64_t>::from(xt[i]), s));
+    uint32_t above_max = 0, underflow = 0, nan = 0;
+    for (int64_t i = 0; i < len; ++i) {  // vectorised
+      RoundEvents ev;
+      y32[i] = round_bits<Kind, uint32_t, false>(y32[i], p, 0u, ev);
+      if constexpr (kCount) {
+        above_max += uint32_t(ev.above_max);
+        underflow += uint32_t(ev.underflow);
+        nan += uint32_t(ev.nan);
+      }
+    }
+    Raw* yt = reinterpret_cast<Raw*>(y + t0);  // may alias xt: element i is read before it is written
+    const Raw redo_any = lookup_x_new(xt, yt, y32, table, tab, len, redo);
+    if (redo_any != 0) {
+      T* yt_t = y + t0;
+      for (int64_t i = 0; i < len; ++i) {
+        if (!redo[i]) continue;
+        RoundEvents ignored;  // counted above
+        const uint64_t xb = Widen<uint64_t>::from(xt[i]);
+        const uint64_t r = round_bits<Kind, uint64_t, kSubExp>(s2fp8_squeeze(xb, s), c.q.p64, 0u, ignored);
+        yt_t[i] = s2fp8_store<T>(s2fp8_unsqueeze(xb, r, s, inv_alpha), c.p_store);
+      }
+    }
+    counts.overflow += int64_t(above_max) - int64_t(nan);  // see RoundEvents
+    counts.underflow += int64_t(underflow);
+    counts.nan += int64_t(nan);
+  }
+}
+
 }  // namespace
 
 void s2fp8_reduce_range(const S2fp8Call& c, int64_t begin, int64_t end, S2fp8Partial& part) {
@@ -78,11 +167,17 @@ void s2fp8_reduce_range(const S2fp8Call& c, int64_t begin, int64_t end, S2fp8Par
   }
 }
 
-void s2fp8_transform_range(const S2fp8Call& c, const S2fp8Stats& s, int64_t begin, int64_t end,
-                           EventCounts& counts) {
+void s2fp8_transform_range(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8Table* table,
+                           int64_t begin, int64_t end, EventCounts& counts) {
   dispatch_s2fp8(c.q, [&](auto in, auto, auto, auto kind, auto count, auto sub_exp) {
-    transform<typename decltype(in)::type, decltype(kind)::value, decltype(count)::value,
-              decltype(sub_exp)::value>(c, s, begin, end, counts);
+    using T = typename decltype(in)::type;
+    constexpr RoundKind kKind = decltype(kind)::value;
+    if constexpr (kKind != RoundKind::Stochastic) {
+      if (table != nullptr)
+        return transform_narrow<T, kKind, decltype(count)::value, decltype(sub_exp)::value>(
+            c, s, *table, begin, end, counts);
+    }
+    transform<T, kKind, decltype(count)::value, decltype(sub_exp)::value>(c, s, begin, end, counts);
   });
 }
 

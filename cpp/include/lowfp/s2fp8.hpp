@@ -105,6 +105,28 @@ LOWFP_HD uint64_t s2fp8_unsqueeze(uint64_t x, uint64_t y_rounded, const S2fp8Sta
   return select(finite_nonzero_abs(x & ~kF64SignBit), out, x);
 }
 
+// Y (float64 bits) rounded to odd into float32 bits: truncated, with the last bit set when bits
+// were lost. Rounding that to a format of m <= 21 bits in the float32 carrier, in any mode but
+// stochastic, gives exactly the rounding of Y itself (rounding to odd with two or more spare bits
+// never crosses or lands on a value, midpoint or boundary of the coarser grid), with the same
+// events, provided the format's smallest positive value is at least 2^-124: a nonzero |Y| below
+// float32's normal range becomes 2^-126, below half that value, and one above float32's range
+// becomes its largest finite value, above the format's overflow threshold. CPU drivers use it
+// because float32 lanes vectorise where float64 rounding does not.
+LOWFP_HD uint32_t s2fp8_to_odd_f32(uint64_t y) {
+  const uint64_t a = y & ~kF64SignBit;
+  const uint32_t sign = uint32_t(y >> 32) & 0x80000000u;
+  const uint64_t mant = a & kF64MantMask;
+  const uint32_t normal = uint32_t((((a >> 52) - (1023 - 127)) << 23) | (mant >> 29)) |
+                          uint32_t((mant & 0x1FFFFFFFull) != 0);
+  constexpr uint64_t kF32MinNormal = 0x3810000000000000ull;  // 2^-126 as a double
+  constexpr uint64_t kF32Max = 0x47EFFFFFE0000000ull;        // float32's largest finite value
+  uint32_t r = select(a >= kF32Max, 0x7F7FFFFFu, normal);
+  r = select(a < kF32MinNormal, select(a != 0, 0x00800000u, 0u), r);
+  r = select(a >= kF64ExpMask, select(a == kF64ExpMask, 0x7F800000u, 0x7FC00000u), r);
+  return sign | r;
+}
+
 // All three steps for one element (x as float64 bits); the rounding reports its events.
 template <RoundKind Kind, bool kSubExp>
 LOWFP_HD uint64_t s2fp8_element(uint64_t x, const S2fp8Stats& s, double inv_alpha,
