@@ -32,6 +32,28 @@ void reduce(const In* x, int64_t begin, int64_t end, S2fp8Partial& total) {
   }
 }
 
+// Rounds a tile of Y values in place in their carrier (Bits), adding the events to counts when
+// kCount. rand: one Philox word per element, read only for stochastic rounding. The counters
+// have the carrier's width so that the loop vectorises in its lanes.
+template <RoundKind Kind, class Bits, bool kSubExp, bool kCount>
+void round_tile(Bits* v, int64_t len, const RoundParams<Bits>& p, const uint32_t* rand,
+                EventCounts& counts) {
+  Bits above_max = 0, underflow = 0, nan = 0;
+  for (int64_t i = 0; i < len; ++i) {
+    RoundEvents ev;
+    const uint32_t r = Kind == RoundKind::Stochastic ? rand[i] : 0u;
+    v[i] = round_bits<Kind, Bits, kSubExp>(v[i], p, r, ev);
+    if constexpr (kCount) {
+      above_max += Bits(ev.above_max);
+      underflow += Bits(ev.underflow);
+      nan += Bits(ev.nan);
+    }
+  }
+  counts.overflow += int64_t(above_max) - int64_t(nan);  // see RoundEvents
+  counts.underflow += int64_t(underflow);
+  counts.nan += int64_t(nan);
+}
+
 template <class T, RoundKind Kind, bool kCount, bool kSubExp>
 void transform(const S2fp8Call& c, const S2fp8Stats& s, int64_t begin, int64_t end,
                EventCounts& counts) {
@@ -48,24 +70,12 @@ void transform(const S2fp8Call& c, const S2fp8Stats& s, int64_t begin, int64_t e
     const T* xt = x + t0;
     for (int64_t i = 0; i < len; ++i)  // vectorised
       y_bits[i] = s2fp8_squeeze(Widen<uint64_t>::from(xt[i]), s);
-    uint64_t above_max = 0, underflow = 0, nan = 0;
-    for (int64_t i = 0; i < len; ++i) {  // scalar: 64-bit per-lane shifts
-      RoundEvents ev;
-      const uint32_t r = Kind == RoundKind::Stochastic ? rand[i] : 0u;
-      y_bits[i] = round_bits<Kind, uint64_t, kSubExp>(y_bits[i], p, r, ev);
-      if constexpr (kCount) {
-        above_max += uint64_t(ev.above_max);
-        underflow += uint64_t(ev.underflow);
-        nan += uint64_t(ev.nan);
-      }
-    }
+    // scalar: gcc does not vectorise the 64-bit per-lane shifts
+    round_tile<Kind, uint64_t, kSubExp, kCount>(y_bits, len, p, rand, counts);
     T* yt = y + t0;  // may alias xt: element i is read before it is written
     for (int64_t i = 0; i < len; ++i)  // vectorised
       yt[i] = s2fp8_store<T>(s2fp8_unsqueeze(Widen<uint64_t>::from(xt[i]), y_bits[i], s, inv_alpha),
                              c.p_store);
-    counts.overflow += int64_t(above_max) - int64_t(nan);  // see RoundEvents
-    counts.underflow += int64_t(underflow);
-    counts.nan += int64_t(nan);
   }
 }
 
@@ -128,16 +138,7 @@ void transform_narrow(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8Table&
     const T* xt = x + t0;
     for (int64_t i = 0; i < len; ++i)  // vectorised
       y32[i] = s2fp8_to_odd_f32(s2fp8_squeeze(Widen<uint64_t>::from(xt[i]), s));
-    uint32_t above_max = 0, underflow = 0, nan = 0;
-    for (int64_t i = 0; i < len; ++i) {  // vectorised
-      RoundEvents ev;
-      y32[i] = round_bits<Kind, uint32_t, false>(y32[i], p, 0u, ev);
-      if constexpr (kCount) {
-        above_max += uint32_t(ev.above_max);
-        underflow += uint32_t(ev.underflow);
-        nan += uint32_t(ev.nan);
-      }
-    }
+    round_tile<Kind, uint32_t, false, kCount>(y32, len, p, nullptr, counts);  // vectorised
     Raw* yt = reinterpret_cast<Raw*>(y + t0);  // may alias xt: element i is read before it is written
     const Raw redo_any = lookup_x_new(xt, yt, y32, table, tab, len, redo);
     if (redo_any != 0) {
@@ -150,9 +151,6 @@ void transform_narrow(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8Table&
         yt_t[i] = s2fp8_store<T>(s2fp8_unsqueeze(xb, r, s, inv_alpha), c.p_store);
       }
     }
-    counts.overflow += int64_t(above_max) - int64_t(nan);  // see RoundEvents
-    counts.underflow += int64_t(underflow);
-    counts.nan += int64_t(nan);
   }
 }
 
