@@ -5,7 +5,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <thread>
-#include <type_traits>
 #include <vector>
 
 namespace lowfp {
@@ -128,7 +127,7 @@ namespace {
 
 template <class T>
 void fill_table(const S2fp8Call& call, const S2fp8Stats& s, S2fp8Table& t, void* out) {
-  using Raw = std::conditional_t<sizeof(T) == 2, uint16_t, std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>>;
+  using Raw = RawOf<T>;
   Raw* e = static_cast<Raw*>(out);
   const double inv_alpha = 1.0 / s.alpha;  // as the float64 path computes it
   for (uint32_t k = 0; k < t.size; ++k) {

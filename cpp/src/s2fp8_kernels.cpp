@@ -1,8 +1,6 @@
 // The S2FP8 loops (DESIGN §4), compiled once per instruction-set level like quantize_kernels.cpp:
 // the reduction over log2|x| and the element transform, both the shared math of
 // cpp/include/lowfp/s2fp8.hpp in plain loops the compiler vectorises.
-#include <type_traits>
-
 #include "dispatch.hpp"
 #include "lowfp/s2fp8.hpp"
 #include "philox_lanes.hpp"
@@ -78,10 +76,6 @@ void transform(const S2fp8Call& c, const S2fp8Stats& s, int64_t begin, int64_t e
                              c.p_store);
   }
 }
-
-template <class T>
-using RawOf = std::conditional_t<sizeof(T) == 2, uint16_t,
-                                 std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>>;
 
 // The bits of +inf in each storage type.
 template <class T> constexpr RawOf<T> kInfBits = 0;

@@ -74,6 +74,14 @@ def plan(base: T.TrainConfig, strategies: Sequence[str] = STRATEGIES, rs: Sequen
     return runs
 
 
+def _by_cell(runs: Sequence[dict]) -> Dict[Cell, List[dict]]:
+    """Runs grouped by cell (their seeds together), cells in order of first appearance."""
+    cells: Dict[Cell, List[dict]] = {}
+    for run in runs:
+        cells.setdefault(_cell_of(run["config"]), []).append(run)
+    return cells
+
+
 def _key(cfg: dict) -> str:
     return json.dumps(cfg, sort_keys=True)
 
@@ -144,9 +152,7 @@ def summarise(runs: Sequence[dict]) -> List[dict]:
     """One record per cell, in the order the cells first appear: mean/min/max over seeds of the
     best test accuracy and of the last epoch's training loss, mean ratio_lo and aggregate
     (initial and after promotions), diverged runs and mean promotions."""
-    cells: Dict[Cell, List[dict]] = {}
-    for run in runs:
-        cells.setdefault(_cell_of(run["config"]), []).append(run)
+    cells = _by_cell(runs)
     out = []
     for cell, rs in cells.items():
         mean = lambda k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
@@ -252,9 +258,7 @@ def plot_curves(runs: Sequence[dict], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-    cells: Dict[Cell, List[dict]] = {}
-    for run in runs:
-        cells.setdefault(_cell_of(run["config"]), []).append(run)
+    cells = _by_cell(runs)
     promotions = sorted({c.promote for c in cells if c.strategy != "fp32"}, reverse=True) or [False]
     fig, axes = plt.subplots(len(promotions), 2, figsize=(12, 3.8 * len(promotions)), squeeze=False)
     rs = sorted({c.r for c in cells if c.r is not None})
@@ -322,18 +326,20 @@ def run_sweep(base: T.TrainConfig, out: str, *, strategies: Sequence[str] = STRA
         f"{jobs} job(s) x {threads} thread(s)")
     t0 = time.perf_counter()
 
+    trained = 0
+
     def finished(run: dict) -> None:
+        nonlocal trained
         done[_key(run["config"])] = run
         _save(path, done)
-        finished.count += 1
-        n = len(configs) - len(todo) + finished.count
-        eta = (time.perf_counter() - t0) / finished.count * (len(todo) - finished.count)
+        trained += 1
+        n = len(configs) - len(todo) + trained
+        eta = (time.perf_counter() - t0) / trained * (len(todo) - trained)
         c = run["config"]
         log(f"[{n}/{len(configs)}] {_cell_of(c).label}, seed {c['seed']}: best acc "
             f"{run['best_acc']:.4f}, ratio_lo {run['ratio_lo']:.3f}"
             + (f", {len(run['promotions'])} promotions" if run["promotions"] else "")
             + (", DIVERGED" if run["diverged"] else "") + f" ({run['seconds']:.1f} s, ~{eta / 60:.1f} min left)")
-    finished.count = 0
 
     if todo and jobs == 1:
         for cfg in todo:

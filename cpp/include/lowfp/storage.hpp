@@ -3,12 +3,19 @@
 // Widening is exact. Narrowing only ever sees values on a format's grid that the storage type
 // holds (the caller checked the format fits it), plus inf and NaN.
 #pragma once
+#include <type_traits>
+
 #include "half.hpp"
 
 namespace lowfp {
 
 struct Half { uint16_t v; };    // IEEE binary16
 struct BFloat { uint16_t v; };  // bfloat16
+
+// The unsigned integer holding a storage type's bits.
+template <class T>
+using RawOf = std::conditional_t<sizeof(T) == 2, uint16_t,
+                                 std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>>;
 
 template <class Bits> struct Widen;
 template <> struct Widen<uint32_t> {
