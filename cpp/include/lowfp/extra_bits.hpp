@@ -48,7 +48,8 @@ LOWFP_HD uint32_t extra_bits_of(uint32_t w32, const ExtraBitsParams& e) {
 template <class W16, RoundKind Kind, bool kSubExp>
 LOWFP_HD uint32_t split_bits(uint32_t w32, const ExtraBitsParams& e, uint32_t rand, uint32_t& extra,
                              uint32_t& flag, RoundEvents& ev) {
-  const uint32_t w = round_bits<Kind, uint32_t, kSubExp>(w32, e.round, rand, ev);
+  constexpr bool kBf16 = std::is_same_v<W16, BFloat>;  // bfloat16 drops a fixed 16 bits
+  const uint32_t w = round_bits<Kind, uint32_t, kSubExp && !kBf16, kBf16>(w32, e.round, rand, ev);
   // w is t or t's neighbour away from zero; the latter exactly when |w| > |W|.
   const uint32_t a = w32 & kF32Abs;
   flag = uint32_t(a <= kF32Inf) & uint32_t((w & kF32Abs) > a);  // & not &&: no branch

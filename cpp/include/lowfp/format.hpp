@@ -122,6 +122,8 @@ struct RoundParams {
   bool away_pos, away_neg;  // directed modes: which signs round their magnitude up
   uint32_t sr_shift;      // 32 - sr_bits: the random word keeps its top sr_bits bits
   bool subnormal_exponent;  // carrier subnormals need their true exponent (see round_bits)
+  bool fixed_drop;          // every carrier value drops normal_drop bits: emin is the carrier's,
+                            // with subnormals (bfloat16 in float32)
 };
 
 template <class Bits>
@@ -160,6 +162,7 @@ RoundParams<Bits> make_round_params(const FormatSpec& f, Overflow overflow, Roun
   // (e.g. fp(8,m,1) in float32) the kernel must find their leading bit.
   const int32_t carrier_emin = 1 - C::kExpBias;
   p.subnormal_exponent = p.emin < carrier_emin || (p.emin == carrier_emin && !f.subnormals);
+  p.fixed_drop = p.emin == carrier_emin && f.subnormals;
   return p;
 }
 

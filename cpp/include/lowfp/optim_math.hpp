@@ -67,7 +67,9 @@ template <class S> LOWFP_HD void store_state(S* p, int64_t i, float v, const Rou
     p[i] = v;
   } else {
     RoundEvents ignored;
-    p[i] = Store<S>::from(round_bits<RoundKind::Nearest, uint32_t, false>(bit_cast<uint32_t>(v), r, 0u, ignored));
+    constexpr bool kBf16 = std::is_same_v<S, BFloat>;  // bfloat16 drops a fixed 16 bits
+    p[i] = Store<S>::from(
+        round_bits<RoundKind::Nearest, uint32_t, false, kBf16>(bit_cast<uint32_t>(v), r, 0u, ignored));
   }
 }
 

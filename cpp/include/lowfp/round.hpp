@@ -32,9 +32,11 @@ struct RoundEvents {
 
 // rand: one 32-bit Philox word (ignored unless Kind is Stochastic).
 // kSubnormalExponent must equal p.subnormal_exponent (a template parameter so that the common
-// formats skip the work; drivers dispatch on it).
-template <RoundKind Kind, class Bits, bool kSubnormalExponent>
+// formats skip the work; drivers dispatch on it). kFixedDrop may be set when p.fixed_drop holds:
+// every input then drops the same normal_drop bits (bfloat16 in float32), a shift by one count.
+template <RoundKind Kind, class Bits, bool kSubnormalExponent, bool kFixedDrop = false>
 LOWFP_HD Bits round_bits(Bits x, const RoundParams<Bits>& p, uint32_t rand, RoundEvents& ev) {
+  static_assert(!(kFixedDrop && kSubnormalExponent), "a fixed drop needs no true exponent");
   using C = CarrierTraits<Bits>;
   const Bits sign = x & C::kSign;
   const Bits a = x & ~C::kSign;
@@ -54,10 +56,15 @@ LOWFP_HD Bits round_bits(Bits x, const RoundParams<Bits>& p, uint32_t rand, Roun
     e_true = select(ex != 0, e_eff, e_eff - C::kMantBits + lead);
   }
   const SInt emin = p.emin;
-  const SInt d = select(e_true < emin, SInt(p.below_drop) + (emin - e_eff),
-                        SInt(p.normal_drop) + (e_true - e_eff));
   const SInt max_shift = C::kMaxShift;
-  const SInt dm = min_of(d, max_shift);  // shifts past the significand all behave alike
+  SInt d, dm;
+  if constexpr (kFixedDrop) {
+    d = dm = SInt(p.normal_drop);  // <= MB: never past the significand
+  } else {
+    d = select(e_true < emin, SInt(p.below_drop) + (emin - e_eff),
+               SInt(p.normal_drop) + (e_true - e_eff));
+    dm = min_of(d, max_shift);  // shifts past the significand all behave alike
+  }
   const Bits unit = Bits(1) << Bits(dm);
   const Bits rem = sig & (unit - 1);
   const Bits trunc = sig >> Bits(dm);
@@ -84,14 +91,19 @@ LOWFP_HD Bits round_bits(Bits x, const RoundParams<Bits>& p, uint32_t rand, Roun
   }
 
   const Bits stepped = (a & ~(unit - 1)) + (up << Bits(dm));
-  const Bits mag = select(d <= SInt(C::kMantBits), stepped, p.below_step * up);
+  Bits mag = stepped;
+  if constexpr (!kFixedDrop)  // (a select, not below_step * up: vector multiplies are slow)
+    mag = select(d <= SInt(C::kMantBits), stepped, select(up != 0, p.below_step, Bits(0)));
 
   ev.nan = a > C::kInf;
   ev.above_max = mag > p.max_bits;  // overflow (infinite inputs included), or NaN
   // (a NaN never gets mag == 0: its exponent field keeps the stepped value above inf's bits)
   ev.underflow = (a != 0) & (mag == 0);
 
-  const Bits zero_sign = select(p.no_negative_zero & (mag == 0), Bits(0), sign);
+  // The sign a zero result keeps: none in fnuz formats. (A loop-invariant mask: combining the
+  // bool with the per-lane test would cost mask-register moves every vector.)
+  const Bits zero_keeps = p.no_negative_zero ? Bits(0) : C::kSign;
+  const Bits zero_sign = sign & select(mag == 0, zero_keeps, C::kSign);
   const Bits rounded = zero_sign | mag;
   const Bits overflowed = select((a == C::kInf) & p.inf_stays_inf, x,
                                  select(sign != 0, p.overflow_neg, p.overflow_pos));
