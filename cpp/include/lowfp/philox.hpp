@@ -33,7 +33,7 @@ LOWFP_HD void philox4x32_10_rounds(W& c0, W& c1, W& c2, W& c3, uint32_t k0, uint
       k0 += kPhiloxW0;
       k1 += kPhiloxW1;
     }
-    W hi0, lo0, hi1, lo1;
+    W hi0{}, lo0{}, hi1{}, lo1{};  // (initialised: gcc warns on SIMD word types otherwise)
     mulhilo(kPhiloxM0, c0, hi0, lo0);
     mulhilo(kPhiloxM1, c2, hi1, lo1);
     c0 = hi1 ^ c1 ^ k0;
