@@ -28,13 +28,37 @@ TORCH_CASTS = {"bfloat16": torch.bfloat16, "float16": torch.float16,
 def _time(fn: Callable[[], object], repeats: int) -> float:
     """Best seconds per call after one warm-up call: the minimum filters out interference from
     other work on the machine, which on shared VMs is far larger than the effects measured."""
+    return time_interleaved({"": fn}, repeats)[""]
+
+
+def _once_cpu(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
     fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+    return time.perf_counter() - t0
+
+
+def _once_cuda(fn: Callable[[], object]) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def time_interleaved(fns: Dict[str, Callable[[], object]], repeats: int,
+                     once: Callable[[Callable[[], object]], float] = _once_cpu) -> Dict[str, float]:
+    """Best seconds per call of each function, timed in rounds that call every function once.
+    Interference on shared machines comes in bursts of seconds; timing case after case lets one
+    case fall in a burst and another not, which skews their ratio. In rounds, every case meets
+    the same bursts, and each keeps its best call."""
+    for fn in fns.values():  # warm-up: allocations, caches, lazy initialisation
         fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    best = {name: float("inf") for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            best[name] = min(best[name], once(fn))
+    return best
 
 
 def machine_description() -> str:
@@ -73,10 +97,10 @@ def _optional_baselines(x: torch.Tensor) -> Dict[str, Callable[[], object]]:
 
 
 def run_cpu(size: int, repeats: int) -> List[dict]:
-    return _run_cases("cpu", size, repeats, _time, allocating=True)
+    return _run_cases("cpu", size, repeats, _once_cpu, allocating=True)
 
 
-def _run_cases(device: str, size: int, repeats: int, timer, allocating: bool) -> List[dict]:
+def _run_cases(device: str, size: int, repeats: int, once, allocating: bool) -> List[dict]:
     """The same cases on either device: baselines, then lowfp per format and mode."""
     torch.manual_seed(0)
     x = torch.randn(size, device=device) * 4
@@ -94,9 +118,12 @@ def _run_cases(device: str, size: int, repeats: int, timer, allocating: bool) ->
             cases.append(("lowfp", f"{fmt} {mode} out=", lambda f=fmt, m=mode: quantize(x, f, m, seed=1, out=y)))
             cases.append(("lowfp", f"{fmt} {mode} out= stats",
                           lambda f=fmt, m=mode: quantize(x, f, m, seed=1, out=y, stats=stats)))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    best = time_interleaved({label: fn for _, label, fn in cases}, repeats, once)
     rows = []
     for kind, label, fn in cases:
-        seconds = timer(fn, repeats)
+        seconds = best[label]
         rows.append({"kind": kind, "label": label, "seconds": seconds, "elements_per_s": size / seconds,
                      "GB_per_s": 8 * size / seconds / 1e9})  # float32 read + write
     return rows
@@ -104,21 +131,12 @@ def _run_cases(device: str, size: int, repeats: int, timer, allocating: bool) ->
 
 def _time_cuda(fn: Callable[[], object], repeats: int) -> float:
     """Best seconds per call, timed with CUDA events on the current stream."""
-    fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return min(times)
+    return time_interleaved({"": fn}, repeats, _once_cuda)[""]
 
 
 def run_gpu(size: int, repeats: int) -> List[dict]:
-    return _run_cases("cuda", size, repeats, _time_cuda, allocating=False)
+    return _run_cases("cuda", size, repeats, _once_cuda, allocating=False)
 
 
 def summarize_gpu(rows: List[dict]) -> Dict[str, float]:
@@ -166,7 +184,8 @@ def main(argv: Optional[List[str]] = None, default_size: int = 1 << 24) -> int:
     p.add_argument("--gpu-size", type=int, default=1 << 28, help="float32 elements on the GPU (default %(default)s)")
     p.add_argument("--device", choices=("cpu", "cuda", "all"), default="all",
                    help="where to run (default: the CPU, and the GPU when one is usable)")
-    p.add_argument("--repeats", type=int, default=11, help="timed calls per case (best reported)")
+    p.add_argument("--repeats", type=int, default=11,
+                   help="rounds of timed calls, each calling every case once (best reported)")
     p.add_argument("--threads", type=int, default=0, help="lowfp CPU threads (0: all cores)")
     p.add_argument("--json", default=None, help="write results here (default: print only)")
     args = p.parse_args(argv)
