@@ -181,6 +181,22 @@ for mode in lowfp.ROUNDING_MODES:
                  lowfp.quantize(x64, fmt, mode, seed=3, stats=s).view(torch.int64),
                  lowfp.quantize(xh, fmt, mode, seed=3, stats=s, out_dtype=torch.float32).view(torch.int32),
                  s.counts]
+# extra bits: split (q = 1 to 17, vector and scalar packing), merge, and a fused step
+import lowfp.extra_bits as eb
+w = x32[torch.isfinite(x32)][:100_000].contiguous()
+for k, r in [(1, "toward_zero"), (1, "nearest"), (8, "toward_zero"), (8, "nearest"), (13, "stochastic"),
+             (16, "stochastic")]:
+    for dt in (torch.bfloat16, torch.float16):
+        if dt == torch.float16 and k > 13:
+            continue
+        w16, packed = eb.split(w, dt, k, r, seed=5)
+        outs += [w16.view(torch.int16), packed, eb.merge(w16, packed, k, r).view(torch.int32)]
+p = torch.nn.Parameter((torch.randn(70_001) * 0.02).bfloat16())
+p.grad = (torch.randn(70_001) * 1e-3).bfloat16()
+opt = lowfp.optim.ExtraBitsSGD([p], lr=0.01, momentum=0.9, extra_bits=8, rounding="nearest")
+for _ in range(3):
+    opt.step()
+outs += [p.detach().view(torch.int16).clone(), opt.master_weights()[0].view(torch.int32)]
 torch.save([lowfp._C.cpu_kernel()] + outs, sys.argv[1])
 """
     results = {}

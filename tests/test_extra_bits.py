@@ -74,24 +74,29 @@ def test_smaller_k_truncates(dtype, ks, rounding):
             assert bool((w16.float()[~up] == t[~up]).all())
 
 
-def test_packing_layout_matches_a_bit_string():
-    for k, rounding in [(1, "toward_zero"), (7, "nearest"), (13, "toward_zero"), (16, "stochastic"), (5, "stochastic")]:
+@pytest.mark.parametrize("rounding", eb.EXTRA_BITS_ROUNDING)
+def test_packing_layout_matches_a_bit_string(rounding):
+    # every q from 1 to 17 (k = 1..16, + 1 flag bit unless toward_zero); 5 blocks, the last one
+    # partial: the CPU kernels pack whole tiles with vector code and the last block on its own
+    n = 150
+    for k in range(1, 17):
         q = eb.bits_per_element(k, rounding)
-        w = random_float32(70, seed=k)  # 3 blocks, the last one partial
+        w = random_float32(n, seed=k)
         w16, packed = eb.split(w, torch.bfloat16, k, rounding, seed=9)
         # values: extra bits from the truncation, flag = |w16| > |t|
         t = truncate_bits(w, torch.bfloat16, 0)
         wk = truncate_bits(w, torch.bfloat16, k)
         ulp_t = torch.from_numpy(np.exp2(np.maximum(np.floor(np.log2(np.abs(w.double().numpy()))), -126) - 7))
         extra = ((wk.double() - t.double()).abs() / ulp_t * 2 ** k).round().long().tolist()
-        flags = (w16.float().abs() > t.abs()).long().tolist() if q > k else [0] * 70
+        flags = (w16.float().abs() > t.abs()).long().tolist() if q > k else [0] * n
         bits = ""
-        for i in range(96):
-            v = (extra[i] | (flags[i] << k)) if i < 70 else 0
+        for i in range(160):
+            v = (extra[i] | (flags[i] << k)) if i < n else 0
             bits += format(v, f"0{q}b")[::-1]  # least significant bit first
-        words = [int(bits[32 * j:32 * j + 32][::-1], 2) for j in range(3 * q)]
-        assert packed.view(torch.int64 if False else torch.int32).tolist() == [
-            wd - 2**32 if wd >= 2**31 else wd for wd in words], (k, rounding)
+        words = [int(bits[32 * j:32 * j + 32][::-1], 2) for j in range(5 * q)]
+        assert packed.tolist() == [wd - 2**32 if wd >= 2**31 else wd for wd in words], (k, rounding)
+        # and back: merge reads the same layout
+        assert torch.equal(eb.merge(w16, packed, k, rounding), wk), (k, rounding)
 
 
 def test_stochastic_split_is_unbiased_and_flag_restores():
@@ -227,6 +232,7 @@ def run_exactness(opt_cls, ref_cls, kwargs, dtype=torch.bfloat16, k=16, rounding
 
 
 SGD_CASES = [dict(lr=0.05), dict(lr=0.05, momentum=0.9), dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+             dict(lr=0.05, momentum=0.9, weight_decay=1e-3),
              dict(lr=0.05, momentum=0.8, dampening=0.1, maximize=True)]
 ADAM_CASES = [dict(lr=1e-3), dict(lr=3e-3, weight_decay=1e-2, amsgrad=True), dict(lr=1e-3, betas=(0.8, 0.99), maximize=True)]
 
