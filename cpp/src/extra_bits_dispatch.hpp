@@ -15,11 +15,12 @@ struct MakeSgdPlain {
   }
 };
 
-template <class S>
+template <class S, bool kDecayOrNesterov>
 struct MakeSgdMomentum {
-  static LOWFP_HD SgdMomentum<S> make(const SgdHyper& h, const AdamHyper&,
-                                      const RoundParams<uint32_t>& r, const ExtraBitsSlot& slot) {
-    return SgdMomentum<S>{h, static_cast<S*>(slot.state0), r};
+  static LOWFP_HD SgdMomentum<S, kDecayOrNesterov> make(const SgdHyper& h, const AdamHyper&,
+                                                        const RoundParams<uint32_t>& r,
+                                                        const ExtraBitsSlot& slot) {
+    return SgdMomentum<S, kDecayOrNesterov>{h, static_cast<S*>(slot.state0), r};
   }
 };
 
@@ -37,7 +38,7 @@ void dispatch_extra_bits_kind(const ExtraBitsParams& e, Rounding mode, Fn&& fn) 
   auto kind = [&](auto w16) {
     switch (round_kind(mode)) {
       case RoundKind::Nearest: return fn(w16, Kind<RoundKind::Nearest>{});
-      case RoundKind::Directed: return fn(w16, Kind<RoundKind::Directed>{});
+      case RoundKind::Directed: return fn(w16, Kind<RoundKind::TowardZero>{});  // the only one
       default: return fn(w16, Kind<RoundKind::Stochastic>{});
     }
   };
@@ -51,8 +52,14 @@ void dispatch_extra_bits_step(const ExtraBitsStep& s, Fn&& fn) {
     const bool bf16_state = s.state == DType::BFloat16;
     if (s.opt == OptimKind::Sgd) {
       if (!s.has_momentum) return fn(w16, kind, Type<MakeSgdPlain>{});
-      if (bf16_state) return fn(w16, kind, Type<MakeSgdMomentum<BFloat>>{});
-      return fn(w16, kind, Type<MakeSgdMomentum<float>>{});
+      // the common SGD (momentum, no weight decay, no Nesterov) without their selects
+      const bool general = s.sgd.weight_decay != 0.0f || s.sgd.nesterov;
+      if (bf16_state) {
+        if (general) return fn(w16, kind, Type<MakeSgdMomentum<BFloat, true>>{});
+        return fn(w16, kind, Type<MakeSgdMomentum<BFloat, false>>{});
+      }
+      if (general) return fn(w16, kind, Type<MakeSgdMomentum<float, true>>{});
+      return fn(w16, kind, Type<MakeSgdMomentum<float, false>>{});
     }
     if (bf16_state) {
       if (s.adam.amsgrad) return fn(w16, kind, Type<MakeAdam<BFloat, true>>{});

@@ -53,6 +53,7 @@ LOWFP_HD uint32_t split_bits(uint32_t w32, const ExtraBitsParams& e, uint32_t ra
   // w is t or t's neighbour away from zero; the latter exactly when |w| > |W|.
   const uint32_t a = w32 & kF32Abs;
   flag = uint32_t(a <= kF32Inf) & uint32_t((w & kF32Abs) > a);  // & not &&: no branch
+  if constexpr (Kind == RoundKind::TowardZero) flag = 0;  // w = t (and no flag bit is stored)
   extra = extra_bits_of<W16>(w32, e);
   return w;
 }

@@ -14,7 +14,10 @@
 
 namespace lowfp {
 
-enum class RoundKind { Nearest, Directed, Stochastic };
+// TowardZero is Directed known at compile time to round toward zero (never up): drivers that
+// only offer toward_zero among the directed modes (the extra-bits split) use it, and round_kind
+// never returns it.
+enum class RoundKind { Nearest, Directed, Stochastic, TowardZero };
 
 LOWFP_HD RoundKind round_kind(Rounding mode) {
   return mode == Rounding::Stochastic ? RoundKind::Stochastic
@@ -79,6 +82,8 @@ LOWFP_HD Bits round_bits(Bits x, const RoundParams<Bits>& p, uint32_t rand, Roun
     up = Bits(twice_rem + tie_up > unit);
   } else if constexpr (Kind == RoundKind::Directed) {
     up = Bits(rem != 0) & select(sign != 0, Bits(p.away_neg), Bits(p.away_pos));
+  } else if constexpr (Kind == RoundKind::TowardZero) {
+    up = 0;
   } else {
     // Up with probability floor(f * 2^R) / 2^R, f = rem / 2^d: compare R random bits with the top
     // R bits of the dropped fraction.
