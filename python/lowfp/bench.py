@@ -27,8 +27,9 @@ TORCH_CASTS = {"bfloat16": torch.bfloat16, "float16": torch.float16,
 
 
 def _time(fn: Callable[[], object], repeats: int) -> float:
-    """Best seconds per call after one warm-up call: the minimum filters out interference from
-    other work on the machine, which on shared VMs is far larger than the effects measured."""
+    """Best seconds per call over `repeats` rounds of time_rounds: the minimum filters out
+    interference from other work on the machine, which on shared VMs is far larger than the
+    effects measured."""
     return time_interleaved({"": fn}, repeats)[""]
 
 
@@ -52,9 +53,9 @@ def time_rounds(fns: Dict[str, Callable[[], object]], repeats: int,
     """Seconds of each function's calls, timed in rounds that visit every function once.
     Interference on shared machines comes in bursts of seconds; timing case after case lets one
     case fall in a burst and another not, which skews their ratio. In rounds, every case meets
-    the same bursts. Each visit calls the function twice and times
-    the second call: the first settles what the previous case left behind (the allocator's free
-    lists and thresholds, which decide whether an output allocation faults in fresh pages)."""
+    the same bursts. Each visit calls the function twice and times the second call: the first
+    settles what the previous case left behind (the allocator's free lists and thresholds, which
+    decide whether an output allocation faults in fresh pages)."""
     times: Dict[str, List[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
