@@ -11,32 +11,56 @@
 namespace lowfp {
 namespace {
 
+// One warp per reduction group (s2fp8.hpp): lane l loads quad 32 g + l, elements 4l..4l+3 of
+// the group, which are factor row l / 2 of product lanes 4 (l % 2) + k. Rows 2s and 2s+1 then sit
+// in warp lanes l and l ^ 2, and the tree's later levels in l ^ 4, l ^ 8, l ^ 16.
 template <class T>
 __global__ void __launch_bounds__(kThreads)
 s2fp8_reduce_kernel(const T* x, int64_t n, bool quad_io, unsigned long long* sums) {
+  static_assert(kS2fp8Group == 32 * 4 && kS2fp8Lanes == 8, "a group is one warp's quads");
+  constexpr bool kSubnormal = std::is_same_v<T, double>;
   S2fp8Partial part;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const int64_t groups = (n + 3) / 4, full_groups = quad_io ? n / 4 : 0;
-  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride) {
-    const Quad<T> in = load_group(x, g, n, full_groups);
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  const int64_t groups = (n + kS2fp8Group - 1) / kS2fp8Group, full_quads = quad_io ? n / 4 : 0;
+  for (int64_t g = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; g < groups; g += warps) {
+    const Quad<T> in = load_group(x, 32 * g + lane, n, full_quads);
+    double f[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k)  // padding elements of the last group are +0: not counted
-      part.add(Widen<uint64_t>::from(in.v[k]) & ~kF64SignBit);
-    part.carry();
+    for (int k = 0; k < 4; ++k) {  // padding elements of the last group are +0: the factor 1
+      const uint64_t a = Widen<uint64_t>::from(in.v[k]) & ~kF64SignBit;
+      const bool use = finite_nonzero_abs(a);
+      const S2fp8Factor factor = s2fp8_factor<kSubnormal>(a);
+      f[k] = factor.f;
+      part.exp_sum += factor.e;
+      part.count += int64_t(use);
+      part.max_abs = max_of(part.max_abs, use ? a : uint64_t(0));
+    }
+#pragma unroll
+    for (int mask = 2; mask < 32; mask <<= 1)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) f[k] *= __shfl_xor_sync(0xffffffffu, f[k], mask);
+    if (lane < 2) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) part.low += s2fp8_fixed_log(f[k]);
+      part.carry();
+    }
   }
-  // Warp sums: high and count as two's-complement adds, low < 2^32 per thread, max of bits.
+  // Warp sums: high, count and exp_sum as two's-complement adds, low < 2^32 per thread, max of bits.
   uint64_t high = uint64_t(part.high), low = part.low, count = uint64_t(part.count);
-  uint64_t max_abs = part.max_abs;
+  uint64_t exp_sum = uint64_t(part.exp_sum), max_abs = part.max_abs;
   for (int offset = 16; offset > 0; offset >>= 1) {
     high += __shfl_down_sync(0xffffffffu, high, offset);
     low += __shfl_down_sync(0xffffffffu, low, offset);
     count += __shfl_down_sync(0xffffffffu, count, offset);
+    exp_sum += __shfl_down_sync(0xffffffffu, exp_sum, offset);
     max_abs = max_of<uint64_t>(max_abs, __shfl_down_sync(0xffffffffu, max_abs, offset));
   }
-  if ((threadIdx.x & 31) == 0 && count != 0) {
+  if (lane == 0 && count != 0) {
     atomicAdd(sums + kSumLogHigh, (unsigned long long)high);
     atomicAdd(sums + kSumLogLow, (unsigned long long)low);
     atomicAdd(sums + kSumCount, (unsigned long long)count);
+    atomicAdd(sums + kSumExp, (unsigned long long)exp_sum);
     atomicMax(sums + kSumMaxAbs, (unsigned long long)max_abs);
   }
 }
@@ -86,7 +110,7 @@ void s2fp8_cuda(const S2fp8Call& c, int64_t* sums, double* params, int64_t* coun
   const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
   auto* sums_u = reinterpret_cast<unsigned long long*>(sums);
   check(cudaMemsetAsync(sums, 0, kSumSize * sizeof(int64_t), stream), "cudaMemsetAsync");
-  const int grid = grid_size(device, max_of<int64_t>((c.q.n + 3) / 4, 1));
+  const int grid = grid_size(device, max_of<int64_t>((c.q.n + 3) / 4, 1));  // a thread per quad
   dispatch_s2fp8(c.q, [&](auto in, auto, auto, auto kind, auto count, auto sub_exp) {
     using T = typename decltype(in)::type;
     const T* x = static_cast<const T*>(c.q.x);

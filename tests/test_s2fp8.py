@@ -191,10 +191,12 @@ def _mixed_tensor(n, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
-def test_float32_path_equals_float64_path(dtype, monkeypatch):
-    """The CPU rounds Y in float32 after rounding to odd and reads x' from a per-call table
-    (DESIGN §4 unchanged): every output bit, count and statistic must equal the float64 path's,
-    for every deterministic mode, overflow policy and a range of formats."""
+def test_threshold_path_equals_float64_path(dtype, monkeypatch):
+    """For float32 and 16-bit x in the deterministic modes, the CPU reads x' from per-call
+    intervals of |x| (s2fp8_thresholds.cpp; DESIGN §4 unchanged): every output bit, count and
+    statistic must equal the float64 path's, for every deterministic mode, overflow policy and a
+    range of formats (fp(6,9,0) is too fine for the threshold form and float64 x has none: those
+    compare the float64 path with itself)."""
     x = _mixed_tensor(6000, dtype, seed=11)
     cases = [(f, r, o) for f in ("float8_e5m2", "float8_e4m3fn", "float8_e4m3fnuz", "fp(4,3,4)",
                                  lowfp.fp(5, 2, 0, subnormals=False), "fp(6,9,0)")
@@ -227,6 +229,61 @@ def test_float32_path_equals_float64_path(dtype, monkeypatch):
     lowfp.s2fp8_quantize(x, "fp(4,3,4)", log_max=12.0, stats=stats)
     infinite = int(torch.isinf(x).sum())
     assert stats.underflow > 100 and stats.overflow > infinite + 100 and stats.nan >= 1
+
+
+def _near_boundaries(x, fmt, rounding, log_max):
+    """Magnitudes of x's dtype within 3 ulp of the preimage, under x's own statistics, of every
+    boundary between two results of rounding Y (midpoints for nearest, values for toward_zero)
+    up to 2^log_max, both signs."""
+    _, st = lowfp.s2fp8_quantize(torch.from_numpy(x), fmt, log_max=log_max, rounding=rounding)
+    f = lowfp.formats.to_format(fmt)
+    grid = np.unique(lowfp.quantize(np.exp2(np.linspace(math.log2(f.smallest) - 1,
+                                                        math.log2(f.max) + 1, 200_000)), fmt))
+    grid = grid[np.isfinite(grid)]  # every value of the format from its smallest to its max
+    bounds = (grid[1:] + grid[:-1]) / 2 if rounding == "nearest" else grid[1:]
+    # |Y| <= 2^log_max: a preimage of a boundary above would become the new max and move alpha
+    bounds = bounds[bounds < 2.0 ** log_max * 0.99]
+    pre = np.exp2((np.log2(bounds) - st.beta) / st.alpha).astype(x.dtype)
+    near = [pre]
+    for _ in range(3):
+        near = [np.nextafter(near[0], x.dtype.type(0))] + near + [np.nextafter(near[-1], x.dtype.type(np.inf))]
+    m = np.concatenate(near)
+    assert np.isfinite(m).all() and (m > 0).all()  # (the reshape in the test relies on it)
+    return np.concatenate([m, -m])
+
+
+@pytest.mark.parametrize("fmt,rounding,log_max,dtype", [
+    (FP8, "nearest", 15.0, np.float32),
+    (FP8, "toward_zero", 15.0, np.float32),
+    ("float8_e4m3fn", "nearest", 8.0, np.float32),
+    (FP8, "nearest", 15.0, np.float16),
+])
+def test_threshold_path_at_the_thresholds(fmt, rounding, log_max, dtype, monkeypatch):
+    """Elements placed within 3 ulp of every rounding boundary's preimage, where the threshold
+    form's search decides: the output bits and counts must still equal the float64 path's. The
+    statistics include the placed elements, so placing is repeated until they are stable (moving
+    elements by an ulp changes mu by ~1e-13, far less than an ulp of the preimages)."""
+    base = (activations_like(50_000, seed=9) / (64 if dtype == np.float16 else 1)).astype(dtype)
+    x = base
+    for _ in range(8):  # each round moves the statistics ~30 times less than the one before
+        x = np.concatenate([base, _near_boundaries(x, fmt, rounding, log_max)])
+    results = []
+    for wide in ("0", "1"):
+        monkeypatch.setenv("LOWFP_S2FP8_FLOAT64", wide)
+        stats = lowfp.Stats()
+        y, st = lowfp.s2fp8_quantize(torch.from_numpy(x), fmt, log_max=log_max, rounding=rounding,
+                                     stats=stats)
+        results.append((y, st.params.clone(), (stats.overflow, stats.underflow, stats.nan)))
+    (y0, p0, c0), (y1, p1, c1) = results
+    assert torch.equal(p0, p1) and c0 == c1
+    assert torch.equal(y0.view(torch.int32 if dtype == np.float32 else torch.int16),
+                       y1.view(torch.int32 if dtype == np.float32 else torch.int16))
+    # the placed elements straddle the boundaries: of the 7 around a boundary, the first and the
+    # last have different results (for float16, whose ulp is coarser, most do)
+    placed = y0[base.size:].float().numpy()
+    around = placed[: placed.size // 2].reshape(7, -1)
+    straddled = (around[0] != around[-1]).mean()
+    assert straddled > (0.99 if dtype == np.float32 else 0.5), straddled
 
 
 def test_zeros_signs_nan_inf():

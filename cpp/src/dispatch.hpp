@@ -72,8 +72,7 @@ void dispatch_quantize(const QuantizeCall& c, Fn&& fn) {
   }
 }
 
-// S2FP8 calls: x and y share their storage type; Y is rounded in the float64 carrier (the CPU's
-// float32 path takes its float32 constants from c.p32 itself).
+// S2FP8 calls: x and y share their storage type; Y is rounded in the float64 carrier.
 template <class Fn>
 void dispatch_s2fp8(const QuantizeCall& c, Fn&& fn) {
   switch (c.x_dtype) {

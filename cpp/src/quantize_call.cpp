@@ -54,13 +54,6 @@ S2fp8Call make_s2fp8_call(const QuantizeRequest& r, double log_max, const void* 
                                                          : FormatSpec{8, 7, 0, Specials::IEEE, true};
     c.p_store = make_round_params<uint64_t>(store, Overflow::Inf, Rounding::Nearest, 32);
   }
-  const FormatSpec& f = r.spec;
-  c.narrow = r.mode != Rounding::Stochastic && f.m <= 21 && fit_error(f, DType::Float32).empty() &&
-             smallest_exponent(f) >= -124;
-  if (c.narrow) {
-    c.q.p32 = make_round_params<uint32_t>(f, r.overflow, r.mode, r.sr_bits);
-    c.narrow = !c.q.p32.subnormal_exponent;
-  }
   return c;
 }
 

@@ -34,15 +34,11 @@ QuantizeCall make_quantize_call(const QuantizeRequest& r, const void* x, void* y
                                 bool count);
 
 // S2FP8 (DESIGN §4): x and y share one dtype; Y is rounded to the request's format in a float64
-// carrier (q.p64), or on the CPU's float32 path (narrow) in float32 after rounding to odd, with
-// the same result; x' is stored in the dtype, rounded to nearest once when it is 16-bit.
+// carrier (q.p64); x' is stored in the dtype, rounded to nearest once when it is 16-bit.
 struct S2fp8Call {
   QuantizeCall q;
   double log_max;
   RoundParams<uint64_t> p_store;  // float16/bfloat16 grid for x' (nearest, overflow to inf)
-  // The format and mode allow Y to be rounded in the float32 carrier after rounding to odd
-  // (s2fp8_to_odd_f32; q.p32 then holds the float32 rounding constants).
-  bool narrow = false;
 };
 
 S2fp8Call make_s2fp8_call(const QuantizeRequest& r, double log_max, const void* x, void* y,

@@ -1,5 +1,7 @@
 #include "quantize_cpu.hpp"
 
+#include "s2fp8_thresholds.hpp"
+
 #include <omp.h>
 
 #include <cstdlib>
@@ -13,7 +15,7 @@ namespace {
 struct Kernel {
   void (*quantize)(const QuantizeCall&, int64_t, int64_t, EventCounts&);
   void (*s2fp8_reduce)(const S2fp8Call&, int64_t, int64_t, S2fp8Partial&);
-  void (*s2fp8_transform)(const S2fp8Call&, const S2fp8Stats&, const S2fp8Table*, int64_t, int64_t,
+  void (*s2fp8_transform)(const S2fp8Call&, const S2fp8Stats&, const S2fp8Thresholds*, int64_t, int64_t,
                           EventCounts&);
   void (*extra_bits_step)(const ExtraBitsStep&, int64_t, int64_t, int64_t, EventCounts&);
   void (*extra_bits_split)(const ExtraBitsParams&, Rounding, const ExtraBitsSplit&, int64_t, int64_t,
@@ -123,41 +125,6 @@ void quantize_cpu(const QuantizeCall& call, int64_t* counts) {
   add_counts(sum(per_thread), call.n, counts);
 }
 
-namespace {
-
-template <class T>
-void fill_table(const S2fp8Call& call, const S2fp8Stats& s, S2fp8Table& t, void* out) {
-  using Raw = RawOf<T>;
-  Raw* e = static_cast<Raw*>(out);
-  const double inv_alpha = 1.0 / s.alpha;  // as the float64 path computes it
-  for (uint32_t k = 0; k < t.size; ++k) {
-    const uint64_t y = Widen<uint64_t>::from(bit_cast<float>((t.first + k) << t.shift));
-    e[k] = bit_cast<Raw>(s2fp8_store<T>(s2fp8_unsqueeze(kOneBits, y, s, inv_alpha), call.p_store));
-  }
-}
-
-// The x' table of a call on the float32 path; false when it would cost more than it saves (a
-// table larger than a quarter of the tensor).
-bool s2fp8_build_table(const S2fp8Call& call, const S2fp8Stats& s, S2fp8Table& t,
-                       std::vector<uint64_t>& storage) {
-  const RoundParams<uint32_t>& p = call.q.p32;
-  t.shift = uint32_t(p.normal_drop);
-  t.first = p.below_step >> t.shift;
-  t.size = (p.max_bits >> t.shift) - t.first + 1;
-  if (int64_t(t.size) * 4 > call.q.n) return false;
-  storage.assign(t.size, 0);
-  switch (call.q.x_dtype) {
-    case DType::Float16: fill_table<Half>(call, s, t, storage.data()); break;
-    case DType::BFloat16: fill_table<BFloat>(call, s, t, storage.data()); break;
-    case DType::Float32: fill_table<float>(call, s, t, storage.data()); break;
-    case DType::Float64: fill_table<double>(call, s, t, storage.data()); break;
-  }
-  t.entries = storage.data();
-  return true;
-}
-
-}  // namespace
-
 void s2fp8_cpu(const S2fp8Call& call, int64_t* sums, double* params, int64_t* counts) {
   const Kernel& k = kernel();
   std::vector<S2fp8Partial> parts(get_num_threads());
@@ -165,31 +132,26 @@ void s2fp8_cpu(const S2fp8Call& call, int64_t* sums, double* params, int64_t* co
     k.s2fp8_reduce(call, begin, end, parts[t]);
   });
   S2fp8Partial total;  // integer sums and a max: the same whatever the split
-  for (const S2fp8Partial& p : parts) {
-    total.high += p.high;
-    total.low += p.low;
-    total.carry();
-    total.count += p.count;
-    total.max_abs = max_of(total.max_abs, p.max_abs);
-  }
+  for (const S2fp8Partial& p : parts) total.add(p);
   sums[kSumLogHigh] = total.high;
   sums[kSumLogLow] = int64_t(total.low);
   sums[kSumCount] = total.count;
   sums[kSumMaxAbs] = int64_t(total.max_abs);
+  sums[kSumExp] = total.exp_sum;
   const S2fp8Stats s = s2fp8_stats(sums, call.log_max);
   params[kAlpha] = s.alpha;
   params[kBeta] = s.beta;
   params[kMu] = s.mu;
   params[kMax] = s.m;
-  std::vector<uint64_t> storage;
-  S2fp8Table table;
+  std::vector<uint32_t> storage;
+  S2fp8Thresholds thresholds;
   // LOWFP_S2FP8_FLOAT64=1 keeps every element on the float64 path (tests compare the two).
   const char* force_wide = std::getenv("LOWFP_S2FP8_FLOAT64");
-  const bool use_table = call.narrow && !(force_wide != nullptr && std::strcmp(force_wide, "1") == 0) &&
-                         s2fp8_build_table(call, s, table, storage);
+  const bool use_thresholds = !(force_wide != nullptr && std::strcmp(force_wide, "1") == 0) &&
+                              s2fp8_build_thresholds(call, s, thresholds, storage);
   std::vector<EventCounts> per_thread(get_num_threads());
   parallel_tiles(call.q.n, [&](int t, int64_t begin, int64_t end) {
-    k.s2fp8_transform(call, s, use_table ? &table : nullptr, begin, end, per_thread[t]);
+    k.s2fp8_transform(call, s, use_thresholds ? &thresholds : nullptr, begin, end, per_thread[t]);
   });
   add_counts(sum(per_thread), call.q.n, counts);
 }

@@ -14,13 +14,29 @@ struct EventCounts {
   void add(const EventCounts& o) { overflow += o.overflow; underflow += o.underflow; nan += o.nan; }
 };
 
-// x' for every positive value Y_r of an S2FP8 call's format, in the storage type (raw bits), for
-// the float32 path of the transform: entry k belongs to the float32 bit pattern
-// (first + k) << shift. Built per call once the statistics are known.
-struct S2fp8Table {
-  const void* entries = nullptr;  // uint16/32/64 by the storage type's size
-  uint32_t first = 0, shift = 0, size = 0;
+// The threshold form of an S2FP8 call's element transform (s2fp8_thresholds.cpp), for float32
+// and 16-bit x in the deterministic modes: x' depends on |x| only through which of a few hundred
+// intervals of x's magnitude bits it falls in, so the CPU looks it up instead of evaluating the
+// logarithms per element. Built per call once the statistics are known; index 0 of the per-sign
+// arrays is for positive x, 1 for negative.
+struct S2fp8Thresholds {
+  // Bucket (a >> shift) of sign s, clamped to buckets - 1, is entry s * buckets + bucket:
+  // (v << shift) | t, where v indexes values and t is the low bits of the bucket's one threshold
+  // (0 when it has none): x' = values[v - ((a & low) < t)] with low = 2^shift - 1.
+  const uint32_t* entries = nullptr;
+  const uint32_t* values = nullptr;  // x' as raw bits of x's dtype, both signs
+  uint32_t shift = 0, buckets = 0;
+  // Events as ranges of magnitude bits a: underflow for under_lo <= a < under_hi, above max (or
+  // NaN) for a >= above.
+  uint32_t under_lo[2] = {0, 0}, under_hi[2] = {0, 0}, above[2] = {0, 0};
 };
+
+// The bits of +inf and of the sign in each 16- or 32-bit storage type.
+template <class T> constexpr uint32_t kInfRaw = 0;
+template <> constexpr uint32_t kInfRaw<Half> = 0x7C00;
+template <> constexpr uint32_t kInfRaw<BFloat> = 0x7F80;
+template <> constexpr uint32_t kInfRaw<float> = 0x7F800000u;
+template <class T> constexpr uint32_t kSignRaw = uint32_t(1) << (8 * sizeof(T) - 1);
 
 // Elements per tile: a multiple of 4 so that tiles start on Philox block boundaries.
 constexpr int64_t kTile = 2048;
@@ -30,8 +46,8 @@ constexpr int64_t kTile = 2048;
   namespace ns {                                                                              \
   void quantize_range(const QuantizeCall&, int64_t, int64_t, EventCounts&);                   \
   void s2fp8_reduce_range(const S2fp8Call&, int64_t, int64_t, S2fp8Partial&);                 \
-  void s2fp8_transform_range(const S2fp8Call&, const S2fp8Stats&, const S2fp8Table*, int64_t, \
-                             int64_t, EventCounts&);                                          \
+  void s2fp8_transform_range(const S2fp8Call&, const S2fp8Stats&, const S2fp8Thresholds*,       \
+                             int64_t, int64_t, EventCounts&);                                 \
   void extra_bits_step_range(const ExtraBitsStep&, int64_t, int64_t, int64_t, EventCounts&);  \
   void extra_bits_split_range(const ExtraBitsParams&, Rounding, const ExtraBitsSplit&, int64_t,   \
                               int64_t, EventCounts&);                                         \

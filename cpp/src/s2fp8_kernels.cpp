@@ -14,19 +14,43 @@ namespace lowfp {
 namespace LOWFP_ISA_NS {
 namespace {
 
+static_assert(kTile % kS2fp8Group == 0, "tiles hold whole reduction groups");
+
+// The reduction of s2fp8.hpp over [begin, end), begin a multiple of kTile (so of the group).
 template <class In>
 void reduce(const In* x, int64_t begin, int64_t end, S2fp8Partial& total) {
+  constexpr bool kSubnormal = std::is_same_v<In, double>;
+  constexpr int kLanes = kS2fp8Lanes;
+  constexpr int64_t kGroups = kTile / kS2fp8Group;
+  alignas(64) double f[kTile];
+  alignas(64) double products[kGroups * kLanes];
   for (int64_t t0 = begin; t0 < end; t0 += kTile) {
     const int64_t len = min_of(kTile, end - t0);
-    S2fp8Partial tile;  // low stays below kTile * 2^32 within a tile
-    for (int64_t i = 0; i < len; ++i)
-      tile.add(Widen<uint64_t>::from(x[t0 + i]) & ~kF64SignBit);
+    const int64_t groups = (len + kS2fp8Group - 1) / kS2fp8Group;
+    S2fp8Partial tile;
+    for (int64_t i = 0; i < len; ++i) {  // vectorised
+      const uint64_t a = Widen<uint64_t>::from(x[t0 + i]) & ~kF64SignBit;
+      const S2fp8Factor factor = s2fp8_factor<kSubnormal>(a);
+      const bool use = finite_nonzero_abs(a);
+      f[i] = factor.f;
+      tile.exp_sum += factor.e;
+      tile.count += int64_t(use);
+      tile.max_abs = max_of(tile.max_abs, select(use, a, uint64_t(0)));
+    }
+    for (int64_t i = len; i < groups * kS2fp8Group; ++i) f[i] = 1.0;
+    // The lane products: at each level, row s of a group becomes row 2s times row 2s+1.
+    for (int64_t g = 0; g < groups; ++g) {
+      double* rows = f + g * kS2fp8Group;
+      for (int n_rows = kS2fp8Factors; n_rows > 1; n_rows /= 2)
+        for (int s = 0; s < n_rows / 2; ++s)
+          for (int j = 0; j < kLanes; ++j)  // one vector
+            rows[s * kLanes + j] = rows[2 * s * kLanes + j] * rows[(2 * s + 1) * kLanes + j];
+      for (int j = 0; j < kLanes; ++j) products[g * kLanes + j] = rows[j];
+    }
+    for (int64_t k = 0; k < groups * kLanes; ++k)  // vectorised; each term < 2^52
+      tile.low += s2fp8_fixed_log(products[k]);
     tile.carry();
-    total.high += tile.high;
-    total.low += tile.low;
-    total.carry();
-    total.count += tile.count;
-    total.max_abs = max_of(total.max_abs, tile.max_abs);
+    total.add(tile);
   }
 }
 
@@ -77,74 +101,92 @@ void transform(const S2fp8Call& c, const S2fp8Stats& s, int64_t begin, int64_t e
   }
 }
 
-// The bits of +inf in each storage type.
-template <class T> constexpr RawOf<T> kInfBits = 0;
-template <> constexpr uint16_t kInfBits<Half> = 0x7C00;
-template <> constexpr uint16_t kInfBits<BFloat> = 0x7F80;
-template <> constexpr uint32_t kInfBits<float> = 0x7F800000u;
-template <> constexpr uint64_t kInfBits<double> = kF64ExpMask;
+// The threshold form (S2fp8Thresholds) on one tile, in phases: vector loops for the arithmetic
+// and scalar loops for the two table lookups (bucket entry, then x'). Vector gathers were slower
+// than scalar loads on the machine this was measured on, and gcc emulates them with scalar loads
+// and lane inserts that cost more than the loads themselves (see bench/RESULTS.md).
+struct TileEvents {
+  uint32_t above = 0, under = 0, nan = 0;
+};
 
-// The third loop of transform_narrow: x' from the table, x kept where the table has no answer
-// (redo[i] != 0 marks elements for the float64 path). The restrict qualifiers tell the compiler
-// that storing y cannot change the table, which lets it vectorise the lookups as gathers; x and
-// y may be the same buffer.
-template <class T, class Raw = RawOf<T>>
-Raw lookup_x_new(const T* xt, Raw* yt, const uint32_t* __restrict y32, const Raw* __restrict table,
-                 const S2fp8Table& tab, int64_t len, Raw* __restrict redo) {
-  constexpr int kRawBits = 8 * sizeof(Raw);
-  constexpr Raw kSign = Raw(Raw(1) << (kRawBits - 1));
-  const uint32_t first = tab.first, shift = tab.shift, last = tab.size - 1;
-  Raw redo_any = 0;
-  for (int64_t i = 0; i < len; ++i) {  // vectorised (a gather) for float32 x
-    const Raw x_raw = bit_cast<Raw>(xt[i]);
-    const Raw x_abs = Raw(x_raw & ~kSign);
-    const Raw y_sign = Raw(Raw(y32[i] >> 31) << (kRawBits - 1));
-    const uint32_t y_abs = y32[i] & 0x7FFFFFFFu;
-    const uint32_t k = min_of((y_abs >> shift) - first, last);
-    const Raw from_table = select(y_abs == 0, y_sign, Raw(table[k] | (x_raw & kSign)));
-    // x infinite or NaN, or Y rounded to infinity or NaN (overflow policies inf and nan)
-    const Raw bad = Raw(x_abs >= kInfBits<T>) | (Raw(x_abs != 0) & Raw(y_abs >= 0x7F800000u));
-    yt[i] = select((x_abs == 0) | (bad != 0), x_raw, from_table);
-    redo[i] = bad;
-    redo_any |= bad;
-  }
-  return redo_any;
+__attribute__((noinline, optimize("no-tree-vectorize")))
+void lookup(const uint32_t* __restrict table, const uint32_t* __restrict index,
+            uint32_t* __restrict out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = table[index[i]];
 }
 
-// The float32 path (call.narrow, with a table): Y rounded to odd into float32 and to the format in
-// the float32 carrier, both vectorised, and x' read from the table; the same bits and events as
-// transform(). x = 0 gives x' = x and Y rounded to 0 a zero with Y's sign, as there. The rare
-// rest (x infinite or NaN, Y rounded to infinity or NaN) keeps x's bits in the third loop and is
-// redone by the float64 path in a fourth, which only runs for tiles that have any.
-template <class T, RoundKind Kind, bool kCount, bool kSubExp>
-void transform_narrow(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8Table& tab, int64_t begin,
-                      int64_t end, EventCounts& counts) {
+template <class T, class Raw = RawOf<T>>
+void bucket_index(const Raw* __restrict x, uint32_t* __restrict index, int64_t len,
+                  const S2fp8Thresholds& th) {
+  constexpr uint32_t kAbs = kSignRaw<T> - 1;
+  constexpr int kSignShift = 8 * sizeof(Raw) - 1;
+  const uint32_t shift = th.shift, last = th.buckets - 1, buckets = th.buckets;
+  for (int64_t i = 0; i < len; ++i) {  // vectorised
+    const uint32_t xb = x[i];
+    const uint32_t neg = uint32_t(0) - (xb >> kSignShift);  // all ones for negative x
+    index[i] = min_of((xb & kAbs) >> shift, last) + (neg & buckets);
+  }
+}
+
+// Turns bucket entries into indices of values, in place.
+template <class T, class Raw = RawOf<T>>
+void value_index(const Raw* __restrict x, uint32_t* __restrict entry, int64_t len,
+                 const S2fp8Thresholds& th) {
+  constexpr uint32_t kAbs = kSignRaw<T> - 1;
+  const uint32_t shift = th.shift, low = (uint32_t(1) << shift) - 1;
+  for (int64_t i = 0; i < len; ++i) {  // vectorised
+    const uint32_t e = entry[i];
+    entry[i] = (e >> shift) - uint32_t((x[i] & kAbs & low) < (e & low));
+  }
+}
+
+// x' for finite nonzero x, else x itself (x and y may be the same buffer); the events.
+template <class T, bool kCount, class Raw = RawOf<T>>
+TileEvents store_tile(const Raw* x, Raw* y, const uint32_t* __restrict value, int64_t len,
+                      const S2fp8Thresholds& th) {
+  constexpr uint32_t kInf = kInfRaw<T>, kAbs = kSignRaw<T> - 1;
+  constexpr int kSignShift = 8 * sizeof(Raw) - 1;
+  // Per-sign event bounds as "the positive one, flipped by these bits for negative x".
+  const uint32_t above = th.above[0], above_flip = th.above[0] ^ th.above[1];
+  const uint32_t under_lo = th.under_lo[0], under_lo_flip = th.under_lo[0] ^ th.under_lo[1];
+  const uint32_t under_w = th.under_hi[0] - th.under_lo[0];
+  const uint32_t under_w_flip = under_w ^ (th.under_hi[1] - th.under_lo[1]);
+  TileEvents ev;
+  for (int64_t i = 0; i < len; ++i) {  // vectorised
+    const uint32_t xb = x[i];
+    const uint32_t a = xb & kAbs;
+    y[i] = Raw(select(a - 1 < kInf - 1, value[i], xb));
+    if constexpr (kCount) {
+      const uint32_t neg = uint32_t(0) - (xb >> kSignShift);
+      ev.above += uint32_t(a >= (above ^ (neg & above_flip)));
+      ev.under += uint32_t(a - (under_lo ^ (neg & under_lo_flip)) < (under_w ^ (neg & under_w_flip)));
+      ev.nan += uint32_t(a > kInf);
+    }
+  }
+  return ev;
+}
+
+template <class T, bool kCount>
+void transform_thresholds(const S2fp8Call& c, const S2fp8Thresholds& th, int64_t begin,
+                          int64_t end, EventCounts& counts) {
   using Raw = RawOf<T>;
-  const T* x = static_cast<const T*>(c.q.x);
-  T* y = static_cast<T*>(c.q.y);
-  const Raw* table = static_cast<const Raw*>(tab.entries);
-  const RoundParams<uint32_t>& p = c.q.p32;
-  const double inv_alpha = 1.0 / s.alpha;
-  alignas(64) uint32_t y32[kTile];
-  alignas(64) Raw redo[kTile];
+  const Raw* x = static_cast<const Raw*>(c.q.x);
+  Raw* y = static_cast<Raw*>(c.q.y);
+  // (found starts 256 bytes past a multiple of 4096 bytes from index: a load whose address
+  // matches an earlier store's modulo 4096 waits for it, which halved the lookups' speed)
+  alignas(64) uint32_t buffer[2 * kTile + 64];
+  uint32_t* index = buffer;
+  uint32_t* found = buffer + kTile + 64;
   for (int64_t t0 = begin; t0 < end; t0 += kTile) {
     const int64_t len = min_of(kTile, end - t0);
-    const T* xt = x + t0;
-    for (int64_t i = 0; i < len; ++i)  // vectorised
-      y32[i] = s2fp8_to_odd_f32(s2fp8_squeeze(Widen<uint64_t>::from(xt[i]), s));
-    round_tile<Kind, uint32_t, false, kCount>(y32, len, p, nullptr, counts);  // vectorised
-    Raw* yt = reinterpret_cast<Raw*>(y + t0);  // may alias xt: element i is read before it is written
-    const Raw redo_any = lookup_x_new(xt, yt, y32, table, tab, len, redo);
-    if (redo_any != 0) {
-      T* yt_t = y + t0;
-      for (int64_t i = 0; i < len; ++i) {
-        if (!redo[i]) continue;
-        RoundEvents ignored;  // counted above
-        const uint64_t xb = Widen<uint64_t>::from(xt[i]);
-        const uint64_t r = round_bits<Kind, uint64_t, kSubExp>(s2fp8_squeeze(xb, s), c.q.p64, 0u, ignored);
-        yt_t[i] = s2fp8_store<T>(s2fp8_unsqueeze(xb, r, s, inv_alpha), c.p_store);
-      }
-    }
+    bucket_index<T>(x + t0, index, len, th);
+    lookup(th.entries, index, found, len);
+    value_index<T>(x + t0, found, len, th);
+    lookup(th.values, found, index, len);
+    const TileEvents ev = store_tile<T, kCount>(x + t0, y + t0, index, len, th);
+    counts.overflow += int64_t(ev.above) - int64_t(ev.nan);  // see RoundEvents
+    counts.underflow += int64_t(ev.under);
+    counts.nan += int64_t(ev.nan);
   }
 }
 
@@ -159,17 +201,25 @@ void s2fp8_reduce_range(const S2fp8Call& c, int64_t begin, int64_t end, S2fp8Par
   }
 }
 
-void s2fp8_transform_range(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8Table* table,
+void s2fp8_transform_range(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8Thresholds* th,
                            int64_t begin, int64_t end, EventCounts& counts) {
+  if (th != nullptr) {
+    const auto run = [&](auto type) {
+      using T = typename decltype(type)::type;
+      if (c.q.count) return transform_thresholds<T, true>(c, *th, begin, end, counts);
+      transform_thresholds<T, false>(c, *th, begin, end, counts);
+    };
+    switch (c.q.x_dtype) {
+      case DType::Float16: return run(Type<Half>{});
+      case DType::BFloat16: return run(Type<BFloat>{});
+      case DType::Float32: return run(Type<float>{});
+      case DType::Float64: break;  // no threshold form
+    }
+  }
   dispatch_s2fp8(c.q, [&](auto in, auto, auto, auto kind, auto count, auto sub_exp) {
     using T = typename decltype(in)::type;
-    constexpr RoundKind kKind = decltype(kind)::value;
-    if constexpr (kKind != RoundKind::Stochastic) {
-      if (table != nullptr)
-        return transform_narrow<T, kKind, decltype(count)::value, decltype(sub_exp)::value>(
-            c, s, *table, begin, end, counts);
-    }
-    transform<T, kKind, decltype(count)::value, decltype(sub_exp)::value>(c, s, begin, end, counts);
+    transform<T, decltype(kind)::value, decltype(count)::value, decltype(sub_exp)::value>(
+        c, s, begin, end, counts);
   });
 }
 

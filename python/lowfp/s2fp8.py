@@ -18,7 +18,7 @@ from typing import Dict, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from . import backends
+from . import _C, backends
 from ._memory import new_output
 from .formats import Format, S2FP8, to_format, to_precision
 from .quantize import (DTYPE_CODES, ROUNDING_MODES, _Call, _check_tensor_args, _make_call,
@@ -26,8 +26,6 @@ from .quantize import (DTYPE_CODES, ROUNDING_MODES, _Call, _check_tensor_args, _
 from .stats import Stats
 
 __all__ = ["S2FP8", "S2FP8Stats", "s2fp8_quantize"]
-
-_SUM_FIELDS = ("log_high", "log_low", "count", "max_abs_bits")
 
 
 class S2FP8Stats:
@@ -37,7 +35,7 @@ class S2FP8Stats:
     GPU call does not synchronise."""
 
     def __init__(self, device: Union[str, torch.device], numel: int):
-        self.sums = torch.zeros(4, dtype=torch.int64, device=device)
+        self.sums = torch.zeros(_C.S2FP8_SUM_SIZE, dtype=torch.int64, device=device)
         self.params = torch.zeros(4, dtype=torch.float64, device=device)
         self.numel = numel
 

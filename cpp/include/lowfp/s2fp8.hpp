@@ -3,8 +3,16 @@
 //   Y = sign(x) 2^(alpha log2|x| + beta),   x' = sign(x) 2^((log2|round(Y)| - beta) / alpha).
 //
 // The reduction is order-independent, so any split over threads or GPU blocks gives the same
-// statistics: log2|x| is converted to a fixed-point integer (2^-48 steps) and summed as two int64
-// halves, and max |x| is a max of bit patterns. All of it is in double precision.
+// statistics. log2|x| = e + log2 f (x = 2^e f, f in [1, 2)): the exponents are summed as
+// integers, and the significands are multiplied in groups before one log2 per product, so most
+// elements cost a multiply rather than a logarithm. A group is kS2fp8Group consecutive elements
+// (from index 0 of the tensor); element i of a group is factor i / kS2fp8Lanes of lane
+// i % kS2fp8Lanes, and each lane's kS2fp8Factors factors are multiplied as a balanced binary tree
+// (level by level, neighbours 2s and 2s+1), which a CPU vector loop and a GPU warp both follow
+// bit for bit. Elements that are not finite nonzero, and the padding of a last group, are the
+// factor 1. A product of 16 factors below 2 is below 2^16; its log2 is turned into a fixed-point
+// integer (2^-48 steps) and summed as two int64 halves. max |x| is a max of bit patterns. All of
+// it is in double precision: each product rounds 15 times, an error below 2^-48 in its log2.
 #pragma once
 #include <type_traits>
 
@@ -14,13 +22,18 @@
 
 namespace lowfp {
 
+constexpr int kS2fp8Lanes = 8;
+constexpr int kS2fp8Factors = 16;
+constexpr int kS2fp8Group = kS2fp8Lanes * kS2fp8Factors;
+
 // The reduction's accumulators, one int64 each (a device buffer on the GPU).
 enum S2fp8Sum : int {
-  kSumLogHigh = 0,   // sum of (fixed log2|x|) >> 32
-  kSumLogLow = 1,    // sum of (fixed log2|x|) & 0xffffffff (an unsigned sum)
+  kSumLogHigh = 0,   // sum of (fixed log2 of a lane product) >> 32
+  kSumLogLow = 1,    // sum of (fixed log2 of a lane product) & 0xffffffff (an unsigned sum)
   kSumCount = 2,     // finite nonzero elements
   kSumMaxAbs = 3,    // bits of max |x| as a double (0 when there is none)
-  kSumSize = 4
+  kSumExp = 4,       // sum of the binary exponents e of the finite nonzero elements
+  kSumSize = 5
 };
 
 constexpr double kS2fp8LogScale = 0x1p48;  // fixed-point steps per unit of log2
@@ -36,43 +49,64 @@ constexpr uint64_t kOneBits = 0x3FF0000000000000ull;  // 1.0: a harmless stand-i
 
 LOWFP_HD bool finite_nonzero_abs(uint64_t abs_bits) { return (abs_bits - 1) < (kF64ExpMask - 1); }
 
-// log2|x| in fixed point, rounded to the nearest step, ties away from zero (|log2 x| < 1075, so
-// it fits 59 bits).
-LOWFP_HD int64_t s2fp8_fixed_log(double abs_x) {
-  const double v = log2_det(abs_x) * kS2fp8LogScale;
-  return int64_t(v + (v < 0 ? -0.5 : 0.5));
+// One element's part of the reduction, from |x| as float64 bits: its exponent e (0 when it does
+// not count) and its significand f in [1, 2) (1 when it does not count). kSubnormal: the input
+// type has float64 subnormals (only float64 itself), which are scaled into the normal range.
+struct S2fp8Factor {
+  int64_t e;
+  double f;
+};
+
+template <bool kSubnormal>
+LOWFP_HD S2fp8Factor s2fp8_factor(uint64_t abs_bits) {
+  const bool use = finite_nonzero_abs(abs_bits);
+  uint64_t a = abs_bits;
+  int64_t e_adjust = 1023;
+  if constexpr (kSubnormal) {
+    const bool sub = abs_bits < (uint64_t(1) << 52);
+    a = select(sub, bit_cast<uint64_t>(bit_cast<double>(abs_bits) * 0x1p64), abs_bits);
+    e_adjust = select(sub, int64_t(1023 + 64), int64_t(1023));
+  }
+  const int64_t e = int64_t(a >> 52) - e_adjust;
+  const uint64_t f = (a & kF64MantMask) | kOneBits;
+  return {select(use, e, int64_t(0)), bit_cast<double>(select(use, f, kOneBits))};
 }
 
-// One element's contribution to the reduction; low must be summed without overflow by the
-// caller, e.g. by carrying (low >> 32) into high before it nears 2^63.
+// A lane product (in [1, 2^16)) as a fixed-point log2, rounded to the nearest step (ties up).
+LOWFP_HD uint64_t s2fp8_fixed_log(double product) {
+  return uint64_t(log2_det(product) * kS2fp8LogScale + 0.5);
+}
+
+// A thread's share of the reduction; low must be summed without overflow by the caller, e.g. by
+// carrying (low >> 32) into high before it nears 2^64.
 struct S2fp8Partial {
   int64_t high = 0;
   uint64_t low = 0;
   int64_t count = 0;
   uint64_t max_abs = 0;
-  LOWFP_HD void add(uint64_t abs_bits) {  // branch-free: the CPU loop over it vectorises
-    const bool use = finite_nonzero_abs(abs_bits);
-    const uint64_t mask = uint64_t(0) - uint64_t(use);
-    const int64_t q = s2fp8_fixed_log(bit_cast<double>(select(use, abs_bits, kOneBits)));
-    high += int64_t(uint64_t(q >> 32) & mask);
-    low += uint64_t(q) & 0xFFFFFFFFull & mask;
-    count += int64_t(use);
-    max_abs = max_of(max_abs, abs_bits & mask);
-  }
+  int64_t exp_sum = 0;
   LOWFP_HD void carry() {  // keeps low below 2^32 without changing high * 2^32 + low
     high += int64_t(low >> 32);
     low &= 0xFFFFFFFFull;
   }
+  LOWFP_HD void add(const S2fp8Partial& o) {  // o carried
+    high += o.high;
+    low += o.low;
+    carry();
+    count += o.count;
+    max_abs = max_of(max_abs, o.max_abs);
+    exp_sum += o.exp_sum;
+  }
 };
 
 // alpha, beta, mu, m from the accumulated sums. No finite nonzero element: alpha = 1, beta = 0.
-// One magnitude (m - mu within 2^-32 of a binade, the fixed-point sum's reach): alpha = 1,
+// One magnitude (m - mu within 2^-32 of a binade, well above the sums' rounding): alpha = 1,
 // beta = -mu.
 LOWFP_HD S2fp8Stats s2fp8_stats(const int64_t* sums, double log_max) {
   const int64_t count = sums[kSumCount];
   if (count == 0) return {1.0, 0.0, 0.0, 0.0};
-  const double total = double(sums[kSumLogHigh]) * 0x1p32 + double(uint64_t(sums[kSumLogLow]));
-  const double mu = total / double(count) / kS2fp8LogScale;
+  const double fixed = double(sums[kSumLogHigh]) * 0x1p32 + double(uint64_t(sums[kSumLogLow]));
+  const double mu = (double(sums[kSumExp]) + fixed / kS2fp8LogScale) / double(count);
   const double m = log2_det(bit_cast<double>(uint64_t(sums[kSumMaxAbs])));
   if (!(m - mu > 0x1p-32)) return {1.0, -mu, mu, m};
   const double alpha = log_max / (m - mu);
@@ -80,8 +114,8 @@ LOWFP_HD S2fp8Stats s2fp8_stats(const int64_t* sums, double log_max) {
 }
 
 // The element transform in three steps, so a CPU loop can run the two transcendental steps
-// vectorised and the rounding (whose 64-bit per-lane shifts gcc does not vectorise) on its own.
-// Zeros, infinities and NaN pass through: s2fp8_squeeze gives them to the rounding unchanged
+// vectorised and the rounding (whose 64-bit per-lane shifts gcc does not vectorise) on its own,
+// and the CPU's threshold form (cpp/src/s2fp8_thresholds.cpp) can call each step alone. Zeros, infinities and NaN pass through: s2fp8_squeeze gives them to the rounding unchanged
 // (so an infinite or NaN x reports its events as quantize would) and s2fp8_unsqueeze returns x.
 
 // Y = sign(x) 2^(alpha log2|x| + beta) as float64 bits.
@@ -103,28 +137,6 @@ LOWFP_HD uint64_t s2fp8_unsqueeze(uint64_t x, uint64_t y_rounded, const S2fp8Sta
   const double x_new = exp2_det((log_r - s.beta) * inv_alpha);
   const uint64_t out = select(back, bit_cast<uint64_t>(x_new) | (y_rounded & kF64SignBit), y_rounded);
   return select(finite_nonzero_abs(x & ~kF64SignBit), out, x);
-}
-
-// Y (float64 bits) rounded to odd into float32 bits: truncated, with the last bit set when bits
-// were lost. Rounding that to a format of m <= 21 bits in the float32 carrier, in any mode but
-// stochastic, gives exactly the rounding of Y itself (rounding to odd with two or more spare bits
-// never crosses or lands on a value, midpoint or boundary of the coarser grid), with the same
-// events, provided the format's smallest positive value is at least 2^-124: a nonzero |Y| below
-// float32's normal range becomes 2^-126, below half that value, and one above float32's range
-// becomes its largest finite value, above the format's overflow threshold. CPU drivers use it
-// because float32 lanes vectorise where float64 rounding does not.
-LOWFP_HD uint32_t s2fp8_to_odd_f32(uint64_t y) {
-  const uint64_t a = y & ~kF64SignBit;
-  const uint32_t sign = uint32_t(y >> 32) & 0x80000000u;
-  const uint64_t mant = a & kF64MantMask;
-  const uint32_t normal = uint32_t((((a >> 52) - (1023 - 127)) << 23) | (mant >> 29)) |
-                          uint32_t((mant & 0x1FFFFFFFull) != 0);
-  constexpr uint64_t kF32MinNormal = 0x3810000000000000ull;  // 2^-126 as a double
-  constexpr uint64_t kF32Max = 0x47EFFFFFE0000000ull;        // float32's largest finite value
-  uint32_t r = select(a >= kF32Max, 0x7F7FFFFFu, normal);
-  r = select(a < kF32MinNormal, select(a != 0, 0x00800000u, 0u), r);
-  r = select(a >= kF64ExpMask, select(a == kF64ExpMask, 0x7F800000u, 0x7FC00000u), r);
-  return sign | r;
 }
 
 // All three steps for one element (x as float64 bits); the rounding reports its events.
