@@ -12,6 +12,7 @@
 #include "s2fp8_thresholds.hpp"
 
 #include <algorithm>
+#include <map>
 
 namespace lowfp {
 namespace {
@@ -56,12 +57,12 @@ struct Change {
 
 // The smallest |Y| in (lo, hi] that does not behave as lo, given that hi does not: bisection
 // over bit patterns (ordered like the values), after candidates that settle the usual cases at
-// once: just above lo (directed away from zero), the midpoint and the pattern after it
-// (nearest), just below hi (toward zero).
+// once: just above lo (directed away from zero), the midpoint and its neighbours (nearest, ties
+// either way), just below hi (toward zero).
 uint64_t first_change(const YRounding& f, uint64_t lo, uint64_t hi, const Behaviour& b_lo) {
   uint64_t below = lo, above = hi;  // at(below) == b_lo, at(above) != b_lo
   const uint64_t mid = bit_cast<uint64_t>((bit_cast<double>(lo) + bit_cast<double>(hi)) * 0.5);
-  for (const uint64_t c : {lo + 1, mid, mid + 1, hi - 1}) {
+  for (const uint64_t c : {lo + 1, mid - 1, mid, mid + 1, hi - 1}) {
     if (c <= below || c >= above) continue;
     if (f.at(c) == b_lo) {
       below = c;
@@ -171,8 +172,11 @@ struct SignIntervals {
   uint32_t under_lo = 0, under_hi = 0, above = ~0u;
 };
 
+// start_of: the thresholds found so far, by |Y| (|Y| of -x is that of x, so the two signs share
+// them wherever their changes coincide, as in every mode but up and down).
 template <class T>
-bool sign_intervals(const S2fp8Call& call, const S2fp8Stats& s, bool negative, SignIntervals& out) {
+bool sign_intervals(const S2fp8Call& call, const S2fp8Stats& s, bool negative, SignIntervals& out,
+                    std::map<uint64_t, uint32_t>& start_of) {
   constexpr uint32_t inf = kInfRaw<T>;
   const uint64_t y_sign = negative ? kF64SignBit : 0;
   const YRounding f(call.q.p64, round_kind(call.q.mode), y_sign);
@@ -182,7 +186,10 @@ bool sign_intervals(const S2fp8Call& call, const S2fp8Stats& s, bool negative, S
   const double inv_alpha = 1.0 / s.alpha;  // as the float64 path computes it
   bool under_open = false, under_seen = false, above_seen = false;
   for (const Change& ch : changes) {
-    const uint32_t start = ch.y_abs == 0 ? 1u : x_threshold(sq, ch.y_abs, s);
+    const auto known = start_of.find(ch.y_abs);
+    const uint32_t start = ch.y_abs == 0             ? 1u
+                           : known != start_of.end() ? known->second
+                                                     : start_of[ch.y_abs] = x_threshold(sq, ch.y_abs, s);
     // Events (the first change is at(0): neither).
     if (ch.b.underflow != under_open) {
       if (ch.b.underflow) {
@@ -220,8 +227,9 @@ template <class T>
 bool build(const S2fp8Call& call, const S2fp8Stats& s, S2fp8Thresholds& t,
            std::vector<uint32_t>& storage) {
   SignIntervals sign[2];
+  std::map<uint64_t, uint32_t> start_of;
   for (int neg = 0; neg < 2; ++neg)
-    if (!sign_intervals<T>(call, s, neg != 0, sign[neg])) return false;
+    if (!sign_intervals<T>(call, s, neg != 0, sign[neg], start_of)) return false;
   // The largest shift that leaves at most one threshold per bucket, and (v << shift) < 2^32.
   const uint32_t n_values = uint32_t(sign[0].values.size() + sign[1].values.size());
   int shift = min_of(32 - (top_bit(n_values) + 1), int(8 * sizeof(RawOf<T>)) - 1);
