@@ -176,6 +176,27 @@ def test_results_do_not_depend_on_thread_count():
         assert torch.equal(sums, outs[0][1]) and torch.equal(params, outs[0][2])
 
 
+@pytest.mark.parametrize("n", [1, 127, 129, 2048 * 3 + 77])
+def test_reduction_sums_follow_their_definition(n):
+    """The reduction's integer sums against a numpy model of s2fp8.hpp's definition: exponents
+    summed, significands multiplied per group of 128 (lane i % 8, row i // 8, rows paired as a
+    binary tree), one fixed-point log2 (lowfp's log2_det, 2^-48 steps) per lane product."""
+    x = _mixed_tensor(n, torch.float32, seed=n).numpy()
+    x[::13] = np.float32(1e-42)  # float32 subnormals
+    _, st = lowfp.s2fp8_quantize(torch.from_numpy(x))
+    a = np.abs(x.astype(np.float64))
+    use = np.isfinite(a) & (a > 0)
+    mant, exp = np.frexp(np.where(use, a, 1.0))
+    f, e = np.where(use, 2 * mant, 1.0), np.where(use, exp - 1, 0)
+    rows = np.concatenate([f, np.ones(-n % 128)]).reshape(-1, 16, 8)
+    while rows.shape[1] > 1:
+        rows = rows[:, 0::2, :] * rows[:, 1::2, :]
+    total = sum(int(lowfp._C.log2_det(float(p)) * 2.0 ** 48 + 0.5) for p in rows.ravel())
+    max_bits = int(np.float64(a[use].max()).view(np.int64)) if use.any() else 0
+    want = [total >> 32, total & 0xFFFFFFFF, int(use.sum()), max_bits, int(e.sum())]
+    assert st.sums.tolist() == want
+
+
 def _mixed_tensor(n, dtype, seed):
     """Magnitudes over several binades plus a cluster 2^-20 below the rest (whose Y underflows),
     both signs, zeros of both signs, infinities and NaN."""
