@@ -19,7 +19,6 @@ static_assert(kTile % kS2fp8Group == 0, "tiles hold whole reduction groups");
 // The reduction of s2fp8.hpp over [begin, end), begin a multiple of kTile (so of the group).
 template <class In>
 void reduce(const In* x, int64_t begin, int64_t end, S2fp8Partial& total) {
-  constexpr bool kSubnormal = std::is_same_v<In, double>;
   constexpr int kLanes = kS2fp8Lanes;
   constexpr int64_t kGroups = kTile / kS2fp8Group;
   alignas(64) double f[kTile];
@@ -31,33 +30,28 @@ void reduce(const In* x, int64_t begin, int64_t end, S2fp8Partial& total) {
     if constexpr (std::is_same_v<In, double>) {
       for (int64_t i = 0; i < len; ++i) {  // vectorised
         const uint64_t a = bit_cast<uint64_t>(x[t0 + i]) & ~kF64SignBit;
-        const S2fp8Factor factor = s2fp8_factor<kSubnormal>(a);
+        const S2fp8Factor factor = s2fp8_factor<true>(a);
         const bool use = finite_nonzero_abs(a);
         f[i] = factor.f;
         tile.exp_sum += factor.e;
         tile.count += int64_t(use);
         tile.max_abs = max_of(tile.max_abs, select(use, a, uint64_t(0)));
       }
-    } else {
-      // s2fp8_factor's results from x's float32 bits, in 32-bit lanes (twice as many as
-      // float64's): a float32 subnormal is scaled by 2^64 into the normal range, as its float64
-      // value is normal. The maximum of float32 bits is that of their float64 values.
+    } else {  // twice the lanes of float64's; the maximum of float32 bits is that of the values
       int32_t exp_sum = 0, count = 0;  // < 2^31 over a tile
       uint32_t max_abs = 0;
       for (int64_t i = 0; i < len; ++i) {  // vectorised
         const uint32_t a = Widen<uint32_t>::from(x[t0 + i]) & 0x7FFFFFFFu;
         const bool use = a - 1 < 0x7F7FFFFFu;  // finite nonzero
-        const bool sub = a < 0x00800000u;
-        const uint32_t scaled = select(sub, bit_cast<uint32_t>(bit_cast<float>(a) * 0x1p64f), a);
-        const int32_t e = int32_t(scaled >> 23) - select(sub, 127 + 64, 127);
-        f[i] = double(bit_cast<float>(select(use, (scaled & 0x007FFFFFu) | 0x3F800000u, 0x3F800000u)));
-        exp_sum += select(use, e, 0);
+        const S2fp8Factor32 factor = s2fp8_factor_f32(a);
+        f[i] = double(factor.f);
+        exp_sum += factor.e;
         count += int32_t(use);
         max_abs = max_of(max_abs, select(use, a, 0u));
       }
       tile.exp_sum = exp_sum;
       tile.count = count;
-      tile.max_abs = max_abs == 0 ? 0 : Widen<uint64_t>::f32(max_abs);
+      tile.max_abs = Widen<uint64_t>::f32(max_abs);
     }
     for (int64_t i = len; i < groups * kS2fp8Group; ++i) f[i] = 1.0;
     // The lane products: at each level, row s of a group becomes row 2s times row 2s+1.

@@ -107,18 +107,13 @@ std::vector<Change> y_changes(const YRounding& f, const RoundParams<uint64_t>& p
   return out;
 }
 
-template <class T> T from_raw(uint32_t v) { return T{RawOf<T>(v)}; }
-template <> float from_raw<float>(uint32_t v) { return bit_cast<float>(v); }
-template <class T> uint32_t to_raw(T v) { return v.v; }
-template <> uint32_t to_raw<float>(float v) { return bit_cast<uint32_t>(v); }
-
 // |Y| as the element transform computes it, for the magnitude bits a of x's dtype and one sign.
 template <class T>
 struct XSqueeze {
   const S2fp8Stats& s;
   uint32_t sign;
   uint64_t y_abs(uint32_t a) const {
-    return s2fp8_squeeze(Widen<uint64_t>::from(from_raw<T>(a | sign)), s) & ~kF64SignBit;
+    return s2fp8_squeeze(Widen<uint64_t>::from(bit_cast<T>(RawOf<T>(a | sign))), s) & ~kF64SignBit;
   }
 };
 
@@ -132,7 +127,7 @@ uint32_t x_threshold(const XSqueeze<T>& sq, uint64_t c, const S2fp8Stats& s) {
   const auto reaches = [&](uint32_t a) { return a >= inf || sq.y_abs(a) >= c; };
   const double x_est = exp2_det((log2_det(bit_cast<double>(c)) - s.beta) / s.alpha);
   const uint32_t guess =
-      min_of(max_of(to_raw(Store<T>::from(bit_cast<uint64_t>(x_est))) & (kSignRaw<T> - 1), 1u), inf);
+      min_of(max_of(uint32_t(bit_cast<RawOf<T>>(Store<T>::from(bit_cast<uint64_t>(x_est)))) & (kSignRaw<T> - 1), 1u), inf);
   uint32_t below, above;  // !reaches(below) (0: nothing below 1 counts), reaches(above)
   if (reaches(guess)) {
     above = guess;
@@ -208,7 +203,7 @@ bool sign_intervals(const S2fp8Call& call, const S2fp8Stats& s, bool negative, S
       above_seen = true;
     }
     if (start >= inf) continue;  // no finite magnitude gets here
-    const uint32_t value = to_raw(
+    const uint32_t value = bit_cast<RawOf<T>>(
         s2fp8_store<T>(s2fp8_unsqueeze(kOneBits | y_sign, ch.b.rounded, s, inv_alpha), call.p_store));
     if (!out.starts.empty() && out.starts.back() == start) {  // the previous interval is empty
       out.starts.pop_back();

@@ -72,6 +72,22 @@ LOWFP_HD S2fp8Factor s2fp8_factor(uint64_t abs_bits) {
   return {select(use, e, int64_t(0)), bit_cast<double>(select(use, f, kOneBits))};
 }
 
+// s2fp8_factor from the float32 bits of x (float32 or a widened 16-bit type), in 32-bit lanes:
+// a float32 subnormal is scaled by 2^64 into the normal range, as its float64 value is normal.
+struct S2fp8Factor32 {
+  int32_t e;
+  float f;
+};
+
+LOWFP_HD S2fp8Factor32 s2fp8_factor_f32(uint32_t abs_bits) {
+  const bool use = abs_bits - 1 < 0x7F7FFFFFu;  // finite nonzero
+  const bool sub = abs_bits < 0x00800000u;
+  const uint32_t a = select(sub, bit_cast<uint32_t>(bit_cast<float>(abs_bits) * 0x1p64f), abs_bits);
+  const int32_t e = int32_t(a >> 23) - select(sub, 127 + 64, 127);
+  const uint32_t f = select(use, (a & 0x007FFFFFu) | 0x3F800000u, 0x3F800000u);
+  return {select(use, e, 0), bit_cast<float>(f)};
+}
+
 // A lane product (in [1, 2^16)) as a fixed-point log2, rounded to the nearest step (ties up).
 LOWFP_HD uint64_t s2fp8_fixed_log(double product) {
   return uint64_t(log2_det(product) * kS2fp8LogScale + 0.5);
