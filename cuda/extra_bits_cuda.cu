@@ -52,7 +52,8 @@ __device__ int32_t slot_of(const SlotTable& t, int64_t block) {
 template <class W16, RoundKind K, class Maker>
 __global__ void __launch_bounds__(kThreads)
 step_kernel(SlotTable table, ExtraBitsParams e, SgdHyper sgd, AdamHyper adam,
-            RoundParams<uint32_t> state_round, uint64_t seed, unsigned long long* counts) {
+            RoundParams<uint32_t> state_round, uint64_t seed, int64_t numel,
+            unsigned long long* counts) {
   const uint32_t lane = threadIdx.x & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   const int64_t total = table.first_block[table.n_slots];
@@ -81,7 +82,7 @@ step_kernel(SlotTable table, ExtraBitsParams e, SgdHyper sgd, AdamHyper adam,
     }
     write_packed(block, e.q, lane, out);
   }
-  if (counts != nullptr) flush_counts(tc, counts);
+  if (counts != nullptr) finish_counts(tc, counts, numel);
 }
 
 template <class W16, RoundKind K>
@@ -104,7 +105,7 @@ split_kernel(const float* w32, W16* w16, uint32_t* words, int64_t n, ExtraBitsPa
     }
     write_packed(words + b * e.q, e.q, lane, out);
   }
-  if (counts != nullptr) flush_counts(tc, counts);
+  if (counts != nullptr) finish_counts(tc, counts, n);
 }
 
 template <class W16>
@@ -126,7 +127,11 @@ void extra_bits_step_cuda(const ExtraBitsStep& s, int64_t* counts, int device, u
   // The slot table travels in one device buffer: slots, then the block prefix sums.
   const int32_t n = int32_t(s.slots.size());
   std::vector<int64_t> first(n + 1, 0);
-  for (int32_t i = 0; i < n; ++i) first[i + 1] = first[i] + (s.slots[i].n + 31) / 32;
+  int64_t numel = 0;
+  for (int32_t i = 0; i < n; ++i) {
+    first[i + 1] = first[i] + (s.slots[i].n + 31) / 32;
+    numel += s.slots[i].n;
+  }
   const size_t slot_bytes = n * sizeof(ExtraBitsSlot), prefix_bytes = (n + 1) * sizeof(int64_t);
   void* table = nullptr;
   check(cudaMallocAsync(&table, slot_bytes + prefix_bytes, stream), "cudaMallocAsync");
@@ -140,7 +145,7 @@ void extra_bits_step_cuda(const ExtraBitsStep& s, int64_t* counts, int device, u
   const int grid = grid_size(device, first[n] * 32);
   dispatch_extra_bits_step(s, [&](auto w16, auto kind, auto maker) {
     step_kernel<typename decltype(w16)::type, decltype(kind)::value, typename decltype(maker)::type>
-        <<<grid, kThreads, 0, stream>>>(t, s.e, s.sgd, s.adam, s.state_round, s.seed,
+        <<<grid, kThreads, 0, stream>>>(t, s.e, s.sgd, s.adam, s.state_round, s.seed, numel,
                                         reinterpret_cast<unsigned long long*>(counts));
   });
   check(cudaGetLastError(), "kernel launch");

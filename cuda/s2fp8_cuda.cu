@@ -57,6 +57,8 @@ s2fp8_reduce_kernel(const T* x, int64_t n, bool quad_io, unsigned long long* sum
     max_abs = max_of<uint64_t>(max_abs, __shfl_down_sync(0xffffffffu, max_abs, offset));
   }
   if (lane == 0 && count != 0) {
+    high += low >> 32;  // the warp's low below 2^32, so the global low sum cannot overflow
+    low &= 0xFFFFFFFFull;
     atomicAdd(sums + kSumLogHigh, (unsigned long long)high);
     atomicAdd(sums + kSumLogLow, (unsigned long long)low);
     atomicAdd(sums + kSumCount, (unsigned long long)count);
@@ -65,7 +67,11 @@ s2fp8_reduce_kernel(const T* x, int64_t n, bool quad_io, unsigned long long* sum
   }
 }
 
-__global__ void s2fp8_stats_kernel(const int64_t* sums, double log_max, double* params) {
+__global__ void s2fp8_stats_kernel(int64_t* sums, double log_max, double* params) {
+  // The warps' low words were added without carries: leave the sums in the CPU's form (low < 2^32).
+  const uint64_t low = uint64_t(sums[kSumLogLow]);
+  sums[kSumLogHigh] += int64_t(low >> 32);
+  sums[kSumLogLow] = int64_t(low & 0xFFFFFFFFull);
   const S2fp8Stats s = s2fp8_stats(sums, log_max);
   params[kAlpha] = s.alpha;
   params[kBeta] = s.beta;
