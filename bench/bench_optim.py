@@ -1,12 +1,18 @@
 """Optimizer step time of lowfp's ExtraBits optimizers against torch.optim, in the same run.
 
-    python bench/bench_optim.py [--params N] [--repeats R] [--json FILE] [--skip-memory]
+    python bench/bench_optim.py [--device cpu|cuda] [--params N] [--repeats R] [--json FILE]
+                                [--skip-memory]
 
 Baselines: torch.optim on float32 parameters followed by the copy into the 16-bit weights the
-model computes with (standard mixed precision), and torch.optim directly on bfloat16 parameters.
+model computes with (standard mixed precision), and torch.optim directly on bfloat16 parameters;
+on a GPU also torch's fused (single-kernel) SGD and AdamW.
 Targets (issue 5): ExtraBitsSGD(k=8) and ExtraBitsAdamW(k=8) at least as fast as the standard
-mixed-precision step on the CPU. Also: peak memory (max RSS, separate processes) of a training
-step of a model whose gradients are a large share of memory, with the step inside backward or not.
+mixed-precision step on the CPU; on a GPU, >= 80 % of the bandwidth needed for the bytes they move.
+Those bytes are every byte the optimizer holds for a parameter (16-bit weight, packed extra bits,
+moments: `memory_bytes()`), read once and written once, plus the 16-bit gradient read once; the
+bandwidth they are compared with is `y.copy_(x)`'s (bytes read + written), measured in the same run.
+Also: peak memory of a training step of a model whose gradients are a large share of memory, with
+the step inside backward or not (CPU: max RSS, separate processes; GPU: torch's peak allocation).
 """
 
 import argparse
@@ -19,14 +25,14 @@ import sys
 import torch
 
 import lowfp
-from lowfp.bench import machine_description, time_interleaved
+from lowfp.bench import _once_cpu, _once_cuda, machine_description, time_interleaved
 from lowfp.optim import ExtraBitsAdamW, ExtraBitsSGD
 
 SHAPES_PER_10M = [(2048, 2048)] * 2 + [(1024, 1024)] * 5 + [(4096,)] * 4  # ~13.6M
 
 
-def make_params(total, dtype):
-    g = torch.Generator().manual_seed(0)
+def make_params(total, dtype, device="cpu"):
+    g = torch.Generator(device).manual_seed(0)
     shapes, n = [], 0
     while n < total:
         for s in SHAPES_PER_10M:
@@ -34,15 +40,25 @@ def make_params(total, dtype):
             n += torch.Size(s).numel()
             if n >= total:
                 break
-    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype) * 0.02) for s in shapes]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g, device=device).to(dtype) * 0.02)
+              for s in shapes]
     for p in params:
-        p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(dtype)
+        p.grad = (torch.randn(p.shape, generator=g, device=device) * 1e-3).to(dtype)
     return params
 
 
-def cases(total):
+def bytes_moved(opt, params):
+    """Bytes one step must move at least: what the optimizer holds, read and written once, plus
+    the gradients read once. None for torch's optimizers."""
+    if not hasattr(opt, "memory_bytes"):
+        return None
+    return 2 * opt.memory_bytes()["total"] + sum(p.grad.numel() * p.grad.element_size() for p in params)
+
+
+def cases(total, device="cpu"):
+    """(label, build) pairs; build() -> (step function, bytes one step moves or None)."""
     def mixed(opt_cls, kw):
-        p32 = make_params(total, torch.float32)
+        p32 = make_params(total, torch.float32, device)
         w16 = [p.detach().to(torch.bfloat16) for p in p32]
         opt = opt_cls(p32, **kw)
 
@@ -50,21 +66,29 @@ def cases(total):
             opt.step()
             for w, p in zip(w16, p32):
                 w.copy_(p)
-        return step
+        return step, None
 
     def plain(opt_cls, kw, dtype=torch.bfloat16):
-        opt = opt_cls(make_params(total, dtype), **kw)
-        return opt.step
+        params = make_params(total, dtype, device)
+        opt = opt_cls(params, **kw)
+        opt.step()  # creates the state, so that memory_bytes() counts it
+        return opt.step, bytes_moved(opt, params)
 
     sgd, adamw = dict(lr=0.01, momentum=0.9), dict(lr=1e-3)
+    fused = [] if device == "cpu" else [
+        ("torch SGD(momentum, fused) fp32 + copy to bf16", lambda: mixed(torch.optim.SGD, dict(sgd, fused=True))),
+        ("torch AdamW(fused) fp32 + copy to bf16", lambda: mixed(torch.optim.AdamW, dict(adamw, fused=True))),
+    ]
     return [
         ("torch SGD(momentum) fp32 + copy to bf16 (mixed precision)", lambda: mixed(torch.optim.SGD, sgd)),
         ("torch SGD(momentum) on bf16 params", lambda: plain(torch.optim.SGD, sgd)),
+        *[c for c in fused if "SGD" in c[0]],
         ("lowfp ExtraBitsSGD k=8 toward_zero", lambda: plain(ExtraBitsSGD, dict(sgd, extra_bits=8))),
         ("lowfp ExtraBitsSGD k=8 nearest", lambda: plain(ExtraBitsSGD, dict(sgd, extra_bits=8, rounding="nearest"))),
         ("lowfp ExtraBitsSGD k=16 stochastic", lambda: plain(ExtraBitsSGD, dict(sgd, extra_bits=16, rounding="stochastic"))),
         ("torch AdamW fp32 + copy to bf16 (mixed precision)", lambda: mixed(torch.optim.AdamW, adamw)),
         ("torch AdamW on bf16 params", lambda: plain(torch.optim.AdamW, adamw)),
+        *[c for c in fused if "AdamW" in c[0]],
         ("lowfp ExtraBitsAdamW k=8 toward_zero", lambda: plain(ExtraBitsAdamW, dict(adamw, extra_bits=8))),
         ("lowfp ExtraBitsAdamW k=8 nearest", lambda: plain(ExtraBitsAdamW, dict(adamw, extra_bits=8, rounding="nearest"))),
         ("lowfp ExtraBitsAdamW k=8 nearest, bf16 moments",
@@ -107,37 +131,99 @@ def peak_memory(mode, width=2048, depth=12):
     return base, peak
 
 
+def peak_memory_cuda(mode, width=4096, depth=12):
+    """(allocated before, peak) bytes on the GPU over the second training step (the first
+    creates the optimizer state) of the same model as peak_memory, in this process."""
+    from lowfp.optim import ExtraBitsAdamW, step_in_backward
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)]).cuda().bfloat16()
+    opt = ExtraBitsAdamW(model.parameters(), extra_bits=8)
+    x = torch.randn(8, width, device="cuda").bfloat16()
+    handle = step_in_backward(opt) if mode == "in_backward" else None
+    for i in range(2):
+        if i == 1:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        model(x).float().square().mean().backward()
+        if handle is None:
+            opt.step()
+            opt.zero_grad()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    if handle is not None:
+        handle.remove()
+    del model, opt
+    torch.cuda.empty_cache()
+    return base, peak
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--params", type=int, default=10_000_000)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--params", type=int, default=None,
+                   help="parameters per optimizer (default 10M on the CPU, 100M on a GPU)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default=None)
     p.add_argument("--skip-memory", action="store_true")
     args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    if cuda and not (torch.cuda.is_available() and lowfp.cuda_built()):
+        p.error("--device cuda needs a CUDA GPU and lowfp built with nvcc")
+    total = args.params or (100_000_000 if cuda else 10_000_000)
+    once = _once_cuda if cuda else _once_cpu
     print("machine:", machine_description())
+    if cuda:
+        print("GPU:", torch.cuda.get_device_name())
+    result = {"machine": machine_description(), "device": args.device, "params": total}
+    copy_bw = None
+    if cuda:  # the bandwidth the steps are compared with, measured in this run
+        x = torch.randn(1 << 28, device="cuda")
+        y = torch.empty_like(x)
+        sec = time_interleaved({"copy": lambda: y.copy_(x)}, max(args.repeats, 5), once)["copy"]
+        copy_bw = 2 * x.numel() * 4 / sec
+        del x, y
+        print(f"y.copy_(x), 2^28 float32: {copy_bw / 1e9:.0f} GB/s (read + written)")
+        result["copy_bytes_per_s"] = copy_bw
     rows = []
-    all_cases = cases(args.params)
+    all_cases = cases(total, args.device)
     for family in ("SGD", "AdamW"):  # each family's cases timed in interleaved rounds
-        steps = {label: build() for label, build in all_cases if family in label}
-        best = time_interleaved(steps, args.repeats)
-        rows += [{"label": label, "seconds": best[label]} for label in steps]
-        del steps
-    print(f"\noptimizer step, >= {args.params} parameters, best of {args.repeats} interleaved rounds")
-    base = {"SGD": rows[0]["seconds"], "AdamW": rows[5]["seconds"]}
-    print(f"{'what':58s} {'ms':>8s} {'vs mixed precision':>19s}")
+        built = {label: build() for label, build in all_cases if family in label}
+        best = time_interleaved({label: b[0] for label, b in built.items()}, args.repeats, once)
+        rows += [{"label": label, "seconds": best[label], "bytes": built[label][1]} for label in built]
+        del built
+        if cuda:
+            torch.cuda.empty_cache()
+    print(f"\noptimizer step, >= {total} parameters, best of {args.repeats} interleaved rounds")
+    base = {"SGD": rows[0]["seconds"],
+            "AdamW": next(r["seconds"] for r in rows if r["label"].startswith("torch AdamW fp32"))}
+    head = f"{'what':58s} {'ms':>8s} {'vs mixed precision':>19s}"
+    if cuda:
+        head += f" {'GB/s moved':>11s} {'of copy':>8s}"
+    print(head)
     for r in rows:
         ref = base["SGD"] if "SGD" in r["label"] else base["AdamW"]
         r["speedup_vs_mixed"] = ref / r["seconds"]
-        print(f"{r['label']:58s} {r['seconds'] * 1e3:8.1f} {r['speedup_vs_mixed']:19.2f}")
-    result = {"machine": machine_description(), "steps": rows}
+        line = f"{r['label']:58s} {r['seconds'] * 1e3:8.2f} {r['speedup_vs_mixed']:19.2f}"
+        if cuda and r["bytes"] is not None:
+            r["bytes_per_s"] = r["bytes"] / r["seconds"]
+            r["fraction_of_copy"] = r["bytes_per_s"] / copy_bw
+            line += f" {r['bytes_per_s'] / 1e9:11.0f} {r['fraction_of_copy']:8.2f}"
+        print(line)
+    result["steps"] = rows
     if not args.skip_memory:
-        (b0, normal), (b1, inside) = peak_memory("normal"), peak_memory("in_backward")
-        print("\npeak RSS of a training step (the second; the first allocates the optimizer "
-              "state), 12 x Linear(2048, 2048) bf16 + ExtraBitsAdamW k=8, gradients 96 MiB:")
+        if cuda:
+            (b0, normal), (b1, inside) = peak_memory_cuda("normal"), peak_memory_cuda("in_backward")
+            print("\npeak GPU memory allocated in a training step (the second; the first allocates the "
+                  "optimizer state), 12 x Linear(4096, 4096) bf16 + ExtraBitsAdamW k=8, gradients 384 MiB:")
+        else:
+            (b0, normal), (b1, inside) = peak_memory("normal"), peak_memory("in_backward")
+            print("\npeak RSS of a training step (the second; the first allocates the optimizer "
+                  "state), 12 x Linear(2048, 2048) bf16 + ExtraBitsAdamW k=8, gradients 96 MiB:")
         print(f"  step after backward: {normal / 2**20:.0f} MiB (before the step {b0 / 2**20:.0f}); "
               f"step inside backward: {inside / 2**20:.0f} MiB (before {b1 / 2**20:.0f}); "
               f"{(normal - inside) / 2**20:.0f} MiB less")
-        result["peak_rss"] = {"normal": normal, "in_backward": inside, "before": [b0, b1]}
+        result["peak_memory"] = {"normal": normal, "in_backward": inside, "before": [b0, b1]}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device-machine session: build lowfp with the CUDA backend for the GPU at hand, run the GPU
+# tests and the GPU benchmarks. Logs go to $OUT (default bench/out/gpu). Usage, from the repo root:
+#   bash bench/run_gpu.sh [build] [test] [bench] [profile]   (build test bench when none is named)
+set -uo pipefail
+OUT=${OUT:-bench/out/gpu}
+mkdir -p "$OUT"
+steps=${*:-build test bench}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+for step in $steps; do
+  case $step in
+    build)
+      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+      # One architecture, the GPU's own: a full build also embeds sm_80 and PTX.
+      arch=$($PY -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'{a}{b}')")
+      CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) $PY -m pip install --no-build-isolation --no-deps -q \
+        -Ccmake.define.LOWFP_CUDA=ON -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="${arch}-real" . \
+        2>&1 | tail -30 | tee "$OUT/build.log"
+      $PY -c "import lowfp; assert lowfp.cuda_built(); print('lowfp', lowfp.__file__, 'CUDA built')" \
+        || exit 1 ;;
+    test)
+      $PY -m pytest -q -p no:cacheprovider --timeout 300 tests/test_cuda.py 2>&1 \
+        | tee "$OUT/tests.log" | tail -40 ;;
+    profile)
+      $PY bench/profile_gpu.py 2>&1 | tee "$OUT/profile.log" ;;
+    bench)
+      $PY bench/bench_s2fp8.py --device cuda --json "$OUT/s2fp8.json" 2>&1 | tee "$OUT/bench_s2fp8.log"
+      $PY bench/bench_optim.py --device cuda --repeats 11 --json "$OUT/optim.json" 2>&1 \
+        | tee "$OUT/bench_optim.log" ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
