@@ -1,50 +1,71 @@
 // S2FP8 on the GPU (DESIGN §4): a reduction kernel, a one-thread kernel turning the sums into
-// alpha, beta, mu, m, and the element kernel, all enqueued on one stream with no host sync. The
-// math is cpp/include/lowfp/s2fp8.hpp's; the reduction is made of integer sums and a max, so its
-// result does not depend on how the work is split and equals the CPU's bit for bit.
+// alpha, beta, mu, m, and an element kernel, enqueued on one stream. The math is
+// cpp/include/lowfp/s2fp8.hpp's; the reduction is made of integer sums and a max, so its result
+// does not depend on how the work is split and equals the CPU's bit for bit. From
+// kGpuThresholdMin elements in the deterministic modes (16/32-bit x), the element kernel reads x'
+// from the CPU's threshold form (s2fp8_thresholds.cpp), built on the host: that call waits for
+// the statistics. Otherwise nothing waits.
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
 #include "common.cuh"
 #include "dispatch.hpp"
 #include "lowfp/philox.hpp"
 #include "lowfp/s2fp8.hpp"
 #include "quantize_cuda.hpp"
+#include "s2fp8_thresholds.hpp"
 
 namespace lowfp {
 namespace {
 
-// One warp per reduction group (s2fp8.hpp): lane l loads quad 32 g + l, elements 4l..4l+3 of
-// the group, which are factor row l / 2 of product lanes 4 (l % 2) + k. Rows 2s and 2s+1 then sit
-// in warp lanes l and l ^ 2, and the tree's later levels in l ^ 4, l ^ 8, l ^ 16.
+// Eight threads per reduction group (s2fp8.hpp), four groups per warp pass. A group's rows r
+// (0..15) of product lanes 4p + k (p = 0, 1; k = 0..3) are quads 2r + p. Thread u of a group
+// (lane % 8) loads rows 4(u / 2) .. 4(u / 2) + 3 of parity p = u % 2, so the tree's first two
+// levels are its own, and levels 3 and 4 pair threads u ^ 2 and u ^ 4. Every thread then takes
+// the logarithm of one of the 32 lane products of its warp's four groups: one log2 per 16
+// elements, spread over all lanes.
 template <class T>
 __global__ void __launch_bounds__(kThreads)
 s2fp8_reduce_kernel(const T* x, int64_t n, bool quad_io, unsigned long long* sums) {
-  static_assert(kS2fp8Group == 32 * 4 && kS2fp8Lanes == 8, "a group is one warp's quads");
+  static_assert(kS2fp8Group == 128 && kS2fp8Lanes == 8, "a group is 8 threads x 4 rows x 4 lanes");
   constexpr bool kSubnormal = std::is_same_v<T, double>;
   S2fp8Partial part;
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31, u = lane & 7, parity = u & 1, row0 = 4 * (u >> 1);
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   const int64_t groups = (n + kS2fp8Group - 1) / kS2fp8Group, full_quads = quad_io ? n / 4 : 0;
-  for (int64_t g = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; g < groups; g += warps) {
-    const Quad<T> in = load_group(x, 32 * g + lane, n, full_quads);
-    double f[4];
+  for (int64_t pass = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; 4 * pass < groups;
+       pass += warps) {
+    const int64_t first_quad = 32 * (4 * pass + (lane >> 3));  // past n for a missing group: ones
+    Quad<T> in[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {  // padding elements of the last group are +0: the factor 1
-      const uint64_t a = Widen<uint64_t>::from(in.v[k]) & ~kF64SignBit;
-      const bool use = finite_nonzero_abs(a);
-      const S2fp8Factor factor = s2fp8_factor<kSubnormal>(a);
-      f[k] = factor.f;
-      part.exp_sum += factor.e;
-      part.count += int64_t(use);
-      part.max_abs = max_of(part.max_abs, use ? a : uint64_t(0));
+    for (int j = 0; j < 4; ++j) in[j] = load_group(x, first_quad + 2 * (row0 + j) + parity, n, full_quads);
+    double f[4][4];  // [row][k]
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {  // padding elements are +0: the factor 1
+        const uint64_t a = Widen<uint64_t>::from(in[j].v[k]) & ~kF64SignBit;
+        const bool use = finite_nonzero_abs(a);
+        const S2fp8Factor factor = s2fp8_factor<kSubnormal>(a);
+        f[j][k] = factor.f;
+        part.exp_sum += factor.e;
+        part.count += int64_t(use);
+        part.max_abs = max_of(part.max_abs, use ? a : uint64_t(0));
+      }
+    double p[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      p[k] = (f[0][k] * f[1][k]) * (f[2][k] * f[3][k]);  // levels 1 and 2
+      p[k] *= __shfl_xor_sync(0xffffffffu, p[k], 2);       // level 3
+      p[k] *= __shfl_xor_sync(0xffffffffu, p[k], 4);       // level 4: the lane products
     }
-#pragma unroll
-    for (int mask = 2; mask < 32; mask <<= 1)
-#pragma unroll
-      for (int k = 0; k < 4; ++k) f[k] *= __shfl_xor_sync(0xffffffffu, f[k], mask);
-    if (lane < 2) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) part.low += s2fp8_fixed_log(f[k]);
-      part.carry();
-    }
+    // Thread u offers product lane 4 p + (u / 2); lane t takes product lane t % 8 of its group.
+    const int mine = u >> 1;
+    const double offer = mine == 0 ? p[0] : mine == 1 ? p[1] : mine == 2 ? p[2] : p[3];
+    const int source = (lane & ~7) | (2 * (lane & 3) + ((lane >> 2) & 1));
+    part.low += s2fp8_fixed_log(__shfl_sync(0xffffffffu, offer, source));
+    part.carry();
   }
   // Warp sums: high, count and exp_sum as two's-complement adds, low < 2^32 per thread, max of bits.
   uint64_t high = uint64_t(part.high), low = part.low, count = uint64_t(part.count);
@@ -108,6 +129,44 @@ s2fp8_transform_kernel(const T* x, T* y, int64_t n, bool quad_io, const double* 
   if constexpr (kCount) finish_counts(tc, counts, n);
 }
 
+// The threshold form (S2fp8Thresholds, built on the host once the statistics are known): x' and
+// the events from |x|'s bits by two table reads, as the CPU's kernel does.
+template <class T, bool kCount>
+__global__ void __launch_bounds__(kThreads)
+s2fp8_lookup_kernel(const T* x, T* y, int64_t n, bool quad_io, S2fp8Thresholds th,
+                    unsigned long long* counts) {
+  using Raw = RawOf<T>;
+  constexpr uint32_t kInf = kInfRaw<T>, kAbs = kSignRaw<T> - 1;
+  constexpr int kSignShift = 8 * sizeof(Raw) - 1;
+  const uint32_t low = (uint32_t(1) << th.shift) - 1;
+  ThreadCounts tc;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t groups = (n + 3) / 4, full_groups = quad_io ? n / 4 : 0;
+  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride) {
+    const Quad<T> in = load_group(x, g, n, full_groups);
+    Quad<T> out;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t xb = bit_cast<Raw>(in.v[k]), a = xb & kAbs, neg = xb >> kSignShift;
+      const uint32_t e = __ldg(th.entries + neg * th.buckets + min_of(a >> th.shift, th.buckets - 1));
+      const uint32_t v = (e >> th.shift) - uint32_t((a & low) < (e & low));
+      out.v[k] = bit_cast<T>(Raw(a - 1 < kInf - 1 ? __ldg(th.values + v) : xb));
+      if (kCount && 4 * g + k < n) {
+        const bool nan = a > kInf;
+        tc.overflow += uint32_t(a >= th.above[neg] && !nan);  // above max, as RoundEvents
+        tc.underflow += uint32_t(a - th.under_lo[neg] < th.under_hi[neg] - th.under_lo[neg]);
+        tc.nan += uint32_t(nan);
+      }
+    }
+    store_group(y, g, n, full_groups, out);
+  }
+  if constexpr (kCount) finish_counts(tc, counts, n);
+}
+
+// Below this many elements the float64 kernel (~20 ps an element on an H100) costs less than
+// building the thresholds on the host (~0.2 ms, after a wait for the statistics).
+constexpr int64_t kGpuThresholdMin = int64_t(1) << 24;
+
 }  // namespace
 
 void s2fp8_cuda(const S2fp8Call& c, int64_t* sums, double* params, int64_t* counts, int device,
@@ -117,18 +176,48 @@ void s2fp8_cuda(const S2fp8Call& c, int64_t* sums, double* params, int64_t* coun
   auto* sums_u = reinterpret_cast<unsigned long long*>(sums);
   check(cudaMemsetAsync(sums, 0, kSumSize * sizeof(int64_t), stream), "cudaMemsetAsync");
   const int grid = grid_size(device, max_of<int64_t>((c.q.n + 3) / 4, 1));  // a thread per quad
+  // LOWFP_S2FP8_FLOAT64=1 keeps every element on the float64 path, as on the CPU.
+  const char* force_wide = std::getenv("LOWFP_S2FP8_FLOAT64");
+  const bool try_thresholds = c.q.n >= kGpuThresholdMin && c.q.mode != Rounding::Stochastic &&
+                              c.q.x_dtype != DType::Float64 &&
+                              !(force_wide != nullptr && std::strcmp(force_wide, "1") == 0);
   dispatch_s2fp8(c.q, [&](auto in, auto, auto, auto kind, auto count, auto sub_exp) {
     using T = typename decltype(in)::type;
+    constexpr bool kCount = decltype(count)::value;
     const T* x = static_cast<const T*>(c.q.x);
     T* y = static_cast<T*>(c.q.y);
+    auto* counts_u = reinterpret_cast<unsigned long long*>(counts);
     const bool quad_io = quad_aligned<T>(x) && quad_aligned<T>(y);
     if (c.q.n > 0) s2fp8_reduce_kernel<T><<<grid, kThreads, 0, stream>>>(x, c.q.n, quad_io, sums_u);
     s2fp8_stats_kernel<<<1, 1, 0, stream>>>(sums, c.log_max, params);
+    if constexpr (!std::is_same_v<T, double>) {
+      if (try_thresholds) {
+        // The thresholds are built on the host from the statistics, which means waiting for them.
+        double host[kParamSize];
+        check(cudaMemcpyAsync(host, params, sizeof(host), cudaMemcpyDeviceToHost, stream), "copy");
+        check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+        const S2fp8Stats s{host[kAlpha], host[kBeta], host[kMu], host[kMax]};
+        std::vector<uint32_t> storage;
+        S2fp8Thresholds th;
+        if (s2fp8_build_thresholds(c, s, th, storage)) {
+          void* table = nullptr;
+          const size_t bytes = storage.size() * sizeof(uint32_t);
+          check(cudaMallocAsync(&table, bytes, stream), "cudaMallocAsync");
+          check(cudaMemcpyAsync(table, storage.data(), bytes, cudaMemcpyHostToDevice, stream), "copy");
+          check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // storage is pageable
+          const uint32_t* device_table = static_cast<const uint32_t*>(table);
+          th.entries = device_table + (th.entries - storage.data());
+          th.values = device_table + (th.values - storage.data());
+          s2fp8_lookup_kernel<T, kCount><<<grid, kThreads, 0, stream>>>(x, y, c.q.n, quad_io, th, counts_u);
+          check(cudaFreeAsync(table, stream), "cudaFreeAsync");
+          return;
+        }
+      }
+    }
     if (c.q.n > 0)
-      s2fp8_transform_kernel<T, decltype(kind)::value, decltype(count)::value,
-                             decltype(sub_exp)::value><<<grid, kThreads, 0, stream>>>(
-          x, y, c.q.n, quad_io, params, c.q.p64, c.p_store, c.q.seed, c.q.offset,
-          reinterpret_cast<unsigned long long*>(counts));
+      s2fp8_transform_kernel<T, decltype(kind)::value, kCount, decltype(sub_exp)::value>
+          <<<grid, kThreads, 0, stream>>>(x, y, c.q.n, quad_io, params, c.q.p64, c.p_store,
+                                          c.q.seed, c.q.offset, counts_u);
   });
   check(cudaGetLastError(), "kernel launch");
 }

@@ -150,6 +150,29 @@ def test_s2fp8_matches_cpu(dtype, mode):
     assert same_bits(y_cpu, y_gpu)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt,mode", [("float8_e5m2", m) for m in ("nearest", "nearest_away", "toward_zero", "up", "down")]
+                         + [("float8_e4m3fn", "nearest"), ("fp(4,3,4)", "toward_zero")])
+def test_s2fp8_threshold_form_on_gpu(dtype, fmt, mode, monkeypatch):
+    # From 2^24 elements the GPU reads x' from thresholds built on the host (deterministic modes,
+    # 16/32-bit x): the same bits as the CPU and as the GPU's float64 kernel.
+    n = 2**24 + 5
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-8, 8, (n,), generator=g).float())
+    x = x.to(dtype)
+    x[::4099] = 0
+    x[3], x[10], x[11] = float("nan"), float("inf"), -float("inf")
+    y_cpu, y_gpu = s2fp8_cpu_and_gpu(x, fmt, mode)
+    assert same_bits(y_cpu, y_gpu)
+    monkeypatch.setenv("LOWFP_S2FP8_FLOAT64", "1")
+    s_wide = lowfp.Stats("cuda")
+    y_wide, _ = lowfp.s2fp8_quantize(x.cuda(), fmt, rounding=mode, seed=21, stats=s_wide)
+    assert same_bits(y_wide.cpu(), y_gpu)
+    s_cpu = lowfp.Stats()
+    lowfp.s2fp8_quantize(x, fmt, rounding=mode, seed=21, stats=s_cpu)
+    assert s_wide.as_dict() == s_cpu.as_dict()
+
+
 @pytest.mark.parametrize("fmt,log_max", [("float8_e4m3fn", 8.0), ("fp(4,3,4)", 4.0), ("fp(5,2,0)", 15.0)])
 def test_s2fp8_formats_match_cpu(fmt, log_max):
     x = random_patterns(100_003, torch.float32, seed=4)
