@@ -83,14 +83,23 @@ template <class S> LOWFP_HD void store_state(S* p, int64_t i, float v, const Rou
 }
 
 // Update functors for the drivers: the new weight from (W', g, element index), reading and
-// writing their own state arrays (float32 or bfloat16, rounded to nearest).
+// writing their own state arrays (float32 or bfloat16, rounded to nearest). Each is also split into
+// load(i) -> State, apply(w, g, State&) and store(i, State), so a GPU warp can issue the loads of
+// several elements before any store (a compiler cannot move a load past a store that may alias it).
 // Hyperparameters are held by value: a reference could alias the arrays, which would make the
 // compiler reload them every element and give up vectorising.
 struct SgdPlain {
   const SgdHyper h;
-  LOWFP_HD float operator()(float w, float g, int64_t) const {
+  struct State {};
+  LOWFP_HD State load(int64_t) const { return {}; }
+  LOWFP_HD float apply(float w, float g, State&) const {
     float unused = 0.0f;
     return sgd_update(w, g, unused, false, h);
+  }
+  LOWFP_HD void store(int64_t, const State&) const {}
+  LOWFP_HD float operator()(float w, float g, int64_t) const {
+    State st;
+    return apply(w, g, st);
   }
 };
 
@@ -99,10 +108,16 @@ struct SgdMomentum {
   const SgdHyper h;
   S* buf;
   const RoundParams<uint32_t> r;
+  struct State { float b; };
+  LOWFP_HD State load(int64_t i) const { return {load_state(buf, i)}; }
+  LOWFP_HD float apply(float w, float g, State& st) const {
+    return sgd_update<kDecayOrNesterov>(w, g, st.b, true, h);
+  }
+  LOWFP_HD void store(int64_t i, const State& st) const { store_state(buf, i, st.b, r); }
   LOWFP_HD float operator()(float w, float g, int64_t i) const {
-    float b = load_state(buf, i);
-    const float out = sgd_update<kDecayOrNesterov>(w, g, b, true, h);
-    store_state(buf, i, b, r);
+    State st = load(i);
+    const float out = apply(w, g, st);
+    store(i, st);
     return out;
   }
 };
@@ -114,13 +129,22 @@ struct Adam {
   S* v;
   S* v_max;
   const RoundParams<uint32_t> r;
+  struct State { float m, v, v_max; };
+  LOWFP_HD State load(int64_t i) const {
+    return {load_state(m, i), load_state(v, i), kAmsgrad ? load_state(v_max, i) : 0.0f};
+  }
+  LOWFP_HD float apply(float w, float g, State& st) const {
+    return adam_update(w, g, st.m, st.v, st.v_max, h);
+  }
+  LOWFP_HD void store(int64_t i, const State& st) const {
+    store_state(m, i, st.m, r);
+    store_state(v, i, st.v, r);
+    if (kAmsgrad) store_state(v_max, i, st.v_max, r);
+  }
   LOWFP_HD float operator()(float w, float g, int64_t i) const {
-    float mi = load_state(m, i), vi = load_state(v, i);
-    float vm = kAmsgrad ? load_state(v_max, i) : 0.0f;
-    const float out = adam_update(w, g, mi, vi, vm, h);
-    store_state(m, i, mi, r);
-    store_state(v, i, vi, r);
-    if (kAmsgrad) store_state(v_max, i, vm, r);
+    State st = load(i);
+    const float out = apply(w, g, st);
+    store(i, st);
     return out;
   }
 };
