@@ -48,6 +48,11 @@ def main():
     for mode in ("nearest", "stochastic"):
         spec = lowfp.S2FP8("float8_e5m2", 15.0)
         report(f"S2FP8 float8_e5m2 {mode} out=", lambda: lowfp.quantize(x, spec, mode, seed=1, out=y))
+    for dtype in (torch.float16, torch.bfloat16):
+        xd, yd = (x * 2.0 ** 20).to(dtype), torch.empty(n, device="cuda", dtype=dtype)
+        report(f"S2FP8 float8_e5m2 nearest out=, {dtype}",
+               lambda: lowfp.s2fp8_quantize(xd, "float8_e5m2", out=yd))
+        report(f"quantize float8_e5m2 nearest out=, {dtype}", lambda: lowfp.quantize(xd, "float8_e5m2", out=yd))
     del x, y
     for cls, kw in ((ExtraBitsSGD, dict(lr=0.01, momentum=0.9, extra_bits=8)),
                     (ExtraBitsAdamW, dict(lr=1e-3, extra_bits=8))):
