@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device-machine session: build lowfp with the CUDA backend for the GPU at hand, run the GPU
 # tests and the GPU benchmarks. Logs go to $OUT (default bench/out/gpu). Usage, from the repo root:
-#   bash bench/run_gpu.sh [build] [test] [bench] [profile]   (build test bench when none is named)
+#   bash bench/run_gpu.sh [build] [test] [all-tests] [bench] [profile]
+# (build test bench when none is named; all-tests runs the whole suite with the CUDA build)
 set -uo pipefail
 OUT=${OUT:-bench/out/gpu}
 mkdir -p "$OUT"
@@ -22,6 +23,9 @@ for step in $steps; do
     test)
       $PY -m pytest -q -p no:cacheprovider --timeout 300 tests/test_cuda.py 2>&1 \
         | tee "$OUT/tests.log" | tail -40 ;;
+    all-tests)
+      $PY -m pytest -q -p no:cacheprovider --timeout 600 -rf tests 2>&1 | tee "$OUT/all_tests.log" \
+        | tail -40 ;;
     profile)
       $PY bench/profile_gpu.py 2>&1 | tee "$OUT/profile.log" ;;
     bench)
