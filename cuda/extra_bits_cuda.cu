@@ -31,11 +31,9 @@ __device__ void write_packed(uint32_t* block, uint32_t q, uint32_t lane, uint32_
   __syncwarp();  // the scratch is reused by the warp's next block
 }
 
-constexpr uint32_t kMaxExtraBitsWords = 17;  // q = k + 1 with k <= 16
-
-// Each warp's scratch for write_packed: q <= 17 words.
+// Each warp's scratch for write_packed: a block's q words.
 __device__ uint32_t* warp_scratch() {
-  __shared__ uint32_t scratch[kThreads / 32][kMaxExtraBitsWords];
+  __shared__ uint32_t scratch[kThreads / 32][kMaxPackedBits];
   return scratch[threadIdx.x / 32];
 }
 

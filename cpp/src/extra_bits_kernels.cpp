@@ -99,7 +99,7 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
     uint32_t above_max = 0, underflow = 0, nan = 0;
     for (int64_t i = 0; i < len; ++i) {
       const uint32_t w = merge_bits<W16>(w_bits[i], values[i] & k_mask, e);
-      const float w_new = update(bit_cast<float>(w), g32[i], i0 + i);
+      const float w_new = update_element(update, bit_cast<float>(w), g32[i], i0 + i);
       uint32_t extra, flag;
       RoundEvents ev;
       const uint32_t r = K == RoundKind::Stochastic ? rand[i] : 0u;

@@ -83,6 +83,9 @@ LOWFP_HD uint32_t merge_bits(uint32_t t, uint32_t extra, const ExtraBitsParams& 
   return select(a >= kF32Inf, t, mag | (t & ~kF32Abs));
 }
 
+// The most bits an element takes in a packed block: k <= 16 extra bits and a flag bit.
+constexpr uint32_t kMaxPackedBits = 17;
+
 // Packing: element j of a 32-element block occupies bits [j q, (j + 1) q) of the block's q words
 // (a little-endian bit string); value = extra | flag << k.
 LOWFP_HD uint32_t unpack_one(const uint32_t* block, uint32_t q, uint32_t j) {

@@ -83,9 +83,10 @@ template <class S> LOWFP_HD void store_state(S* p, int64_t i, float v, const Rou
 }
 
 // Update functors for the drivers: the new weight from (W', g, element index), reading and
-// writing their own state arrays (float32 or bfloat16, rounded to nearest). Each is also split into
-// load(i) -> State, apply(w, g, State&) and store(i, State), so a GPU warp can issue the loads of
-// several elements before any store (a compiler cannot move a load past a store that may alias it).
+// writing their own state arrays (float32 or bfloat16, rounded to nearest), in three parts:
+// load(i) -> State, apply(w, g, State&) and store(i, State). update_element runs them for one
+// element; a GPU warp issues the loads of several elements before any store (a compiler cannot
+// move a load past a store that may alias it).
 // Hyperparameters are held by value: a reference could alias the arrays, which would make the
 // compiler reload them every element and give up vectorising.
 struct SgdPlain {
@@ -97,10 +98,6 @@ struct SgdPlain {
     return sgd_update(w, g, unused, false, h);
   }
   LOWFP_HD void store(int64_t, const State&) const {}
-  LOWFP_HD float operator()(float w, float g, int64_t) const {
-    State st;
-    return apply(w, g, st);
-  }
 };
 
 template <class S, bool kDecayOrNesterov>
@@ -114,12 +111,6 @@ struct SgdMomentum {
     return sgd_update<kDecayOrNesterov>(w, g, st.b, true, h);
   }
   LOWFP_HD void store(int64_t i, const State& st) const { store_state(buf, i, st.b, r); }
-  LOWFP_HD float operator()(float w, float g, int64_t i) const {
-    State st = load(i);
-    const float out = apply(w, g, st);
-    store(i, st);
-    return out;
-  }
 };
 
 template <class S, bool kAmsgrad>
@@ -141,12 +132,15 @@ struct Adam {
     store_state(v, i, st.v, r);
     if (kAmsgrad) store_state(v_max, i, st.v_max, r);
   }
-  LOWFP_HD float operator()(float w, float g, int64_t i) const {
-    State st = load(i);
-    const float out = apply(w, g, st);
-    store(i, st);
-    return out;
-  }
 };
+
+// One element's step with any of the functors above: the new weight, its state updated.
+template <class Update>
+LOWFP_HD float update_element(const Update& update, float w, float g, int64_t i) {
+  typename Update::State st = update.load(i);
+  const float out = update.apply(w, g, st);
+  update.store(i, st);
+  return out;
+}
 
 }  // namespace lowfp
