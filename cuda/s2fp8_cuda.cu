@@ -5,8 +5,6 @@
 // kGpuThresholdMin elements in the deterministic modes (16/32-bit x), the element kernel reads x'
 // from the CPU's threshold form (s2fp8_thresholds.cpp), built on the host: that call waits for
 // the statistics. Otherwise nothing waits.
-#include <cstdlib>
-#include <cstring>
 #include <vector>
 
 #include "common.cuh"
@@ -176,11 +174,7 @@ void s2fp8_cuda(const S2fp8Call& c, int64_t* sums, double* params, int64_t* coun
   auto* sums_u = reinterpret_cast<unsigned long long*>(sums);
   check(cudaMemsetAsync(sums, 0, kSumSize * sizeof(int64_t), stream), "cudaMemsetAsync");
   const int grid = grid_size(device, max_of<int64_t>((c.q.n + 3) / 4, 1));  // a thread per quad
-  // LOWFP_S2FP8_FLOAT64=1 keeps every element on the float64 path, as on the CPU.
-  const char* force_wide = std::getenv("LOWFP_S2FP8_FLOAT64");
-  const bool try_thresholds = c.q.n >= kGpuThresholdMin && c.q.mode != Rounding::Stochastic &&
-                              c.q.x_dtype != DType::Float64 &&
-                              !(force_wide != nullptr && std::strcmp(force_wide, "1") == 0);
+  const bool try_thresholds = c.q.n >= kGpuThresholdMin && s2fp8_threshold_form_allowed(c);
   dispatch_s2fp8(c.q, [&](auto in, auto, auto, auto kind, auto count, auto sub_exp) {
     using T = typename decltype(in)::type;
     constexpr bool kCount = decltype(count)::value;

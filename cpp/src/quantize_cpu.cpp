@@ -145,10 +145,7 @@ void s2fp8_cpu(const S2fp8Call& call, int64_t* sums, double* params, int64_t* co
   params[kMax] = s.m;
   std::vector<uint32_t> storage;
   S2fp8Thresholds thresholds;
-  // LOWFP_S2FP8_FLOAT64=1 keeps every element on the float64 path (tests compare the two).
-  const char* force_wide = std::getenv("LOWFP_S2FP8_FLOAT64");
-  const bool use_thresholds = !(force_wide != nullptr && std::strcmp(force_wide, "1") == 0) &&
-                              s2fp8_build_thresholds(call, s, thresholds, storage);
+  const bool use_thresholds = s2fp8_build_thresholds(call, s, thresholds, storage);
   std::vector<EventCounts> per_thread(get_num_threads());
   parallel_tiles(call.q.n, [&](int t, int64_t begin, int64_t end) {
     k.s2fp8_transform(call, s, use_thresholds ? &thresholds : nullptr, begin, end, per_thread[t]);

@@ -12,6 +12,8 @@
 #include "s2fp8_thresholds.hpp"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 
 namespace lowfp {
@@ -270,9 +272,15 @@ bool build(const S2fp8Call& call, const S2fp8Stats& s, S2fp8Thresholds& t,
 
 }  // namespace
 
+bool s2fp8_threshold_form_allowed(const S2fp8Call& call) {
+  const char* force_float64 = std::getenv("LOWFP_S2FP8_FLOAT64");
+  return call.q.mode != Rounding::Stochastic && call.q.x_dtype != DType::Float64 &&
+         !(force_float64 != nullptr && std::strcmp(force_float64, "1") == 0);
+}
+
 bool s2fp8_build_thresholds(const S2fp8Call& call, const S2fp8Stats& s, S2fp8Thresholds& t,
                             std::vector<uint32_t>& storage) {
-  if (call.q.mode == Rounding::Stochastic) return false;
+  if (!s2fp8_threshold_form_allowed(call)) return false;
   // Building costs tens of microseconds; the float64 path costs ~20 ns an element.
   if (call.q.n < 4096) return false;
   switch (call.q.x_dtype) {
