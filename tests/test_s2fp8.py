@@ -252,6 +252,67 @@ def test_threshold_path_equals_float64_path(dtype, monkeypatch):
     assert stats.underflow > 100 and stats.overflow > infinite + 100 and stats.nan >= 1
 
 
+def _s2fp8_both_paths(x, monkeypatch, **kw):
+    """(bits, params, counts) of one S2FP8 call on the default path, then on the float64 path."""
+    results = []
+    for wide in ("0", "1"):
+        monkeypatch.setenv("LOWFP_S2FP8_FLOAT64", wide)
+        stats = lowfp.Stats()
+        y, st = lowfp.s2fp8_quantize(x, stats=stats, **kw)
+        bits = y.view(torch.int16 if y.element_size() == 2 else torch.int32)
+        results.append((bits, st.params.clone(), (stats.overflow, stats.underflow, stats.nan)))
+    monkeypatch.setenv("LOWFP_S2FP8_FLOAT64", "0")
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_stochastic_fast_form_equals_float64_path(dtype, monkeypatch):
+    """With stochastic rounding, float32 and 16-bit x take a float32 form of the transform
+    (lowfp/s2fp8_stochastic.hpp) that hands the elements it cannot decide to the float64 path:
+    every output bit, count and statistic must equal the float64 path's, for a range of formats
+    (fnuz, no subnormals, fp(6,9,0) which is too fine for the form), overflow policies (log_max
+    above the format's range makes Y overflow), random-bit counts and seeds."""
+    x = _mixed_tensor(6000, dtype, seed=12)
+    cases = [(f, o, r) for f in ("float8_e5m2", "float8_e4m3fn", "float8_e4m3fnuz", "fp(4,3,4)",
+                                 lowfp.fp(5, 2, 0, subnormals=False), "fp(6,9,0)")
+             for o in ("saturate", "inf", "nan") for r in (32, 3)]
+    compared = 0
+    for fmt, overflow, sr_bits in cases:
+        try:
+            (b0, p0, c0), (b1, p1, c1) = _s2fp8_both_paths(
+                x, monkeypatch, fmt=fmt, log_max=12.0, rounding="stochastic", overflow=overflow,
+                sr_bits=sr_bits, seed=compared)
+        except ValueError:  # an overflow policy the format cannot express
+            continue
+        assert torch.equal(b0, b1), (fmt, overflow, sr_bits, int((b0 != b1).sum()))
+        assert torch.equal(p0, p1) and c0 == c1, (fmt, overflow, sr_bits, c0, c1)
+        compared += 1
+    assert compared >= 24
+    stats = lowfp.Stats()  # the mixture makes Y underflow and overflow
+    lowfp.s2fp8_quantize(x, "fp(4,3,4)", log_max=12.0, rounding="stochastic", seed=1, stats=stats)
+    assert stats.underflow > 100 and stats.overflow > int(torch.isinf(x).sum()) + 100
+
+
+@pytest.mark.parametrize("spread", [20.0, 0.25, 0.05])
+def test_stochastic_fast_form_bands_hold(spread, monkeypatch):
+    """The float32 form decides an element only when g + r' is farther from an integer than twice
+    its error bound (s2fp8_stochastic.cpp). A bound too small by a factor of 2 would leave about
+    one element in a thousand on the wrong side: 2^20 elements per case, alpha from ~0.8 to ~600
+    (magnitudes spanning `spread` binades), all must equal the float64 path. Outliers 2^-40 below
+    put Y far below the format (with alpha ~100, below float64's range: the float64 path decides
+    those)."""
+    g = torch.Generator().manual_seed(int(spread * 100))
+    n = 1 << 20
+    x = torch.exp2(torch.rand(n, generator=g, dtype=torch.float64) * spread - 10.0)
+    x = (x * torch.sign(torch.randn(n, generator=g, dtype=torch.float64))).float()
+    x[::4099] *= 2.0 ** -40
+    for fmt, log_max in (("float8_e5m2", 15.0), ("float8_e4m3fn", 8.0)):
+        (b0, p0, c0), (b1, p1, c1) = _s2fp8_both_paths(x, monkeypatch, fmt=fmt, log_max=log_max,
+                                                       rounding="stochastic", seed=3)
+        assert torch.equal(p0, p1) and c0 == c1
+        assert torch.equal(b0, b1), (fmt, float(p0[0]), int((b0 != b1).sum()))
+
+
 def _near_boundaries(x, fmt, rounding, log_max):
     """Magnitudes of x's dtype within 3 ulp of the preimage, under x's own statistics, of every
     boundary between two results of rounding Y (midpoints for nearest, values for toward_zero)

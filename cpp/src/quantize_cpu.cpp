@@ -15,7 +15,7 @@ namespace {
 struct Kernel {
   void (*quantize)(const QuantizeCall&, int64_t, int64_t, EventCounts&);
   void (*s2fp8_reduce)(const S2fp8Call&, int64_t, int64_t, S2fp8Partial&);
-  void (*s2fp8_transform)(const S2fp8Call&, const S2fp8Stats&, const S2fp8Thresholds*, int64_t, int64_t,
+  void (*s2fp8_transform)(const S2fp8Call&, const S2fp8Stats&, const S2fp8Forms&, int64_t, int64_t,
                           EventCounts&);
   void (*extra_bits_step)(const ExtraBitsStep&, int64_t, int64_t, int64_t, EventCounts&);
   void (*extra_bits_split)(const ExtraBitsParams&, Rounding, const ExtraBitsSplit&, int64_t, int64_t,
@@ -145,10 +145,13 @@ void s2fp8_cpu(const S2fp8Call& call, int64_t* sums, double* params, int64_t* co
   params[kMax] = s.m;
   std::vector<uint32_t> storage;
   S2fp8Thresholds thresholds;
-  const bool use_thresholds = s2fp8_build_thresholds(call, s, thresholds, storage);
+  S2fp8StochasticForm stochastic;
+  S2fp8Forms forms;
+  if (s2fp8_build_thresholds(call, s, thresholds, storage)) forms.thresholds = &thresholds;
+  else if (s2fp8_build_stochastic(call, s, stochastic, storage)) forms.stochastic = &stochastic;
   std::vector<EventCounts> per_thread(get_num_threads());
   parallel_tiles(call.q.n, [&](int t, int64_t begin, int64_t end) {
-    k.s2fp8_transform(call, s, use_thresholds ? &thresholds : nullptr, begin, end, per_thread[t]);
+    k.s2fp8_transform(call, s, forms, begin, end, per_thread[t]);
   });
   add_counts(sum(per_thread), call.q.n, counts);
 }

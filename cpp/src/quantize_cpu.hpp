@@ -5,6 +5,7 @@
 
 #include "extra_bits_call.hpp"
 #include "lowfp/s2fp8.hpp"
+#include "lowfp/s2fp8_stochastic.hpp"
 #include "quantize_call.hpp"
 
 namespace lowfp {
@@ -31,6 +32,20 @@ struct S2fp8Thresholds {
   uint32_t under_lo[2] = {0, 0}, under_hi[2] = {0, 0}, above[2] = {0, 0};
 };
 
+// The fast form of stochastic S2FP8 (lowfp/s2fp8_stochastic.hpp) for float32 and 16-bit x:
+// constants and x' per grid index as raw bits of x's dtype (2 per_sign entries). Built per call
+// by s2fp8_build_stochastic.
+struct S2fp8StochasticForm {
+  S2fp8FastStochastic k{};
+  const uint32_t* values = nullptr;
+};
+
+// The per-call forms an S2FP8 transform may take (null: not built); the float64 path otherwise.
+struct S2fp8Forms {
+  const S2fp8Thresholds* thresholds = nullptr;
+  const S2fp8StochasticForm* stochastic = nullptr;
+};
+
 // The bits of +inf and of the sign in each 16- or 32-bit storage type.
 template <class T> constexpr uint32_t kInfRaw = 0;
 template <> constexpr uint32_t kInfRaw<Half> = 0x7C00;
@@ -46,8 +61,8 @@ constexpr int64_t kTile = 2048;
   namespace ns {                                                                              \
   void quantize_range(const QuantizeCall&, int64_t, int64_t, EventCounts&);                   \
   void s2fp8_reduce_range(const S2fp8Call&, int64_t, int64_t, S2fp8Partial&);                 \
-  void s2fp8_transform_range(const S2fp8Call&, const S2fp8Stats&, const S2fp8Thresholds*,       \
-                             int64_t, int64_t, EventCounts&);                                 \
+  void s2fp8_transform_range(const S2fp8Call&, const S2fp8Stats&, const S2fp8Forms&, int64_t,  \
+                             int64_t, EventCounts&);                                          \
   void extra_bits_step_range(const ExtraBitsStep&, int64_t, int64_t, int64_t, EventCounts&);  \
   void extra_bits_split_range(const ExtraBitsParams&, Rounding, const ExtraBitsSplit&, int64_t,   \
                               int64_t, EventCounts&);                                         \

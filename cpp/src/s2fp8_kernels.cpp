@@ -1,6 +1,11 @@
 // The S2FP8 loops (DESIGN §4), compiled once per instruction-set level like quantize_kernels.cpp:
 // the reduction over log2|x| and the element transform, both the shared math of
-// cpp/include/lowfp/s2fp8.hpp in plain loops the compiler vectorises.
+// cpp/include/lowfp/s2fp8.hpp in plain loops the compiler vectorises (plus, with AVX-512, table
+// lookups from registers).
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "dispatch.hpp"
 #include "lowfp/s2fp8.hpp"
 #include "philox_lanes.hpp"
@@ -206,6 +211,115 @@ void transform_thresholds(const S2fp8Call& c, const S2fp8Thresholds& th, int64_t
   }
 }
 
+// x' = table[index[i]] for a tile (the index's kS2fp8Ambiguous bit ignored), calling
+// ambiguous(i) for each flagged element after its lookup.
+template <class Fn>
+void lookup_flagged_scalar(const uint32_t* table, const uint32_t* index, uint32_t* out, int64_t len,
+                           Fn&& ambiguous) {
+  for (int64_t i = 0; i < len; ++i) {
+    const uint32_t idx = index[i];
+    out[i] = table[idx & ~kS2fp8Ambiguous];
+    if (__builtin_expect(idx >= kS2fp8Ambiguous, 0)) ambiguous(i);
+  }
+}
+
+#if defined(__AVX512F__)
+// The same for a table of at most 32 * kPairs entries, held in registers: one two-register
+// permute per 32 entries and a tree of blends on the index's higher bits. (Scalar loads cost
+// ~3 cycles an element on the machine this was measured on, gathers more.)
+template <int kPairs, class Fn>
+void lookup_flagged_avx512(const uint32_t* table, int64_t entries, const uint32_t* index,
+                           uint32_t* out, int64_t len, Fn&& ambiguous) {
+  alignas(64) uint32_t padded[64 * kPairs] = {};
+  for (int64_t j = 0; j < entries; ++j) padded[j] = table[j];
+  __m512i t[2 * kPairs];
+  for (int j = 0; j < 2 * kPairs; ++j) t[j] = _mm512_load_si512(padded + 16 * j);
+  const __m512i flag = _mm512_set1_epi32(int(kS2fp8Ambiguous));
+  int64_t i = 0;
+  for (; i + 16 <= len; i += 16) {
+    const __m512i idx = _mm512_loadu_si512(index + i);
+    __m512i v[kPairs];
+    for (int j = 0; j < kPairs; ++j) v[j] = _mm512_permutex2var_epi32(t[2 * j], idx, t[2 * j + 1]);
+    for (int half = kPairs / 2, bit = 32; half >= 1; half /= 2, bit *= 2) {
+      const __mmask16 upper = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(bit));
+      for (int j = 0; j < half; ++j) v[j] = _mm512_mask_blend_epi32(upper, v[2 * j], v[2 * j + 1]);
+    }
+    _mm512_storeu_si512(out + i, v[0]);
+    uint32_t flagged = _mm512_test_epi32_mask(idx, flag);
+    for (; flagged != 0; flagged &= flagged - 1) ambiguous(i + __builtin_ctz(flagged));
+  }
+  lookup_flagged_scalar(table, index + i, out + i, len - i, [&](int64_t j) { ambiguous(i + j); });
+}
+#endif
+
+// The fast stochastic form (S2fp8StochasticForm) on one tile: grid indices in two vector loops,
+// x' looked up (in registers where the table fits), the float64 path on the rare ambiguous
+// elements, then a vector loop that stores x' (x itself where x is zero, infinite or NaN).
+template <class T, bool kCount>
+void transform_stochastic(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8StochasticForm& form,
+                          int64_t begin, int64_t end, EventCounts& counts) {
+  using Raw = RawOf<T>;
+  const Raw* x = static_cast<const Raw*>(c.q.x);
+  Raw* y = static_cast<Raw*>(c.q.y);
+  const S2fp8FastStochastic k = form.k;
+  [[maybe_unused]] const int64_t entries = 2 * int64_t(k.per_sign);
+  const double inv_alpha = 1.0 / s.alpha;
+  alignas(64) uint32_t rand[kTile];
+  alignas(64) float log_y[kTile];
+  // value[i] lies half a page past index[i] modulo 4096 bytes, so that the lookup loop's loads of
+  // index do not wait on its recent stores to value (4K aliasing, see transform_thresholds)
+  alignas(64) uint32_t buffer[2 * kTile + 512];
+  uint32_t* index = buffer;
+  uint32_t* value = buffer + kTile + 512;
+  for (int64_t t0 = begin; t0 < end; t0 += kTile) {
+    const int64_t len = min_of(kTile, end - t0);
+    philox_fill(rand, c.q.seed, c.q.offset + uint64_t(t0) / 4, (len + 3) / 4);
+    const Raw* xt = x + t0;
+    uint32_t under = 0, above = 0, nan = 0;
+    for (int64_t i = 0; i < len; ++i)  // vectorised
+      log_y[i] = s2fp8_fast_log_y(Widen<uint32_t>::from(bit_cast<T>(xt[i])), k);
+    for (int64_t i = 0; i < len; ++i) {  // vectorised
+      const uint32_t xb = Widen<uint32_t>::from(bit_cast<T>(xt[i]));
+      const uint32_t a = xb & 0x7FFFFFFFu;
+      const bool finite_nonzero = a - 1 < 0x7F7FFFFFu;
+      const uint32_t idx = select(finite_nonzero, s2fp8_fast_grid_index(log_y[i], xb, rand[i], k), 0u);
+      index[i] = idx;
+      if constexpr (kCount) {  // (an ambiguous index matches none: counted on the float64 path)
+        under += uint32_t(finite_nonzero & ((idx == 0) | (idx == k.per_sign)));
+        above += uint32_t((finite_nonzero & ((idx == k.over) | (idx == k.per_sign + k.over))) |
+                          (a >= 0x7F800000u));  // infinite x overflow, NaN is "above max" too
+        nan += uint32_t(a > 0x7F800000u);
+      }
+    }
+    const auto ambiguous = [&](int64_t i) {
+      RoundEvents ev;
+      const uint64_t v = s2fp8_element<RoundKind::Stochastic, false>(
+          Widen<uint64_t>::from(bit_cast<T>(xt[i])), s, inv_alpha, c.q.p64, rand[i], ev);
+      value[i] = bit_cast<Raw>(s2fp8_store<T>(v, c.p_store));
+      if constexpr (kCount) {
+        above += uint32_t(ev.above_max);
+        under += uint32_t(ev.underflow);
+        nan += uint32_t(ev.nan);
+      }
+    };
+#if defined(__AVX512F__)
+    if (entries <= 64) lookup_flagged_avx512<2>(form.values, entries, index, value, len, ambiguous);
+    else if (entries <= 128) lookup_flagged_avx512<4>(form.values, entries, index, value, len, ambiguous);
+    else if (entries <= 256) lookup_flagged_avx512<8>(form.values, entries, index, value, len, ambiguous);
+    else
+#endif
+      lookup_flagged_scalar(form.values, index, value, len, ambiguous);
+    Raw* yt = y + t0;  // may alias xt: element i is read before it is written
+    for (int64_t i = 0; i < len; ++i) {  // vectorised
+      const uint32_t a = Widen<uint32_t>::from(bit_cast<T>(xt[i])) & 0x7FFFFFFFu;
+      yt[i] = select(a - 1 < 0x7F7FFFFFu, Raw(value[i]), xt[i]);
+    }
+    counts.overflow += int64_t(above) - int64_t(nan);  // see RoundEvents
+    counts.underflow += int64_t(under);
+    counts.nan += int64_t(nan);
+  }
+}
+
 }  // namespace
 
 void s2fp8_reduce_range(const S2fp8Call& c, int64_t begin, int64_t end, S2fp8Partial& part) {
@@ -217,19 +331,24 @@ void s2fp8_reduce_range(const S2fp8Call& c, int64_t begin, int64_t end, S2fp8Par
   }
 }
 
-void s2fp8_transform_range(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8Thresholds* th,
+void s2fp8_transform_range(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8Forms& forms,
                            int64_t begin, int64_t end, EventCounts& counts) {
-  if (th != nullptr) {
+  if (forms.thresholds != nullptr || forms.stochastic != nullptr) {
     const auto run = [&](auto type) {
       using T = typename decltype(type)::type;
-      if (c.q.count) return transform_thresholds<T, true>(c, *th, begin, end, counts);
-      transform_thresholds<T, false>(c, *th, begin, end, counts);
+      if (forms.thresholds != nullptr) {
+        if (c.q.count) return transform_thresholds<T, true>(c, *forms.thresholds, begin, end, counts);
+        return transform_thresholds<T, false>(c, *forms.thresholds, begin, end, counts);
+      }
+      if (c.q.count)
+        return transform_stochastic<T, true>(c, s, *forms.stochastic, begin, end, counts);
+      transform_stochastic<T, false>(c, s, *forms.stochastic, begin, end, counts);
     };
     switch (c.q.x_dtype) {
       case DType::Float16: return run(Type<Half>{});
       case DType::BFloat16: return run(Type<BFloat>{});
       case DType::Float32: return run(Type<float>{});
-      case DType::Float64: break;  // no threshold form
+      case DType::Float64: break;  // no per-call form
     }
   }
   dispatch_s2fp8(c.q, [&](auto in, auto, auto, auto kind, auto count, auto sub_exp) {

@@ -272,10 +272,14 @@ bool build(const S2fp8Call& call, const S2fp8Stats& s, S2fp8Thresholds& t,
 
 }  // namespace
 
-bool s2fp8_threshold_form_allowed(const S2fp8Call& call) {
+bool s2fp8_float64_forced() {
   const char* force_float64 = std::getenv("LOWFP_S2FP8_FLOAT64");
+  return force_float64 != nullptr && std::strcmp(force_float64, "1") == 0;
+}
+
+bool s2fp8_threshold_form_allowed(const S2fp8Call& call) {
   return call.q.mode != Rounding::Stochastic && call.q.x_dtype != DType::Float64 &&
-         !(force_float64 != nullptr && std::strcmp(force_float64, "1") == 0);
+         !s2fp8_float64_forced();
 }
 
 bool s2fp8_build_thresholds(const S2fp8Call& call, const S2fp8Stats& s, S2fp8Thresholds& t,
