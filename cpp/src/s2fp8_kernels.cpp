@@ -224,14 +224,13 @@ void lookup_flagged_scalar(const uint32_t* table, const uint32_t* index, uint32_
 }
 
 #if defined(__AVX512F__)
-// The same for a table of at most 32 * kPairs entries, held in registers: one two-register
-// permute per 32 entries and a tree of blends on the index's higher bits. (Scalar loads cost
-// ~3 cycles an element on the machine this was measured on, gathers more.)
+// The same for a table of at most 32 * kPairs entries (padded: that many, 64-byte aligned), held
+// in registers: one two-register permute per 32 entries and a tree of blends on the index's
+// higher bits. (Scalar loads cost ~3 cycles an element on the machine this was measured on,
+// gathers more.)
 template <int kPairs, class Fn>
-void lookup_flagged_avx512(const uint32_t* table, int64_t entries, const uint32_t* index,
+void lookup_flagged_avx512(const uint32_t* padded, const uint32_t* table, const uint32_t* index,
                            uint32_t* out, int64_t len, Fn&& ambiguous) {
-  alignas(64) uint32_t padded[64 * kPairs] = {};
-  for (int64_t j = 0; j < entries; ++j) padded[j] = table[j];
   __m512i t[2 * kPairs];
   for (int j = 0; j < 2 * kPairs; ++j) t[j] = _mm512_load_si512(padded + 16 * j);
   const __m512i flag = _mm512_set1_epi32(int(kS2fp8Ambiguous));
@@ -262,8 +261,13 @@ void transform_stochastic(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8St
   const Raw* x = static_cast<const Raw*>(c.q.x);
   Raw* y = static_cast<Raw*>(c.q.y);
   const S2fp8FastStochastic k = form.k;
-  [[maybe_unused]] const int64_t entries = 2 * int64_t(k.per_sign);
   const double inv_alpha = 1.0 / s.alpha;
+#if defined(__AVX512F__)
+  // The table padded to a whole number of registers, once per range.
+  const int64_t entries = 2 * int64_t(k.per_sign);
+  alignas(64) uint32_t padded[256] = {};
+  for (int64_t j = 0; j < min_of<int64_t>(entries, 256); ++j) padded[j] = form.values[j];
+#endif
   alignas(64) uint32_t rand[kTile];
   alignas(64) float log_y[kTile];
   // value[i] lies half a page past index[i] modulo 4096 bytes, so that the lookup loop's loads of
@@ -303,9 +307,9 @@ void transform_stochastic(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8St
       }
     };
 #if defined(__AVX512F__)
-    if (entries <= 64) lookup_flagged_avx512<2>(form.values, entries, index, value, len, ambiguous);
-    else if (entries <= 128) lookup_flagged_avx512<4>(form.values, entries, index, value, len, ambiguous);
-    else if (entries <= 256) lookup_flagged_avx512<8>(form.values, entries, index, value, len, ambiguous);
+    if (entries <= 64) lookup_flagged_avx512<2>(padded, form.values, index, value, len, ambiguous);
+    else if (entries <= 128) lookup_flagged_avx512<4>(padded, form.values, index, value, len, ambiguous);
+    else if (entries <= 256) lookup_flagged_avx512<8>(padded, form.values, index, value, len, ambiguous);
     else
 #endif
       lookup_flagged_scalar(form.values, index, value, len, ambiguous);
