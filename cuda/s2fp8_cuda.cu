@@ -148,7 +148,7 @@ s2fp8_lookup_kernel(const T* x, T* y, int64_t n, bool quad_io, S2fp8Thresholds t
       const uint32_t xb = bit_cast<Raw>(in.v[k]), a = xb & kAbs, neg = xb >> kSignShift;
       const uint32_t e = __ldg(th.entries + neg * th.buckets + min_of(a >> th.shift, th.buckets - 1));
       const uint32_t v = (e >> th.shift) - uint32_t((a & low) < (e & low));
-      out.v[k] = bit_cast<T>(Raw(a - 1 < kInf - 1 ? __ldg(th.values + v) : xb));
+      out.v[k] = bit_cast<T>(a - 1 < kInf - 1 ? Raw(__ldg(th.values + v)) : s2fp8_pass_through<T>(Raw(xb)));
       if (kCount && 4 * g + k < n) {
         const bool nan = a > kInf;
         tc.overflow += uint32_t(a >= th.above[neg] && !nan);  // above max, as RoundEvents

@@ -199,7 +199,8 @@ def test_reduction_sums_follow_their_definition(n):
 
 def _mixed_tensor(n, dtype, seed):
     """Magnitudes over several binades plus a cluster 2^-20 below the rest (whose Y underflows),
-    both signs, zeros of both signs, infinities and NaN."""
+    both signs, zeros of both signs, infinities and NaN of both signs with random payloads, quiet
+    and signalling (the float64 path quiets them)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g, dtype=torch.float64) * torch.exp2(torch.randint(-4, 4, (n,), generator=g).double())
     x[5::10] *= 2.0 ** -20
@@ -207,8 +208,16 @@ def _mixed_tensor(n, dtype, seed):
     x[1::97] = -0.0
     x[2::501] = float("inf")
     x[3::503] = -float("inf")
-    x[4::509] = float("nan")
-    return x.to(dtype)
+    x = x.to(dtype)
+    bits = x.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+    width = 8 * x.element_size()
+    mant = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23, torch.float64: 52}[dtype]
+    nans = bits[4::509]
+    payload = torch.randint(1, 1 << min(mant, 30), nans.shape, generator=g).to(bits.dtype)
+    sign = torch.randint(0, 2, nans.shape, generator=g).to(bits.dtype) << (width - 1)
+    bits[4::509] = sign | (((1 << (width - 1 - mant)) - 1) << mant) | payload
+    assert x[4::509].isnan().all()
+    return x
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])

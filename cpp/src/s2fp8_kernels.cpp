@@ -161,7 +161,7 @@ void value_index(const Raw* __restrict x, uint32_t* __restrict entry, int64_t le
   }
 }
 
-// x' for finite nonzero x, else x itself (x and y may be the same buffer); the events.
+// x' for finite nonzero x, else s2fp8_pass_through (x and y may be the same buffer); the events.
 template <class T, bool kCount, class Raw = RawOf<T>>
 TileEvents store_tile(const Raw* x, Raw* y, const uint32_t* __restrict value, int64_t len,
                       const S2fp8Thresholds& th) {
@@ -176,7 +176,7 @@ TileEvents store_tile(const Raw* x, Raw* y, const uint32_t* __restrict value, in
   for (int64_t i = 0; i < len; ++i) {  // vectorised
     const uint32_t xb = x[i];
     const uint32_t a = xb & kAbs;
-    y[i] = Raw(select(a - 1 < kInf - 1, value[i], xb));
+    y[i] = select(a - 1 < kInf - 1, Raw(value[i]), s2fp8_pass_through<T>(Raw(xb)));
     if constexpr (kCount) {
       const uint32_t neg = uint32_t(0) - (xb >> kSignShift);
       ev.above += uint32_t(a >= (above ^ (neg & above_flip)));
@@ -253,7 +253,7 @@ void lookup_flagged_avx512(const uint32_t* padded, const uint32_t* table, const 
 
 // The fast stochastic form (S2fp8StochasticForm) on one tile: grid indices in two vector loops,
 // x' looked up (in registers where the table fits), the float64 path on the rare ambiguous
-// elements, then a vector loop that stores x' (x itself where x is zero, infinite or NaN).
+// elements, then a vector loop that stores x' (s2fp8_pass_through where x is zero, infinite or NaN).
 template <class T, bool kCount>
 void transform_stochastic(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8StochasticForm& form,
                           int64_t begin, int64_t end, EventCounts& counts) {
@@ -316,7 +316,7 @@ void transform_stochastic(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8St
     Raw* yt = y + t0;  // may alias xt: element i is read before it is written
     for (int64_t i = 0; i < len; ++i) {  // vectorised
       const uint32_t a = Widen<uint32_t>::from(bit_cast<T>(xt[i])) & 0x7FFFFFFFu;
-      yt[i] = select(a - 1 < 0x7F7FFFFFu, Raw(value[i]), xt[i]);
+      yt[i] = select(a - 1 < 0x7F7FFFFFu, Raw(value[i]), s2fp8_pass_through<T>(xt[i]));
     }
     counts.overflow += int64_t(above) - int64_t(nan);  // see RoundEvents
     counts.underflow += int64_t(under);

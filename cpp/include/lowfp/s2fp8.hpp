@@ -174,4 +174,19 @@ LOWFP_HD Out s2fp8_store(uint64_t x, const RoundParams<uint64_t>& p_store) {
   return Store<Out>::from(x);
 }
 
+// What the float64 path makes of an x (raw bits of T) that is zero, infinite or NaN, for the fast
+// forms to store: zeros and infinities come back unchanged; a NaN comes back quiet, float32 and
+// bfloat16 keeping its sign and payload (the float <-> double conversions set the quiet bit),
+// float16 as the canonical NaN with x's sign (float_bits_to_half).
+template <class T>
+LOWFP_HD RawOf<T> s2fp8_pass_through(RawOf<T> xb) {
+  static_assert(!std::is_same_v<T, double>, "float64 x takes the float64 path");
+  using Raw = RawOf<T>;
+  constexpr Raw kSign = Raw(Raw(1) << (8 * sizeof(Raw) - 1));
+  constexpr Raw kInf = std::is_same_v<T, float> ? Raw(0x7F800000u) : Raw(std::is_same_v<T, Half> ? 0x7C00 : 0x7F80);
+  constexpr Raw kQuiet = Raw((kInf & (0u - kInf)) >> 1);  // the significand's top bit
+  const Raw nan_out = std::is_same_v<T, Half> ? Raw((xb & kSign) | kInf | kQuiet) : Raw(xb | kQuiet);
+  return select(Raw(xb & ~kSign) > kInf, nan_out, xb);
+}
+
 }  // namespace lowfp
