@@ -4,6 +4,7 @@ call's wall time, to tell kernel time from host time. Needs a GPU and the CUDA b
     python bench/profile_gpu.py
 """
 
+import os
 import sys
 import time
 
@@ -48,6 +49,15 @@ def main():
     for mode in ("nearest", "stochastic"):
         spec = lowfp.S2FP8("float8_e5m2", 15.0)
         report(f"S2FP8 float8_e5m2 {mode} out=", lambda: lowfp.quantize(x, spec, mode, seed=1, out=y))
+    # Stochastic S2FP8's fast form (from kGpuHostFormMin = 2^24 elements) against the float64
+    # kernel around that cut.
+    for log2_n in (23, 24, 25):
+        xs, ys = x[: 1 << log2_n], y[: 1 << log2_n]
+        for wide in ("0", "1"):
+            os.environ["LOWFP_S2FP8_FLOAT64"] = wide
+            report(f"S2FP8 float8_e5m2 stochastic out=, 2^{log2_n}, LOWFP_S2FP8_FLOAT64={wide}",
+                   lambda: lowfp.s2fp8_quantize(xs, rounding="stochastic", seed=1, out=ys))
+    os.environ["LOWFP_S2FP8_FLOAT64"] = "0"
     for dtype in (torch.float16, torch.bfloat16):
         xd, yd = (x * 2.0 ** 20).to(dtype), torch.empty(n, device="cuda", dtype=dtype)
         report(f"S2FP8 float8_e5m2 nearest out=, {dtype}",

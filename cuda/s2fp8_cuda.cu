@@ -1,16 +1,18 @@
 // S2FP8 on the GPU (DESIGN §4): a reduction kernel, a one-thread kernel turning the sums into
 // alpha, beta, mu, m, and an element kernel, enqueued on one stream. The math is
 // cpp/include/lowfp/s2fp8.hpp's; the reduction is made of integer sums and a max, so its result
-// does not depend on how the work is split and equals the CPU's bit for bit. From
-// kGpuThresholdMin elements in the deterministic modes (16/32-bit x), the element kernel reads x'
-// from the CPU's threshold form (s2fp8_thresholds.cpp), built on the host: that call waits for
-// the statistics. Otherwise nothing waits.
+// does not depend on how the work is split and equals the CPU's bit for bit. For 16/32-bit x the
+// element kernel may take one of the CPU's per-call forms, built on the host once the statistics
+// are known (such a call waits for them): from kGpuHostFormMin elements, the threshold form
+// (s2fp8_thresholds.cpp) in the deterministic modes and the fast stochastic form
+// (s2fp8_stochastic.hpp) with stochastic rounding. Otherwise nothing waits.
 #include <vector>
 
 #include "common.cuh"
 #include "dispatch.hpp"
 #include "lowfp/philox.hpp"
 #include "lowfp/s2fp8.hpp"
+#include "lowfp/s2fp8_stochastic.hpp"
 #include "quantize_cuda.hpp"
 #include "s2fp8_thresholds.hpp"
 
@@ -161,9 +163,78 @@ s2fp8_lookup_kernel(const T* x, T* y, int64_t n, bool quad_io, S2fp8Thresholds t
   if constexpr (kCount) finish_counts(tc, counts, n);
 }
 
-// Below this many elements the float64 kernel (~20 ps an element on an H100) costs less than
-// building the thresholds on the host (~0.2 ms, after a wait for the statistics).
-constexpr int64_t kGpuThresholdMin = int64_t(1) << 24;
+// The fast stochastic form (S2fp8FastStochastic and its table, built on the host): x' read from
+// the table at the grid index of the rounded Y, or by the float64 path where the form leaves the
+// element ambiguous (a few in a thousand: the branch diverges rarely per warp).
+template <class T, bool kCount>
+__global__ void __launch_bounds__(kThreads)
+s2fp8_stochastic_kernel(const T* x, T* y, int64_t n, bool quad_io, S2fp8FastStochastic form,
+                        const uint32_t* values, S2fp8Stats s, RoundParams<uint64_t> p,
+                        RoundParams<uint64_t> p_store, uint64_t seed, uint64_t offset,
+                        unsigned long long* counts) {
+  using Raw = RawOf<T>;
+  const double inv_alpha = 1.0 / s.alpha;
+  ThreadCounts tc;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t groups = (n + 3) / 4, full_groups = quad_io ? n / 4 : 0;
+  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride) {
+    const Quad<T> in = load_group(x, g, n, full_groups);
+    const Philox4x32Block r = philox_block(seed, offset + uint64_t(g));
+    Quad<T> out;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t xb = Widen<uint32_t>::from(in.v[k]), a = xb & 0x7FFFFFFFu;
+      const bool finite_nonzero = a - 1 < 0x7F7FFFFFu;
+      const uint32_t idx =
+          finite_nonzero ? s2fp8_fast_grid_index(s2fp8_fast_log_y(xb, form), xb, r.w[k], form) : 0u;
+      const bool counted = kCount && 4 * g + k < n;
+      if (idx < kS2fp8Ambiguous) {
+        out.v[k] = bit_cast<T>(finite_nonzero ? Raw(__ldg(values + idx))
+                                              : s2fp8_pass_through<T>(bit_cast<Raw>(in.v[k])));
+        if (counted) {  // as RoundEvents: an infinite x overflows, NaN is counted as NaN only
+          tc.overflow += uint32_t((finite_nonzero && s2fp8_fast_above_max(idx, form)) || a == 0x7F800000u);
+          tc.underflow += uint32_t(finite_nonzero && s2fp8_fast_underflow(idx, form));
+          tc.nan += uint32_t(a > 0x7F800000u);
+        }
+      } else {
+        RoundEvents ev;
+        const uint64_t v = s2fp8_element<RoundKind::Stochastic, false>(
+            Widen<uint64_t>::from(in.v[k]), s, inv_alpha, p, r.w[k], ev);
+        out.v[k] = s2fp8_store<T>(v, p_store);
+        if (counted) tc.add(ev);
+      }
+    }
+    store_group(y, g, n, full_groups, out);
+  }
+  if constexpr (kCount) finish_counts(tc, counts, n);
+}
+
+// The statistics on the host: waits for the stream.
+S2fp8Stats stats_on_host(const double* params, cudaStream_t stream) {
+  double host[kParamSize];
+  check(cudaMemcpyAsync(host, params, sizeof(host), cudaMemcpyDeviceToHost, stream), "copy");
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  return {host[kAlpha], host[kBeta], host[kMu], host[kMax]};
+}
+
+// A host-built table on the device for the kernels enqueued after it on the stream; free_table
+// releases it in stream order once they are enqueued.
+uint32_t* upload_table(const std::vector<uint32_t>& storage, cudaStream_t stream) {
+  void* table = nullptr;
+  const size_t bytes = storage.size() * sizeof(uint32_t);
+  check(cudaMallocAsync(&table, bytes, stream), "cudaMallocAsync");
+  check(cudaMemcpyAsync(table, storage.data(), bytes, cudaMemcpyHostToDevice, stream), "copy");
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // storage is pageable
+  return static_cast<uint32_t*>(table);
+}
+
+void free_table(uint32_t* table, cudaStream_t stream) { check(cudaFreeAsync(table, stream), "cudaFreeAsync"); }
+
+// Below this many elements the float64 kernel costs less than a host-built form: the wait for
+// the statistics, the build and the table's upload cost ~0.2 ms of wall time on an H100, and save
+// ~14 ps an element (stochastic float32 x, 2^22 elements: 0.279 ms a call with the fast form,
+// 0.146 ms with the float64 kernel; bench/profile_gpu.py).
+constexpr int64_t kGpuHostFormMin = int64_t(1) << 24;
 
 }  // namespace
 
@@ -174,7 +245,8 @@ void s2fp8_cuda(const S2fp8Call& c, int64_t* sums, double* params, int64_t* coun
   auto* sums_u = reinterpret_cast<unsigned long long*>(sums);
   check(cudaMemsetAsync(sums, 0, kSumSize * sizeof(int64_t), stream), "cudaMemsetAsync");
   const int grid = grid_size(device, max_of<int64_t>((c.q.n + 3) / 4, 1));  // a thread per quad
-  const bool try_thresholds = c.q.n >= kGpuThresholdMin && s2fp8_threshold_form_allowed(c);
+  const bool try_thresholds = c.q.n >= kGpuHostFormMin && s2fp8_threshold_form_allowed(c);
+  const bool try_stochastic = c.q.n >= kGpuHostFormMin && s2fp8_stochastic_form_allowed(c);
   dispatch_s2fp8(c.q, [&](auto in, auto, auto, auto kind, auto count, auto sub_exp) {
     using T = typename decltype(in)::type;
     constexpr bool kCount = decltype(count)::value;
@@ -185,26 +257,24 @@ void s2fp8_cuda(const S2fp8Call& c, int64_t* sums, double* params, int64_t* coun
     if (c.q.n > 0) s2fp8_reduce_kernel<T><<<grid, kThreads, 0, stream>>>(x, c.q.n, quad_io, sums_u);
     s2fp8_stats_kernel<<<1, 1, 0, stream>>>(sums, c.log_max, params);
     if constexpr (!std::is_same_v<T, double>) {
-      if (try_thresholds) {
-        // The thresholds are built on the host from the statistics, which means waiting for them.
-        double host[kParamSize];
-        check(cudaMemcpyAsync(host, params, sizeof(host), cudaMemcpyDeviceToHost, stream), "copy");
-        check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-        const S2fp8Stats s{host[kAlpha], host[kBeta], host[kMu], host[kMax]};
+      if (try_thresholds || try_stochastic) {
+        const S2fp8Stats s = stats_on_host(params, stream);
         std::vector<uint32_t> storage;
         S2fp8Thresholds th;
-        if (s2fp8_build_thresholds(c, s, th, storage)) {
-          void* table = nullptr;
-          const size_t bytes = storage.size() * sizeof(uint32_t);
-          check(cudaMallocAsync(&table, bytes, stream), "cudaMallocAsync");
-          check(cudaMemcpyAsync(table, storage.data(), bytes, cudaMemcpyHostToDevice, stream), "copy");
-          check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // storage is pageable
-          const uint32_t* device_table = static_cast<const uint32_t*>(table);
-          th.entries = device_table + (th.entries - storage.data());
-          th.values = device_table + (th.values - storage.data());
+        S2fp8StochasticForm form;
+        if (try_thresholds && s2fp8_build_thresholds(c, s, th, storage)) {
+          uint32_t* table = upload_table(storage, stream);
+          th.entries = table + (th.entries - storage.data());
+          th.values = table + (th.values - storage.data());
           s2fp8_lookup_kernel<T, kCount><<<grid, kThreads, 0, stream>>>(x, y, c.q.n, quad_io, th, counts_u);
-          check(cudaFreeAsync(table, stream), "cudaFreeAsync");
-          return;
+          return free_table(table, stream);
+        }
+        if (try_stochastic && s2fp8_build_stochastic(c, s, form, storage)) {
+          uint32_t* table = upload_table(storage, stream);
+          s2fp8_stochastic_kernel<T, kCount><<<grid, kThreads, 0, stream>>>(
+              x, y, c.q.n, quad_io, form.k, table + (form.values - storage.data()), s, c.q.p64,
+              c.p_store, c.q.seed, c.q.offset, counts_u);
+          return free_table(table, stream);
         }
       }
     }

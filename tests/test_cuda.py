@@ -180,6 +180,32 @@ def test_s2fp8_formats_match_cpu(fmt, log_max):
     assert same_bits(y_cpu, y_gpu)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt,log_max", [("float8_e5m2", 15.0), ("float8_e4m3fn", 8.0), ("fp(4,3,4)", 4.0)])
+def test_s2fp8_stochastic_form_on_gpu(dtype, fmt, log_max, monkeypatch):
+    # From 2^24 elements, stochastic rounding of 16/32-bit x takes the fast form on the GPU (a
+    # table built on the host, the float64 path for the ambiguous elements): the same bits and
+    # counts as the CPU and as the GPU's float64 kernel. Random bit patterns (every binade, NaN
+    # payloads: alpha ~0.1) and magnitudes within a quarter binade (alpha in the hundreds, many
+    # elements near a band).
+    n = 2**24 + 7
+    g = torch.Generator().manual_seed(13)
+    narrow = torch.exp2(torch.rand(n, generator=g, dtype=torch.float64) * 0.25 - 3.0)
+    narrow = narrow * torch.sign(torch.randn(n, generator=g, dtype=torch.float64))
+    for x in (random_patterns(n, dtype, seed=13), narrow.to(dtype)):
+        y_cpu, y_gpu = s2fp8_cpu_and_gpu(x, fmt, "stochastic", log_max=log_max)
+        assert same_bits(y_cpu, y_gpu)
+        monkeypatch.setenv("LOWFP_S2FP8_FLOAT64", "1")
+        s_wide, s_fast = lowfp.Stats("cuda"), lowfp.Stats("cuda")
+        y_wide, _ = lowfp.s2fp8_quantize(x.cuda(), fmt, log_max=log_max, rounding="stochastic",
+                                         seed=21, stats=s_wide)
+        monkeypatch.setenv("LOWFP_S2FP8_FLOAT64", "0")
+        lowfp.s2fp8_quantize(x.cuda(), fmt, log_max=log_max, rounding="stochastic", seed=21,
+                             stats=s_fast)
+        assert same_bits(y_wide.cpu(), y_gpu)
+        assert s_wide.as_dict() == s_fast.as_dict()
+
+
 def test_s2fp8_edge_cases_on_gpu():
     for x in (torch.zeros(7), torch.empty(0), torch.tensor([2.5] * 9), torch.tensor(3.0)):
         y_cpu, y_gpu = s2fp8_cpu_and_gpu(x)

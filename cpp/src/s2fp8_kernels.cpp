@@ -289,8 +289,8 @@ void transform_stochastic(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8St
       const uint32_t idx = select(finite_nonzero, s2fp8_fast_grid_index(log_y[i], xb, rand[i], k), 0u);
       index[i] = idx;
       if constexpr (kCount) {  // (an ambiguous index matches none: counted on the float64 path)
-        under += uint32_t(finite_nonzero & ((idx == 0) | (idx == k.per_sign)));
-        above += uint32_t((finite_nonzero & ((idx == k.over) | (idx == k.per_sign + k.over))) |
+        under += uint32_t(finite_nonzero & s2fp8_fast_underflow(idx, k));
+        above += uint32_t((finite_nonzero & s2fp8_fast_above_max(idx, k)) |
                           (a >= 0x7F800000u));  // infinite x overflow, NaN is "above max" too
         nan += uint32_t(a > 0x7F800000u);
       }

@@ -115,7 +115,7 @@ bool build(const S2fp8Call& call, const S2fp8Stats& s, S2fp8StochasticForm& form
 
 bool s2fp8_build_stochastic(const S2fp8Call& call, const S2fp8Stats& s, S2fp8StochasticForm& form,
                             std::vector<uint32_t>& storage) {
-  if (call.q.mode != Rounding::Stochastic || s2fp8_float64_forced()) return false;
+  if (!s2fp8_stochastic_form_allowed(call)) return false;
   if (call.q.n < 1024) return false;  // building costs a few microseconds
   switch (call.q.x_dtype) {
     case DType::Float16: return build<Half>(call, s, form, storage);

@@ -282,6 +282,11 @@ bool s2fp8_threshold_form_allowed(const S2fp8Call& call) {
          !s2fp8_float64_forced();
 }
 
+bool s2fp8_stochastic_form_allowed(const S2fp8Call& call) {
+  return call.q.mode == Rounding::Stochastic && call.q.x_dtype != DType::Float64 &&
+         !s2fp8_float64_forced();
+}
+
 bool s2fp8_build_thresholds(const S2fp8Call& call, const S2fp8Stats& s, S2fp8Thresholds& t,
                             std::vector<uint32_t>& storage) {
   if (!s2fp8_threshold_form_allowed(call)) return false;

@@ -14,6 +14,10 @@ bool s2fp8_float64_forced();
 // and the float64 path not forced. Checked before waiting for statistics that would then go unused.
 bool s2fp8_threshold_form_allowed(const S2fp8Call& call);
 
+// Whether a call may take the fast stochastic form at all: stochastic rounding, 16- or 32-bit x,
+// and the float64 path not forced.
+bool s2fp8_stochastic_form_allowed(const S2fp8Call& call);
+
 // Fills t (its arrays in storage) for call with statistics s; false when the call has no
 // threshold form (not allowed above, a format finer than 4096 grid points, more than 2^16
 // buckets) or is too small to pay for building it: the float64 path then runs.

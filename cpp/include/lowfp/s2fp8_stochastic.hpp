@@ -110,4 +110,12 @@ LOWFP_HD uint32_t s2fp8_fast_grid_index(float log_y, uint32_t xb, uint32_t rand,
   return index | select(ambiguous, kS2fp8Ambiguous, 0u);
 }
 
+// The events of a finite nonzero x whose index the form decided: Y rounded to 0, or above max.
+LOWFP_HD bool s2fp8_fast_underflow(uint32_t index, const S2fp8FastStochastic& k) {
+  return (index == 0) | (index == k.per_sign);
+}
+LOWFP_HD bool s2fp8_fast_above_max(uint32_t index, const S2fp8FastStochastic& k) {
+  return (index == k.over) | (index == k.per_sign + k.over);
+}
+
 }  // namespace lowfp
