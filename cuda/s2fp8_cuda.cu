@@ -138,7 +138,6 @@ s2fp8_lookup_kernel(const T* x, T* y, int64_t n, bool quad_io, S2fp8Thresholds t
   using Raw = RawOf<T>;
   constexpr uint32_t kInf = kInfRaw<T>, kAbs = kSignRaw<T> - 1;
   constexpr int kSignShift = 8 * sizeof(Raw) - 1;
-  const uint32_t low = (uint32_t(1) << th.shift) - 1;
   ThreadCounts tc;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t groups = (n + 3) / 4, full_groups = quad_io ? n / 4 : 0;
@@ -148,8 +147,8 @@ s2fp8_lookup_kernel(const T* x, T* y, int64_t n, bool quad_io, S2fp8Thresholds t
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const uint32_t xb = bit_cast<Raw>(in.v[k]), a = xb & kAbs, neg = xb >> kSignShift;
-      const uint32_t e = __ldg(th.entries + neg * th.buckets + min_of(a >> th.shift, th.buckets - 1));
-      const uint32_t v = (e >> th.shift) - uint32_t((a & low) < (e & low));
+      const uint32_t a_raised = th.raised(a);
+      const uint32_t v = th.value_index(a_raised, __ldg(th.entries + th.entry_index(a_raised, neg)));
       out.v[k] = bit_cast<T>(a - 1 < kInf - 1 ? Raw(__ldg(th.values + v)) : s2fp8_pass_through<T>(Raw(xb)));
       if (kCount && 4 * g + k < n) {
         const bool nan = a > kInf;

@@ -21,12 +21,24 @@ struct EventCounts {
 // logarithms per element. Built per call once the statistics are known; index 0 of the per-sign
 // arrays is for positive x, 1 for negative.
 struct S2fp8Thresholds {
-  // Bucket (a >> shift) of sign s, clamped to buckets - 1, is entry s * buckets + bucket:
-  // (v << shift) | t, where v indexes values and t is the low bits of the bucket's one threshold
-  // (0 when it has none): x' = values[v - ((a & low) < t)] with low = 2^shift - 1.
+  // Magnitude bits a are first raised to base (below it x' does not change: base lies below
+  // every threshold and is a multiple of 2^shift). Bucket (a - base) >> shift of sign s, clamped
+  // to buckets - 1, is entry s * buckets + bucket: (v << shift) | t, where v indexes values and t
+  // is the low bits of the bucket's one threshold (0 when it has none):
+  // x' = values[v - ((a & low) < t)] with low = 2^shift - 1.
   const uint32_t* entries = nullptr;
   const uint32_t* values = nullptr;  // x' as raw bits of x's dtype, both signs
-  uint32_t shift = 0, buckets = 0;
+  uint32_t n_values = 0;
+  uint32_t base = 0, shift = 0, buckets = 0;
+  // The three steps for magnitude bits a and sign neg (0 or 1), shared by the CPU and GPU kernels.
+  LOWFP_HD uint32_t raised(uint32_t a) const { return max_of(a, base); }
+  LOWFP_HD uint32_t entry_index(uint32_t a_raised, uint32_t neg) const {
+    return min_of((a_raised - base) >> shift, buckets - 1) + ((uint32_t(0) - neg) & buckets);
+  }
+  LOWFP_HD uint32_t value_index(uint32_t a_raised, uint32_t entry) const {
+    const uint32_t low = (uint32_t(1) << shift) - 1;
+    return (entry >> shift) - uint32_t((a_raised & low) < (entry & low));
+  }
   // Events as ranges of magnitude bits a: underflow for under_lo <= a < under_hi, above max (or
   // NaN) for a >= above.
   uint32_t under_lo[2] = {0, 0}, under_hi[2] = {0, 0}, above[2] = {0, 0};

@@ -122,10 +122,11 @@ void transform(const S2fp8Call& c, const S2fp8Stats& s, int64_t begin, int64_t e
   }
 }
 
-// The threshold form (S2fp8Thresholds) on one tile, in phases: vector loops for the arithmetic
-// and scalar loops for the two table lookups (bucket entry, then x'). Vector gathers were slower
-// than scalar loads on the machine this was measured on, and gcc emulates them with scalar loads
-// and lane inserts that cost more than the loads themselves (see bench/RESULTS.md).
+// The threshold form (S2fp8Thresholds) on one tile, in phases: vector loops for the arithmetic,
+// a scalar loop for the bucket entries (thousands of them) and a TableLookup for x' (in registers
+// where there are at most 256 values). Vector gathers were slower than scalar loads on the
+// machine this was measured on, and gcc emulates them with scalar loads and lane inserts that
+// cost more than the loads themselves (see bench/RESULTS.md).
 struct TileEvents {
   uint32_t above = 0, under = 0, nan = 0;
 };
@@ -141,12 +142,9 @@ void bucket_index(const Raw* __restrict x, uint32_t* __restrict index, int64_t l
                   const S2fp8Thresholds& th) {
   constexpr uint32_t kAbs = kSignRaw<T> - 1;
   constexpr int kSignShift = 8 * sizeof(Raw) - 1;
-  const uint32_t shift = th.shift, last = th.buckets - 1, buckets = th.buckets;
-  for (int64_t i = 0; i < len; ++i) {  // vectorised
-    const uint32_t xb = x[i];
-    const uint32_t neg = uint32_t(0) - (xb >> kSignShift);  // all ones for negative x
-    index[i] = min_of((xb & kAbs) >> shift, last) + (neg & buckets);
-  }
+  const S2fp8Thresholds t = th;  // a local copy: the stores below cannot change it
+  for (int64_t i = 0; i < len; ++i)  // vectorised
+    index[i] = t.entry_index(t.raised(x[i] & kAbs), uint32_t(x[i]) >> kSignShift);
 }
 
 // Turns bucket entries into indices of values, in place.
@@ -154,11 +152,9 @@ template <class T, class Raw = RawOf<T>>
 void value_index(const Raw* __restrict x, uint32_t* __restrict entry, int64_t len,
                  const S2fp8Thresholds& th) {
   constexpr uint32_t kAbs = kSignRaw<T> - 1;
-  const uint32_t shift = th.shift, low = (uint32_t(1) << shift) - 1;
-  for (int64_t i = 0; i < len; ++i) {  // vectorised
-    const uint32_t e = entry[i];
-    entry[i] = (e >> shift) - uint32_t((x[i] & kAbs & low) < (e & low));
-  }
+  const S2fp8Thresholds t = th;
+  for (int64_t i = 0; i < len; ++i)  // vectorised
+    entry[i] = t.value_index(t.raised(x[i] & kAbs), entry[i]);
 }
 
 // x' for finite nonzero x, else s2fp8_pass_through (x and y may be the same buffer); the events.
@@ -185,30 +181,6 @@ TileEvents store_tile(const Raw* x, Raw* y, const uint32_t* __restrict value, in
     }
   }
   return ev;
-}
-
-template <class T, bool kCount>
-void transform_thresholds(const S2fp8Call& c, const S2fp8Thresholds& th, int64_t begin,
-                          int64_t end, EventCounts& counts) {
-  using Raw = RawOf<T>;
-  const Raw* x = static_cast<const Raw*>(c.q.x);
-  Raw* y = static_cast<Raw*>(c.q.y);
-  // (found starts 256 bytes past a multiple of 4096 bytes from index: a load whose address
-  // matches an earlier store's modulo 4096 waits for it, which halved the lookups' speed)
-  alignas(64) uint32_t buffer[2 * kTile + 64];
-  uint32_t* index = buffer;
-  uint32_t* found = buffer + kTile + 64;
-  for (int64_t t0 = begin; t0 < end; t0 += kTile) {
-    const int64_t len = min_of(kTile, end - t0);
-    bucket_index<T>(x + t0, index, len, th);
-    lookup(th.entries, index, found, len);
-    value_index<T>(x + t0, found, len, th);
-    lookup(th.values, found, index, len);
-    const TileEvents ev = store_tile<T, kCount>(x + t0, y + t0, index, len, th);
-    counts.overflow += int64_t(ev.above) - int64_t(ev.nan);  // see RoundEvents
-    counts.underflow += int64_t(ev.under);
-    counts.nan += int64_t(ev.nan);
-  }
 }
 
 // x' = table[index[i]] for a tile (the index's kS2fp8Ambiguous bit ignored), calling
@@ -251,6 +223,59 @@ void lookup_flagged_avx512(const uint32_t* padded, const uint32_t* table, const 
 }
 #endif
 
+// x' = table[index[i]] for a table of `entries` entries, with AVX-512 in registers where it
+// holds at most 256 (padded once, for a thread's range), else by scalar loads; ambiguous(i) for
+// each element whose index has kS2fp8Ambiguous set.
+class TableLookup {
+ public:
+  TableLookup(const uint32_t* table, int64_t entries) : table_(table), entries_(entries) {
+#if defined(__AVX512F__)
+    for (int64_t j = 0; j < min_of<int64_t>(entries, 256); ++j) padded_[j] = table[j];
+#endif
+  }
+  template <class Fn>
+  void operator()(const uint32_t* index, uint32_t* out, int64_t len, Fn&& ambiguous) const {
+#if defined(__AVX512F__)
+    if (entries_ <= 64) return lookup_flagged_avx512<2>(padded_, table_, index, out, len, ambiguous);
+    if (entries_ <= 128) return lookup_flagged_avx512<4>(padded_, table_, index, out, len, ambiguous);
+    if (entries_ <= 256) return lookup_flagged_avx512<8>(padded_, table_, index, out, len, ambiguous);
+#endif
+    lookup_flagged_scalar(table_, index, out, len, ambiguous);
+  }
+
+ private:
+  const uint32_t* table_;
+  int64_t entries_;
+#if defined(__AVX512F__)
+  alignas(64) uint32_t padded_[256] = {};
+#endif
+};
+
+template <class T, bool kCount>
+void transform_thresholds(const S2fp8Call& c, const S2fp8Thresholds& th, int64_t begin,
+                          int64_t end, EventCounts& counts) {
+  using Raw = RawOf<T>;
+  const Raw* x = static_cast<const Raw*>(c.q.x);
+  Raw* y = static_cast<Raw*>(c.q.y);
+  // (found starts 256 bytes past a multiple of 4096 bytes from index: a load whose address
+  // matches an earlier store's modulo 4096 waits for it, which halved the lookups' speed)
+  alignas(64) uint32_t buffer[2 * kTile + 64];
+  uint32_t* index = buffer;
+  uint32_t* found = buffer + kTile + 64;
+  const TableLookup values(th.values, th.n_values);
+  for (int64_t t0 = begin; t0 < end; t0 += kTile) {
+    const int64_t len = min_of(kTile, end - t0);
+    bucket_index<T>(x + t0, index, len, th);
+    lookup(th.entries, index, found, len);
+    value_index<T>(x + t0, found, len, th);
+    values(found, index, len, [](int64_t) {});  // (no index is flagged)
+    const TileEvents ev = store_tile<T, kCount>(x + t0, y + t0, index, len, th);
+    counts.overflow += int64_t(ev.above) - int64_t(ev.nan);  // see RoundEvents
+    counts.underflow += int64_t(ev.under);
+    counts.nan += int64_t(ev.nan);
+  }
+}
+
 // The fast stochastic form (S2fp8StochasticForm) on one tile: grid indices in two vector loops,
 // x' looked up (in registers where the table fits), the float64 path on the rare ambiguous
 // elements, then a vector loop that stores x' (s2fp8_pass_through where x is zero, infinite or NaN).
@@ -262,12 +287,7 @@ void transform_stochastic(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8St
   Raw* y = static_cast<Raw*>(c.q.y);
   const S2fp8FastStochastic k = form.k;
   const double inv_alpha = 1.0 / s.alpha;
-#if defined(__AVX512F__)
-  // The table padded to a whole number of registers, once per range.
-  const int64_t entries = 2 * int64_t(k.per_sign);
-  alignas(64) uint32_t padded[256] = {};
-  for (int64_t j = 0; j < min_of<int64_t>(entries, 256); ++j) padded[j] = form.values[j];
-#endif
+  const TableLookup values(form.values, 2 * int64_t(k.per_sign));
   alignas(64) uint32_t rand[kTile];
   alignas(64) float log_y[kTile];
   // value[i] lies half a page past index[i] modulo 4096 bytes, so that the lookup loop's loads of
@@ -306,13 +326,7 @@ void transform_stochastic(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8St
         nan += uint32_t(ev.nan);
       }
     };
-#if defined(__AVX512F__)
-    if (entries <= 64) lookup_flagged_avx512<2>(padded, form.values, index, value, len, ambiguous);
-    else if (entries <= 128) lookup_flagged_avx512<4>(padded, form.values, index, value, len, ambiguous);
-    else if (entries <= 256) lookup_flagged_avx512<8>(padded, form.values, index, value, len, ambiguous);
-    else
-#endif
-      lookup_flagged_scalar(form.values, index, value, len, ambiguous);
+    values(index, value, len, ambiguous);
     Raw* yt = y + t0;  // may alias xt: element i is read before it is written
     for (int64_t i = 0; i < len; ++i) {  // vectorised
       const uint32_t a = Widen<uint32_t>::from(bit_cast<T>(xt[i])) & 0x7FFFFFFFu;

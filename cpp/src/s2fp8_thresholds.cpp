@@ -237,7 +237,13 @@ bool build(const S2fp8Call& call, const S2fp8Stats& s, S2fp8Thresholds& t,
       top = max_of(top, si.starts[j]);
     }
   if (shift < 0) return false;
-  const uint64_t buckets = (uint64_t(top) >> shift) + 2;
+  // Buckets start at base, a multiple of 2^shift strictly below the first threshold of either
+  // sign: the magnitudes below it (often most of the bit range) share one x' and need no entries.
+  uint32_t first = top;
+  for (const SignIntervals& si : sign)
+    if (si.starts.size() > 1) first = min_of(first, si.starts[1]);
+  const uint32_t base = first > 0 ? ((first - 1) >> shift) << shift : 0;
+  const uint64_t buckets = (uint64_t(top - base) >> shift) + 2;
   if (buckets > (uint64_t(1) << 16)) return false;
   storage.assign(2 * buckets + n_values, 0);
   uint32_t* entries = storage.data();
@@ -251,7 +257,7 @@ bool build(const S2fp8Call& call, const S2fp8Stats& s, S2fp8Thresholds& t,
     for (uint64_t b = 0; b < buckets; ++b) {
       uint32_t& e = entries[neg * buckets + b];
       const uint32_t v = value_base + uint32_t(j - 1);  // x' below any threshold of bucket b
-      if (j < si.starts.size() && (si.starts[j] >> shift) == b) {
+      if (j < si.starts.size() && ((si.starts[j] - base) >> shift) == b) {
         e = ((v + 1) << shift) | (si.starts[j] & low);
         ++j;
       } else {
@@ -265,6 +271,8 @@ bool build(const S2fp8Call& call, const S2fp8Stats& s, S2fp8Thresholds& t,
   }
   t.entries = entries;
   t.values = values;
+  t.n_values = n_values;
+  t.base = base;
   t.shift = uint32_t(shift);
   t.buckets = uint32_t(buckets);
   return true;
