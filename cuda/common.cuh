@@ -84,6 +84,17 @@ __device__ void store_group(T* y, int64_t g, int64_t n, int64_t full_groups, con
   }
 }
 
+// This thread's groups of four elements, grid-stride: y's group g = fn(g, x's group g), read
+// and written as whole quads in the first n / 4 groups when quad_io (the caller checked
+// alignment). x and y may be the same buffer: each group is read before it is written.
+template <class In, class Out, class Fn>
+__device__ void transform_groups(const In* x, Out* y, int64_t n, bool quad_io, Fn&& fn) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t groups = (n + 3) / 4, full_groups = quad_io ? n / 4 : 0;
+  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride)
+    store_group(y, g, n, full_groups, fn(g, load_group(x, g, n, full_groups)));
+}
+
 // The end of a counting kernel: this thread's events, and numel once per launch.
 __device__ void finish_counts(const ThreadCounts& c, unsigned long long* counts, int64_t n) {
   flush_counts(c, counts);

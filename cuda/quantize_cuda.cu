@@ -19,11 +19,7 @@ __global__ void __launch_bounds__(kThreads)
 quantize_kernel(const In* x, Out* y, int64_t n, RoundParams<Bits> p, uint64_t seed,
                 uint64_t offset, unsigned long long* counts, bool quad_io) {
   ThreadCounts tc;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const int64_t groups = (n + 3) / 4;
-  const int64_t full_groups = quad_io ? n / 4 : 0;  // groups read and written as one Quad
-  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride) {
-    const Quad<In> in = load_group(x, g, n, full_groups);
+  transform_groups(x, y, n, quad_io, [&](int64_t g, const Quad<In>& in) {
     Philox4x32Block r = {{0u, 0u, 0u, 0u}};
     if constexpr (K == RoundKind::Stochastic) r = philox_block(seed, offset + uint64_t(g));
     Quad<Out> out;
@@ -34,8 +30,8 @@ quantize_kernel(const In* x, Out* y, int64_t n, RoundParams<Bits> p, uint64_t se
           round_bits<K, Bits, kSubExp>(Widen<Bits>::from(in.v[k]), p, r.w[k], ev));
       if (kCount && 4 * g + k < n) tc.add(ev);
     }
-    store_group(y, g, n, full_groups, out);
-  }
+    return out;
+  });
   if constexpr (kCount) finish_counts(tc, counts, n);
 }
 

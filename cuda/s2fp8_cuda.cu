@@ -109,10 +109,7 @@ s2fp8_transform_kernel(const T* x, T* y, int64_t n, bool quad_io, const double* 
   const S2fp8Stats s{params[kAlpha], params[kBeta], params[kMu], params[kMax]};
   const double inv_alpha = 1.0 / s.alpha;
   ThreadCounts tc;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const int64_t groups = (n + 3) / 4, full_groups = quad_io ? n / 4 : 0;
-  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride) {
-    const Quad<T> in = load_group(x, g, n, full_groups);
+  transform_groups(x, y, n, quad_io, [&](int64_t g, const Quad<T>& in) {
     Philox4x32Block r = {{0u, 0u, 0u, 0u}};
     if constexpr (K == RoundKind::Stochastic) r = philox_block(seed, offset + uint64_t(g));
     Quad<T> out;
@@ -124,8 +121,8 @@ s2fp8_transform_kernel(const T* x, T* y, int64_t n, bool quad_io, const double* 
       out.v[k] = s2fp8_store<T>(v, p_store);
       if (kCount && 4 * g + k < n) tc.add(ev);
     }
-    store_group(y, g, n, full_groups, out);
-  }
+    return out;
+  });
   if constexpr (kCount) finish_counts(tc, counts, n);
 }
 
@@ -139,10 +136,7 @@ s2fp8_lookup_kernel(const T* x, T* y, int64_t n, bool quad_io, S2fp8Thresholds t
   constexpr uint32_t kInf = kInfRaw<T>, kAbs = kSignRaw<T> - 1;
   constexpr int kSignShift = 8 * sizeof(Raw) - 1;
   ThreadCounts tc;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const int64_t groups = (n + 3) / 4, full_groups = quad_io ? n / 4 : 0;
-  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride) {
-    const Quad<T> in = load_group(x, g, n, full_groups);
+  transform_groups(x, y, n, quad_io, [&](int64_t g, const Quad<T>& in) {
     Quad<T> out;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -157,8 +151,8 @@ s2fp8_lookup_kernel(const T* x, T* y, int64_t n, bool quad_io, S2fp8Thresholds t
         tc.nan += uint32_t(nan);
       }
     }
-    store_group(y, g, n, full_groups, out);
-  }
+    return out;
+  });
   if constexpr (kCount) finish_counts(tc, counts, n);
 }
 
@@ -174,10 +168,7 @@ s2fp8_stochastic_kernel(const T* x, T* y, int64_t n, bool quad_io, S2fp8FastStoc
   using Raw = RawOf<T>;
   const double inv_alpha = 1.0 / s.alpha;
   ThreadCounts tc;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const int64_t groups = (n + 3) / 4, full_groups = quad_io ? n / 4 : 0;
-  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride) {
-    const Quad<T> in = load_group(x, g, n, full_groups);
+  transform_groups(x, y, n, quad_io, [&](int64_t g, const Quad<T>& in) {
     const Philox4x32Block r = philox_block(seed, offset + uint64_t(g));
     Quad<T> out;
 #pragma unroll
@@ -203,8 +194,8 @@ s2fp8_stochastic_kernel(const T* x, T* y, int64_t n, bool quad_io, S2fp8FastStoc
         if (counted) tc.add(ev);
       }
     }
-    store_group(y, g, n, full_groups, out);
-  }
+    return out;
+  });
   if constexpr (kCount) finish_counts(tc, counts, n);
 }
 
