@@ -19,27 +19,34 @@ import sys
 import torch
 
 import lowfp
-from lowfp.bench import _time, _time_cuda, machine_description
+from lowfp.bench import (_once_cpu, _once_cuda, _time, machine_description, paired_ratio,
+                         time_interleaved, time_rounds)
 
 CASES = [("float8_e5m2", 15.0), ("float8_e4m3fn", 8.0)]
 
 
 def run(device: str, size: int, repeats: int):
-    timer = _time if device == "cpu" else _time_cuda
+    """Rows (label, best seconds, S2FP8 / quantize or None). Each case's quantize and S2FP8 are
+    timed in alternating rounds (lowfp.bench.time_rounds); the ratio is the median over rounds
+    of the two times measured moments apart."""
+    once = _once_cpu if device == "cpu" else _once_cuda
+    if device == "cuda":
+        torch.cuda.synchronize()
     torch.manual_seed(0)
     x = torch.randn(size, device=device) * 2.0 ** -20
     y = torch.empty_like(x)
-    rows = [("y.copy_(x)", timer(lambda: y.copy_(x), repeats), None)]
+    rows = [("y.copy_(x)", time_interleaved({"": lambda: y.copy_(x)}, repeats, once)[""], None)]
     for fmt, log_max in CASES:
         spec = lowfp.S2FP8(fmt, log_max)
         for mode in ("nearest", "stochastic"):
             for alloc in (True, False):
                 out = None if alloc else y
                 how = "allocating" if alloc else "out="
-                q = timer(lambda: lowfp.quantize(x, fmt, mode, seed=1, out=out), repeats)
-                s = timer(lambda: lowfp.quantize(x, spec, mode, seed=1, out=out), repeats)
-                rows.append((f"quantize {fmt} {mode} {how}", q, None))
-                rows.append((f"S2FP8 {fmt} {mode} {how}", s, q))
+                t = time_rounds({"q": lambda: lowfp.quantize(x, fmt, mode, seed=1, out=out),
+                                 "s": lambda: lowfp.quantize(x, spec, mode, seed=1, out=out)},
+                                repeats, once)
+                rows.append((f"quantize {fmt} {mode} {how}", min(t["q"]), None))
+                rows.append((f"S2FP8 {fmt} {mode} {how}", min(t["s"]), paired_ratio(t["q"], t["s"])))
     return rows
 
 
@@ -82,17 +89,16 @@ def main(argv=None):
     for dev in devices:
         size = args.size if dev == "cpu" else args.gpu_size
         name = torch.cuda.get_device_name() if dev == "cuda" else "CPU"
-        print(f"\n{name}: {size} float32 elements, best of {args.repeats}")
+        print(f"\n{name}: {size} float32 elements, best of {args.repeats} rounds; "
+              "S2FP8 / quantize: median over rounds of the pair's throughput ratio")
         print(f"{'what':50s} {'elements/s':>11s} {'S2FP8 / quantize':>17s}")
         rows = run(dev, size, args.repeats)
-        ratios = []
-        for label, sec, base in rows:
-            ratio = "" if base is None else f"{base / sec:17.2f}"
-            if base is not None:
-                ratios.append(base / sec)
-            print(f"{label:50s} {size / sec:11.3e} {ratio}")
+        ratios = [r for _, _, r in rows if r is not None]
+        for label, sec, ratio in rows:
+            print(f"{label:50s} {size / sec:11.3e} {'' if ratio is None else f'{ratio:17.2f}'}")
         print(f"S2FP8 / quantize, min over cases (target >= 0.4): {min(ratios):.2f}")
-        results[dev] = [{"label": l, "seconds": s, "elements_per_s": size / s} for l, s, _ in rows]
+        results[dev] = [{"label": l, "seconds": s, "elements_per_s": size / s, "ratio": r}
+                        for l, s, r in rows]
         if dev == "cpu":
             print(f"\nCPU S2FP8 float8_e5m2 nearest out=, by input dtype: float64 path vs default")
             print(f"{'dtype':10s} {'float64 path /s':>16s} {'default /s':>16s} {'speed-up':>9s}")
