@@ -93,7 +93,14 @@ constexpr int kLanes = 1;  // scalar only
 
 }  // namespace lanes
 
-inline void philox_fill(uint32_t* out, uint64_t seed, uint64_t block0, int64_t blocks) {
+// Philox words for blocks [block0, block0 + blocks) into out (4 per block). between(k) is called
+// after the k-th group of vector lanes (a hook for work to overlap with the arithmetic).
+struct NoHook {
+  void operator()(int64_t) const {}
+};
+template <class Hook = NoHook>
+inline void philox_fill(uint32_t* out, uint64_t seed, uint64_t block0, int64_t blocks,
+                        [[maybe_unused]] const Hook& between = Hook{}) {
   int64_t j = 0;
 #if defined(__AVX512F__) || defined(__AVX2__)
   const uint32_t k0 = uint32_t(seed), k1 = uint32_t(seed >> 32);
@@ -111,6 +118,7 @@ inline void philox_fill(uint32_t* out, uint64_t seed, uint64_t block0, int64_t b
     lanes::Words c2 = lanes::broadcast(0), c3 = lanes::broadcast(0);
     philox4x32_10_rounds(c0, c1, c2, c3, k0, k1);
     lanes::store_blocks(out + 4 * j, c0, c1, c2, c3);
+    between(j / lanes::kLanes);
   }
 #endif
   for (; j < blocks; ++j) {

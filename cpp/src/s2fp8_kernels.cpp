@@ -19,17 +19,60 @@ namespace lowfp {
 namespace LOWFP_ISA_NS {
 namespace {
 
-static_assert(kTile % kS2fp8Group == 0, "tiles hold whole reduction groups");
+// Elements per tile of the loops below, a part of a range (ranges are whole kTile tiles): small
+// enough that a tile's x, y and work buffers stay in the L1 cache (with 2048, the threshold form's
+// transform was ~10 % slower and the reduction ~8 %; bench/RESULTS.md).
+constexpr int64_t kS2fp8Tile = 512;
+static_assert(kTile % kS2fp8Tile == 0 && kS2fp8Tile % kS2fp8Group == 0,
+              "tiles hold whole reduction groups and Philox blocks");
 
-// The reduction of s2fp8.hpp over [begin, end), begin a multiple of kTile (so of the group).
+// Elements from one work buffer to the next such that the second starts `bytes` past a multiple
+// of 4096 bytes from the first: a load whose address matches an earlier store's modulo 4096
+// waits for it (4K aliasing), which had halved the speed of the lookups.
+constexpr int64_t buffer_stride(int64_t bytes) {
+  return kS2fp8Tile + ((4096 + bytes - (kS2fp8Tile * 4) % 4096) % 4096) / 4;
+}
+
+// Fetches the next tile's x (to be read) and y (to be written; null: none) into the cache while
+// a tile is worked on. The loops below read a tile in a burst and then compute for a while, and
+// over that pause the hardware prefetcher does not run far enough ahead: the next burst waited on
+// memory (bench/RESULTS.md). Callers spread fetch() over the tile's work.
+class NextTile {
+ public:
+  template <class T>
+  NextTile(const T* x, T* y, int64_t next_t0, int64_t end)
+      : x_(reinterpret_cast<const char*>(x + next_t0)),
+        y_(y == nullptr ? nullptr : reinterpret_cast<char*>(y + next_t0)),
+        bytes_(max_of<int64_t>(min_of(kS2fp8Tile, end - next_t0), 0) * int64_t(sizeof(T))) {}
+  static constexpr int64_t kLine = 64;
+  // Lines [first, first + count) of both, those that exist.
+  void fetch(int64_t first, int64_t count) const {
+    for (int64_t at = first * kLine; at < min_of((first + count) * kLine, bytes_); at += kLine) {
+      __builtin_prefetch(x_ + at, 0);
+      if (y_ != nullptr) __builtin_prefetch(y_ + at, 1);
+    }
+  }
+  // Lines per step for a tile's lines to be spread over `steps` steps.
+  template <class T>
+  static constexpr int64_t lines_per_step(int64_t steps) {
+    return (kS2fp8Tile * int64_t(sizeof(T)) / kLine + steps - 1) / steps;
+  }
+
+ private:
+  const char* x_;
+  char* y_;
+  int64_t bytes_;
+};
+
+// The reduction of s2fp8.hpp over [begin, end), begin a multiple of kS2fp8Tile (so of the group).
 template <class In>
 void reduce(const In* x, int64_t begin, int64_t end, S2fp8Partial& total) {
   constexpr int kLanes = kS2fp8Lanes;
-  constexpr int64_t kGroups = kTile / kS2fp8Group;
-  alignas(64) double f[kTile];
+  constexpr int64_t kGroups = kS2fp8Tile / kS2fp8Group;
+  alignas(64) double f[kS2fp8Tile];
   alignas(64) double products[kGroups * kLanes];
-  for (int64_t t0 = begin; t0 < end; t0 += kTile) {
-    const int64_t len = min_of(kTile, end - t0);
+  for (int64_t t0 = begin; t0 < end; t0 += kS2fp8Tile) {
+    const int64_t len = min_of(kS2fp8Tile, end - t0);
     const int64_t groups = (len + kS2fp8Group - 1) / kS2fp8Group;
     S2fp8Partial tile;
     if constexpr (std::is_same_v<In, double>) {
@@ -59,8 +102,11 @@ void reduce(const In* x, int64_t begin, int64_t end, S2fp8Partial& total) {
       tile.max_abs = Widen<uint64_t>::f32(max_abs);
     }
     for (int64_t i = len; i < groups * kS2fp8Group; ++i) f[i] = 1.0;
+    const NextTile next(x, static_cast<In*>(nullptr), t0 + len, end);
+    constexpr int64_t kLinesPerGroup = NextTile::lines_per_step<In>(kGroups);
     // The lane products: at each level, row s of a group becomes row 2s times row 2s+1.
     for (int64_t g = 0; g < groups; ++g) {
+      next.fetch(g * kLinesPerGroup, kLinesPerGroup);
       double* rows = f + g * kS2fp8Group;
       for (int n_rows = kS2fp8Factors; n_rows > 1; n_rows /= 2)
         for (int s = 0; s < n_rows / 2; ++s)
@@ -104,10 +150,10 @@ void transform(const S2fp8Call& c, const S2fp8Stats& s, int64_t begin, int64_t e
   T* y = static_cast<T*>(c.q.y);
   const RoundParams<uint64_t>& p = c.q.p64;
   const double inv_alpha = 1.0 / s.alpha;
-  alignas(64) uint32_t rand[kTile];
-  alignas(64) uint64_t y_bits[kTile];
-  for (int64_t t0 = begin; t0 < end; t0 += kTile) {
-    const int64_t len = min_of(kTile, end - t0);
+  alignas(64) uint32_t rand[kS2fp8Tile];
+  alignas(64) uint64_t y_bits[kS2fp8Tile];
+  for (int64_t t0 = begin; t0 < end; t0 += kS2fp8Tile) {
+    const int64_t len = min_of(kS2fp8Tile, end - t0);
     if constexpr (Kind == RoundKind::Stochastic)
       philox_fill(rand, c.q.seed, c.q.offset + uint64_t(t0) / 4, (len + 3) / 4);
     const T* xt = x + t0;
@@ -131,10 +177,17 @@ struct TileEvents {
   uint32_t above = 0, under = 0, nan = 0;
 };
 
+// out[i] = table[index[i]], fetching the next tile meanwhile (one line of its x and y per 16
+// lookups: a tile of 16-bit x has half the lines).
 __attribute__((noinline, optimize("no-tree-vectorize")))
 void lookup(const uint32_t* __restrict table, const uint32_t* __restrict index,
-            uint32_t* __restrict out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = table[index[i]];
+            uint32_t* __restrict out, int64_t n, const NextTile& next) {
+  int64_t i = 0;
+  for (int64_t line = 0; i + 16 <= n; ++line) {
+    next.fetch(line, 1);
+    for (const int64_t stop = i + 16; i < stop; ++i) out[i] = table[index[i]];
+  }
+  for (; i < n; ++i) out[i] = table[index[i]];
 }
 
 template <class T, class Raw = RawOf<T>>
@@ -257,16 +310,15 @@ void transform_thresholds(const S2fp8Call& c, const S2fp8Thresholds& th, int64_t
   using Raw = RawOf<T>;
   const Raw* x = static_cast<const Raw*>(c.q.x);
   Raw* y = static_cast<Raw*>(c.q.y);
-  // (found starts 256 bytes past a multiple of 4096 bytes from index: a load whose address
-  // matches an earlier store's modulo 4096 waits for it, which halved the lookups' speed)
-  alignas(64) uint32_t buffer[2 * kTile + 64];
+  constexpr int64_t kStride = buffer_stride(256);
+  alignas(64) uint32_t buffer[kStride + kS2fp8Tile];
   uint32_t* index = buffer;
-  uint32_t* found = buffer + kTile + 64;
+  uint32_t* found = buffer + kStride;
   const TableLookup values(th.values, th.n_values);
-  for (int64_t t0 = begin; t0 < end; t0 += kTile) {
-    const int64_t len = min_of(kTile, end - t0);
+  for (int64_t t0 = begin; t0 < end; t0 += kS2fp8Tile) {
+    const int64_t len = min_of(kS2fp8Tile, end - t0);
     bucket_index<T>(x + t0, index, len, th);
-    lookup(th.entries, index, found, len);
+    lookup(th.entries, index, found, len, NextTile(x, y, t0 + len, end));
     value_index<T>(x + t0, found, len, th);
     values(found, index, len, [](int64_t) {});  // (no index is flagged)
     const TileEvents ev = store_tile<T, kCount>(x + t0, y + t0, index, len, th);
@@ -288,16 +340,18 @@ void transform_stochastic(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8St
   const S2fp8FastStochastic k = form.k;
   const double inv_alpha = 1.0 / s.alpha;
   const TableLookup values(form.values, 2 * int64_t(k.per_sign));
-  alignas(64) uint32_t rand[kTile];
-  alignas(64) float log_y[kTile];
-  // value[i] lies half a page past index[i] modulo 4096 bytes, so that the lookup loop's loads of
-  // index do not wait on its recent stores to value (4K aliasing, see transform_thresholds)
-  alignas(64) uint32_t buffer[2 * kTile + 512];
+  alignas(64) uint32_t rand[kS2fp8Tile];
+  alignas(64) float log_y[kS2fp8Tile];
+  constexpr int64_t kStride = buffer_stride(2048);  // value[i]: half a page past index[i]
+  alignas(64) uint32_t buffer[kStride + kS2fp8Tile];
   uint32_t* index = buffer;
-  uint32_t* value = buffer + kTile + 512;
-  for (int64_t t0 = begin; t0 < end; t0 += kTile) {
-    const int64_t len = min_of(kTile, end - t0);
-    philox_fill(rand, c.q.seed, c.q.offset + uint64_t(t0) / 4, (len + 3) / 4);
+  uint32_t* value = buffer + kStride;
+  for (int64_t t0 = begin; t0 < end; t0 += kS2fp8Tile) {
+    const int64_t len = min_of(kS2fp8Tile, end - t0);
+    const NextTile next(x, y, t0 + len, end);
+    constexpr int64_t kFetch = NextTile::lines_per_step<Raw>(kS2fp8Tile / (4 * lanes::kLanes));
+    philox_fill(rand, c.q.seed, c.q.offset + uint64_t(t0) / 4, (len + 3) / 4,
+                [&](int64_t group) { next.fetch(group * kFetch, kFetch); });
     const Raw* xt = x + t0;
     uint32_t under = 0, above = 0, nan = 0;
     for (int64_t i = 0; i < len; ++i)  // vectorised
