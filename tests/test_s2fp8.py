@@ -176,14 +176,11 @@ def test_results_do_not_depend_on_thread_count():
         assert torch.equal(sums, outs[0][1]) and torch.equal(params, outs[0][2])
 
 
-@pytest.mark.parametrize("n", [1, 127, 129, 2048 * 3 + 77])
-def test_reduction_sums_follow_their_definition(n):
-    """The reduction's integer sums against a numpy model of s2fp8.hpp's definition: exponents
+def _reduction_sums_model(x):
+    """The reduction's five integer sums for numpy x, from s2fp8.hpp's definition: exponents
     summed, significands multiplied per group of 128 (lane i % 8, row i // 8, rows paired as a
     binary tree), one fixed-point log2 (lowfp's log2_det, 2^-48 steps) per lane product."""
-    x = _mixed_tensor(n, torch.float32, seed=n).numpy()
-    x[::13] = np.float32(1e-42)  # float32 subnormals
-    _, st = lowfp.s2fp8_quantize(torch.from_numpy(x))
+    n = x.size
     a = np.abs(x.astype(np.float64))
     use = np.isfinite(a) & (a > 0)
     mant, exp = np.frexp(np.where(use, a, 1.0))
@@ -193,8 +190,33 @@ def test_reduction_sums_follow_their_definition(n):
         rows = rows[:, 0::2, :] * rows[:, 1::2, :]
     total = sum(int(lowfp._C.log2_det(float(p)) * 2.0 ** 48 + 0.5) for p in rows.ravel())
     max_bits = int(np.float64(a[use].max()).view(np.int64)) if use.any() else 0
-    want = [total >> 32, total & 0xFFFFFFFF, int(use.sum()), max_bits, int(e.sum())]
-    assert st.sums.tolist() == want
+    return [total >> 32, total & 0xFFFFFFFF, int(use.sum()), max_bits, int(e.sum())]
+
+
+@pytest.mark.parametrize("n", [1, 127, 129, 2048 * 3 + 77])
+def test_reduction_sums_follow_their_definition(n):
+    x = _mixed_tensor(n, torch.float32, seed=n).numpy()
+    x[::13] = np.float32(1e-42)  # float32 subnormals
+    _, st = lowfp.s2fp8_quantize(torch.from_numpy(x))
+    assert st.sums.tolist() == _reduction_sums_model(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("special", [None, "subnormal", "inf", "nan", "huge"])
+def test_reduction_sums_with_specials_in_one_tile(dtype, special):
+    """The CPU loop takes a shorter path for a tile of zeros and float32 normals only and redoes
+    a tile that holds a float32 subnormal, an infinity or a NaN: sums with one such element in
+    one tile (the others plain, zeros among them) against the model."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(512 * 9 + 100, generator=g) * 2.0 ** -10).to(dtype)
+    x[::37] = 0.0
+    x[5::41] = -0.0
+    value = {None: None, "subnormal": 1e-42, "inf": -float("inf"), "nan": float("nan"),
+             "huge": 3e38}[special]
+    if value is not None:
+        x[512 * 4 + 300] = value  # a float16 rounds 1e-42 to 0 and 3e38 to inf; both are covered
+    _, st = lowfp.s2fp8_quantize(x)
+    assert st.sums.tolist() == _reduction_sums_model(x.double().numpy())
 
 
 def _mixed_tensor(n, dtype, seed):

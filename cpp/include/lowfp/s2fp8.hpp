@@ -88,6 +88,12 @@ LOWFP_HD S2fp8Factor32 s2fp8_factor_f32(uint32_t abs_bits) {
   return {select(use, e, 0), bit_cast<float>(f)};
 }
 
+// s2fp8_factor_f32 for a zero or a float32 normal, with the exponent still biased: (a >> 23,
+// 0 for a zero; the caller subtracts 127 per finite nonzero element) and f (1 for a zero).
+LOWFP_HD S2fp8Factor32 s2fp8_factor_f32_plain(uint32_t abs_bits) {
+  return {int32_t(abs_bits >> 23), bit_cast<float>((abs_bits & 0x007FFFFFu) | 0x3F800000u)};
+}
+
 // A lane product (in [1, 2^16)) as a fixed-point log2, rounded to the nearest step (ties up).
 LOWFP_HD uint64_t s2fp8_fixed_log(double product) {
   return uint64_t(log2_det(product) * kS2fp8LogScale + 0.5);
