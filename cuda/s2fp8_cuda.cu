@@ -143,7 +143,8 @@ s2fp8_lookup_kernel(const T* x, T* y, int64_t n, bool quad_io, S2fp8Thresholds t
       const uint32_t xb = bit_cast<Raw>(in.v[k]), a = xb & kAbs, neg = xb >> kSignShift;
       const uint32_t a_raised = th.raised(a);
       const uint32_t v = th.value_index(a_raised, __ldg(th.entries + th.entry_index(a_raised, neg)));
-      out.v[k] = bit_cast<T>(a - 1 < kInf - 1 ? Raw(__ldg(th.values + v)) : s2fp8_pass_through<T>(Raw(xb)));
+      out.v[k] = bit_cast<T>(a - 1 < kInf - 1 ? Raw(th.signed_value(__ldg(th.values + v), xb))
+                                             : s2fp8_pass_through<T>(Raw(xb)));
       if (kCount && 4 * g + k < n) {
         const bool nan = a > kInf;
         tc.overflow += uint32_t(a >= th.above[neg] && !nan);  // above max, as RoundEvents
@@ -179,7 +180,7 @@ s2fp8_stochastic_kernel(const T* x, T* y, int64_t n, bool quad_io, S2fp8FastStoc
           finite_nonzero ? s2fp8_fast_grid_index(s2fp8_fast_log_y(xb, form), xb, r.w[k], form) : 0u;
       const bool counted = kCount && 4 * g + k < n;
       if (idx < kS2fp8Ambiguous) {
-        out.v[k] = bit_cast<T>(finite_nonzero ? Raw(__ldg(values + idx))
+        out.v[k] = bit_cast<T>(finite_nonzero ? Raw(s2fp8_fast_signed_value(__ldg(values + idx), xb, form))
                                               : s2fp8_pass_through<T>(bit_cast<Raw>(in.v[k])));
         if (counted) {  // as RoundEvents: an infinite x overflows, NaN is counted as NaN only
           tc.overflow += uint32_t((finite_nonzero && s2fp8_fast_above_max(idx, form)) || a == 0x7F800000u);

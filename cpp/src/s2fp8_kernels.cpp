@@ -242,6 +242,7 @@ TileEvents store_tile(const Raw* x, Raw* y, const uint32_t* __restrict value, in
                       const S2fp8Thresholds& th) {
   constexpr uint32_t kInf = kInfRaw<T>, kAbs = kSignRaw<T> - 1;
   constexpr int kSignShift = 8 * sizeof(Raw) - 1;
+  const S2fp8Thresholds t = th;
   // Per-sign event bounds as "the positive one, flipped by these bits for negative x".
   const uint32_t above = th.above[0], above_flip = th.above[0] ^ th.above[1];
   const uint32_t under_lo = th.under_lo[0], under_lo_flip = th.under_lo[0] ^ th.under_lo[1];
@@ -251,7 +252,7 @@ TileEvents store_tile(const Raw* x, Raw* y, const uint32_t* __restrict value, in
   for (int64_t i = 0; i < len; ++i) {  // vectorised
     const uint32_t xb = x[i];
     const uint32_t a = xb & kAbs;
-    y[i] = select(a - 1 < kInf - 1, Raw(value[i]), s2fp8_pass_through<T>(Raw(xb)));
+    y[i] = select(a - 1 < kInf - 1, Raw(t.signed_value(value[i], xb)), s2fp8_pass_through<T>(Raw(xb)));
     if constexpr (kCount) {
       const uint32_t neg = uint32_t(0) - (xb >> kSignShift);
       ev.above += uint32_t(a >= (above ^ (neg & above_flip)));
@@ -365,7 +366,7 @@ void transform_stochastic(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8St
   Raw* y = static_cast<Raw*>(c.q.y);
   const S2fp8FastStochastic k = form.k;
   const double inv_alpha = 1.0 / s.alpha;
-  const TableLookup values(form.values, 2 * int64_t(k.per_sign));
+  const TableLookup values(form.values, int64_t(k.per_sign) + k.sign_offset);
   alignas(64) uint32_t rand[kS2fp8Tile];
   alignas(64) float log_y[kS2fp8Tile];
   constexpr int64_t kStride = buffer_stride(2048);  // value[i]: half a page past index[i]
@@ -409,8 +410,10 @@ void transform_stochastic(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8St
     values(index, value, len, ambiguous);
     Raw* yt = y + t0;  // may alias xt: element i is read before it is written
     for (int64_t i = 0; i < len; ++i) {  // vectorised
-      const uint32_t a = Widen<uint32_t>::from(bit_cast<T>(xt[i])) & 0x7FFFFFFFu;
-      yt[i] = select(a - 1 < 0x7F7FFFFFu, Raw(value[i]), s2fp8_pass_through<T>(xt[i]));
+      const uint32_t xb = Widen<uint32_t>::from(bit_cast<T>(xt[i]));
+      const uint32_t a = xb & 0x7FFFFFFFu;
+      yt[i] = select(a - 1 < 0x7F7FFFFFu, Raw(s2fp8_fast_signed_value(value[i], xb, k)),
+                     s2fp8_pass_through<T>(xt[i]));
     }
     counts.overflow += int64_t(above) - int64_t(nan);  // see RoundEvents
     counts.underflow += int64_t(under);

@@ -92,11 +92,11 @@ bool build(const S2fp8Call& call, const S2fp8Stats& s, S2fp8StochasticForm& form
   // (itself, or the overflow policy's result at index over; +-0 at index 0), then unsqueezed.
   storage.assign(2 * k.per_sign, 0);
   const double inv_alpha = 1.0 / alpha;  // as the float64 path computes it
+  const auto reachable = [&](uint32_t i) { return i == 0 || i >= (uint32_t(1) << m) || k.low_shift == 0; };
   for (uint32_t neg = 0; neg < 2; ++neg) {
     const uint64_t sign = neg ? kF64SignBit : 0;
     for (uint32_t i = 0; i <= k.over; ++i) {
-      const bool reachable = i == 0 || i >= (uint32_t(1) << m) || k.low_shift == 0;
-      if (!reachable) continue;
+      if (!reachable(i)) continue;
       const uint64_t v = bit_cast<uint64_t>(grid_value(i, k.emin, m)) | sign;
       RoundEvents ev;
       const uint64_t y = round_bits<RoundKind::Stochastic, uint64_t, false>(v, p, ~0u, ev);
@@ -107,6 +107,15 @@ bool build(const S2fp8Call& call, const S2fp8Stats& s, S2fp8StochasticForm& form
           s2fp8_store<T>(s2fp8_unsqueeze(kOneBits | sign, y, s, inv_alpha), call.p_store));
     }
   }
+  // Mirrored when every reachable negative entry is the positive one with the sign bit set.
+  bool mirrored = true;
+  for (uint32_t i = 0; i <= k.over; ++i)
+    if (reachable(i))
+      mirrored = mirrored && (storage[i] & kSignRaw<T>) == 0 &&
+                 storage[k.per_sign + i] == (storage[i] | kSignRaw<T>);
+  if (mirrored) storage.resize(k.per_sign);
+  k.sign_offset = mirrored ? 0 : k.per_sign;
+  k.mirror_sign = mirrored ? kSignRaw<T> : 0;
   form.values = storage.data();
   return true;
 }

@@ -218,6 +218,16 @@ bool sign_intervals(const S2fp8Call& call, const S2fp8Stats& s, bool negative, S
   return true;
 }
 
+// Whether the negative sign's intervals are the positive sign's with x' negated (its sign bit set).
+template <class T>
+bool is_mirror(const SignIntervals& pos, const SignIntervals& neg) {
+  if (pos.starts != neg.starts || pos.values.size() != neg.values.size()) return false;
+  for (size_t k = 0; k < pos.values.size(); ++k)
+    if ((pos.values[k] & kSignRaw<T>) != 0 || neg.values[k] != (pos.values[k] | kSignRaw<T>))
+      return false;
+  return true;
+}
+
 int top_bit(uint32_t v) { return 31 - __builtin_clz(v); }
 
 template <class T>
@@ -227,8 +237,11 @@ bool build(const S2fp8Call& call, const S2fp8Stats& s, S2fp8Thresholds& t,
   std::map<uint64_t, uint32_t> start_of;
   for (int neg = 0; neg < 2; ++neg)
     if (!sign_intervals<T>(call, s, neg != 0, sign[neg], start_of)) return false;
+  const bool mirrored = is_mirror<T>(sign[0], sign[1]);
+  const int n_signs = mirrored ? 1 : 2;  // signs with entries and values of their own
   // The largest shift that leaves at most one threshold per bucket, and (v << shift) < 2^32.
-  const uint32_t n_values = uint32_t(sign[0].values.size() + sign[1].values.size());
+  uint32_t n_values = 0;
+  for (int neg = 0; neg < n_signs; ++neg) n_values += uint32_t(sign[neg].values.size());
   int shift = min_of(32 - (top_bit(n_values) + 1), int(8 * sizeof(RawOf<T>)) - 1);
   uint32_t top = 0;
   for (const SignIntervals& si : sign)
@@ -245,13 +258,17 @@ bool build(const S2fp8Call& call, const S2fp8Stats& s, S2fp8Thresholds& t,
   const uint32_t base = first > 0 ? ((first - 1) >> shift) << shift : 0;
   const uint64_t buckets = (uint64_t(top - base) >> shift) + 2;
   if (buckets > (uint64_t(1) << 16)) return false;
-  storage.assign(2 * buckets + n_values, 0);
+  storage.assign(n_signs * buckets + n_values, 0);
   uint32_t* entries = storage.data();
-  uint32_t* values = entries + 2 * buckets;
+  uint32_t* values = entries + n_signs * buckets;
   const uint32_t low = (uint32_t(1) << shift) - 1;
   uint32_t value_base = 0;
   for (int neg = 0; neg < 2; ++neg) {
     const SignIntervals& si = sign[neg];
+    t.under_lo[neg] = si.under_lo;
+    t.under_hi[neg] = si.under_hi;
+    t.above[neg] = si.above;
+    if (neg >= n_signs) break;
     std::copy(si.values.begin(), si.values.end(), values + value_base);
     size_t j = 1;  // the first threshold (starts[j]) not in an earlier bucket
     for (uint64_t b = 0; b < buckets; ++b) {
@@ -264,9 +281,6 @@ bool build(const S2fp8Call& call, const S2fp8Stats& s, S2fp8Thresholds& t,
         e = v << shift;
       }
     }
-    t.under_lo[neg] = si.under_lo;
-    t.under_hi[neg] = si.under_hi;
-    t.above[neg] = si.above;
     value_base += uint32_t(si.values.size());
   }
   t.entries = entries;
@@ -275,6 +289,8 @@ bool build(const S2fp8Call& call, const S2fp8Stats& s, S2fp8Thresholds& t,
   t.base = base;
   t.shift = uint32_t(shift);
   t.buckets = uint32_t(buckets);
+  t.sign_entries = mirrored ? 0 : uint32_t(buckets);
+  t.mirror_sign = mirrored ? kSignRaw<T> : 0;
   return true;
 }
 

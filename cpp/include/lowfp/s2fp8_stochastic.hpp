@@ -33,7 +33,12 @@ struct S2fp8FastStochastic {
   uint32_t r_max;       // 2^R - 1
   float r_scale;        // 2^-R
   uint32_t over;        // index of the first grid value above max; larger indices clamp to it
-  uint32_t per_sign;    // table entries per sign: over + 1 (negative x: index + per_sign)
+  uint32_t per_sign;    // table entries per sign: over + 1
+  // Where negative x has entries of its own, sign_offset = per_sign (negative x: index +
+  // per_sign) and mirror_sign = 0. Mirrored (x' of -x is -(x' of x)): sign_offset = 0 and
+  // mirror_sign is the sign bit of x's dtype, set in x' for negative x (s2fp8_fast_signed_value).
+  uint32_t sign_offset;
+  uint32_t mirror_sign;
 };
 
 // Set in the index of an ambiguous element (whose other bits are still a valid index).
@@ -106,16 +111,21 @@ LOWFP_HD uint32_t s2fp8_fast_grid_index(float log_y, uint32_t xb, uint32_t rand,
                          (max_of(r, -r) < k.band_t) | (log_y < k.t_deep);
   const uint32_t grid = uint32_t((e_grid - k.emin) << k.m) +
                         (uint32_t(steps) << select(below, uint32_t(k.low_shift), 0u));
-  const uint32_t index = min_of(grid, k.over) + select(xb >> 31 != 0, k.per_sign, 0u);
+  const uint32_t index = min_of(grid, k.over) + select(xb >> 31 != 0, k.sign_offset, 0u);
   return index | select(ambiguous, kS2fp8Ambiguous, 0u);
 }
 
 // The events of a finite nonzero x whose index the form decided: Y rounded to 0, or above max.
 LOWFP_HD bool s2fp8_fast_underflow(uint32_t index, const S2fp8FastStochastic& k) {
-  return (index == 0) | (index == k.per_sign);
+  return (index == 0) | (index == k.sign_offset);
 }
 LOWFP_HD bool s2fp8_fast_above_max(uint32_t index, const S2fp8FastStochastic& k) {
-  return (index == k.over) | (index == k.per_sign + k.over);
+  return (index == k.over) | (index == k.sign_offset + k.over);
+}
+
+// x' from the table's entry for x's index (raw bits of x's dtype); xb: x as float32 bits.
+LOWFP_HD uint32_t s2fp8_fast_signed_value(uint32_t value, uint32_t xb, const S2fp8FastStochastic& k) {
+  return value | ((uint32_t(0) - (xb >> 31)) & k.mirror_sign);
 }
 
 }  // namespace lowfp
