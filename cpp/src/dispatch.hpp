@@ -83,6 +83,19 @@ void dispatch_s2fp8(const QuantizeCall& c, Fn&& fn) {
   }
 }
 
+// For x of a 16- or 32-bit storage type (those with S2FP8's per-call forms): fn(Type<T>{})'s
+// result; for float64 x, `wide`.
+template <class R, class Fn>
+R dispatch_narrow(DType x_dtype, R wide, Fn&& fn) {
+  switch (x_dtype) {
+    case DType::Float16: return fn(Type<Half>{});
+    case DType::BFloat16: return fn(Type<BFloat>{});
+    case DType::Float32: return fn(Type<float>{});
+    case DType::Float64: break;
+  }
+  return wide;
+}
+
 // The rounding constants for the carrier Bits.
 template <class Bits>
 const RoundParams<Bits>& round_params(const QuantizeCall& c) {

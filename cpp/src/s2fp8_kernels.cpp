@@ -434,24 +434,22 @@ void s2fp8_reduce_range(const S2fp8Call& c, int64_t begin, int64_t end, S2fp8Par
 
 void s2fp8_transform_range(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8Forms& forms,
                            int64_t begin, int64_t end, EventCounts& counts) {
-  if (forms.thresholds != nullptr || forms.stochastic != nullptr) {
-    const auto run = [&](auto type) {
-      using T = typename decltype(type)::type;
-      if (forms.thresholds != nullptr) {
-        if (c.q.count) return transform_thresholds<T, true>(c, *forms.thresholds, begin, end, counts);
-        return transform_thresholds<T, false>(c, *forms.thresholds, begin, end, counts);
-      }
-      if (c.q.count)
-        return transform_stochastic<T, true>(c, s, *forms.stochastic, begin, end, counts);
+  const auto run_form = [&](auto type) {
+    using T = typename decltype(type)::type;
+    if (forms.thresholds != nullptr) {
+      if (c.q.count) transform_thresholds<T, true>(c, *forms.thresholds, begin, end, counts);
+      else transform_thresholds<T, false>(c, *forms.thresholds, begin, end, counts);
+    } else if (c.q.count) {
+      transform_stochastic<T, true>(c, s, *forms.stochastic, begin, end, counts);
+    } else {
       transform_stochastic<T, false>(c, s, *forms.stochastic, begin, end, counts);
-    };
-    switch (c.q.x_dtype) {
-      case DType::Float16: return run(Type<Half>{});
-      case DType::BFloat16: return run(Type<BFloat>{});
-      case DType::Float32: return run(Type<float>{});
-      case DType::Float64: break;  // no per-call form
     }
-  }
+    return true;
+  };
+  // (float64 x has no per-call form)
+  if ((forms.thresholds != nullptr || forms.stochastic != nullptr) &&
+      dispatch_narrow(c.q.x_dtype, false, run_form))
+    return;
   dispatch_s2fp8(c.q, [&](auto in, auto, auto, auto kind, auto count, auto sub_exp) {
     using T = typename decltype(in)::type;
     transform<T, decltype(kind)::value, decltype(count)::value, decltype(sub_exp)::value>(

@@ -16,6 +16,7 @@
 // bounds: band_t = 2 dt (the binade floor(t) is certain outside it), band_w = 2 dw.
 #include <cmath>
 
+#include "dispatch.hpp"
 #include "s2fp8_thresholds.hpp"
 
 namespace lowfp {
@@ -126,13 +127,9 @@ bool s2fp8_build_stochastic(const S2fp8Call& call, const S2fp8Stats& s, S2fp8Sto
                             std::vector<uint32_t>& storage) {
   if (!s2fp8_stochastic_form_allowed(call)) return false;
   if (call.q.n < 1024) return false;  // building costs a few microseconds
-  switch (call.q.x_dtype) {
-    case DType::Float16: return build<Half>(call, s, form, storage);
-    case DType::BFloat16: return build<BFloat>(call, s, form, storage);
-    case DType::Float32: return build<float>(call, s, form, storage);
-    case DType::Float64: return false;
-  }
-  return false;
+  return dispatch_narrow(call.q.x_dtype, false, [&](auto type) {
+    return build<typename decltype(type)::type>(call, s, form, storage);
+  });
 }
 
 }  // namespace lowfp

@@ -16,6 +16,8 @@
 #include <cstring>
 #include <map>
 
+#include "dispatch.hpp"
+
 namespace lowfp {
 namespace {
 
@@ -316,13 +318,9 @@ bool s2fp8_build_thresholds(const S2fp8Call& call, const S2fp8Stats& s, S2fp8Thr
   if (!s2fp8_threshold_form_allowed(call)) return false;
   // Building costs tens of microseconds; the float64 path costs ~20 ns an element.
   if (call.q.n < 4096) return false;
-  switch (call.q.x_dtype) {
-    case DType::Float16: return build<Half>(call, s, t, storage);
-    case DType::BFloat16: return build<BFloat>(call, s, t, storage);
-    case DType::Float32: return build<float>(call, s, t, storage);
-    case DType::Float64: return false;
-  }
-  return false;
+  return dispatch_narrow(call.q.x_dtype, false, [&](auto type) {
+    return build<typename decltype(type)::type>(call, s, t, storage);
+  });
 }
 
 }  // namespace lowfp
