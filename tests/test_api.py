@@ -181,6 +181,16 @@ for mode in lowfp.ROUNDING_MODES:
                  lowfp.quantize(x64, fmt, mode, seed=3, stats=s).view(torch.int64),
                  lowfp.quantize(xh, fmt, mode, seed=3, stats=s, out_dtype=torch.float32).view(torch.int32),
                  s.counts]
+# S2FP8: the threshold and stochastic forms (tables in registers with AVX-512) and the float64
+# path (x32's NaN, infinities and subnormals)
+xs = torch.randn(300_000) * 2.0 ** -20
+for mode in lowfp.ROUNDING_MODES:
+    for fmt in ["float8_e5m2", "float8_e4m3fn"]:
+        for x in (xs, x32, (xs * 2.0 ** 12).half()):
+            s = lowfp.Stats()
+            y, st = lowfp.s2fp8_quantize(x, fmt, rounding=mode, seed=3, stats=s)
+            outs += [y.view(torch.int32 if y.dtype == torch.float32 else torch.int16), st.sums,
+                     st.params, s.counts]
 # extra bits: split (q = 1 to 17, vector and scalar packing), merge, and a fused step
 import lowfp.extra_bits as eb
 w = x32[torch.isfinite(x32)][:100_000].contiguous()

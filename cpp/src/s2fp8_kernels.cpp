@@ -280,14 +280,15 @@ void lookup_flagged_scalar(const uint32_t* table, const uint32_t* index, uint32_
 // in registers: one two-register permute per 32 entries and a tree of blends on the index's
 // higher bits. (Scalar loads cost ~3 cycles an element on the machine this was measured on,
 // gathers more.)
-template <int kPairs, class Fn>
+template <int kPairs, class Fn, class Hook>
 void lookup_flagged_avx512(const uint32_t* padded, const uint32_t* table, const uint32_t* index,
-                           uint32_t* out, int64_t len, Fn&& ambiguous) {
+                           uint32_t* out, int64_t len, Fn&& ambiguous, const Hook& each16) {
   __m512i t[2 * kPairs];
   for (int j = 0; j < 2 * kPairs; ++j) t[j] = _mm512_load_si512(padded + 16 * j);
   const __m512i flag = _mm512_set1_epi32(int(kS2fp8Ambiguous));
   int64_t i = 0;
   for (; i + 16 <= len; i += 16) {
+    each16(i / 16);
     const __m512i idx = _mm512_loadu_si512(index + i);
     __m512i v[kPairs];
     for (int j = 0; j < kPairs; ++j) v[j] = _mm512_permutex2var_epi32(t[2 * j], idx, t[2 * j + 1]);
@@ -305,7 +306,7 @@ void lookup_flagged_avx512(const uint32_t* padded, const uint32_t* table, const 
 
 // x' = table[index[i]] for a table of `entries` entries, with AVX-512 in registers where it
 // holds at most 256 (padded once, for a thread's range), else by scalar loads; ambiguous(i) for
-// each element whose index has kS2fp8Ambiguous set.
+// each element whose index has kS2fp8Ambiguous set. in_registers(): whether the first is taken.
 class TableLookup {
  public:
   TableLookup(const uint32_t* table, int64_t entries) : table_(table), entries_(entries) {
@@ -313,12 +314,25 @@ class TableLookup {
     for (int64_t j = 0; j < min_of<int64_t>(entries, 256); ++j) padded_[j] = table[j];
 #endif
   }
-  template <class Fn>
-  void operator()(const uint32_t* index, uint32_t* out, int64_t len, Fn&& ambiguous) const {
+  bool in_registers() const {
 #if defined(__AVX512F__)
-    if (entries_ <= 64) return lookup_flagged_avx512<2>(padded_, table_, index, out, len, ambiguous);
-    if (entries_ <= 128) return lookup_flagged_avx512<4>(padded_, table_, index, out, len, ambiguous);
-    if (entries_ <= 256) return lookup_flagged_avx512<8>(padded_, table_, index, out, len, ambiguous);
+    return entries_ <= 256;
+#else
+    return false;
+#endif
+  }
+  // each16(k) is called before the k-th 16 elements looked up in registers.
+  template <class Fn, class Hook = NoHook>
+  void operator()(const uint32_t* index, uint32_t* out, int64_t len, Fn&& ambiguous,
+                  [[maybe_unused]] const Hook& each16 = Hook{}) const {
+#if defined(__AVX512F__)
+    const auto in = [&](auto pairs) {
+      lookup_flagged_avx512<decltype(pairs)::value>(padded_, table_, index, out, len, ambiguous,
+                                                    each16);
+    };
+    if (entries_ <= 64) return in(std::integral_constant<int, 2>{});
+    if (entries_ <= 128) return in(std::integral_constant<int, 4>{});
+    if (entries_ <= 256) return in(std::integral_constant<int, 8>{});
 #endif
     lookup_flagged_scalar(table_, index, out, len, ambiguous);
   }
@@ -342,10 +356,17 @@ void transform_thresholds(const S2fp8Call& c, const S2fp8Thresholds& th, int64_t
   uint32_t* index = buffer;
   uint32_t* found = buffer + kStride;
   const TableLookup values(th.values, th.n_values);
+  // Bucket entries in registers too where they fit (mirrored tables of up to 256 buckets, as
+  // with float8_e5m2 and alpha below about 5): about half the cost of the scalar loads.
+  const TableLookup entries(th.entries, int64_t(th.buckets) + th.sign_entries);
   for (int64_t t0 = begin; t0 < end; t0 += kS2fp8Tile) {
     const int64_t len = min_of(kS2fp8Tile, end - t0);
+    const NextTile next(x, y, t0 + len, end);
     bucket_index<T>(x + t0, index, len, th);
-    lookup(th.entries, index, found, len, NextTile(x, y, t0 + len, end));
+    if (entries.in_registers())
+      entries(index, found, len, [](int64_t) {}, [&](int64_t line) { next.fetch(line, 1); });
+    else
+      lookup(th.entries, index, found, len, next);
     value_index<T>(x + t0, found, len, th);
     values(found, index, len, [](int64_t) {});  // (no index is flagged)
     const TileEvents ev = store_tile<T, kCount>(x + t0, y + t0, index, len, th);
