@@ -100,9 +100,18 @@ int parallel_tiles(int64_t n, Fn&& fn) {
   return threads;
 }
 
-EventCounts sum(const std::vector<EventCounts>& parts) {
+// Per-thread outputs, each on a cache line of its own, so that kernels adding to theirs as they
+// go (per chunk, say) never write a line another thread writes.
+template <class T>
+struct alignas(64) Slot {
+  T v;
+};
+template <class T>
+using PerThread = std::vector<Slot<T>>;
+
+EventCounts sum(const PerThread<EventCounts>& parts) {
   EventCounts total;
-  for (const EventCounts& c : parts) total.add(c);
+  for (const Slot<EventCounts>& c : parts) total.add(c.v);
   return total;
 }
 
@@ -117,22 +126,22 @@ void add_counts(const EventCounts& c, int64_t n, int64_t* counts) {
 }
 
 void quantize_cpu(const QuantizeCall& call, int64_t* counts) {
-  std::vector<EventCounts> per_thread(get_num_threads());
+  PerThread<EventCounts> per_thread(get_num_threads());
   const auto fn = kernel().quantize;
   parallel_tiles(call.n, [&](int t, int64_t begin, int64_t end) {
-    fn(call, begin, end, per_thread[t]);
+    fn(call, begin, end, per_thread[t].v);
   });
   add_counts(sum(per_thread), call.n, counts);
 }
 
 void s2fp8_cpu(const S2fp8Call& call, int64_t* sums, double* params, int64_t* counts) {
   const Kernel& k = kernel();
-  std::vector<S2fp8Partial> parts(get_num_threads());
+  PerThread<S2fp8Partial> parts(get_num_threads());
   parallel_tiles(call.q.n, [&](int t, int64_t begin, int64_t end) {
-    k.s2fp8_reduce(call, begin, end, parts[t]);
+    k.s2fp8_reduce(call, begin, end, parts[t].v);
   });
   S2fp8Partial total;  // integer sums and a max: the same whatever the split
-  for (const S2fp8Partial& p : parts) total.add(p);
+  for (const Slot<S2fp8Partial>& p : parts) total.add(p.v);
   sums[kSumLogHigh] = total.high;
   sums[kSumLogLow] = int64_t(total.low);
   sums[kSumCount] = total.count;
@@ -149,9 +158,9 @@ void s2fp8_cpu(const S2fp8Call& call, int64_t* sums, double* params, int64_t* co
   S2fp8Forms forms;
   if (s2fp8_build_thresholds(call, s, thresholds, storage)) forms.thresholds = &thresholds;
   else if (s2fp8_build_stochastic(call, s, stochastic, storage)) forms.stochastic = &stochastic;
-  std::vector<EventCounts> per_thread(get_num_threads());
+  PerThread<EventCounts> per_thread(get_num_threads());
   parallel_tiles(call.q.n, [&](int t, int64_t begin, int64_t end) {
-    k.s2fp8_transform(call, s, forms, begin, end, per_thread[t]);
+    k.s2fp8_transform(call, s, forms, begin, end, per_thread[t].v);
   });
   add_counts(sum(per_thread), call.q.n, counts);
 }
@@ -180,9 +189,9 @@ void parallel_blocks(int64_t n, Fn&& fn) {
 }  // namespace
 
 EventCounts extra_bits_split_cpu(const ExtraBitsParams& e, Rounding mode, const ExtraBitsSplit& a) {
-  std::vector<EventCounts> parts(get_num_threads());
+  PerThread<EventCounts> parts(get_num_threads());
   const auto fn = kernel().extra_bits_split;
-  parallel_blocks(a.n, [&](int t, int64_t b0, int64_t b1) { fn(e, mode, a, b0, b1, parts[t]); });
+  parallel_blocks(a.n, [&](int t, int64_t b0, int64_t b1) { fn(e, mode, a, b0, b1, parts[t].v); });
   return sum(parts);
 }
 
@@ -206,11 +215,11 @@ EventCounts extra_bits_step_cpu(const ExtraBitsStep& s) {
   const auto fn = kernel().extra_bits_step;
   const int64_t want = (total + kMinPerThread - 1) / kMinPerThread;
   const int threads = int(min_of<int64_t>(get_num_threads(), max_of<int64_t>(want, 1)));
-  std::vector<EventCounts> parts(threads);
+  PerThread<EventCounts> parts(threads);
   const int64_t n_chunks = int64_t(chunks.size());
 #pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1)
   for (int64_t c = 0; c < n_chunks; ++c)
-    fn(s, chunks[c].slot, chunks[c].b0, chunks[c].b1, parts[omp_get_thread_num()]);
+    fn(s, chunks[c].slot, chunks[c].b0, chunks[c].b1, parts[omp_get_thread_num()].v);
   return sum(parts);
 }
 

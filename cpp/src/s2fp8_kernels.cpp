@@ -92,7 +92,8 @@ bool reduce_plain_tile(const In* x, int64_t len, double* f, S2fp8Partial& tile) 
 
 // The reduction of s2fp8.hpp over [begin, end), begin a multiple of kS2fp8Tile (so of the group).
 template <class In>
-void reduce(const In* x, int64_t begin, int64_t end, S2fp8Partial& total) {
+void reduce(const In* x, int64_t begin, int64_t end, S2fp8Partial& out) {
+  S2fp8Partial total;  // added to out once, as quantize's loop adds its counts
   constexpr int kLanes = kS2fp8Lanes;
   constexpr int64_t kGroups = kS2fp8Tile / kS2fp8Group;
   alignas(64) double f[kS2fp8Tile];
@@ -145,6 +146,7 @@ void reduce(const In* x, int64_t begin, int64_t end, S2fp8Partial& total) {
     tile.carry();
     total.add(tile);
   }
+  out.add(total);
 }
 
 // Rounds a tile of Y values in place in their carrier (Bits), adding the events to counts when
@@ -171,7 +173,8 @@ void round_tile(Bits* v, int64_t len, const RoundParams<Bits>& p, const uint32_t
 
 template <class T, RoundKind Kind, bool kCount, bool kSubExp>
 void transform(const S2fp8Call& c, const S2fp8Stats& s, int64_t begin, int64_t end,
-               EventCounts& counts) {
+               EventCounts& out) {
+  EventCounts counts;  // added to out once
   const T* x = static_cast<const T*>(c.q.x);
   T* y = static_cast<T*>(c.q.y);
   const RoundParams<uint64_t>& p = c.q.p64;
@@ -192,6 +195,7 @@ void transform(const S2fp8Call& c, const S2fp8Stats& s, int64_t begin, int64_t e
       yt[i] = s2fp8_store<T>(s2fp8_unsqueeze(Widen<uint64_t>::from(xt[i]), y_bits[i], s, inv_alpha),
                              c.p_store);
   }
+  out.add(counts);
 }
 
 // The threshold form (S2fp8Thresholds) on one tile, in phases: vector loops for the arithmetic,
@@ -347,7 +351,8 @@ class TableLookup {
 
 template <class T, bool kCount>
 void transform_thresholds(const S2fp8Call& c, const S2fp8Thresholds& th, int64_t begin,
-                          int64_t end, EventCounts& counts) {
+                          int64_t end, EventCounts& out) {
+  EventCounts counts;  // added to out once
   using Raw = RawOf<T>;
   const Raw* x = static_cast<const Raw*>(c.q.x);
   Raw* y = static_cast<Raw*>(c.q.y);
@@ -374,6 +379,7 @@ void transform_thresholds(const S2fp8Call& c, const S2fp8Thresholds& th, int64_t
     counts.underflow += int64_t(ev.under);
     counts.nan += int64_t(ev.nan);
   }
+  out.add(counts);
 }
 
 // The fast stochastic form (S2fp8StochasticForm) on one tile: grid indices in two vector loops,
@@ -381,7 +387,8 @@ void transform_thresholds(const S2fp8Call& c, const S2fp8Thresholds& th, int64_t
 // elements, then a vector loop that stores x' (s2fp8_pass_through where x is zero, infinite or NaN).
 template <class T, bool kCount>
 void transform_stochastic(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8StochasticForm& form,
-                          int64_t begin, int64_t end, EventCounts& counts) {
+                          int64_t begin, int64_t end, EventCounts& out) {
+  EventCounts counts;  // added to out once
   using Raw = RawOf<T>;
   const Raw* x = static_cast<const Raw*>(c.q.x);
   Raw* y = static_cast<Raw*>(c.q.y);
@@ -440,6 +447,7 @@ void transform_stochastic(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8St
     counts.underflow += int64_t(under);
     counts.nan += int64_t(nan);
   }
+  out.add(counts);
 }
 
 }  // namespace
