@@ -199,8 +199,8 @@ void transform(const S2fp8Call& c, const S2fp8Stats& s, int64_t begin, int64_t e
 }
 
 // The threshold form (S2fp8Thresholds) on one tile, in phases: vector loops for the arithmetic,
-// a scalar loop for the bucket entries (thousands of them) and a TableLookup for x' (in registers
-// where there are at most 256 values). Vector gathers were slower than scalar loads on the
+// the bucket entries by TableLookup where at most 256 (else a scalar loop; there can be up to
+// 2^17) and a TableLookup for x' (in registers where there are at most 256 values). Vector gathers were slower than scalar loads on the
 // machine this was measured on, and gcc emulates them with scalar loads and lane inserts that
 // cost more than the loads themselves (see bench/RESULTS.md).
 struct TileEvents {

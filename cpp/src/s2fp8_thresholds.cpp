@@ -316,7 +316,7 @@ bool s2fp8_stochastic_form_allowed(const S2fp8Call& call) {
 bool s2fp8_build_thresholds(const S2fp8Call& call, const S2fp8Stats& s, S2fp8Thresholds& t,
                             std::vector<uint32_t>& storage) {
   if (!s2fp8_threshold_form_allowed(call)) return false;
-  // Building costs tens of microseconds; the float64 path costs ~20 ns an element.
+  // Building costs 150-250 us (bench/RESULTS.md); the float64 path ~50 ns an element.
   if (call.q.n < 4096) return false;
   return dispatch_narrow(call.q.x_dtype, false, [&](auto type) {
     return build<typename decltype(type)::type>(call, s, t, storage);
