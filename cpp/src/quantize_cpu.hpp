@@ -45,7 +45,9 @@ struct S2fp8Thresholds {
     const uint32_t low = (uint32_t(1) << shift) - 1;
     return (entry >> shift) - uint32_t((a_raised & low) < (entry & low));
   }
-  LOWFP_HD uint32_t signed_value(uint32_t value, uint32_t xb) const { return value | (xb & mirror_sign); }
+  LOWFP_HD uint32_t signed_value(uint32_t value, uint32_t xb) const {
+    return value | (xb & mirror_sign);
+  }
   // Events as ranges of magnitude bits a: underflow for under_lo <= a < under_hi, above max (or
   // NaN) for a >= above.
   uint32_t under_lo[2] = {0, 0}, under_hi[2] = {0, 0}, above[2] = {0, 0};

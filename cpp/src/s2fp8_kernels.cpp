@@ -199,10 +199,11 @@ void transform(const S2fp8Call& c, const S2fp8Stats& s, int64_t begin, int64_t e
 }
 
 // The threshold form (S2fp8Thresholds) on one tile, in phases: vector loops for the arithmetic,
-// the bucket entries by TableLookup where at most 256 (else a scalar loop; there can be up to
-// 2^17) and a TableLookup for x' (in registers where there are at most 256 values). Vector gathers were slower than scalar loads on the
-// machine this was measured on, and gcc emulates them with scalar loads and lane inserts that
-// cost more than the loads themselves (see bench/RESULTS.md).
+// the bucket entries by a TableLookup where there are at most 256 (else a scalar loop; there
+// can be up to 2^17) and x' by a TableLookup (in registers where there are at most 256 values).
+// Vector gathers were slower than scalar loads on the machine this was measured on, and gcc
+// emulates them with scalar loads and lane inserts that cost more than the loads themselves
+// (see bench/RESULTS.md).
 struct TileEvents {
   uint32_t above = 0, under = 0, nan = 0;
 };
@@ -256,7 +257,8 @@ TileEvents store_tile(const Raw* x, Raw* y, const uint32_t* __restrict value, in
   for (int64_t i = 0; i < len; ++i) {  // vectorised
     const uint32_t xb = x[i];
     const uint32_t a = xb & kAbs;
-    y[i] = select(a - 1 < kInf - 1, Raw(t.signed_value(value[i], xb)), s2fp8_pass_through<T>(Raw(xb)));
+    y[i] = select(a - 1 < kInf - 1, Raw(t.signed_value(value[i], xb)),
+                  s2fp8_pass_through<T>(Raw(xb)));
     if constexpr (kCount) {
       const uint32_t neg = uint32_t(0) - (xb >> kSignShift);
       ev.above += uint32_t(a >= (above ^ (neg & above_flip)));
@@ -361,8 +363,8 @@ void transform_thresholds(const S2fp8Call& c, const S2fp8Thresholds& th, int64_t
   uint32_t* index = buffer;
   uint32_t* found = buffer + kStride;
   const TableLookup values(th.values, th.n_values);
-  // Bucket entries in registers too where they fit (mirrored tables of up to 256 buckets, as
-  // with float8_e5m2 and alpha below about 5): about half the cost of the scalar loads.
+  // Bucket entries in registers too where they fit (mirrored float8_e5m2 tables usually do):
+  // about half the cost of the scalar loads.
   const TableLookup entries(th.entries, int64_t(th.buckets) + th.sign_entries);
   for (int64_t t0 = begin; t0 < end; t0 += kS2fp8Tile) {
     const int64_t len = min_of(kS2fp8Tile, end - t0);

@@ -124,7 +124,8 @@ LOWFP_HD bool s2fp8_fast_above_max(uint32_t index, const S2fp8FastStochastic& k)
 }
 
 // x' from the table's entry for x's index (raw bits of x's dtype); xb: x as float32 bits.
-LOWFP_HD uint32_t s2fp8_fast_signed_value(uint32_t value, uint32_t xb, const S2fp8FastStochastic& k) {
+LOWFP_HD uint32_t s2fp8_fast_signed_value(uint32_t value, uint32_t xb,
+                                          const S2fp8FastStochastic& k) {
   return value | ((uint32_t(0) - (xb >> 31)) & k.mirror_sign);
 }
 
