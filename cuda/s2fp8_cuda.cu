@@ -180,7 +180,8 @@ s2fp8_stochastic_kernel(const T* x, T* y, int64_t n, bool quad_io, S2fp8FastStoc
           finite_nonzero ? s2fp8_fast_grid_index(s2fp8_fast_log_y(xb, form), xb, r.w[k], form) : 0u;
       const bool counted = kCount && 4 * g + k < n;
       if (idx < kS2fp8Ambiguous) {
-        out.v[k] = bit_cast<T>(finite_nonzero ? Raw(s2fp8_fast_signed_value(__ldg(values + idx), xb, form))
+        const uint32_t value = s2fp8_fast_signed_value(__ldg(values + idx), xb, form);
+        out.v[k] = bit_cast<T>(finite_nonzero ? Raw(value)
                                               : s2fp8_pass_through<T>(bit_cast<Raw>(in.v[k])));
         if (counted) {  // as RoundEvents: an infinite x overflows, NaN is counted as NaN only
           tc.overflow += uint32_t((finite_nonzero && s2fp8_fast_above_max(idx, form)) || a == 0x7F800000u);

@@ -93,7 +93,9 @@ bool build(const S2fp8Call& call, const S2fp8Stats& s, S2fp8StochasticForm& form
   // (itself, or the overflow policy's result at index over; +-0 at index 0), then unsqueezed.
   storage.assign(2 * k.per_sign, 0);
   const double inv_alpha = 1.0 / alpha;  // as the float64 path computes it
-  const auto reachable = [&](uint32_t i) { return i == 0 || i >= (uint32_t(1) << m) || k.low_shift == 0; };
+  const auto reachable = [&](uint32_t i) {
+    return i == 0 || i >= (uint32_t(1) << m) || k.low_shift == 0;
+  };
   for (uint32_t neg = 0; neg < 2; ++neg) {
     const uint64_t sign = neg ? kF64SignBit : 0;
     for (uint32_t i = 0; i <= k.over; ++i) {
