@@ -110,12 +110,8 @@ bool build(const S2fp8Call& call, const S2fp8Stats& s, S2fp8StochasticForm& form
           s2fp8_store<T>(s2fp8_unsqueeze(kOneBits | sign, y, s, inv_alpha), call.p_store));
     }
   }
-  // Mirrored when every reachable negative entry is the positive one with the sign bit set.
-  bool mirrored = true;
-  for (uint32_t i = 0; i <= k.over; ++i)
-    if (reachable(i))
-      mirrored = mirrored && (storage[i] & kSignRaw<T>) == 0 &&
-                 storage[k.per_sign + i] == (storage[i] | kSignRaw<T>);
+  const bool mirrored = mirrored_tables(storage.data(), storage.data() + k.per_sign, k.per_sign,
+                                       kSignRaw<T>, [&](size_t i) { return reachable(uint32_t(i)); });
   if (mirrored) storage.resize(k.per_sign);
   k.sign_offset = mirrored ? 0 : k.per_sign;
   k.mirror_sign = mirrored ? kSignRaw<T> : 0;

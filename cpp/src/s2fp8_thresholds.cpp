@@ -223,11 +223,9 @@ bool sign_intervals(const S2fp8Call& call, const S2fp8Stats& s, bool negative, S
 // Whether the negative sign's intervals are the positive sign's with x' negated (its sign bit set).
 template <class T>
 bool is_mirror(const SignIntervals& pos, const SignIntervals& neg) {
-  if (pos.starts != neg.starts || pos.values.size() != neg.values.size()) return false;
-  for (size_t k = 0; k < pos.values.size(); ++k)
-    if ((pos.values[k] & kSignRaw<T>) != 0 || neg.values[k] != (pos.values[k] | kSignRaw<T>))
-      return false;
-  return true;
+  return pos.starts == neg.starts && pos.values.size() == neg.values.size() &&
+         mirrored_tables(pos.values.data(), neg.values.data(), pos.values.size(), kSignRaw<T>,
+                         [](size_t) { return true; });
 }
 
 int top_bit(uint32_t v) { return 31 - __builtin_clz(v); }

@@ -7,6 +7,17 @@
 
 namespace lowfp {
 
+// Whether a per-call form's tables of x' (raw bits) for the two signs mirror each other, so that
+// one sign's table and x's sign bit suffice: at each index i < n that used(i) accepts, the
+// positive entry has no sign bit and the negative one is it with sign_bit set.
+template <class Used>
+bool mirrored_tables(const uint32_t* pos, const uint32_t* neg, size_t n, uint32_t sign_bit,
+                     Used&& used) {
+  for (size_t i = 0; i < n; ++i)
+    if (used(i) && ((pos[i] & sign_bit) != 0 || neg[i] != (pos[i] | sign_bit))) return false;
+  return true;
+}
+
 // LOWFP_S2FP8_FLOAT64=1 keeps every element on the float64 path (tests compare the forms with it).
 bool s2fp8_float64_forced();
 
