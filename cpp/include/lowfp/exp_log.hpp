@@ -14,13 +14,17 @@ constexpr uint64_t kF64Sqrt2Mant = 0x6A09E667F3BCDull;     // significand bits o
 
 // log2(x) for finite x > 0 (normal or subnormal).
 LOWFP_HD double log2_det(double x) {
-  // Subnormals are scaled into the normal range first.
-  const bool subnormal = bit_cast<uint64_t>(x) < (uint64_t(1) << 52);
-  const uint64_t b = bit_cast<uint64_t>(subnormal ? x * 0x1p64 : x);
+  // Subnormals are scaled into the normal range first. The product is formed for every x and
+  // selected by bits: gcc keeps a conditional floating-point operation as control flow (it may
+  // trap), which stops the loop vectorising without AVX-512's masks.
+  const uint64_t xb = bit_cast<uint64_t>(x);
+  const bool subnormal = xb < (uint64_t(1) << 52);
+  const uint64_t b = select(subnormal, bit_cast<uint64_t>(x * 0x1p64), xb);
   // x = 2^e * f with f in [sqrt(1/2), sqrt(2)): a significand above sqrt(2) is halved.
   const bool upper = (b & kF64MantMask) >= kF64Sqrt2Mant;
-  const int64_t e = int64_t(b >> 52) - 1023 - (subnormal ? 64 : 0) + (upper ? 1 : 0);
-  const uint64_t f_exp = upper ? uint64_t(1022) << 52 : uint64_t(1023) << 52;
+  // (int32: AVX2 converts 32-bit integers to double in vectors, 64-bit ones only one by one)
+  const int32_t e = int32_t(b >> 52) - select(subnormal, 1023 + 64, 1023) + int32_t(upper);
+  const uint64_t f_exp = select(upper, uint64_t(1022) << 52, uint64_t(1023) << 52);
   const double f = bit_cast<double>((b & kF64MantMask) | f_exp);
   // ln f = 2 atanh(s) = 2 (s + s^3/3 + s^5/5 + ...), s = (f-1)/(f+1), |s| <= 0.1716: the terms
   // through s^21 leave a truncation error below 1e-18.
@@ -66,8 +70,8 @@ LOWFP_HD double exp2_det(double t) {
   p = p * u + 1.0;
   // Scale by 2^k in two exact power-of-two factors (each within the normal range), so a
   // subnormal result is rounded once, by the second product.
-  const int64_t ki = int64_t(k);
-  const int64_t k1 = ki / 2, k2 = ki - k1;
+  const int32_t ki = int32_t(k);  // (int32 for AVX2, as in log2_det)
+  const int32_t k1 = ki / 2, k2 = ki - k1;
   const double s1 = bit_cast<double>(uint64_t(k1 + 1023) << 52);
   const double s2 = bit_cast<double>(uint64_t(k2 + 1023) << 52);
   return (p * s1) * s2;

@@ -94,9 +94,17 @@ LOWFP_HD S2fp8Factor32 s2fp8_factor_f32_plain(uint32_t abs_bits) {
   return {int32_t(abs_bits >> 23), bit_cast<float>((abs_bits & 0x007FFFFFu) | 0x3F800000u)};
 }
 
-// A lane product (in [1, 2^16)) as a fixed-point log2, rounded to the nearest step (ties up).
+// A lane product (in [1, 2^16)) as a fixed-point log2, rounded to the nearest step (ties up):
+// the floor of v = log2 * 2^48 + 0.5 (exact, v < 2^52). Written with additions rather than a
+// conversion to an integer, which AVX2 lacks for 64-bit lanes (the loop went scalar): adding
+// 2^52 rounds v to the nearest integer in the low significand bits, one less where that
+// rounded up.
 LOWFP_HD uint64_t s2fp8_fixed_log(double product) {
-  return uint64_t(log2_det(product) * kS2fp8LogScale + 0.5);
+  constexpr double kShift = 0x1p52;
+  const double v = log2_det(product) * kS2fp8LogScale + 0.5;
+  const double shifted = v + kShift;
+  const uint64_t nearest = bit_cast<uint64_t>(shifted) - bit_cast<uint64_t>(kShift);
+  return nearest - uint64_t((shifted - kShift) > v);
 }
 
 // A thread's share of the reduction; low must be summed without overflow by the caller, e.g. by
