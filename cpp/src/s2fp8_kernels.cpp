@@ -44,6 +44,7 @@ class NextTile {
       : x_(reinterpret_cast<const char*>(x + next_t0)),
         y_(y == nullptr ? nullptr : reinterpret_cast<char*>(y + next_t0)),
         bytes_(max_of<int64_t>(min_of(kS2fp8Tile, end - next_t0), 0) * int64_t(sizeof(T))) {}
+  NextTile() : x_(nullptr), y_(nullptr), bytes_(0) {}  // nothing to fetch
   static constexpr int64_t kLine = 64;
   // Lines [first, first + count) of both, those that exist.
   void fetch(int64_t first, int64_t count) const {
@@ -271,13 +272,30 @@ TileEvents store_tile(const Raw* x, Raw* y, const uint32_t* __restrict value, in
 
 // x' = table[index[i]] for a tile (the index's kS2fp8Ambiguous bit ignored), calling
 // ambiguous(i) for each flagged element after its lookup.
+// By 16 elements with one test for a flag among them (flags are rare: each element's test and
+// branch had cost as much as its loads), as scalar loads (no-tree-vectorize: see lookup()).
 template <class Fn>
+__attribute__((optimize("no-tree-vectorize")))
 void lookup_flagged_scalar(const uint32_t* table, const uint32_t* index, uint32_t* out, int64_t len,
                            Fn&& ambiguous) {
-  for (int64_t i = 0; i < len; ++i) {
+  int64_t i = 0;
+  for (; i + 16 <= len; i += 16) {
+    uint32_t any = 0;
+    for (int j = 0; j < 16; ++j) any |= index[i + j];
+    if (__builtin_expect(any < kS2fp8Ambiguous, 1)) {
+      for (int j = 0; j < 16; ++j) out[i + j] = table[index[i + j]];
+      continue;
+    }
+    for (int j = 0; j < 16; ++j) {
+      const uint32_t idx = index[i + j];
+      out[i + j] = table[idx & ~kS2fp8Ambiguous];
+      if (idx >= kS2fp8Ambiguous) ambiguous(i + j);
+    }
+  }
+  for (; i < len; ++i) {
     const uint32_t idx = index[i];
     out[i] = table[idx & ~kS2fp8Ambiguous];
-    if (__builtin_expect(idx >= kS2fp8Ambiguous, 0)) ambiguous(i);
+    if (idx >= kS2fp8Ambiguous) ambiguous(i);
   }
 }
 
@@ -375,7 +393,10 @@ void transform_thresholds(const S2fp8Call& c, const S2fp8Thresholds& th, int64_t
     else
       lookup(th.entries, index, found, len, next);
     value_index<T>(x + t0, found, len, th);
-    values(found, index, len, [](int64_t) {});  // (no index is flagged)
+    if (values.in_registers())
+      values(found, index, len, [](int64_t) {});  // (no index is flagged)
+    else
+      lookup(th.values, found, index, len, NextTile());  // without the test for flags
     const TileEvents ev = store_tile<T, kCount>(x + t0, y + t0, index, len, th);
     counts.overflow += int64_t(ev.above) - int64_t(ev.nan);  // see RoundEvents
     counts.underflow += int64_t(ev.under);
@@ -426,18 +447,24 @@ void transform_stochastic(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8St
         nan += uint32_t(a > 0x7F800000u);
       }
     }
+    // The fallback's events have counters of their own: where the lookup does not inline the
+    // lambda, taking the loop's counters by reference had made gcc run that loop scalar (4x slower).
+    TileEvents fallback;
     const auto ambiguous = [&](int64_t i) {
       RoundEvents ev;
       const uint64_t v = s2fp8_element<RoundKind::Stochastic, false>(
           Widen<uint64_t>::from(bit_cast<T>(xt[i])), s, inv_alpha, c.q.p64, rand[i], ev);
       value[i] = bit_cast<Raw>(s2fp8_store<T>(v, c.p_store));
-      if constexpr (kCount) {
-        above += uint32_t(ev.above_max);
-        under += uint32_t(ev.underflow);
-        nan += uint32_t(ev.nan);
-      }
+      fallback.above += uint32_t(ev.above_max);
+      fallback.under += uint32_t(ev.underflow);
+      fallback.nan += uint32_t(ev.nan);
     };
     values(index, value, len, ambiguous);
+    if constexpr (kCount) {
+      above += fallback.above;
+      under += fallback.under;
+      nan += fallback.nan;
+    }
     Raw* yt = y + t0;  // may alias xt: element i is read before it is written
     for (int64_t i = 0; i < len; ++i) {  // vectorised
       const uint32_t xb = Widen<uint32_t>::from(bit_cast<T>(xt[i]));
