@@ -176,16 +176,17 @@ s2fp8_stochastic_kernel(const T* x, T* y, int64_t n, bool quad_io, S2fp8FastStoc
     for (int k = 0; k < 4; ++k) {
       const uint32_t xb = Widen<uint32_t>::from(in.v[k]), a = xb & 0x7FFFFFFFu;
       const bool finite_nonzero = a - 1 < 0x7F7FFFFFu;
-      const uint32_t idx =
-          finite_nonzero ? s2fp8_fast_grid_index(s2fp8_fast_log_y(xb, form), xb, r.w[k], form) : 0u;
+      const uint32_t grid =
+          finite_nonzero ? s2fp8_fast_grid_index(s2fp8_fast_log_y(xb, form), r.w[k], form) : 0u;
+      const uint32_t idx = s2fp8_fast_table_index(grid, xb, form);
       const bool counted = kCount && 4 * g + k < n;
       if (idx < kS2fp8Ambiguous) {
         const uint32_t value = s2fp8_fast_signed_value(__ldg(values + idx), xb, form);
         out.v[k] = bit_cast<T>(finite_nonzero ? Raw(value)
                                               : s2fp8_pass_through<T>(bit_cast<Raw>(in.v[k])));
         if (counted) {  // as RoundEvents: an infinite x overflows, NaN is counted as NaN only
-          tc.overflow += uint32_t((finite_nonzero && s2fp8_fast_above_max(idx, form)) || a == 0x7F800000u);
-          tc.underflow += uint32_t(finite_nonzero && s2fp8_fast_underflow(idx, form));
+          tc.overflow += uint32_t((finite_nonzero && s2fp8_fast_above_max(grid, form)) || a == 0x7F800000u);
+          tc.underflow += uint32_t(finite_nonzero && s2fp8_fast_underflow(grid));
           tc.nan += uint32_t(a > 0x7F800000u);
         }
       } else {

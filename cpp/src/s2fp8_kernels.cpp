@@ -438,11 +438,11 @@ void transform_stochastic(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8St
       const uint32_t xb = Widen<uint32_t>::from(bit_cast<T>(xt[i]));
       const uint32_t a = xb & 0x7FFFFFFFu;
       const bool finite_nonzero = a - 1 < 0x7F7FFFFFu;
-      const uint32_t idx = select(finite_nonzero, s2fp8_fast_grid_index(log_y[i], xb, rand[i], k), 0u);
-      index[i] = idx;
-      if constexpr (kCount) {  // (an ambiguous index matches none: counted on the float64 path)
-        under += uint32_t(finite_nonzero & s2fp8_fast_underflow(idx, k));
-        above += uint32_t((finite_nonzero & s2fp8_fast_above_max(idx, k)) |
+      const uint32_t grid = select(finite_nonzero, s2fp8_fast_grid_index(log_y[i], rand[i], k), 0u);
+      index[i] = s2fp8_fast_table_index(grid, xb, k);
+      if constexpr (kCount) {  // (over > 0: a grid of 0 for x not finite nonzero is not above max)
+        under += uint32_t(finite_nonzero & s2fp8_fast_underflow(grid));
+        above += uint32_t(s2fp8_fast_above_max(grid, k) |
                           (a >= 0x7F800000u));  // infinite x overflow, NaN is "above max" too
         nan += uint32_t(a > 0x7F800000u);
       }

@@ -11,8 +11,8 @@
 // - The float64 path's own t: log2_det (a few ulp of |log2 x| <= 150), the two operations and c's
 //   rounding: below 2^-48 (alpha 150 + |beta| + T).
 // So |t~ - t| <= dt = alpha eps_d + 2^-23 T + that. g = 2^(t - binade + m) then has relative error
-// ln 2 dt (1 + 2^-10) plus 2^-21 (s2fp8_exp2_f32) plus 2^-49 (exp2_det); g < 2^(m+1). w = g + r' adds r's conversion (2^-25)
-// and its own rounding (half an ulp of w < 2^(m+2): 2^(m+1-24)). The bands are twice these
+// ln 2 dt (1 + 2^-10) plus 2^-21 (s2fp8_exp2_f32) plus 2^-49 (exp2_det); g < 2^(m+1). w = g + r'
+// adds r' truncated to its top 24 bits (below 2^-24) and its own rounding (half an ulp of w < 2^(m+2): 2^(m+1-24)). The bands are twice these
 // bounds: band_t = 2 dt (the binade floor(t) is certain outside it), band_w = 2 dw.
 #include <cmath>
 
@@ -79,15 +79,13 @@ bool build(const S2fp8Call& call, const S2fp8Stats& s, S2fp8StochasticForm& form
   const double eps_d = 0x1p-21 + 0x1p-25 + 0x1p-24 + (t_bound / alpha + 1) * 0x1p-24;
   const double dt = alpha * eps_d + 0x1p-23 * t_bound + 0x1p-48 * (alpha * 150 + std::fabs(beta) + t_bound);
   const double dg = std::ldexp(std::log(2.0) * dt * (1 + 0x1p-10) + 0x1p-21 + 0x1p-49, m + 1);
-  const double dw = dg + 0x1p-25 + std::ldexp(1.0, m + 1 - 24);
+  const double dw = dg + 0x1p-24 + std::ldexp(1.0, m + 1 - 24);
   if (2 * dw > kMaxBandW) return false;
   k.band_t = float(2 * dt);
   k.band_w = float(2 * dw);
 
-  const int32_t r_bits = 32 - int32_t(p.sr_shift);
-  k.sr_shift = p.sr_shift;
-  k.r_max = uint32_t((uint64_t(1) << r_bits) - 1);
-  k.r_scale = std::ldexp(1.0f, -r_bits);
+  k.r_shift = std::max<uint32_t>(p.sr_shift, 8);
+  k.r_scale = std::ldexp(1.0f, -(32 - int32_t(k.r_shift)));
 
   // x' per grid value and sign: Y rounded as the float64 path would round that exact grid value
   // (itself, or the overflow policy's result at index over; +-0 at index 0), then unsqueezed.

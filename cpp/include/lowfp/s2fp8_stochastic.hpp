@@ -29,9 +29,9 @@ struct S2fp8FastStochastic {
   float t_deep;         // below it Y leaves float64's normal range: ambiguous
   float band_t, band_w;
   int32_t emin, m, low_shift;
-  uint32_t sr_shift;    // 32 - R: rr = rand >> sr_shift
-  uint32_t r_max;       // 2^R - 1
-  float r_scale;        // 2^-R
+  // r' is taken to its top min(R, 24) bits, exact in a float32: (~rand >> r_shift) r_scale.
+  uint32_t r_shift;     // max(32 - R, 8)
+  float r_scale;        // 2^(r_shift - 32)
   uint32_t over;        // index of the first grid value above max; larger indices clamp to it
   uint32_t per_sign;    // table entries per sign: over + 1
   // Where negative x has entries of its own, sign_offset = per_sign (negative x: index +
@@ -87,10 +87,9 @@ LOWFP_HD float s2fp8_fast_log_y(uint32_t xb, const S2fp8FastStochastic& k) {
   return min_of(k.alpha * d, k.t_max);
 }
 
-// The grid index of the rounded Y (plus per_sign for negative x), with kS2fp8Ambiguous set when
-// the float64 path must decide; t from s2fp8_fast_log_y, rand the element's Philox word.
-LOWFP_HD uint32_t s2fp8_fast_grid_index(float log_y, uint32_t xb, uint32_t rand,
-                                        const S2fp8FastStochastic& k) {
+// The grid index of the rounded |Y| (0 to over), with kS2fp8Ambiguous set when the float64 path
+// must decide; t from s2fp8_fast_log_y, rand the element's Philox word.
+LOWFP_HD uint32_t s2fp8_fast_grid_index(float log_y, uint32_t rand, const S2fp8FastStochastic& k) {
   const float t = max_of(log_y, k.t_min);
   // t = n + r with n an integer and |r| <= 1/2; the binade is floor(t).
   constexpr float kRound = 0x1.8p23f;  // adding it rounds |t| < 2^22 to an integer
@@ -104,23 +103,28 @@ LOWFP_HD uint32_t s2fp8_fast_grid_index(float log_y, uint32_t xb, uint32_t rand,
   // 2^r 2^(n - emin + m - low_shift); t >= t_min keeps the power of two a normal float32.
   const int32_t scale = ni - e_grid + select(below, k.m - k.low_shift, k.m);
   const float g = s2fp8_exp2_f32(r) * bit_cast<float>(uint32_t(scale + 127) << 23);
-  const float w = g + float(k.r_max - (rand >> k.sr_shift)) * k.r_scale;
+  // r' = (2^R - 1 - rr) 2^-R, and 2^R - 1 - rr = ~rand >> (32 - R): its top bits, below 2^24,
+  // convert as a signed integer (AVX2 converts no unsigned ones); the truncation is in band_w.
+  const float w = g + float(int32_t(~rand >> k.r_shift)) * k.r_scale;
   const int32_t steps = int32_t(w);  // w >= 0: the floor
   const float frac = w - float(steps);
   const bool ambiguous = (frac < k.band_w) | (frac > 1.0f - k.band_w) |
                          (max_of(r, -r) < k.band_t) | (log_y < k.t_deep);
   const uint32_t grid = uint32_t((e_grid - k.emin) << k.m) +
                         (uint32_t(steps) << select(below, uint32_t(k.low_shift), 0u));
-  const uint32_t index = min_of(grid, k.over) + select(xb >> 31 != 0, k.sign_offset, 0u);
-  return index | select(ambiguous, kS2fp8Ambiguous, 0u);
+  return min_of(grid, k.over) | select(ambiguous, kS2fp8Ambiguous, 0u);
 }
 
-// The events of a finite nonzero x whose index the form decided: Y rounded to 0, or above max.
-LOWFP_HD bool s2fp8_fast_underflow(uint32_t index, const S2fp8FastStochastic& k) {
-  return (index == 0) | (index == k.sign_offset);
+// The table's index for a grid index and x (float32 bits xb): plus sign_offset for negative x.
+LOWFP_HD uint32_t s2fp8_fast_table_index(uint32_t grid, uint32_t xb, const S2fp8FastStochastic& k) {
+  return grid + select(xb >> 31 != 0, k.sign_offset, 0u);
 }
-LOWFP_HD bool s2fp8_fast_above_max(uint32_t index, const S2fp8FastStochastic& k) {
-  return (index == k.over) | (index == k.sign_offset + k.over);
+
+// The events of a finite nonzero x from its grid index: Y rounded to 0, or above max (false for
+// an ambiguous index, whose events the float64 path reports).
+LOWFP_HD bool s2fp8_fast_underflow(uint32_t grid) { return grid == 0; }
+LOWFP_HD bool s2fp8_fast_above_max(uint32_t grid, const S2fp8FastStochastic& k) {
+  return grid == k.over;
 }
 
 // x' from the table's entry for x's index (raw bits of x's dtype); xb: x as float32 bits.
