@@ -296,6 +296,26 @@ def _s2fp8_both_paths(x, monkeypatch, **kw):
     return results
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stochastic_fast_form_float32_subnormals(dtype, monkeypatch):
+    """x around float32's smallest normal, most of it subnormal (bfloat16 has the same range),
+    which the fast form scales into the normal range: every bit and count must equal the float64
+    path's; Y of most elements is nonzero, so a wrong logarithm of a subnormal would show."""
+    g = torch.Generator().manual_seed(3)
+    n = 4000
+    low = -140 if dtype == torch.float32 else -133  # (bfloat16's smallest subnormal: 2^-133)
+    x = torch.exp2(torch.empty(n, dtype=torch.float64).uniform_(low, low + 12, generator=g))
+    x = (x * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()).to(dtype)
+    subnormal = (x != 0) & (x.abs() < torch.finfo(torch.float32).tiny)
+    assert subnormal.sum() > n // 2
+    for fmt in ("float8_e5m2", "float8_e4m3fn"):
+        (b0, p0, c0), (b1, p1, c1) = _s2fp8_both_paths(x, monkeypatch, fmt=fmt, log_max=8.0,
+                                                       rounding="stochastic", seed=5)
+        assert torch.equal(b0, b1), (fmt, int((b0 != b1).sum()))
+        assert torch.equal(p0, p1) and c0 == c1, (fmt, c0, c1)
+        assert (b0[subnormal] != 0).sum() > subnormal.sum() // 2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_stochastic_fast_form_equals_float64_path(dtype, monkeypatch):
     """With stochastic rounding, float32 and 16-bit x take a float32 form of the transform
