@@ -2,7 +2,7 @@
 // the reduction over log2|x| and the element transform, both the shared math of
 // cpp/include/lowfp/s2fp8.hpp in plain loops the compiler vectorises (plus, with AVX-512, table
 // lookups from registers).
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -295,6 +295,19 @@ TileEvents store_tile(const Raw* x, Raw* y, const uint32_t* __restrict value, in
 
 // x' = table[index[i]] for a tile (the index's kS2fp8Ambiguous bit ignored), calling
 // ambiguous(i) for each flagged element after its lookup.
+// Whether one of index[0, 16) has kS2fp8Ambiguous set (its sign bit).
+inline bool any_flagged16(const uint32_t* index) {
+#if defined(__AVX2__)
+  const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(index));
+  const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(index + 8));
+  return _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_or_si256(low, high))) != 0;
+#else
+  uint32_t any = 0;
+  for (int j = 0; j < 16; ++j) any |= index[j];
+  return any >= kS2fp8Ambiguous;
+#endif
+}
+
 // By 16 elements with one test for a flag among them (flags are rare: each element's test and
 // branch had cost as much as its loads), as scalar loads (no-tree-vectorize: see lookup()).
 template <class Fn>
@@ -303,9 +316,7 @@ void lookup_flagged_scalar(const uint32_t* table, const uint32_t* index, uint32_
                            Fn&& ambiguous) {
   int64_t i = 0;
   for (; i + 16 <= len; i += 16) {
-    uint32_t any = 0;
-    for (int j = 0; j < 16; ++j) any |= index[i + j];
-    if (__builtin_expect(any < kS2fp8Ambiguous, 1)) {
+    if (__builtin_expect(!any_flagged16(index + i), 1)) {
       for (int j = 0; j < 16; ++j) out[i + j] = table[index[i + j]];
       continue;
     }
