@@ -314,23 +314,20 @@ template <class Fn>
 __attribute__((optimize("no-tree-vectorize")))
 void lookup_flagged_scalar(const uint32_t* table, const uint32_t* index, uint32_t* out, int64_t len,
                            Fn&& ambiguous) {
+  const auto one = [&](int64_t at) {
+    const uint32_t idx = index[at];
+    out[at] = table[idx & ~kS2fp8Ambiguous];
+    if (idx >= kS2fp8Ambiguous) ambiguous(at);
+  };
   int64_t i = 0;
   for (; i + 16 <= len; i += 16) {
     if (__builtin_expect(!any_flagged16(index + i), 1)) {
       for (int j = 0; j < 16; ++j) out[i + j] = table[index[i + j]];
       continue;
     }
-    for (int j = 0; j < 16; ++j) {
-      const uint32_t idx = index[i + j];
-      out[i + j] = table[idx & ~kS2fp8Ambiguous];
-      if (idx >= kS2fp8Ambiguous) ambiguous(i + j);
-    }
+    for (int j = 0; j < 16; ++j) one(i + j);
   }
-  for (; i < len; ++i) {
-    const uint32_t idx = index[i];
-    out[i] = table[idx & ~kS2fp8Ambiguous];
-    if (idx >= kS2fp8Ambiguous) ambiguous(i);
-  }
+  for (; i < len; ++i) one(i);
 }
 
 #if defined(__AVX512F__)
@@ -394,6 +391,14 @@ class TableLookup {
 #endif
     lookup_flagged_scalar(table_, index, out, len, ambiguous);
   }
+  // The same for indices that are never flagged, fetching next's lines (one per 16 elements)
+  // meanwhile; without registers, scalar loads without the test for flags (lookup()).
+  void unflagged(const uint32_t* index, uint32_t* out, int64_t len, const NextTile& next) const {
+    if (in_registers())
+      (*this)(index, out, len, [](int64_t) {}, [&](int64_t line) { next.fetch(line, 1); });
+    else
+      lookup(table_, index, out, len, next);
+  }
 
  private:
   const uint32_t* table_;
@@ -422,15 +427,9 @@ void transform_thresholds(const S2fp8Call& c, const S2fp8Thresholds& th, int64_t
     const int64_t len = min_of(kS2fp8Tile, end - t0);
     const NextTile next(x, y, t0 + len, end);
     bucket_index<T>(x + t0, index, len, th);
-    if (entries.in_registers())
-      entries(index, found, len, [](int64_t) {}, [&](int64_t line) { next.fetch(line, 1); });
-    else
-      lookup(th.entries, index, found, len, next);
+    entries.unflagged(index, found, len, next);
     value_index<T>(x + t0, found, len, th);
-    if (values.in_registers())
-      values(found, index, len, [](int64_t) {});  // (no index is flagged)
-    else
-      lookup(th.values, found, index, len, NextTile());  // without the test for flags
+    values.unflagged(found, index, len, NextTile());  // (the next tile is fetched by now)
     const TileEvents ev = store_tile<T, kCount>(x + t0, y + t0, index, len, th);
     counts.overflow += int64_t(ev.above) - int64_t(ev.nan);  // see RoundEvents
     counts.underflow += int64_t(ev.under);
@@ -482,7 +481,8 @@ void transform_stochastic(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8St
       }
     }
     // The fallback's events have counters of their own: where the lookup does not inline the
-    // lambda, taking the loop's counters by reference had made gcc run that loop scalar (4x slower).
+    // lambda, taking the loop's counters by reference had made gcc run that loop scalar (4x
+    // slower).
     TileEvents fallback;
     const auto ambiguous = [&](int64_t i) {
       RoundEvents ev;

@@ -12,8 +12,9 @@
 //   rounding: below 2^-48 (alpha 150 + |beta| + T).
 // So |t~ - t| <= dt = alpha eps_d + 2^-23 T + that. g = 2^(t - binade + m) then has relative error
 // ln 2 dt (1 + 2^-10) plus 2^-21 (s2fp8_exp2_f32) plus 2^-49 (exp2_det); g < 2^(m+1). w = g + r'
-// adds r' truncated to its top 24 bits (below 2^-24) and its own rounding (half an ulp of w < 2^(m+2): 2^(m+1-24)). The bands are twice these
-// bounds: band_t = 2 dt (the binade floor(t) is certain outside it), band_w = 2 dw.
+// adds r' truncated to its top 24 bits (below 2^-24) and its own rounding (half an ulp of
+// w < 2^(m+2): 2^(m+1-24)). The bands are twice these bounds: band_t = 2 dt (the binade floor(t)
+// is certain outside it), band_w = 2 dw.
 #include <cmath>
 
 #include "dispatch.hpp"
