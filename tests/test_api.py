@@ -191,16 +191,17 @@ for mode in lowfp.ROUNDING_MODES:
             y, st = lowfp.s2fp8_quantize(x, fmt, rounding=mode, seed=3, stats=s)
             outs += [y.view(torch.int32 if y.dtype == torch.float32 else torch.int16), st.sums,
                      st.params, s.counts]
-# extra bits: split (q = 1 to 17, vector and scalar packing), merge, and a fused step
+# extra bits: split (vector and scalar packing), merge, and a fused step
 import lowfp.extra_bits as eb
 w = x32[torch.isfinite(x32)][:100_000].contiguous()
-for k, r in [(1, "toward_zero"), (1, "nearest"), (8, "toward_zero"), (8, "nearest"), (13, "stochastic"),
-             (16, "stochastic")]:
-    for dt in (torch.bfloat16, torch.float16):
-        if dt == torch.float16 and k > 13:
-            continue
-        w16, packed = eb.split(w, dt, k, r, seed=5)
-        outs += [w16.view(torch.int16), packed, eb.merge(w16, packed, k, r).view(torch.int32)]
+# every q: k = 1..16 toward_zero (q = k) and nearest (q = k + 1); float16 and stochastic for some
+cases = [(k, r, torch.bfloat16) for k in range(1, 17) for r in ("toward_zero", "nearest")]
+cases += [(k, r, torch.float16) for k, r in [(1, "toward_zero"), (1, "nearest"), (8, "toward_zero"),
+                                             (8, "nearest"), (13, "stochastic")]]
+cases += [(16, "stochastic", torch.bfloat16)]
+for k, r, dt in cases:
+    w16, packed = eb.split(w, dt, k, r, seed=5)
+    outs += [w16.view(torch.int16), packed, eb.merge(w16, packed, k, r).view(torch.int32)]
 p = torch.nn.Parameter((torch.randn(70_001) * 0.02).bfloat16())
 p.grad = (torch.randn(70_001) * 1e-3).bfloat16()
 opt = lowfp.optim.ExtraBitsSGD([p], lr=0.01, momentum=0.9, extra_bits=8, rounding="nearest")

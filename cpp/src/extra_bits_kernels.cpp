@@ -21,14 +21,22 @@ namespace {
 
 constexpr int64_t kTileBlocks = kTile / 32;
 
-// Packing with q known at compile time: with AVX-512BW, 16 elements per vector (pack_lanes.hpp;
-// 3 to 6 times the scalar code for q >= 2, slower for q = 1); otherwise the 32 elements of a block
-// unroll into constant shifts (the run-time-q loop of the header costs more than the whole
-// update). One instance per q.
+// Packing with q known at compile time: with AVX-512BW 16 elements per vector, with AVX2 8
+// (pack_lanes.hpp; several times the scalar code, except for q = 1 on AVX-512BW); otherwise the
+// 32 elements of a block unroll into constant shifts (the run-time-q loop of the header costs
+// more than the whole update). One instance per q.
+#if defined(__AVX512BW__)
+constexpr uint32_t kVectorPackFrom = 2;
+#elif defined(__AVX2__)
+constexpr uint32_t kVectorPackFrom = 1;
+#else
+constexpr uint32_t kVectorPackFrom = 18;  // none
+#endif
+
 template <uint32_t Q>
 void unpack_tile_q(const uint32_t* words, int64_t blocks, uint32_t* values) {
-#if defined(__AVX512BW__)
-  if constexpr (Q >= 2) return pack_lanes::unpack_blocks<Q>(words, blocks, values);
+#if defined(__AVX2__)
+  if constexpr (Q >= kVectorPackFrom) return pack_lanes::unpack_blocks<Q>(words, blocks, values);
 #endif
   for (int64_t b = 0; b < blocks; ++b) {
     const uint32_t* block = words + b * Q;
@@ -39,8 +47,8 @@ void unpack_tile_q(const uint32_t* words, int64_t blocks, uint32_t* values) {
 
 template <uint32_t Q>
 void pack_tile_q(const uint32_t* values, int64_t blocks, uint32_t* words) {
-#if defined(__AVX512BW__)
-  if constexpr (Q >= 2) return pack_lanes::pack_blocks<Q>(values, blocks, words);
+#if defined(__AVX2__)
+  if constexpr (Q >= kVectorPackFrom) return pack_lanes::pack_blocks<Q>(values, blocks, words);
 #endif
   for (int64_t b = 0; b < blocks; ++b) pack_block(values + b * 32, Q, words + b * Q);
 }
