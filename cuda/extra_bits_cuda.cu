@@ -58,10 +58,9 @@ constexpr int kBlocksPerChunk = 4;
 // in flight per warp rather than one.
 template <class W16, RoundKind K, class Maker>
 __global__ void __launch_bounds__(kThreads)
-step_kernel(SlotTable table, ExtraBitsParams e, SgdHyper sgd, AdamHyper adam,
-            RoundParams<uint32_t> state_round, uint64_t seed, int64_t numel,
-            unsigned long long* counts) {
-  using Update = decltype(Maker::make(sgd, adam, state_round, table.slots[0]));
+step_kernel(SlotTable table, ExtraBitsParams e, SgdHyper sgd, AdamHyper adam, uint64_t seed,
+            int64_t numel, unsigned long long* counts) {
+  using Update = decltype(Maker::make(sgd, adam, table.slots[0]));
   constexpr int U = kBlocksPerChunk;
   const uint32_t lane = threadIdx.x & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
@@ -72,7 +71,7 @@ step_kernel(SlotTable table, ExtraBitsParams e, SgdHyper sgd, AdamHyper adam,
   for (int64_t c = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; c < total; c += warps) {
     while (table.first_chunk[which + 1] <= c) ++which;  // c, and so which, is the warp's
     const ExtraBitsSlot slot = table.slots[which];  // a copy: the stores below cannot change it
-    const Update update = Maker::make(sgd, adam, state_round, slot);
+    const Update update = Maker::make(sgd, adam, slot);
     const int64_t b0 = (c - table.first_chunk[which]) * U, blocks = (slot.n + 31) / 32;
     uint32_t value[U];
     W16 w16_old[U], grad[U];
@@ -175,7 +174,7 @@ void extra_bits_step_cuda(const ExtraBitsStep& s, int64_t* counts, int device, u
   const int grid = grid_size(device, first[n] * 32);
   dispatch_extra_bits_step(s, [&](auto w16, auto kind, auto maker) {
     step_kernel<typename decltype(w16)::type, decltype(kind)::value, typename decltype(maker)::type>
-        <<<grid, kThreads, 0, stream>>>(t, s.e, s.sgd, s.adam, s.state_round, s.seed, numel,
+        <<<grid, kThreads, 0, stream>>>(t, s.e, s.sgd, s.adam, s.seed, numel,
                                         reinterpret_cast<unsigned long long*>(counts));
   });
   check(cudaGetLastError(), "kernel launch");

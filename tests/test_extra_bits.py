@@ -123,6 +123,31 @@ def test_overflow_and_specials():
     assert w16z[0].item() == 65504 and eb.merge(w16z, pz, 10, "toward_zero")[0].item() == 65504
 
 
+@pytest.mark.parametrize("rounding", eb.EXTRA_BITS_ROUNDING)
+def test_bfloat16_split_specials_and_counts(rounding):
+    # The split rounds to bfloat16 by a form with every parameter folded in: it must give
+    # lowfp.quantize's general rounding to the bfloat16 grid (overflow to inf, the same random
+    # words for the same seed) bit for bit, with the same event counts; nearest is torch's cast.
+    special = [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7F800001, 0xFFC00000,  # zeros, infs, NaNs
+               0x7F7FFFFF, 0xFF7F8000, 0x7F7F7FFF,  # to inf when rounded up; a tie with odd 0x7f7f
+               0x00000001, 0x80008000, 0x00008001, 0x0000FFFF, 0x00010000,  # below bfloat16's min
+               0x3F808000, 0x3F818000, 0xBF80FFFF]  # ties to even, down and up
+    rng = np.random.default_rng(2)
+    bits = np.concatenate([np.array(special, dtype=np.uint64),
+                           rng.integers(0, 2**32, 100_000, dtype=np.uint64)]).astype(np.uint32)
+    x = torch.from_numpy(bits.view(np.int32)).view(torch.float32)
+    s_split, s_ref = lowfp.Stats(), lowfp.Stats()
+    w16, _ = eb.split(x, torch.bfloat16, 8, rounding, seed=4, stats=s_split)
+    ref = lowfp.quantize(x, "bfloat16", rounding, overflow="inf", seed=4, stats=s_ref)
+    nan = torch.isnan(x)
+    assert torch.equal(torch.isnan(w16), nan)
+    assert torch.equal(w16.float()[~nan].view(torch.int32), ref[~nan].view(torch.int32))
+    assert torch.equal(s_split.counts, s_ref.counts)
+    assert s_split.overflow > 0 and s_split.nan > 0 and (rounding == "stochastic" or s_split.underflow > 0)
+    if rounding == "nearest":
+        assert torch.equal(w16[~nan].view(torch.int16), x[~nan].to(torch.bfloat16).view(torch.int16))
+
+
 def test_split_merge_errors():
     w = torch.ones(10)
     with pytest.raises(ValueError, match="between 1 and 13"):
@@ -148,8 +173,10 @@ def test_split_merge_errors():
 class RefSGD:
     """torch.optim.SGD's single-tensor formulas in numpy float32, operation by operation."""
 
-    def __init__(self, w, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False):
+    def __init__(self, w, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False,
+                 state_round=None):
         self.w, self.buf = [x.copy() for x in w], [None] * len(w)
+        self.state_round = state_round  # applied to the stored state after each step
         self.h = (F32(-lr), F32(momentum), F32(1 - dampening), F32(weight_decay), nesterov, maximize, momentum != 0)
 
     def step(self, grads):
@@ -161,6 +188,8 @@ class RefSGD:
             if has_m:
                 self.buf[i] = d.copy() if self.buf[i] is None else self.buf[i] * mom + omd * d
                 d = d + mom * self.buf[i] if nesterov else self.buf[i]
+                if self.state_round is not None:
+                    self.buf[i] = self.state_round(self.buf[i])
             self.w[i] = self.w[i] + neg_lr * d
 
 
@@ -168,8 +197,9 @@ class RefAdam:
     """torch.optim.Adam/AdamW's single-tensor formulas in numpy float32."""
 
     def __init__(self, w, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False,
-                 maximize=False, decoupled=False):
+                 maximize=False, decoupled=False, state_round=None):
         self.w = [x.copy() for x in w]
+        self.state_round = state_round  # applied to the stored moments after each step
         self.m = [np.zeros_like(x) for x in w]
         self.v = [np.zeros_like(x) for x in w]
         self.vmax = [np.zeros_like(x) for x in w]
@@ -198,6 +228,8 @@ class RefAdam:
                 v = self.vmax[i]
             denom = np.sqrt(v) / bc2s + F32(self.eps)
             self.w[i] = w + (neg_ss * self.m[i]) / denom
+            if self.state_round is not None:
+                self.m[i], self.v[i], self.vmax[i] = map(self.state_round, (self.m[i], self.v[i], self.vmax[i]))
 
 
 def small_model(seed=0):
@@ -250,6 +282,23 @@ def test_adam_bfloat16_16_is_an_fp32_master(kwargs):
 @pytest.mark.parametrize("kwargs", [dict(lr=1e-3), dict(lr=1e-3, weight_decay=0.1, amsgrad=True)])
 def test_adamw_bfloat16_16_is_an_fp32_master(kwargs):
     run_exactness(ExtraBitsAdamW, lambda w, **kw: RefAdam(w, decoupled=True, **{"weight_decay": 1e-2, **kw}), kwargs)
+
+
+def to_bfloat16_nearest(x):
+    """float32 -> bfloat16 -> float32 by torch's cast (round to nearest even)."""
+    return torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+
+
+@pytest.mark.parametrize("opt_cls,ref_cls,kwargs", [
+    (ExtraBitsSGD, RefSGD, dict(lr=0.05, momentum=0.9)),
+    (ExtraBitsSGD, RefSGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)),
+    (ExtraBitsAdam, RefAdam, dict(lr=1e-3, amsgrad=True)),
+    (ExtraBitsAdamW, lambda w, **kw: RefAdam(w, decoupled=True, weight_decay=1e-2, **kw), dict(lr=1e-3)),
+])
+def test_bfloat16_state_is_float32_state_rounded_to_nearest(opt_cls, ref_cls, kwargs):
+    # the update uses the new state in float32, which is then stored rounded to bfloat16
+    run_exactness(opt_cls, lambda w, **kw: ref_cls(w, state_round=to_bfloat16_nearest, **kw), kwargs,
+                  steps=100, state_dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])

@@ -27,8 +27,6 @@ inline ExtraBitsStep make_extra_bits_step(int32_t opt, int32_t weights, int32_t 
   s.state = DType(state);
   if (s.state != DType::Float32 && s.state != DType::BFloat16)
     throw std::invalid_argument("state dtype must be float32 or bfloat16");
-  s.state_round = make_round_params<uint32_t>(FormatSpec{8, 7, 0, Specials::IEEE, true},
-                                              Overflow::Inf, Rounding::Nearest, 32);
   s.seed = seed;
   if (opt == 0) {
     s.opt = OptimKind::Sgd;

@@ -19,7 +19,8 @@ ExtraBitsParams make_extra_bits_params(DType weights, int32_t k, Rounding mode) 
                                : FormatSpec{5, 10, 0, Specials::IEEE, true};
   ExtraBitsParams e{};
   e.round = make_round_params<uint32_t>(spec, Overflow::Inf, mode, 32);
-  // split_bits rounds bfloat16 with round_bits' fixed-drop form (kFixedDrop), float16 without.
+  // split_bits rounds float16 by e.round, and bfloat16 by round_to_bfloat16_bits, which folds in
+  // the parameters e.round has for it (a fixed drop of 16 bits, overflow to inf, 32 random bits).
   if (e.round.fixed_drop != bf16) throw std::logic_error("extra bits: unexpected rounding grid");
   e.m16 = spec.m;
   e.emin16 = min_exponent(spec);

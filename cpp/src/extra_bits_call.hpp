@@ -51,7 +51,6 @@ struct ExtraBitsStep {
   bool has_momentum;          // SGD with momentum != 0
   SgdHyper sgd;
   AdamHyper adam;
-  RoundParams<uint32_t> state_round;  // bfloat16 moments: round to nearest
   uint64_t seed;
   std::vector<ExtraBitsSlot> slots;
 };

@@ -9,8 +9,7 @@
 namespace lowfp {
 
 struct MakeSgdPlain {
-  static LOWFP_HD SgdPlain make(const SgdHyper& h, const AdamHyper&, const RoundParams<uint32_t>&,
-                                const ExtraBitsSlot&) {
+  static LOWFP_HD SgdPlain make(const SgdHyper& h, const AdamHyper&, const ExtraBitsSlot&) {
     return SgdPlain{h};
   }
 };
@@ -18,18 +17,17 @@ struct MakeSgdPlain {
 template <class S, bool kDecayOrNesterov>
 struct MakeSgdMomentum {
   static LOWFP_HD SgdMomentum<S, kDecayOrNesterov> make(const SgdHyper& h, const AdamHyper&,
-                                                        const RoundParams<uint32_t>& r,
                                                         const ExtraBitsSlot& slot) {
-    return SgdMomentum<S, kDecayOrNesterov>{h, static_cast<S*>(slot.state0), r};
+    return SgdMomentum<S, kDecayOrNesterov>{h, static_cast<S*>(slot.state0)};
   }
 };
 
 template <class S, bool kAmsgrad>
 struct MakeAdam {
   static LOWFP_HD Adam<S, kAmsgrad> make(const SgdHyper&, const AdamHyper& h,
-                                         const RoundParams<uint32_t>& r, const ExtraBitsSlot& slot) {
+                                         const ExtraBitsSlot& slot) {
     return Adam<S, kAmsgrad>{h, static_cast<S*>(slot.state0), static_cast<S*>(slot.state1),
-                             static_cast<S*>(slot.state2), r};
+                             static_cast<S*>(slot.state2)};
   }
 };
 

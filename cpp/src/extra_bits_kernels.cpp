@@ -132,7 +132,7 @@ void extra_bits_step_range(const ExtraBitsStep& s, int64_t slot, int64_t b0, int
     using Maker = typename decltype(maker)::type;
     const ExtraBitsSlot& sl = s.slots[slot];
     step_blocks<typename decltype(w16)::type, decltype(kind)::value>(
-        s, sl, b0, b1, counts, Maker::make(s.sgd, s.adam, s.state_round, sl));
+        s, sl, b0, b1, counts, Maker::make(s.sgd, s.adam, sl));
   });
 }
 

@@ -12,7 +12,7 @@ namespace lowfp {
 
 // The 16-bit type and k; built on the host (make_extra_bits_params).
 struct ExtraBitsParams {
-  RoundParams<uint32_t> round;  // rounding of W to the 16-bit type by the chosen mode
+  RoundParams<uint32_t> round;  // rounding of W to float16 by the chosen mode (bfloat16: folded in)
   int32_t m16, emin16, emax16;  // the 16-bit type's fraction bits and exponent range
   uint32_t k;                   // extra bits per element
   uint32_t q;                   // packed bits per element: k, + 1 flag bit unless toward_zero
@@ -48,8 +48,11 @@ LOWFP_HD uint32_t extra_bits_of(uint32_t w32, const ExtraBitsParams& e) {
 template <class W16, RoundKind Kind, bool kSubExp>
 LOWFP_HD uint32_t split_bits(uint32_t w32, const ExtraBitsParams& e, uint32_t rand, uint32_t& extra,
                              uint32_t& flag, RoundEvents& ev) {
-  constexpr bool kBf16 = std::is_same_v<W16, BFloat>;  // bfloat16 drops a fixed 16 bits
-  const uint32_t w = round_bits<Kind, uint32_t, kSubExp && !kBf16, kBf16>(w32, e.round, rand, ev);
+  uint32_t w;
+  if constexpr (std::is_same_v<W16, BFloat>)  // e.round's parameters, folded in
+    w = round_to_bfloat16_bits<Kind>(w32, rand, ev);
+  else
+    w = round_bits<Kind, uint32_t, kSubExp>(w32, e.round, rand, ev);
   // w is t or t's neighbour away from zero; the latter exactly when |w| > |W|.
   const uint32_t a = w32 & kF32Abs;
   flag = uint32_t(a <= kF32Inf) & uint32_t((w & kF32Abs) > a);  // & not &&: no branch

@@ -71,14 +71,15 @@ LOWFP_HD float adam_update(float w, float g, float& m, float& v, float& v_max, c
 template <class S> LOWFP_HD float load_state(const S* p, int64_t i) {
   return bit_cast<float>(Widen<uint32_t>::from(p[i]));
 }
-template <class S> LOWFP_HD void store_state(S* p, int64_t i, float v, const RoundParams<uint32_t>& r) {
+// State in float32, or in bfloat16 rounded to nearest.
+template <class S> LOWFP_HD void store_state(S* p, int64_t i, float v) {
+  static_assert(std::is_same_v<S, float> || std::is_same_v<S, BFloat>, "float32 or bfloat16 state");
   if constexpr (std::is_same_v<S, float>) {
     p[i] = v;
   } else {
     RoundEvents ignored;
-    constexpr bool kBf16 = std::is_same_v<S, BFloat>;  // bfloat16 drops a fixed 16 bits
-    p[i] = Store<S>::from(
-        round_bits<RoundKind::Nearest, uint32_t, false, kBf16>(bit_cast<uint32_t>(v), r, 0u, ignored));
+    const uint32_t bits = round_to_bfloat16_bits<RoundKind::Nearest>(bit_cast<uint32_t>(v), 0u, ignored);
+    p[i] = Store<S>::from(bits);
   }
 }
 
@@ -104,13 +105,12 @@ template <class S, bool kDecayOrNesterov>
 struct SgdMomentum {
   const SgdHyper h;
   S* buf;
-  const RoundParams<uint32_t> r;
   struct State { float b; };
   LOWFP_HD State load(int64_t i) const { return {load_state(buf, i)}; }
   LOWFP_HD float apply(float w, float g, State& st) const {
     return sgd_update<kDecayOrNesterov>(w, g, st.b, true, h);
   }
-  LOWFP_HD void store(int64_t i, const State& st) const { store_state(buf, i, st.b, r); }
+  LOWFP_HD void store(int64_t i, const State& st) const { store_state(buf, i, st.b); }
 };
 
 template <class S, bool kAmsgrad>
@@ -119,7 +119,6 @@ struct Adam {
   S* m;
   S* v;
   S* v_max;
-  const RoundParams<uint32_t> r;
   struct State { float m, v, v_max; };
   LOWFP_HD State load(int64_t i) const {
     return {load_state(m, i), load_state(v, i), kAmsgrad ? load_state(v_max, i) : 0.0f};
@@ -128,9 +127,9 @@ struct Adam {
     return adam_update(w, g, st.m, st.v, st.v_max, h);
   }
   LOWFP_HD void store(int64_t i, const State& st) const {
-    store_state(m, i, st.m, r);
-    store_state(v, i, st.v, r);
-    if (kAmsgrad) store_state(v_max, i, st.v_max, r);
+    store_state(m, i, st.m);
+    store_state(v, i, st.v);
+    if (kAmsgrad) store_state(v_max, i, st.v_max);
   }
 };
 

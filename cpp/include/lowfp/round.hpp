@@ -115,4 +115,25 @@ LOWFP_HD Bits round_bits(Bits x, const RoundParams<Bits>& p, uint32_t rand, Roun
   return select(ev.nan, x, select(ev.above_max, overflowed, rounded));
 }
 
+// round_bits for float32 to bfloat16 with IEEE overflow to inf and, for stochastic rounding, 32
+// random bits (the extra-bits split, bfloat16 optimizer state): the same results and events with
+// every parameter folded in. The general form keeps the grid, shifts and overflow choice as
+// run-time values: about 30 vector operations per element more in the optimizer step loops.
+template <RoundKind Kind>
+LOWFP_HD uint32_t round_to_bfloat16_bits(uint32_t x, uint32_t rand, RoundEvents& ev) {
+  static_assert(Kind != RoundKind::Directed, "directed rounding: only toward zero");
+  constexpr uint32_t kAbs = 0x7fffffffu, kInf = 0x7f800000u, kMax = 0x7f7f0000u;
+  const uint32_t a = x & kAbs, rem = a & 0xffffu;  // rem: the 16 dropped bits
+  uint32_t up = 0;
+  if constexpr (Kind == RoundKind::Nearest)  // rem > half, or a tie with an odd kept part
+    up = uint32_t((rem << 1) + ((a >> 16) & 1u) > 0x10000u);
+  else if constexpr (Kind == RoundKind::Stochastic)  // rand < rem 2^16
+    up = uint32_t((rand >> 16) < rem);
+  const uint32_t mag = (a & ~0xffffu) + (up << 16);  // a carry steps into the next binade or inf
+  ev.nan = a > kInf;
+  ev.above_max = mag > kMax;  // only inf (or NaN): mag never passes inf's bits for a <= inf
+  ev.underflow = (a != 0) & (mag == 0);
+  return select(ev.nan, x, (x & ~kAbs) | mag);
+}
+
 }  // namespace lowfp
