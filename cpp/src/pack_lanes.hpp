@@ -26,19 +26,24 @@
 #pragma once
 #include <cstdint>
 
-#if defined(__AVX512BW__)
+#if defined(__AVX2__)  // (AVX-512BW too)
 #include <immintrin.h>
 
+#include "lowfp/extra_bits.hpp"
+
+#if defined(__AVX512BW__)
 // gcc 12 warns that the pass-through operand (_mm512_undefined_epi32) of the AVX-512 intrinsics
 // "may be used uninitialized" once they are inlined into the kernels (gcc bug 105593): it is never
 // read, as their masks are all ones.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 namespace lowfp {
 namespace {
 namespace pack_lanes {
 
+#if defined(__AVX512BW__)
 constexpr int kMaxLayers = 16;  // q = 1: one output word holds 16 elements
 
 struct HalfBlockLayout {
@@ -68,62 +73,7 @@ constexpr HalfBlockLayout make_layout(uint32_t q) {
   for (int w = 0; w < 32; ++w) l.layers = parts[w] > l.layers ? parts[w] : l.layers;
   return l;
 }
-
-template <uint32_t Q>
-struct Layout {
-  static constexpr HalfBlockLayout value = make_layout(Q);
-  static_assert(value.layers <= kMaxLayers);
-};
-
-constexpr __mmask32 half_block_words(uint32_t q) { return __mmask32((1ull << q) - 1); }
-
-// values[0..32 blocks) from blocks of Q words each.
-template <uint32_t Q>
-inline void unpack_blocks(const uint32_t* words, int64_t blocks, uint32_t* values) {
-  constexpr const HalfBlockLayout& L = Layout<Q>::value;
-  const __m512i window = _mm512_loadu_si512(L.window);
-  const __m512i shift = _mm512_loadu_si512(L.shift);
-  const __m512i mask = _mm512_set1_epi32(int((1u << Q) - 1));
-  const uint16_t* half = reinterpret_cast<const uint16_t*>(words);
-  for (int64_t h = 0; h < 2 * blocks; ++h, half += Q) {
-    const __m512i src = _mm512_maskz_loadu_epi16(half_block_words(Q), half);
-    const __m512i win = _mm512_permutexvar_epi16(window, src);
-    _mm512_storeu_si512(values + 16 * h, _mm512_and_si512(_mm512_srlv_epi32(win, shift), mask));
-  }
-}
-
-// blocks of Q words each from values (each < 2^Q).
-template <uint32_t Q>
-inline void pack_blocks(const uint32_t* values, int64_t blocks, uint32_t* words) {
-  constexpr const HalfBlockLayout& L = Layout<Q>::value;
-  const __m512i shift = _mm512_loadu_si512(L.shift);
-  __m512i source[kMaxLayers];
-  for (int j = 0; j < L.layers; ++j) source[j] = _mm512_loadu_si512(L.source[j]);
-  uint16_t* half = reinterpret_cast<uint16_t*>(words);
-  for (int64_t h = 0; h < 2 * blocks; ++h, half += Q) {
-    const __m512i shifted = _mm512_sllv_epi32(_mm512_loadu_si512(values + 16 * h), shift);
-    __m512i out = _mm512_maskz_permutexvar_epi16(L.present[0], source[0], shifted);
-    for (int j = 1; j < L.layers; ++j)
-      out = _mm512_or_si512(out, _mm512_maskz_permutexvar_epi16(L.present[j], source[j], shifted));
-    _mm512_mask_storeu_epi16(half, half_block_words(Q), out);
-  }
-}
-
-}  // namespace pack_lanes
-}  // namespace
-}  // namespace lowfp
-
-#pragma GCC diagnostic pop
-
-#elif defined(__AVX2__)
-#include <immintrin.h>
-
-#include "lowfp/extra_bits.hpp"
-
-namespace lowfp {
-namespace {
-namespace pack_lanes {
-
+#else
 constexpr int kMaxLayers = 4;  // q = 2: one byte holds 4 elements of a half
 
 struct GroupLayout {
@@ -154,13 +104,49 @@ constexpr GroupLayout make_layout(uint32_t q) {
   }
   return l;
 }
+#endif
 
 template <uint32_t Q>
 struct Layout {
-  static constexpr GroupLayout value = make_layout(Q);
+  static constexpr auto value = make_layout(Q);
   static_assert(value.layers <= kMaxLayers);
 };
 
+#if defined(__AVX512BW__)
+constexpr __mmask32 half_block_words(uint32_t q) { return __mmask32((1ull << q) - 1); }
+
+// values[0..32 blocks) from blocks of Q words each.
+template <uint32_t Q>
+inline void unpack_blocks(const uint32_t* words, int64_t blocks, uint32_t* values) {
+  constexpr const auto& L = Layout<Q>::value;
+  const __m512i window = _mm512_loadu_si512(L.window);
+  const __m512i shift = _mm512_loadu_si512(L.shift);
+  const __m512i mask = _mm512_set1_epi32(int((1u << Q) - 1));
+  const uint16_t* half = reinterpret_cast<const uint16_t*>(words);
+  for (int64_t h = 0; h < 2 * blocks; ++h, half += Q) {
+    const __m512i src = _mm512_maskz_loadu_epi16(half_block_words(Q), half);
+    const __m512i win = _mm512_permutexvar_epi16(window, src);
+    _mm512_storeu_si512(values + 16 * h, _mm512_and_si512(_mm512_srlv_epi32(win, shift), mask));
+  }
+}
+
+// blocks of Q words each from values (each < 2^Q).
+template <uint32_t Q>
+inline void pack_blocks(const uint32_t* values, int64_t blocks, uint32_t* words) {
+  constexpr const auto& L = Layout<Q>::value;
+  const __m512i shift = _mm512_loadu_si512(L.shift);
+  __m512i source[kMaxLayers];
+  for (int j = 0; j < L.layers; ++j) source[j] = _mm512_loadu_si512(L.source[j]);
+  uint16_t* half = reinterpret_cast<uint16_t*>(words);
+  for (int64_t h = 0; h < 2 * blocks; ++h, half += Q) {
+    const __m512i shifted = _mm512_sllv_epi32(_mm512_loadu_si512(values + 16 * h), shift);
+    __m512i out = _mm512_maskz_permutexvar_epi16(L.present[0], source[0], shifted);
+    for (int j = 1; j < L.layers; ++j)
+      out = _mm512_or_si512(out, _mm512_maskz_permutexvar_epi16(L.present[j], source[j], shifted));
+    _mm512_mask_storeu_epi16(half, half_block_words(Q), out);
+  }
+}
+#else
 // The last blocks of a tile of `blocks` that the vector code must leave to the scalar code: a
 // group's loads reach floor(q / 2) + 16 bytes past its start, its store 16 (+ 1 byte for q = 17).
 // The last group of block b starts at byte (4 b + 3) q, so `reach` bytes from it stay in the
@@ -175,7 +161,7 @@ constexpr int64_t scalar_blocks(int64_t reach, int64_t blocks) {
 // values[0..32 blocks) from blocks of Q words each.
 template <uint32_t Q>
 inline void unpack_blocks(const uint32_t* words, int64_t blocks, uint32_t* values) {
-  constexpr const GroupLayout& L = Layout<Q>::value;
+  constexpr const auto& L = Layout<Q>::value;
   const __m256i window = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(L.window));
   const __m256i shift = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(L.shift));
   const __m256i mask = _mm256_set1_epi32(int((1u << Q) - 1));
@@ -196,7 +182,7 @@ inline void unpack_blocks(const uint32_t* words, int64_t blocks, uint32_t* value
 // blocks of Q words each from values (each < 2^Q).
 template <uint32_t Q>
 inline void pack_blocks(const uint32_t* values, int64_t blocks, uint32_t* words) {
-  constexpr const GroupLayout& L = Layout<Q>::value;
+  constexpr const auto& L = Layout<Q>::value;
   const __m256i shift = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(L.shift));
   __m256i source[kMaxLayers];
   for (int j = 0; j < L.layers; ++j)
@@ -216,8 +202,13 @@ inline void pack_blocks(const uint32_t* values, int64_t blocks, uint32_t* words)
   }
   for (int64_t b = vector_blocks; b < blocks; ++b) pack_block(values + b * 32, Q, words + b * Q);
 }
+#endif
 
 }  // namespace pack_lanes
 }  // namespace
 }  // namespace lowfp
+
+#if defined(__AVX512BW__)
+#pragma GCC diagnostic pop
+#endif
 #endif
