@@ -17,12 +17,12 @@
 // floor(q / 2) h of the group, at bit s_h of that byte (s_1 = 4 for odd q, else 0). Element e of a
 // half then lies in the 4 bytes from byte floor((s_h + e q) / 8) of the half's bytes, from bit
 // (s_h + e q) % 8 (7 + 17 bits at most): unpacking loads each half's 16 bytes, gathers every
-// element's 4 bytes with a byte shuffle (vpshufb), shifts and masks. Packing shifts each value to that bit
-// offset, moves its 3 bytes to their place in the half's bytes by byte shuffles ORed in layers
-// (at most 4: one byte takes parts of 4 elements for q = 2), and ORs the upper half into the
-// lower one shifted by floor(q / 2) bytes. Both read or write 16 bytes from a group's start (17
-// for q = 17), past its q bytes, so the last blocks of a tile, whose access would leave the tile,
-// are done by the scalar code.
+// element's 4 bytes with a byte shuffle (vpshufb), shifts and masks. Packing shifts each value to
+// that bit offset, moves its 3 bytes to their place in the half's bytes by byte shuffles ORed in
+// layers (at most 4: one byte takes parts of 4 elements for q = 2), and ORs the upper half into
+// the lower one shifted by floor(q / 2) bytes. Both read or write 16 bytes from a group's start
+// (17 for q = 17), past its q bytes, so the last blocks of a tile, whose access would leave the
+// tile, are done by the scalar code.
 #pragma once
 #include <cstdint>
 

@@ -78,8 +78,8 @@ template <class S> LOWFP_HD void store_state(S* p, int64_t i, float v) {
     p[i] = v;
   } else {
     RoundEvents ignored;
-    const uint32_t bits = round_to_bfloat16_bits<RoundKind::Nearest>(bit_cast<uint32_t>(v), 0u, ignored);
-    p[i] = Store<S>::from(bits);
+    p[i] = Store<S>::from(
+        round_to_bfloat16_bits<RoundKind::Nearest>(bit_cast<uint32_t>(v), 0u, ignored));
   }
 }
 
