@@ -22,9 +22,9 @@ namespace {
 constexpr int64_t kTileBlocks = kTile / 32;
 
 // Packing with q known at compile time: with AVX-512BW 16 elements per vector, with AVX2 8
-// (pack_lanes.hpp; several times the scalar code, except for q = 1 on AVX-512BW); otherwise the
-// 32 elements of a block unroll into constant shifts (the run-time-q loop of the header costs
-// more than the whole update). One instance per q.
+// (pack_lanes.hpp; several times the scalar code, except for q = 1 on AVX-512BW); otherwise, and
+// for the blocks the vector code leaves, the 32 elements of a block unroll into constant shifts
+// (the run-time-q loop of the header costs more than the whole update). One instance per q.
 #if defined(__AVX512BW__)
 constexpr uint32_t kVectorPackFrom = 2;
 #elif defined(__AVX2__)
@@ -35,10 +35,11 @@ constexpr uint32_t kVectorPackFrom = 18;  // none
 
 template <uint32_t Q>
 void unpack_tile_q(const uint32_t* words, int64_t blocks, uint32_t* values) {
+  int64_t done = 0;  // blocks done by vector code
 #if defined(__AVX2__)
-  if constexpr (Q >= kVectorPackFrom) return pack_lanes::unpack_blocks<Q>(words, blocks, values);
+  if constexpr (Q >= kVectorPackFrom) done = pack_lanes::unpack_blocks<Q>(words, blocks, values);
 #endif
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = done; b < blocks; ++b) {
     const uint32_t* block = words + b * Q;
 #pragma GCC unroll 32
     for (uint32_t j = 0; j < 32; ++j) values[b * 32 + j] = unpack_one(block, Q, j);
@@ -47,10 +48,11 @@ void unpack_tile_q(const uint32_t* words, int64_t blocks, uint32_t* values) {
 
 template <uint32_t Q>
 void pack_tile_q(const uint32_t* values, int64_t blocks, uint32_t* words) {
+  int64_t done = 0;
 #if defined(__AVX2__)
-  if constexpr (Q >= kVectorPackFrom) return pack_lanes::pack_blocks<Q>(values, blocks, words);
+  if constexpr (Q >= kVectorPackFrom) done = pack_lanes::pack_blocks<Q>(values, blocks, words);
 #endif
-  for (int64_t b = 0; b < blocks; ++b) pack_block(values + b * 32, Q, words + b * Q);
+  for (int64_t b = done; b < blocks; ++b) pack_block(values + b * 32, Q, words + b * Q);
 }
 
 using UnpackFn = void (*)(const uint32_t*, int64_t, uint32_t*);

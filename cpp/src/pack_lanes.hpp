@@ -21,15 +21,14 @@
 // that bit offset, moves its 3 bytes to their place in the half's bytes by byte shuffles ORed in
 // layers (at most 4: one byte takes parts of 4 elements for q = 2), and ORs the upper half into
 // the lower one shifted by floor(q / 2) bytes. Both read or write 16 bytes from a group's start
-// (17 for q = 17), past its q bytes, so the last blocks of a tile, whose access would leave the
-// tile, are done by the scalar code.
+// (17 for q = 17), past its q bytes, so they stop before the last blocks of a tile, whose access
+// would leave the tile, and return how many blocks they did: the caller's scalar code does the
+// rest.
 #pragma once
 #include <cstdint>
 
 #if defined(__AVX2__)  // (AVX-512BW too)
 #include <immintrin.h>
-
-#include "lowfp/extra_bits.hpp"
 
 #if defined(__AVX512BW__)
 // gcc 12 warns that the pass-through operand (_mm512_undefined_epi32) of the AVX-512 intrinsics
@@ -115,9 +114,9 @@ struct Layout {
 #if defined(__AVX512BW__)
 constexpr __mmask32 half_block_words(uint32_t q) { return __mmask32((1ull << q) - 1); }
 
-// values[0..32 blocks) from blocks of Q words each.
+// values[0..32 blocks) from blocks of Q words each; returns the blocks done (all of them).
 template <uint32_t Q>
-inline void unpack_blocks(const uint32_t* words, int64_t blocks, uint32_t* values) {
+inline int64_t unpack_blocks(const uint32_t* words, int64_t blocks, uint32_t* values) {
   constexpr const auto& L = Layout<Q>::value;
   const __m512i window = _mm512_loadu_si512(L.window);
   const __m512i shift = _mm512_loadu_si512(L.shift);
@@ -128,11 +127,12 @@ inline void unpack_blocks(const uint32_t* words, int64_t blocks, uint32_t* value
     const __m512i win = _mm512_permutexvar_epi16(window, src);
     _mm512_storeu_si512(values + 16 * h, _mm512_and_si512(_mm512_srlv_epi32(win, shift), mask));
   }
+  return blocks;
 }
 
-// blocks of Q words each from values (each < 2^Q).
+// blocks of Q words each from values (each < 2^Q); returns the blocks done (all of them).
 template <uint32_t Q>
-inline void pack_blocks(const uint32_t* values, int64_t blocks, uint32_t* words) {
+inline int64_t pack_blocks(const uint32_t* values, int64_t blocks, uint32_t* words) {
   constexpr const auto& L = Layout<Q>::value;
   const __m512i shift = _mm512_loadu_si512(L.shift);
   __m512i source[kMaxLayers];
@@ -145,6 +145,7 @@ inline void pack_blocks(const uint32_t* values, int64_t blocks, uint32_t* words)
       out = _mm512_or_si512(out, _mm512_maskz_permutexvar_epi16(L.present[j], source[j], shifted));
     _mm512_mask_storeu_epi16(half, half_block_words(Q), out);
   }
+  return blocks;
 }
 #else
 // The last blocks of a tile of `blocks` that the vector code must leave to the scalar code: a
@@ -158,9 +159,9 @@ constexpr int64_t scalar_blocks(int64_t reach, int64_t blocks) {
   return tail < blocks ? tail : blocks;
 }
 
-// values[0..32 blocks) from blocks of Q words each.
+// values[0..32 b) from the first b blocks of Q words each; returns b (see scalar_blocks).
 template <uint32_t Q>
-inline void unpack_blocks(const uint32_t* words, int64_t blocks, uint32_t* values) {
+inline int64_t unpack_blocks(const uint32_t* words, int64_t blocks, uint32_t* values) {
   constexpr const auto& L = Layout<Q>::value;
   const __m256i window = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(L.window));
   const __m256i shift = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(L.shift));
@@ -175,13 +176,12 @@ inline void unpack_blocks(const uint32_t* words, int64_t blocks, uint32_t* value
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(values + 8 * g),
                         _mm256_and_si256(_mm256_srlv_epi32(win, shift), mask));
   }
-  for (int64_t b = vector_blocks; b < blocks; ++b)
-    for (uint32_t j = 0; j < 32; ++j) values[b * 32 + j] = unpack_one(words + b * Q, Q, j);
+  return vector_blocks;
 }
 
-// blocks of Q words each from values (each < 2^Q).
+// The first b blocks of Q words each from values (each < 2^Q); returns b (see scalar_blocks).
 template <uint32_t Q>
-inline void pack_blocks(const uint32_t* values, int64_t blocks, uint32_t* words) {
+inline int64_t pack_blocks(const uint32_t* values, int64_t blocks, uint32_t* words) {
   constexpr const auto& L = Layout<Q>::value;
   const __m256i shift = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(L.shift));
   __m256i source[kMaxLayers];
@@ -200,7 +200,7 @@ inline void pack_blocks(const uint32_t* values, int64_t blocks, uint32_t* words)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(group), out);
     if constexpr (Q > 16) group[16] = uint8_t(_mm_extract_epi8(high, 16 - Q / 2));
   }
-  for (int64_t b = vector_blocks; b < blocks; ++b) pack_block(values + b * 32, Q, words + b * Q);
+  return vector_blocks;
 }
 #endif
 
