@@ -15,6 +15,13 @@ template <class T> struct Type { using type = T; };
 template <RoundKind K> struct Kind { static constexpr RoundKind value = K; };
 template <bool B> struct Flag { static constexpr bool value = B; };
 
+// fn(Flag<a>{}, Flag<b>{}).
+template <class Fn>
+void dispatch_flags(bool a, bool b, Fn&& fn) {
+  const auto with_a = [&](auto fa) { b ? fn(fa, Flag<true>{}) : fn(fa, Flag<false>{}); };
+  a ? with_a(Flag<true>{}) : with_a(Flag<false>{});
+}
+
 namespace detail {
 
 template <class Bits>

@@ -30,10 +30,11 @@ struct S2fp8Thresholds {
   const uint32_t* values = nullptr;  // x' as raw bits of x's dtype, both signs unless mirrored
   uint32_t n_values = 0;
   uint32_t base = 0, shift = 0, buckets = 0;
-  // Mirrored (x' of -x is -(x' of x), as in every mode but up and down): the negative sign has
-  // no entries or values of its own (sign_entries = 0) and takes x's sign bit (mirror_sign, the
-  // sign bit of x's dtype); halving the table keeps the CPU's lookup of values in fewer registers.
-  // Else sign_entries = buckets and mirror_sign = 0.
+  // Mirrored (x' of -x is -(x' of x) and the event ranges are the same for both signs, as in
+  // every mode but up and down): the negative sign has no entries or values of its own
+  // (sign_entries = 0) and takes x's sign bit (mirror_sign, the sign bit of x's dtype); halving
+  // the table keeps the CPU's lookup of values in fewer registers, and the CPU loops drop their
+  // per-sign terms. Else sign_entries = buckets and mirror_sign = 0.
   uint32_t sign_entries = 0, mirror_sign = 0;
   // The steps for magnitude bits a, sign neg (0 or 1) and x's bits xb, shared by the CPU and GPU
   // kernels.
@@ -43,7 +44,7 @@ struct S2fp8Thresholds {
   }
   LOWFP_HD uint32_t value_index(uint32_t a_raised, uint32_t entry) const {
     const uint32_t low = (uint32_t(1) << shift) - 1;
-    return (entry >> shift) - uint32_t((a_raised & low) < (entry & low));
+    return (entry >> shift) - uint32_t(int32_t(a_raised & low) < int32_t(entry & low));
   }
   LOWFP_HD uint32_t signed_value(uint32_t value, uint32_t xb) const {
     return value | (xb & mirror_sign);

@@ -6,6 +6,8 @@
 #include <immintrin.h>
 #endif
 
+#include <cstring>
+
 #include "dispatch.hpp"
 #include "lowfp/s2fp8.hpp"
 #include "philox_lanes.hpp"
@@ -232,25 +234,43 @@ struct TileEvents {
   uint32_t above = 0, under = 0, nan = 0;
 };
 
+// out[j] = table[index[j]] for j < 16 by scalar loads, reading the indices and writing the
+// results two at a time as 64-bit words: memory accesses, not arithmetic, bound this loop, and
+// pairing takes them from 3 to 2 per element (bench/RESULTS.md).
+inline void lookup16(const uint32_t* __restrict table, const uint32_t* __restrict index,
+                     uint32_t* __restrict out) {
+  for (int j = 0; j < 16; j += 2) {
+    uint64_t two;
+    std::memcpy(&two, index + j, sizeof two);
+    const uint64_t pair = uint64_t(table[uint32_t(two)]) | (uint64_t(table[two >> 32]) << 32);
+    std::memcpy(out + j, &pair, sizeof pair);
+  }
+}
+
 // out[i] = table[index[i]], fetching the next tile meanwhile (one line of its x and y per 16
 // lookups: a tile of 16-bit x has half the lines).
 __attribute__((noinline, optimize("no-tree-vectorize")))
 void lookup(const uint32_t* __restrict table, const uint32_t* __restrict index,
             uint32_t* __restrict out, int64_t n, const NextTile& next) {
   int64_t i = 0;
-  for (int64_t line = 0; i + 16 <= n; ++line) {
+  for (int64_t line = 0; i + 16 <= n; ++line, i += 16) {
     next.fetch(line, 1);
-    for (const int64_t stop = i + 16; i < stop; ++i) out[i] = table[index[i]];
+    lookup16(table, index + i, out + i);
   }
   for (; i < n; ++i) out[i] = table[index[i]];
 }
 
-template <class T, class Raw = RawOf<T>>
+// kSymmetric, in these loops: the form is mirrored (S2fp8Thresholds::sign_entries = 0), so the
+// negative sign has no entries and no event ranges of its own, and the loops drop their per-sign
+// terms (with the paired lookups, 1.26 -> 1.06 ns/el for the threshold form with AVX2,
+// bench/RESULTS.md).
+template <class T, bool kSymmetric, class Raw = RawOf<T>>
 void bucket_index(const Raw* __restrict x, uint32_t* __restrict index, int64_t len,
                   const S2fp8Thresholds& th) {
   constexpr uint32_t kAbs = kSignRaw<T> - 1;
   constexpr int kSignShift = 8 * sizeof(Raw) - 1;
-  const S2fp8Thresholds t = th;  // a local copy: the stores below cannot change it
+  S2fp8Thresholds t = th;  // a local copy: the stores below cannot change it
+  if constexpr (kSymmetric) t.sign_entries = 0;
   for (int64_t i = 0; i < len; ++i)  // vectorised
     index[i] = t.entry_index(t.raised(x[i] & kAbs), uint32_t(x[i]) >> kSignShift);
 }
@@ -266,17 +286,18 @@ void value_index(const Raw* __restrict x, uint32_t* __restrict entry, int64_t le
 }
 
 // x' for finite nonzero x, else s2fp8_pass_through (x and y may be the same buffer); the events.
-template <class T, bool kCount, class Raw = RawOf<T>>
+template <class T, bool kCount, bool kSymmetric, class Raw = RawOf<T>>
 TileEvents store_tile(const Raw* x, Raw* y, const uint32_t* __restrict value, int64_t len,
                       const S2fp8Thresholds& th) {
   constexpr uint32_t kInf = kInfRaw<T>, kAbs = kSignRaw<T> - 1;
   constexpr int kSignShift = 8 * sizeof(Raw) - 1;
   const S2fp8Thresholds t = th;
   // Per-sign event bounds as "the positive one, flipped by these bits for negative x".
-  const uint32_t above = th.above[0], above_flip = th.above[0] ^ th.above[1];
-  const uint32_t under_lo = th.under_lo[0], under_lo_flip = th.under_lo[0] ^ th.under_lo[1];
+  const uint32_t above = th.above[0], under_lo = th.under_lo[0];
   const uint32_t under_w = th.under_hi[0] - th.under_lo[0];
-  const uint32_t under_w_flip = under_w ^ (th.under_hi[1] - th.under_lo[1]);
+  const uint32_t above_flip = kSymmetric ? 0 : above ^ th.above[1];
+  const uint32_t under_lo_flip = kSymmetric ? 0 : under_lo ^ th.under_lo[1];
+  const uint32_t under_w_flip = kSymmetric ? 0 : under_w ^ (th.under_hi[1] - th.under_lo[1]);
   TileEvents ev;
   for (int64_t i = 0; i < len; ++i) {  // vectorised
     const uint32_t xb = x[i];
@@ -293,8 +314,6 @@ TileEvents store_tile(const Raw* x, Raw* y, const uint32_t* __restrict value, in
   return ev;
 }
 
-// x' = table[index[i]] for a tile (the index's kS2fp8Ambiguous bit ignored), calling
-// ambiguous(i) for each flagged element after its lookup.
 // Whether one of index[0, 16) has kS2fp8Ambiguous set (its sign bit).
 inline bool any_flagged16(const uint32_t* index) {
 #if defined(__AVX2__)
@@ -322,7 +341,7 @@ void lookup_flagged_scalar(const uint32_t* table, const uint32_t* index, uint32_
   int64_t i = 0;
   for (; i + 16 <= len; i += 16) {
     if (__builtin_expect(!any_flagged16(index + i), 1)) {
-      for (int j = 0; j < 16; ++j) out[i + j] = table[index[i + j]];
+      lookup16(table, index + i, out + i);
       continue;
     }
     for (int j = 0; j < 16; ++j) one(i + j);
@@ -408,7 +427,7 @@ class TableLookup {
 #endif
 };
 
-template <class T, bool kCount>
+template <class T, bool kCount, bool kSymmetric>
 void transform_thresholds(const S2fp8Call& c, const S2fp8Thresholds& th, int64_t begin,
                           int64_t end, EventCounts& out) {
   EventCounts counts;  // added to out once
@@ -426,11 +445,11 @@ void transform_thresholds(const S2fp8Call& c, const S2fp8Thresholds& th, int64_t
   for (int64_t t0 = begin; t0 < end; t0 += kS2fp8Tile) {
     const int64_t len = min_of(kS2fp8Tile, end - t0);
     const NextTile next(x, y, t0 + len, end);
-    bucket_index<T>(x + t0, index, len, th);
+    bucket_index<T, kSymmetric>(x + t0, index, len, th);
     entries.unflagged(index, found, len, next);
     value_index<T>(x + t0, found, len, th);
     values.unflagged(found, index, len, NextTile());  // (the next tile is fetched by now)
-    const TileEvents ev = store_tile<T, kCount>(x + t0, y + t0, index, len, th);
+    const TileEvents ev = store_tile<T, kCount, kSymmetric>(x + t0, y + t0, index, len, th);
     counts.overflow += int64_t(ev.above) - int64_t(ev.nan);  // see RoundEvents
     counts.underflow += int64_t(ev.under);
     counts.nan += int64_t(ev.nan);
@@ -529,8 +548,11 @@ void s2fp8_transform_range(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8F
   const auto run_form = [&](auto type) {
     using T = typename decltype(type)::type;
     if (forms.thresholds != nullptr) {
-      if (c.q.count) transform_thresholds<T, true>(c, *forms.thresholds, begin, end, counts);
-      else transform_thresholds<T, false>(c, *forms.thresholds, begin, end, counts);
+      const S2fp8Thresholds& th = *forms.thresholds;
+      dispatch_flags(c.q.count, th.sign_entries == 0, [&](auto count, auto symmetric) {
+        transform_thresholds<T, decltype(count)::value, decltype(symmetric)::value>(
+            c, th, begin, end, counts);
+      });
     } else if (c.q.count) {
       transform_stochastic<T, true>(c, s, *forms.stochastic, begin, end, counts);
     } else {

@@ -220,10 +220,12 @@ bool sign_intervals(const S2fp8Call& call, const S2fp8Stats& s, bool negative, S
   return true;
 }
 
-// Whether the negative sign's intervals are the positive sign's with x' negated (its sign bit set).
+// Whether the negative sign's intervals are the positive sign's with x' negated (its sign bit set),
+// with the same event ranges.
 template <class T>
 bool is_mirror(const SignIntervals& pos, const SignIntervals& neg) {
   return pos.starts == neg.starts && pos.values.size() == neg.values.size() &&
+         pos.under_lo == neg.under_lo && pos.under_hi == neg.under_hi && pos.above == neg.above &&
          mirrored_tables(pos.values.data(), neg.values.data(), pos.values.size(), kSignRaw<T>,
                          [](size_t) { return true; });
 }
