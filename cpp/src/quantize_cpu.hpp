@@ -43,7 +43,8 @@ struct S2fp8Thresholds {
     return min_of((a_raised - base) >> shift, buckets - 1) + ((uint32_t(0) - neg) & sign_entries);
   }
   LOWFP_HD uint32_t value_index(uint32_t a_raised, uint32_t entry) const {
-    const uint32_t low = (uint32_t(1) << shift) - 1;
+    const uint32_t low = (uint32_t(1) << shift) - 1;  // shift < 32, so both below 2^31:
+    // compared as signed integers, which AVX2 does in one instruction (unsigned takes two)
     return (entry >> shift) - uint32_t(int32_t(a_raised & low) < int32_t(entry & low));
   }
   LOWFP_HD uint32_t signed_value(uint32_t value, uint32_t xb) const {
