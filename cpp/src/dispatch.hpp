@@ -33,13 +33,10 @@ const RoundParams<Bits>& round_params_of(const QuantizeCall& c) {
 template <class In, class Out, class Bits, class Fn>
 void dispatch_mode(const QuantizeCall& c, Fn&& fn) {
   const bool sub_exp = round_params_of<Bits>(c).subnormal_exponent;
-  auto with_flags = [&](auto kind, auto count) {
-    if (sub_exp) fn(Type<In>{}, Type<Out>{}, Type<Bits>{}, kind, count, Flag<true>{});
-    else fn(Type<In>{}, Type<Out>{}, Type<Bits>{}, kind, count, Flag<false>{});
-  };
   auto with_count = [&](auto kind) {
-    if (c.count) with_flags(kind, Flag<true>{});
-    else with_flags(kind, Flag<false>{});
+    dispatch_flags(c.count, sub_exp, [&](auto count, auto sub) {
+      fn(Type<In>{}, Type<Out>{}, Type<Bits>{}, kind, count, sub);
+    });
   };
   switch (round_kind(c.mode)) {
     case RoundKind::Nearest: return with_count(Kind<RoundKind::Nearest>{});
