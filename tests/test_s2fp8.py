@@ -365,6 +365,39 @@ def test_stochastic_fast_form_bands_hold(spread, monkeypatch):
         assert torch.equal(b0, b1), (fmt, float(p0[0]), int((b0 != b1).sum()))
 
 
+@pytest.mark.parametrize("fmt,log_max", [("float8_e5m2", 15.0), ("float8_e4m3fn", 8.0),
+                                         (lowfp.fp(5, 2, 0, subnormals=False), 15.0)])
+def test_stochastic_fast_form_at_binade_boundaries(fmt, log_max, monkeypatch):
+    """Where t = log2|Y| is within its float32 error of an integer, the float32 form may measure
+    g in the steps of the binade on the other side; it has no band for that, as the index before
+    the floor is the same continuous function of Y in both binades (s2fp8_stochastic.cpp).
+    Elements within 1024 ulp of the preimage of every power of two 2^B, |B| < log_max (emin
+    among them), each drawn 8 times, both signs: t within 2^-10 of B, tens of them per B within
+    its error bound (~2^-17) of B. All must equal the float64 path. (Taking the wrong binade for
+    t up to 2^-10 below B, where the index errs by more than band_w, fails here by the dozen.)
+    The powers are symmetric about t = 0, so the placed elements leave mu (and the maximum) as
+    the base's and the placement needs no iteration."""
+    f = lowfp.formats.to_format(fmt)
+    base = activations_like(20_000, seed=4).astype(np.float32)
+    _, st = lowfp.s2fp8_quantize(torch.from_numpy(base), fmt, log_max=log_max)
+    powers = np.arange(-int(log_max) + 1, int(log_max))
+    assert f.emin in powers
+    offsets = np.arange(-1024, 1025, dtype=np.int32)
+    pre = np.exp2((powers - st.beta) / st.alpha).astype(np.float32)
+    placed = (pre.view(np.int32)[:, None] + offsets).reshape(-1).view(np.float32)
+    x = np.concatenate([base, np.tile(np.concatenate([placed, -placed]), 8)])
+    (b0, p0, c0), (b1, p1, c1) = _s2fp8_both_paths(torch.from_numpy(x), monkeypatch, fmt=fmt,
+                                                   log_max=log_max, rounding="stochastic", seed=8)
+    assert torch.equal(p0, p1) and c0 == c1
+    assert torch.equal(b0, b1), int((b0 != b1).sum())
+    # the placed elements straddle the powers of two under the statistics of x itself
+    alpha, beta = float(p0[0]), float(p0[1])
+    t = alpha * np.log2(placed.astype(np.float64)) + beta - np.repeat(powers, offsets.size)
+    t = t.reshape(powers.size, offsets.size)
+    assert (t[:, 0] < 0).all() and (t[:, -1] > 0).all() and np.abs(t).max() < 2.0 ** -10
+    assert ((np.abs(t) < 2.0 ** -17).sum(axis=1) >= 10).all()
+
+
 def _near_boundaries(x, fmt, rounding, log_max):
     """Magnitudes of x's dtype within 3 ulp of the preimage, under x's own statistics, of every
     boundary between two results of rounding Y (midpoints for nearest, values for toward_zero)

@@ -457,10 +457,30 @@ void transform_thresholds(const S2fp8Call& c, const S2fp8Thresholds& th, int64_t
   out.add(counts);
 }
 
+// For the plain loop below, which leaves out the test for t_deep: flags the tile's finite nonzero
+// x that reach it, for the float64 path to decide, and returns the underflows the loop counted for
+// them.
+template <class T, class Raw = RawOf<T>>
+__attribute__((noinline)) uint32_t flag_deep(const Raw* x, const float* log_y, uint32_t* index,
+                                             int64_t len, const S2fp8FastStochastic& k) {
+  uint32_t counted = 0;
+  for (int64_t i = 0; i < len; ++i) {
+    const uint32_t a = Widen<uint32_t>::from(bit_cast<T>(x[i])) & 0x7FFFFFFFu;
+    if (a - 1 < 0x7F7FFFFFu && log_y[i] < k.t_deep && index[i] < kS2fp8Ambiguous) {
+      counted += uint32_t(index[i] == 0);
+      index[i] |= kS2fp8Ambiguous;
+    }
+  }
+  return counted;
+}
+
 // The fast stochastic form (S2fp8StochasticForm) on one tile: grid indices in two vector loops,
 // x' looked up (in registers where the table fits), the float64 path on the rare ambiguous
 // elements, then a vector loop that stores x' (s2fp8_pass_through where x is zero, infinite or NaN).
-template <class T, bool kCount>
+// kPlain: the form is plain (S2fp8FastStochastic::plain), and the grid loop drops the terms for
+// other forms and the test for t_deep (flag_deep runs where a tile may need it), about a tenth of
+// its instructions.
+template <class T, bool kCount, bool kPlain>
 void transform_stochastic(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8StochasticForm& form,
                           int64_t begin, int64_t end, EventCounts& out) {
   EventCounts counts;  // added to out once
@@ -468,6 +488,9 @@ void transform_stochastic(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8St
   const Raw* x = static_cast<const Raw*>(c.q.x);
   Raw* y = static_cast<Raw*>(c.q.y);
   const S2fp8FastStochastic k = form.k;
+  // A tile may hold an x below t_deep when its smallest finite nonzero a (as `lowest` below
+  // encodes it) is below deep_abs.
+  const int32_t deep_below = k.deep_abs == 0 ? INT32_MIN : int32_t(k.deep_abs + 0x7FFFFFFFu);
   const double inv_alpha = 1.0 / s.alpha;
   const TableLookup values(form.values, int64_t(k.per_sign) + k.sign_offset);
   alignas(64) uint32_t rand[kS2fp8Tile];
@@ -486,18 +509,30 @@ void transform_stochastic(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8St
     uint32_t under = 0, above = 0, nan = 0;
     for (int64_t i = 0; i < len; ++i)  // vectorised
       log_y[i] = s2fp8_fast_log_y(Widen<uint32_t>::from(bit_cast<T>(xt[i])), k);
+    // The smallest a + 2^31 - 1 as a signed integer: zero, infinite and NaN x map above every
+    // finite nonzero one.
+    int32_t lowest = INT32_MAX;
     for (int64_t i = 0; i < len; ++i) {  // vectorised
       const uint32_t xb = Widen<uint32_t>::from(bit_cast<T>(xt[i]));
       const uint32_t a = xb & 0x7FFFFFFFu;
-      const bool finite_nonzero = a - 1 < 0x7F7FFFFFu;
-      const uint32_t grid = select(finite_nonzero, s2fp8_fast_grid_index(log_y[i], rand[i], k), 0u);
-      index[i] = s2fp8_fast_table_index(grid, xb, k);
+      // The tests on a as signed comparisons, one instruction each with AVX2: a - 1 + 2^31 is
+      // below -2^23 - 1 (signed) exactly for finite nonzero x, and a is below 2^31.
+      const int32_t a_less_one = int32_t(a + 0x7FFFFFFFu);
+      const bool finite_nonzero = a_less_one < -0x00800001;
+      if constexpr (kPlain) lowest = min_of(lowest, a_less_one);
+      const uint32_t grid =
+          select(finite_nonzero, s2fp8_fast_grid_index<kPlain>(log_y[i], rand[i], k), 0u);
+      index[i] = s2fp8_fast_table_index<kPlain>(grid, xb, k);
       if constexpr (kCount) {  // (over > 0: a grid of 0 for x not finite nonzero is not above max)
         under += uint32_t(finite_nonzero & s2fp8_fast_underflow(grid));
         above += uint32_t(s2fp8_fast_above_max(grid, k) |
-                          (a >= 0x7F800000u));  // infinite x overflow, NaN is "above max" too
-        nan += uint32_t(a > 0x7F800000u);
+                          (int32_t(a) > 0x7F7FFFFF));  // infinite x overflow, NaN is "above max" too
+        nan += uint32_t(int32_t(a) > 0x7F800000);
       }
+    }
+    if (kPlain && lowest < deep_below) {
+      const uint32_t counted = flag_deep<T>(xt, log_y, index, len, k);
+      if constexpr (kCount) under -= counted;
     }
     // The fallback's events have counters of their own: where the lookup does not inline the
     // lambda, taking the loop's counters by reference had made gcc run that loop scalar (4x
@@ -553,10 +588,11 @@ void s2fp8_transform_range(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8F
         transform_thresholds<T, decltype(count)::value, decltype(symmetric)::value>(
             c, th, begin, end, counts);
       });
-    } else if (c.q.count) {
-      transform_stochastic<T, true>(c, s, *forms.stochastic, begin, end, counts);
     } else {
-      transform_stochastic<T, false>(c, s, *forms.stochastic, begin, end, counts);
+      dispatch_flags(c.q.count, forms.stochastic->k.plain, [&](auto count, auto plain) {
+        transform_stochastic<T, decltype(count)::value, decltype(plain)::value>(
+            c, s, *forms.stochastic, begin, end, counts);
+      });
     }
     return true;
   };

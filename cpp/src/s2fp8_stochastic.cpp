@@ -1,7 +1,7 @@
 // Builds the fast form of stochastic S2FP8 (lowfp/s2fp8_stochastic.hpp) for one call: the grid,
-// the clamps, the ambiguity bands and the table of x' per grid value.
+// the clamps, the ambiguity band and the table of x' per grid value.
 //
-// The bands. Let t = alpha log2|x| + beta as the float64 path computes it and t~ the float32
+// The band. Let t = alpha log2|x| + beta as the float64 path computes it and t~ the float32
 // value s2fp8_fast_log_y computes. With d = log2|x| - c (c = -beta/alpha):
 // - log2 f: absolute error below 2^-21 (s2fp8_log2_f32); c_frac rounded to float32: 2^-26;
 //   (log2 f - c_frac), at most 1 in magnitude, rounded: 2^-25; the integer part added: |d| 2^-24.
@@ -13,8 +13,18 @@
 // So |t~ - t| <= dt = alpha eps_d + 2^-23 T + that. g = 2^(t - binade + m) then has relative error
 // ln 2 dt (1 + 2^-10) plus 2^-21 (s2fp8_exp2_f32) plus 2^-49 (exp2_det); g < 2^(m+1). w = g + r'
 // adds r' truncated to its top 24 bits (below 2^-24) and its own rounding (half an ulp of
-// w < 2^(m+2): 2^(m+1-24)). The bands are twice these bounds: band_t = 2 dt (the binade floor(t)
-// is certain outside it), band_w = 2 dw.
+// w < 2^(m+2): 2^(m+1-24)). band_w is twice the sum, 2 dw.
+//
+// The binade. Where t is within dt of an integer B, floor(t~) may differ from the binade of the
+// float64 path's Y, and g~ is then measured in the steps of the binade on the other side of 2^B.
+// Before the floor, the index is (binade - emin) 2^m + g: one continuous function of Y across
+// 2^B (both sides give (B - emin + 1) 2^m there), linear on each side with slope one per step.
+// Measured on the other side's line, the index errs by at most dg (Y~'s error, in the smaller
+// step 2^(B-1-m)) plus Y's distance to 2^B times the difference of the slopes, 2^B ln 2 dt
+// (1 + 2^-10) / 2^(B-m) <= dg / 2: below 1.5 dg, inside band_w. The same holds at 2^emin, where
+// the step below may be 2^low_shift times coarser (the slopes there are equal). So outside band_w
+// the index is the float64 path's whichever binade g~ was measured in, and t needs no band of
+// its own (test_stochastic_fast_form_at_binade_boundaries places elements there).
 #include <cmath>
 
 #include "dispatch.hpp"
@@ -65,8 +75,8 @@ bool build(const S2fp8Call& call, const S2fp8Stats& s, S2fp8StochasticForm& form
   if (k.per_sign > kMaxPerSign) return false;
   if (grid_value(k.over - 1, k.emin, m) != max_value) return false;
 
-  // Clamps (never integers: a clamped t must not fall in band_t). Below t_min, g < 2^-40 and
-  // g + r' stays below 1 unless r' is within band_w of 1; above t_max, |Y| > 2^(e_max + 1) > max.
+  // Clamps. Below t_min, g < 2^-40 and g + r' stays below 1 unless r' is within band_w of 1;
+  // above t_max, |Y| > 2^(e_max + 1) > max.
   k.t_min = float(k.emin - m_low - 40) - 0.25f;
   k.t_max = float(e_max + 2) + 0.25f;
   // Where the float64 path's Y is subnormal or 0 (t below -1022), it counts no underflow for
@@ -82,7 +92,6 @@ bool build(const S2fp8Call& call, const S2fp8Stats& s, S2fp8StochasticForm& form
   const double dg = std::ldexp(std::log(2.0) * dt * (1 + 0x1p-10) + 0x1p-21 + 0x1p-49, m + 1);
   const double dw = dg + 0x1p-24 + std::ldexp(1.0, m + 1 - 24);
   if (2 * dw > kMaxBandW) return false;
-  k.band_t = float(2 * dt);
   k.band_w = float(2 * dw);
 
   k.r_shift = std::max<uint32_t>(p.sr_shift, 8);
@@ -114,6 +123,14 @@ bool build(const S2fp8Call& call, const S2fp8Stats& s, S2fp8StochasticForm& form
   if (mirrored) storage.resize(k.per_sign);
   k.sign_offset = mirrored ? 0 : k.per_sign;
   k.mirror_sign = mirrored ? kSignRaw<T> : 0;
+  k.plain = k.low_shift == 0 && mirrored;
+  // |x| >= 2^log_deep has t = alpha (log2|x| - c) >= t_deep + 8, so t~ > t_deep (t~'s error near
+  // t_deep is below 2^-10).
+  const double log_deep = (double(k.t_deep) + 8) / alpha + c;
+  k.deep_abs = log_deep >= 128   ? 0x7F800000u
+               : log_deep < -150 ? 0u
+                                 : bit_cast<uint32_t>(std::nextafter(float(std::exp2(log_deep)),
+                                                                     INFINITY));
   form.values = storage.data();
   return true;
 }

@@ -53,4 +53,17 @@ LOWFP_HD T min_of(T a, T b) { return a < b ? a : b; }
 template <class T>
 LOWFP_HD T max_of(T a, T b) { return a < b ? b : a; }
 
+// a b + c, fused where the target has the instruction and rounded twice where that would be a
+// library call: only for the float32 fast forms, whose error bounds hold either way (measured
+// both ways), never for math that must be exact.
+LOWFP_HD float fast_mul_add(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#elif defined(__FMA__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 }  // namespace lowfp

@@ -7,11 +7,12 @@
 //   rounded |Y| in steps = floor(g + r'),   r' = (2^R - 1 - rr) / 2^R in [0, 1).
 // So the result is the floor of a smooth function of |x| plus a random offset. This form computes
 // t = log2|Y| and g in float32 (about 2^-20 relative error, against the float64 path's ~2^-50)
-// and takes the floor, unless g + r' lies within band_w of an integer or t within band_t of one
-// (a binade boundary): such an element is "ambiguous" and the caller runs the float64 path on it.
-// The bands are at least twice the float32 error (bounded in s2fp8_stochastic.cpp), so every
-// other element's floor is that of the float64 path's own Y, and x' (a function of the rounded Y)
-// comes from a per-call table: the result is the float64 path's bit for bit.
+// and takes the floor, unless g + r' lies within band_w of an integer: such an element is
+// "ambiguous" and the caller runs the float64 path on it. band_w is at least twice the float32
+// error (bounded in s2fp8_stochastic.cpp), so every other element's floor is that of the float64
+// path's own Y, and x' (a function of the rounded Y) comes from a per-call table: the result is
+// the float64 path's bit for bit. (A t within its error of an integer may put g in the wrong
+// binade; the grid index does not jump there, s2fp8_stochastic.cpp shows that band_w covers it.)
 #pragma once
 #include "config.hpp"
 
@@ -27,7 +28,7 @@ struct S2fp8FastStochastic {
   float t_min, t_max;   // t is clamped to these: below t_min x' is certainly 0 (unless r' is
                         // within band_w of 1), above t_max certainly above max
   float t_deep;         // below it Y leaves float64's normal range: ambiguous
-  float band_t, band_w;
+  float band_w;
   int32_t emin, m, low_shift;
   // r' is taken to its top min(R, 24) bits, exact in a float32: (~rand >> r_shift) r_scale.
   uint32_t r_shift;     // max(32 - R, 8)
@@ -39,6 +40,12 @@ struct S2fp8FastStochastic {
   // mirror_sign is the sign bit of x's dtype, set in x' for negative x (s2fp8_fast_signed_value).
   uint32_t sign_offset;
   uint32_t mirror_sign;
+  // The common case, for which the CPU compiles its loop without two terms (kPlain below): the
+  // format has subnormals (low_shift = 0) and the table is mirrored (sign_offset = 0).
+  bool plain;
+  // Finite x below this magnitude (float32 bits) may reach t_deep; none above. The CPU's plain
+  // loop tests for t_deep only in tiles that hold such an x.
+  uint32_t deep_abs;
 };
 
 // Set in the index of an ambiguous element (whose other bits are still a valid index).
@@ -48,25 +55,26 @@ constexpr uint32_t kS2fp8Ambiguous = 0x80000000u;
 // bound by the latency of its dependency chain, not by its instruction count.
 
 // log2 f for f in [sqrt(1/2), sqrt(2)) in float32: 2 atanh(s) / ln 2, s = (f-1)/(f+1), through
-// s^9. Absolute error below 2^-22.8 over every float32 f (measured); the bound used is 2^-21.
+// s^7 (the s^9 term is below 2^-24.5). Absolute error below 2^-22.4 over every float32 f, with
+// fast_mul_add fused or not (measured); the bound used is 2^-21.
 LOWFP_HD float s2fp8_log2_f32(float f) {
   const float s = (f - 1.0f) / (f + 1.0f);
   const float z = s * s, z2 = z * z;
-  const float low = 1.0f + z * (1.0f / 3);
-  const float high = (1.0f / 5 + z * (1.0f / 7)) + z2 * (1.0f / 9);
-  return (s * 2.8853900817779268f) * (low + z2 * high);
+  const float low = fast_mul_add(z, 1.0f / 3, 1.0f);
+  const float high = fast_mul_add(z, 1.0f / 7, 1.0f / 5);
+  return (s * 2.8853900817779268f) * fast_mul_add(z2, high, low);
 }
 
 // 2^r for |r| <= 1/2 in float32: the Taylor series of e^(r ln 2) through r^7, coefficients
-// (ln 2)^k / k!. Relative error below 2^-22.4 over every float32 r (measured); the bound used is
-// 2^-21.
+// (ln 2)^k / k!. Relative error below 2^-22.4 over every float32 r, with fast_mul_add fused or
+// not (measured); the bound used is 2^-21.
 LOWFP_HD float s2fp8_exp2_f32(float r) {
   const float r2 = r * r, r4 = r2 * r2;
-  const float p01 = 1.0f + r * 0.6931471805599453f;
-  const float p23 = 0.2402265069591007f + r * 0.055504108664821576f;
-  const float p45 = 0.009618129107628477f + r * 0.0013333558146428441f;
-  const float p67 = 0.00015403530393381606f + r * 1.5252733804059838e-05f;
-  return (p01 + r2 * p23) + r4 * (p45 + r2 * p67);
+  const float p01 = fast_mul_add(r, 0.6931471805599453f, 1.0f);
+  const float p23 = fast_mul_add(r, 0.055504108664821576f, 0.2402265069591007f);
+  const float p45 = fast_mul_add(r, 0.0013333558146428441f, 0.009618129107628477f);
+  const float p67 = fast_mul_add(r, 1.5252733804059838e-05f, 0.00015403530393381606f);
+  return fast_mul_add(r4, fast_mul_add(r2, p67, p45), fast_mul_add(r2, p23, p01));
 }
 
 // The element transform in two steps, so that the CPU runs each as a loop of its own (two
@@ -79,16 +87,21 @@ LOWFP_HD float s2fp8_fast_log_y(uint32_t xb, const S2fp8FastStochastic& k) {
   const uint32_t a = xb & 0x7FFFFFFFu;
   const bool sub = a < 0x00800000u;
   const uint32_t an = select(sub, bit_cast<uint32_t>(bit_cast<float>(a) * 0x1p64f), a);
-  const uint32_t mant = an & 0x007FFFFFu;
-  const bool upper = mant >= 0x3504F3u;  // the significand is at least sqrt(2): halve it
-  const int32_t e = int32_t(an >> 23) - select(sub, 127 + 64, 127) + int32_t(upper);
-  const float f = bit_cast<float>(mant | select(upper, 0x3F000000u, 0x3F800000u));
+  // Less the bits of sqrt(1/2), the exponent field holds e: the unbiased exponent, plus one where
+  // the significand is at least sqrt(2) (its low bits borrow otherwise). Taking e from an's
+  // exponent leaves f. (Four integer operations; the same e and f as testing the significand,
+  // checked over every finite nonzero float32.)
+  const int32_t from_half = int32_t(an - 0x3F3504F3u);
+  const int32_t e = (from_half >> 23) - select(sub, 64, 0);
+  const float f = bit_cast<float>(an - (uint32_t(from_half) & 0xFF800000u));
   const float d = float(e - k.c_int) + (s2fp8_log2_f32(f) - k.c_frac);
   return min_of(k.alpha * d, k.t_max);
 }
 
 // The grid index of the rounded |Y| (0 to over), with kS2fp8Ambiguous set when the float64 path
-// must decide; t from s2fp8_fast_log_y, rand the element's Philox word.
+// must decide; t from s2fp8_fast_log_y, rand the element's Philox word. kPlain: k.plain holds,
+// and the caller flags the elements below t_deep itself.
+template <bool kPlain = false>
 LOWFP_HD uint32_t s2fp8_fast_grid_index(float log_y, uint32_t rand, const S2fp8FastStochastic& k) {
   const float t = max_of(log_y, k.t_min);
   // t = n + r with n an integer and |r| <= 1/2; the binade is floor(t).
@@ -97,7 +110,7 @@ LOWFP_HD uint32_t s2fp8_fast_grid_index(float log_y, uint32_t rand, const S2fp8F
   const float r = t - n;  // exact
   const int32_t ni = int32_t(n);
   const int32_t binade = ni - int32_t(r < 0.0f);
-  const bool below = binade < k.emin;
+  const bool below = !kPlain && binade < k.emin;
   const int32_t e_grid = max_of(binade, k.emin);
   // g = |Y| / (the step of Y's binade) = 2^r 2^(n - e_grid + m), or below 2^emin
   // 2^r 2^(n - emin + m - low_shift); t >= t_min keeps the power of two a normal float32.
@@ -105,19 +118,20 @@ LOWFP_HD uint32_t s2fp8_fast_grid_index(float log_y, uint32_t rand, const S2fp8F
   const float g = s2fp8_exp2_f32(r) * bit_cast<float>(uint32_t(scale + 127) << 23);
   // r' = (2^R - 1 - rr) 2^-R, and 2^R - 1 - rr = ~rand >> (32 - R): its top bits, below 2^24,
   // convert as a signed integer (AVX2 converts no unsigned ones); the truncation is in band_w.
-  const float w = g + float(int32_t(~rand >> k.r_shift)) * k.r_scale;
+  const float w = fast_mul_add(float(int32_t(~rand >> k.r_shift)), k.r_scale, g);
   const int32_t steps = int32_t(w);  // w >= 0: the floor
   const float frac = w - float(steps);
   const bool ambiguous = (frac < k.band_w) | (frac > 1.0f - k.band_w) |
-                         (max_of(r, -r) < k.band_t) | (log_y < k.t_deep);
+                         (!kPlain && log_y < k.t_deep);
   const uint32_t grid = uint32_t((e_grid - k.emin) << k.m) +
                         (uint32_t(steps) << select(below, uint32_t(k.low_shift), 0u));
   return min_of(grid, k.over) | select(ambiguous, kS2fp8Ambiguous, 0u);
 }
 
 // The table's index for a grid index and x (float32 bits xb): plus sign_offset for negative x.
+template <bool kPlain = false>
 LOWFP_HD uint32_t s2fp8_fast_table_index(uint32_t grid, uint32_t xb, const S2fp8FastStochastic& k) {
-  return grid + select(xb >> 31 != 0, k.sign_offset, 0u);
+  return kPlain ? grid : grid + select(xb >> 31 != 0, k.sign_offset, 0u);
 }
 
 // The events of a finite nonzero x from its grid index: Y rounded to 0, or above max (false for
