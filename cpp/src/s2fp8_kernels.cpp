@@ -488,9 +488,9 @@ void transform_stochastic(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8St
   const Raw* x = static_cast<const Raw*>(c.q.x);
   Raw* y = static_cast<Raw*>(c.q.y);
   const S2fp8FastStochastic k = form.k;
-  // A tile may hold an x below t_deep when its smallest finite nonzero a (as `lowest` below
-  // encodes it) is below deep_abs.
-  const int32_t deep_below = k.deep_abs == 0 ? INT32_MIN : int32_t(k.deep_abs + 0x7FFFFFFFu);
+  // A tile may hold an x below t_deep when its smallest finite nonzero a, as `lowest` below
+  // encodes it, is below deep_abs (>= 1, so the encoding does not wrap).
+  const int32_t deep_below = int32_t(k.deep_abs + 0x7FFFFFFFu);
   const double inv_alpha = 1.0 / s.alpha;
   const TableLookup values(form.values, int64_t(k.per_sign) + k.sign_offset);
   alignas(64) uint32_t rand[kS2fp8Tile];

@@ -125,12 +125,10 @@ bool build(const S2fp8Call& call, const S2fp8Stats& s, S2fp8StochasticForm& form
   k.mirror_sign = mirrored ? kSignRaw<T> : 0;
   k.plain = k.low_shift == 0 && mirrored;
   // |x| >= 2^log_deep has t = alpha (log2|x| - c) >= t_deep + 8, so t~ > t_deep (t~'s error near
-  // t_deep is below 2^-10).
+  // t_deep is below 2^-10). Rounded up to a float32 magnitude: inf where every finite x may reach
+  // t_deep, the smallest subnormal (bits 1) where none can.
   const double log_deep = (double(k.t_deep) + 8) / alpha + c;
-  k.deep_abs = log_deep >= 128   ? 0x7F800000u
-               : log_deep < -150 ? 0u
-                                 : bit_cast<uint32_t>(std::nextafter(float(std::exp2(log_deep)),
-                                                                     INFINITY));
+  k.deep_abs = bit_cast<uint32_t>(std::nextafter(float(std::exp2(log_deep)), INFINITY));
   form.values = storage.data();
   return true;
 }

@@ -43,8 +43,8 @@ struct S2fp8FastStochastic {
   // The common case, for which the CPU compiles its loop without two terms (kPlain below): the
   // format has subnormals (low_shift = 0) and the table is mirrored (sign_offset = 0).
   bool plain;
-  // Finite x below this magnitude (float32 bits) may reach t_deep; none above. The CPU's plain
-  // loop tests for t_deep only in tiles that hold such an x.
+  // Finite x with magnitude bits below this (at least 1) may reach t_deep; no others. The CPU's
+  // plain loop tests for t_deep only in tiles that hold such an x.
   uint32_t deep_abs;
 };
 
