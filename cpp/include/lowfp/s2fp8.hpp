@@ -101,7 +101,7 @@ LOWFP_HD S2fp8Factor32 s2fp8_factor_f32_plain(uint32_t abs_bits) {
 // rounded up.
 LOWFP_HD uint64_t s2fp8_fixed_log(double product) {
   constexpr double kShift = 0x1p52;
-  const double v = log2_det(product) * kS2fp8LogScale + 0.5;
+  const double v = log2_det_normal(product) * kS2fp8LogScale + 0.5;  // product >= 1
   const double shifted = v + kShift;
   const uint64_t nearest = bit_cast<uint64_t>(shifted) - bit_cast<uint64_t>(kShift);
   return nearest - uint64_t((shifted - kShift) > v);
