@@ -563,6 +563,8 @@ def test_deterministic_log2_exp2_accuracy():
         got, want = lowfp._C.exp2_det(float(t)), 2.0 ** float(t)
         assert abs(got - want) <= 3 * math.ulp(want), t
     assert lowfp._C.exp2_det(1024.5) == math.inf and lowfp._C.exp2_det(-1080.0) == 0.0
+    for t in (1100.5, 4097.0, 3e5, 1e9, 2.0 ** 31, 1e300):  # beyond the clamp at +-1100 too
+        assert lowfp._C.exp2_det(t) == math.inf and lowfp._C.exp2_det(-t) == 0.0, t
     assert lowfp._C.exp2_det(-1074.0) == 5e-324
 
 

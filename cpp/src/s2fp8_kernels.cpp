@@ -198,12 +198,16 @@ void round_tile(Bits* v, int64_t len, const RoundParams<Bits>& p, const uint32_t
 }
 
 template <class T, RoundKind Kind, bool kCount, bool kSubExp>
-void transform(const S2fp8Call& c, const S2fp8Stats& s, int64_t begin, int64_t end,
+void transform(const S2fp8Call& c, const S2fp8Stats& stats, int64_t begin, int64_t end,
                EventCounts& out) {
   EventCounts counts;  // added to out once
   const T* x = static_cast<const T*>(c.q.x);
   T* y = static_cast<T*>(c.q.y);
   const RoundParams<uint64_t>& p = c.q.p64;
+  // Local copies: a store to float64 y could alias the caller's doubles, which kept the store
+  // loop from vectorising for float64 x.
+  const S2fp8Stats s = stats;
+  const RoundParams<uint64_t> p_store = c.p_store;
   const double inv_alpha = 1.0 / s.alpha;
   alignas(64) uint32_t rand[kS2fp8Tile];
   alignas(64) uint64_t y_bits[kS2fp8Tile];
@@ -217,9 +221,9 @@ void transform(const S2fp8Call& c, const S2fp8Stats& s, int64_t begin, int64_t e
     // scalar: gcc does not vectorise the 64-bit per-lane shifts
     round_tile<Kind, uint64_t, kSubExp, kCount>(y_bits, len, p, rand, counts);
     T* yt = y + t0;  // may alias xt: element i is read before it is written
-    for (int64_t i = 0; i < len; ++i)  // vectorised
+    for (int64_t i = 0; i < len; ++i)  // vectorised for float32 and float64 y (16-bit y round)
       yt[i] = s2fp8_store<T>(s2fp8_unsqueeze(Widen<uint64_t>::from(xt[i]), y_bits[i], s, inv_alpha),
-                             c.p_store);
+                             p_store);
   }
   out.add(counts);
 }
