@@ -12,13 +12,10 @@
 namespace lowfp {
 namespace {
 
-// Lane j's q-bit value of a packed block.
-__device__ uint32_t read_packed(const uint32_t* block, uint32_t q, uint32_t lane) {
-  return unpack_one(block, q, lane);
-}
-
 // Writes the warp's 32 values (lane j: value < 2^q) into the block's q words: each lane ORs its
 // bits into (at most two of) the words in the warp's shared scratch, then lanes 0..q-1 store them.
+// Lane j < q alone clears, reads and stores word j, so its read of one block comes before its
+// clearing for the next (program order), and the next block's ORs wait at the first __syncwarp.
 __device__ void write_packed(uint32_t* block, uint32_t q, uint32_t lane, uint32_t value,
                              uint32_t* scratch) {
   if (lane < q) scratch[lane] = 0;
@@ -28,7 +25,6 @@ __device__ void write_packed(uint32_t* block, uint32_t q, uint32_t lane, uint32_
   if (shift + q > 32) atomicOr(scratch + word + 1, value >> (32 - shift));
   __syncwarp();
   if (lane < q) block[lane] = scratch[lane];
-  __syncwarp();  // the scratch is reused by the warp's next block
 }
 
 // Each warp's scratch for write_packed: a block's q words.
@@ -38,8 +34,8 @@ __device__ uint32_t* warp_scratch() {
 }
 
 // The Philox word of element i (a block of 4 per counter; DESIGN §3's scheme).
-__device__ uint32_t philox_word(uint64_t seed, uint64_t block_offset, int64_t i) {
-  return philox_block(seed, block_offset + uint64_t(i) / 4).w[i % 4];
+__device__ uint32_t philox_word(uint64_t seed, uint64_t block_offset, uint64_t i) {
+  return philox_block(seed, block_offset + i / 4).w[i % 4];
 }
 
 struct SlotTable {
@@ -52,15 +48,82 @@ struct SlotTable {
 // 0.88 ms and AdamW 1.48 / 1.35 / 1.34 ms for 1 / 2 / 4 blocks (bench/profile_gpu.py).
 constexpr int kBlocksPerChunk = 4;
 
+// A parameter seen from element `first` on (a multiple of 32): the chunk's accesses are then a base
+// pointer plus a 32-bit offset, which saves the 64-bit index arithmetic of every load and store.
+template <class W16, class Maker>
+__device__ ExtraBitsSlot slot_from(const ExtraBitsSlot& s, int64_t first, uint32_t q) {
+  auto advance = [&](void* p) {
+    return p == nullptr ? p : static_cast<void*>(static_cast<char*>(p) + first * Maker::kStateBytes);
+  };
+  ExtraBitsSlot at = s;
+  at.w16 = static_cast<W16*>(s.w16) + first;
+  at.grad = static_cast<const W16*>(s.grad) + first;
+  at.words = s.words + (first / 32) * q;
+  at.state0 = advance(s.state0);
+  at.state1 = advance(s.state1);
+  at.state2 = advance(s.state2);
+  at.n = s.n - first;
+  at.rand_offset = s.rand_offset + uint64_t(first) / 4;
+  return at;
+}
+
+// One chunk of a parameter: `at` starts at the chunk's first element. kFull: the chunk has all
+// kBlocksPerChunk blocks, every element present, so no lane checks bounds (every chunk but a
+// parameter's last). The warp first issues every load of the chunk (packed words, weights,
+// gradients, optimizer state), then the updates and stores, so that several blocks' bytes are in
+// flight per warp rather than one.
+template <bool kFull, class W16, RoundKind K, class Update>
+__device__ void step_chunk(const ExtraBitsSlot& at, const Update& update, const ExtraBitsParams& e,
+                           uint64_t seed, uint32_t lane, uint32_t* scratch, ThreadCounts& tc) {
+  constexpr int U = kBlocksPerChunk;
+  const int32_t blocks = kFull ? U : int32_t(min_of<int64_t>((at.n + 31) / 32, U));
+  const int32_t n = kFull ? U * 32 : int32_t(min_of<int64_t>(at.n, U * 32));
+  const W16* const grad = static_cast<const W16*>(at.grad);
+  W16* const w16 = static_cast<W16*>(at.w16);
+  const uint32_t bit = lane * e.q, shift = bit & 31;  // this lane's bits in each packed block
+  const uint32_t* const lane_words = at.words + (bit >> 5);
+  uint32_t value[U];
+  W16 w16_old[U], grad_u[U];
+  typename Update::State state[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {  // loads
+    if (!kFull && u >= blocks) break;
+    const int32_t i = u * 32 + int32_t(lane);
+    value[u] = unpack_from(lane_words + u * e.q, shift, e.q);
+    if (kFull || i < n) {
+      w16_old[u] = w16[i];
+      grad_u[u] = grad[i];
+      state[u] = update.load(i);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {  // updates and stores
+    if (!kFull && u >= blocks) break;
+    const int32_t i = u * 32 + int32_t(lane);
+    uint32_t out = 0;
+    if (kFull || i < n) {
+      const uint32_t w = merge_bits<W16>(truncation_bits(w16_old[u], value[u] >> e.k),
+                                         value[u] & ((1u << e.k) - 1u), e);
+      const float g = bit_cast<float>(Widen<uint32_t>::from(grad_u[u]));
+      const float w_new = update.apply(bit_cast<float>(w), g, state[u]);
+      update.store(i, state[u]);
+      const uint32_t r = K == RoundKind::Stochastic ? philox_word(seed, at.rand_offset, i) : 0u;
+      uint32_t extra, flag;
+      RoundEvents ev;
+      w16[i] = Store<W16>::from(split_bits<W16, K, false>(bit_cast<uint32_t>(w_new), e, r, extra, flag, ev));
+      out = extra | (flag << e.k);
+      tc.add(ev);
+    }
+    write_packed(at.words + u * e.q, e.q, lane, out, scratch);
+  }
+}
+
 // A warp steps one chunk at a time: kBlocksPerChunk consecutive packed blocks of one parameter,
-// whose slot it reads once. It first issues every load of the chunk (packed words, weights,
-// gradients, optimizer state), then the updates and stores, so that several blocks' bytes are
-// in flight per warp rather than one.
+// whose slot it reads once.
 template <class W16, RoundKind K, class Maker>
 __global__ void __launch_bounds__(kThreads)
 step_kernel(SlotTable table, ExtraBitsParams e, SgdHyper sgd, AdamHyper adam, uint64_t seed,
             int64_t numel, unsigned long long* counts) {
-  using Update = decltype(Maker::make(sgd, adam, table.slots[0]));
   constexpr int U = kBlocksPerChunk;
   const uint32_t lane = threadIdx.x & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
@@ -70,44 +133,12 @@ step_kernel(SlotTable table, ExtraBitsParams e, SgdHyper sgd, AdamHyper adam, ui
   ThreadCounts tc;
   for (int64_t c = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; c < total; c += warps) {
     while (table.first_chunk[which + 1] <= c) ++which;  // c, and so which, is the warp's
-    const ExtraBitsSlot slot = table.slots[which];  // a copy: the stores below cannot change it
-    const Update update = Maker::make(sgd, adam, slot);
-    const int64_t b0 = (c - table.first_chunk[which]) * U, blocks = (slot.n + 31) / 32;
-    uint32_t value[U];
-    W16 w16_old[U], grad[U];
-    typename Update::State state[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {  // loads
-      if (b0 + u >= blocks) break;
-      const int64_t i = (b0 + u) * 32 + lane;
-      value[u] = read_packed(slot.words + (b0 + u) * e.q, e.q, lane);
-      if (i < slot.n) {
-        w16_old[u] = static_cast<const W16*>(slot.w16)[i];
-        grad[u] = static_cast<const W16*>(slot.grad)[i];
-        state[u] = update.load(i);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {  // updates and stores
-      if (b0 + u >= blocks) break;
-      const int64_t i = (b0 + u) * 32 + lane;
-      uint32_t out = 0;
-      if (i < slot.n) {
-        const uint32_t w = merge_bits<W16>(truncation_bits(w16_old[u], value[u] >> e.k),
-                                           value[u] & ((1u << e.k) - 1u), e);
-        const float g = bit_cast<float>(Widen<uint32_t>::from(grad[u]));
-        const float w_new = update.apply(bit_cast<float>(w), g, state[u]);
-        update.store(i, state[u]);
-        const uint32_t r = K == RoundKind::Stochastic ? philox_word(seed, slot.rand_offset, i) : 0u;
-        uint32_t extra, flag;
-        RoundEvents ev;
-        static_cast<W16*>(slot.w16)[i] =
-            Store<W16>::from(split_bits<W16, K, false>(bit_cast<uint32_t>(w_new), e, r, extra, flag, ev));
-        out = extra | (flag << e.k);
-        tc.add(ev);
-      }
-      write_packed(slot.words + (b0 + u) * e.q, e.q, lane, out, scratch);
-    }
+    // a copy, advanced to the chunk: the stores below cannot change it
+    const ExtraBitsSlot at =
+        slot_from<W16, Maker>(table.slots[which], (c - table.first_chunk[which]) * U * 32, e.q);
+    const auto update = Maker::make(sgd, adam, at);
+    if (at.n >= U * 32) step_chunk<true, W16, K>(at, update, e, seed, lane, scratch, tc);
+    else step_chunk<false, W16, K>(at, update, e, seed, lane, scratch, tc);
   }
   if (counts != nullptr) finish_counts(tc, counts, numel);
 }

@@ -240,9 +240,16 @@ def test_extra_bits_split_merge_match_cpu(dtype, k, rounding):
     assert torch.equal(eb.merge(a16, ap, k, rounding), eb.merge(b16, bp, k, rounding).cpu())
 
 
+# Each kernel variant: plain SGD, SGD(momentum) without and with its weight-decay/Nesterov
+# selects, Adam(amsgrad), Adam and AdamW with float32 and bfloat16 moments; every rounding mode.
+# The parameters' sizes give chunks of 4 full packed blocks and a partial last chunk.
 @pytest.mark.parametrize("opt_name,kw", [
     ("ExtraBitsSGD", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, extra_bits=8, rounding="stochastic")),
+    ("ExtraBitsSGD", dict(lr=0.05, momentum=0.9, extra_bits=8, rounding="toward_zero")),
+    ("ExtraBitsSGD", dict(lr=0.1, extra_bits=4, rounding="nearest")),
     ("ExtraBitsAdam", dict(lr=1e-3, amsgrad=True, extra_bits=16, rounding="nearest", state_dtype=torch.bfloat16)),
+    ("ExtraBitsAdamW", dict(lr=1e-3, weight_decay=0.05, extra_bits=8, rounding="toward_zero")),
+    ("ExtraBitsAdamW", dict(lr=1e-3, extra_bits=8, rounding="nearest", state_dtype=torch.bfloat16)),
     ("ExtraBitsAdamW", dict(lr=1e-3, extra_bits=13, rounding="stochastic", param_dtype=torch.float16)),
 ])
 def test_extra_bits_optimizers_match_cpu(opt_name, kw):
@@ -264,6 +271,32 @@ def test_extra_bits_optimizers_match_cpu(opt_name, kw):
         cpu_opt.step()
         torch.manual_seed(10 + step)
         gpu_opt.step()
+        for a, b in zip(cpu_opt.master_weights(), gpu_opt.master_weights()):
+            assert torch.equal(a, b.cpu()), step
+    assert cpu_opt.weight_stats.as_dict() == gpu_opt.weight_stats.as_dict()
+
+
+@pytest.mark.parametrize("opt_name", ["ExtraBitsSGD", "ExtraBitsAdamW"])
+def test_extra_bits_step_of_a_large_group_matches_cpu(opt_name):
+    # Enough chunks that each warp steps several, crossing from one parameter to the next (its
+    # forward scan of the slot table); sizes that end in full and in partial chunks.
+    from lowfp import optim
+    sizes = [1_500_007, 128, 3, 1_200_000, 4_096 * 33 + 31]
+    g = torch.Generator().manual_seed(4)
+    cpu_params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in sizes]
+    gpu_params = [torch.nn.Parameter(p.detach().cuda()) for p in cpu_params]
+    kw = dict(lr=0.01, extra_bits=8, rounding="nearest")
+    kw.update(momentum=0.9) if opt_name == "ExtraBitsSGD" else kw.update(weight_decay=0.01)
+    cpu_opt = getattr(optim, opt_name)(cpu_params, **kw)
+    gpu_opt = getattr(optim, opt_name)(gpu_params, **kw)
+    for step in range(2):
+        for p, q in zip(cpu_params, gpu_params):
+            grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            p.grad, q.grad = grad, grad.cuda()
+        cpu_opt.step()
+        gpu_opt.step()
+        for p, q in zip(cpu_params, gpu_params):
+            assert same_bits(p.detach(), q.detach().cpu()), step
         for a, b in zip(cpu_opt.master_weights(), gpu_opt.master_weights()):
             assert torch.equal(a, b.cpu()), step
     assert cpu_opt.weight_stats.as_dict() == gpu_opt.weight_stats.as_dict()

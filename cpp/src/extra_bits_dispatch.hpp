@@ -9,6 +9,7 @@
 namespace lowfp {
 
 struct MakeSgdPlain {
+  static constexpr int64_t kStateBytes = 0;  // per element, in each state array
   static LOWFP_HD SgdPlain make(const SgdHyper& h, const AdamHyper&, const ExtraBitsSlot&) {
     return SgdPlain{h};
   }
@@ -16,6 +17,7 @@ struct MakeSgdPlain {
 
 template <class S, bool kDecayOrNesterov>
 struct MakeSgdMomentum {
+  static constexpr int64_t kStateBytes = sizeof(S);
   static LOWFP_HD SgdMomentum<S, kDecayOrNesterov> make(const SgdHyper& h, const AdamHyper&,
                                                         const ExtraBitsSlot& slot) {
     return SgdMomentum<S, kDecayOrNesterov>{h, static_cast<S*>(slot.state0)};
@@ -24,6 +26,7 @@ struct MakeSgdMomentum {
 
 template <class S, bool kAmsgrad>
 struct MakeAdam {
+  static constexpr int64_t kStateBytes = sizeof(S);
   static LOWFP_HD Adam<S, kAmsgrad> make(const SgdHyper&, const AdamHyper& h,
                                          const ExtraBitsSlot& slot) {
     return Adam<S, kAmsgrad>{h, static_cast<S*>(slot.state0), static_cast<S*>(slot.state1),

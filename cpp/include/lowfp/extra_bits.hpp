@@ -91,11 +91,17 @@ constexpr uint32_t kMaxPackedBits = 17;
 
 // Packing: element j of a 32-element block occupies bits [j q, (j + 1) q) of the block's q words
 // (a little-endian bit string); value = extra | flag << k.
-LOWFP_HD uint32_t unpack_one(const uint32_t* block, uint32_t q, uint32_t j) {
-  const uint32_t bit = j * q, word = bit >> 5, shift = bit & 31;
-  uint64_t window = block[word];
-  if (shift + q > 32) window |= uint64_t(block[word + 1]) << 32;
+// unpack_from reads an element's q bits from its first word (block + j q / 32) and bit offset in
+// that word (shift = j q % 32): a GPU lane finds them once for all its blocks.
+LOWFP_HD uint32_t unpack_from(const uint32_t* first_word, uint32_t shift, uint32_t q) {
+  uint64_t window = first_word[0];
+  if (shift + q > 32) window |= uint64_t(first_word[1]) << 32;
   return uint32_t(window >> shift) & ((1u << q) - 1u);
+}
+
+LOWFP_HD uint32_t unpack_one(const uint32_t* block, uint32_t q, uint32_t j) {
+  const uint32_t bit = j * q;
+  return unpack_from(block + (bit >> 5), bit & 31, q);
 }
 
 // Writes the 32 values of a block (each < 2^q) into its q words.
