@@ -33,9 +33,18 @@ __device__ uint32_t* warp_scratch() {
   return scratch[threadIdx.x / 32];
 }
 
-// The Philox word of element i (a block of 4 per counter; DESIGN §3's scheme).
+// The Philox word of element i (a block of 4 per counter; DESIGN §3's scheme). Selects, not
+// .w[i % 4]: a runtime index would put the block in local memory.
 __device__ uint32_t philox_word(uint64_t seed, uint64_t block_offset, uint64_t i) {
-  return philox_block(seed, block_offset + i / 4).w[i % 4];
+  const Philox4x32Block b = philox_block(seed, block_offset + i / 4);
+  const uint32_t j = uint32_t(i % 4);
+  return j == 0 ? b.w[0] : j == 1 ? b.w[1] : j == 2 ? b.w[2] : b.w[3];
+}
+
+// Each warp's exchange of a chunk's random words (stochastic steps only).
+__device__ uint32_t* warp_random_words() {
+  __shared__ uint4 words[kThreads / 32][32];
+  return reinterpret_cast<uint32_t*>(words[threadIdx.x / 32]);
 }
 
 struct SlotTable {
@@ -96,6 +105,20 @@ __device__ void step_chunk(const ExtraBitsSlot& at, const Update& update, const 
       state[u] = update.load(i);
     }
   }
+  // Stochastic rounding: the chunk's U * 32 = 128 elements take every word of 32 consecutive
+  // Philox blocks. Lane L computes block L (elements 4L to 4L + 3) and the warp exchanges the
+  // words through shared memory, rather than each lane computing a whole block for one word of it.
+  static_assert(U == 4, "a chunk of 128 elements: one Philox block per lane");
+  uint32_t rand[U] = {};
+  if constexpr (K == RoundKind::Stochastic) {
+    uint32_t* const words = warp_random_words();
+    const Philox4x32Block b = philox_block(seed, at.rand_offset + lane);
+    reinterpret_cast<uint4*>(words)[lane] = make_uint4(b.w[0], b.w[1], b.w[2], b.w[3]);
+    __syncwarp();
+#pragma unroll
+    for (int u = 0; u < U; ++u) rand[u] = words[u * 32 + lane];
+    __syncwarp();  // all lanes have read before the next chunk's words overwrite these
+  }
 #pragma unroll
   for (int u = 0; u < U; ++u) {  // updates and stores
     if (!kFull && u >= blocks) break;
@@ -107,10 +130,9 @@ __device__ void step_chunk(const ExtraBitsSlot& at, const Update& update, const 
       const float g = bit_cast<float>(Widen<uint32_t>::from(grad_u[u]));
       const float w_new = update.apply(bit_cast<float>(w), g, state[u]);
       update.store(i, state[u]);
-      const uint32_t r = K == RoundKind::Stochastic ? philox_word(seed, at.rand_offset, i) : 0u;
       uint32_t extra, flag;
       RoundEvents ev;
-      w16[i] = Store<W16>::from(split_bits<W16, K, false>(bit_cast<uint32_t>(w_new), e, r, extra, flag, ev));
+      w16[i] = Store<W16>::from(split_bits<W16, K, false>(bit_cast<uint32_t>(w_new), e, rand[u], extra, flag, ev));
       out = extra | (flag << e.k);
       tc.add(ev);
     }
@@ -118,10 +140,21 @@ __device__ void step_chunk(const ExtraBitsSlot& at, const Update& update, const 
   }
 }
 
+// Thread blocks of step_kernel that must fit on one SM, which caps its registers per thread
+// (4: 64, 3: 80). Left to itself, ptxas gives the full-chunk path 72-100 registers, which would
+// leave 2-3 blocks: fewer warps to hide memory latency. With these caps (ptxas -v, sm_90) SGD's
+// toward-zero and nearest kernels spill at most 4 bytes, Adam's none, the stochastic kernels
+// (Philox in registers too) up to 100 bytes.
+template <class Maker> constexpr bool kIsAdam = false;
+template <class S, bool kAmsgrad> constexpr bool kIsAdam<MakeAdam<S, kAmsgrad>> = true;
+template <RoundKind K, class Maker> constexpr int step_min_blocks() {
+  return kIsAdam<Maker> ? 3 : 4;
+}
+
 // A warp steps one chunk at a time: kBlocksPerChunk consecutive packed blocks of one parameter,
 // whose slot it reads once.
 template <class W16, RoundKind K, class Maker>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, (step_min_blocks<K, Maker>()))
 step_kernel(SlotTable table, ExtraBitsParams e, SgdHyper sgd, AdamHyper adam, uint64_t seed,
             int64_t numel, unsigned long long* counts) {
   constexpr int U = kBlocksPerChunk;
