@@ -37,6 +37,7 @@ def test_bench_writes_json(tmp_path):
     data = json.loads(out.read_text())["cpu"]
     labels = {row["label"] for row in data["rows"]}
     assert "y.copy_(x)" in labels and "float8_e4m3fn stochastic out=" in labels
+    assert "float64 y.copy_(x)" in labels and "float64 bfloat16 nearest out=" in labels
     assert all(row["elements_per_s"] > 0 for row in data["rows"])
-    assert len(data["summary"]) == 4
+    assert len(data["summary"]) == 5
     assert run("bench", "--size", "0").returncode == 2

@@ -2,7 +2,8 @@
 
 Baselines: ``y.copy_(x)`` (the memory roofline), torch's round-trip casts
 ``x.to(dtype).float()``, and, when installed, ml_dtypes ``astype`` round trips and QPyTorch's
-``float_quantize``. Prints a table with rates and ratios and writes JSON.
+``float_quantize``; float64 input against a float64 copy. Prints a table with rates and ratios
+(the "vs copy" column is against the float32 copy) and writes JSON.
 """
 
 from __future__ import annotations
@@ -117,10 +118,12 @@ def run_cpu(size: int, repeats: int) -> List[dict]:
 
 
 def _run_cases(device: str, size: int, repeats: int, once, allocating: bool) -> List[dict]:
-    """The same cases on either device: baselines, then lowfp per format and mode."""
+    """The same cases on either device: baselines, then lowfp per format and mode; then float64
+    input (rounded in the float64 carrier) against its own copy."""
     torch.manual_seed(0)
     x = torch.randn(size, device=device) * 4
     y = torch.empty_like(x)
+    x64, y64 = x.double(), torch.empty_like(x, dtype=torch.float64)
     cases: List[tuple] = [("baseline", "y.copy_(x)", lambda: y.copy_(x))]
     for name, dt in TORCH_CASTS.items():
         cases.append(("baseline", f"torch x.to({name}).float()", lambda dt=dt: x.to(dt).float()))
@@ -134,15 +137,21 @@ def _run_cases(device: str, size: int, repeats: int, once, allocating: bool) -> 
             cases.append(("lowfp", f"{fmt} {mode} out=", lambda f=fmt, m=mode: quantize(x, f, m, seed=1, out=y)))
             cases.append(("lowfp", f"{fmt} {mode} out= stats",
                           lambda f=fmt, m=mode: quantize(x, f, m, seed=1, out=y, stats=stats)))
+    cases.append(("baseline", "float64 y.copy_(x)", lambda: y64.copy_(x64)))
+    for fmt in FORMATS:
+        for mode in ("nearest", "stochastic"):
+            cases.append(("lowfp", f"float64 {fmt} {mode} out=",
+                          lambda f=fmt, m=mode: quantize(x64, f, m, seed=1, out=y64)))
     if device == "cuda":
         torch.cuda.synchronize()
     times = time_rounds({label: fn for _, label, fn in cases}, repeats, once)
     rows = []
     for kind, label, fn in cases:
         seconds = min(times[label])
+        read_write = 16 if label.startswith("float64 ") else 8  # bytes per element, read + write
         rows.append({"kind": kind, "label": label, "seconds": seconds, "rounds": times[label],
                      "elements_per_s": size / seconds,
-                     "GB_per_s": 8 * size / seconds / 1e9})  # float32 read + write
+                     "GB_per_s": read_write * size / seconds / 1e9})
     return rows
 
 
@@ -185,6 +194,8 @@ def summarize(rows: List[dict]) -> Dict[str, Optional[float]]:
         "stats cost: 1 - with/without (max; target <= 0.10)":
             1 - min(speedup(f"{f} {m} out= stats", f"{f} {m} out=") for f in FORMATS
                     for m in ("nearest", "stochastic")),
+        "float64 input: nearest out= / float64 copy (min over formats; no target)":
+            min(speedup(f"float64 {f} nearest out=", "float64 y.copy_(x)") for f in FORMATS),
     }
 
 
