@@ -142,19 +142,20 @@ __device__ void step_chunk(const ExtraBitsSlot& at, const Update& update, const 
 
 // Thread blocks of step_kernel that must fit on one SM, which caps its registers per thread
 // (4: 64, 3: 80). Left to itself, ptxas gives the full-chunk path 72-100 registers, which would
-// leave 2-3 blocks: fewer warps to hide memory latency. With these caps (ptxas -v, sm_90) SGD's
-// toward-zero and nearest kernels spill at most 4 bytes, Adam's none, the stochastic kernels
-// (Philox in registers too) up to 100 bytes.
+// leave 2-3 blocks: fewer warps to hide memory latency. With these caps (ptxas -v, sm_90) the
+// bfloat16 SGD kernels spill at most 4 bytes (one reload per chunk) and Adam's at most 16
+// (amsgrad, stochastic); float16 SGD, whose split takes the general rounding, would spill up to
+// 52 bytes at 64 registers, so it gets 80.
 template <class Maker> constexpr bool kIsAdam = false;
 template <class S, bool kAmsgrad> constexpr bool kIsAdam<MakeAdam<S, kAmsgrad>> = true;
-template <RoundKind K, class Maker> constexpr int step_min_blocks() {
-  return kIsAdam<Maker> ? 3 : 4;
+template <class W16, class Maker> constexpr int step_min_blocks() {
+  return kIsAdam<Maker> || std::is_same_v<W16, Half> ? 3 : 4;
 }
 
 // A warp steps one chunk at a time: kBlocksPerChunk consecutive packed blocks of one parameter,
 // whose slot it reads once.
 template <class W16, RoundKind K, class Maker>
-__global__ void __launch_bounds__(kThreads, (step_min_blocks<K, Maker>()))
+__global__ void __launch_bounds__(kThreads, (step_min_blocks<W16, Maker>()))
 step_kernel(SlotTable table, ExtraBitsParams e, SgdHyper sgd, AdamHyper adam, uint64_t seed,
             int64_t numel, unsigned long long* counts) {
   constexpr int U = kBlocksPerChunk;

@@ -146,9 +146,13 @@ s2fp8_lookup_kernel(const T* x, T* y, int64_t n, bool quad_io, S2fp8Thresholds t
       out.v[k] = bit_cast<T>(a - 1 < kInf - 1 ? Raw(th.signed_value(__ldg(th.values + v), xb))
                                              : s2fp8_pass_through<T>(Raw(xb)));
       if (kCount && 4 * g + k < n) {
+        // (selects: indexing the by-value parameter with neg would copy it to local memory)
+        const uint32_t above = neg ? th.above[1] : th.above[0];
+        const uint32_t under_lo = neg ? th.under_lo[1] : th.under_lo[0];
+        const uint32_t under_hi = neg ? th.under_hi[1] : th.under_hi[0];
         const bool nan = a > kInf;
-        tc.overflow += uint32_t(a >= th.above[neg] && !nan);  // above max, as RoundEvents
-        tc.underflow += uint32_t(a - th.under_lo[neg] < th.under_hi[neg] - th.under_lo[neg]);
+        tc.overflow += uint32_t(a >= above && !nan);  // above max, as RoundEvents
+        tc.underflow += uint32_t(a - under_lo < under_hi - under_lo);
         tc.nan += uint32_t(nan);
       }
     }
