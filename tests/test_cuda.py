@@ -262,15 +262,23 @@ def test_extra_bits_optimizers_match_cpu(opt_name, kw):
     cpu_opt = getattr(optim, opt_name)(model.parameters(), **kw)
     torch.manual_seed(1)
     gpu_opt = getattr(optim, opt_name)(gpu_model.parameters(), **kw)
-    g = torch.Generator().manual_seed(2)
-    for step in range(5):
-        for p, q in zip(model.parameters(), gpu_model.parameters()):
+    step_on_both(cpu_opt, gpu_opt, list(model.parameters()), list(gpu_model.parameters()),
+                 torch.Generator().manual_seed(2), steps=5, seed=10)
+
+
+def step_on_both(cpu_opt, gpu_opt, cpu_params, gpu_params, g, steps, seed):
+    """Steps both optimizers with the same random gradients and stochastic-rounding seeds; after
+    each step the weights and master weights must be equal bit for bit, and so must the counts."""
+    for step in range(steps):
+        for p, q in zip(cpu_params, gpu_params):
             grad = torch.randn(p.shape, generator=g).to(p.dtype)
             p.grad, q.grad = grad, grad.cuda()
-        torch.manual_seed(10 + step)
+        torch.manual_seed(seed + step)
         cpu_opt.step()
-        torch.manual_seed(10 + step)
+        torch.manual_seed(seed + step)
         gpu_opt.step()
+        for p, q in zip(cpu_params, gpu_params):
+            assert same_bits(p.detach(), q.detach().cpu()), step
         for a, b in zip(cpu_opt.master_weights(), gpu_opt.master_weights()):
             assert torch.equal(a, b.cpu()), step
     assert cpu_opt.weight_stats.as_dict() == gpu_opt.weight_stats.as_dict()
@@ -290,19 +298,7 @@ def test_extra_bits_step_of_a_large_group_matches_cpu(opt_name, rounding):
     kw.update(momentum=0.9) if opt_name == "ExtraBitsSGD" else kw.update(weight_decay=0.01)
     cpu_opt = getattr(optim, opt_name)(cpu_params, **kw)
     gpu_opt = getattr(optim, opt_name)(gpu_params, **kw)
-    for step in range(2):
-        for p, q in zip(cpu_params, gpu_params):
-            grad = torch.randn(p.shape, generator=g).to(p.dtype)
-            p.grad, q.grad = grad, grad.cuda()
-        torch.manual_seed(20 + step)
-        cpu_opt.step()
-        torch.manual_seed(20 + step)
-        gpu_opt.step()
-        for p, q in zip(cpu_params, gpu_params):
-            assert same_bits(p.detach(), q.detach().cpu()), step
-        for a, b in zip(cpu_opt.master_weights(), gpu_opt.master_weights()):
-            assert torch.equal(a, b.cpu()), step
-    assert cpu_opt.weight_stats.as_dict() == gpu_opt.weight_stats.as_dict()
+    step_on_both(cpu_opt, gpu_opt, cpu_params, gpu_params, g, steps=2, seed=20)
 
 
 def test_emulated_training_on_cuda():
