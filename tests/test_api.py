@@ -268,6 +268,11 @@ torch.save([lowfp._C.cpu_kernel()] + outs, sys.argv[1])
      "out must have dtype"),
     (lambda: lowfp.quantize(torch.ones(2), F, grad_fmt="fp(4,3,4)", grad_rounding="x"), ValueError,
      "grad_rounding"),
+    (lambda: lowfp.quantize(torch.ones(2, 2).to_sparse(), F), TypeError, "x must be a dense"),
+    (lambda: lowfp.quantize(torch.ones(2, 2), F, out=torch.ones(2, 2).to_sparse()), TypeError,
+     "out must be a dense"),
+    (lambda: lowfp.quantize_(torch.ones(2, 2).to_sparse(), F), TypeError, "x must be a dense"),
+    (lambda: lowfp.s2fp8_quantize(torch.ones(2, 2).to_sparse()), TypeError, "x must be a dense"),
 ])
 def test_bad_input_raises_named_error(call, exc, match):
     with pytest.raises(exc, match=match):

@@ -160,9 +160,15 @@ def test_split_merge_errors():
         eb.split(w, torch.bfloat16, 8, "up")
     with pytest.raises(TypeError, match="w32"):
         eb.split(w.double(), torch.bfloat16, 8)
+    with pytest.raises(TypeError, match="w32 must be a dense"):
+        eb.split(w.to_sparse(), torch.bfloat16, 8)
     w16, packed = eb.split(w, torch.bfloat16, 8)
     with pytest.raises(ValueError, match="words"):
         eb.merge(w16, packed[:-1], 8)
+    with pytest.raises(TypeError, match="w16 must be a dense"):
+        eb.merge(w16.to_sparse(), packed, 8)
+    with pytest.raises(TypeError, match="packed must be a dense"):
+        eb.merge(w16, packed.to_sparse(), 8)
     keep = w.clone()
     eb.split(w, torch.bfloat16, 8, "stochastic")
     assert torch.equal(w, keep)

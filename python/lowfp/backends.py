@@ -11,7 +11,7 @@ try:  # present only when lowfp was built with nvcc (LOWFP_CUDA=AUTO/ON)
 except ImportError:
     _C_cuda = None
 
-__all__ = ["cuda_built", "for_device", "native"]
+__all__ = ["check_dense", "cuda_built", "for_device", "native"]
 
 
 def cuda_built() -> bool:
@@ -48,8 +48,16 @@ def for_device(device: torch.device, argname: str):
     raise ValueError(f"{argname} is on device {device}; lowfp supports cpu and cuda tensors")
 
 
+def check_dense(t: torch.Tensor, argname: str) -> None:
+    """The kernels read and write plain (strided) buffers; sparse and other layouts are refused."""
+    if t.layout != torch.strided:
+        raise TypeError(f"{argname} must be a dense (torch.strided) tensor, got layout {t.layout}; "
+                        f"convert it with .to_dense() first")
+
+
 def native(t: torch.Tensor, argname: str):
     """(module, device index, stream handle) that run raw-buffer functions on t's device."""
+    check_dense(t, argname)
     if t.device.type == "cpu":
         return _C, -1, 0
     for_device(t.device, argname)  # the clear errors

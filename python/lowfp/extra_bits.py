@@ -93,6 +93,7 @@ def merge(w16: torch.Tensor, packed: torch.Tensor, k: int = 16, rounding: str = 
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32:
         raise TypeError("packed must be an int32 torch.Tensor")
     mod, device, stream = backends.native(w16, "w16")
+    backends.check_dense(packed, "packed")
     if packed.device != w16.device:
         raise ValueError(f"packed is on {packed.device} but w16 is on {w16.device}")
     want = packed_words(w16.numel(), k, rounding)

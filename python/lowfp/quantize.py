@@ -147,11 +147,13 @@ class _QuantizeFunction(torch.autograd.Function):
 
 
 def _check_tensor_args(x: torch.Tensor, out, stats):
+    backends.check_dense(x, "x")
     if x.dtype not in DTYPE_CODES:
         raise TypeError(f"x must have dtype {_ALLOWED}, got {x.dtype}")
     if out is not None:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor for tensor input, got {type(out).__name__}")
+        backends.check_dense(out, "out")
         if out.dtype not in DTYPE_CODES:
             raise TypeError(f"out must have dtype {_ALLOWED}, got {out.dtype}")
         if out.shape != x.shape:
