@@ -266,6 +266,35 @@ def test_extra_bits_optimizers_match_cpu(opt_name, kw):
                  torch.Generator().manual_seed(2), steps=5, seed=10)
 
 
+def test_extra_bits_state_dict_from_cpu_to_gpu():
+    """A CPU checkpoint loaded into a GPU optimizer: the packed words and moments move to the
+    GPU (Adam's step count stays on the CPU, as in torch.optim), and both go on equally. State
+    left on the wrong device is refused, not handed to the kernel."""
+    import copy
+    from lowfp import optim
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(33, 70), torch.nn.Tanh(), torch.nn.Linear(70, 3))
+    cpu_opt = optim.ExtraBitsAdamW(model.parameters(), lr=1e-3, extra_bits=8, rounding="stochastic")
+    g = torch.Generator().manual_seed(5)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+    cpu_opt.step()
+    gpu_model = copy.deepcopy(model).cuda()
+    gpu_opt = optim.ExtraBitsAdamW(gpu_model.parameters(), lr=1e-3, extra_bits=8, rounding="stochastic")
+    gpu_opt.load_state_dict(cpu_opt.state_dict())
+    for q in gpu_model.parameters():
+        state = gpu_opt.state[q]
+        assert state["extra"].is_cuda and state["exp_avg"].is_cuda and not state["step"].is_cuda
+    cpu_opt.weight_stats.reset()  # the counts are the optimizer's, not part of its state_dict
+    step_on_both(cpu_opt, gpu_opt, list(model.parameters()), list(gpu_model.parameters()), g,
+                 steps=3, seed=30)
+    q = next(gpu_model.parameters())
+    gpu_opt.state[q]["exp_avg"] = gpu_opt.state[q]["exp_avg"].cpu()
+    q.grad = torch.ones_like(q)
+    with pytest.raises(ValueError, match="'exp_avg' .* on cpu, but the step needs .* on cuda"):
+        gpu_opt.step()
+
+
 def step_on_both(cpu_opt, gpu_opt, cpu_params, gpu_params, g, steps, seed):
     """Steps both optimizers with the same random gradients and stochastic-rounding seeds; after
     each step the weights and master weights must be equal bit for bit, and so must the counts."""

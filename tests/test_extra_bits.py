@@ -429,6 +429,73 @@ def test_optimizer_errors():
         ExtraBitsSGD([torch.nn.Parameter(torch.ones(3))], nesterov=True)
 
 
+def bf16_param(n):
+    p = torch.nn.Parameter(torch.randn(n).bfloat16())
+    p.grad = torch.randn(n).bfloat16()
+    return p
+
+
+def test_optimizer_refuses_buffers_that_no_longer_fit():
+    """The fused step trusts every buffer's size, dtype and device; without these checks each
+    case below read or wrote past a buffer (heap corruption) or misread float32 state as bfloat16."""
+    small = bf16_param(5)
+    opt = ExtraBitsAdam([small])
+    opt.step()
+    big = bf16_param(20)  # the same 16 packed words as 5 elements
+    with pytest.raises(ValueError, match="'exp_avg'.* needs .* tensor of 20 elements"):
+        ExtraBitsAdam([big]).load_state_dict(opt.state_dict())
+
+    p = bf16_param(32)
+    opt = ExtraBitsSGD([p], lr=0.1, momentum=0.9, extra_bits=8)
+    opt.step()
+    p.data = torch.zeros(1000, dtype=torch.bfloat16)  # 32 elements' extra bits no longer fit
+    p.grad = torch.ones(1000, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="extra bits of a parameter of shape \\(1000,\\).* needs 256"):
+        opt.step()
+    p.data = torch.zeros(32)
+    p.grad = torch.ones(32)
+    with pytest.raises(TypeError, match="now has dtype torch.float32"):
+        opt.step()
+    p.data = torch.zeros(64, dtype=torch.bfloat16)[::2]
+    p.grad = torch.ones(32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="not contiguous"):
+        opt.step()
+
+    p = bf16_param(8)
+    opt = ExtraBitsSGD([p], lr=0.1, momentum=0.9)
+    opt.step()
+    opt.param_groups[0]["state_dtype"] = torch.bfloat16  # the buffer is float32
+    with pytest.raises(ValueError, match="'momentum_buffer'.*contiguous torch.bfloat16 tensor"):
+        opt.step()
+    opt.param_groups[0]["state_dtype"] = torch.float32
+    opt.param_groups[0]["extra_bits"] = 8
+    with pytest.raises(ValueError, match="changed from 16/'toward_zero' to 8"):
+        opt.step()
+    opt.param_groups[0]["extra_bits"] = 16
+    opt.state[p]["momentum_buffer"] = torch.zeros(7)
+    with pytest.raises(ValueError, match="'momentum_buffer' .* is a \\(7,\\)"):
+        opt.step()
+
+
+def test_amsgrad_switched_on_later_starts_its_maximum_at_zero():
+    """torch.optim.Adam raises KeyError here; the maximum starts from zero, as it would have if
+    amsgrad had been on from a zero state."""
+    a, b = bf16_param(100), bf16_param(100)
+    b.data.copy_(a.data)
+    late = ExtraBitsAdam([a], lr=1e-2)
+    always = ExtraBitsAdam([b], lr=1e-2, amsgrad=True)
+    for step in range(6):
+        g = torch.randn(100).bfloat16() * (10.0 if step == 3 else 1.0)
+        a.grad, b.grad = g.clone(), g.clone()
+        if step == 3:
+            late.param_groups[0]["amsgrad"] = True
+            always.state[b]["max_exp_avg_sq"].zero_()
+        late.step()
+        always.step()
+        assert torch.equal(a, b)
+    assert torch.equal(late.state[a]["max_exp_avg_sq"], always.state[b]["max_exp_avg_sq"])
+
+
 # ---- step inside backward ----------------------------------------------------------------------
 
 def twin_models(opt_cls, **kw):

@@ -31,6 +31,7 @@ from .stats import Stats
 __all__ = ["ExtraBitsSGD", "ExtraBitsAdam", "ExtraBitsAdamW", "step_in_backward", "StepInBackward"]
 
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
+_PARAM_DTYPES = (torch.float16, torch.bfloat16)
 _MOMENT_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
@@ -92,10 +93,6 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             state.update(extra=torch.zeros(packed_words(p.numel(), k, rounding), dtype=torch.int32,
                                            device=p.device),
                          extra_bits=k, rounding=rounding)
-        elif (state["extra_bits"], state["rounding"]) != (k, rounding):
-            raise ValueError(f"extra_bits/rounding of a parameter group changed from "
-                             f"{state['extra_bits']}/{state['rounding']!r} to {k}/{rounding!r} after its "
-                             "extra bits were created; build a new optimizer instead")
         return state["extra"]
 
     # -- the step -----------------------------------------------------------------------------
@@ -143,10 +140,15 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         rounding = group["rounding"]
         state_dtype = group["state_dtype"]
         slots, keep = [], []
+        device, index = self.weight_stats.device, self.weight_stats.counts.get_device()
         for p in params:
             g = grads[id(p)] if id(p) in grads else self._grad(p)
             extra = self._extra(p, group)
             states = self._moments(p, group, state_dtype)
+            _check_buffers(p, self.state[p], group, device, index, states)
+            if g.numel() != p.numel():
+                raise ValueError(f"a gradient has shape {tuple(g.shape)} but its parameter has "
+                                 f"shape {tuple(p.shape)}")
             keep.append((g, states))
             ptrs = [s.data_ptr() for s in states] + [0] * (3 - len(states))
             slots.append((p.data_ptr(), g.data_ptr(), extra.data_ptr(), *ptrs, p.numel(),
@@ -203,14 +205,58 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(ids, params):
             for key, value in saved.get(pid, {}).items():
-                self.state[p][key] = (value.to(device=p.device, copy=True) if torch.is_tensor(value)
+                # Adam's step count stays on the CPU, as in torch.optim: each step reads it
+                where = "cpu" if key == "step" else p.device
+                self.state[p][key] = (value.to(device=where, copy=True) if torch.is_tensor(value)
                                       else copy.deepcopy(value))
-            state = self.state.get(p, {})
-            if "extra" in state:
-                want = packed_words(p.numel(), state["extra_bits"], state["rounding"])
-                if state["extra"].dtype != torch.int32 or state["extra"].numel() != want:
-                    raise ValueError("loaded extra bits do not match the parameter's size, extra_bits "
-                                     "and rounding")
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p in self.state:
+                    _check_buffers(p, self.state[p], group, self.weight_stats.device,
+                                   self.weight_stats.counts.get_device())
+
+
+def _check_buffers(p: torch.Tensor, state: dict, group: dict, device: torch.device, index: int,
+                   moments: Optional[List[torch.Tensor]] = None) -> None:
+    """The fused kernels trust every buffer's size, dtype and device. A parameter whose ``.data``
+    was replaced, a changed group setting or state loaded from another model must fail here, not
+    read or write past a buffer. ``index``: what get_device() gives for tensors on device (-1 on
+    the CPU); ``moments``: the state tensors the step passes (default: all). It runs for every
+    parameter at every step, so it compares device indices rather than torch.device objects and
+    formats shapes only once something is wrong."""
+    n, on = p.numel(), p.get_device()
+    if p.dtype not in _PARAM_DTYPES:
+        raise TypeError(f"a parameter of shape {tuple(p.shape)} now has dtype {p.dtype}; extra bits "
+                        "need float16 or bfloat16 parameters")
+    if on != index or not p.is_contiguous():
+        raise ValueError(f"parameters must be contiguous and on {device}; one of shape "
+                         f"{tuple(p.shape)} is " + (f"on {p.device}" if p.device != device else
+                                                     "not contiguous"))
+    if "extra" in state:
+        k, rounding = group["extra_bits"], group["rounding"]
+        if state["extra_bits"] != k or state["rounding"] != rounding:
+            raise ValueError(f"extra_bits/rounding of a parameter group changed from "
+                             f"{state['extra_bits']}/{state['rounding']!r} to {k}/{rounding!r} after "
+                             "its extra bits were created; build a new optimizer instead")
+        extra, want = state["extra"], packed_words(n, k, rounding)
+        if (extra.dtype is not torch.int32 or extra.numel() != want or extra.get_device() != on
+                or not extra.is_contiguous()):
+            raise ValueError(f"the extra bits of a parameter of shape {tuple(p.shape)} are "
+                             f"{extra.numel()} {extra.dtype} words on {extra.device}, but it needs "
+                             f"{want} contiguous int32 words on {p.device} (k={k}, rounding="
+                             f"{rounding!r}); was its .data replaced, or state loaded from another "
+                             "model?")
+    if moments is None:
+        moments = [state[key] for key in _MOMENT_KEYS if torch.is_tensor(state.get(key))]
+    dtype = group["state_dtype"]
+    for t in moments:
+        if t.dtype is not dtype or t.numel() != n or t.get_device() != on or not t.is_contiguous():
+            key = next(key for key in _MOMENT_KEYS if state.get(key) is t)
+            raise ValueError(f"state {key!r} of a parameter of shape {tuple(p.shape)} is a "
+                             f"{tuple(t.shape)} {t.dtype} tensor on {t.device}, but the step needs a "
+                             f"contiguous {dtype} tensor of {n} elements on {p.device} (state_dtype "
+                             "cannot change once moments exist; was the parameter's .data replaced, "
+                             "or state loaded from another model?)")
 
 
 def _check_common(lr, weight_decay):
@@ -314,16 +360,15 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros(p.shape, dtype=state_dtype, device=p.device)
             state["exp_avg_sq"] = torch.zeros(p.shape, dtype=state_dtype, device=p.device)
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=state_dtype, device=p.device)
+        if group["amsgrad"] and "max_exp_avg_sq" not in state:  # amsgrad switched on later
+            state["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=state_dtype, device=p.device)
         out = [state["exp_avg"], state["exp_avg_sq"]]
         if group["amsgrad"]:
             out.append(state["max_exp_avg_sq"])
         return out
 
     def _after_step(self, params) -> None:
-        for p in params:
-            self.state[p]["step"] += 1
+        torch._foreach_add_([self.state[p]["step"] for p in params], 1.0)  # one call, as torch.optim
 
 
 class ExtraBitsAdamW(ExtraBitsAdam):
