@@ -111,10 +111,20 @@ def _result_dtype(x: torch.Tensor, fmt: Format, out, out_dtype) -> torch.dtype:
     return dtype
 
 
+def _share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether contiguous a and b overlap in memory."""
+    return a.data_ptr() < b.data_ptr() + b.nbytes and b.data_ptr() < a.data_ptr() + a.nbytes
+
+
 def run_contiguous(x: torch.Tensor, y: torch.Tensor, launch) -> torch.Tensor:
-    """launch(src, dst) on contiguous buffers for x and y (same shape, any layouts); returns y."""
+    """launch(src, dst) on contiguous buffers for x and y (same shape, any layouts); returns y.
+    An out= that overlaps x without being x itself (say x[:-1] into x[1:]) reads a copy of x, so
+    the result is what it would be without the overlap (NumPy's rule for ufuncs)."""
     src = x.contiguous()
     dst = y if y.is_contiguous() else torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    if (dst is y and _share_bytes(src, dst)
+            and not (src.data_ptr() == dst.data_ptr() and src.dtype == dst.dtype)):
+        src = src.clone()
     launch(src, dst)
     if dst is not y:
         y.copy_(dst)
