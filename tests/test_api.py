@@ -263,6 +263,8 @@ torch.save([lowfp._C.cpu_kernel()] + outs, sys.argv[1])
     (lambda: lowfp.quantize(torch.ones(2), F, "stochastic", seed=2**64), ValueError, "seed"),
     (lambda: lowfp.quantize(torch.ones(2), F, "stochastic", seed=1.5), TypeError, "seed"),
     (lambda: lowfp.quantize(torch.ones(2), F, "stochastic", generator=3), TypeError, "generator"),
+    (lambda: lowfp.quantize(torch.ones(2), F, "stochastic", seed=1, generator=torch.Generator()),
+     ValueError, "not both"),
     (lambda: lowfp.quantize(torch.ones(2), F, offset=-1), ValueError, "offset"),
     (lambda: lowfp.quantize(torch.ones(2), F, out=torch.empty(3)), ValueError, "out has shape"),
     (lambda: lowfp.quantize(torch.ones(2), F, out=np.empty(2)), TypeError, "out must be a torch.Tensor"),

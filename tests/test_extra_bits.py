@@ -566,6 +566,33 @@ def test_step_in_backward_refusals():
         lowfp.optim.step_in_backward(torch.optim.SGD(small_model().parameters(), lr=0.1))
     with pytest.raises(TypeError, match="get_scale"):
         lowfp.optim.step_in_backward(opt, scaler=object())
+    handle = lowfp.optim.step_in_backward(opt)
+    with pytest.raises(ValueError, match="already steps inside backward"):
+        lowfp.optim.step_in_backward(opt, clip_value=1.0)  # each parameter would step twice
+    handle.remove()
+    lowfp.optim.step_in_backward(opt, clip_value=1.0).remove()
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_optimizer_pickles_and_deep_copies(how):
+    """torch.optim.Optimizer pickles only defaults, state and param_groups; the copy must keep the
+    weight counts and each parameter's Philox offset (keyed by the new parameters)."""
+    import pickle
+    model = small_model()
+    opt = ExtraBitsAdamW(model.parameters(), lr=1e-2, extra_bits=8, rounding="stochastic")
+    x = torch.randn(32, 16)
+    model(x.bfloat16()).float().pow(2).mean().backward()
+    opt.step()
+    model2, opt2 = (pickle.loads(pickle.dumps((model, opt))) if how == "pickle"
+                    else copy.deepcopy((model, opt)))
+    assert opt2.weight_stats.as_dict() == opt.weight_stats.as_dict()
+    for m, o in ((model, opt), (model2, opt2)):
+        o.zero_grad()
+        m(x.bfloat16()).float().pow(2).mean().backward()
+        torch.manual_seed(11)
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(opt.master_weights(), opt2.master_weights()))
+    assert opt2.weight_stats.as_dict() == opt.weight_stats.as_dict()
 
 
 def test_demo_runs():

@@ -107,6 +107,12 @@ def test_disabled_and_errors():
         lowfp.DynamicLossScaler(backoff_factor=2.0)
     with pytest.raises(ValueError, match="growth_interval"):
         lowfp.DynamicLossScaler(growth_interval=0)
+    with pytest.raises(ValueError, match="growth_factor"):
+        lowfp.DynamicLossScaler().set_growth_factor(0.5)
+    with pytest.raises(ValueError, match="backoff_factor"):
+        lowfp.DynamicLossScaler().set_backoff_factor(0)
+    with pytest.raises(ValueError, match="growth_interval"):
+        lowfp.DynamicLossScaler().set_growth_interval(-1)
     with pytest.raises(TypeError, match="emulator"):
         lowfp.DynamicLossScaler(emulator=object())
     model, x, y = model_and_data()

@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import backends
-from .quantize import DTYPE_CODES, ROUNDING_MODES, _check_uint64, draw_seed
+from .quantize import DTYPE_CODES, ROUNDING_MODES, _check_uint64, stochastic_seed
 from .stats import Stats
 
 __all__ = ["split", "merge", "packed_words", "bits_per_element", "EXTRA_BITS_ROUNDING", "max_extra_bits"]
@@ -70,7 +70,7 @@ def split(w32: torch.Tensor, dtype: torch.dtype = torch.bfloat16, k: int = 16,
     if stats is not None and (not isinstance(stats, Stats) or stats.device != w32.device):
         raise ValueError(f"stats must be a lowfp.Stats on {w32.device}")
     if rounding == "stochastic":
-        seed = draw_seed(generator) if seed is None else _check_uint64(seed, "seed")
+        seed = stochastic_seed(seed, generator)
     else:
         seed = 0
     offset = _check_uint64(offset, "offset")

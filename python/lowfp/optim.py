@@ -47,6 +47,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         if state_dtype not in _STATE_DTYPES:
             raise TypeError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
         self.weight_stats: Optional[Stats] = None  # 16-bit weight roundings (on the params' device)
+        self._step_in_backward: Optional[StepInBackward] = None  # the active handle, if any
         self._philox_offset: Dict[int, int] = {}  # per parameter, set once in add_param_group
         super().__init__(params, defaults)
 
@@ -56,12 +57,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         k, rounding = group["extra_bits"], group["rounding"]
-        # Each parameter's Philox block offset within its group, fixed by its place there, so
-        # stepping parameters one by one (step in backward) draws the same words as together.
-        offset = 0
-        for p in group["params"]:
-            self._philox_offset[id(p)] = offset
-            offset += (p.numel() + 3) // 4  # every parameter starts on a fresh Philox block
+        self._set_philox_offsets(group)
         if group["state_dtype"] not in _STATE_DTYPES:
             raise TypeError(f"state_dtype must be torch.float32 or torch.bfloat16, got {group['state_dtype']}")
         for p in group["params"]:
@@ -85,6 +81,27 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                                 f"param_dtype), got {p.dtype}")
             if not p.is_contiguous():
                 raise ValueError("parameters must be contiguous")
+
+    def _set_philox_offsets(self, group: dict) -> None:
+        # Each parameter's Philox block offset within its group, fixed by its place there, so
+        # stepping parameters one by one (step in backward) draws the same words as together.
+        offset = 0
+        for p in group["params"]:
+            self._philox_offset[id(p)] = offset
+            offset += (p.numel() + 3) // 4  # every parameter starts on a fresh Philox block
+
+    # torch.optim.Optimizer pickles (and deep-copies) only defaults, state and param_groups.
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["weight_stats"] = self.weight_stats
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._step_in_backward = None  # hooks stay with the original parameters
+        self._philox_offset = {}  # keyed by id(): rebuilt for the new parameter objects
+        for group in self.param_groups:
+            self._set_philox_offsets(group)
 
     def _extra(self, p: torch.Tensor, group: dict) -> torch.Tensor:
         state = self.state[p]
@@ -393,6 +410,7 @@ class StepInBackward:
         self.found_inf = False
         self._seeds: Optional[Dict[int, int]] = None  # per group, drawn at the first hook of a pass
         self._handles = []
+        optimizer._step_in_backward = self
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 self._handles.append(p.register_post_accumulate_grad_hook(
@@ -402,6 +420,8 @@ class StepInBackward:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self.optimizer._step_in_backward is self:
+            self.optimizer._step_in_backward = None
 
     def _end_of_backward(self) -> None:
         self._seeds = None
@@ -461,6 +481,9 @@ def step_in_backward(optimizer, *, clip_value: Optional[float] = None, scaler=No
     """
     if not isinstance(optimizer, _ExtraBitsOptimizer):
         raise TypeError(f"optimizer must be a lowfp ExtraBits optimizer, got {type(optimizer).__name__}")
+    if optimizer._step_in_backward is not None:
+        raise ValueError("optimizer already steps inside backward (each parameter would step "
+                         "twice); call remove() on the handle step_in_backward returned first")
     if clip_norm is not None:
         raise ValueError("clip_norm: gradient norm clipping needs every gradient before any "
                          "parameter steps, which stepping inside backward does not allow; use "

@@ -61,6 +61,16 @@ def draw_seed(generator: Optional[torch.Generator] = None) -> int:
     return lo | (hi << 32)
 
 
+def stochastic_seed(seed: Optional[int], generator: Optional[torch.Generator]) -> int:
+    """The Philox key of a stochastic call: ``seed``, or one drawn from ``generator``."""
+    if seed is None:
+        return draw_seed(generator)
+    if generator is not None:
+        raise ValueError("pass seed= or generator=, not both: seed is the Philox key itself, "
+                         "generator draws one")
+    return _check_uint64(seed, "seed")
+
+
 def _make_call(fmt, rounding, overflow, subnormals, seed, generator, offset, sr_bits) -> _Call:
     fmt = to_format(fmt, "fmt")
     if overflow is not None or subnormals is not None:
@@ -77,7 +87,7 @@ def _make_call(fmt, rounding, overflow, subnormals, seed, generator, offset, sr_
         raise ValueError(f"sr_bits must be between 1 and 32, got {sr_bits}")
     offset = _check_uint64(offset, "offset")
     if rounding == "stochastic":
-        seed = draw_seed(generator) if seed is None else _check_uint64(seed, "seed")
+        seed = stochastic_seed(seed, generator)
     else:
         seed = 0 if seed is None else _check_uint64(seed, "seed")
     return _Call(fmt, ROUNDING_MODES.index(rounding), sr_bits, seed, offset)
@@ -230,7 +240,8 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
         seed, generator, offset, sr_bits: stochastic rounding. Element ``i`` uses Philox4x32-10
             word ``i % 4`` of block ``offset + i // 4`` under key ``seed``; ``seed=None`` draws one
             from ``generator`` (default: torch's default generator, so ``torch.manual_seed``
-            makes runs reproducible). ``sr_bits`` random bits decide each rounding.
+            makes runs reproducible); pass one of the two, not both. ``sr_bits`` random bits
+            decide each rounding.
         stats: a :class:`lowfp.Stats` that accumulates overflow/underflow/nan/numel counts.
         out: write the result here (same shape; dtype ``out_dtype`` if given).
         out_dtype: result dtype. float16/bfloat16 inputs are rounded in float32 and returned

@@ -34,19 +34,13 @@ class DynamicLossScaler:
                  emulator=None):
         if not (isinstance(init_scale, (int, float)) and init_scale > 0):
             raise ValueError(f"init_scale must be a positive number, got {init_scale!r}")
-        if not (isinstance(growth_factor, (int, float)) and growth_factor > 1.0):
-            raise ValueError(f"growth_factor must be a number > 1, got {growth_factor!r}")
-        if not (isinstance(backoff_factor, (int, float)) and 0.0 < backoff_factor < 1.0):
-            raise ValueError(f"backoff_factor must be a number in (0, 1), got {backoff_factor!r}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be a bool, got {enabled!r}")
         self.device = torch.device(device)
         self._scale = float(init_scale)
-        self._growth_factor = float(growth_factor)
-        self._backoff_factor = float(backoff_factor)
-        self._growth_interval = growth_interval
+        self.set_growth_factor(growth_factor)
+        self.set_backoff_factor(backoff_factor)
+        self.set_growth_interval(growth_interval)
         self._growth_tracker = 0
         self._enabled = enabled
         self._states: Dict[int, dict] = {}
@@ -77,19 +71,25 @@ class DynamicLossScaler:
         return self._growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
+        if not (isinstance(new_factor, (int, float)) and new_factor > 1.0):
+            raise ValueError(f"growth_factor must be a number > 1, got {new_factor!r}")
         self._growth_factor = float(new_factor)
 
     def get_backoff_factor(self) -> float:
         return self._backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
+        if not (isinstance(new_factor, (int, float)) and 0.0 < new_factor < 1.0):
+            raise ValueError(f"backoff_factor must be a number in (0, 1), got {new_factor!r}")
         self._backoff_factor = float(new_factor)
 
     def get_growth_interval(self) -> int:
         return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        self._growth_interval = int(new_interval)
+        if isinstance(new_interval, bool) or not isinstance(new_interval, int) or new_interval < 1:
+            raise ValueError(f"growth_interval must be a positive int, got {new_interval!r}")
+        self._growth_interval = new_interval
 
     def scale(self, outputs):
         """outputs (a tensor or nested lists/tuples of tensors) times the scale."""
