@@ -3,12 +3,14 @@
 // shared header; with AVX-512 or AVX2 it runs on a SIMD word type that supplies only mulhilo and ^.
 // One block per 64-bit lane, its word in the lane's low half: the lane's 32x32->64 multiply
 // (vpmuludq) then gives lo and hi at once, with no shuffles between rounds. The high halves carry
-// garbage that nothing reads (the multiply ignores them, the store drops them). Two vectors per
-// group, so that two independent chains of rounds fill the multiplier's latency. With AVX-512 this
-// makes 0.88-0.96 ns a word on one core of the 2 GHz Xeon we measure on, against 1.07-1.13 for one
-// block per 32-bit lane (two multiplies, shifts and blends per mulhilo); with AVX2, 1.21 against
-// 1.34.
+// garbage that nothing reads (the multiply ignores them, the store drops them). Several vectors
+// per group (kRegs), so that independent chains of rounds fill the multiplier's latency. With
+// AVX-512 this makes 0.88-0.96 ns a word on one core of the 2 GHz Xeon we measure on, against
+// 1.07-1.13 for one block per 32-bit lane (two multiplies, shifts and blends per mulhilo); with
+// AVX2 there, 1.21 against 1.34.
 #pragma once
+#include <cstring>
+
 #include "lowfp/philox.hpp"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -54,8 +56,15 @@ inline void store_vec_blocks(uint32_t* out, Vec w01, Vec w23) {
 typedef uint64_t U64 __attribute__((vector_size(sizeof(Vec))));
 inline Vec splat(uint64_t v) { return Vec(U64{} + v); }
 
-constexpr int kRegs = 2;  // independent vectors per group: the rounds are a chain of dependent
-constexpr int kLanes = kVecBlocks * kRegs;  // multiplies, which one vector alone leaves idle
+// Independent vectors per group: the rounds are a chain of dependent multiplies, which one vector
+// alone leaves idle. With AVX2 (16 registers) on the AMD EPYC, one core: 2 vectors 0.63-0.66 ns a
+// word, 3 vectors 0.53-0.54, 4 vectors 0.72 (spilled). AVX-512 keeps the 2 measured on the Xeon.
+#if defined(__AVX512F__)
+constexpr int kRegs = 2;
+#else
+constexpr int kRegs = 3;
+#endif
+constexpr int kLanes = kVecBlocks * kRegs;
 struct Words { Vec v[kRegs]; };
 inline Words operator^(Words a, Words b) {
   for (int r = 0; r < kRegs; ++r) a.v[r] = Vec(U64(a.v[r]) ^ U64(b.v[r]));
@@ -104,20 +113,26 @@ inline void philox_fill(uint32_t* out, uint64_t seed, uint64_t block0, int64_t b
   int64_t j = 0;
 #if defined(__AVX512F__) || defined(__AVX2__)
   const uint32_t k0 = uint32_t(seed), k1 = uint32_t(seed >> 32);
-  for (; j + lanes::kLanes <= blocks; j += lanes::kLanes) {
+  for (; j < blocks; j += lanes::kLanes) {
     const uint64_t first = block0 + uint64_t(j);
+    // A last group that runs past `blocks` is computed whole into `spare`, its blocks copied.
+    const bool whole = j + lanes::kLanes <= blocks;
+    alignas(64) uint32_t spare[4 * lanes::kLanes];
+    uint32_t* dst = whole ? out + 4 * j : spare;
     if (uint32_t(first) > 0xffffffffu - uint32_t(lanes::kLanes - 1)) {
       // the low counter word wraps inside this group: once per 2^32 blocks, done one by one
       for (int l = 0; l < lanes::kLanes; ++l) {
         const Philox4x32Block r = philox_block(seed, first + uint64_t(l));
-        for (int k = 0; k < 4; ++k) out[4 * (j + l) + k] = r.w[k];
+        for (int k = 0; k < 4; ++k) dst[4 * l + k] = r.w[k];
       }
-      continue;
+    } else {
+      lanes::Words c0 = lanes::counters(uint32_t(first));
+      lanes::Words c1 = lanes::broadcast(uint32_t(first >> 32));
+      lanes::Words c2 = lanes::broadcast(0), c3 = lanes::broadcast(0);
+      philox4x32_10_rounds(c0, c1, c2, c3, k0, k1);
+      lanes::store_blocks(dst, c0, c1, c2, c3);
     }
-    lanes::Words c0 = lanes::counters(uint32_t(first)), c1 = lanes::broadcast(uint32_t(first >> 32));
-    lanes::Words c2 = lanes::broadcast(0), c3 = lanes::broadcast(0);
-    philox4x32_10_rounds(c0, c1, c2, c3, k0, k1);
-    lanes::store_blocks(out + 4 * j, c0, c1, c2, c3);
+    if (!whole) std::memcpy(out + 4 * j, spare, sizeof(uint32_t) * 4 * size_t(blocks - j));
     between(j / lanes::kLanes);
   }
 #endif
