@@ -124,6 +124,14 @@ def test_numpy_arrays():
     np.testing.assert_array_equal(wide, lowfp.quantize(a.astype(np.float64), F))
     np.testing.assert_array_equal(lowfp.quantize(a, F, out_dtype=np.float64),
                                   lowfp.quantize(a.astype(np.float64), F))
+    big_endian = a.astype(">f4")  # read through a native copy, as numpy's ufuncs accept it
+    np.testing.assert_array_equal(lowfp.quantize(big_endian, F), lowfp.quantize(a, F))
+    lowfp.quantize_(big_endian, F)
+    assert big_endian.dtype == np.dtype(">f4")
+    np.testing.assert_array_equal(big_endian, lowfp.quantize(a, F))
+    # an out that only a copy can stand for gets the checks of a viewed one
+    with pytest.raises(ValueError, match="out has dtype torch.float16, which cannot hold"):
+        lowfp.quantize(a, "bfloat16", out=np.empty(100, dtype=np.float16)[::-2])
 
 
 def test_stats_accumulate():

@@ -94,6 +94,19 @@ def test_float32_against_reference(make):
     assert st.alpha * ref["m"] + st.beta == pytest.approx(15.0, rel=1e-12)
 
 
+def test_numpy_out():
+    x = activations_like(1000).astype(np.float32)
+    want, st = lowfp.s2fp8_quantize(x)
+    for out in (np.empty(1000, np.float32), np.empty(2000, np.float32)[::-2],
+                np.empty(1000, ">f4")):
+        got, st2 = lowfp.s2fp8_quantize(x, out=out)
+        assert got is out and np.array_equal(out, want) and st2.as_dict() == st.as_dict()
+    with pytest.raises(ValueError, match="out has dtype torch.float64"):  # as for tensors
+        lowfp.s2fp8_quantize(x, out=np.empty(1000))
+    with pytest.raises(ValueError, match="out has shape"):
+        lowfp.s2fp8_quantize(x, out=np.empty(10, np.float32))
+
+
 def test_float64_spanning_more_than_float32_range():
     g = np.random.default_rng(2)
     logs = np.concatenate([g.uniform(-1000, -900, 2000), g.normal(0, 60, 198_000)])

@@ -189,13 +189,29 @@ def _check_tensor_args(x: torch.Tensor, out, stats):
 
 
 def _numpy_as_tensor(a: np.ndarray, name: str) -> torch.Tensor:
-    if a.dtype not in _NUMPY_TO_TORCH:
+    """A tensor viewing a, or a native-order contiguous copy of it where torch cannot view it
+    (negative strides, non-native byte order)."""
+    if a.dtype.newbyteorder("=") not in _NUMPY_TO_TORCH:
         raise TypeError(f"{name} must have dtype float16, float32 or float64, got numpy {a.dtype}")
     if any(s < 0 for s in a.strides) or not a.dtype.isnative:
         a = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("="))
     with warnings.catch_warnings():  # read-only arrays are only read
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(a)
+
+
+def into_numpy_out(out, write) -> np.ndarray:
+    """write(t) puts a result into t, a tensor for the numpy array ``out``: a view of it, or else
+    a copy that is then copied back, so every check on t is the one a tensor out= gets."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy.ndarray for array input, got {type(out).__name__}")
+    if not out.flags.writeable:
+        raise ValueError("out is a read-only array")
+    out_t = _numpy_as_tensor(out, "out")
+    write(out_t)
+    if out_t.data_ptr() != out.ctypes.data and out.size != 0:  # a copy (e.g. negative strides)
+        np.copyto(out, out_t.numpy())
+    return out
 
 
 def _quantize_numpy(x: np.ndarray, fmt, rounding, out, out_dtype, kwargs):
@@ -207,16 +223,8 @@ def _quantize_numpy(x: np.ndarray, fmt, rounding, out, out_dtype, kwargs):
         out_dtype = _NUMPY_TO_TORCH[np_dtype]
     if out is None:
         return quantize(xt, fmt, rounding, out_dtype=out_dtype, **kwargs).numpy()
-    if not isinstance(out, np.ndarray):
-        raise TypeError(f"out must be a numpy.ndarray for array input, got {type(out).__name__}")
-    if not out.flags.writeable:
-        raise ValueError("out is a read-only array")
-    out_t = _numpy_as_tensor(out, "out")
-    if out_t.data_ptr() == out.ctypes.data or out.size == 0:
-        quantize(xt, fmt, rounding, out=out_t, out_dtype=out_dtype, **kwargs)
-    else:  # out could only be viewed through a copy (e.g. negative strides)
-        np.copyto(out, quantize(xt, fmt, rounding, out_dtype=out_dtype, **kwargs).numpy())
-    return out
+    return into_numpy_out(out, lambda t: quantize(xt, fmt, rounding, out=t, out_dtype=out_dtype,
+                                                  **kwargs))
 
 
 def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *,

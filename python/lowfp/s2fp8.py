@@ -22,7 +22,7 @@ from . import _C, backends
 from ._memory import new_output
 from .formats import Format, S2FP8, to_format, to_precision
 from .quantize import (DTYPE_CODES, ROUNDING_MODES, _Call, _check_tensor_args, _make_call,
-                       _numpy_as_tensor, run_contiguous)
+                       _numpy_as_tensor, into_numpy_out, run_contiguous)
 from .stats import Stats
 
 __all__ = ["S2FP8", "S2FP8Stats", "s2fp8_quantize"]
@@ -149,11 +149,10 @@ def s2fp8_quantize(x, fmt: Union[Format, S2FP8, str] = "float8_e5m2", *,
             raise ValueError("truncate_grad applies to torch tensors only")
         xt = _numpy_as_tensor(x, "x")
         if out is not None:
-            if not isinstance(out, np.ndarray) or not out.flags.writeable:
-                raise TypeError("out must be a writeable numpy.ndarray for array input")
-            y, result = apply_s2fp8(xt, spec, rounding, **kwargs)
-            np.copyto(out, y.numpy())
-            return out, result
+            results = []
+            into_numpy_out(out, lambda t: results.append(apply_s2fp8(xt, spec, rounding, out=t,
+                                                                     **kwargs)[1]))
+            return out, results[0]
         y, result = apply_s2fp8(xt, spec, rounding, **kwargs)
         return y.numpy(), result
     if not isinstance(x, torch.Tensor):
