@@ -208,6 +208,13 @@ for mode in lowfp.ROUNDING_MODES:
                  lowfp.quantize(x64, fmt, mode, seed=3, stats=s).view(torch.int64),
                  lowfp.quantize(xh, fmt, mode, seed=3, stats=s, out_dtype=torch.float32).view(torch.int32),
                  s.counts]
+# float16 in and out (F16C conversions in the avx2/avx512 kernels): every bit pattern, NaNs with
+# payloads and subnormals included, through float16 itself and formats that fit it
+every_half = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+for mode in lowfp.ROUNDING_MODES:
+    for fmt in ["float16", "float8_e4m3fn", "fp(4,3,4)", "float8_e5m2fnuz"]:
+        s = lowfp.Stats()
+        outs += [lowfp.quantize(every_half, fmt, mode, seed=3, stats=s).view(torch.int16), s.counts]
 # S2FP8: the threshold and stochastic forms (tables in registers with AVX-512) and the float64
 # path (x32's NaN, infinities and subnormals)
 xs = torch.randn(300_000) * 2.0 ** -20

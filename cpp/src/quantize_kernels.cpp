@@ -2,7 +2,10 @@
 // Each loop body is the shared element math of cpp/include/lowfp/, inlined into a plain loop the
 // compiler vectorises; the storage types, carrier, rounding kind and counting are template
 // parameters (dispatch.hpp) so no branch on them remains inside the loop.
+#include <type_traits>
+
 #include "dispatch.hpp"
+#include "half_lanes.hpp"
 #include "philox_lanes.hpp"
 #include "quantize_cpu.hpp"
 
@@ -14,12 +17,21 @@ namespace lowfp {
 namespace LOWFP_ISA_NS {
 namespace {
 
+// float16 tiles in a float32 carrier go through float32 buffers converted by F16C (half_lanes.hpp).
+template <class T, class Bits>
+constexpr bool kViaFloat = kHardwareHalf && std::is_same_v<T, Half> && std::is_same_v<Bits, uint32_t>;
+
 template <class In, class Out, class Bits, RoundKind Kind, bool kCount, bool kSubExp>
 void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts) {
+  constexpr bool kInViaFloat = kViaFloat<In, Bits>, kOutViaFloat = kViaFloat<Out, Bits>;
+  using Src = std::conditional_t<kInViaFloat, float, In>;
+  using Dst = std::conditional_t<kOutViaFloat, float, Out>;
   const In* x = static_cast<const In*>(c.x);
   Out* y = static_cast<Out*>(c.y);
   const RoundParams<Bits> p = round_params<Bits>(c);
   alignas(64) uint32_t rand[kTile];
+  alignas(64) float in_tile[kInViaFloat ? kTile : 1];
+  alignas(64) float out_tile[kOutViaFloat ? kTile : 1];
   int64_t overflow = 0, underflow = 0, nan = 0;
   for (int64_t t0 = begin; t0 < end; t0 += kTile) {
     const int64_t len = min_of(kTile, end - t0);
@@ -27,8 +39,16 @@ void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts)
       // t0 is a multiple of 4: element t0 + j uses word j % 4 of block offset + (t0 + j) / 4.
       philox_fill(rand, c.seed, c.offset + uint64_t(t0) / 4, (len + 3) / 4);
     }
-    const In* xt = x + t0;
-    Out* yt = y + t0;
+    const Src* xt;
+    if constexpr (kInViaFloat) {
+      half_tile_to_float(x + t0, in_tile, len);
+      xt = in_tile;
+    } else {
+      xt = x + t0;
+    }
+    Dst* yt;
+    if constexpr (kOutViaFloat) yt = out_tile;
+    else yt = y + t0;
     // Per-tile counts in the carrier's lane width (a tile cannot overflow them): int64 sums
     // would halve the vector width of the whole loop.
     Bits tile_above_max = 0, tile_underflow = 0, tile_nan = 0;
@@ -36,12 +56,15 @@ void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts)
       RoundEvents ev;
       const uint32_t r = Kind == RoundKind::Stochastic ? rand[i] : 0u;
       const Bits v = round_bits<Kind, Bits, kSubExp>(Widen<Bits>::from(xt[i]), p, r, ev);
-      yt[i] = Store<Out>::from(v);
+      yt[i] = Store<Dst>::from(v);
       if constexpr (kCount) {
         tile_above_max += Bits(ev.above_max);
         tile_underflow += Bits(ev.underflow);
         tile_nan += Bits(ev.nan);
       }
+    }
+    if constexpr (kOutViaFloat) {
+      float_tile_to_half(out_tile, y + t0, len);
     }
     overflow += int64_t(tile_above_max) - int64_t(tile_nan);  // see RoundEvents
     underflow += int64_t(tile_underflow);

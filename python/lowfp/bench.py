@@ -2,8 +2,8 @@
 
 Baselines: ``y.copy_(x)`` (the memory roofline), torch's round-trip casts
 ``x.to(dtype).float()``, and, when installed, ml_dtypes ``astype`` round trips and QPyTorch's
-``float_quantize``; float64 input against a float64 copy. Prints a table with rates and ratios
-(the "vs copy" column is against the float32 copy) and writes JSON.
+``float_quantize``; float64, float16 and bfloat16 input against a copy in their own dtype. Prints
+a table with rates and ratios (the "vs copy" column is against the float32 copy) and writes JSON.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from . import _C, quantize
 from .stats import Stats
 
 FORMATS = ["float8_e4m3fn", "float8_e5m2", "fp(4,3,4)", "bfloat16"]
+HALF_FORMATS = FORMATS[:3]  # those float16 holds (rounded in float32, returned in float16)
 TORCH_CASTS = {"bfloat16": torch.bfloat16, "float16": torch.float16,
                "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
@@ -119,7 +120,8 @@ def run_cpu(size: int, repeats: int) -> List[dict]:
 
 def _run_cases(device: str, size: int, repeats: int, once, allocating: bool) -> List[dict]:
     """The same cases on either device: baselines, then lowfp per format and mode; then float64
-    input (rounded in the float64 carrier) against its own copy."""
+    input (rounded in the float64 carrier), float16 and bfloat16 input (rounded in float32),
+    each against a copy in its own dtype."""
     torch.manual_seed(0)
     x = torch.randn(size, device=device) * 4
     y = torch.empty_like(x)
@@ -142,13 +144,20 @@ def _run_cases(device: str, size: int, repeats: int, once, allocating: bool) -> 
         for mode in ("nearest", "stochastic"):
             cases.append(("lowfp", f"float64 {fmt} {mode} out=",
                           lambda f=fmt, m=mode: quantize(x64, f, m, seed=1, out=y64)))
+    for name, dt in (("float16", torch.float16), ("bfloat16", torch.bfloat16)):
+        x16, y16 = x.to(dt), torch.empty_like(x, dtype=dt)
+        cases.append(("baseline", f"{name} y.copy_(x)", lambda x16=x16, y16=y16: y16.copy_(x16)))
+        for fmt in HALF_FORMATS:
+            for mode in ("nearest", "stochastic"):
+                cases.append(("lowfp", f"{name} {fmt} {mode} out=",
+                              lambda f=fmt, m=mode, x16=x16, y16=y16: quantize(x16, f, m, seed=1, out=y16)))
     if device == "cuda":
         torch.cuda.synchronize()
     times = time_rounds({label: fn for _, label, fn in cases}, repeats, once)
     rows = []
     for kind, label, fn in cases:
         seconds = min(times[label])
-        read_write = 16 if label.startswith("float64 ") else 8  # bytes per element, read + write
+        read_write = {"float64": 16, "float16": 4, "bfloat16": 4}.get(label.split()[0], 8)  # bytes/el
         rows.append({"kind": kind, "label": label, "seconds": seconds, "rounds": times[label],
                      "elements_per_s": size / seconds,
                      "GB_per_s": read_write * size / seconds / 1e9})
