@@ -4,8 +4,9 @@
                                 [--skip-memory]
 
 Baselines: torch.optim on float32 parameters followed by the copy into the 16-bit weights the
-model computes with (standard mixed precision), and torch.optim directly on bfloat16 parameters;
-on a GPU also torch's fused (single-kernel) SGD and AdamW.
+model computes with (standard mixed precision), and torch.optim directly on bfloat16 parameters
+(the lowfp cases too, except the float16 + 13 extra bits ones); on a GPU also torch's fused
+(single-kernel) SGD and AdamW.
 Targets (issue 5): ExtraBitsSGD(k=8) and ExtraBitsAdamW(k=8) at least as fast as the standard
 mixed-precision step on the CPU; on a GPU, >= 80 % of the bandwidth needed for the bytes they move.
 Those bytes are every byte the optimizer holds for a parameter (16-bit weight, packed extra bits,
@@ -86,6 +87,8 @@ def cases(total, device="cpu"):
         ("lowfp ExtraBitsSGD k=8 toward_zero", lambda: plain(ExtraBitsSGD, dict(sgd, extra_bits=8))),
         ("lowfp ExtraBitsSGD k=8 nearest", lambda: plain(ExtraBitsSGD, dict(sgd, extra_bits=8, rounding="nearest"))),
         ("lowfp ExtraBitsSGD k=16 stochastic", lambda: plain(ExtraBitsSGD, dict(sgd, extra_bits=16, rounding="stochastic"))),
+        ("lowfp ExtraBitsSGD fp16 k=13 stochastic",
+         lambda: plain(ExtraBitsSGD, dict(sgd, extra_bits=13, rounding="stochastic"), torch.float16)),
         ("torch AdamW fp32 + copy to bf16 (mixed precision)", lambda: mixed(torch.optim.AdamW, adamw)),
         ("torch AdamW on bf16 params", lambda: plain(torch.optim.AdamW, adamw)),
         *[c for c in fused if "AdamW" in c[0]],
@@ -93,6 +96,8 @@ def cases(total, device="cpu"):
         ("lowfp ExtraBitsAdamW k=8 nearest", lambda: plain(ExtraBitsAdamW, dict(adamw, extra_bits=8, rounding="nearest"))),
         ("lowfp ExtraBitsAdamW k=8 nearest, bf16 moments",
          lambda: plain(ExtraBitsAdamW, dict(adamw, extra_bits=8, rounding="nearest", state_dtype=torch.bfloat16))),
+        ("lowfp ExtraBitsAdamW fp16 k=13 stochastic",
+         lambda: plain(ExtraBitsAdamW, dict(adamw, extra_bits=13, rounding="stochastic"), torch.float16)),
     ]
 
 

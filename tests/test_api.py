@@ -242,6 +242,19 @@ opt = lowfp.optim.ExtraBitsSGD([p], lr=0.01, momentum=0.9, extra_bits=8, roundin
 for _ in range(3):
     opt.step()
 outs += [p.detach().view(torch.int16).clone(), opt.master_weights()[0].view(torch.int32)]
+# float16 steps (F16C conversions in the avx2/avx512 kernels): subnormal weights, and weights that
+# overflow to inf and then step on from their truncation (the flag bit of a rounded-up overflow)
+w_half = torch.cat([torch.randn(50_000) * 0.02, torch.randn(20_001) * 2.0**-20, torch.full((7,), 65000.0)])
+g_half = torch.cat([torch.randn(70_001) * 1e-3, torch.full((7,), -600.0)])
+for rounding, k in (("stochastic", 13), ("nearest", 8)):
+    q = torch.nn.Parameter(w_half.half())
+    opt16 = lowfp.optim.ExtraBitsSGD([q], lr=1.0, momentum=0.5, extra_bits=k, rounding=rounding)
+    for step in range(3):
+        q.grad = g_half.half()
+        torch.manual_seed(step)
+        opt16.step()
+    outs += [q.detach().view(torch.int16).clone(), opt16.master_weights()[0].view(torch.int32),
+             opt16.weight_stats.counts.clone()]
 torch.save([lowfp._C.cpu_kernel()] + outs, sys.argv[1])
 """
     results = {}

@@ -24,7 +24,9 @@ namespace {  // internal linkage: one copy per instruction-set build
 #if defined(__F16C__) && defined(__AVX2__)
 constexpr bool kHardwareHalf = true;
 
-inline void half_tile_to_float(const Half* h, float* f, int64_t n) {
+// F: float, or uint32_t for a tile of float32 bits.
+template <class F>
+inline void half_tile_to_float(const Half* h, F* f, int64_t n) {
   int64_t i = 0;
   const __m256i abs_mask = _mm256_set1_epi32(0x7fff), inf = _mm256_set1_epi32(0x7c00);
   for (; i + 8 <= n; i += 8) {
@@ -39,10 +41,11 @@ inline void half_tile_to_float(const Half* h, float* f, int64_t n) {
                         _mm256_slli_epi32(_mm256_and_si256(h32, _mm256_set1_epi32(0x3ff)), 13)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(f + i), _mm256_blendv_epi8(hw, kept, nan));
   }
-  for (; i < n; ++i) f[i] = bit_cast<float>(half_to_float_bits(h[i].v));
+  for (; i < n; ++i) f[i] = bit_cast<F>(half_to_float_bits(h[i].v));
 }
 
-inline void float_tile_to_half(const float* f, Half* h, int64_t n) {
+template <class F>
+inline void float_tile_to_half(const F* f, Half* h, int64_t n) {
   int64_t i = 0;
   const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
   for (; i + 8 <= n; i += 8) {

@@ -64,8 +64,12 @@ LOWFP_HD uint32_t split_bits(uint32_t w32, const ExtraBitsParams& e, uint32_t ra
 // t, the truncation of W, from w and its flag: w stepped one ulp toward zero on the 16-bit
 // pattern when the flag is set (from inf, a rounded-up overflow, that is the largest value).
 template <class W16>
+LOWFP_HD W16 truncation(W16 w, uint32_t flag) {
+  return W16{uint16_t(w.v - flag)};
+}
+template <class W16>
 LOWFP_HD uint32_t truncation_bits(W16 w, uint32_t flag) {
-  return Widen<uint32_t>::from(W16{uint16_t(w.v - flag)});
+  return Widen<uint32_t>::from(truncation(w, flag));
 }
 
 // merge: W' = t + extra * ulp(t) / 2^k (t as float32 bits). Exact: W' is representable in
