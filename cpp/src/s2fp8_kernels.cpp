@@ -10,6 +10,7 @@
 
 #include "dispatch.hpp"
 #include "lowfp/s2fp8.hpp"
+#include "half_lanes.hpp"
 #include "philox_lanes.hpp"
 #include "quantize_cpu.hpp"
 
@@ -117,16 +118,27 @@ void reduce(const In* x, int64_t begin, int64_t end, S2fp8Partial& out) {
   S2fp8Partial total;  // added to out once, as quantize's loop adds its counts
   constexpr int kLanes = kS2fp8Lanes;
   constexpr int64_t kGroups = kS2fp8Tile / kS2fp8Group;
+  // float16 tiles are widened once, by F16C (half_lanes.hpp), and read as float32 twice
+  constexpr bool kViaFloat = kHardwareHalf && std::is_same_v<In, Half>;
+  using Src = std::conditional_t<kViaFloat, float, In>;
+  alignas(64) float widened[kViaFloat ? kS2fp8Tile : 1];
   alignas(64) double f[kS2fp8Tile];
   alignas(64) double products[kGroups * kLanes];
   for (int64_t t0 = begin; t0 < end; t0 += kS2fp8Tile) {
     const int64_t len = min_of(kS2fp8Tile, end - t0);
     const int64_t groups = (len + kS2fp8Group - 1) / kS2fp8Group;
+    const Src* xt;
+    if constexpr (kViaFloat) {
+      half_tile_to_float(x + t0, widened, len);
+      xt = widened;
+    } else {
+      xt = x + t0;
+    }
     S2fp8Partial tile;
     int rows_in_f = kS2fp8Factors;  // rows per group that f holds: the tree's level so far
     if constexpr (std::is_same_v<In, double>) {
       for (int64_t i = 0; i < len; ++i) {  // vectorised
-        const uint64_t a = bit_cast<uint64_t>(x[t0 + i]) & ~kF64SignBit;
+        const uint64_t a = bit_cast<uint64_t>(xt[i]) & ~kF64SignBit;
         const S2fp8Factor factor = s2fp8_factor<true>(a);
         const bool use = finite_nonzero_abs(a);
         f[i] = factor.f;
@@ -134,14 +146,14 @@ void reduce(const In* x, int64_t begin, int64_t end, S2fp8Partial& out) {
         tile.count += int64_t(use);
         tile.max_abs = max_of(tile.max_abs, select(use, a, uint64_t(0)));
       }
-    } else if (len == kS2fp8Tile && reduce_plain_stats(x + t0, tile)) {
-      plain_rows_of_four(x + t0, f);
+    } else if (len == kS2fp8Tile && reduce_plain_stats(xt, tile)) {
+      plain_rows_of_four(xt, f);
       rows_in_f = kS2fp8Factors / 4;
     } else {  // the last tile of a range, or one with a float32 subnormal, inf or NaN
       int32_t exp_sum = 0, count = 0;  // < 2^31 over a tile
       uint32_t max_abs = 0;
       for (int64_t i = 0; i < len; ++i) {  // vectorised
-        const uint32_t a = Widen<uint32_t>::from(x[t0 + i]) & 0x7FFFFFFFu;
+        const uint32_t a = Widen<uint32_t>::from(xt[i]) & 0x7FFFFFFFu;
         const bool use = a - 1 < 0x7F7FFFFFu;  // finite nonzero
         const S2fp8Factor32 factor = s2fp8_factor_f32(a);
         f[i] = double(factor.f);
