@@ -7,6 +7,8 @@
 // the canonical sign | 0x7e00). Narrowing is only asked of values float16 holds. (The vector
 // types may alias any type; the scalar tails go through bit_cast.)
 #pragma once
+#include <type_traits>
+
 #include "lowfp/half.hpp"
 #include "lowfp/storage.hpp"
 
@@ -63,6 +65,18 @@ inline void float_tile_to_half(const F* f, Half* h, int64_t n) {
 #else
 constexpr bool kHardwareHalf = false;
 #endif
+
+// A tile of x as the loops read it: float16 widened into `buffer` (Src = float) where F16C is
+// used, any other type the tile itself (Src = In).
+template <class In, class Src>
+inline const Src* readable_tile(const In* tile, int64_t n, Src* buffer) {
+  if constexpr (std::is_same_v<In, Src>) {
+    return tile;
+  } else {
+    half_tile_to_float(tile, buffer, n);
+    return buffer;
+  }
+}
 
 }  // namespace
 }  // namespace lowfp

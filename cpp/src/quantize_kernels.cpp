@@ -30,7 +30,7 @@ void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts)
   Out* y = static_cast<Out*>(c.y);
   const RoundParams<Bits> p = round_params<Bits>(c);
   alignas(64) uint32_t rand[kTile];
-  alignas(64) float in_tile[kInViaFloat ? kTile : 1];
+  alignas(64) Src in_tile[kInViaFloat ? kTile : 1];
   alignas(64) float out_tile[kOutViaFloat ? kTile : 1];
   int64_t overflow = 0, underflow = 0, nan = 0;
   for (int64_t t0 = begin; t0 < end; t0 += kTile) {
@@ -39,13 +39,7 @@ void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts)
       // t0 is a multiple of 4: element t0 + j uses word j % 4 of block offset + (t0 + j) / 4.
       philox_fill(rand, c.seed, c.offset + uint64_t(t0) / 4, (len + 3) / 4);
     }
-    const Src* xt;
-    if constexpr (kInViaFloat) {
-      half_tile_to_float(x + t0, in_tile, len);
-      xt = in_tile;
-    } else {
-      xt = x + t0;
-    }
+    const Src* xt = readable_tile(x + t0, len, in_tile);
     Dst* yt;
     if constexpr (kOutViaFloat) yt = out_tile;
     else yt = y + t0;

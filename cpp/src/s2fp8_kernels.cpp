@@ -121,19 +121,13 @@ void reduce(const In* x, int64_t begin, int64_t end, S2fp8Partial& out) {
   // float16 tiles are widened once, by F16C (half_lanes.hpp), and read as float32 twice
   constexpr bool kViaFloat = kHardwareHalf && std::is_same_v<In, Half>;
   using Src = std::conditional_t<kViaFloat, float, In>;
-  alignas(64) float widened[kViaFloat ? kS2fp8Tile : 1];
+  alignas(64) Src widened[kViaFloat ? kS2fp8Tile : 1];
   alignas(64) double f[kS2fp8Tile];
   alignas(64) double products[kGroups * kLanes];
   for (int64_t t0 = begin; t0 < end; t0 += kS2fp8Tile) {
     const int64_t len = min_of(kS2fp8Tile, end - t0);
     const int64_t groups = (len + kS2fp8Group - 1) / kS2fp8Group;
-    const Src* xt;
-    if constexpr (kViaFloat) {
-      half_tile_to_float(x + t0, widened, len);
-      xt = widened;
-    } else {
-      xt = x + t0;
-    }
+    const Src* xt = readable_tile(x + t0, len, widened);
     S2fp8Partial tile;
     int rows_in_f = kS2fp8Factors;  // rows per group that f holds: the tree's level so far
     if constexpr (std::is_same_v<In, double>) {
