@@ -95,7 +95,7 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
   alignas(64) uint32_t rand[kTile];
   alignas(64) uint32_t w_bits[kTile];
   alignas(64) float g32[kTile];
-  alignas(64) W16 stepped[kTile];  // float16: the truncations t before widening
+  alignas(64) W16 stepped[kF16cTiles<W16> ? kTile : 1];  // the truncations t before widening
   for (int64_t t = b0; t < b1; t += kTileBlocks) {
     const int64_t blocks = min_of(kTileBlocks, b1 - t);
     const int64_t i0 = t * 32, len = min_of(blocks * 32, slot.n - i0);
@@ -104,7 +104,7 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
     if constexpr (K == RoundKind::Stochastic)
       philox_fill(rand, s.seed, slot.rand_offset + uint64_t(i0) / 4, (len + 3) / 4);
     // Three loops, so that 16-bit and 32-bit lanes never share one (gcc vectorises each).
-    if constexpr (kHardwareHalf && std::is_same_v<W16, Half>) {  // F16C (half_lanes.hpp)
+    if constexpr (kF16cTiles<W16>) {  // F16C (half_lanes.hpp)
       for (int64_t i = 0; i < len; ++i) stepped[i] = truncation(w16[i0 + i], values[i] >> e.k);
       half_tile_to_float(stepped, w_bits, len);
       half_tile_to_float(grad + i0, g32, len);
@@ -127,7 +127,7 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
       underflow += ev.underflow;
       nan += ev.nan;
     }
-    if constexpr (kHardwareHalf && std::is_same_v<W16, Half>)
+    if constexpr (kF16cTiles<W16>)
       float_tile_to_half(w_bits, w16 + i0, len);
     else
       for (int64_t i = 0; i < len; ++i) w16[i0 + i] = Store<W16>::from(w_bits[i]);

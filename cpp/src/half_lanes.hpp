@@ -66,6 +66,10 @@ inline void float_tile_to_half(const F* f, Half* h, int64_t n) {
 constexpr bool kHardwareHalf = false;
 #endif
 
+// Whether the drivers move tiles of T through the F16C conversions above (float16 with F16C).
+template <class T>
+constexpr bool kF16cTiles = kHardwareHalf && std::is_same_v<T, Half>;
+
 // A tile of x as the loops read it: float16 widened into `buffer` (Src = float) where F16C is
 // used, any other type the tile itself (Src = In).
 template <class In, class Src>

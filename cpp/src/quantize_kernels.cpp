@@ -19,7 +19,7 @@ namespace {
 
 // float16 tiles in a float32 carrier go through float32 buffers converted by F16C (half_lanes.hpp).
 template <class T, class Bits>
-constexpr bool kViaFloat = kHardwareHalf && std::is_same_v<T, Half> && std::is_same_v<Bits, uint32_t>;
+constexpr bool kViaFloat = kF16cTiles<T> && std::is_same_v<Bits, uint32_t>;
 
 template <class In, class Out, class Bits, RoundKind Kind, bool kCount, bool kSubExp>
 void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts) {

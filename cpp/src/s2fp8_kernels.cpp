@@ -119,7 +119,7 @@ void reduce(const In* x, int64_t begin, int64_t end, S2fp8Partial& out) {
   constexpr int kLanes = kS2fp8Lanes;
   constexpr int64_t kGroups = kS2fp8Tile / kS2fp8Group;
   // float16 tiles are widened once, by F16C (half_lanes.hpp), and read as float32 twice
-  constexpr bool kViaFloat = kHardwareHalf && std::is_same_v<In, Half>;
+  constexpr bool kViaFloat = kF16cTiles<In>;
   using Src = std::conditional_t<kViaFloat, float, In>;
   alignas(64) Src widened[kViaFloat ? kS2fp8Tile : 1];
   alignas(64) double f[kS2fp8Tile];

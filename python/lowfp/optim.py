@@ -226,11 +226,11 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                 where = "cpu" if key == "step" else p.device
                 self.state[p][key] = (value.to(device=where, copy=True) if torch.is_tensor(value)
                                       else copy.deepcopy(value))
+        device, index = self.weight_stats.device, self.weight_stats.counts.get_device()
         for group in self.param_groups:
             for p in group["params"]:
                 if p in self.state:
-                    _check_buffers(p, self.state[p], group, self.weight_stats.device,
-                                   self.weight_stats.counts.get_device())
+                    _check_buffers(p, self.state[p], group, device, index)
 
 
 def _check_buffers(p: torch.Tensor, state: dict, group: dict, device: torch.device, index: int,
