@@ -132,7 +132,7 @@ __device__ void step_chunk(const ExtraBitsSlot& at, const Update& update, const 
       update.store(i, state[u]);
       uint32_t extra, flag;
       RoundEvents ev;
-      w16[i] = Store<W16>::from(split_bits<W16, K, false>(bit_cast<uint32_t>(w_new), e, rand[u], extra, flag, ev));
+      w16[i] = Store<W16>::from(split_bits<W16, K>(bit_cast<uint32_t>(w_new), e, rand[u], extra, flag, ev));
       out = extra | (flag << e.k);
       tc.add(ev);
     }
@@ -192,7 +192,7 @@ split_kernel(const float* w32, W16* w16, uint32_t* words, int64_t n, ExtraBitsPa
       const uint32_t r = K == RoundKind::Stochastic ? philox_word(seed, offset, i) : 0u;
       uint32_t extra, flag;
       RoundEvents ev;
-      w16[i] = Store<W16>::from(split_bits<W16, K, false>(bit_cast<uint32_t>(w32[i]), e, r, extra, flag, ev));
+      w16[i] = Store<W16>::from(split_bits<W16, K>(bit_cast<uint32_t>(w32[i]), e, r, extra, flag, ev));
       out = extra | (flag << e.k);
       tc.add(ev);
     }

@@ -236,6 +236,11 @@ cases += [(16, "stochastic", torch.bfloat16)]
 for k, r, dt in cases:
     w16, packed = eb.split(w, dt, k, r, seed=5)
     outs += [w16.view(torch.int16), packed, eb.merge(w16, packed, k, r).view(torch.int32)]
+# float16 at its own scale (F16C stores), and merge of every float16 pattern with random bits
+for k, r in ((13, "toward_zero"), (8, "nearest"), (13, "stochastic")):
+    w16, packed = eb.split(w * 2.0**-100, torch.float16, k, r, seed=5)
+    words = torch.randint(-2**31, 2**31 - 1, (eb.packed_words(every_half.numel(), k, r),), dtype=torch.int32)
+    outs += [w16.view(torch.int16), packed, eb.merge(every_half, words, k, r).view(torch.int32)]
 p = torch.nn.Parameter((torch.randn(70_001) * 0.02).bfloat16())
 p.grad = (torch.randn(70_001) * 1e-3).bfloat16()
 opt = lowfp.optim.ExtraBitsSGD([p], lr=0.01, momentum=0.9, extra_bits=8, rounding="nearest")

@@ -56,11 +56,20 @@ def test_float16_plus_13_is_float32_in_normal_range(rounding):
         assert torch.equal(w16, w.to(torch.float16))
 
 
-@pytest.mark.parametrize("dtype,ks", [(torch.bfloat16, [1, 3, 8, 12, 15]), (torch.float16, [1, 4, 8, 12])])
+def random_patterns(n, seed):
+    """Uniformly random float32 bit patterns (every binade alike, subnormals included), finite."""
+    bits = np.random.default_rng(seed).integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    w = torch.from_numpy(bits.view(np.int32)).view(torch.float32)
+    return w[torch.isfinite(w)]
+
+
+@pytest.mark.parametrize("dtype,ks", [(torch.bfloat16, [1, 3, 8, 12, 15]), (torch.float16, [1, 4, 8, 12, 13])])
 @pytest.mark.parametrize("rounding", eb.EXTRA_BITS_ROUNDING)
 def test_smaller_k_truncates(dtype, ks, rounding):
     # float16: its normal and subnormal ranges, and below (t = 0); bfloat16: all of float32's.
+    # Random patterns add float32's subnormals and every binade of float32 below float16's max.
     w = random_float32(50_000, seed=5, lo=-30, hi=15) if dtype == torch.float16 else random_float32(50_000, seed=5, lo=-140, hi=120)
+    w = torch.cat([w, random_patterns(50_000, seed=6)])
     w = w[w.abs() < 65504]  # overflow: test_overflow_and_specials
     for k in ks:
         w16, packed = eb.split(w, dtype, k, rounding, seed=k)
@@ -72,6 +81,15 @@ def test_smaller_k_truncates(dtype, ks, rounding):
         else:
             up = w16.float().abs() > t.abs()
             assert bool((w16.float()[~up] == t[~up]).all())
+
+
+def pack_reference(values, q):
+    """DESIGN §5's packing as a bit string: element j of each 32-element block at bits [j q, (j + 1) q)
+    of the block's q words, least significant bit first; the last block padded with zeros. int32s."""
+    n = -(-len(values) // 32) * 32
+    bits = "".join(format(v, f"0{q}b")[::-1] for v in values) + "0" * q * (n - len(values))
+    words = [int(bits[32 * j:32 * j + 32][::-1], 2) for j in range(n * q // 32)]
+    return [wd - 2**32 if wd >= 2**31 else wd for wd in words]
 
 
 @pytest.mark.parametrize("rounding", eb.EXTRA_BITS_ROUNDING)
@@ -89,12 +107,7 @@ def test_packing_layout_matches_a_bit_string(rounding):
         ulp_t = torch.from_numpy(np.exp2(np.maximum(np.floor(np.log2(np.abs(w.double().numpy()))), -126) - 7))
         extra = ((wk.double() - t.double()).abs() / ulp_t * 2 ** k).round().long().tolist()
         flags = (w16.float().abs() > t.abs()).long().tolist() if q > k else [0] * n
-        bits = ""
-        for i in range(160):
-            v = (extra[i] | (flags[i] << k)) if i < n else 0
-            bits += format(v, f"0{q}b")[::-1]  # least significant bit first
-        words = [int(bits[32 * j:32 * j + 32][::-1], 2) for j in range(5 * q)]
-        assert packed.tolist() == [wd - 2**32 if wd >= 2**31 else wd for wd in words], (k, rounding)
+        assert packed.tolist() == pack_reference([e | (f << k) for e, f in zip(extra, flags)], q), (k, rounding)
         # and back: merge reads the same layout
         assert torch.equal(eb.merge(w16, packed, k, rounding), wk), (k, rounding)
 
@@ -123,29 +136,69 @@ def test_overflow_and_specials():
     assert w16z[0].item() == 65504 and eb.merge(w16z, pz, 10, "toward_zero")[0].item() == 65504
 
 
+SPLIT_SPECIALS = {
+    torch.bfloat16: [0x7F7FFFFF, 0xFF7F8000, 0x7F7F7FFF,  # to inf when rounded up; a tie with odd 0x7f7f
+                     0x00000001, 0x80008000, 0x00008001, 0x0000FFFF, 0x00010000,  # below its min
+                     0x3F808000, 0x3F818000, 0xBF80FFFF],  # ties to even, down and up
+    torch.float16: [0x477FE000, 0x477FEFFF, 0xC77FF000, 0x477FF001, 0x47800000,  # max, to inf, 2^16
+                    0x387FE000, 0x387FF000, 0x38800000, 0xB87FFFFF,  # largest subnormal, 2^-14
+                    0x33800000, 0x33000000, 0x33000001, 0x33C00000, 0x00000001,  # 2^-24, ties to 0 / up
+                    0x3F801000, 0x3F803000, 0xBF801FFF],  # ties to even, down and up
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rounding", eb.EXTRA_BITS_ROUNDING)
-def test_bfloat16_split_specials_and_counts(rounding):
-    # The split rounds to bfloat16 by a form with every parameter folded in: it must give
-    # lowfp.quantize's general rounding to the bfloat16 grid (overflow to inf, the same random
-    # words for the same seed) bit for bit, with the same event counts; nearest is torch's cast.
-    special = [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7F800001, 0xFFC00000,  # zeros, infs, NaNs
-               0x7F7FFFFF, 0xFF7F8000, 0x7F7F7FFF,  # to inf when rounded up; a tie with odd 0x7f7f
-               0x00000001, 0x80008000, 0x00008001, 0x0000FFFF, 0x00010000,  # below bfloat16's min
-               0x3F808000, 0x3F818000, 0xBF80FFFF]  # ties to even, down and up
+def test_split_rounds_as_quantize_with_counts(dtype, rounding):
+    # The split rounds by forms with every parameter folded in: they must give lowfp.quantize's
+    # general rounding to the 16-bit grid (overflow to inf, the same random words for the same
+    # seed) bit for bit, with the same event counts; nearest is torch's cast.
+    special = [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7F800001, 0xFFC00000] + SPLIT_SPECIALS[dtype]
     rng = np.random.default_rng(2)
     bits = np.concatenate([np.array(special, dtype=np.uint64),
                            rng.integers(0, 2**32, 100_000, dtype=np.uint64)]).astype(np.uint32)
     x = torch.from_numpy(bits.view(np.int32)).view(torch.float32)
+    if dtype == torch.float16:  # most random patterns overflow float16: half of them at its scale
+        x = torch.cat([x, x[len(special):][::2] * 2.0 ** -100])
     s_split, s_ref = lowfp.Stats(), lowfp.Stats()
-    w16, _ = eb.split(x, torch.bfloat16, 8, rounding, seed=4, stats=s_split)
-    ref = lowfp.quantize(x, "bfloat16", rounding, overflow="inf", seed=4, stats=s_ref)
+    w16, _ = eb.split(x, dtype, 8, rounding, seed=4, stats=s_split)
+    name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    ref = lowfp.quantize(x, name, rounding, overflow="inf", seed=4, stats=s_ref)
     nan = torch.isnan(x)
     assert torch.equal(torch.isnan(w16), nan)
     assert torch.equal(w16.float()[~nan].view(torch.int32), ref[~nan].view(torch.int32))
     assert torch.equal(s_split.counts, s_ref.counts)
     assert s_split.overflow > 0 and s_split.nan > 0 and (rounding == "stochastic" or s_split.underflow > 0)
     if rounding == "nearest":
-        assert torch.equal(w16[~nan].view(torch.int16), x[~nan].to(torch.bfloat16).view(torch.int16))
+        assert torch.equal(w16[~nan].view(torch.int16), x[~nan].to(dtype).view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype,k", [(torch.bfloat16, 16), (torch.bfloat16, 5), (torch.float16, 13),
+                                     (torch.float16, 7), (torch.float16, 1)])
+def test_merge_of_every_16_bit_pattern(dtype, k):
+    # W' = t + extra * ulp(t) / 2^k for every weight pattern (no flag: toward_zero) and random
+    # extra bits, against float64 arithmetic. For inf and NaN (whose extra bits split makes 0):
+    # float16's stay as they are (a NaN's payload kept, not quieted); bfloat16's take the bits
+    # below them, as float32 patterns.
+    w16 = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    extra = np.random.default_rng(k).integers(0, 2**k, w16.numel())
+    packed = torch.tensor(pack_reference(extra.tolist(), k), dtype=torch.int32)
+    got = eb.merge(w16, packed, k, "toward_zero")
+    m16, emin = (7, -126) if dtype == torch.bfloat16 else (10, -14)
+    t = w16.double().numpy()
+    a = np.abs(t)
+    finite = np.isfinite(t)
+    e = np.floor(np.log2(np.where(finite & (a > 0), a, 1.0)))
+    ulp = np.exp2(np.maximum(np.where(a > 0, e, emin), emin) - m16)
+    want = torch.from_numpy(np.copysign(a + extra * ulp * 2.0 ** -k, t)).float()
+    if dtype == torch.bfloat16:
+        concatenated = (w16.view(torch.int16).int() << 16) | torch.from_numpy(extra << (16 - k)).int()
+        want = torch.where(torch.from_numpy(finite), want, concatenated.view(torch.float32))
+    else:
+        h = w16.view(torch.int16).int()
+        widened = ((h & 0x8000) << 16) | 0x7F800000 | ((h & 0x3FF) << 13)
+        want = torch.where(torch.from_numpy(finite), want, widened.view(torch.float32))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def test_split_merge_errors():

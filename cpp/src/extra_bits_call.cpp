@@ -4,6 +4,27 @@
 #include <string>
 
 namespace lowfp {
+namespace {
+
+RoundParams<uint32_t> folded_float16_params(Rounding mode) {
+  switch (mode) {
+    case Rounding::TowardZero: return float16_round_params<RoundKind::TowardZero>();
+    case Rounding::Stochastic: return float16_round_params<RoundKind::Stochastic>();
+    default: return float16_round_params<RoundKind::Nearest>();
+  }
+}
+
+bool same_round_params(const RoundParams<uint32_t>& a, const RoundParams<uint32_t>& b) {
+  return a.normal_drop == b.normal_drop && a.below_drop == b.below_drop && a.emin == b.emin &&
+         a.below_step == b.below_step && a.max_bits == b.max_bits &&
+         a.overflow_pos == b.overflow_pos && a.overflow_neg == b.overflow_neg &&
+         a.inf_stays_inf == b.inf_stays_inf && a.no_negative_zero == b.no_negative_zero &&
+         a.ties_away == b.ties_away && a.away_pos == b.away_pos && a.away_neg == b.away_neg &&
+         a.sr_shift == b.sr_shift && a.subnormal_exponent == b.subnormal_exponent &&
+         a.fixed_drop == b.fixed_drop;
+}
+
+}  // namespace
 
 ExtraBitsParams make_extra_bits_params(DType weights, int32_t k, Rounding mode) {
   if (weights != DType::Float16 && weights != DType::BFloat16)
@@ -17,11 +38,12 @@ ExtraBitsParams make_extra_bits_params(DType weights, int32_t k, Rounding mode) 
     throw std::invalid_argument("extra-bits rounding must be toward_zero, nearest or stochastic");
   const FormatSpec spec = bf16 ? FormatSpec{8, 7, 0, Specials::IEEE, true}
                                : FormatSpec{5, 10, 0, Specials::IEEE, true};
+  // split_bits rounds by round_to_bfloat16_bits / round_to_float16_bits, which fold in the
+  // parameters make_round_params gives (overflow to inf, 32 random bits): check that they agree.
+  const RoundParams<uint32_t> general = make_round_params<uint32_t>(spec, Overflow::Inf, mode, 32);
+  if (bf16 ? !general.fixed_drop : !same_round_params(general, folded_float16_params(mode)))
+    throw std::logic_error("extra bits: the folded rounding parameters disagree with the format's");
   ExtraBitsParams e{};
-  e.round = make_round_params<uint32_t>(spec, Overflow::Inf, mode, 32);
-  // split_bits rounds float16 by e.round, and bfloat16 by round_to_bfloat16_bits, which folds in
-  // the parameters e.round has for it (a fixed drop of 16 bits, overflow to inf, 32 random bits).
-  if (e.round.fixed_drop != bf16) throw std::logic_error("extra bits: unexpected rounding grid");
   e.m16 = spec.m;
   e.emin16 = min_exponent(spec);
   e.emax16 = max_exponent(spec);

@@ -12,7 +12,6 @@ namespace lowfp {
 
 // The 16-bit type and k; built on the host (make_extra_bits_params).
 struct ExtraBitsParams {
-  RoundParams<uint32_t> round;  // rounding of W to float16 by the chosen mode (bfloat16: folded in)
   int32_t m16, emin16, emax16;  // the 16-bit type's fraction bits and exponent range
   uint32_t k;                   // extra bits per element
   uint32_t q;                   // packed bits per element: k, + 1 flag bit unless toward_zero
@@ -21,38 +20,39 @@ struct ExtraBitsParams {
 
 constexpr uint32_t kF32Abs = 0x7fffffffu, kF32Inf = 0x7f800000u;
 
+// 2^exponent as float32 bits, for exponents of float32's normal range.
+LOWFP_HD uint32_t pow2_bits(int32_t exponent) { return uint32_t(127 + exponent) << 23; }
+
 // The k bits of |W| just below the last bit of t = W truncated toward zero to the 16-bit type:
 // floor((|W| - |t|) / ulp(t) * 2^k). Zero for inf/NaN and for |W| >= 2^(emax16 + 1) (t is then
-// not in W's binade). Branch-free 32-bit integer code.
+// not in W's binade). Branch-free.
 template <class W16>
 LOWFP_HD uint32_t extra_bits_of(uint32_t w32, const ExtraBitsParams& e) {
+  const uint32_t k_mask = (1u << e.k) - 1u;
   if constexpr (std::is_same_v<W16, BFloat>) {
     // bfloat16 is the top half of float32 (subnormals included): the extra bits are the next k.
     const bool finite = (w32 & kF32Abs) < kF32Inf;
-    return select(finite, (w32 >> (16 - e.k)) & ((1u << e.k) - 1u), 0u);
+    return select(finite, (w32 >> (16 - e.k)) & k_mask, 0u);
   }
   const uint32_t a = w32 & kF32Abs;
-  const int32_t field = int32_t(a >> 23);
-  const int32_t exp_w = field - 127;  // -127 for zero and float32 subnormals
-  const uint32_t sig = (a & 0x7fffffu) | (field != 0 ? 0x800000u : 0u);  // |W| = sig * 2^e_w
-  const int32_t e_t = max_of(exp_w, e.emin16) - e.m16;                 // ulp(t) = 2^e_t
-  const int32_t e_w = max_of(exp_w, -126) - 23;
-  const int32_t d = e_t - e_w;  // |W| mod ulp(t) = (sig mod 2^d) * 2^e_w; d >= k for every W
-  const uint32_t low = select(d >= 32, sig, sig & ((1u << min_of(d, 31)) - 1u));
-  const uint32_t extra = low >> min_of(d - int32_t(e.k), 31);
-  return select((field < 255) & (exp_w <= e.emax16), extra, 0u);
+  // From 2^emin16 up, ulp(t) is float32's bit 23 - m16 of W: the extra bits are the k below it.
+  const uint32_t normal = (a >> (23 - e.m16 - int32_t(e.k))) & k_mask;
+  // Below, ulp(t) = 2^(emin16 - m16): |W| / ulp(t) * 2^k < 2^(m16 + k) <= 2^23 is an exact product
+  // (a power of two), and its integer part ends in the k bits.
+  const float to_units = bit_cast<float>(pow2_bits(e.m16 + int32_t(e.k) - e.emin16));
+  const uint32_t subnormal = uint32_t(int32_t(bit_cast<float>(a) * to_units)) & k_mask;
+  return select(a < pow2_bits(e.emin16), subnormal,
+                select(a < pow2_bits(e.emax16 + 1), normal, 0u));
 }
 
 // split: w = W rounded to the 16-bit type by the mode (returned as float32 bits; Store<W16>
-// narrows them exactly), its extra bits and its flag.
-template <class W16, RoundKind Kind, bool kSubExp>
+// narrows them exactly), its extra bits and its flag. The rounding has every parameter folded in
+// (IEEE overflow, 32 random bits; make_extra_bits_params checks them against make_round_params).
+template <class W16, RoundKind Kind>
 LOWFP_HD uint32_t split_bits(uint32_t w32, const ExtraBitsParams& e, uint32_t rand, uint32_t& extra,
                              uint32_t& flag, RoundEvents& ev) {
-  uint32_t w;
-  if constexpr (std::is_same_v<W16, BFloat>)  // e.round's parameters, folded in
-    w = round_to_bfloat16_bits<Kind>(w32, rand, ev);
-  else
-    w = round_bits<Kind, uint32_t, kSubExp>(w32, e.round, rand, ev);
+  const uint32_t w = std::is_same_v<W16, BFloat> ? round_to_bfloat16_bits<Kind>(w32, rand, ev)
+                                                 : round_to_float16_bits<Kind>(w32, rand, ev);
   // w is t or t's neighbour away from zero; the latter exactly when |w| > |W|.
   const uint32_t a = w32 & kF32Abs;
   flag = uint32_t(a <= kF32Inf) & uint32_t((w & kF32Abs) > a);  // & not &&: no branch
@@ -72,22 +72,19 @@ LOWFP_HD uint32_t truncation_bits(W16 w, uint32_t flag) {
   return Widen<uint32_t>::from(truncation(w, flag));
 }
 
-// merge: W' = t + extra * ulp(t) / 2^k (t as float32 bits). Exact: W' is representable in
-// float32, so the float addition does not round.
+// merge: W' = t + extra * ulp(t) / 2^k (t as float32 bits), exact: W' is representable in
+// float32. From 2^emin16 up (bfloat16: everywhere) that is extra written into the zero bits of t's
+// pattern below the 16-bit type's last bit; below, ulp(t) = 2^(emin16 - m16) and the float sum is
+// exact. inf and NaN stay t.
 template <class W16>
 LOWFP_HD uint32_t merge_bits(uint32_t t, uint32_t extra, const ExtraBitsParams& e) {
-  if constexpr (std::is_same_v<W16, BFloat>) {
-    // The same sum as below, as bits: t's low 16 bits are zero and extra fills the top k of them.
-    return t | (extra << (16 - e.k));
-  }
+  if constexpr (std::is_same_v<W16, BFloat>) return t | (extra << (16 - e.k));
   const uint32_t a = t & kF32Abs;
-  const int32_t e_scale = max_of(int32_t(a >> 23) - 127, e.emin16) - e.m16 - int32_t(e.k);
-  // 2^e_scale as a float (>= 2^-149: a float32 subnormal below 2^-126)
-  const uint32_t scale_bits = select(e_scale >= -126, uint32_t(max_of(e_scale + 127, 0)) << 23,
-                                     1u << min_of(max_of(e_scale + 149, 0), 31));
-  const float extra_f = float(int32_t(extra));  // < 2^17
-  const uint32_t mag = bit_cast<uint32_t>(bit_cast<float>(a) + extra_f * bit_cast<float>(scale_bits));
-  return select(a >= kF32Inf, t, mag | (t & ~kF32Abs));
+  const uint32_t written = t | (extra << (23 - e.m16 - int32_t(e.k)));
+  const float step = bit_cast<float>(pow2_bits(e.emin16 - e.m16 - int32_t(e.k)));  // >= 2^-37
+  const uint32_t summed = bit_cast<uint32_t>(bit_cast<float>(a) + float(int32_t(extra)) * step);
+  return select(a >= kF32Inf, t,
+                select(a < pow2_bits(e.emin16), summed | (t & ~kF32Abs), written));
 }
 
 // The most bits an element takes in a packed block: k <= 16 extra bits and a flag bit.

@@ -140,4 +140,37 @@ LOWFP_HD uint32_t round_to_bfloat16_bits(uint32_t x, uint32_t rand, RoundEvents&
   return select(ev.nan, x, (x & ~kAbs) | mag);
 }
 
+// round_bits's parameters for float32 to float16 (fp(5,10,0), IEEE specials, subnormals) with
+// IEEE overflow and 32 random bits, as compile-time constants, for the extra-bits split as
+// round_to_bfloat16_bits is for bfloat16 (make_extra_bits_params checks them against
+// make_round_params).
+template <RoundKind Kind>
+LOWFP_HD constexpr RoundParams<uint32_t> float16_round_params() {
+  static_assert(Kind != RoundKind::Directed, "directed rounding: only toward zero");
+  constexpr uint32_t kMax = 0x477fe000u;  // 65504
+  constexpr uint32_t kOverflow = Kind == RoundKind::TowardZero ? kMax : 0x7f800000u;  // or inf
+  RoundParams<uint32_t> p{};
+  p.normal_drop = 13;
+  p.below_drop = 13;
+  p.emin = -14;
+  p.below_step = 0x33800000u;  // 2^-24
+  p.max_bits = kMax;
+  p.overflow_pos = kOverflow;
+  p.overflow_neg = 0x80000000u | kOverflow;
+  p.inf_stays_inf = true;
+  p.no_negative_zero = false;
+  p.ties_away = false;
+  p.away_pos = p.away_neg = false;
+  p.sr_shift = 0;
+  p.subnormal_exponent = false;
+  p.fixed_drop = false;
+  return p;
+}
+
+template <RoundKind Kind>
+LOWFP_HD uint32_t round_to_float16_bits(uint32_t x, uint32_t rand, RoundEvents& ev) {
+  constexpr RoundParams<uint32_t> p = float16_round_params<Kind>();
+  return round_bits<Kind, uint32_t, false>(x, p, rand, ev);
+}
+
 }  // namespace lowfp
