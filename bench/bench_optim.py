@@ -12,7 +12,8 @@ mixed-precision step on the CPU; on a GPU, >= 80 % of the bandwidth needed for t
 Those bytes are every byte the optimizer holds for a parameter (16-bit weight, packed extra bits,
 moments: `memory_bytes()`), read once and written once, plus the 16-bit gradient read once; the
 bandwidth they are compared with is `y.copy_(x)`'s (bytes read + written), measured in the same run.
-Also: peak memory of a training step of a model whose gradients are a large share of memory, with
+Also: `lowfp.extra_bits.split` / `merge` on their own against torch's casts to and from the 16-bit
+type, in the same rounds. Also: peak memory of a training step of a model whose gradients are a large share of memory, with
 the step inside backward or not (CPU: max RSS, separate processes; GPU: torch's peak allocation).
 """
 
@@ -101,6 +102,28 @@ def cases(total, device="cpu"):
     ]
 
 
+def split_merge_cases(n, device="cpu"):
+    """(label, call, baseline label) for split and merge of n elements, with torch's casts."""
+    import lowfp.extra_bits as eb
+    w32 = torch.randn(n, generator=torch.Generator(device).manual_seed(1), device=device) * 0.02
+    rows = []
+    for dtype in (torch.bfloat16, torch.float16):
+        name = str(dtype)[6:]
+        w16 = w32.to(dtype)
+        rows += [(f"torch w32.to({name})", lambda w16=w16: w32.to(w16.dtype), None),
+                 (f"torch w16.float() ({name})", w16.float, None)]
+        for k, rounding in ((8, "nearest"),) if dtype == torch.bfloat16 else \
+                ((13, "toward_zero"), (13, "nearest"), (13, "stochastic")):
+            parts = eb.split(w32, dtype, k, rounding)
+            rows += [(f"lowfp split {name} k={k} {rounding}",
+                      lambda d=dtype, k=k, r=rounding: eb.split(w32, d, k, r, seed=1),
+                      f"torch w32.to({name})"),
+                     (f"lowfp merge {name} k={k} {rounding}",
+                      lambda parts=parts, k=k, r=rounding: eb.merge(*parts, k, r),
+                      f"torch w16.float() ({name})")]
+    return rows
+
+
 MEMORY_CHILD = """
 import sys, torch, lowfp
 from lowfp.optim import ExtraBitsAdamW, step_in_backward
@@ -169,6 +192,10 @@ def main(argv=None):
     p.add_argument("--params", type=int, default=None,
                    help="parameters per optimizer (default 10M on the CPU, 100M on a GPU)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--split-elements", type=int, default=None,
+                   help="elements of the split/merge timings (default 2^22 on the CPU: above 2^23 "
+                        "every call's new 32 MB output costs page faults, torch's casts' too; "
+                        "2^26 on a GPU)")
     p.add_argument("--json", default=None)
     p.add_argument("--skip-memory", action="store_true")
     args = p.parse_args(argv)
@@ -216,6 +243,21 @@ def main(argv=None):
             line += f" {r['bytes_per_s'] / 1e9:11.0f} {r['fraction_of_copy']:8.2f}"
         print(line)
     result["steps"] = rows
+    n_split = args.split_elements or (1 << 26 if cuda else 1 << 22)
+    split_rows = split_merge_cases(n_split, args.device)
+    best = time_interleaved({label: call for label, call, _ in split_rows}, max(args.repeats, 11), once)
+    print(f"\nlowfp.extra_bits split / merge alone, {n_split} elements, best of "
+          f"{max(args.repeats, 11)} interleaved rounds")
+    print(f"{'what':58s} {'ms':>8s} {'vs torch cast':>14s}")
+    result["split_merge"] = []
+    for label, _, baseline in split_rows:
+        row = {"label": label, "seconds": best[label]}
+        line = f"{label:58s} {best[label] * 1e3:8.3f}"
+        if baseline is not None:
+            row["vs_torch_cast"] = best[baseline] / best[label]
+            line += f" {row['vs_torch_cast']:14.2f}"
+        print(line)
+        result["split_merge"].append(row)
     if not args.skip_memory:
         if cuda:
             (b0, normal), (b1, inside) = peak_memory_cuda("normal"), peak_memory_cuda("in_backward")
