@@ -38,9 +38,11 @@ LOWFP_HD uint32_t extra_bits_of(uint32_t w32, const ExtraBitsParams& e) {
   // From 2^emin16 up, ulp(t) is float32's bit 23 - m16 of W: the extra bits are the k below it.
   const uint32_t normal = (a >> (23 - e.m16 - int32_t(e.k))) & k_mask;
   // Below, ulp(t) = 2^(emin16 - m16): |W| / ulp(t) * 2^k < 2^(m16 + k) <= 2^23 is an exact product
-  // (a power of two), and its integer part ends in the k bits.
+  // (a power of two), and its integer part ends in the k bits. (|W| clamped to 2^emin16 so that
+  // the lanes not selected convert in range too.)
   const float to_units = bit_cast<float>(pow2_bits(e.m16 + int32_t(e.k) - e.emin16));
-  const uint32_t subnormal = uint32_t(int32_t(bit_cast<float>(a) * to_units)) & k_mask;
+  const float below = bit_cast<float>(min_of(a, pow2_bits(e.emin16)));
+  const uint32_t subnormal = uint32_t(int32_t(below * to_units)) & k_mask;
   return select(a < pow2_bits(e.emin16), subnormal,
                 select(a < pow2_bits(e.emax16 + 1), normal, 0u));
 }
