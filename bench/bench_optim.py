@@ -13,8 +13,8 @@ Those bytes are every byte the optimizer holds for a parameter (16-bit weight, p
 moments: `memory_bytes()`), read once and written once, plus the 16-bit gradient read once; the
 bandwidth they are compared with is `y.copy_(x)`'s (bytes read + written), measured in the same run.
 Also: `lowfp.extra_bits.split` / `merge` on their own against torch's casts to and from the 16-bit
-type, in the same rounds. Also: peak memory of a training step of a model whose gradients are a large share of memory, with
-the step inside backward or not (CPU: max RSS, separate processes; GPU: torch's peak allocation).
+type, in the same rounds; and the peak memory of a training step of a model whose gradients are a
+large share of memory, with the step inside backward or not (CPU: max RSS, separate processes; GPU: torch's peak allocation).
 """
 
 import argparse
@@ -110,7 +110,7 @@ def split_merge_cases(n, device="cpu"):
     for dtype in (torch.bfloat16, torch.float16):
         name = str(dtype)[6:]
         w16 = w32.to(dtype)
-        rows += [(f"torch w32.to({name})", lambda w16=w16: w32.to(w16.dtype), None),
+        rows += [(f"torch w32.to({name})", lambda d=dtype: w32.to(d), None),
                  (f"torch w16.float() ({name})", w16.float, None)]
         for k, rounding in ((8, "nearest"),) if dtype == torch.bfloat16 else \
                 ((13, "toward_zero"), (13, "nearest"), (13, "stochastic")):
