@@ -327,10 +327,36 @@ torch.save([lowfp._C.cpu_kernel()] + outs, sys.argv[1])
      "out must be a dense"),
     (lambda: lowfp.quantize_(torch.ones(2, 2).to_sparse(), F), TypeError, "x must be a dense"),
     (lambda: lowfp.s2fp8_quantize(torch.ones(2, 2).to_sparse()), TypeError, "x must be a dense"),
+    (lambda: lowfp.set_num_threads(-1), ValueError, "n must be between 0 and 2\\*\\*31 - 1"),
+    (lambda: lowfp.set_num_threads(2**40), ValueError, "n must be between 0 and 2\\*\\*31 - 1"),
+    (lambda: lowfp.set_num_threads(2.0), TypeError, "n must be an int"),
 ])
 def test_bad_input_raises_named_error(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+def test_more_threads_than_work_give_the_same_results():
+    # Thread counts far above the cores: per-thread outputs are sized by the threads actually
+    # started, and results (events included) never depend on the count.
+    x = torch.randn(200_003) * 1e3
+    x[::7] = float("inf")
+    old = lowfp.get_num_threads()
+    try:
+        results = []
+        for n in (1, 10**6):
+            lowfp.set_num_threads(n)
+            assert lowfp.get_num_threads() == n
+            stats = lowfp.Stats()
+            q = lowfp.quantize(x, "fp(4,3,4)", "stochastic", seed=5, stats=stats)
+            y, s2 = lowfp.s2fp8_quantize(x)
+            w16, packed = lowfp.extra_bits.split(x, torch.bfloat16, 8, "nearest")
+            results.append((q, stats.overflow, y, s2.alpha, w16, packed))
+    finally:
+        lowfp.set_num_threads(old)
+    one, many = results
+    for a, b in zip(one, many):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
 def test_cuda_tensor_without_cuda_build_is_a_clear_error():

@@ -79,12 +79,18 @@ int get_num_threads() {
 
 namespace {
 
+// Threads worth starting for n elements: at most get_num_threads(), and at least kMinPerThread
+// elements each. Per-thread outputs are sized by it too, so a large set_num_threads costs nothing.
+int threads_for(int64_t n) {
+  const int64_t want = (n + kMinPerThread - 1) / kMinPerThread;
+  return int(min_of<int64_t>(get_num_threads(), max_of<int64_t>(want, 1)));
+}
+
 // Runs fn(thread, begin, end) over contiguous ranges of whole tiles (so every range starts on a
 // Philox block boundary) on as many threads as the size is worth; returns the thread count.
 template <class Fn>
 int parallel_tiles(int64_t n, Fn&& fn) {
-  const int64_t want = (n + kMinPerThread - 1) / kMinPerThread;
-  const int threads = int(min_of<int64_t>(get_num_threads(), max_of<int64_t>(want, 1)));
+  const int threads = threads_for(n);
   if (threads <= 1) {
     fn(0, int64_t(0), n);
     return 1;
@@ -126,7 +132,7 @@ void add_counts(const EventCounts& c, int64_t n, int64_t* counts) {
 }
 
 void quantize_cpu(const QuantizeCall& call, int64_t* counts) {
-  PerThread<EventCounts> per_thread(get_num_threads());
+  PerThread<EventCounts> per_thread(threads_for(call.n));
   const auto fn = kernel().quantize;
   parallel_tiles(call.n, [&](int t, int64_t begin, int64_t end) {
     fn(call, begin, end, per_thread[t].v);
@@ -136,7 +142,7 @@ void quantize_cpu(const QuantizeCall& call, int64_t* counts) {
 
 void s2fp8_cpu(const S2fp8Call& call, int64_t* sums, double* params, int64_t* counts) {
   const Kernel& k = kernel();
-  PerThread<S2fp8Partial> parts(get_num_threads());
+  PerThread<S2fp8Partial> parts(threads_for(call.q.n));
   parallel_tiles(call.q.n, [&](int t, int64_t begin, int64_t end) {
     k.s2fp8_reduce(call, begin, end, parts[t].v);
   });
@@ -158,7 +164,7 @@ void s2fp8_cpu(const S2fp8Call& call, int64_t* sums, double* params, int64_t* co
   S2fp8Forms forms;
   if (s2fp8_build_thresholds(call, s, thresholds, storage)) forms.thresholds = &thresholds;
   else if (s2fp8_build_stochastic(call, s, stochastic, storage)) forms.stochastic = &stochastic;
-  PerThread<EventCounts> per_thread(get_num_threads());
+  PerThread<EventCounts> per_thread(threads_for(call.q.n));
   parallel_tiles(call.q.n, [&](int t, int64_t begin, int64_t end) {
     k.s2fp8_transform(call, s, forms, begin, end, per_thread[t].v);
   });
@@ -172,8 +178,7 @@ namespace {
 template <class Fn>
 void parallel_blocks(int64_t n, Fn&& fn) {
   const int64_t blocks = (n + 31) / 32;
-  const int64_t want = (n + kMinPerThread - 1) / kMinPerThread;
-  const int threads = int(min_of<int64_t>(get_num_threads(), max_of<int64_t>(want, 1)));
+  const int threads = threads_for(n);
   if (threads <= 1) {
     fn(0, int64_t(0), blocks);
     return;
@@ -189,7 +194,7 @@ void parallel_blocks(int64_t n, Fn&& fn) {
 }  // namespace
 
 EventCounts extra_bits_split_cpu(const ExtraBitsParams& e, Rounding mode, const ExtraBitsSplit& a) {
-  PerThread<EventCounts> parts(get_num_threads());
+  PerThread<EventCounts> parts(threads_for(a.n));
   const auto fn = kernel().extra_bits_split;
   parallel_blocks(a.n, [&](int t, int64_t b0, int64_t b1) { fn(e, mode, a, b0, b1, parts[t].v); });
   return sum(parts);
@@ -213,8 +218,7 @@ EventCounts extra_bits_step_cpu(const ExtraBitsStep& s) {
       chunks.push_back({int64_t(i), b, min_of(b + kChunkBlocks, blocks)});
   }
   const auto fn = kernel().extra_bits_step;
-  const int64_t want = (total + kMinPerThread - 1) / kMinPerThread;
-  const int threads = int(min_of<int64_t>(get_num_threads(), max_of<int64_t>(want, 1)));
+  const int threads = threads_for(total);
   PerThread<EventCounts> parts(threads);
   const int64_t n_chunks = int64_t(chunks.size());
 #pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1)

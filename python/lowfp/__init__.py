@@ -26,8 +26,10 @@ __all__ = ["Format", "fp", "formats", "extra_bits", "optim", "quantize", "quanti
 
 def set_num_threads(n: int) -> None:
     """Threads used by lowfp's CPU kernels (0: one per core). Results never depend on it."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"n must be an int, got {type(n).__name__}")
+    if not 0 <= n < 2**31:
+        raise ValueError(f"n must be between 0 and 2**31 - 1, got {n}")
     _C.set_num_threads(n)
 
 
