@@ -479,6 +479,11 @@ def test_optimizer_errors():
         ExtraBitsAdam([torch.nn.Parameter(torch.ones(3))], state_dtype=torch.float16)
     with pytest.raises(ValueError, match="Nesterov"):
         ExtraBitsSGD([torch.nn.Parameter(torch.ones(3))], nesterov=True)
+    with pytest.raises(ValueError, match="betas must be a pair"):
+        ExtraBitsAdam([torch.nn.Parameter(torch.ones(3))], betas=(0.9,))
+    sgd = ExtraBitsSGD([torch.nn.Parameter(torch.ones(3))], momentum=0.9)
+    with pytest.raises(ValueError, match=r"lacks \['amsgrad', 'betas', 'eps'\].*another optimizer"):
+        ExtraBitsAdamW([torch.nn.Parameter(torch.ones(3))]).load_state_dict(sgd.state_dict())
 
 
 def bf16_param(n):
@@ -622,7 +627,41 @@ def test_step_in_backward_refusals():
     with pytest.raises(ValueError, match="already steps inside backward"):
         lowfp.optim.step_in_backward(opt, clip_value=1.0)  # each parameter would step twice
     handle.remove()
+    with pytest.raises(ValueError, match="clip_value must be a positive number"):
+        lowfp.optim.step_in_backward(opt, clip_value=True)
     lowfp.optim.step_in_backward(opt, clip_value=1.0).remove()
+
+
+def test_group_added_while_stepping_inside_backward_steps_too():
+    # A group added after step_in_backward() gets its hooks; without them its parameters would
+    # silently never step (step() is not called in that mode).
+    kw = dict(lr=0.1, momentum=0.9, extra_bits=8, rounding="stochastic")
+    a, b = small_model(), small_model()
+    opts = []
+    for model, inside in ((a, False), (b, True)):
+        torch.manual_seed(0)
+        opt = ExtraBitsSGD(list(model[0].parameters()) + list(model[2].parameters()), **kw)
+        handle = lowfp.optim.step_in_backward(opt) if inside else None
+        torch.manual_seed(1)
+        opt.add_param_group({"params": list(model[4].parameters()), "lr": 0.05})
+        opts.append((opt, handle))
+    (opt_a, _), (opt_b, handle) = opts
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    before = opt_b.master_weights()
+    for step in range(3):
+        torch.manual_seed(step)
+        opt_a.zero_grad()
+        loss_of(a, x, y).backward()
+        opt_a.step()
+        torch.manual_seed(step)
+        loss_of(b, x, y).backward()
+        assert all(p.grad is None for p in b.parameters())
+    after = opt_b.master_weights()
+    assert not torch.equal(before[-1], after[-1])
+    assert all(torch.equal(wa, wb) for wa, wb in zip(opt_a.master_weights(), after))
+    handle.remove()
+    loss_of(b, x, y).backward()
+    assert all(p.grad is not None for p in b.parameters())  # the added group's hooks went too
 
 
 @pytest.mark.parametrize("how", ["pickle", "deepcopy"])

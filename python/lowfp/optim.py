@@ -81,6 +81,8 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                                 f"param_dtype), got {p.dtype}")
             if not p.is_contiguous():
                 raise ValueError("parameters must be contiguous")
+        if self._step_in_backward is not None:  # a group added while stepping inside backward
+            self._step_in_backward._hook_group(len(self.param_groups) - 1)
 
     def _set_philox_offsets(self, group: dict) -> None:
         # Each parameter's Philox block offset within its group, fixed by its place there, so
@@ -218,6 +220,11 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         # float32 moments; the saved tensors are put back with their own dtypes afterwards.
         saved = state_dict["state"]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for g in state_dict["param_groups"]:
+            missing = sorted(set(self.defaults) - set(g))
+            if missing:
+                raise ValueError(f"state_dict: a param group lacks {missing}, which "
+                                 f"{type(self).__name__} needs; was it saved by another optimizer?")
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(ids, params):
@@ -346,6 +353,8 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
         _check_common(lr, weight_decay)
         if eps < 0.0:
             raise ValueError(f"Invalid epsilon value: {eps}")
+        if isinstance(betas, torch.Tensor) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair of floats (beta1, beta2), got {betas!r}")
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"Invalid beta parameters: {betas}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
@@ -411,10 +420,13 @@ class StepInBackward:
         self._seeds: Optional[Dict[int, int]] = None  # per group, drawn at the first hook of a pass
         self._handles = []
         optimizer._step_in_backward = self
-        for gi, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                self._handles.append(p.register_post_accumulate_grad_hook(
-                    lambda param, gi=gi: self._hook(param, gi)))
+        for gi in range(len(optimizer.param_groups)):
+            self._hook_group(gi)
+
+    def _hook_group(self, gi: int) -> None:
+        for p in self.optimizer.param_groups[gi]["params"]:
+            self._handles.append(p.register_post_accumulate_grad_hook(
+                lambda param, gi=gi: self._hook(param, gi)))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -494,7 +506,8 @@ def step_in_backward(optimizer, *, clip_value: Optional[float] = None, scaler=No
     if model is not None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError("model: DistributedDataParallel all-reduces gradients after the per-"
                          "parameter hooks would have stepped; step normally with DDP")
-    if clip_value is not None and not (isinstance(clip_value, (int, float)) and clip_value > 0):
+    if clip_value is not None and (isinstance(clip_value, bool) or not isinstance(clip_value, (int, float))
+                                   or not clip_value > 0):
         raise ValueError(f"clip_value must be a positive number, got {clip_value!r}")
     if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
         raise TypeError("scaler must have a get_scale() method (torch.amp.GradScaler, "
