@@ -169,6 +169,21 @@ def test_candidates_s2fp8_weight_grads_and_json(tmp_path):
     assert "ratio_lo" in text and "S2FP8" in text and "0:linear" in text
 
 
+def test_malformed_saved_assignments_are_value_errors():
+    _, tr = mlp_trace()
+    good = A.uniform(tr).to_dict()
+    with pytest.raises(ValueError, match=r"not what Assignment.to_dict\(\) returns: KeyError: 'trace'"):
+        A.Assignment.from_dict({k: v for k, v in good.items() if k != "trace"})
+    with pytest.raises(ValueError, match=r"not what Trace.to_dict\(\) returns: KeyError: 'ops'"):
+        A.Trace.from_dict({"tensors": []})
+    with pytest.raises(ValueError, match="not what Assignment.to_dict"):
+        A.Assignment.from_dict({**good, "candidates": {"hi": 3}})
+    with pytest.raises(ValueError, match=r"unknown: \['v:99:nothing'\]"):
+        A.Assignment.from_dict({**good, "lo": good["lo"] + ["v:99:nothing"]})
+    with pytest.raises(ValueError, match="unknown"):
+        A.Assignment(tr, {**{n: None for n in tr.tensors}, "theta:x": None}, (), "x")
+
+
 def test_trace_leaves_the_model_as_it_was():
     model = lowfp.models.ResidualCNN(1, 10, 0.5)
     model.train()

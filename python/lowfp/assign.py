@@ -23,6 +23,7 @@ in the group of its ``theta``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -78,6 +79,15 @@ class OpInfo:
     outputs: Tuple[str, ...]
 
 
+@contextlib.contextmanager
+def _reading(what: str):
+    """Turns the KeyError / TypeError of a malformed saved dict into a ValueError naming it."""
+    try:
+        yield
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"d is not what {what} returns: {type(e).__name__}: {e}") from e
+
+
 class Trace:
     """The operators and tensors of one recorded training step (see :func:`trace`)."""
 
@@ -107,10 +117,11 @@ class Trace:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Trace":
-        ops = [OpInfo(o["index"], o["key"], o["func"], o["module"], bool(o["is_gemm"]),
-                      tuple(o["inputs"]), tuple(o["outputs"])) for o in d["ops"]]
-        tensors = [TensorInfo(t["name"], t["role"], int(t["numel"]), t["op"], int(t["group"]))
-                   for t in d["tensors"]]
+        with _reading("Trace.to_dict()"):
+            ops = [OpInfo(o["index"], o["key"], o["func"], o["module"], bool(o["is_gemm"]),
+                          tuple(o["inputs"]), tuple(o["outputs"])) for o in d["ops"]]
+            tensors = [TensorInfo(t["name"], t["role"], int(t["numel"]), t["op"], int(t["group"]))
+                       for t in d["tensors"]]
         return cls(ops, tensors)
 
     def __repr__(self) -> str:
@@ -290,6 +301,9 @@ class Assignment:
         missing = set(trace.tensors) - set(formats)
         if missing:
             raise ValueError(f"formats has no entry for {sorted(missing)[:3]}")
+        unknown = sorted((set(formats) | set(lo)) - set(trace.tensors))
+        if unknown:
+            raise ValueError(f"formats and lo may name only the trace's tensors; unknown: {unknown[:3]}")
         self.trace = trace
         self.formats: Dict[str, Optional[Precision]] = {
             n: (None if f is None else to_precision(f, f"formats[{n!r}]")) for n, f in formats.items()}
@@ -346,9 +360,12 @@ class Assignment:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Assignment":
-        cand = d.get("candidates")
-        return cls(Trace.from_dict(d["trace"]), d["formats"], d["lo"], d["name"],
-                   None if cand is None else Candidates(**cand), d.get("demoted_groups", ()))
+        with _reading("Assignment.to_dict()"):
+            cand = d.get("candidates")
+            trace, formats, lo, name = Trace.from_dict(d["trace"]), d["formats"], d["lo"], d["name"]
+            candidates = None if cand is None else Candidates(**cand)
+            demoted = d.get("demoted_groups", ())
+        return cls(trace, formats, lo, name, candidates, demoted)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
