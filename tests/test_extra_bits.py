@@ -568,13 +568,10 @@ def loss_of(model, x, y, scale=1.0):
     return torch.nn.functional.cross_entropy(model(x.bfloat16()).float(), y) * scale
 
 
-@pytest.mark.parametrize("opt_cls,kw", [(ExtraBitsAdamW, dict(lr=1e-2, extra_bits=8, rounding="stochastic")),
-                                        (ExtraBitsSGD, dict(lr=0.1, momentum=0.9, extra_bits=16, rounding="nearest"))])
-def test_step_in_backward_equals_a_normal_step(opt_cls, kw):
-    a, b, opt_a, opt_b = twin_models(opt_cls, **kw)
-    handle = lowfp.optim.step_in_backward(opt_b)
-    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
-    for step in range(5):
+def steps_match_inside_backward(a, b, opt_a, opt_b, x, y, steps):
+    """Steps model a normally and b (whose optimizer steps inside backward) on the same batches;
+    asserts their master weights stay equal and b's gradients are freed as they are used."""
+    for step in range(steps):
         torch.manual_seed(step)
         opt_a.zero_grad()
         loss_of(a, x, y).backward()
@@ -584,6 +581,15 @@ def test_step_in_backward_equals_a_normal_step(opt_cls, kw):
         assert all(p.grad is None for p in b.parameters())  # freed as they were used
         for wa, wb in zip(opt_a.master_weights(), opt_b.master_weights()):
             assert torch.equal(wa, wb), step
+
+
+@pytest.mark.parametrize("opt_cls,kw", [(ExtraBitsAdamW, dict(lr=1e-2, extra_bits=8, rounding="stochastic")),
+                                        (ExtraBitsSGD, dict(lr=0.1, momentum=0.9, extra_bits=16, rounding="nearest"))])
+def test_step_in_backward_equals_a_normal_step(opt_cls, kw):
+    a, b, opt_a, opt_b = twin_models(opt_cls, **kw)
+    handle = lowfp.optim.step_in_backward(opt_b)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    steps_match_inside_backward(a, b, opt_a, opt_b, x, y, steps=5)
     handle.remove()
     loss_of(b, x, y).backward()
     assert all(p.grad is not None for p in b.parameters())  # hooks gone: ordinary gradients
@@ -648,17 +654,8 @@ def test_group_added_while_stepping_inside_backward_steps_too():
     (opt_a, _), (opt_b, handle) = opts
     x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
     before = opt_b.master_weights()
-    for step in range(3):
-        torch.manual_seed(step)
-        opt_a.zero_grad()
-        loss_of(a, x, y).backward()
-        opt_a.step()
-        torch.manual_seed(step)
-        loss_of(b, x, y).backward()
-        assert all(p.grad is None for p in b.parameters())
-    after = opt_b.master_weights()
-    assert not torch.equal(before[-1], after[-1])
-    assert all(torch.equal(wa, wb) for wa, wb in zip(opt_a.master_weights(), after))
+    steps_match_inside_backward(a, b, opt_a, opt_b, x, y, steps=3)
+    assert not torch.equal(before[-1], opt_b.master_weights()[-1])  # the added group stepped
     handle.remove()
     loss_of(b, x, y).backward()
     assert all(p.grad is not None for p in b.parameters())  # the added group's hooks went too
