@@ -112,6 +112,33 @@ void store_tile(const uint32_t* w_bits, int64_t len, W16* w16) {
     for (int64_t i = 0; i < len; ++i) w16[i] = Store<W16>::from(w_bits[i]);
 }
 
+// One element of a split: the 16-bit weight's bits of float32 bits w32 into w_bits, its extra
+// bits and flag into value, its rounding events added to the tile's counters.
+template <class W16, RoundKind K>
+LOWFP_HD void split_element(uint32_t w32, const ExtraBitsParams& e, uint32_t r, uint32_t& w_bits,
+                            uint32_t& value, uint32_t& above_max, uint32_t& underflow,
+                            uint32_t& nan) {
+  uint32_t extra, flag;
+  RoundEvents ev;
+  w_bits = split_bits<W16, K>(w32, e, r, extra, flag, ev);
+  value = extra | (flag << e.k);
+  above_max += ev.above_max;
+  underflow += ev.underflow;
+  nan += ev.nan;
+}
+
+// The end of a split tile: its 16-bit weights stored, its values (the last block padded with
+// zeros) packed into its blocks' words, its events counted.
+template <class W16>
+void finish_split_tile(const uint32_t* w_bits, uint32_t* values, int64_t len, int64_t blocks,
+                       uint32_t q, W16* w16, uint32_t* words, EventCounts& counts,
+                       uint32_t above_max, uint32_t underflow, uint32_t nan) {
+  store_tile(w_bits, len, w16);
+  for (int64_t i = len; i < blocks * 32; ++i) values[i] = 0;
+  pack_tile(values, q, blocks, words);
+  add_events(counts, above_max, underflow, nan);
+}
+
 template <class W16, RoundKind K, class Update>
 void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, int64_t b1,
                  EventCounts& counts, const Update update) {
@@ -143,19 +170,12 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
     for (int64_t i = 0; i < len; ++i) {
       const uint32_t w = merge_bits<W16>(w_bits[i], values[i] & k_mask, e);
       const float w_new = update_element(update, bit_cast<float>(w), g32[i], i0 + i);
-      uint32_t extra, flag;
-      RoundEvents ev;
       const uint32_t r = K == RoundKind::Stochastic ? rand[i] : 0u;
-      w_bits[i] = split_bits<W16, K>(bit_cast<uint32_t>(w_new), e, r, extra, flag, ev);
-      values[i] = extra | (flag << e.k);
-      above_max += ev.above_max;
-      underflow += ev.underflow;
-      nan += ev.nan;
+      split_element<W16, K>(bit_cast<uint32_t>(w_new), e, r, w_bits[i], values[i], above_max,
+                            underflow, nan);
     }
-    store_tile(w_bits, len, w16 + i0);
-    for (int64_t i = len; i < blocks * 32; ++i) values[i] = 0;
-    pack_tile(values, e.q, blocks, words);
-    add_events(counts, above_max, underflow, nan);
+    finish_split_tile(w_bits, values, len, blocks, e.q, w16 + i0, words, counts, above_max,
+                      underflow, nan);
   }
 }
 
@@ -187,19 +207,12 @@ void extra_bits_split_range(const ExtraBitsParams& e, Rounding mode, const Extra
         philox_fill(rand, a.seed, a.offset + uint64_t(i0) / 4, (len + 3) / 4);
       uint32_t above_max = 0, underflow = 0, nan = 0;
       for (int64_t i = 0; i < len; ++i) {
-        uint32_t extra, flag;
-        RoundEvents ev;
         const uint32_t r = K == RoundKind::Stochastic ? rand[i] : 0u;
-        w_bits[i] = split_bits<W16, K>(bit_cast<uint32_t>(a.w32[i0 + i]), e, r, extra, flag, ev);
-        values[i] = extra | (flag << e.k);
-        above_max += ev.above_max;
-        underflow += ev.underflow;
-        nan += ev.nan;
+        split_element<W16, K>(bit_cast<uint32_t>(a.w32[i0 + i]), e, r, w_bits[i], values[i],
+                              above_max, underflow, nan);
       }
-      store_tile(w_bits, len, w16 + i0);
-      for (int64_t i = len; i < blocks * 32; ++i) values[i] = 0;
-      pack_tile(values, e.q, blocks, a.words + t * e.q);
-      add_events(counts, above_max, underflow, nan);
+      finish_split_tile(w_bits, values, len, blocks, e.q, w16 + i0, a.words + t * e.q, counts,
+                        above_max, underflow, nan);
     }
   });
 }
