@@ -1,5 +1,6 @@
 """The quantize API: layouts, dtypes, out=/in-place, numpy, autograd, errors (DESIGN §3, §7)."""
 
+import math
 import os
 import pickle
 import subprocess
@@ -188,6 +189,43 @@ def test_more_than_2_to_the_31_elements():
     assert torch.equal(x[[0, n - 3, n - 2, n - 1]], want)
     assert torch.equal(x[2**31 - 2: 2**31 + 2], want[:1].expand(4))
     del x
+
+
+def test_extra_bits_and_s2fp8_over_2_to_the_31_elements():
+    # About 14 GB at the peak (float32 input and its bfloat16 split, then the float32 merge).
+    n = 2**31 + 9
+    w = torch.full((n,), 0.3)
+    w[-3:] = torch.tensor([100.0 + 2**-10, -7.7, 1e-30])
+    at = torch.tensor([0, 2**31 - 1, 2**31, n - 3, n - 2, n - 1])
+    s = lowfp.Stats()
+    w16, packed = lowfp.extra_bits.split(w, torch.bfloat16, 4, "nearest", stats=s)
+    assert s.numel == n
+    want16, want_packed = lowfp.extra_bits.split(w[at], torch.bfloat16, 4, "nearest")
+    want = lowfp.extra_bits.merge(want16, want_packed, 4, "nearest")
+    assert torch.equal(w16[at], want16)
+    del w
+    merged = lowfp.extra_bits.merge(w16, packed, 4, "nearest")  # packed words past 2^31 / 32 blocks
+    assert torch.equal(merged[at], want) and want[0] != float(torch.tensor(0.3).bfloat16())
+    del merged, packed
+    x = w16.view(torch.float16)  # reuse the memory: S2FP8 of float16 input, in place
+    x.fill_(0.3)
+    x[-3:] = torch.tensor([100.0, -7.7, 1e-4])
+    y, stats = lowfp.s2fp8_quantize(x, out=x)
+    assert stats.count == n and y is x
+    # float64 reference of DESIGN §4 for n - 3 copies of 0.3 and three other magnitudes
+    values = torch.tensor([0.3, 100.0, -7.7, 1e-4]).half().double()
+    logs = values.abs().log2()
+    mu = (float(logs[0]) * (n - 3) + math.fsum(logs[1:].tolist())) / n
+    m = float(logs.max())
+    alpha = 15.0 / (m - mu)
+    beta = -alpha * mu
+    assert (stats.mu, stats.m, stats.alpha, stats.beta) == pytest.approx((mu, m, alpha, beta), rel=1e-12)
+    y8 = (values.sign() * torch.exp2(alpha * logs + beta)).to(torch.float8_e5m2).double()
+    want = torch.where(y8 == 0, y8, y8.sign() * torch.exp2((y8.abs().log2() - beta) / alpha)).half()
+    got = y[torch.cat([at[:3], at[-3:]])]
+    assert torch.equal(got[:3], want[:1].expand(3))  # the bulk, on both sides of 2^31
+    assert bool(((got[2:].float() - want.float()).abs() <= want.float().abs() * 2.0 ** -10).all())
+    del x, y, w16
 
 
 # -- every CPU kernel variant gives the same bits -------------------------------------------------
