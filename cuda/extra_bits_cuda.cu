@@ -9,6 +9,8 @@
 #include "extra_bits_dispatch.hpp"
 #include "lowfp/philox.hpp"
 
+#include <memory>
+
 namespace lowfp {
 namespace {
 
@@ -47,11 +49,19 @@ __device__ uint32_t* warp_random_words() {
   return reinterpret_cast<uint32_t*>(words[threadIdx.x / 32]);
 }
 
+// The parameters of one launch, passed by value as the kernel's argument: CUDA 12.1+ allows
+// 32764 bytes of arguments on Volta and newer (lowfp builds with CUDA 13, whose drivers all do).
+// So a step needs no device buffer and never waits for the GPU, where copying a table from host
+// memory would (each parameter's step, when stepping inside backward, would wait for the whole
+// backward pass queued before it). A group with more parameters takes one launch per table.
+constexpr int kSlotsPerLaunch = 384;
 struct SlotTable {
-  const ExtraBitsSlot* slots;
-  const int64_t* first_chunk;  // prefix sums of the slots' chunk counts (n_slots + 1 entries)
+  ExtraBitsSlot slots[kSlotsPerLaunch];
+  int64_t first_chunk[kSlotsPerLaunch + 1];  // prefix sums of the slots' chunk counts
   int32_t n_slots;
 };
+static_assert(sizeof(SlotTable) + sizeof(ExtraBitsParams) + sizeof(SgdHyper) + sizeof(AdamHyper) + 64
+                  <= 32764, "step_kernel's arguments must fit CUDA's 32764-byte limit");
 
 // Packed blocks per chunk. H100, 1.04e8 bfloat16 parameters, k = 8: SGD(momentum) 1.13 / 1.03 /
 // 0.88 ms and AdamW 1.48 / 1.35 / 1.34 ms for 1 / 2 / 4 blocks (bench/profile_gpu.py).
@@ -156,7 +166,7 @@ template <class W16, class Maker> constexpr int step_min_blocks() {
 // whose slot it reads once.
 template <class W16, RoundKind K, class Maker>
 __global__ void __launch_bounds__(kThreads, (step_min_blocks<W16, Maker>()))
-step_kernel(SlotTable table, ExtraBitsParams e, SgdHyper sgd, AdamHyper adam, uint64_t seed,
+step_kernel(const SlotTable table, ExtraBitsParams e, SgdHyper sgd, AdamHyper adam, uint64_t seed,
             int64_t numel, unsigned long long* counts) {
   constexpr int U = kBlocksPerChunk;
   const uint32_t lane = threadIdx.x & 31;
@@ -214,36 +224,30 @@ merge_kernel(const W16* w16, const uint32_t* words, float* w32, int64_t n, Extra
 }  // namespace
 
 void extra_bits_step_cuda(const ExtraBitsStep& s, int64_t* counts, int device, uintptr_t stream_handle) {
-  if (s.slots.empty()) return;
   const DeviceGuard guard(device);
   const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  // The slot table travels in one device buffer: slots, then the chunk prefix sums.
-  const int32_t n = int32_t(s.slots.size());
-  std::vector<int64_t> first(n + 1, 0);
-  int64_t numel = 0;
-  for (int32_t i = 0; i < n; ++i) {
-    const int64_t blocks = (s.slots[i].n + 31) / 32;
-    first[i + 1] = first[i] + (blocks + kBlocksPerChunk - 1) / kBlocksPerChunk;
-    numel += s.slots[i].n;
+  const auto table = std::make_unique<SlotTable>();  // 28 KB: not on the caller's stack
+  for (size_t begin = 0; begin < s.slots.size(); begin += kSlotsPerLaunch) {
+    const int32_t n = int32_t(min_of<size_t>(s.slots.size() - begin, kSlotsPerLaunch));
+    table->n_slots = n;
+    table->first_chunk[0] = 0;
+    int64_t numel = 0;
+    for (int32_t i = 0; i < n; ++i) {
+      const ExtraBitsSlot& slot = s.slots[begin + i];
+      const int64_t blocks = (slot.n + 31) / 32;
+      table->slots[i] = slot;
+      table->first_chunk[i + 1] = table->first_chunk[i] + (blocks + kBlocksPerChunk - 1) / kBlocksPerChunk;
+      numel += slot.n;
+    }
+    if (table->first_chunk[n] == 0) continue;  // empty parameters only
+    const int grid = grid_size(device, table->first_chunk[n] * 32);
+    dispatch_extra_bits_step(s, [&](auto w16, auto kind, auto maker) {
+      step_kernel<typename decltype(w16)::type, decltype(kind)::value, typename decltype(maker)::type>
+          <<<grid, kThreads, 0, stream>>>(*table, s.e, s.sgd, s.adam, s.seed, numel,
+                                          reinterpret_cast<unsigned long long*>(counts));
+    });
+    check(cudaGetLastError(), "kernel launch");
   }
-  const size_t slot_bytes = n * sizeof(ExtraBitsSlot), prefix_bytes = (n + 1) * sizeof(int64_t);
-  void* table = nullptr;
-  check(cudaMallocAsync(&table, slot_bytes + prefix_bytes, stream), "cudaMallocAsync");
-  check(cudaMemcpyAsync(table, s.slots.data(), slot_bytes, cudaMemcpyHostToDevice, stream), "copy");
-  check(cudaMemcpyAsync(static_cast<char*>(table) + slot_bytes, first.data(), prefix_bytes,
-                        cudaMemcpyHostToDevice, stream), "copy");
-  // The host vectors must outlive the copies from pageable memory: wait for them.
-  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-  const SlotTable t{static_cast<const ExtraBitsSlot*>(table),
-                    reinterpret_cast<const int64_t*>(static_cast<char*>(table) + slot_bytes), n};
-  const int grid = grid_size(device, first[n] * 32);
-  dispatch_extra_bits_step(s, [&](auto w16, auto kind, auto maker) {
-    step_kernel<typename decltype(w16)::type, decltype(kind)::value, typename decltype(maker)::type>
-        <<<grid, kThreads, 0, stream>>>(t, s.e, s.sgd, s.adam, s.seed, numel,
-                                        reinterpret_cast<unsigned long long*>(counts));
-  });
-  check(cudaGetLastError(), "kernel launch");
-  check(cudaFreeAsync(table, stream), "cudaFreeAsync");
 }
 
 void extra_bits_split_cuda(const ExtraBitsParams& e, Rounding mode, const ExtraBitsSplit& a,

@@ -7,7 +7,8 @@
 
 namespace lowfp {
 
-// One launch for every parameter of the step (the slots' buffers are device pointers).
+// One launch per 384 parameters of the step (the slot table is the kernel's argument; the slots'
+// buffers are device pointers); it never waits for the GPU.
 void extra_bits_step_cuda(const ExtraBitsStep& s, int64_t* counts, int device, uintptr_t stream);
 void extra_bits_split_cuda(const ExtraBitsParams& e, Rounding mode, const ExtraBitsSplit& a,
                            int64_t* counts, int device, uintptr_t stream);

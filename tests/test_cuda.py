@@ -330,6 +330,27 @@ def test_extra_bits_step_of_a_large_group_matches_cpu(opt_name, rounding):
     step_on_both(cpu_opt, gpu_opt, cpu_params, gpu_params, g, steps=2, seed=20)
 
 
+def test_extra_bits_step_of_more_parameters_than_one_launch_holds():
+    # The slot table is the kernel's argument (384 parameters a launch): 900 parameters take
+    # three launches; empty parameters are skipped, and a table of empty ones launches nothing.
+    from lowfp import optim
+    g = torch.Generator().manual_seed(6)
+    sizes = [int(n) for n in torch.randint(0, 700, (900,), generator=g)] + [0, 0]
+    cpu_params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in sizes]
+    gpu_params = [torch.nn.Parameter(p.detach().cuda()) for p in cpu_params]
+    kw = dict(lr=0.01, momentum=0.9, extra_bits=8, rounding="stochastic")
+    cpu_opt = optim.ExtraBitsSGD(cpu_params, **kw)
+    gpu_opt = optim.ExtraBitsSGD(gpu_params, **kw)
+    step_on_both(cpu_opt, gpu_opt, cpu_params, gpu_params, g, steps=2, seed=40)
+    assert gpu_opt.weight_stats.numel == 2 * sum(sizes)
+    empty = [torch.nn.Parameter(torch.zeros(0, device="cuda")) for _ in range(3)]
+    opt = optim.ExtraBitsSGD(empty, lr=0.1)
+    for p in empty:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    torch.cuda.synchronize()
+
+
 def test_emulated_training_on_cuda():
     import torch.nn.functional as F
     from lowfp import assign as A
