@@ -60,7 +60,7 @@ struct SlotTable {
   int64_t first_chunk[kSlotsPerLaunch + 1];  // prefix sums of the slots' chunk counts
   int32_t n_slots;
 };
-static_assert(sizeof(SlotTable) + sizeof(ExtraBitsParams) + sizeof(SgdHyper) + sizeof(AdamHyper) + 64
+static_assert(sizeof(SlotTable) + sizeof(ExtraBitsParams) + sizeof(SgdHyper) + sizeof(AdamHyper) + 72
                   <= 32764, "step_kernel's arguments must fit CUDA's 32764-byte limit");
 
 // Packed blocks per chunk. H100, 1.04e8 bfloat16 parameters, k = 8: SGD(momentum) 1.13 / 1.03 /
@@ -167,7 +167,8 @@ template <class W16, class Maker> constexpr int step_min_blocks() {
 template <class W16, RoundKind K, class Maker>
 __global__ void __launch_bounds__(kThreads, (step_min_blocks<W16, Maker>()))
 step_kernel(const SlotTable table, ExtraBitsParams e, SgdHyper sgd, AdamHyper adam, uint64_t seed,
-            int64_t numel, unsigned long long* counts) {
+            int64_t numel, const bool* found_inf, unsigned long long* counts) {
+  if (found_inf != nullptr && *found_inf) return;  // a non-finite gradient: skip the step
   constexpr int U = kBlocksPerChunk;
   const uint32_t lane = threadIdx.x & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
@@ -243,7 +244,7 @@ void extra_bits_step_cuda(const ExtraBitsStep& s, int64_t* counts, int device, u
     const int grid = grid_size(device, table->first_chunk[n] * 32);
     dispatch_extra_bits_step(s, [&](auto w16, auto kind, auto maker) {
       step_kernel<typename decltype(w16)::type, decltype(kind)::value, typename decltype(maker)::type>
-          <<<grid, kThreads, 0, stream>>>(*table, s.e, s.sgd, s.adam, s.seed, numel,
+          <<<grid, kThreads, 0, stream>>>(*table, s.e, s.sgd, s.adam, s.seed, numel, s.found_inf,
                                           reinterpret_cast<unsigned long long*>(counts));
     });
     check(cudaGetLastError(), "kernel launch");

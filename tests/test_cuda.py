@@ -351,6 +351,60 @@ def test_extra_bits_step_of_more_parameters_than_one_launch_holds():
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("opt_name,kw,scaler_kind", [
+    ("ExtraBitsSGD", dict(lr=0.05, momentum=0.9, dampening=0.1, rounding="stochastic"), "lowfp"),
+    ("ExtraBitsSGD", dict(lr=0.05, momentum=0.9, rounding="nearest"), "torch"),
+    ("ExtraBitsAdamW", dict(lr=1e-2, rounding="stochastic"), "lowfp"),
+])
+def test_step_in_backward_on_gpu_never_waits(opt_name, kw, scaler_kind):
+    """Stepping inside backward on the GPU: the hooks unscale, check and skip on the device, so
+    a backward pass never waits for it (CUDA's sync debug mode "error" raises on any wait). Adam
+    waits once at the end of a pass, and SGD after its first momentum step, to take back the
+    host's state of a skipped step; those passes run outside the debug mode. Bit for bit equal
+    to a twin model stepped normally on the same GPU, a non-finite gradient skipped in both."""
+    import copy
+    from lowfp import optim
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(33, 70), torch.nn.Tanh(), torch.nn.Linear(70, 3)).cuda()
+    b = copy.deepcopy(a)
+    torch.manual_seed(1)
+    opt_a = getattr(optim, opt_name)(a.parameters(), extra_bits=8, **kw)
+    torch.manual_seed(1)
+    opt_b = getattr(optim, opt_name)(b.parameters(), extra_bits=8, **kw)
+    scaler = (lowfp.DynamicLossScaler("cuda", init_scale=256.0, growth_interval=10 ** 6)
+              if scaler_kind == "lowfp" else torch.amp.GradScaler("cuda", init_scale=256.0))
+    handle = optim.step_in_backward(opt_b, scaler=scaler)
+    x, y = torch.randn(64, 33, device="cuda").bfloat16(), torch.randint(0, 3, (64,), device="cuda")
+    loss_of = lambda model: torch.nn.functional.cross_entropy(model(x).float(), y)
+    for step in range(4):
+        opt_a.zero_grad()
+        loss_of(a).backward()
+        skip = step == 2
+        if skip:
+            a[2].bias.grad = None
+            inf_hook = b[2].bias.register_hook(lambda g: torch.full_like(g, float("inf")))
+        torch.manual_seed(step)
+        opt_a.step()
+        waits = step == 0 or opt_name == "ExtraBitsAdamW"
+        torch.manual_seed(step)
+        scaled = scaler.scale(loss_of(b))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("default" if waits else "error")
+        try:
+            scaled.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if skip:
+            inf_hook.remove()
+        assert handle.found_inf == skip and handle.skipped == int(step >= 2)
+        for wa, wb in zip(opt_a.master_weights(), opt_b.master_weights()):
+            assert torch.equal(wa, wb), step
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            if "step" in opt_b.state[pb]:
+                assert float(opt_b.state[pb]["step"]) == float(opt_a.state[pa].get("step", 0.0))
+    handle.remove()
+
+
 def test_emulated_training_on_cuda():
     import torch.nn.functional as F
     from lowfp import assign as A

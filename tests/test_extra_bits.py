@@ -595,28 +595,77 @@ def test_step_in_backward_equals_a_normal_step(opt_cls, kw):
     assert all(p.grad is not None for p in b.parameters())  # hooks gone: ordinary gradients
 
 
-def test_step_in_backward_unscales_clips_and_skips():
+class DuckScaler:
+    """Only get_scale(): what step_in_backward needs of a scaler."""
+
+    def __init__(self, scale):
+        self.scale_value = scale
+
+    def get_scale(self):
+        return self.scale_value
+
+    def scale(self, loss):
+        return loss * self.scale_value
+
+
+@pytest.mark.parametrize("scaler_kind", ["duck", "torch"])
+def test_step_in_backward_unscales_clips_and_skips(scaler_kind):
     a, b, opt_a, opt_b = twin_models(ExtraBitsSGD, lr=0.1, extra_bits=16)
-
-    class Scaler:
-        def get_scale(self):
-            return 1024.0
-
-    handle = lowfp.optim.step_in_backward(opt_b, scaler=Scaler(), clip_value=0.01)
+    # torch's GradScaler keeps its scale in a tensor, read without waiting for the device.
+    scaler = DuckScaler(1024.0) if scaler_kind == "duck" else torch.amp.GradScaler("cpu", init_scale=1024.0)
+    handle = lowfp.optim.step_in_backward(opt_b, scaler=scaler, clip_value=0.01)
     x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
     loss_of(a, x, y).backward()
     for p in a.parameters():
         p.grad = p.grad.float().clamp(-0.01, 0.01).to(p.dtype)
     opt_a.step()
-    loss_of(b, x, y, scale=1024.0).backward()
+    scaler.scale(loss_of(b, x, y)).backward()
     assert all(torch.equal(wa, wb) for wa, wb in zip(opt_a.master_weights(), opt_b.master_weights()))
     assert handle.skipped == 0 and not handle.found_inf
     before = opt_b.master_weights()
-    b[4].bias.register_hook(lambda g: torch.full_like(g, float("inf")))
-    loss_of(b, x, y, scale=1024.0).backward()
+    inf_hook = b[4].bias.register_hook(lambda g: torch.full_like(g, float("inf")))
+    scaler.scale(loss_of(b, x, y)).backward()
     after = opt_b.master_weights()
     assert handle.skipped == 1 and handle.found_inf
     assert torch.equal(before[-1], after[-1]) and not torch.equal(before[0], after[0])
+    inf_hook.remove()
+    scaler.scale(loss_of(b, x, y)).backward()
+    assert handle.skipped == 1 and not handle.found_inf  # found_inf is the last pass's
+    assert not torch.equal(after[-1], opt_b.master_weights()[-1])
+
+
+@pytest.mark.parametrize("opt_cls, kw", [
+    (ExtraBitsSGD, dict(lr=0.1, momentum=0.9, dampening=0.5)),
+    (ExtraBitsAdam, dict(lr=1e-2, amsgrad=True)),
+    (ExtraBitsAdamW, dict(lr=1e-2)),
+])
+def test_step_in_backward_skip_leaves_no_state_behind(opt_cls, kw):
+    """The device skips a step whose gradient is not finite; the state the host keeps (SGD's
+    first momentum step, Adam's step count) is taken back at the end of the pass, so the
+    parameter then steps as one that had no gradient in that pass (torch.optim's behaviour)."""
+    a, b, opt_a, opt_b = twin_models(opt_cls, extra_bits=16, **kw)
+    handle = lowfp.optim.step_in_backward(opt_b)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    for step in range(4):
+        opt_a.zero_grad()
+        loss_of(a, x, y).backward()
+        inf_hook = None
+        if step in (0, 2):  # the first step, then a later one
+            a[4].bias.grad = None
+            inf_hook = b[4].bias.register_hook(lambda g: torch.full_like(g, float("nan")))
+        opt_a.step()
+        loss_of(b, x, y).backward()
+        if inf_hook is not None:
+            inf_hook.remove()
+        assert handle.found_inf == (step in (0, 2)) and handle.skipped == (1 if step < 2 else 2)
+        for wa, wb in zip(opt_a.master_weights(), opt_b.master_weights()):
+            assert torch.equal(wa, wb), step
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            sa, sb = opt_a.state[pa], opt_b.state[pb]
+            if "step" in sb:  # a parameter that has not stepped yet has no state in torch
+                assert float(sb["step"]) == float(sa.get("step", 0.0)), step
+            assert ("momentum_buffer" in sa) == ("momentum_buffer" in sb), step
+    handle.remove()
 
 
 def test_step_in_backward_refusals():

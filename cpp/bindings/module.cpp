@@ -54,6 +54,7 @@ PYBIND11_MODULE(_C, mod) {
         extra_bits_merge_cpu(e, a);
       },
       [](const ExtraBitsStep& s, int64_t* counts, int32_t, uintptr_t) {
+        if (s.found_inf != nullptr && *s.found_inf) return;  // as step_kernel does on the GPU
         int64_t n = 0;
         for (const ExtraBitsSlot& slot : s.slots) n += slot.n;
         add_counts(extra_bits_step_cpu(s), n, counts);

@@ -53,6 +53,10 @@ struct ExtraBitsStep {
   AdamHyper adam;
   uint64_t seed;
   std::vector<ExtraBitsSlot> slots;
+  // One bool on the weights' device, or null: when it holds true the whole step is skipped
+  // (nothing written, nothing counted). Stepping inside backward sets it from the gradient's
+  // finiteness check on the device, so the host never waits for that check.
+  const bool* found_inf;
 };
 
 }  // namespace lowfp

@@ -49,6 +49,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         self.weight_stats: Optional[Stats] = None  # 16-bit weight roundings (on the params' device)
         self._step_in_backward: Optional[StepInBackward] = None  # the active handle, if any
         self._philox_offset: Dict[int, int] = {}  # per parameter, set once in add_param_group
+        self._maybe_skipped: List[tuple] = []  # see _settle_skipped_steps
         super().__init__(params, defaults)
 
     # -- parameters -------------------------------------------------------------------------
@@ -101,6 +102,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._step_in_backward = None  # hooks stay with the original parameters
+        self._maybe_skipped = []
         self._philox_offset = {}  # keyed by id(): rebuilt for the new parameter objects
         for group in self.param_groups:
             self._set_philox_offsets(group)
@@ -118,6 +120,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        self._settle_skipped_steps()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -140,21 +143,23 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         return g.contiguous()
 
     def _step_params(self, group: dict, params: List[torch.Tensor], seed: Optional[int] = None,
-                     grads: Optional[Dict[int, torch.Tensor]] = None) -> None:
+                     grads: Optional[Dict[int, torch.Tensor]] = None,
+                     found_inf: Optional[torch.Tensor] = None) -> None:
         """One fused call per set of parameters that share their per-parameter hyperparameters.
         Stochastic rounding uses one seed per group and step; each parameter's Philox offset is
         fixed by its place in the group, so stepping parameters one by one (step in backward)
-        gives the same result as stepping them together."""
+        gives the same result as stepping them together. ``found_inf``, a bool on the
+        parameters' device, skips the step on the device when true."""
         if seed is None:
             seed = draw_seed() if group["rounding"] == "stochastic" else 0
         batches: Dict[tuple, list] = {}
         for p in params:
             batches.setdefault(self._batch_key(group, p), []).append(p)
         for key, ps in batches.items():
-            self._fused_call(group, ps, key, seed, grads or {})
+            self._fused_call(group, ps, key, seed, grads or {}, found_inf)
 
     def _fused_call(self, group: dict, params: List[torch.Tensor], key: tuple, seed: int,
-                    grads: Dict[int, torch.Tensor]) -> None:
+                    grads: Dict[int, torch.Tensor], found_inf: Optional[torch.Tensor]) -> None:
         hyper = self._hyper(group, key)
         rounding = group["rounding"]
         state_dtype = group["state_dtype"]
@@ -173,15 +178,48 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             slots.append((p.data_ptr(), g.data_ptr(), extra.data_ptr(), *ptrs, p.numel(),
                           self._philox_offset[id(p)]))
         mod, device, stream = backends.native(params[0], "parameter")
+        skip_flag = 0
+        if found_inf is not None:
+            if (found_inf.dtype != torch.bool or found_inf.numel() != 1
+                    or found_inf.device != params[0].device):
+                raise ValueError(f"found_inf must be one bool on {params[0].device}")
+            keep.append(found_inf)
+            skip_flag = found_inf.data_ptr()
         for dtype in {p.dtype for p in params}:
             chosen = [s for s, p in zip(slots, params) if p.dtype == dtype]
             mod.extra_bits_step(self._opt_code, DTYPE_CODES[dtype], group["extra_bits"],
                                 ROUNDING_MODES.index(rounding), DTYPE_CODES[state_dtype], hyper, seed,
-                                chosen, self.weight_stats.counts.data_ptr(), device, stream)
+                                chosen, skip_flag, self.weight_stats.counts.data_ptr(), device, stream)
         self._after_step(params)
+        if found_inf is not None and self._host_state_changed(key):
+            self._maybe_skipped.extend((p, key, found_inf) for p in params)
 
-    # Subclasses: _batch_key, _hyper, _moments, _after_step.
+    def _settle_skipped_steps(self) -> None:
+        """Take back the host-side state (Adam's step count, SGD's first momentum step) of
+        parameters whose step the device skipped for a non-finite gradient. The skip is decided
+        on the device, so this waits for it: once per backward pass, at its end, and only when a
+        skipped step would have changed host state."""
+        if not self._maybe_skipped:
+            return
+        pending, self._maybe_skipped = self._maybe_skipped, []
+        skipped = torch.stack([f.reshape(()) for _, _, f in pending]).tolist()
+        for (p, key, _), was_skipped in zip(pending, skipped):
+            if was_skipped:
+                self._undo_host_state(p, key)
+
+    def state_dict(self) -> dict:
+        self._settle_skipped_steps()
+        return super().state_dict()
+
+    # Subclasses: _batch_key, _hyper, _moments, _after_step, _host_state_changed, _undo_host_state.
     def _after_step(self, params) -> None:
+        pass
+
+    def _host_state_changed(self, key: tuple) -> bool:
+        """Whether a step of this batch key changed state the host keeps (so a skip must undo it)."""
+        return False
+
+    def _undo_host_state(self, p: torch.Tensor, key: tuple) -> None:
         pass
 
     # -- inspection and state -------------------------------------------------------------------
@@ -326,6 +364,12 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
         return (-group["lr"], group["momentum"], 1 - group["dampening"], group["weight_decay"],
                 group["nesterov"], group["maximize"], first, group["momentum"] != 0)
 
+    def _host_state_changed(self, key) -> bool:
+        return key[0]  # the first momentum step: the buffer is taken as existing from now on
+
+    def _undo_host_state(self, p, key) -> None:
+        del self.state[p]["momentum_buffer"]  # still zeros: the next step is the first again
+
     def _moments(self, p, group, state_dtype):
         if group["momentum"] == 0:
             return []
@@ -396,6 +440,12 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
     def _after_step(self, params) -> None:
         torch._foreach_add_([self.state[p]["step"] for p in params], 1.0)  # one call, as torch.optim
 
+    def _host_state_changed(self, key) -> bool:
+        return True  # the step count
+
+    def _undo_host_state(self, p, key) -> None:
+        self.state[p]["step"] -= 1
+
 
 class ExtraBitsAdamW(ExtraBitsAdam):
     """torch.optim.AdamW (decoupled weight decay, default ``weight_decay=1e-2``) on W' =
@@ -410,18 +460,28 @@ class ExtraBitsAdamW(ExtraBitsAdam):
 
 class StepInBackward:
     """The handle :func:`step_in_backward` returns: ``remove()`` takes the hooks off;
-    ``skipped`` counts parameter steps skipped for a non-finite gradient (``found_inf`` says
-    whether the last backward pass had one)."""
+    ``skipped`` counts parameter steps skipped for a non-finite gradient and ``found_inf`` says
+    whether the last backward pass skipped one. Both are kept on the parameters' device (the
+    hooks never wait for it); reading them waits."""
 
     def __init__(self, optimizer: _ExtraBitsOptimizer, clip_value: Optional[float], scaler):
         self.optimizer, self.clip_value, self.scaler = optimizer, clip_value, scaler
-        self.skipped = 0
-        self.found_inf = False
+        # Parameters skipped [in all, in the current pass], on the parameters' device.
+        self._skip_counts: Optional[torch.Tensor] = None
+        self._inverse_scale = 1.0  # of the current pass: a float, or a float32 tensor on the device
         self._seeds: Optional[Dict[int, int]] = None  # per group, drawn at the first hook of a pass
         self._handles = []
         optimizer._step_in_backward = self
         for gi in range(len(optimizer.param_groups)):
             self._hook_group(gi)
+
+    @property
+    def skipped(self) -> int:
+        return 0 if self._skip_counts is None else int(self._skip_counts[0])
+
+    @property
+    def found_inf(self) -> bool:
+        return self._skip_counts is not None and bool(self._skip_counts[1])
 
     def _hook_group(self, gi: int) -> None:
         for p in self.optimizer.param_groups[gi]["params"]:
@@ -432,45 +492,55 @@ class StepInBackward:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.optimizer._settle_skipped_steps()
         if self.optimizer._step_in_backward is self:
             self.optimizer._step_in_backward = None
 
+    def _start_pass(self, device: torch.device) -> None:
+        opt = self.optimizer
+        opt._settle_skipped_steps()  # left over when the last backward pass raised
+        self._seeds = {i: (draw_seed() if g["rounding"] == "stochastic" else 0)
+                       for i, g in enumerate(opt.param_groups)}
+        if self._skip_counts is None:
+            self._skip_counts = torch.zeros(2, dtype=torch.int64, device=device)
+        else:
+            self._skip_counts[1].zero_()
+        if self.scaler is not None:
+            self._inverse_scale = self._read_inverse_scale(device)
+            note = getattr(self.scaler, "_watch_skips_in_backward", None)  # lowfp.DynamicLossScaler
+            if note is not None:
+                note(self, self._skip_counts[1])
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _read_inverse_scale(self, device: torch.device):
+        # torch.amp.GradScaler keeps its scale on the device, where get_scale() would wait for
+        # it; unscale as its unscale_ does, by the float32 rounding of the float64 reciprocal.
+        read_async = getattr(self.scaler, "_get_scale_async", None)
+        scale = read_async() if callable(read_async) else None
+        if isinstance(scale, torch.Tensor):
+            return scale.to(device).reshape(()).double().reciprocal().float()
+        return 1.0 / float(self.scaler.get_scale())
+
     def _end_of_backward(self) -> None:
         self._seeds = None
-
-    def _skip(self, p: torch.Tensor) -> None:
-        self.skipped += 1
-        self.found_inf = True
-        p.grad = None
-        note = getattr(self.scaler, "_record_found_inf", None)  # lowfp.DynamicLossScaler
-        if note is not None:
-            note()
+        self.optimizer._settle_skipped_steps()
 
     @torch.no_grad()
     def _hook(self, p: torch.Tensor, gi: int) -> None:
         opt = self.optimizer
-        group = opt.param_groups[gi]
         if self._seeds is None:  # first parameter of this backward pass
-            self.found_inf = False
-            self._seeds = {i: (draw_seed() if g["rounding"] == "stochastic" else 0)
-                           for i, g in enumerate(opt.param_groups)}
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._start_pass(p.device)
         g = p.grad
-        if self.scaler is not None or self.clip_value is not None:
-            g = g.float()
-            if self.scaler is not None:
-                g = g * (1.0 / float(self.scaler.get_scale()))
-            if not bool(torch.isfinite(g).all()):
-                self._skip(p)
-                return
-            if self.clip_value is not None:
-                g = g.clamp(-self.clip_value, self.clip_value)
-            g = g.to(p.dtype)
-        elif not bool(torch.isfinite(g).all()):
-            self._skip(p)
-            return
-        opt._step_params(group, [p], seed=self._seeds[gi], grads={id(p): opt._grad_of(p, g)})
-        p.grad = None  # freed as soon as it is used
+        if self.scaler is not None:
+            g = g.float() * self._inverse_scale
+        # Decided on the device: the fused step reads it and does nothing when it is true.
+        found_inf = torch.isfinite(g).all().logical_not_()
+        self._skip_counts.add_(found_inf)
+        if self.clip_value is not None:
+            g = g.float().clamp(-self.clip_value, self.clip_value)
+        opt._step_params(opt.param_groups[gi], [p], seed=self._seeds[gi],
+                         grads={id(p): opt._grad_of(p, g)}, found_inf=found_inf)
+        p.grad = None  # freed as soon as it is used (the device keeps it until the step has run)
 
 
 def step_in_backward(optimizer, *, clip_value: Optional[float] = None, scaler=None,
@@ -485,11 +555,17 @@ def step_in_backward(optimizer, *, clip_value: Optional[float] = None, scaler=No
         clip_value: clamp every gradient element to [-clip_value, clip_value] (after unscaling).
         scaler: a loss scaler with ``get_scale()``: gradients are divided by it; a parameter whose
             unscaled gradient is not finite is not stepped (counted in ``handle.skipped``; the
-            pass sets ``handle.found_inf`` for the scaler's update).
+            pass sets ``handle.found_inf``, and lowfp.DynamicLossScaler's ``update()`` backs off).
+            torch.amp.GradScaler's scale is read on the device; its ``update()`` needs
+            ``new_scale`` here, as no ``step`` records its checks.
         clip_norm, accumulation_steps, model: refused where they cannot work: norm clipping needs
             every gradient before any step, accumulation needs gradients kept across backward
             passes, and DistributedDataParallel reduces gradients after these hooks would run.
     Returns a handle whose ``remove()`` restores ordinary stepping.
+
+    On a GPU the hooks never wait for it: the finiteness check is a flag on the device that the
+    fused step reads. Adam (its step count) and SGD's first momentum step wait once at the end
+    of the pass to take back a skipped step's host-side state.
     """
     if not isinstance(optimizer, _ExtraBitsOptimizer):
         raise TypeError(f"optimizer must be a lowfp ExtraBits optimizer, got {type(optimizer).__name__}")

@@ -44,7 +44,9 @@ class DynamicLossScaler:
         self._growth_tracker = 0
         self._enabled = enabled
         self._states: Dict[int, dict] = {}
-        self._found_inf_in_backward = False
+        # step_in_backward handles' counts of parameters skipped in their current pass (device
+        # tensors, read at update()), by handle.
+        self._skips_in_backward: Dict[int, torch.Tensor] = {}
         self.emulator = None
         if emulator is not None:
             self.watch(emulator)
@@ -150,9 +152,10 @@ class DynamicLossScaler:
         state["stage"] = _STEPPED
         return result
 
-    def _record_found_inf(self) -> None:
-        """Called by step_in_backward when a parameter's unscaled gradient was not finite."""
-        self._found_inf_in_backward = True
+    def _watch_skips_in_backward(self, handle, count: torch.Tensor) -> None:
+        """Called by step_in_backward at the start of a backward pass: ``count`` will hold the
+        number of parameters whose unscaled gradient was not finite in that pass."""
+        self._skips_in_backward[id(handle)] = count
 
     def update(self, new_scale: Optional[float] = None) -> None:
         """Back off after a skipped step, grow after growth_interval clean steps (or set
@@ -167,8 +170,8 @@ class DynamicLossScaler:
             self._scale = float(new_scale)
         else:
             infs = [s["found_inf"] for s in self._states.values() if s["found_inf"] is not None]
-            found = self._found_inf_in_backward or any(bool(f) for f in infs)
-            if not infs and not self._found_inf_in_backward and self.emulator is not None:
+            found = any(bool(f) for f in infs + list(self._skips_in_backward.values()))
+            if not infs and not found and self.emulator is not None:
                 found = bool(self.emulator.backward_overflows() > 0)  # step_in_backward runs
             if found:
                 self._scale *= self._backoff_factor
@@ -179,7 +182,7 @@ class DynamicLossScaler:
                     self._scale *= self._growth_factor
                     self._growth_tracker = 0
         self._states.clear()
-        self._found_inf_in_backward = False
+        self._skips_in_backward.clear()
 
     def state_dict(self) -> dict:
         if not self._enabled:
