@@ -14,7 +14,9 @@ moments: `memory_bytes()`), read once and written once, plus the 16-bit gradient
 bandwidth they are compared with is `y.copy_(x)`'s (bytes read + written), measured in the same run.
 Also: `lowfp.extra_bits.split` / `merge` on their own against torch's casts to and from the 16-bit
 type, in the same rounds; and the peak memory of a training step of a model whose gradients are a
-large share of memory, with the step inside backward or not (CPU: max RSS, separate processes; GPU: torch's peak allocation).
+large share of memory, with the step inside backward or not (CPU: max RSS, separate processes; GPU: torch's peak allocation);
+and the time of a whole training iteration (forward, backward, step) with the step after backward
+or inside it, with and without a loss scaler: on a GPU the hooks never wait for the device.
 """
 
 import argparse
@@ -186,6 +188,38 @@ def peak_memory_cuda(mode, width=4096, depth=12):
     return base, peak
 
 
+def iteration_cases(device, width, depth, batch=64):
+    """One training iteration (forward, backward, ExtraBitsSGD(momentum) k=8 step) of
+    depth x Linear(width, width) in bfloat16, stepped after backward or inside it, the latter
+    also with lowfp.DynamicLossScaler (its update() reads the pass's skip count: one wait an
+    iteration). Returns {label: fn}; each label's model and optimizer are its own."""
+    from lowfp.optim import step_in_backward
+    fns = {}
+    for mode in ("step after backward", "step inside backward",
+                 "step inside backward + DynamicLossScaler"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
+        model = model.to(device=device, dtype=torch.bfloat16)
+        opt = ExtraBitsSGD(model.parameters(), lr=1e-3, momentum=0.9, extra_bits=8)
+        x = torch.randn(batch, width, device=device).bfloat16()
+        scaler = lowfp.DynamicLossScaler(device) if "Scaler" in mode else None
+        if mode != "step after backward":
+            step_in_backward(opt, scaler=scaler)
+
+        def one(model=model, opt=opt, x=x, scaler=scaler, after=mode == "step after backward"):
+            loss = model(x).float().square().mean()
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            if after:
+                opt.step()
+                opt.zero_grad()
+            if scaler is not None:
+                scaler.update()
+        for _ in range(3):  # optimizer state created, kernels and allocator warm
+            one()
+        fns[mode] = one
+    return fns
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -271,6 +305,18 @@ def main(argv=None):
               f"step inside backward: {inside / 2**20:.0f} MiB (before {b1 / 2**20:.0f}); "
               f"{(normal - inside) / 2**20:.0f} MiB less")
         result["peak_memory"] = {"normal": normal, "in_backward": inside, "before": [b0, b1]}
+    width, depth = (1024, 48) if cuda else (256, 24)
+    fns = iteration_cases(args.device, width, depth)
+    best = time_interleaved(fns, max(args.repeats, 11), once)
+    base = best["step after backward"]
+    print(f"\ntraining iteration, {depth} x Linear({width}, {width}) bf16, batch 64, ExtraBitsSGD "
+          f"momentum k=8, best of {max(args.repeats, 11)} interleaved rounds")
+    print(f"{'what':58s} {'ms':>8s} {'vs step after':>14s}")
+    result["iteration"] = []
+    for label, sec in best.items():
+        print(f"{label:58s} {sec * 1e3:8.3f} {base / sec:14.2f}")
+        result["iteration"].append({"label": label, "seconds": sec, "vs_step_after": base / sec})
+    del fns
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
