@@ -634,6 +634,17 @@ def test_step_in_backward_unscales_clips_and_skips(scaler_kind):
     assert not torch.equal(after[-1], opt_b.master_weights()[-1])
 
 
+@pytest.mark.parametrize("make_scaler", [lambda: torch.amp.GradScaler("cpu", enabled=False),
+                                         lambda: lowfp.DynamicLossScaler(enabled=False)])
+def test_step_in_backward_with_a_disabled_scaler_steps_as_without(make_scaler):
+    # A disabled torch GradScaler has no scale tensor at all: its get_scale() (1.0) is used.
+    a, b, opt_a, opt_b = twin_models(ExtraBitsAdamW, lr=1e-2, extra_bits=8)
+    handle = lowfp.optim.step_in_backward(opt_b, scaler=make_scaler())
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    steps_match_inside_backward(a, b, opt_a, opt_b, x, y, steps=3)
+    assert handle.skipped == 0
+
+
 @pytest.mark.parametrize("opt_cls, kw", [
     (ExtraBitsSGD, dict(lr=0.1, momentum=0.9, dampening=0.5)),
     (ExtraBitsAdam, dict(lr=1e-2, amsgrad=True)),

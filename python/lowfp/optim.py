@@ -515,6 +515,9 @@ class StepInBackward:
     def _read_inverse_scale(self, device: torch.device):
         # torch.amp.GradScaler keeps its scale on the device, where get_scale() would wait for
         # it; unscale as its unscale_ does, by the float32 rounding of the float64 reciprocal.
+        enabled = getattr(self.scaler, "is_enabled", None)
+        if callable(enabled) and not enabled():
+            return 1.0
         read_async = getattr(self.scaler, "_get_scale_async", None)
         scale = read_async() if callable(read_async) else None
         if isinstance(scale, torch.Tensor):
