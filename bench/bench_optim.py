@@ -16,7 +16,9 @@ Also: `lowfp.extra_bits.split` / `merge` on their own against torch's casts to a
 type, in the same rounds; and the peak memory of a training step of a model whose gradients are a
 large share of memory, with the step inside backward or not (CPU: max RSS, separate processes; GPU: torch's peak allocation);
 and the time of a whole training iteration (forward, backward, step) with the step after backward
-or inside it, with and without a loss scaler: on a GPU the hooks never wait for the device.
+or inside it, with and without a loss scaler: on a GPU the hooks never wait for the device; and
+the non-finite check of a gradient that those hooks and DynamicLossScaler make
+(`lowfp.scaler.any_non_finite`) against `torch.isfinite(g).all()`.
 """
 
 import argparse
@@ -317,6 +319,20 @@ def main(argv=None):
         print(f"{label:58s} {sec * 1e3:8.3f} {base / sec:14.2f}")
         result["iteration"].append({"label": label, "seconds": sec, "vs_step_after": base / sec})
     del fns
+    from lowfp.scaler import any_non_finite
+    print(f"\nnon-finite check of one gradient, best of {max(args.repeats, 11)} interleaved rounds")
+    print(f"{'what':58s} {'ms':>8s} {'vs isfinite.all':>16s}")
+    result["non_finite_check"] = []
+    for n in (1 << 16, 1 << 22):
+        for dtype in (torch.bfloat16, torch.float32):
+            g = torch.randn(n, device=args.device).to(dtype)
+            name = str(dtype).replace("torch.", "")
+            fns = {"isfinite": lambda g=g: torch.isfinite(g).all(), "ours": lambda g=g: any_non_finite(g)}
+            best = time_interleaved(fns, max(args.repeats, 11), once)
+            label = f"any_non_finite, {n} {name}"
+            print(f"{label:58s} {best['ours'] * 1e3:8.3f} {best['isfinite'] / best['ours']:16.2f}")
+            result["non_finite_check"].append({"label": label, "seconds": best["ours"],
+                                               "isfinite_seconds": best["isfinite"]})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

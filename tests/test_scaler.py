@@ -125,3 +125,22 @@ def test_disabled_and_errors():
     sc.step(opt)
     with pytest.raises(RuntimeError, match="already been called"):
         sc.step(opt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_any_non_finite_agrees_with_isfinite(dtype):
+    from lowfp.scaler import any_non_finite
+    big = torch.finfo(dtype).max
+    cases = [torch.zeros(0, dtype=dtype), torch.tensor(1.5, dtype=dtype),
+             torch.full((1000,), big, dtype=dtype), -torch.full((7, 3), big, dtype=dtype),
+             torch.randn(64, 48).to(dtype)[:, ::3]]  # non-contiguous
+    for special in (float("nan"), float("inf"), -float("inf")):
+        for where in (0, 517, 4095):
+            t = torch.randn(4096).to(dtype)
+            t[where] = special
+            cases.append(t)
+        cases.append(torch.tensor(special, dtype=dtype))
+    for t in cases:
+        found = any_non_finite(t)
+        assert found.dtype == torch.bool and found.shape == ()
+        assert bool(found) == (not bool(torch.isfinite(t).all())), t

@@ -26,6 +26,7 @@ import torch
 from . import backends
 from .extra_bits import (EXTRA_BITS_ROUNDING, check_extra_bits, merge, packed_words, split)
 from .quantize import DTYPE_CODES, ROUNDING_MODES, draw_seed
+from .scaler import any_non_finite
 from .stats import Stats
 
 __all__ = ["ExtraBitsSGD", "ExtraBitsAdam", "ExtraBitsAdamW", "step_in_backward", "StepInBackward"]
@@ -537,7 +538,7 @@ class StepInBackward:
         if self.scaler is not None:
             g = g.float() * self._inverse_scale
         # Decided on the device: the fused step reads it and does nothing when it is true.
-        found_inf = torch.isfinite(g).all().logical_not_()
+        found_inf = any_non_finite(g)
         self._skip_counts.add_(found_inf)
         if self.clip_value is not None:
             g = g.float().clamp(-self.clip_value, self.clip_value)
