@@ -381,6 +381,8 @@ def test_more_threads_than_work_give_the_same_results():
     x[::7] = float("inf")
     old = lowfp.get_num_threads()
     try:
+        lowfp.set_num_threads(0)
+        assert lowfp.get_num_threads() == os.cpu_count()  # 0: one per core
         results = []
         for n in (1, 10**6):
             lowfp.set_num_threads(n)
