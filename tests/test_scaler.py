@@ -140,7 +140,29 @@ def test_any_non_finite_agrees_with_isfinite(dtype):
             t[where] = special
             cases.append(t)
         cases.append(torch.tensor(special, dtype=dtype))
+        # Long enough for several threads: the first element, the middle, the last.
+        for where in (0, 100_001, 200_002):
+            t = torch.randn(200_003).to(dtype)
+            t[where] = special
+            cases.append(t)
+    # NaNs of every sign and payload (a signalling one among them), and the smallest subnormal.
+    bits, itype = {torch.float16: (0xFE01, torch.int16), torch.bfloat16: (0xFFC1, torch.int16),
+                   torch.float32: (0xFF800001, torch.int32),
+                   torch.float64: (0xFFF0000000000001, torch.int64)}[dtype]
+    width = torch.finfo(dtype).bits
+    for payload in (bits, bits & ~(1 << (width - 1))):
+        raw = torch.tensor([payload - (1 << width) if payload >= 1 << (width - 1) else payload],
+                           dtype=itype)
+        cases.append(torch.cat([torch.ones(5, dtype=dtype), raw.view(dtype)]))
+    cases.append(torch.full((9,), torch.finfo(dtype).smallest_normal, dtype=dtype) / 4)
+    counts, expected = torch.tensor([5, 0, -2]), torch.tensor([5, 0, -2])
     for t in cases:
         found = any_non_finite(t)
         assert found.dtype == torch.bool and found.shape == ()
         assert bool(found) == (not bool(torch.isfinite(t).all())), t
+        assert bool(any_non_finite(t, count_into=counts)) == bool(found)
+        expected += int(found)
+        assert torch.equal(counts, expected)
+    for bad in (torch.zeros(2), torch.zeros(4, dtype=torch.int64)[::2]):
+        with pytest.raises(ValueError, match="count_into must be a contiguous int64 tensor"):
+            any_non_finite(cases[1], count_into=bad)

@@ -59,6 +59,16 @@ PYBIND11_MODULE(_C, mod) {
         for (const ExtraBitsSlot& slot : s.slots) n += slot.n;
         add_counts(extra_bits_step_cpu(s), n, counts);
       });
+  // Writes whether any element of a float16/bfloat16/float32/float64 buffer is inf or NaN
+  // to the bool at out, and adds it (0 or 1) to each of the n_counts int64 at counts.
+  mod.def("any_non_finite", [](uintptr_t x, int32_t dtype, int64_t n, uintptr_t out,
+                               uintptr_t counts, int64_t n_counts) {
+    if (dtype < 0 || dtype > 3) throw std::invalid_argument("bad dtype code");
+    pybind11::gil_scoped_release release;
+    const bool found = any_non_finite_cpu(DType(dtype), reinterpret_cast<const void*>(x), n);
+    *reinterpret_cast<bool*>(out) = found;
+    for (int64_t i = 0; i < n_counts; ++i) reinterpret_cast<int64_t*>(counts)[i] += found;
+  });
   mod.def("philox4x32_10", &philox);
   // The deterministic log2/exp2 that S2FP8 uses (tests compare them with float64 references).
   mod.def("log2_det", [](double x) { return log2_det(x); });

@@ -21,13 +21,15 @@ struct Kernel {
   void (*extra_bits_split)(const ExtraBitsParams&, Rounding, const ExtraBitsSplit&, int64_t, int64_t,
                            EventCounts&);
   void (*extra_bits_merge)(const ExtraBitsParams&, const ExtraBitsMerge&, int64_t, int64_t);
+  bool (*any_non_finite)(DType, const void*, int64_t, int64_t);
   const char* name;
 };
 
 #define LOWFP_KERNEL(ns, name)                                                     \
   {                                                                                \
     ns::quantize_range, ns::s2fp8_reduce_range, ns::s2fp8_transform_range,         \
-        ns::extra_bits_step_range, ns::extra_bits_split_range, ns::extra_bits_merge_range, name \
+        ns::extra_bits_step_range, ns::extra_bits_split_range, ns::extra_bits_merge_range, \
+        ns::any_non_finite_range, name                                                 \
   }
 
 bool cpu_has(const char* level) {
@@ -207,6 +209,15 @@ EventCounts extra_bits_split_cpu(const ExtraBitsParams& e, Rounding mode, const 
 void extra_bits_merge_cpu(const ExtraBitsParams& e, const ExtraBitsMerge& a) {
   const auto fn = kernel().extra_bits_merge;
   parallel_blocks(a.n, [&](int, int64_t b0, int64_t b1) { fn(e, a, b0, b1); });
+}
+
+bool any_non_finite_cpu(DType t, const void* x, int64_t n) {
+  PerThread<bool> found(threads_for(n));
+  const auto fn = kernel().any_non_finite;
+  parallel_tiles(n, [&](int i, int64_t begin, int64_t end) { found[i].v = fn(t, x, begin, end); });
+  for (const Slot<bool>& f : found)
+    if (f.v) return true;
+  return false;
 }
 
 EventCounts extra_bits_step_cpu(const ExtraBitsStep& s) {

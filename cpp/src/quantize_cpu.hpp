@@ -90,6 +90,7 @@ constexpr int64_t kTile = 2048;
   void extra_bits_split_range(const ExtraBitsParams&, Rounding, const ExtraBitsSplit&, int64_t,   \
                               int64_t, EventCounts&);                                         \
   void extra_bits_merge_range(const ExtraBitsParams&, const ExtraBitsMerge&, int64_t, int64_t); \
+  bool any_non_finite_range(DType, const void*, int64_t, int64_t);                           \
   }
 LOWFP_DECLARE_KERNEL(isa_baseline)
 LOWFP_DECLARE_KERNEL(isa_avx2)
@@ -113,6 +114,10 @@ EventCounts extra_bits_split_cpu(const ExtraBitsParams& e, Rounding mode, const 
 void extra_bits_merge_cpu(const ExtraBitsParams& e, const ExtraBitsMerge& a);
 // One fused optimizer step over every slot (parameter) of a group, all threads over all blocks.
 EventCounts extra_bits_step_cpu(const ExtraBitsStep& s);
+
+// Whether any of the n elements of x (a float16/bfloat16/float32/float64 buffer) is an infinity
+// or a NaN.
+bool any_non_finite_cpu(DType t, const void* x, int64_t n);
 
 const char* cpu_kernel_name();
 void set_num_threads(int n);

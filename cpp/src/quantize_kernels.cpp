@@ -78,5 +78,31 @@ void quantize_range(const QuantizeCall& c, int64_t begin, int64_t end, EventCoun
   });
 }
 
+namespace {
+
+// An OR of per-element flags in the storage width, so the loop vectorises (no early exit: a
+// non-finite gradient is the rare case, and the loop is memory-bound).
+template <class U>
+bool any_non_finite_in(const U* x, int64_t begin, int64_t end, U exponent) {
+  U any = 0;
+  for (int64_t i = begin; i < end; ++i) any |= U(non_finite_bits(x[i], exponent));
+  return any != 0;
+}
+
+}  // namespace
+
+bool any_non_finite_range(DType t, const void* x, int64_t begin, int64_t end) {
+  const uint64_t mask = exponent_mask(t);
+  switch (t) {
+    case DType::Float16:
+    case DType::BFloat16:
+      return any_non_finite_in(static_cast<const uint16_t*>(x), begin, end, uint16_t(mask));
+    case DType::Float32:
+      return any_non_finite_in(static_cast<const uint32_t*>(x), begin, end, uint32_t(mask));
+    default:
+      return any_non_finite_in(static_cast<const uint64_t*>(x), begin, end, mask);
+  }
+}
+
 }  // namespace LOWFP_ISA_NS
 }  // namespace lowfp

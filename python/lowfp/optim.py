@@ -538,8 +538,7 @@ class StepInBackward:
         if self.scaler is not None:
             g = g.float() * self._inverse_scale
         # Decided on the device: the fused step reads it and does nothing when it is true.
-        found_inf = any_non_finite(g)
-        self._skip_counts.add_(found_inf)
+        found_inf = any_non_finite(g, count_into=self._skip_counts)
         if self.clip_value is not None:
             g = g.float().clamp(-self.clip_value, self.clip_value)
         opt._step_params(opt.param_groups[gi], [p], seed=self._seeds[gi],

@@ -49,6 +49,18 @@ struct TypeLimits {
   int32_t max_exp;
   int32_t smallest_exp;
 };
+// The exponent field of a storage type's raw bits (all ones: an infinity or a NaN).
+inline uint64_t exponent_mask(DType t) {
+  switch (t) {
+    case DType::Float16: return 0x7c00u;
+    case DType::BFloat16: return 0x7f80u;
+    case DType::Float32: return 0x7f800000u;
+    default: return 0x7ff0000000000000ull;
+  }
+}
+template <class U>
+LOWFP_HD bool non_finite_bits(U bits, U exponent) { return (bits & exponent) == exponent; }
+
 inline TypeLimits type_limits(DType t) {
   switch (t) {
     case DType::Float16: return {"float16", 10, 15, -24};
