@@ -634,6 +634,25 @@ def test_step_in_backward_unscales_clips_and_skips(scaler_kind):
     assert not torch.equal(after[-1], opt_b.master_weights()[-1])
 
 
+def test_step_in_backward_unscales_in_the_gradient_dtype():
+    # A scale below 1 can make an unscaled float16 gradient overflow float16. Unscaled in the
+    # gradient's dtype (as GradScaler.unscale_ does), it is found and that parameter skipped,
+    # not stepped with an infinite gradient; the other parameter steps as without a scaler.
+    p, q = (torch.nn.Parameter(torch.ones(3, dtype=torch.float16)) for _ in range(2))
+    opt = ExtraBitsSGD([p, q], lr=0.1, extra_bits=13)
+    handle = lowfp.optim.step_in_backward(opt, scaler=DuckScaler(1 / 16))
+    big, small = torch.tensor([80000.0, 1.0, 1.0]), torch.tensor([1.0, 2.0, 3.0])
+    # Scaled gradients 5000 and small / 16, exact in float16; 5000 * 16 overflows it.
+    ((p.float() * big).sum() + (q.float() * small).sum()).mul(1 / 16).backward()
+    assert handle.skipped == 1 and handle.found_inf
+    r = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    reference = ExtraBitsSGD([r], lr=0.1, extra_bits=13)
+    r.grad = small.half()
+    reference.step()
+    masters = opt.master_weights()
+    assert torch.equal(masters[0], torch.ones(3)) and torch.equal(masters[1], reference.master_weights()[0])
+
+
 @pytest.mark.parametrize("make_scaler", [lambda: torch.amp.GradScaler("cpu", enabled=False),
                                          lambda: lowfp.DynamicLossScaler(enabled=False)])
 def test_step_in_backward_with_a_disabled_scaler_steps_as_without(make_scaler):

@@ -536,11 +536,13 @@ class StepInBackward:
             self._start_pass(p.device)
         g = p.grad
         if self.scaler is not None:
-            g = g.float() * self._inverse_scale
+            # In the gradient's dtype, as GradScaler.unscale_ and DynamicLossScaler.unscale_ do:
+            # a value that overflows it is found here, not stepped with as inf.
+            g = g * self._inverse_scale
         # Decided on the device: the fused step reads it and does nothing when it is true.
         found_inf = any_non_finite(g, count_into=self._skip_counts)
         if self.clip_value is not None:
-            g = g.float().clamp(-self.clip_value, self.clip_value)
+            g = g.clamp(-self.clip_value, self.clip_value)
         opt._step_params(opt.param_groups[gi], [p], seed=self._seeds[gi],
                          grads={id(p): opt._grad_of(p, g)}, found_inf=found_inf)
         p.grad = None  # freed as soon as it is used (the device keeps it until the step has run)
