@@ -15,8 +15,9 @@ bandwidth they are compared with is `y.copy_(x)`'s (bytes read + written), measu
 Also: `lowfp.extra_bits.split` / `merge` on their own against torch's casts to and from the 16-bit
 type, in the same rounds; and the peak memory of a training step of a model whose gradients are a
 large share of memory, with the step inside backward or not (CPU: max RSS, separate processes; GPU: torch's peak allocation);
-and the time of a whole training iteration (forward, backward, step) with the step after backward
-or inside it, with and without a loss scaler: on a GPU the hooks never wait for the device; and
+and the time of a whole training iteration (forward, backward, step) of a wide model and of a
+narrow one (there each parameter's work is per-call overhead) with the step after backward or
+inside it, with and without a loss scaler: on a GPU the hooks never wait for the device; and
 the non-finite check of a gradient that those hooks and DynamicLossScaler make
 (`lowfp.scaler.any_non_finite`) against `torch.isfinite(g).all()`.
 """
@@ -194,18 +195,30 @@ def iteration_cases(device, width, depth, batch=64):
     """One training iteration (forward, backward, ExtraBitsSGD(momentum) k=8 step) of
     depth x Linear(width, width) in bfloat16, stepped after backward or inside it, the latter
     also with lowfp.DynamicLossScaler (its update() reads the pass's skip count: one wait an
-    iteration). Returns {label: fn}; each label's model and optimizer are its own."""
+    iteration). The baseline for the hooks' cost is torch's own recipe for stepping inside
+    backward: one torch.optim.SGD per parameter, stepped in its post-accumulate-grad hook.
+    Returns {label: fn}; each label's model and optimizer are its own."""
     from lowfp.optim import step_in_backward
     fns = {}
+    torch_recipe = "torch.optim.SGD per parameter inside backward"
     for mode in ("step after backward", "step inside backward",
-                 "step inside backward + DynamicLossScaler"):
+                 "step inside backward + DynamicLossScaler", torch_recipe):
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
         model = model.to(device=device, dtype=torch.bfloat16)
-        opt = ExtraBitsSGD(model.parameters(), lr=1e-3, momentum=0.9, extra_bits=8)
         x = torch.randn(batch, width, device=device).bfloat16()
         scaler = lowfp.DynamicLossScaler(device) if "Scaler" in mode else None
-        if mode != "step after backward":
+        if mode == torch_recipe:
+            opt = {p: torch.optim.SGD([p], lr=1e-3, momentum=0.9) for p in model.parameters()}
+
+            def torch_hook(p, opt=opt):
+                opt[p].step()
+                opt[p].zero_grad()
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(torch_hook)
+        else:
+            opt = ExtraBitsSGD(model.parameters(), lr=1e-3, momentum=0.9, extra_bits=8)
+        if mode not in ("step after backward", torch_recipe):
             step_in_backward(opt, scaler=scaler)
 
         def one(model=model, opt=opt, x=x, scaler=scaler, after=mode == "step after backward"):
@@ -307,23 +320,26 @@ def main(argv=None):
               f"step inside backward: {inside / 2**20:.0f} MiB (before {b1 / 2**20:.0f}); "
               f"{(normal - inside) / 2**20:.0f} MiB less")
         result["peak_memory"] = {"normal": normal, "in_backward": inside, "before": [b0, b1]}
-    width, depth = (1024, 48) if cuda else (256, 24)
-    fns = iteration_cases(args.device, width, depth)
-    best = time_interleaved(fns, max(args.repeats, 11), once)
-    base = best["step after backward"]
-    print(f"\ntraining iteration, {depth} x Linear({width}, {width}) bf16, batch 64, ExtraBitsSGD "
-          f"momentum k=8, best of {max(args.repeats, 11)} interleaved rounds")
-    print(f"{'what':58s} {'ms':>8s} {'vs step after':>14s}")
+    # A wide model, where the matmuls dominate, and a narrow one, where each parameter's work
+    # is the per-call overhead (of the hooks inside backward, of the one step after it).
     result["iteration"] = []
-    for label, sec in best.items():
-        print(f"{label:58s} {sec * 1e3:8.3f} {base / sec:14.2f}")
-        result["iteration"].append({"label": label, "seconds": sec, "vs_step_after": base / sec})
+    for width, depth in ((1024, 48), (64, 48)) if cuda else ((256, 24), (32, 24)):
+        fns = iteration_cases(args.device, width, depth)
+        best = time_interleaved(fns, max(args.repeats, 11), once)
+        base = best["step after backward"]
+        print(f"\ntraining iteration, {depth} x Linear({width}, {width}) bf16, batch 64, "
+              f"ExtraBitsSGD momentum k=8, best of {max(args.repeats, 11)} interleaved rounds")
+        print(f"{'what':58s} {'ms':>8s} {'vs step after':>14s}")
+        for label, sec in best.items():
+            print(f"{label:58s} {sec * 1e3:8.3f} {base / sec:14.2f}")
+            result["iteration"].append({"label": label, "width": width, "depth": depth,
+                                        "seconds": sec, "vs_step_after": base / sec})
     del fns
     from lowfp.scaler import any_non_finite
     print(f"\nnon-finite check of one gradient, best of {max(args.repeats, 11)} interleaved rounds")
     print(f"{'what':58s} {'ms':>8s} {'vs isfinite.all':>16s}")
     result["non_finite_check"] = []
-    for n in (1 << 16, 1 << 22):
+    for n in (64, 1 << 16, 1 << 22):
         for dtype in (torch.bfloat16, torch.float32):
             g = torch.randn(n, device=args.device).to(dtype)
             name = str(dtype).replace("torch.", "")
