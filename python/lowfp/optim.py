@@ -558,8 +558,9 @@ def step_in_backward(optimizer, *, clip_value: Optional[float] = None, scaler=No
     Args:
         optimizer: an ExtraBitsSGD/Adam/AdamW.
         clip_value: clamp every gradient element to [-clip_value, clip_value] (after unscaling).
-        scaler: a loss scaler with ``get_scale()``: gradients are divided by it; a parameter whose
-            unscaled gradient is not finite is not stepped (counted in ``handle.skipped``; the
+        scaler: a loss scaler with ``get_scale()``: gradients are multiplied by its reciprocal
+            in their own dtype (as ``GradScaler.unscale_``); a parameter whose unscaled gradient
+            is not finite is not stepped (counted in ``handle.skipped``; the
             pass sets ``handle.found_inf``, and lowfp.DynamicLossScaler's ``update()`` backs off).
             torch.amp.GradScaler's scale is read on the device; its ``update()`` needs
             ``new_scale`` here, as no ``step`` records its checks.
