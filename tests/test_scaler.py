@@ -163,6 +163,8 @@ def test_any_non_finite_agrees_with_isfinite(dtype):
         assert bool(any_non_finite(t, count_into=counts)) == bool(found)
         expected += int(found)
         assert torch.equal(counts, expected)
-    for bad in (torch.zeros(2), torch.zeros(4, dtype=torch.int64)[::2]):
+    for bad in (torch.zeros(2), torch.zeros(4, dtype=torch.int64)[::2], [0]):
         with pytest.raises(ValueError, match="count_into must be a contiguous int64 tensor"):
             any_non_finite(cases[1], count_into=bad)
+    with pytest.raises(TypeError, match="t must be a torch.Tensor, got list"):
+        any_non_finite([1.0, float("nan")])

@@ -20,7 +20,10 @@ def any_non_finite(t: torch.Tensor, count_into: Optional[torch.Tensor] = None) -
     element. ``isfinite(t).all()`` first writes a bool per element. A contiguous floating CPU
     tensor is read once by lowfp's kernel (exponent bits all ones), check and count in one call
     where torch takes several; elsewhere one min/max reduction, which propagates NaN."""
-    if count_into is not None and (count_into.dtype != torch.int64 or count_into.device != t.device
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
+    if count_into is not None and (not isinstance(count_into, torch.Tensor)
+                                   or count_into.dtype != torch.int64 or count_into.device != t.device
                                    or not count_into.is_contiguous()):
         raise ValueError(f"count_into must be a contiguous int64 tensor on {t.device}")
     if t.device.type == "cpu" and t.dtype in _DTYPE_CODES and t.is_contiguous():
