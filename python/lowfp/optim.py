@@ -108,8 +108,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             self._set_philox_offsets(group)
 
-    def _extra(self, p: torch.Tensor, group: dict) -> torch.Tensor:
-        state = self.state[p]
+    def _extra(self, p: torch.Tensor, group: dict, state: dict) -> torch.Tensor:
         k, rounding = group["extra_bits"], group["rounding"]
         if "extra" not in state:
             state.update(extra=torch.zeros(packed_words(p.numel(), k, rounding), dtype=torch.int32,
@@ -167,10 +166,11 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         slots, keep = [], []
         device, index = self.weight_stats.device, self.weight_stats.counts.get_device()
         for p in params:
+            state = self.state[p]  # looked up once: a tensor's hash is a Python call
             g = grads[id(p)] if id(p) in grads else self._grad(p)
-            extra = self._extra(p, group)
-            states = self._moments(p, group, state_dtype)
-            _check_buffers(p, self.state[p], group, device, index, states)
+            extra = self._extra(p, group, state)
+            states = self._moments(p, group, state_dtype, state)
+            _check_buffers(p, state, group, device, index, states)
             if g.numel() != p.numel():
                 raise ValueError(f"a gradient has shape {tuple(g.shape)} but its parameter has "
                                  f"shape {tuple(p.shape)}")
@@ -371,10 +371,9 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
     def _undo_host_state(self, p, key) -> None:
         del self.state[p]["momentum_buffer"]  # still zeros: the next step is the first again
 
-    def _moments(self, p, group, state_dtype):
+    def _moments(self, p, group, state_dtype, state):
         if group["momentum"] == 0:
             return []
-        state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros(p.shape, dtype=state_dtype, device=p.device)
         return [state["momentum_buffer"]]
@@ -425,8 +424,7 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
                 math.sqrt(bias_correction2), eps, -step_size, self._decoupled, group["amsgrad"],
                 group["maximize"])
 
-    def _moments(self, p, group, state_dtype):
-        state = self.state[p]
+    def _moments(self, p, group, state_dtype, state):
         if "exp_avg" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros(p.shape, dtype=state_dtype, device=p.device)
