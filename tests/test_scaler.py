@@ -2,6 +2,7 @@
 optimizers."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -129,11 +130,13 @@ def test_disabled_and_errors():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_any_non_finite_agrees_with_isfinite(dtype):
-    from lowfp.scaler import any_non_finite
+    from lowfp.scaler import _any_non_finite_by_torch, any_non_finite
     big = torch.finfo(dtype).max
     cases = [torch.zeros(0, dtype=dtype), torch.tensor(1.5, dtype=dtype),
              torch.full((1000,), big, dtype=dtype), -torch.full((7, 3), big, dtype=dtype),
-             torch.randn(64, 48).to(dtype)[:, ::3]]  # non-contiguous
+             torch.randn(64, 48).to(dtype)[:, ::3],  # non-contiguous
+             torch.tensor([big, -big], dtype=dtype),  # max - min overflows, yet all finite
+             torch.tensor([-math.inf, math.inf], dtype=dtype)]
     for special in (float("nan"), float("inf"), -float("inf")):
         for where in (0, 517, 4095):
             t = torch.randn(4096).to(dtype)
@@ -160,6 +163,8 @@ def test_any_non_finite_agrees_with_isfinite(dtype):
         found = any_non_finite(t)
         assert found.dtype == torch.bool and found.shape == ()
         assert bool(found) == (not bool(torch.isfinite(t).all())), t
+        by_torch = _any_non_finite_by_torch(t)  # the path of other devices
+        assert by_torch.dtype == torch.bool and by_torch.shape == () and bool(by_torch) == bool(found)
         assert bool(any_non_finite(t, count_into=counts)) == bool(found)
         expected += int(found)
         assert torch.equal(counts, expected)

@@ -19,7 +19,7 @@ def any_non_finite(t: torch.Tensor, count_into: Optional[torch.Tensor] = None) -
     ``count_into``, a contiguous int64 tensor on that device, gets it (0 or 1) added to each
     element. ``isfinite(t).all()`` first writes a bool per element. A contiguous floating CPU
     tensor is read once by lowfp's kernel (exponent bits all ones), check and count in one call
-    where torch takes several; elsewhere one min/max reduction, which propagates NaN."""
+    where torch takes several; elsewhere :func:`_any_non_finite_by_torch`."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
     if count_into is not None and (not isinstance(count_into, torch.Tensor)
@@ -31,13 +31,20 @@ def any_non_finite(t: torch.Tensor, count_into: Optional[torch.Tensor] = None) -
         counts = (0, 0) if count_into is None else (count_into.data_ptr(), count_into.numel())
         _C.any_non_finite(t.data_ptr(), _DTYPE_CODES[t.dtype], t.numel(), found.data_ptr(), *counts)
         return found
-    if t.numel() == 0:
-        found = torch.zeros((), dtype=torch.bool, device=t.device)
-    else:
-        found = torch.isfinite(torch.stack(torch.aminmax(t))).all().logical_not_()
+    found = _any_non_finite_by_torch(t)
     if count_into is not None:
         count_into.add_(found)
     return found
+
+
+def _any_non_finite_by_torch(t: torch.Tensor) -> torch.Tensor:
+    """any_non_finite in four torch calls on any device: one min/max reduction, which propagates
+    NaN, then min * 0 != max * 0, which is false exactly when both are finite (inf * 0 is NaN,
+    and NaN != anything)."""
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=t.device)
+    low, high = torch.aminmax(t)
+    return torch.ne(low * 0, high * 0)
 
 
 class DynamicLossScaler:
