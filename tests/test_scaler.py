@@ -173,3 +173,15 @@ def test_any_non_finite_agrees_with_isfinite(dtype):
             any_non_finite(cases[1], count_into=bad)
     with pytest.raises(TypeError, match="t must be a torch.Tensor, got list"):
         any_non_finite([1.0, float("nan")])
+    with pytest.raises(TypeError, match="t must be a dense"):
+        any_non_finite(torch.ones(3).to_sparse())
+
+
+def test_any_non_finite_of_integer_bool_and_complex_tensors():
+    from lowfp.scaler import any_non_finite
+    for t in (torch.tensor([True, False]), torch.tensor([3, -7]), torch.zeros(0, dtype=torch.int32)):
+        assert not bool(any_non_finite(t))
+    for z, expected in ((complex(1, 2), False), (complex(1, math.inf), True),
+                        (complex(math.nan, 0), True), (complex(-math.inf, 1), True)):
+        t = torch.tensor([complex(0.5, -0.5), z], dtype=torch.complex64)
+        assert bool(any_non_finite(t)) == expected == (not bool(torch.isfinite(t).all()))
