@@ -155,7 +155,7 @@ class _QuantizeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, call, dtype, stats, grad_fmt, grad_rounding):
         ctx.grad_spec = (grad_fmt, grad_rounding)
-        y = new_output(x.shape, dtype, x.device)
+        y = new_output(x, dtype)
         return _run(x, y, call, stats)
 
     @staticmethod
@@ -290,7 +290,7 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
             raise ValueError("quantize(): out= does not support automatic differentiation "
                              "(x requires grad); drop out= or run under torch.no_grad()")
         return _QuantizeFunction.apply(x, call, dtype, stats, grad_fmt, grad_rounding)
-    y = out if out is not None else new_output(x.shape, dtype, x.device)
+    y = out if out is not None else new_output(x, dtype)
     return _run(x, y, call, stats)
 
 

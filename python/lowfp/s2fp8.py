@@ -72,7 +72,7 @@ class _S2FP8Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, spec, call, result, stats, grad_fmt, grad_rounding):
         ctx.grad_spec = (grad_fmt, grad_rounding)
-        return _run(x, new_output(x.shape, x.dtype, x.device), spec, call, result, stats)
+        return _run(x, new_output(x, x.dtype), spec, call, result, stats)
 
     @staticmethod
     def backward(ctx, grad):
@@ -108,7 +108,7 @@ def apply_s2fp8(x: torch.Tensor, spec: S2FP8, rounding: str, *, overflow=None, s
                              "drop out= or run under torch.no_grad()")
         y = _S2FP8Function.apply(x, spec, call, result, stats, grad_fmt, grad_rounding)
         return y, result
-    y = out if out is not None else new_output(x.shape, x.dtype, x.device)
+    y = out if out is not None else new_output(x, x.dtype)
     return _run(x, y, spec, call, result, stats), result
 
 
