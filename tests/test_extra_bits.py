@@ -425,6 +425,84 @@ def test_state_dict_round_trip_into_a_fresh_optimizer():
     assert all(torch.equal(a, b) for a, b in zip(opt.master_weights(), opt2.master_weights()))
 
 
+def steps_of(make_opt, steps=5, seed=0):
+    """Master weights of small_model after `steps` steps on fixed gradients."""
+    model = small_model(seed)
+    opt = make_opt(model)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+        opt.step()
+    return opt, opt.master_weights()
+
+
+def test_adam_decoupled_weight_decay_is_adamw_and_per_group():
+    # torch.optim.Adam(decoupled_weight_decay=True) is AdamW; so here, also for one group only.
+    kw = dict(lr=1e-2, weight_decay=0.1, extra_bits=8)
+    adam, decoupled = steps_of(lambda m: ExtraBitsAdam(m.parameters(), decoupled_weight_decay=True, **kw))
+    adamw, reference = steps_of(lambda m: ExtraBitsAdamW(m.parameters(), **kw))
+    _, coupled = steps_of(lambda m: ExtraBitsAdam(m.parameters(), **kw))
+    assert all(torch.equal(a, b) for a, b in zip(decoupled, reference))
+    assert not any(torch.equal(a, b) for a, b in zip(coupled, reference))
+    assert adam.param_groups[0]["decoupled_weight_decay"] and adamw.param_groups[0]["decoupled_weight_decay"]
+    _, mixed = steps_of(lambda m: ExtraBitsAdam(
+        [{"params": m[0].parameters(), "decoupled_weight_decay": True},
+         {"params": list(m[2].parameters()) + list(m[4].parameters())}], **kw))
+    assert all(torch.equal(a, b) for a, b in zip(mixed[:2], reference[:2]))
+    assert all(torch.equal(a, b) for a, b in zip(mixed[2:], coupled[2:]))
+    with pytest.raises(TypeError, match="decoupled_weight_decay must be a bool"):
+        ExtraBitsAdam(small_model().parameters(), decoupled_weight_decay=1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'decoupled_weight_decay'"):
+        ExtraBitsAdamW(small_model().parameters(), decoupled_weight_decay=False)
+
+
+@pytest.mark.parametrize("opt_cls, expected", [(ExtraBitsAdam, False), (ExtraBitsAdamW, True)])
+def test_state_dict_saved_before_decoupled_weight_decay_loads(opt_cls, expected):
+    # A state_dict from before the setting existed keeps its class's old behaviour, and the
+    # caller's dict is not changed; so does a pickle.
+    opt, _ = steps_of(lambda m: opt_cls(m.parameters(), lr=1e-2, weight_decay=0.1, extra_bits=8))
+    old = copy.deepcopy(opt.state_dict())
+    for g in old["param_groups"]:
+        del g["decoupled_weight_decay"]
+    kept = copy.deepcopy(old)
+    other = {"decoupled_weight_decay": not expected} if opt_cls is ExtraBitsAdam else {}
+    fresh = opt_cls(small_model().parameters(), lr=1e-2, weight_decay=0.1, extra_bits=8, **other)
+    fresh.load_state_dict(old)
+    assert fresh.param_groups[0]["decoupled_weight_decay"] is expected
+    assert old["param_groups"][0].keys() == kept["param_groups"][0].keys()
+    state = opt.__getstate__()
+    for g in state["param_groups"]:
+        del g["decoupled_weight_decay"]
+    revived = opt_cls.__new__(opt_cls)
+    revived.__setstate__(state)
+    assert revived.param_groups[0]["decoupled_weight_decay"] is expected
+
+
+@pytest.mark.parametrize("opt_cls", [ExtraBitsSGD, ExtraBitsAdam, ExtraBitsAdamW])
+def test_torch_implementation_switches(opt_cls):
+    # foreach / fused are accepted so torch.optim code runs unchanged, and change nothing.
+    kw = dict(lr=1e-2, extra_bits=8)
+    _, plain = steps_of(lambda m: opt_cls(m.parameters(), **kw))
+    for switches in (dict(foreach=True), dict(foreach=False, fused=True), dict(fused=False),
+                     dict(differentiable=False)):
+        _, got = steps_of(lambda m: opt_cls(m.parameters(), **switches, **kw))
+        assert all(torch.equal(a, b) for a, b in zip(got, plain)), switches
+    params = small_model().parameters()
+    with pytest.raises(TypeError, match="foreach must be a bool or None, got 'yes'"):
+        opt_cls(params, foreach="yes")
+    with pytest.raises(ValueError, match="differentiable=True is not supported"):
+        opt_cls(params, differentiable=True)
+    if opt_cls is ExtraBitsSGD:
+        with pytest.raises(TypeError, match="capturable"):  # torch's SGD has no such argument
+            opt_cls(params, capturable=False)
+    else:
+        _, got = steps_of(lambda m: opt_cls(m.parameters(), capturable=False, **kw))
+        assert all(torch.equal(a, b) for a, b in zip(got, plain))
+        with pytest.raises(ValueError, match="capturable=True is not supported"):
+            opt_cls(params, capturable=True)
+
+
 def test_float32_model_conversion_and_memory():
     model = small_model()
     w32 = [p.detach().clone() for p in model.parameters()]

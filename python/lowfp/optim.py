@@ -106,7 +106,16 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         self._maybe_skipped = []
         self._philox_offset = {}  # keyed by id(): rebuilt for the new parameter objects
         for group in self.param_groups:
+            for key, value in self._added_group_keys().items():
+                group.setdefault(key, value)
             self._set_philox_offsets(group)
+
+    @classmethod
+    def _added_group_keys(cls) -> dict:
+        """Param-group settings added after optimizers were first saved, with the value that
+        reproduces the old behaviour: filled in when an older state_dict or pickle is loaded
+        (as torch.optim's __setstate__ does)."""
+        return {}
 
     def _extra(self, p: torch.Tensor, group: dict, state: dict) -> torch.Tensor:
         k, rounding = group["extra_bits"], group["rounding"]
@@ -257,6 +266,9 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         # torch casts floating state to the parameter dtype (bfloat16 here), which would round
         # float32 moments; the saved tensors are put back with their own dtypes afterwards.
+        added = self._added_group_keys()
+        state_dict = {**state_dict,  # a copy: the caller's dict is not changed
+                      "param_groups": [{**added, **g} for g in state_dict["param_groups"]]}
         saved = state_dict["state"]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         for g in state_dict["param_groups"]:
@@ -322,6 +334,21 @@ def _check_buffers(p: torch.Tensor, state: dict, group: dict, device: torch.devi
                              "or state loaded from another model?)")
 
 
+def _check_torch_switches(foreach, fused, differentiable, capturable=False):
+    """torch.optim's implementation switches, accepted so that torch.optim code runs unchanged.
+    foreach and fused change nothing here: each group is always stepped by lowfp's fused kernel.
+    Autograd through the step and CUDA-graph capture are not supported."""
+    for name, value in (("foreach", foreach), ("fused", fused)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool or None, got {value!r}")
+    if differentiable:
+        raise ValueError("differentiable=True is not supported: the fused step updates the packed "
+                         "extra bits in place, outside autograd")
+    if capturable:
+        raise ValueError("capturable=True is not supported: the step count and hyperparameters "
+                         "are computed on the host, so the step cannot be captured in a CUDA graph")
+
+
 def _check_common(lr, weight_decay):
     if isinstance(lr, torch.Tensor):
         raise TypeError("lr as a tensor is not supported by lowfp's extra-bits optimizers; pass a float")
@@ -338,15 +365,19 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
     nesterov=False, maximize=False``), plus ``extra_bits`` (k: 1-16 for bfloat16, 1-13 for
     float16), ``rounding`` of the 16-bit weights (``"toward_zero"``, ``"nearest"``,
     ``"stochastic"``), ``state_dtype`` of the momentum buffer (float32 or bfloat16) and
-    ``param_dtype`` (the 16-bit type float32 parameters are converted to).
+    ``param_dtype`` (the 16-bit type float32 parameters are converted to). torch's ``foreach``
+    and ``fused`` are accepted and change nothing (the step is always lowfp's fused kernel);
+    ``differentiable=True`` is refused.
     """
 
     _opt_code = 0
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
-                 extra_bits: int = 16, rounding: str = "toward_zero",
+                 foreach: Optional[bool] = None, differentiable: bool = False,
+                 fused: Optional[bool] = None, extra_bits: int = 16, rounding: str = "toward_zero",
                  state_dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.bfloat16):
+        _check_torch_switches(foreach, fused, differentiable)
         _check_common(lr, weight_decay)
         if momentum < 0.0:
             raise ValueError(f"Invalid momentum value: {momentum}")
@@ -383,18 +414,29 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
     """torch.optim.Adam on W' = 16-bit weight + ``extra_bits`` packed bits (DESIGN §5).
 
     Args: as torch.optim.Adam (``lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
-    amsgrad=False, maximize=False``), plus ``extra_bits``, ``rounding``, ``state_dtype`` (of
-    exp_avg / exp_avg_sq) and ``param_dtype`` as in :class:`ExtraBitsSGD`.
+    amsgrad=False, maximize=False, decoupled_weight_decay=False``: True is AdamW's decay, also
+    per param group), plus ``extra_bits``, ``rounding``, ``state_dtype`` (of exp_avg /
+    exp_avg_sq) and ``param_dtype`` as in :class:`ExtraBitsSGD`. ``foreach`` and ``fused`` are
+    accepted and change nothing; ``capturable=True`` and ``differentiable=True`` are refused.
     """
 
     _opt_code = 1
-    _decoupled = False
+    _decoupled = False  # the class's decoupled_weight_decay (AdamW: True)
+
+    @classmethod
+    def _added_group_keys(cls) -> dict:
+        return {"decoupled_weight_decay": cls._decoupled}
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
+                 weight_decay: float = 0.0, amsgrad: bool = False, *, foreach: Optional[bool] = None,
+                 maximize: bool = False, capturable: bool = False, differentiable: bool = False,
+                 fused: Optional[bool] = None, decoupled_weight_decay: bool = False,
                  extra_bits: int = 16, rounding: str = "toward_zero",
                  state_dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.bfloat16):
+        _check_torch_switches(foreach, fused, differentiable, capturable)
         _check_common(lr, weight_decay)
+        if not isinstance(decoupled_weight_decay, bool):
+            raise TypeError(f"decoupled_weight_decay must be a bool, got {decoupled_weight_decay!r}")
         if eps < 0.0:
             raise ValueError(f"Invalid epsilon value: {eps}")
         if isinstance(betas, torch.Tensor) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
@@ -402,7 +444,8 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"Invalid beta parameters: {betas}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        amsgrad=amsgrad, maximize=maximize, extra_bits=extra_bits,
+                        amsgrad=amsgrad, maximize=maximize,
+                        decoupled_weight_decay=decoupled_weight_decay, extra_bits=extra_bits,
                         rounding=rounding, state_dtype=state_dtype, param_dtype=param_dtype)
         super().__init__(params, defaults)
 
@@ -416,12 +459,13 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
     def _hyper(self, group, key):
         (step,) = key
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        decoupled = group["decoupled_weight_decay"]
         bias_correction1 = 1 - beta1 ** step
         bias_correction2 = 1 - beta2 ** step
         step_size = lr / bias_correction1
-        decay = 1 - lr * wd if (self._decoupled and wd != 0) else 1.0
-        return (decay, 0.0 if self._decoupled else wd, 1 - beta1, beta2, 1 - beta2,
-                math.sqrt(bias_correction2), eps, -step_size, self._decoupled, group["amsgrad"],
+        decay = 1 - lr * wd if (decoupled and wd != 0) else 1.0
+        return (decay, 0.0 if decoupled else wd, 1 - beta1, beta2, 1 - beta2,
+                math.sqrt(bias_correction2), eps, -step_size, decoupled, group["amsgrad"],
                 group["maximize"])
 
     def _moments(self, p, group, state_dtype, state):
@@ -454,7 +498,10 @@ class ExtraBitsAdamW(ExtraBitsAdam):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, **kwargs):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+        if "decoupled_weight_decay" in kwargs:  # as torch.optim.AdamW, which always decouples
+            raise TypeError("ExtraBitsAdamW() got an unexpected keyword argument 'decoupled_weight_decay'")
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, decoupled_weight_decay=True,
+                         **kwargs)
 
 
 class StepInBackward:
