@@ -6,7 +6,7 @@ from typing import Dict, Optional
 
 import torch
 
-from . import _C
+from . import _C, backends
 from .quantize import DTYPE_CODES as _DTYPE_CODES
 
 __all__ = ["DynamicLossScaler"]
@@ -41,8 +41,7 @@ def _any_non_finite_by_torch(t: torch.Tensor) -> torch.Tensor:
     """any_non_finite in four torch calls on any device: one min/max reduction, which propagates
     NaN, then min * 0 != max * 0, which is false exactly when both are finite (inf * 0 is NaN,
     and NaN != anything)."""
-    if t.layout != torch.strided:
-        raise TypeError(f"t must be a dense (torch.strided) tensor, got layout {t.layout}")
+    backends.check_dense(t, "t")
     if t.is_complex():
         t = torch.view_as_real(t)  # not finite when its real or imaginary part is not
     if t.numel() == 0:
