@@ -673,6 +673,32 @@ def test_step_in_backward_equals_a_normal_step(opt_cls, kw):
     assert all(p.grad is not None for p in b.parameters())  # hooks gone: ordinary gradients
 
 
+@pytest.mark.filterwarnings("ignore:Using backward.. with create_graph=True:UserWarning")
+def test_step_in_backward_under_create_graph_steps_as_a_normal_step():
+    # backward(create_graph=True) runs the hooks with grad mode on; their unscale and clip must
+    # not record autograd history, and the step must equal a normal one.
+    a, b, opt_a, opt_b = twin_models(ExtraBitsSGD, lr=0.1, momentum=0.9, extra_bits=16)
+    handle = lowfp.optim.step_in_backward(opt_b, scaler=DuckScaler(8.0), clip_value=0.5)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    for step in range(2):
+        opt_a.zero_grad()
+        loss_of(a, x, y, scale=8.0).backward()
+        for p in a.parameters():
+            p.grad = (p.grad * (1 / 8.0)).clamp(-0.5, 0.5)
+        opt_a.step()
+        seen = []
+        hook = b[0].weight.register_post_accumulate_grad_hook(
+            lambda p: seen.append(torch.is_grad_enabled()))
+        loss_of(b, x, y, scale=8.0).backward(create_graph=True)
+        hook.remove()
+        assert seen == [True]  # so the hooks did run with grad mode on
+        assert all(p.grad is None for p in b.parameters())
+        for wa, wb in zip(opt_a.master_weights(), opt_b.master_weights()):
+            assert torch.equal(wa, wb), step
+    assert handle.skipped == 0
+    handle.remove()
+
+
 class DuckScaler:
     """Only get_scale(): what step_in_backward needs of a scaler."""
 

@@ -168,9 +168,23 @@ def test_any_non_finite_agrees_with_isfinite(dtype):
         assert bool(any_non_finite(t, count_into=counts)) == bool(found)
         expected += int(found)
         assert torch.equal(counts, expected)
-    for bad in (torch.zeros(2), torch.zeros(4, dtype=torch.int64)[::2], [0]):
+        # out= receives the answer (over a stale opposite value) and is what is returned; one
+        # element of a larger buffer, as the hooks of step inside backward pass it.
+        flags = torch.tensor([not bool(found)] * 3)
+        assert any_non_finite(t, counts, out=flags[1]) is not None
+        assert flags.tolist() == [not bool(found), bool(found), not bool(found)]
+        expected += int(found)
+        assert torch.equal(counts, expected)
+        one = torch.tensor([not bool(found)])
+        assert any_non_finite(t, out=one) is one and bool(one) == bool(found)
+    for bad in (torch.zeros(2), torch.zeros(4, dtype=torch.int64)[::2], [0],
+                torch.zeros(2, dtype=torch.int64, device="meta")):
         with pytest.raises(ValueError, match="count_into must be a contiguous int64 tensor"):
             any_non_finite(cases[1], count_into=bad)
+    for bad in (torch.zeros(2, dtype=torch.bool), torch.zeros((), dtype=torch.int64), [False],
+                torch.zeros((), dtype=torch.bool, device="meta")):
+        with pytest.raises(ValueError, match="out must be a one-element bool tensor on cpu"):
+            any_non_finite(cases[1], out=bad)
     with pytest.raises(TypeError, match="t must be a torch.Tensor, got list"):
         any_non_finite([1.0, float("nan")])
     with pytest.raises(TypeError, match="t must be a dense"):

@@ -58,7 +58,7 @@ def check_dense(t: torch.Tensor, argname: str) -> None:
 def native(t: torch.Tensor, argname: str):
     """(module, device index, stream handle) that run raw-buffer functions on t's device."""
     check_dense(t, argname)
-    if t.device.type == "cpu":
+    if t.is_cpu:  # not t.device.type: it builds a torch.device, and some callers run per parameter
         return _C, -1, 0
     for_device(t.device, argname)  # the clear errors
     device = t.device.index if t.device.index is not None else torch.cuda.current_device()

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from . import backends
 from .extra_bits import (EXTRA_BITS_ROUNDING, check_extra_bits, merge, packed_words, split)
 from .quantize import DTYPE_CODES, ROUNDING_MODES, draw_seed
-from .scaler import any_non_finite
+from .scaler import _any_non_finite_into
 from .stats import Stats
 
 __all__ = ["ExtraBitsSGD", "ExtraBitsAdam", "ExtraBitsAdamW", "step_in_backward", "StepInBackward"]
@@ -34,6 +34,7 @@ __all__ = ["ExtraBitsSGD", "ExtraBitsAdam", "ExtraBitsAdamW", "step_in_backward"
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _PARAM_DTYPES = (torch.float16, torch.bfloat16)
 _MOMENT_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+_NO_STATE = (0, 0, 0)  # the pointers of a step's unused state slots (three in all)
 
 
 class _ExtraBitsOptimizer(torch.optim.Optimizer):
@@ -169,37 +170,38 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
 
     def _fused_call(self, group: dict, params: List[torch.Tensor], key: tuple, seed: int,
                     grads: Dict[int, torch.Tensor], found_inf: Optional[torch.Tensor]) -> None:
+        # Step inside backward makes this call once per parameter, so its per-call Python cost
+        # is the hooks' cost: tensors are compared by device index, not torch.device objects.
         hyper = self._hyper(group, key)
-        rounding = group["rounding"]
         state_dtype = group["state_dtype"]
-        slots, keep = [], []
-        device, index = self.weight_stats.device, self.weight_stats.counts.get_device()
+        keep, by_dtype = [], {}  # keep: tensors the call reads, alive until it has run
+        index = self.weight_stats.counts.get_device()
         for p in params:
             state = self.state[p]  # looked up once: a tensor's hash is a Python call
             g = grads[id(p)] if id(p) in grads else self._grad(p)
             extra = self._extra(p, group, state)
             states = self._moments(p, group, state_dtype, state)
-            _check_buffers(p, state, group, device, index, states)
+            _check_buffers(p, state, group, index, states)
             if g.numel() != p.numel():
                 raise ValueError(f"a gradient has shape {tuple(g.shape)} but its parameter has "
                                  f"shape {tuple(p.shape)}")
             keep.append((g, states))
-            ptrs = [s.data_ptr() for s in states] + [0] * (3 - len(states))
-            slots.append((p.data_ptr(), g.data_ptr(), extra.data_ptr(), *ptrs, p.numel(),
-                          self._philox_offset[id(p)]))
+            by_dtype.setdefault(p.dtype, []).append(
+                (p.data_ptr(), g.data_ptr(), extra.data_ptr(), *[s.data_ptr() for s in states],
+                 *_NO_STATE[len(states):], p.numel(), self._philox_offset[id(p)]))
         mod, device, stream = backends.native(params[0], "parameter")
         skip_flag = 0
         if found_inf is not None:
-            if (found_inf.dtype != torch.bool or found_inf.numel() != 1
-                    or found_inf.device != params[0].device):
+            if (found_inf.dtype is not torch.bool or found_inf.numel() != 1
+                    or found_inf.get_device() != index or found_inf.is_cpu != (index < 0)):
                 raise ValueError(f"found_inf must be one bool on {params[0].device}")
             keep.append(found_inf)
             skip_flag = found_inf.data_ptr()
-        for dtype in {p.dtype for p in params}:
-            chosen = [s for s, p in zip(slots, params) if p.dtype == dtype]
+        for dtype, slots in by_dtype.items():
             mod.extra_bits_step(self._opt_code, DTYPE_CODES[dtype], group["extra_bits"],
-                                ROUNDING_MODES.index(rounding), DTYPE_CODES[state_dtype], hyper, seed,
-                                chosen, skip_flag, self.weight_stats.counts.data_ptr(), device, stream)
+                                ROUNDING_MODES.index(group["rounding"]), DTYPE_CODES[state_dtype],
+                                hyper, seed, slots, skip_flag, self.weight_stats.counts.data_ptr(),
+                                device, stream)
         self._after_step(params)
         if found_inf is not None and self._host_state_changed(key):
             self._maybe_skipped.extend((p, key, found_inf) for p in params)
@@ -284,26 +286,28 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                 where = "cpu" if key == "step" else p.device
                 self.state[p][key] = (value.to(device=where, copy=True) if torch.is_tensor(value)
                                       else copy.deepcopy(value))
-        device, index = self.weight_stats.device, self.weight_stats.counts.get_device()
+        index = self.weight_stats.counts.get_device()
         for group in self.param_groups:
             for p in group["params"]:
                 if p in self.state:
-                    _check_buffers(p, self.state[p], group, device, index)
+                    _check_buffers(p, self.state[p], group, index)
 
 
-def _check_buffers(p: torch.Tensor, state: dict, group: dict, device: torch.device, index: int,
+def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
                    moments: Optional[List[torch.Tensor]] = None) -> None:
     """The fused kernels trust every buffer's size, dtype and device. A parameter whose ``.data``
     was replaced, a changed group setting or state loaded from another model must fail here, not
-    read or write past a buffer. ``index``: what get_device() gives for tensors on device (-1 on
-    the CPU); ``moments``: the state tensors the step passes (default: all). It runs for every
-    parameter at every step, so it compares device indices rather than torch.device objects and
-    formats shapes only once something is wrong."""
-    n, on = p.numel(), p.get_device()
+    read or write past a buffer. ``index``: the optimizer's CUDA device index, or -1 for the CPU;
+    ``moments``: the state tensors the step passes (default: all). It runs for every parameter
+    at every step (once per parameter inside backward), so it compares get_device() and is_cpu
+    rather than torch.device objects (a meta tensor's get_device() is -1 too), and formats shapes
+    only once something is wrong."""
+    n, on, cpu = p.numel(), p.get_device(), index < 0
     if p.dtype not in _PARAM_DTYPES:
         raise TypeError(f"a parameter of shape {tuple(p.shape)} now has dtype {p.dtype}; extra bits "
                         "need float16 or bfloat16 parameters")
-    if on != index or not p.is_contiguous():
+    if on != index or p.is_cpu != cpu or not p.is_contiguous():
+        device = torch.device("cpu") if cpu else torch.device("cuda", index)
         raise ValueError(f"parameters must be contiguous and on {device}; one of shape "
                          f"{tuple(p.shape)} is " + (f"on {p.device}" if p.device != device else
                                                      "not contiguous"))
@@ -315,7 +319,7 @@ def _check_buffers(p: torch.Tensor, state: dict, group: dict, device: torch.devi
                              "its extra bits were created; build a new optimizer instead")
         extra, want = state["extra"], packed_words(n, k, rounding)
         if (extra.dtype is not torch.int32 or extra.numel() != want or extra.get_device() != on
-                or not extra.is_contiguous()):
+                or extra.is_cpu != cpu or not extra.is_contiguous()):
             raise ValueError(f"the extra bits of a parameter of shape {tuple(p.shape)} are "
                              f"{extra.numel()} {extra.dtype} words on {extra.device}, but it needs "
                              f"{want} contiguous int32 words on {p.device} (k={k}, rounding="
@@ -325,7 +329,8 @@ def _check_buffers(p: torch.Tensor, state: dict, group: dict, device: torch.devi
         moments = [state[key] for key in _MOMENT_KEYS if torch.is_tensor(state.get(key))]
     dtype = group["state_dtype"]
     for t in moments:
-        if t.dtype is not dtype or t.numel() != n or t.get_device() != on or not t.is_contiguous():
+        if (t.dtype is not dtype or t.numel() != n or t.get_device() != on or t.is_cpu != cpu
+                or not t.is_contiguous()):
             key = next(key for key in _MOMENT_KEYS if state.get(key) is t)
             raise ValueError(f"state {key!r} of a parameter of shape {tuple(p.shape)} is a "
                              f"{tuple(t.shape)} {t.dtype} tensor on {t.device}, but the step needs a "
@@ -514,6 +519,9 @@ class StepInBackward:
         self.optimizer, self.clip_value, self.scaler = optimizer, clip_value, scaler
         # Parameters skipped [in all, in the current pass], on the parameters' device.
         self._skip_counts: Optional[torch.Tensor] = None
+        # Of the current pass, on the device: whether hooked parameter i's gradient was not finite.
+        self._found_inf: Tuple[torch.Tensor, ...] = ()
+        self._hooked = 0  # parameters hooked so far; hook i writes _found_inf[i]
         self._inverse_scale = 1.0  # of the current pass: a float, or a float32 tensor on the device
         self._seeds: Optional[Dict[int, int]] = None  # per group, drawn at the first hook of a pass
         self._handles = []
@@ -532,7 +540,8 @@ class StepInBackward:
     def _hook_group(self, gi: int) -> None:
         for p in self.optimizer.param_groups[gi]["params"]:
             self._handles.append(p.register_post_accumulate_grad_hook(
-                lambda param, gi=gi: self._hook(param, gi)))
+                lambda param, gi=gi, i=self._hooked: self._hook(param, gi, i)))
+            self._hooked += 1
 
     def remove(self) -> None:
         for h in self._handles:
@@ -551,6 +560,8 @@ class StepInBackward:
             self._skip_counts = torch.zeros(2, dtype=torch.int64, device=device)
         else:
             self._skip_counts[1].zero_()
+        # One view per parameter, made in one call here rather than by indexing in each hook.
+        self._found_inf = torch.empty(self._hooked, dtype=torch.bool, device=device).unbind()
         if self.scaler is not None:
             self._inverse_scale = self._read_inverse_scale(device)
             note = getattr(self.scaler, "_watch_skips_in_backward", None)  # lowfp.DynamicLossScaler
@@ -574,8 +585,12 @@ class StepInBackward:
         self._seeds = None
         self.optimizer._settle_skipped_steps()
 
-    @torch.no_grad()
-    def _hook(self, p: torch.Tensor, gi: int) -> None:
+    def _hook(self, p: torch.Tensor, gi: int, i: int) -> None:
+        # A plain backward pass runs hooks with grad mode off already; the context (a few us a
+        # parameter, which the narrow models of bench_optim show) only for create_graph=True.
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._hook(p, gi, i)
         opt = self.optimizer
         if self._seeds is None:  # first parameter of this backward pass
             self._start_pass(p.device)
@@ -585,11 +600,12 @@ class StepInBackward:
             # a value that overflows it is found here, not stepped with as inf.
             g = g * self._inverse_scale
         # Decided on the device: the fused step reads it and does nothing when it is true.
-        found_inf = any_non_finite(g, count_into=self._skip_counts)
+        found_inf = _any_non_finite_into(g, self._found_inf[i], self._skip_counts)
         if self.clip_value is not None:
             g = g.clamp(-self.clip_value, self.clip_value)
-        opt._step_params(opt.param_groups[gi], [p], seed=self._seeds[gi],
-                         grads={id(p): opt._grad_of(p, g)}, found_inf=found_inf)
+        group = opt.param_groups[gi]
+        opt._fused_call(group, [p], opt._batch_key(group, p), self._seeds[gi],
+                        {id(p): opt._grad_of(p, g)}, found_inf)
         p.grad = None  # freed as soon as it is used (the device keeps it until the step has run)
 
 

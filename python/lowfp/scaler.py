@@ -14,26 +14,44 @@ __all__ = ["DynamicLossScaler"]
 _READY, _UNSCALED, _STEPPED = 0, 1, 2
 
 
-def any_non_finite(t: torch.Tensor, count_into: Optional[torch.Tensor] = None) -> torch.Tensor:
+def any_non_finite(t: torch.Tensor, count_into: Optional[torch.Tensor] = None, *,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Whether t holds a NaN or an infinity, as a bool tensor on t's device (never waited for);
     ``count_into``, a contiguous int64 tensor on that device, gets it (0 or 1) added to each
-    element. ``isfinite(t).all()`` first writes a bool per element. A contiguous floating CPU
-    tensor is read once by lowfp's kernel (exponent bits all ones), check and count in one call
-    where torch takes several; elsewhere :func:`_any_non_finite_by_torch`."""
+    element; ``out``, one bool on that device, receives it and is returned. ``isfinite(t).all()``
+    first writes a bool per element. A contiguous floating CPU tensor is read once by lowfp's
+    kernel (exponent bits all ones), check and count in one call where torch takes several;
+    elsewhere :func:`_any_non_finite_by_torch`."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
+    # Device index and is_cpu: comparing torch.device objects costs several times more a call.
+    on, cpu = t.get_device(), t.is_cpu
     if count_into is not None and (not isinstance(count_into, torch.Tensor)
-                                   or count_into.dtype != torch.int64 or count_into.device != t.device
+                                   or count_into.dtype is not torch.int64 or count_into.get_device() != on
+                                   or count_into.is_cpu != cpu
                                    or not count_into.is_contiguous()):
         raise ValueError(f"count_into must be a contiguous int64 tensor on {t.device}")
-    if t.device.type == "cpu" and t.dtype in _DTYPE_CODES and t.is_contiguous():
-        found = torch.empty((), dtype=torch.bool)
+    if out is not None and (not isinstance(out, torch.Tensor) or out.dtype is not torch.bool
+                            or out.numel() != 1 or out.get_device() != on
+                            or out.is_cpu != cpu):
+        raise ValueError(f"out must be a one-element bool tensor on {t.device}")
+    return _any_non_finite_into(t, out, count_into)
+
+
+def _any_non_finite_into(t: torch.Tensor, out: Optional[torch.Tensor],
+                         count_into: Optional[torch.Tensor]) -> torch.Tensor:
+    """any_non_finite without checking ``out`` and ``count_into``, for callers that made them
+    (the hooks of step inside backward, one call per parameter)."""
+    if t.is_cpu and t.dtype in _DTYPE_CODES and t.is_contiguous():
+        found = torch.empty((), dtype=torch.bool) if out is None else out
         counts = (0, 0) if count_into is None else (count_into.data_ptr(), count_into.numel())
         _C.any_non_finite(t.data_ptr(), _DTYPE_CODES[t.dtype], t.numel(), found.data_ptr(), *counts)
         return found
     found = _any_non_finite_by_torch(t)
+    if out is not None:
+        found = out.copy_(found.reshape(out.shape))
     if count_into is not None:
-        count_into.add_(found)
+        count_into.add_(found.reshape(()))
     return found
 
 
