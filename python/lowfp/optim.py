@@ -138,7 +138,14 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if params:
-                self._step_params(group, params)
+                # One fused call per set of parameters that share their per-parameter
+                # hyperparameters (SGD's first momentum step, Adam's step count).
+                seed = draw_seed() if group["rounding"] == "stochastic" else 0
+                batches: Dict[tuple, list] = {}
+                for p in params:
+                    batches.setdefault(self._batch_key(group, p), []).append(p)
+                for key, ps in batches.items():
+                    self._fused_call(group, ps, key, seed)
         return loss
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor:
@@ -152,33 +159,23 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             g = g.to(p.dtype)
         return g.contiguous()
 
-    def _step_params(self, group: dict, params: List[torch.Tensor], seed: Optional[int] = None,
-                     grads: Optional[Dict[int, torch.Tensor]] = None,
-                     found_inf: Optional[torch.Tensor] = None) -> None:
-        """One fused call per set of parameters that share their per-parameter hyperparameters.
-        Stochastic rounding uses one seed per group and step; each parameter's Philox offset is
-        fixed by its place in the group, so stepping parameters one by one (step in backward)
-        gives the same result as stepping them together. ``found_inf``, a bool on the
-        parameters' device, skips the step on the device when true."""
-        if seed is None:
-            seed = draw_seed() if group["rounding"] == "stochastic" else 0
-        batches: Dict[tuple, list] = {}
-        for p in params:
-            batches.setdefault(self._batch_key(group, p), []).append(p)
-        for key, ps in batches.items():
-            self._fused_call(group, ps, key, seed, grads or {}, found_inf)
-
     def _fused_call(self, group: dict, params: List[torch.Tensor], key: tuple, seed: int,
-                    grads: Dict[int, torch.Tensor], found_inf: Optional[torch.Tensor]) -> None:
-        # Step inside backward makes this call once per parameter, so its per-call Python cost
-        # is the hooks' cost: tensors are compared by device index, not torch.device objects.
+                    grads: Optional[List[torch.Tensor]] = None,
+                    found_inf: Optional[torch.Tensor] = None) -> None:
+        """Steps params (of one group, sharing the batch key) in one native call per dtype.
+        grads: theirs, or None for p.grad. Stochastic rounding uses one seed per group and step;
+        each parameter's Philox offset is fixed by its place in the group, so stepping parameters
+        one by one (step in backward) gives the same result as stepping them together.
+        found_inf: a bool of step_in_backward's on the parameters' device, which skips the step
+        on the device when true. Step inside backward makes this call once per parameter, so its
+        Python cost is the hooks' cost: tensors are compared by device index, not torch.device."""
         hyper = self._hyper(group, key)
         state_dtype = group["state_dtype"]
         keep, by_dtype = [], {}  # keep: tensors the call reads, alive until it has run
         index = self.weight_stats.counts.get_device()
-        for p in params:
+        for j, p in enumerate(params):
             state = self.state[p]  # looked up once: a tensor's hash is a Python call
-            g = grads[id(p)] if id(p) in grads else self._grad(p)
+            g = self._grad(p) if grads is None else grads[j]
             extra = self._extra(p, group, state)
             states = self._moments(p, group, state_dtype, state)
             _check_buffers(p, state, group, index, states)
@@ -190,13 +187,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                 (p.data_ptr(), g.data_ptr(), extra.data_ptr(), *[s.data_ptr() for s in states],
                  *_NO_STATE[len(states):], p.numel(), self._philox_offset[id(p)]))
         mod, device, stream = backends.native(params[0], "parameter")
-        skip_flag = 0
-        if found_inf is not None:
-            if (found_inf.dtype is not torch.bool or found_inf.numel() != 1
-                    or found_inf.get_device() != index or found_inf.is_cpu != (index < 0)):
-                raise ValueError(f"found_inf must be one bool on {params[0].device}")
-            keep.append(found_inf)
-            skip_flag = found_inf.data_ptr()
+        skip_flag = 0 if found_inf is None else found_inf.data_ptr()
         for dtype, slots in by_dtype.items():
             mod.extra_bits_step(self._opt_code, DTYPE_CODES[dtype], group["extra_bits"],
                                 ROUNDING_MODES.index(group["rounding"]), DTYPE_CODES[state_dtype],
@@ -605,7 +596,7 @@ class StepInBackward:
             g = g.clamp(-self.clip_value, self.clip_value)
         group = opt.param_groups[gi]
         opt._fused_call(group, [p], opt._batch_key(group, p), self._seeds[gi],
-                        {id(p): opt._grad_of(p, g)}, found_inf)
+                        [opt._grad_of(p, g)], found_inf)
         p.grad = None  # freed as soon as it is used (the device keeps it until the step has run)
 
 
