@@ -195,7 +195,11 @@ def test_any_non_finite_of_integer_bool_and_complex_tensors():
     from lowfp.scaler import any_non_finite
     for t in (torch.tensor([True, False]), torch.tensor([3, -7]), torch.zeros(0, dtype=torch.int32)):
         assert not bool(any_non_finite(t))
+        out = torch.tensor([True])  # a stale value the answer must replace
+        assert any_non_finite(t, out=out) is out and not bool(out)
     for z, expected in ((complex(1, 2), False), (complex(1, math.inf), True),
                         (complex(math.nan, 0), True), (complex(-math.inf, 1), True)):
         t = torch.tensor([complex(0.5, -0.5), z], dtype=torch.complex64)
         assert bool(any_non_finite(t)) == expected == (not bool(torch.isfinite(t).all()))
+        out = torch.tensor(not expected)
+        assert any_non_finite(t, out=out) is out and bool(out) == expected

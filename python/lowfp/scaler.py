@@ -47,25 +47,26 @@ def _any_non_finite_into(t: torch.Tensor, out: Optional[torch.Tensor],
         counts = (0, 0) if count_into is None else (count_into.data_ptr(), count_into.numel())
         _C.any_non_finite(t.data_ptr(), _DTYPE_CODES[t.dtype], t.numel(), found.data_ptr(), *counts)
         return found
-    found = _any_non_finite_by_torch(t)
-    if out is not None:
-        found = out.copy_(found.reshape(out.shape))
+    found = _any_non_finite_by_torch(t, out)
     if count_into is not None:
         count_into.add_(found.reshape(()))
     return found
 
 
-def _any_non_finite_by_torch(t: torch.Tensor) -> torch.Tensor:
+def _any_non_finite_by_torch(t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """any_non_finite in four torch calls on any device: one min/max reduction, which propagates
     NaN, then min * 0 != max * 0, which is false exactly when both are finite (inf * 0 is NaN,
-    and NaN != anything)."""
+    and NaN != anything). out: a one-element bool on t's device that receives it, or None."""
     backends.check_dense(t, "t")
     if t.is_complex():
         t = torch.view_as_real(t)  # not finite when its real or imaginary part is not
     if t.numel() == 0:
-        return torch.zeros((), dtype=torch.bool, device=t.device)
+        return torch.zeros((), dtype=torch.bool, device=t.device) if out is None else out.fill_(False)
     low, high = torch.aminmax(t)
-    return torch.ne(low * 0, high * 0)
+    if out is None:
+        return torch.ne(low * 0, high * 0)
+    torch.ne(low * 0, high * 0, out=out.view(()))  # a 0-d view: ne's result shape, no resize
+    return out
 
 
 class DynamicLossScaler:
