@@ -802,6 +802,86 @@ def test_step_in_backward_skip_leaves_no_state_behind(opt_cls, kw):
     handle.remove()
 
 
+def test_step_in_backward_settles_a_pass_that_raised():
+    """Adam's step counts of a pass inside backward are applied when the pass ends. A pass that
+    raises never ends: its counts are applied by the next state_dict(), load_state_dict() or
+    pass; a load must not receive the counts of steps taken before it; and the next pass starts
+    afresh (its own found_inf, its own end)."""
+    model = small_model()
+    opt = ExtraBitsAdamW(model.parameters(), lr=1e-2, extra_bits=8)
+    handle = lowfp.optim.step_in_backward(opt)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    loss_of(model, x, y).backward()
+    assert [float(opt.state[p]["step"]) for p in model.parameters()] == [1.0] * 6
+    saved = copy.deepcopy(opt.state_dict())
+
+    def boom(g):
+        raise RuntimeError("boom")
+
+    def raising_pass(nan_in_last_bias):
+        hooks = [model[0].weight.register_hook(boom)]  # after the later layers have stepped
+        if nan_in_last_bias:
+            hooks.append(model[4].bias.register_hook(lambda g: torch.full_like(g, float("nan"))))
+        with pytest.raises(RuntimeError, match="boom"):
+            loss_of(model, x, y).backward()
+        for h in hooks:
+            h.remove()
+
+    raising_pass(nan_in_last_bias=True)
+    assert handle.skipped == 1 and handle.found_inf
+    steps = [float(v["step"]) for v in opt.state_dict()["state"].values()]
+    # model[0].weight did not step, model[4].bias was skipped, the other layers stepped.
+    assert steps[0] == 1.0 and steps[2:] == [2.0, 2.0, 2.0, 1.0]
+
+    raising_pass(nan_in_last_bias=False)
+    opt.load_state_dict(saved)  # the raised pass's steps are settled first, not onto the load
+    assert [float(opt.state[p]["step"]) for p in model.parameters()] == [1.0] * 6
+    loss_of(model, x, y).backward()
+    assert [float(opt.state[p]["step"]) for p in model.parameters()] == [2.0] * 6
+    assert handle.skipped == 1 and not handle.found_inf  # this pass's, not the raised one's
+    handle.remove()
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_step_in_backward_through_checkpointed_layers_is_one_pass(use_reentrant):
+    """With checkpoint(use_reentrant=True) the checkpointed layer's parameters get their
+    gradients in a backward nested inside the pass. It is part of the pass: a skip before it
+    (the last layer's, whose gradient comes first) still shows in found_inf and the scaler."""
+    from torch.utils.checkpoint import checkpoint
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.ModuleList([torch.nn.Linear(16, 32), torch.nn.Linear(32, 32),
+                                    torch.nn.Linear(32, 4)])
+
+    def forward(m, x):
+        h = torch.nn.functional.gelu(m[0](x.bfloat16()))
+        h = checkpoint(lambda t: torch.nn.functional.gelu(m[1](t)), h, use_reentrant=use_reentrant)
+        return m[2](h).float()
+    a, b = model(), model()
+    opt_a, opt_b = (ExtraBitsSGD(m.parameters(), lr=0.1, momentum=0.9, extra_bits=8) for m in (a, b))
+    scaler = lowfp.DynamicLossScaler(init_scale=1024.0)
+    handle = lowfp.optim.step_in_backward(opt_b, scaler=scaler)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    for step in range(3):
+        opt_a.zero_grad()
+        torch.nn.functional.cross_entropy(forward(a, x), y).backward()
+        nan_hook = None
+        if step == 1:
+            a[2].bias.grad = None
+            nan_hook = b[2].bias.register_hook(lambda g: torch.full_like(g, float("nan")))
+        opt_a.step()
+        scaler.scale(torch.nn.functional.cross_entropy(forward(b, x), y)).backward()
+        if nan_hook is not None:
+            nan_hook.remove()
+        assert handle.found_inf == (step == 1) and handle.skipped == (0 if step == 0 else 1)
+        scaler.update()
+        assert scaler.get_scale() == (1024.0 if step == 0 else 512.0)  # backed off once
+        for wa, wb in zip(opt_a.master_weights(), opt_b.master_weights()):
+            assert torch.equal(wa, wb), step
+    handle.remove()
+
+
 def test_step_in_backward_refusals():
     opt = ExtraBitsSGD(small_model().parameters())
     with pytest.raises(ValueError, match="clip_norm"):

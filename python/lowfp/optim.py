@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -51,7 +52,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         self.weight_stats: Optional[Stats] = None  # 16-bit weight roundings (on the params' device)
         self._step_in_backward: Optional[StepInBackward] = None  # the active handle, if any
         self._philox_offset: Dict[int, int] = {}  # per parameter, set once in add_param_group
-        self._maybe_skipped: List[tuple] = []  # see _settle_skipped_steps
+        self._unsettled: List[tuple] = []  # (param, batch key, found_inf): see _settle_host_state
         super().__init__(params, defaults)
 
     # -- parameters -------------------------------------------------------------------------
@@ -104,7 +105,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._step_in_backward = None  # hooks stay with the original parameters
-        self._maybe_skipped = []
+        self._unsettled = []
         self._philox_offset = {}  # keyed by id(): rebuilt for the new parameter objects
         for group in self.param_groups:
             for key, value in self._added_group_keys().items():
@@ -130,7 +131,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        self._settle_skipped_steps()
+        self._settle_host_state()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -193,37 +194,47 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                                 ROUNDING_MODES.index(group["rounding"]), DTYPE_CODES[state_dtype],
                                 hyper, seed, slots, skip_flag, self.weight_stats.counts.data_ptr(),
                                 device, stream)
-        self._after_step(params)
         if found_inf is not None and self._host_state_changed(key):
-            self._maybe_skipped.extend((p, key, found_inf) for p in params)
+            # Inside backward the device decides the skip: settled at the end of the pass.
+            self._unsettled.extend((p, key, found_inf) for p in params)
+        else:
+            self._after_step(params)
 
-    def _settle_skipped_steps(self) -> None:
-        """Take back the host-side state (Adam's step count, SGD's first momentum step) of
-        parameters whose step the device skipped for a non-finite gradient. The skip is decided
-        on the device, so this waits for it: once per backward pass, at its end, and only when a
-        skipped step would have changed host state."""
-        if not self._maybe_skipped:
+    def _settle_host_state(self) -> None:
+        """The host-side state of steps taken inside backward, whose skip for a non-finite
+        gradient the device decided: a skipped step's state made before the call is taken back
+        (SGD's first momentum buffer), a taken step's state that follows it is applied (Adam's
+        step count: one call for the pass, where one per parameter cost ~10 us each). This waits
+        for the device: once per backward pass, at its end, and only when some step in it
+        changed host state."""
+        if not self._unsettled:
             return
-        pending, self._maybe_skipped = self._maybe_skipped, []
-        skipped = torch.stack([f.reshape(()) for _, _, f in pending]).tolist()
+        pending, self._unsettled = self._unsettled, []
+        skipped = torch.stack([f for _, _, f in pending]).tolist()  # each one 0-d bool
+        taken = []
         for (p, key, _), was_skipped in zip(pending, skipped):
             if was_skipped:
                 self._undo_host_state(p, key)
+            else:
+                taken.append(p)
+        if taken:
+            self._after_step(taken)
 
     def state_dict(self) -> dict:
-        self._settle_skipped_steps()
+        self._settle_host_state()
         return super().state_dict()
 
     # Subclasses: _batch_key, _hyper, _moments, _after_step, _host_state_changed, _undo_host_state.
     def _after_step(self, params) -> None:
-        pass
+        """Host-side state that follows a taken step of params (Adam: the step count)."""
 
     def _host_state_changed(self, key: tuple) -> bool:
-        """Whether a step of this batch key changed state the host keeps (so a skip must undo it)."""
+        """Whether a step of this batch key changes state the host keeps: before the call (made
+        by _moments; _undo_host_state takes it back after a skip) or after it (_after_step)."""
         return False
 
     def _undo_host_state(self, p: torch.Tensor, key: tuple) -> None:
-        pass
+        """Take back the host-side state _moments made for a step that was skipped."""
 
     # -- inspection and state -------------------------------------------------------------------
 
@@ -257,6 +268,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                 "total": weights + extra + moments}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self._settle_host_state()  # before the state it would change is replaced
         # torch casts floating state to the parameter dtype (bfloat16 here), which would round
         # float32 moments; the saved tensors are put back with their own dtypes afterwards.
         added = self._added_group_keys()
@@ -480,10 +492,7 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
         torch._foreach_add_([self.state[p]["step"] for p in params], 1.0)  # one call, as torch.optim
 
     def _host_state_changed(self, key) -> bool:
-        return True  # the step count
-
-    def _undo_host_state(self, p, key) -> None:
-        self.state[p]["step"] -= 1
+        return True  # the step count, after the step (so a skip has nothing to take back)
 
 
 class ExtraBitsAdamW(ExtraBitsAdam):
@@ -500,6 +509,22 @@ class ExtraBitsAdamW(ExtraBitsAdam):
                          **kwargs)
 
 
+class _EndOfPass:
+    """The callback queued on the autograd engine at the first hook of a backward pass. The
+    engine holds it until the pass's graph task is freed, so a dead weak reference to it means
+    the pass is over, also when it raised (an error runs no final callbacks). A reentrant
+    backward inside the pass (checkpoint with use_reentrant=True) is part of the pass: the
+    outer task, and so this callback, are still alive."""
+
+    __slots__ = ("handle", "__weakref__")
+
+    def __init__(self, handle: "StepInBackward"):
+        self.handle = handle
+
+    def __call__(self) -> None:
+        self.handle._end_of_backward()
+
+
 class StepInBackward:
     """The handle :func:`step_in_backward` returns: ``remove()`` takes the hooks off;
     ``skipped`` counts parameter steps skipped for a non-finite gradient and ``found_inf`` says
@@ -514,7 +539,8 @@ class StepInBackward:
         self._found_inf: Tuple[torch.Tensor, ...] = ()
         self._hooked = 0  # parameters hooked so far; hook i writes _found_inf[i]
         self._inverse_scale = 1.0  # of the current pass: a float, or a float32 tensor on the device
-        self._seeds: Optional[Dict[int, int]] = None  # per group, drawn at the first hook of a pass
+        self._seeds: Dict[int, int] = {}  # per group, drawn at the first hook of a pass
+        self._pass_end: Optional[weakref.ref] = None  # to the current pass's _EndOfPass
         self._handles = []
         optimizer._step_in_backward = self
         for gi in range(len(optimizer.param_groups)):
@@ -538,13 +564,16 @@ class StepInBackward:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self.optimizer._settle_skipped_steps()
+        self.optimizer._settle_host_state()
         if self.optimizer._step_in_backward is self:
             self.optimizer._step_in_backward = None
 
+    def _in_pass(self) -> bool:
+        return self._pass_end is not None and self._pass_end() is not None
+
     def _start_pass(self, device: torch.device) -> None:
         opt = self.optimizer
-        opt._settle_skipped_steps()  # left over when the last backward pass raised
+        opt._settle_host_state()  # left over when the last backward pass raised
         self._seeds = {i: (draw_seed() if g["rounding"] == "stochastic" else 0)
                        for i, g in enumerate(opt.param_groups)}
         if self._skip_counts is None:
@@ -558,7 +587,9 @@ class StepInBackward:
             note = getattr(self.scaler, "_watch_skips_in_backward", None)  # lowfp.DynamicLossScaler
             if note is not None:
                 note(self, self._skip_counts[1])
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        end = _EndOfPass(self)
+        torch.autograd.Variable._execution_engine.queue_callback(end)
+        self._pass_end = weakref.ref(end)
 
     def _read_inverse_scale(self, device: torch.device):
         # torch.amp.GradScaler keeps its scale on the device, where get_scale() would wait for
@@ -573,8 +604,8 @@ class StepInBackward:
         return 1.0 / float(self.scaler.get_scale())
 
     def _end_of_backward(self) -> None:
-        self._seeds = None
-        self.optimizer._settle_skipped_steps()
+        self._pass_end = None
+        self.optimizer._settle_host_state()
 
     def _hook(self, p: torch.Tensor, gi: int, i: int) -> None:
         # A plain backward pass runs hooks with grad mode off already; the context (a few us a
@@ -583,7 +614,7 @@ class StepInBackward:
             with torch.no_grad():
                 return self._hook(p, gi, i)
         opt = self.optimizer
-        if self._seeds is None:  # first parameter of this backward pass
+        if not self._in_pass():  # the first parameter of this backward pass
             self._start_pass(p.device)
         g = p.grad
         if self.scaler is not None:
