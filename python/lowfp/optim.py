@@ -653,8 +653,11 @@ def step_in_backward(optimizer, *, clip_value: Optional[float] = None, scaler=No
     Returns a handle whose ``remove()`` restores ordinary stepping.
 
     On a GPU the hooks never wait for it: the finiteness check is a flag on the device that the
-    fused step reads. Adam (its step count) and SGD's first momentum step wait once at the end
-    of the pass to take back a skipped step's host-side state.
+    fused step reads. Host-side state waits once, at the end of the pass: Adam's step counts are
+    applied then (to the parameters not skipped), and SGD's first momentum step is taken back
+    for a skipped one. A pass that raises is settled by the next pass, ``state_dict()`` or
+    ``load_state_dict()``. A reentrant backward inside the pass (``checkpoint`` with
+    ``use_reentrant=True``) is part of it.
     """
     if not isinstance(optimizer, _ExtraBitsOptimizer):
         raise TypeError(f"optimizer must be a lowfp ExtraBits optimizer, got {type(optimizer).__name__}")
