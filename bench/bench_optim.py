@@ -195,14 +195,16 @@ def iteration_cases(device, width, depth, batch=64):
     """One training iteration (forward, backward, ExtraBitsSGD(momentum) k=8 step) of
     depth x Linear(width, width) in bfloat16, stepped after backward or inside it, the latter
     also with lowfp.DynamicLossScaler (its update() reads the pass's skip count: one wait an
-    iteration). The baseline for the hooks' cost is torch's own recipe for stepping inside
-    backward: one torch.optim.SGD per parameter, stepped in its post-accumulate-grad hook.
-    Returns {label: fn}; each label's model and optimizer are its own."""
+    iteration); and the same two with ExtraBitsAdamW k=8 (whose step counts are host state,
+    settled at the end of each pass). The baseline for the hooks' cost is torch's own recipe
+    for stepping inside backward: one torch.optim.SGD per parameter, stepped in its
+    post-accumulate-grad hook. Returns {label: fn}; each label's model and optimizer are its own."""
     from lowfp.optim import step_in_backward
     fns = {}
     torch_recipe = "torch.optim.SGD per parameter inside backward"
     for mode in ("step after backward", "step inside backward",
-                 "step inside backward + DynamicLossScaler", torch_recipe):
+                 "step inside backward + DynamicLossScaler", torch_recipe,
+                 "AdamW: step after backward", "AdamW: step inside backward"):
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
         model = model.to(device=device, dtype=torch.bfloat16)
@@ -216,12 +218,15 @@ def iteration_cases(device, width, depth, batch=64):
                 opt[p].zero_grad()
             for p in model.parameters():
                 p.register_post_accumulate_grad_hook(torch_hook)
+        elif mode.startswith("AdamW"):
+            opt = ExtraBitsAdamW(model.parameters(), lr=1e-3, extra_bits=8)
         else:
             opt = ExtraBitsSGD(model.parameters(), lr=1e-3, momentum=0.9, extra_bits=8)
-        if mode not in ("step after backward", torch_recipe):
+        after = mode.endswith("step after backward")
+        if not after and mode != torch_recipe:
             step_in_backward(opt, scaler=scaler)
 
-        def one(model=model, opt=opt, x=x, scaler=scaler, after=mode == "step after backward"):
+        def one(model=model, opt=opt, x=x, scaler=scaler, after=after):
             loss = model(x).float().square().mean()
             (loss if scaler is None else scaler.scale(loss)).backward()
             if after:
@@ -326,11 +331,13 @@ def main(argv=None):
     for width, depth in ((1024, 48), (64, 48)) if cuda else ((256, 24), (32, 24)):
         fns = iteration_cases(args.device, width, depth)
         best = time_interleaved(fns, max(args.repeats, 11), once)
-        base = best["step after backward"]
         print(f"\ntraining iteration, {depth} x Linear({width}, {width}) bf16, batch 64, "
-              f"ExtraBitsSGD momentum k=8, best of {max(args.repeats, 11)} interleaved rounds")
+              f"ExtraBitsSGD momentum k=8 (AdamW: ExtraBitsAdamW k=8), best of "
+              f"{max(args.repeats, 11)} interleaved rounds")
         print(f"{'what':58s} {'ms':>8s} {'vs step after':>14s}")
         for label, sec in best.items():
+            base = best["AdamW: step after backward" if label.startswith("AdamW") else
+                        "step after backward"]
             print(f"{label:58s} {sec * 1e3:8.3f} {base / sec:14.2f}")
             result["iteration"].append({"label": label, "width": width, "depth": depth,
                                         "seconds": sec, "vs_step_after": base / sec})
