@@ -359,8 +359,9 @@ def test_extra_bits_step_of_more_parameters_than_one_launch_holds():
 def test_step_in_backward_on_gpu_never_waits(opt_name, kw, scaler_kind):
     """Stepping inside backward on the GPU: the hooks unscale, check and skip on the device, so
     a backward pass never waits for it (CUDA's sync debug mode "error" raises on any wait). Adam
-    waits once at the end of a pass, and SGD after its first momentum step, to take back the
-    host's state of a skipped step; those passes run outside the debug mode. Bit for bit equal
+    waits once at the end of a pass, to apply the step counts of the steps not skipped, and SGD
+    after its first momentum step, to take back a skipped one; those passes run outside the
+    debug mode. Bit for bit equal
     to a twin model stepped normally on the same GPU, a non-finite gradient skipped in both."""
     import copy
     from lowfp import optim
