@@ -433,3 +433,32 @@ def test_emulated_training_on_cuda():
         overflow = "saturate" if A.role_of(n) in ("v", "theta") else "inf"
         assert torch.equal(lowfp.quantize(t, a.formats[n], overflow=overflow), t), n
     assert losses[-1] < losses[0] and len(em.history.steps) == 10
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_any_non_finite_on_gpu(dtype):
+    """The GPU's path (aminmax, then min * 0 != max * 0) against isfinite, with count_into and
+    out= (one element of a larger buffer, as step inside backward passes it)."""
+    from lowfp.scaler import any_non_finite
+    big = torch.finfo(dtype).max
+    cases = [torch.zeros(0, dtype=dtype), torch.tensor([big, -big], dtype=dtype),
+             torch.randn(64, 48).to(dtype)[:, ::3]]
+    for special in (float("nan"), float("inf"), -float("inf")):
+        for where in (0, 100_001, 200_002):
+            t = torch.randn(200_003).to(dtype)
+            t[where] = special
+            cases.append(t)
+    counts = torch.zeros(2, dtype=torch.int64, device="cuda")
+    flags = torch.zeros(3, dtype=torch.bool, device="cuda")
+    expected = 0
+    for t in cases:
+        want = not bool(torch.isfinite(t).all())
+        g = t.cuda()
+        found = any_non_finite(g, counts, out=flags[1])
+        assert found.device.type == "cuda" and bool(found) == want
+        assert flags.tolist() == [False, want, False]
+        expected += int(want)
+        assert counts.tolist() == [expected, expected]
+        flags.zero_()
+    with pytest.raises(ValueError, match="out must be a one-element bool tensor on cuda"):
+        any_non_finite(cases[1].cuda(), out=torch.zeros((), dtype=torch.bool))
