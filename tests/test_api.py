@@ -58,6 +58,25 @@ def test_out_and_inplace():
     assert torch.equal(z, want)
 
 
+@pytest.mark.parametrize("write", [
+    lambda y: lowfp.quantize_(y, F),
+    lambda y: lowfp.quantize(y.detach().clone(), F, out=y),
+    lambda y: lowfp.quantize(y.detach().clone(), F, out=y.t()),  # non-contiguous: a copy_ back
+    lambda y: lowfp.s2fp8_quantize(y.detach().clone(), out=y),
+])
+def test_writing_a_tensor_saved_for_backward_is_seen_by_autograd(write):
+    """quantize_ / out= write through the tensor's pointer; like torch's in-place ops they must
+    bump its version, so a backward that saved the old values raises instead of using the new."""
+    x = torch.randn(6, 6, requires_grad=True)
+    y = x.exp()  # exp's backward reads y
+    version = y._version
+    with torch.no_grad():
+        write(y)
+    assert y._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
 @pytest.mark.parametrize("shift", [1, -1, 700])
 def test_out_overlapping_the_input_reads_it_first(shift):
     """out= that overlaps x without being x (NumPy's rule): as if x were copied first. The

@@ -176,7 +176,11 @@ def test_any_non_finite_agrees_with_isfinite(dtype):
         expected += int(found)
         assert torch.equal(counts, expected)
         one = torch.tensor([not bool(found)])
-        assert any_non_finite(t, out=one) is one and bool(one) == bool(found)
+        version = one._version, counts._version
+        assert any_non_finite(t, count_into=counts, out=one) is one and bool(one) == bool(found)
+        expected += int(found)
+        # Written in place, as torch's out= ops do: autograd sees the new versions.
+        assert one._version > version[0] and counts._version > version[1]
     for bad in (torch.zeros(2), torch.zeros(4, dtype=torch.int64)[::2], [0],
                 torch.zeros(2, dtype=torch.int64, device="meta")):
         with pytest.raises(ValueError, match="count_into must be a contiguous int64 tensor"):

@@ -137,7 +137,11 @@ def run_contiguous(x: torch.Tensor, y: torch.Tensor, launch) -> torch.Tensor:
         src = src.clone()
     launch(src, dst)
     if dst is not y:
-        y.copy_(dst)
+        y.copy_(dst)  # a torch op: it marks y changed itself
+    else:
+        # Written through its pointer: tell autograd, as torch's in-place ops do, so a backward
+        # that saved y raises instead of reading the new values.
+        torch.autograd.graph.increment_version(y)
     return y
 
 

@@ -35,7 +35,11 @@ def any_non_finite(t: torch.Tensor, count_into: Optional[torch.Tensor] = None, *
                             or out.numel() != 1 or out.get_device() != on
                             or out.is_cpu != cpu):
         raise ValueError(f"out must be a one-element bool tensor on {t.device}")
-    return _any_non_finite_into(t, out, count_into)
+    found = _any_non_finite_into(t, out, count_into)
+    written = [x for x in (out, count_into) if x is not None]
+    if written:  # lowfp's kernel writes them through their pointers: tell autograd, as torch does
+        torch.autograd.graph.increment_version(written)
+    return found
 
 
 def _any_non_finite_into(t: torch.Tensor, out: Optional[torch.Tensor],
