@@ -570,6 +570,26 @@ def bf16_param(n):
     return p
 
 
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, ExtraBitsSGD, ExtraBitsAdamW])
+def test_step_is_seen_by_autograd_as_torch_optim_steps_are(opt_cls):
+    """The fused step writes parameters through their pointers. A backward through a graph
+    built before the step must raise, as it does after torch.optim's step, not differentiate
+    with the new weights; every tensor the step wrote has a new version."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).bfloat16()
+    opt = opt_cls(model.parameters(), lr=0.1, **({"momentum": 0.9} if opt_cls is not ExtraBitsAdamW else {}))
+    loss = model(torch.randn(4, 8, dtype=torch.bfloat16)).float().pow(2).sum()
+    loss.backward(retain_graph=True)
+    opt.step()  # creates the state
+    versions = {id(t): t._version for p in model.parameters()
+                for t in [p, *[v for v in opt.state[p].values() if torch.is_tensor(v) and v.dim()]]}
+    opt.step()
+    assert all(t._version > versions[id(t)] for p in model.parameters()
+               for t in [p, *[v for v in opt.state[p].values() if torch.is_tensor(v) and v.dim()]])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_optimizer_refuses_buffers_that_no_longer_fit():
     """The fused step trusts every buffer's size, dtype and device; without these checks each
     case below read or wrote past a buffer (heap corruption) or misread float32 state as bfloat16."""

@@ -173,6 +173,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         hyper = self._hyper(group, key)
         state_dtype = group["state_dtype"]
         keep, by_dtype = [], {}  # keep: tensors the call reads, alive until it has run
+        written = []  # what the call writes: parameters, extra bits, moments
         index = self.weight_stats.counts.get_device()
         for j, p in enumerate(params):
             state = self.state[p]  # looked up once: a tensor's hash is a Python call
@@ -183,7 +184,8 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             if g.numel() != p.numel():
                 raise ValueError(f"a gradient has shape {tuple(g.shape)} but its parameter has "
                                  f"shape {tuple(p.shape)}")
-            keep.append((g, states))
+            keep.append(g)
+            written += (p, extra, *states)
             by_dtype.setdefault(p.dtype, []).append(
                 (p.data_ptr(), g.data_ptr(), extra.data_ptr(), *[s.data_ptr() for s in states],
                  *_NO_STATE[len(states):], p.numel(), self._philox_offset[id(p)]))
@@ -194,6 +196,9 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                                 ROUNDING_MODES.index(group["rounding"]), DTYPE_CODES[state_dtype],
                                 hyper, seed, slots, skip_flag, self.weight_stats.counts.data_ptr(),
                                 device, stream)
+        # Written through their pointers: tell autograd, as torch.optim's in-place updates do, so
+        # a backward through a graph that saved a parameter before this step raises.
+        torch.autograd.graph.increment_version(written)
         if found_inf is not None and self._host_state_changed(key):
             # Inside backward the device decides the skip: settled at the end of the pass.
             self._unsettled.extend((p, key, found_inf) for p in params)
