@@ -77,6 +77,29 @@ def test_writing_a_tensor_saved_for_backward_is_seen_by_autograd(write):
         y.sum().backward()
 
 
+def test_inference_tensors_are_written_only_in_inference_mode():
+    """As torch's in-place ops: inside torch.inference_mode() fine, outside a clear error and
+    the tensor unchanged."""
+    with torch.inference_mode():
+        x = torch.randn(40) * 30
+        y = torch.empty(40)
+        lowfp.quantize(x, F, out=y)
+        z = x.clone()
+        lowfp.quantize_(z, F)
+    assert torch.equal(y, ref(x)) and torch.equal(z, ref(x))
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+        z.mul_(2)  # torch's rule
+    before = z.clone()
+    with pytest.raises(ValueError, match="x is an inference tensor"):
+        lowfp.quantize_(z, F)
+    with pytest.raises(ValueError, match="out is an inference tensor"):
+        lowfp.quantize(torch.randn(40), F, out=z)
+    with pytest.raises(ValueError, match="out is an inference tensor"):
+        lowfp.s2fp8_quantize(torch.randn(40), out=z)
+    assert torch.equal(z, before)
+    assert torch.equal(lowfp.quantize(z, F), ref(z))  # reading one is fine
+
+
 @pytest.mark.parametrize("shift", [1, -1, 700])
 def test_out_overlapping_the_input_reads_it_first(shift):
     """out= that overlaps x without being x (NumPy's rule): as if x were copied first. The

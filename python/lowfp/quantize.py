@@ -170,6 +170,14 @@ class _QuantizeFunction(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+def _check_writable(t: torch.Tensor, name: str) -> None:
+    """torch's own in-place ops refuse to write an inference tensor outside inference mode (it
+    has no version counter to tell autograd about the write)."""
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(f"{name} is an inference tensor, which cannot be written in place outside "
+                         "torch.inference_mode(); write into a clone of it")
+
+
 def _check_tensor_args(x: torch.Tensor, out, stats):
     backends.check_dense(x, "x")
     if x.dtype not in DTYPE_CODES:
@@ -184,6 +192,7 @@ def _check_tensor_args(x: torch.Tensor, out, stats):
             raise ValueError(f"out has shape {tuple(out.shape)} but x has shape {tuple(x.shape)}")
         if out.device != x.device:
             raise ValueError(f"out is on {out.device} but x is on {x.device}")
+        _check_writable(out, "out")
     if stats is not None:
         if not isinstance(stats, Stats):
             raise TypeError(f"stats must be a lowfp.Stats or None, got {type(stats).__name__}")
@@ -306,6 +315,8 @@ def quantize_(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", 
     if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
         raise ValueError("quantize_() cannot run in place on a tensor that requires grad; "
                          "use lowfp.quantize or torch.no_grad()")
+    if isinstance(x, torch.Tensor):
+        _check_writable(x, "x")
     return quantize(x, fmt, rounding, out=x, **kwargs)
 
 
