@@ -570,6 +570,32 @@ def bf16_param(n):
     return p
 
 
+def test_gradients_of_another_dtype_or_layout():
+    """A float32 or non-contiguous gradient steps as its contiguous bfloat16 rounding does (as
+    p.grad.to(p.dtype)); a sparse one (Embedding(sparse=True)) is a clear error, before any
+    parameter has stepped."""
+    torch.manual_seed(0)
+    g32 = torch.randn(6, 4)
+    a, b = torch.nn.Parameter(torch.randn(4, 6).bfloat16()), None
+    b = torch.nn.Parameter(a.detach().clone())
+    opt_a, opt_b = ExtraBitsAdamW([a], lr=0.1), ExtraBitsAdamW([b], lr=0.1)
+    a.grad_dtype = None  # torch refuses a gradient of another dtype unless told to accept it
+    a.grad = g32.t()  # float32, transposed
+    b.grad = g32.t().bfloat16().contiguous()
+    opt_a.step()
+    opt_b.step()
+    assert torch.equal(a, b) and torch.equal(opt_a.state[a]["extra"], opt_b.state[b]["extra"])
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    dense = torch.nn.Parameter(torch.randn(3).bfloat16())
+    opt = ExtraBitsSGD([dense, emb.weight], lr=0.1)
+    emb(torch.tensor([1, 2])).sum().backward()
+    dense.grad = torch.ones(3).bfloat16()
+    before = dense.detach().clone()
+    with pytest.raises(ValueError, match="dense gradients, got a torch.sparse_coo one"):
+        opt.step()
+    assert torch.equal(dense, before)
+
+
 @pytest.mark.parametrize("opt_cls", [torch.optim.SGD, ExtraBitsSGD, ExtraBitsAdamW])
 def test_step_is_seen_by_autograd_as_torch_optim_steps_are(opt_cls):
     """The fused step writes parameters through their pointers. A backward through a graph
@@ -588,6 +614,39 @@ def test_step_is_seen_by_autograd_as_torch_optim_steps_are(opt_cls):
                for t in [p, *[v for v in opt.state[p].values() if torch.is_tensor(v) and v.dim()]])
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_adam_step_counts_are_float32_cpu_tensors_and_hand_edited_ones_count_on():
+    """Step counts are kept as torch.optim.Adam keeps them (one-element float32 CPU tensors,
+    added to in place, versions bumped); a count edited by hand into another kind of tensor goes
+    on counting in its own dtype, and the step reads it as its step number."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3).bfloat16()) for _ in range(4)]
+    ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, ref = ExtraBitsAdam(params, lr=0.1), ExtraBitsAdam(ref_params, lr=0.1)
+    for step in range(3):
+        for p, q in zip(params, ref_params):
+            p.grad = q.grad = torch.randn(5, 3).bfloat16()
+        versions = [opt.state[p]["step"]._version for p in params if p in opt.state]
+        opt.step()
+        ref.step()
+        counts = [opt.state[p]["step"] for p in params]
+        assert all(c.dtype == torch.float32 and c.device.type == "cpu" and c.shape == () for c in counts)
+        assert [float(c) for c in counts] == [step + 1.0] * 4
+        assert all(c._version > v for c, v in zip(counts, versions))
+    assert all(torch.equal(p, q) for p, q in zip(params, ref_params))
+    # Edited by hand: one to float64, one to int64, and one skipped ahead to 10.
+    opt.state[params[0]]["step"] = torch.tensor(3.0, dtype=torch.float64)
+    opt.state[params[1]]["step"] = torch.tensor(3, dtype=torch.int64)
+    opt.state[params[2]]["step"] = torch.tensor(10.0)
+    ref.state[ref_params[2]]["step"] = torch.tensor(10.0)
+    for p, q in zip(params, ref_params):
+        p.grad = q.grad = torch.randn(5, 3).bfloat16()
+    opt.step()
+    ref.step()
+    assert [(c.dtype, float(c)) for c in (opt.state[p]["step"] for p in params)] == [
+        (torch.float64, 4.0), (torch.int64, 4.0), (torch.float32, 11.0), (torch.float32, 4.0)]
+    assert all(torch.equal(p, q) for p, q in zip(params, ref_params))
 
 
 def test_optimizer_refuses_buffers_that_no_longer_fit():

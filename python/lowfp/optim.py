@@ -20,11 +20,11 @@ from __future__ import annotations
 import copy
 import math
 import weakref
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import backends
+from . import _C, backends
 from .extra_bits import (EXTRA_BITS_ROUNDING, check_extra_bits, merge, packed_words, split)
 from .quantize import DTYPE_CODES, ROUNDING_MODES, draw_seed
 from .scaler import _any_non_finite_into
@@ -52,7 +52,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         self.weight_stats: Optional[Stats] = None  # 16-bit weight roundings (on the params' device)
         self._step_in_backward: Optional[StepInBackward] = None  # the active handle, if any
         self._philox_offset: Dict[int, int] = {}  # per parameter, set once in add_param_group
-        self._unsettled: List[tuple] = []  # (param, batch key, found_inf): see _settle_host_state
+        self._unsettled: List[tuple] = []  # (state, batch key, found_inf): see _settle_host_state
         super().__init__(params, defaults)
 
     # -- parameters -------------------------------------------------------------------------
@@ -119,13 +119,13 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         (as torch.optim's __setstate__ does)."""
         return {}
 
-    def _extra(self, p: torch.Tensor, group: dict, state: dict) -> torch.Tensor:
+    @staticmethod
+    def _new_extra(p: torch.Tensor, group: dict, state: dict) -> torch.Tensor:
+        """Zero extra bits for a parameter that started in 16 bits, made at its first step."""
         k, rounding = group["extra_bits"], group["rounding"]
-        if "extra" not in state:
-            state.update(extra=torch.zeros(packed_words(p.numel(), k, rounding), dtype=torch.int32,
-                                           device=p.device),
-                         extra_bits=k, rounding=rounding)
-        return state["extra"]
+        extra = torch.zeros(packed_words(p.numel(), k, rounding), dtype=torch.int32, device=p.device)
+        state.update(extra=extra, extra_bits=k, rounding=rounding)
+        return extra
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -137,59 +137,64 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params:
+            # (parameter, its state): looked up once a step, as a tensor's hash is a Python call.
+            stepped = [(p, self.state[p]) for p in group["params"] if p.grad is not None]
+            if stepped:
                 # One fused call per set of parameters that share their per-parameter
                 # hyperparameters (SGD's first momentum step, Adam's step count).
                 seed = draw_seed() if group["rounding"] == "stochastic" else 0
                 batches: Dict[tuple, list] = {}
-                for p in params:
-                    batches.setdefault(self._batch_key(group, p), []).append(p)
-                for key, ps in batches.items():
-                    self._fused_call(group, ps, key, seed)
+                for entry in stepped:
+                    batches.setdefault(self._batch_key(group, entry[1]), []).append(entry)
+                for key, entries in batches.items():
+                    self._fused_call(group, entries, key, seed)
         return loss
-
-    def _grad(self, p: torch.Tensor) -> torch.Tensor:
-        return self._grad_of(p, p.grad)
 
     @staticmethod
     def _grad_of(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        if g.is_sparse:
-            raise ValueError("lowfp's extra-bits optimizers do not support sparse gradients")
-        if g.dtype != p.dtype:
+        """g as the kernel reads it: dense, contiguous, in p's dtype."""
+        if g.layout is not torch.strided:
+            raise ValueError(f"lowfp's extra-bits optimizers need dense gradients, got a {g.layout} "
+                             "one (sparse gradients are not supported)")
+        if g.dtype is not p.dtype:
             g = g.to(p.dtype)
         return g.contiguous()
 
-    def _fused_call(self, group: dict, params: List[torch.Tensor], key: tuple, seed: int,
-                    grads: Optional[List[torch.Tensor]] = None,
+    def _fused_call(self, group: dict, entries: List[Tuple[torch.Tensor, dict]], key: tuple,
+                    seed: int, grads: Optional[List[torch.Tensor]] = None,
                     found_inf: Optional[torch.Tensor] = None) -> None:
-        """Steps params (of one group, sharing the batch key) in one native call per dtype.
-        grads: theirs, or None for p.grad. Stochastic rounding uses one seed per group and step;
-        each parameter's Philox offset is fixed by its place in the group, so stepping parameters
-        one by one (step in backward) gives the same result as stepping them together.
-        found_inf: a bool of step_in_backward's on the parameters' device, which skips the step
-        on the device when true. Step inside backward makes this call once per parameter, so its
-        Python cost is the hooks' cost: tensors are compared by device index, not torch.device."""
+        """Steps the (parameter, state) entries (of one group, sharing the batch key) in one
+        native call per dtype. grads: theirs, or None for p.grad. Stochastic rounding uses one
+        seed per group and step; each parameter's Philox offset is fixed by its place in the
+        group, so stepping parameters one by one (step in backward) gives the same result as
+        stepping them together. found_inf: a bool of step_in_backward's on the parameters'
+        device, which skips the step on the device when true. Step inside backward makes this
+        call once per parameter, and step() once per batch key, so a parameter costs what its
+        loop turn costs: a few us of Python, most of it reading tensors' properties."""
         hyper = self._hyper(group, key)
         state_dtype = group["state_dtype"]
         keep, by_dtype = [], {}  # keep: tensors the call reads, alive until it has run
         written = []  # what the call writes: parameters, extra bits, moments
         index = self.weight_stats.counts.get_device()
-        for j, p in enumerate(params):
-            state = self.state[p]  # looked up once: a tensor's hash is a Python call
-            g = self._grad(p) if grads is None else grads[j]
-            extra = self._extra(p, group, state)
-            states = self._moments(p, group, state_dtype, state)
-            _check_buffers(p, state, group, index, states)
-            if g.numel() != p.numel():
+        offsets = self._philox_offset
+        for j, (p, state) in enumerate(entries):
+            g = p.grad if grads is None else grads[j]
+            if g.layout is not torch.strided or g.dtype is not p.dtype or not g.is_contiguous():
+                g = self._grad_of(p, g)
+            extra = state.get("extra")
+            if extra is None:
+                extra = self._new_extra(p, group, state)
+            moments = self._moments(p, group, state_dtype, state)
+            n = _check_buffers(p, state, group, index, moments)
+            if g.numel() != n:
                 raise ValueError(f"a gradient has shape {tuple(g.shape)} but its parameter has "
                                  f"shape {tuple(p.shape)}")
             keep.append(g)
-            written += (p, extra, *states)
+            written += (p, extra, *moments)
             by_dtype.setdefault(p.dtype, []).append(
-                (p.data_ptr(), g.data_ptr(), extra.data_ptr(), *[s.data_ptr() for s in states],
-                 *_NO_STATE[len(states):], p.numel(), self._philox_offset[id(p)]))
-        mod, device, stream = backends.native(params[0], "parameter")
+                (p.data_ptr(), g.data_ptr(), extra.data_ptr(), *[m.data_ptr() for m in moments],
+                 *_NO_STATE[len(moments):], n, offsets[id(p)]))
+        mod, device, stream = backends.native(entries[0][0], "parameter")
         skip_flag = 0 if found_inf is None else found_inf.data_ptr()
         for dtype, slots in by_dtype.items():
             mod.extra_bits_step(self._opt_code, DTYPE_CODES[dtype], group["extra_bits"],
@@ -201,9 +206,9 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         torch.autograd.graph.increment_version(written)
         if found_inf is not None and self._host_state_changed(key):
             # Inside backward the device decides the skip: settled at the end of the pass.
-            self._unsettled.extend((p, key, found_inf) for p in params)
+            self._unsettled.extend((state, key, found_inf) for _, state in entries)
         else:
-            self._after_step(params)
+            self._after_step([state for _, state in entries])
 
     def _settle_host_state(self) -> None:
         """The host-side state of steps taken inside backward, whose skip for a non-finite
@@ -217,11 +222,11 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         pending, self._unsettled = self._unsettled, []
         skipped = torch.stack([f for _, _, f in pending]).tolist()  # each one 0-d bool
         taken = []
-        for (p, key, _), was_skipped in zip(pending, skipped):
+        for (state, key, _), was_skipped in zip(pending, skipped):
             if was_skipped:
-                self._undo_host_state(p, key)
+                self._undo_host_state(state, key)
             else:
-                taken.append(p)
+                taken.append(state)
         if taken:
             self._after_step(taken)
 
@@ -230,15 +235,16 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         return super().state_dict()
 
     # Subclasses: _batch_key, _hyper, _moments, _after_step, _host_state_changed, _undo_host_state.
-    def _after_step(self, params) -> None:
-        """Host-side state that follows a taken step of params (Adam: the step count)."""
+    def _after_step(self, states: List[dict]) -> None:
+        """Host-side state that follows a taken step of the parameters whose states these are
+        (Adam: the step count)."""
 
     def _host_state_changed(self, key: tuple) -> bool:
         """Whether a step of this batch key changes state the host keeps: before the call (made
         by _moments; _undo_host_state takes it back after a skip) or after it (_after_step)."""
         return False
 
-    def _undo_host_state(self, p: torch.Tensor, key: tuple) -> None:
+    def _undo_host_state(self, state: dict, key: tuple) -> None:
         """Take back the host-side state _moments made for a step that was skipped."""
 
     # -- inspection and state -------------------------------------------------------------------
@@ -302,32 +308,36 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
 
 
 def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
-                   moments: Optional[List[torch.Tensor]] = None) -> None:
+                   moments: Optional[Sequence[torch.Tensor]] = None) -> int:
     """The fused kernels trust every buffer's size, dtype and device. A parameter whose ``.data``
     was replaced, a changed group setting or state loaded from another model must fail here, not
     read or write past a buffer. ``index``: the optimizer's CUDA device index, or -1 for the CPU;
-    ``moments``: the state tensors the step passes (default: all). It runs for every parameter
-    at every step (once per parameter inside backward), so it compares get_device() and is_cpu
-    rather than torch.device objects (a meta tensor's get_device() is -1 too), and formats shapes
-    only once something is wrong."""
-    n, on, cpu = p.numel(), p.get_device(), index < 0
+    ``moments``: the state tensors the step passes (default: all). Returns p.numel().
+
+    It runs for every parameter at every step (once per parameter inside backward), so each
+    property is read once and the device by one attribute: ``is_cpu`` for a CPU optimizer,
+    ``get_device()`` for a CUDA one (-1 on the CPU and on the meta device); torch.device objects
+    and shapes are built only once something is wrong."""
+    n, cpu = p.numel(), index < 0
     if p.dtype not in _PARAM_DTYPES:
         raise TypeError(f"a parameter of shape {tuple(p.shape)} now has dtype {p.dtype}; extra bits "
                         "need float16 or bfloat16 parameters")
-    if on != index or p.is_cpu != cpu or not p.is_contiguous():
+    if not ((p.is_cpu if cpu else p.get_device() == index) and p.is_contiguous()):
         device = torch.device("cpu") if cpu else torch.device("cuda", index)
         raise ValueError(f"parameters must be contiguous and on {device}; one of shape "
                          f"{tuple(p.shape)} is " + (f"on {p.device}" if p.device != device else
                                                      "not contiguous"))
-    if "extra" in state:
+    extra = state.get("extra")
+    if extra is not None:
         k, rounding = group["extra_bits"], group["rounding"]
         if state["extra_bits"] != k or state["rounding"] != rounding:
             raise ValueError(f"extra_bits/rounding of a parameter group changed from "
                              f"{state['extra_bits']}/{state['rounding']!r} to {k}/{rounding!r} after "
                              "its extra bits were created; build a new optimizer instead")
-        extra, want = state["extra"], packed_words(n, k, rounding)
-        if (extra.dtype is not torch.int32 or extra.numel() != want or extra.get_device() != on
-                or extra.is_cpu != cpu or not extra.is_contiguous()):
+        want = packed_words(n, k, rounding)
+        if (extra.dtype is not torch.int32 or extra.numel() != want
+                or not (extra.is_cpu if cpu else extra.get_device() == index)
+                or not extra.is_contiguous()):
             raise ValueError(f"the extra bits of a parameter of shape {tuple(p.shape)} are "
                              f"{extra.numel()} {extra.dtype} words on {extra.device}, but it needs "
                              f"{want} contiguous int32 words on {p.device} (k={k}, rounding="
@@ -337,14 +347,30 @@ def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
         moments = [state[key] for key in _MOMENT_KEYS if torch.is_tensor(state.get(key))]
     dtype = group["state_dtype"]
     for t in moments:
-        if (t.dtype is not dtype or t.numel() != n or t.get_device() != on or t.is_cpu != cpu
-                or not t.is_contiguous()):
+        if (t.dtype is not dtype or t.numel() != n
+                or not (t.is_cpu if cpu else t.get_device() == index) or not t.is_contiguous()):
             key = next(key for key in _MOMENT_KEYS if state.get(key) is t)
             raise ValueError(f"state {key!r} of a parameter of shape {tuple(p.shape)} is a "
                              f"{tuple(t.shape)} {t.dtype} tensor on {t.device}, but the step needs a "
                              f"contiguous {dtype} tensor of {n} elements on {p.device} (state_dtype "
                              "cannot change once moments exist; was the parameter's .data replaced, "
                              "or state loaded from another model?)")
+    return n
+
+
+def _add_one(counts: List[torch.Tensor]) -> None:
+    """count += 1 for each of Adam's step counts. torch.optim keeps them as one-element float32
+    CPU tensors, as this optimizer does: those are added to by one native call, where
+    torch._foreach_add_ dispatches an add per tensor (~2 us each); any other kind of count (state
+    edited by hand) by torch."""
+    addresses = []
+    for t in counts:
+        if t.dtype is not torch.float32 or not t.is_cpu or t.numel() != 1:
+            torch._foreach_add_(counts, 1)
+            return
+        addresses.append(t.data_ptr())
+    _C.add_to_float32s(addresses, 1.0)
+    torch.autograd.graph.increment_version(counts)  # written through their pointers
 
 
 def _check_torch_switches(foreach, fused, differentiable, capturable=False):
@@ -401,8 +427,8 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
                         rounding=rounding, state_dtype=state_dtype, param_dtype=param_dtype)
         super().__init__(params, defaults)
 
-    def _batch_key(self, group, p):
-        return (group["momentum"] != 0 and "momentum_buffer" not in self.state[p],)
+    def _batch_key(self, group, state):
+        return (group["momentum"] != 0 and "momentum_buffer" not in state,)
 
     def _hyper(self, group, key):
         (first,) = key
@@ -412,15 +438,16 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
     def _host_state_changed(self, key) -> bool:
         return key[0]  # the first momentum step: the buffer is taken as existing from now on
 
-    def _undo_host_state(self, p, key) -> None:
-        del self.state[p]["momentum_buffer"]  # still zeros: the next step is the first again
+    def _undo_host_state(self, state, key) -> None:
+        del state["momentum_buffer"]  # still zeros: the next step is the first again
 
     def _moments(self, p, group, state_dtype, state):
         if group["momentum"] == 0:
-            return []
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros(p.shape, dtype=state_dtype, device=p.device)
-        return [state["momentum_buffer"]]
+            return ()
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            buf = state["momentum_buffer"] = torch.zeros(p.shape, dtype=state_dtype, device=p.device)
+        return (buf,)
 
 
 class ExtraBitsAdam(_ExtraBitsOptimizer):
@@ -462,12 +489,9 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
                         rounding=rounding, state_dtype=state_dtype, param_dtype=param_dtype)
         super().__init__(params, defaults)
 
-    def _step_count(self, p) -> float:
-        state = self.state[p]
-        return float(state["step"]) if "step" in state else 0.0
-
-    def _batch_key(self, group, p):
-        return (self._step_count(p) + 1,)
+    def _batch_key(self, group, state):
+        step = state.get("step")
+        return (1.0 if step is None else float(step) + 1,)
 
     def _hyper(self, group, key):
         (step,) = key
@@ -493,8 +517,8 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
             out.append(state["max_exp_avg_sq"])
         return out
 
-    def _after_step(self, params) -> None:
-        torch._foreach_add_([self.state[p]["step"] for p in params], 1.0)  # one call, as torch.optim
+    def _after_step(self, states) -> None:
+        _add_one([state["step"] for state in states])
 
     def _host_state_changed(self, key) -> bool:
         return True  # the step count, after the step (so a skip has nothing to take back)
@@ -630,9 +654,9 @@ class StepInBackward:
         found_inf = _any_non_finite_into(g, self._found_inf[i], self._skip_counts)
         if self.clip_value is not None:
             g = g.clamp(-self.clip_value, self.clip_value)
-        group = opt.param_groups[gi]
-        opt._fused_call(group, [p], opt._batch_key(group, p), self._seeds[gi],
-                        [opt._grad_of(p, g)], found_inf)
+        group, state = opt.param_groups[gi], opt.state[p]
+        opt._fused_call(group, [(p, state)], opt._batch_key(group, state), self._seeds[gi], [g],
+                        found_inf)
         p.grad = None  # freed as soon as it is used (the device keeps it until the step has run)
 
 
