@@ -17,8 +17,10 @@ type, in the same rounds; and the peak memory of a training step of a model whos
 large share of memory, with the step inside backward or not (CPU: max RSS, separate processes; GPU: torch's peak allocation);
 and the time of a whole training iteration (forward, backward, step) of a wide model and of a
 narrow one (there each parameter's work is per-call overhead) with the step after backward or
-inside it, with and without a loss scaler: on a GPU the hooks never wait for the device; and
-the non-finite check of a gradient that those hooks and DynamicLossScaler make
+inside it, with and without a loss scaler: on a GPU the hooks never wait for the device;
+the step of many small parameters (48 x 32 x 32), where each parameter costs what its Python
+costs, against torch.optim's default and fused steps on the same bfloat16 parameters; and the
+non-finite check of a gradient that those hooks and DynamicLossScaler make
 (`lowfp.scaler.any_non_finite`) against `torch.isfinite(g).all()`.
 """
 
@@ -240,6 +242,38 @@ def iteration_cases(device, width, depth, batch=64):
     return fns
 
 
+def small_step_cases(device, count=48, shape=(32, 32), steps=20):
+    """The step of many small parameters, where a step costs what its Python costs per
+    parameter: count bfloat16 parameters of the given shape with bfloat16 gradients, each
+    function making `steps` steps. torch.optim on the same bfloat16 parameters, by its default
+    implementation (foreach) and fused, against ExtraBitsSGD(momentum) / ExtraBitsAdamW k=8.
+    Returns {label: fn}."""
+    sgd, adamw = dict(lr=1e-3, momentum=0.9), dict(lr=1e-3)
+    builds = {
+        "torch SGD(momentum) on bf16 params": (torch.optim.SGD, sgd),
+        "torch SGD(momentum, fused) on bf16 params": (torch.optim.SGD, dict(sgd, fused=True)),
+        "lowfp ExtraBitsSGD k=8": (ExtraBitsSGD, dict(sgd, extra_bits=8)),
+        "torch AdamW on bf16 params": (torch.optim.AdamW, adamw),
+        "torch AdamW(fused) on bf16 params": (torch.optim.AdamW, dict(adamw, fused=True)),
+        "lowfp ExtraBitsAdamW k=8": (ExtraBitsAdamW, dict(adamw, extra_bits=8)),
+    }
+    fns = {}
+    for label, (opt_cls, kw) in builds.items():
+        g = torch.Generator(device).manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(shape, generator=g, device=device).bfloat16())
+                  for _ in range(count)]
+        for p in params:
+            p.grad = (torch.randn(shape, generator=g, device=device) * 1e-3).bfloat16()
+        opt = opt_cls(params, **kw)
+        opt.step()  # creates the state
+
+        def run(opt=opt):
+            for _ in range(steps):
+                opt.step()
+        fns[label] = run
+    return fns
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -343,6 +377,18 @@ def main(argv=None):
                                         "seconds": sec, "vs_step_after": base / sec})
     del fns
     from lowfp.scaler import any_non_finite
+    count, shape, steps = 48, (32, 32), 20
+    fns = small_step_cases(args.device, count, shape, steps)
+    best = time_interleaved(fns, max(args.repeats, 11), once)
+    print(f"\noptimizer step of {count} parameters of {shape[0]} x {shape[1]} (bfloat16), "
+          f"best of {max(args.repeats, 11)} interleaved rounds of {steps} steps")
+    print(f"{'what':58s} {'us/step':>8s} {'vs torch default':>17s}")
+    result["small_steps"] = []
+    for label, sec in best.items():
+        family = "SGD" if "SGD" in label else "AdamW"
+        base = best[f"torch {family}{'(momentum)' if family == 'SGD' else ''} on bf16 params"]
+        print(f"{label:58s} {sec / steps * 1e6:8.0f} {base / sec:17.2f}")
+        result["small_steps"].append({"label": label, "seconds": sec / steps})
     print(f"\nnon-finite check of one gradient, best of {max(args.repeats, 11)} interleaved rounds")
     print(f"{'what':58s} {'ms':>8s} {'vs isfinite.all':>16s}")
     result["non_finite_check"] = []
