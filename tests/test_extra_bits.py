@@ -564,6 +564,28 @@ def test_optimizer_errors():
         ExtraBitsAdamW([torch.nn.Parameter(torch.ones(3))]).load_state_dict(sgd.state_dict())
 
 
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate parameters")
+def test_a_refused_param_group_leaves_the_optimizer_as_it_was():
+    """A group that fails its checks is not added, and none of its float32 parameters is
+    converted; a parameter listed twice in a group (which torch.optim only warns about) is
+    refused: one fused call would update its memory from two slots at once."""
+    first = torch.nn.Parameter(torch.randn(3).bfloat16())
+    opt = ExtraBitsSGD([first], lr=0.1)
+    p32 = torch.nn.Parameter(torch.randn(4))
+    bad = [[p32, torch.nn.Parameter(torch.ones(3, dtype=torch.float64))],
+           [p32, torch.nn.Parameter(torch.ones(4, 2).bfloat16().t())],
+           [p32, p32]]
+    for params, error, match in zip(bad, (TypeError, ValueError, ValueError),
+                                    ("float16 or bfloat16", "contiguous", "more than once")):
+        with pytest.raises(error, match=match):
+            opt.add_param_group({"params": params})
+        assert len(opt.param_groups) == 1 and p32.dtype == torch.float32 and p32 not in opt.state
+    with pytest.raises(ValueError, match="more than once"):
+        ExtraBitsAdamW([first, torch.nn.Parameter(torch.ones(2).bfloat16()), first])
+    opt.add_param_group({"params": [p32], "lr": 0.5})  # a good group still goes in
+    assert len(opt.param_groups) == 2 and p32.dtype == torch.bfloat16
+
+
 def bf16_param(n):
     p = torch.nn.Parameter(torch.randn(n).bfloat16())
     p.grad = torch.randn(n).bfloat16()

@@ -60,33 +60,51 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        try:
+            self._check_new_group(group)
+        except Exception:
+            self.param_groups.pop()  # as torch.optim: a group that fails its checks is not added
+            raise
         k, rounding = group["extra_bits"], group["rounding"]
-        self._set_philox_offsets(group)
-        if group["state_dtype"] not in _STATE_DTYPES:
-            raise TypeError(f"state_dtype must be torch.float32 or torch.bfloat16, got {group['state_dtype']}")
         for p in group["params"]:
-            backends.native(p, "parameter")  # a CUDA parameter needs the CUDA build
             if self.weight_stats is None:
                 self.weight_stats = Stats(p.device)
-            elif self.weight_stats.device != p.device:
-                raise ValueError(f"all parameters must be on one device: {self.weight_stats.device} "
-                                 f"and {p.device}")
-            if p.dtype == torch.float32:
-                dtype = group["param_dtype"]
-                check_extra_bits(dtype, k, rounding, "extra_bits")
-                w16, packed = split(p.detach(), dtype, k, rounding)
+            if p.dtype == torch.float32:  # its cut-off bits become its initial extra bits
+                w16, packed = split(p.detach(), group["param_dtype"], k, rounding)
                 p.data = w16
                 p.grad = None
                 self.state[p].update(extra=packed, extra_bits=k, rounding=rounding)
-            elif p.dtype in (torch.float16, torch.bfloat16):
+        self._set_philox_offsets(group)
+        if self._step_in_backward is not None:  # a group added while stepping inside backward
+            self._step_in_backward._hook_group(len(self.param_groups) - 1)
+
+    def _check_new_group(self, group: dict) -> None:
+        """Everything about a new group's parameters that the fused step relies on, checked
+        before any float32 parameter is converted."""
+        k, rounding = group["extra_bits"], group["rounding"]
+        if group["state_dtype"] not in _STATE_DTYPES:
+            raise TypeError(f"state_dtype must be torch.float32 or torch.bfloat16, got {group['state_dtype']}")
+        params = group["params"]
+        if len({id(p) for p in params}) != len(params):
+            # torch.optim only warns (and says it will become an error): one fused call would
+            # update the same memory from two slots at once.
+            raise ValueError("a parameter appears more than once in a param group")
+        device = None if self.weight_stats is None else self.weight_stats.device
+        for p in params:
+            backends.native(p, "parameter")  # a CUDA parameter needs the CUDA build
+            if device is None:
+                device = p.device
+            elif p.device != device:
+                raise ValueError(f"all parameters must be on one device: {device} and {p.device}")
+            if p.dtype == torch.float32:
+                check_extra_bits(group["param_dtype"], k, rounding, "extra_bits")
+            elif p.dtype in _PARAM_DTYPES:
                 check_extra_bits(p.dtype, k, rounding, "extra_bits")
             else:
                 raise TypeError(f"parameters must be float16 or bfloat16 (or float32, converted to "
                                 f"param_dtype), got {p.dtype}")
             if not p.is_contiguous():
                 raise ValueError("parameters must be contiguous")
-        if self._step_in_backward is not None:  # a group added while stepping inside backward
-            self._step_in_backward._hook_group(len(self.param_groups) - 1)
 
     def _set_philox_offsets(self, group: dict) -> None:
         # Each parameter's Philox block offset within its group, fixed by its place there, so
