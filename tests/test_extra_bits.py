@@ -983,6 +983,41 @@ def test_step_in_backward_through_checkpointed_layers_is_one_pass(use_reentrant)
     handle.remove()
 
 
+@pytest.mark.parametrize("opt_cls,kw", [(ExtraBitsSGD, dict(momentum=0.9, rounding="stochastic")),
+                                        (ExtraBitsAdamW, dict(rounding="nearest"))])
+def test_step_in_backward_under_emulation_equals_a_normal_step(opt_cls, kw):
+    """lowfp.emulate rounds each weight gradient before it is accumulated into .grad, so the
+    hooks step with the rounded gradient, as a step after backward does."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x, y = torch.randn(32, 8).bfloat16(), torch.randint(0, 4, (32,))
+    a, b = model(), model()
+    torch.manual_seed(9)  # the same draws for the stochastic conversion to bfloat16
+    opt_a = opt_cls(a.parameters(), lr=0.05, **kw)
+    torch.manual_seed(9)
+    opt_b = opt_cls(b.parameters(), lr=0.05, **kw)
+    loss_fn = lambda out, y: torch.nn.functional.cross_entropy(out.float(), y)
+    assignment = lowfp.assign.uniform(lowfp.assign.trace(a, x, loss_fn, y),
+                                      lowfp.assign.Candidates(hi=lowfp.fp(6, 6, 0)))
+    handle = lowfp.optim.step_in_backward(opt_b)
+    with lowfp.emulate(a, assignment), lowfp.emulate(b, assignment) as em_b:
+        for step in range(4):
+            torch.manual_seed(step)
+            loss_a = loss_fn(a(x), y)
+            opt_a.zero_grad()
+            loss_a.backward()
+            opt_a.step()
+            torch.manual_seed(step)
+            loss_b = loss_fn(b(x), y)
+            loss_b.backward()
+            assert torch.equal(loss_a, loss_b), step
+            for wa, wb in zip(opt_a.master_weights(), opt_b.master_weights()):
+                assert torch.equal(wa, wb), step
+    assert len(em_b.history.steps) == 4 and all(p.grad is None for p in b.parameters())
+    handle.remove()
+
+
 def test_step_in_backward_refusals():
     opt = ExtraBitsSGD(small_model().parameters())
     with pytest.raises(ValueError, match="clip_norm"):
