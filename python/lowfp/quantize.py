@@ -193,6 +193,11 @@ def _check_tensor_args(x: torch.Tensor, out, stats):
         if out.device != x.device:
             raise ValueError(f"out is on {out.device} but x is on {x.device}")
         _check_writable(out, "out")
+        if torch.is_grad_enabled() and (x.requires_grad or out.requires_grad):
+            # torch's out= functions refuse this too: autograd cannot record a write into out.
+            raise ValueError(f"out= does not support automatic differentiation "
+                             f"({'x' if x.requires_grad else 'out'} requires grad); drop out= or "
+                             "run under torch.no_grad()")
     if stats is not None:
         if not isinstance(stats, Stats):
             raise TypeError(f"stats must be a lowfp.Stats or None, got {type(stats).__name__}")
@@ -298,10 +303,7 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
         grad_fmt = to_precision(grad_fmt, "grad_fmt")
         if grad_rounding not in ROUNDING_MODES:
             raise ValueError(f"grad_rounding must be one of {ROUNDING_MODES}, got {grad_rounding!r}")
-    if x.requires_grad and torch.is_grad_enabled():
-        if out is not None:
-            raise ValueError("quantize(): out= does not support automatic differentiation "
-                             "(x requires grad); drop out= or run under torch.no_grad()")
+    if x.requires_grad and torch.is_grad_enabled():  # (out= was refused for it above)
         return _QuantizeFunction.apply(x, call, dtype, stats, grad_fmt, grad_rounding)
     y = out if out is not None else new_output(x, dtype)
     return _run(x, y, call, stats)

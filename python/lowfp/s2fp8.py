@@ -102,10 +102,7 @@ def apply_s2fp8(x: torch.Tensor, spec: S2FP8, rounding: str, *, overflow=None, s
         if grad_rounding not in ROUNDING_MODES:
             raise ValueError(f"grad_rounding must be one of {ROUNDING_MODES}, got {grad_rounding!r}")
     result = S2FP8Stats(x.device, x.numel())
-    if x.requires_grad and torch.is_grad_enabled():
-        if out is not None:
-            raise ValueError("out= does not support automatic differentiation (x requires grad); "
-                             "drop out= or run under torch.no_grad()")
+    if x.requires_grad and torch.is_grad_enabled():  # (out= was refused for it above)
         y = _S2FP8Function.apply(x, spec, call, result, stats, grad_fmt, grad_rounding)
         return y, result
     y = out if out is not None else new_output(x, x.dtype)
