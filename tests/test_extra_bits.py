@@ -1018,6 +1018,29 @@ def test_step_in_backward_under_emulation_equals_a_normal_step(opt_cls, kw):
     handle.remove()
 
 
+def test_step_in_backward_of_a_weight_backward_still_reads_raises_as_torchs_recipe():
+    """A node that reads w without producing its gradient (here through w.detach()) and runs
+    after w's gradient is complete would differentiate with the stepped w: not what a normal
+    step gives. Autograd must see the step and raise, as it does for torch's own recipe
+    (torch.optim stepped in the post-accumulate-grad hook), not return a silently wrong x.grad."""
+    def run(make_hook):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(4, 4).bfloat16())
+        x = torch.randn(3, 4).bfloat16().requires_grad_()
+        handle = make_hook(w)
+        late = (x @ w.detach()).square().sum()  # made first: its backward runs after w's
+        early = (x.detach() @ w).sum()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            (early + late).backward()
+        return handle
+
+    def torch_recipe(w):
+        opt = torch.optim.SGD([w], lr=0.1)
+        return w.register_post_accumulate_grad_hook(lambda p: (opt.step(), opt.zero_grad()) and None)
+    run(torch_recipe).remove()  # the control: torch's recipe raises here
+    run(lambda w: lowfp.optim.step_in_backward(ExtraBitsSGD([w], lr=0.1))).remove()
+
+
 def test_step_in_backward_refusals():
     opt = ExtraBitsSGD(small_model().parameters())
     with pytest.raises(ValueError, match="clip_norm"):

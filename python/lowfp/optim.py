@@ -704,7 +704,9 @@ def step_in_backward(optimizer, *, clip_value: Optional[float] = None, scaler=No
     applied then (to the parameters not skipped), and SGD's first momentum step is taken back
     for a skipped one. A pass that raises is settled by the next pass, ``state_dict()`` or
     ``load_state_dict()``. A reentrant backward inside the pass (``checkpoint`` with
-    ``use_reentrant=True``) is part of it.
+    ``use_reentrant=True``) is part of it. A part of the pass that still reads a parameter after
+    its gradient is complete (say through ``w.detach()``) would see the stepped weight; autograd
+    sees the step (as any in-place update) and raises, as with torch's own recipe.
     """
     if not isinstance(optimizer, _ExtraBitsOptimizer):
         raise TypeError(f"optimizer must be a lowfp ExtraBits optimizer, got {type(optimizer).__name__}")
