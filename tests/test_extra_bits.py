@@ -586,6 +586,31 @@ def test_a_refused_param_group_leaves_the_optimizer_as_it_was():
     assert len(opt.param_groups) == 2 and p32.dtype == torch.bfloat16
 
 
+def test_a_parameter_appended_to_a_group_by_hand_steps():
+    """torch.optim steps whatever group["params"] holds, also a parameter appended to it after
+    the optimizer was built; so does this one, with the stochastic draws of an optimizer built
+    with both. An appended float32 parameter was never converted: a clear error."""
+    def params():
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(n).bfloat16()) for n in (5, 40)]
+    (a, b), (c, d) = params(), params()
+    kw = dict(lr=0.1, momentum=0.9, extra_bits=8, rounding="stochastic")
+    opt, ref = ExtraBitsSGD([a], **kw), ExtraBitsSGD([c, d], **kw)
+    opt.param_groups[0]["params"].append(b)
+    for step in range(3):
+        for p, q in ((a, c), (b, d)):
+            p.grad = q.grad = torch.randn(p.shape).bfloat16()
+        torch.manual_seed(step)
+        opt.step()
+        torch.manual_seed(step)
+        ref.step()
+        assert all(torch.equal(x, y) for x, y in zip(opt.master_weights(), ref.master_weights()))
+    opt.param_groups[0]["params"].append(torch.nn.Parameter(torch.randn(3)))
+    opt.param_groups[0]["params"][-1].grad = torch.randn(3)
+    with pytest.raises(TypeError, match="now has dtype torch.float32"):
+        opt.step()
+
+
 def bf16_param(n):
     p = torch.nn.Parameter(torch.randn(n).bfloat16())
     p.grad = torch.randn(n).bfloat16()

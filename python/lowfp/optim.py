@@ -207,11 +207,15 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             if g.numel() != n:
                 raise ValueError(f"a gradient has shape {tuple(g.shape)} but its parameter has "
                                  f"shape {tuple(p.shape)}")
+            offset = offsets.get(id(p))
+            if offset is None:  # appended to group["params"] by hand, as torch.optim allows
+                self._set_philox_offsets(group)
+                offset = offsets[id(p)]
             keep.append(g)
             written += (p, extra, *moments)
             by_dtype.setdefault(p.dtype, []).append(
                 (p.data_ptr(), g.data_ptr(), extra.data_ptr(), *[m.data_ptr() for m in moments],
-                 *_NO_STATE[len(moments):], n, offsets[id(p)]))
+                 *_NO_STATE[len(moments):], n, offset))
         mod, device, stream = backends.native(entries[0][0], "parameter")
         skip_flag = 0 if found_inf is None else found_inf.data_ptr()
         for dtype, slots in by_dtype.items():
