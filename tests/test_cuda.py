@@ -406,6 +406,52 @@ def test_step_in_backward_on_gpu_never_waits(opt_name, kw, scaler_kind):
     handle.remove()
 
 
+@pytest.mark.parametrize("opt_name,kw", [
+    ("ExtraBitsSGD", dict(lr=0.05, momentum=0.9, rounding="stochastic", extra_bits=8)),
+    ("ExtraBitsAdamW", dict(lr=1e-2, rounding="nearest", extra_bits=13, param_dtype=torch.float16)),
+])
+def test_torch_grad_scaler_on_gpu_equals_cpu(opt_name, kw):
+    """torch.amp.GradScaler hands its scale and found_inf to the ExtraBits step (the fused
+    path, float16 parameters included): on the GPU bit for bit what it is on the CPU, a
+    non-finite gradient skipped in both. Once SGD's momentum exists, a whole scaler step and
+    update never waits for the GPU (Adam waits at the next step for the step counts)."""
+    import copy
+    from lowfp import optim
+    torch.manual_seed(0)
+    cpu_model = torch.nn.Sequential(torch.nn.Linear(33, 70), torch.nn.Tanh(), torch.nn.Linear(70, 3))
+    gpu_model = copy.deepcopy(cpu_model).cuda()
+    opts, scalers = [], []
+    for model, device in ((cpu_model, "cpu"), (gpu_model, "cuda")):
+        torch.manual_seed(1)
+        opts.append(getattr(optim, opt_name)(model.parameters(), **kw))
+        scalers.append(torch.amp.GradScaler(device, init_scale=2.0 ** 12, growth_interval=2))
+    dtype = kw.get("param_dtype", torch.bfloat16)
+    x, y = torch.randn(64, 33).to(dtype), torch.randint(0, 3, (64,))
+    for step in range(6):
+        for model, opt, scaler in zip((cpu_model, gpu_model), opts, scalers):
+            device = next(model.parameters()).device
+            opt.zero_grad()
+            scaler.scale(torch.nn.functional.cross_entropy(model(x.to(device)).float(),
+                                                           y.to(device))).backward()
+            if step in (0, 3):
+                model[2].bias.grad[0] = float("inf")
+            never_waits = device.type == "cuda" and opt_name == "ExtraBitsSGD" and step >= 2
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if never_waits else "default")
+            try:
+                torch.manual_seed(step)
+                scaler.step(opt)
+                scaler.update()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert scalers[0].get_scale() == scalers[1].get_scale(), step
+        for wc, wg in zip(opts[0].master_weights(), opts[1].master_weights()):
+            assert torch.equal(wc, wg.cpu()), step
+    sd_cpu, sd_gpu = opts[0].state_dict(), opts[1].state_dict()  # the GPU's skips settled
+    for pc, pg in zip(sd_cpu["state"].values(), sd_gpu["state"].values()):
+        assert set(pc) == set(pg) and float(pc.get("step", 0)) == float(pg.get("step", 0))
+
+
 def test_emulated_training_on_cuda():
     import torch.nn.functional as F
     from lowfp import assign as A

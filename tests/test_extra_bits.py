@@ -1130,6 +1130,96 @@ def test_optimizer_pickles_and_deep_copies(how):
     assert opt2.weight_stats.as_dict() == opt.weight_stats.as_dict()
 
 
+# ---- torch.amp.GradScaler ----------------------------------------------------------------------
+
+def unfused_twin(opt_cls):
+    """opt_cls without _step_supports_amp_scaling: torch.amp.GradScaler then unscales the
+    gradients itself (GradScaler.unscale_) and skips a step with a non-finite one on the host,
+    as for torch.optim's unfused optimizers. The reference for the fused path."""
+    return type("Unfused" + opt_cls.__name__, (opt_cls,), {"_step_supports_amp_scaling": False})
+
+
+def grad_scaler_steps(models_and_opts, scalers, steps, bad_steps, dtype, unscale_first=False):
+    """Trains each (model, optimizer) with its scaler on the same batches; at bad_steps the last
+    layer's bias gradient is made infinite. Asserts the master weights, optimizer state and
+    scales stay equal across the pairs, and that GradScaler's attributes are gone after a step."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
+    for step in range(steps):
+        for (model, opt), scaler in zip(models_and_opts, scalers):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x.to(dtype)).float(), y)
+            scaler.scale(loss).backward()
+            if step in bad_steps:
+                model[4].bias.grad[1] = float("inf")
+            if unscale_first:  # unscaled once, then clipped, as in torch's AMP recipe
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            torch.manual_seed(step)  # the same stochastic rounding seed for every optimizer
+            scaler.step(opt)
+            scaler.update()
+            assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+        (a, opt_a), sa = models_and_opts[0], scalers[0]
+        for (b, opt_b), sb in zip(models_and_opts[1:], scalers[1:]):
+            assert sa.get_scale() == sb.get_scale(), step
+            for wa, wb in zip(opt_a.master_weights(), opt_b.master_weights()):
+                assert torch.equal(wa, wb), step
+            for pa, pb in zip(a.parameters(), b.parameters()):
+                st_a, st_b = opt_a.state[pa], opt_b.state[pb]
+                assert ("momentum_buffer" in st_a) == ("momentum_buffer" in st_b), step
+                # A skipped first step leaves Adam's state at step 0 with zero moments (as
+                # torch's fused Adam does); an unfused step is never called and leaves none.
+                assert float(st_a.get("step", 0)) == float(st_b.get("step", 0)), step
+    return scalers[0]
+
+
+@pytest.mark.parametrize("opt_cls,kw", [
+    (ExtraBitsSGD, dict(lr=0.1, momentum=0.9, extra_bits=8, rounding="stochastic")),
+    (ExtraBitsAdamW, dict(lr=1e-2, extra_bits=16, amsgrad=True)),
+])
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_torch_grad_scaler_hands_the_scale_to_the_step(opt_cls, kw, unscale_first):
+    # bfloat16, which GradScaler can also unscale itself: the fused path (GradScaler sets
+    # grad_scale / found_inf and the step unscales and skips) equals its unfused path. A bad
+    # first step checks that SGD's first momentum buffer and Adam's count are taken back.
+    pairs = []
+    for cls in (opt_cls, unfused_twin(opt_cls)):
+        model = small_model()
+        torch.manual_seed(0)  # the same stochastic split of the float32 parameters
+        pairs.append((model, cls(model.parameters(), **kw)))
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2) for _ in pairs]
+    scaler = grad_scaler_steps(pairs, scalers, steps=7, bad_steps={0, 3, 4}, dtype=torch.bfloat16,
+                               unscale_first=unscale_first)
+    assert scaler.get_scale() == 2.0 ** 10 / 8 * 4  # three back-offs, two growths
+
+
+def test_torch_grad_scaler_with_float16_parameters_steps_as_lowfps_scaler():
+    # GradScaler refuses to unscale float16 gradients for an unfused optimizer ("Attempting to
+    # unscale FP16 gradients"); the ExtraBits step unscales them in their own dtype, as
+    # lowfp.DynamicLossScaler does, with the same skips and scales.
+    kw = dict(lr=3e-3, extra_bits=13, param_dtype=torch.float16, rounding="nearest")
+    models = [small_model(), small_model()]
+    pairs = [(m, ExtraBitsAdamW(m.parameters(), **kw)) for m in models]
+    scale_kw = dict(init_scale=2.0 ** 12, growth_interval=3)
+    scalers = [torch.amp.GradScaler("cpu", **scale_kw), lowfp.DynamicLossScaler(**scale_kw)]
+    grad_scaler_steps(pairs, scalers, steps=8, bad_steps={2, 5}, dtype=torch.float16)
+    with pytest.raises(ValueError, match="FP16"):  # torch's own unscale_ still refuses them
+        scalers[0].unscale_(pairs[0][1])
+
+
+def test_torch_grad_scaler_with_a_sparse_gradient_raises_before_changing_any():
+    p, q = (torch.nn.Parameter(torch.ones(4, 2, dtype=torch.bfloat16)) for _ in range(2))
+    opt = ExtraBitsSGD([p, q], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))  # makes its scale tensor, as scaling the loss does
+    p.grad = torch.full((4, 2), 8.0, dtype=torch.bfloat16)
+    q.grad = torch.ones(4, 2, dtype=torch.bfloat16).to_sparse()
+    with pytest.raises(ValueError, match="dense gradients"):
+        scaler.step(opt)
+    assert torch.equal(p.grad, torch.full((4, 2), 8.0, dtype=torch.bfloat16))  # not unscaled
+    assert torch.equal(p, torch.ones(4, 2, dtype=torch.bfloat16))
+
+
 def test_demo_runs():
     import subprocess
     import sys

@@ -40,6 +40,11 @@ _NO_STATE = (0, 0, 0)  # the pointers of a step's unused state slots (three in a
 
 class _ExtraBitsOptimizer(torch.optim.Optimizer):
     _opt_code = -1
+    # As for torch's fused optimizers: torch.amp.GradScaler.step checks the gradients itself and
+    # sets ``grad_scale`` and ``found_inf`` on the optimizer instead of unscaling them, and the step
+    # unscales and skips (see _amp_scaling). So GradScaler works with float16 parameters too (it
+    # refuses to unscale float16 gradients for other optimizers) and never waits for a GPU.
+    _step_supports_amp_scaling = True
 
     def __init__(self, params, defaults: dict):
         k, rounding = defaults["extra_bits"], defaults["rounding"]
@@ -154,6 +159,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf = self._amp_scaling()
         for group in self.param_groups:
             # (parameter, its state): looked up once a step, as a tensor's hash is a Python call.
             stepped = [(p, self.state[p]) for p in group["params"] if p.grad is not None]
@@ -165,8 +171,36 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                 for entry in stepped:
                     batches.setdefault(self._batch_key(group, entry[1]), []).append(entry)
                 for key, entries in batches.items():
-                    self._fused_call(group, entries, key, seed)
+                    self._fused_call(group, entries, key, seed, found_inf=found_inf)
+        if found_inf is not None and found_inf.is_cpu:
+            self._settle_host_state()  # nothing to wait for: the step's state is final at once
         return loss
+
+    def _amp_scaling(self) -> Optional[torch.Tensor]:
+        """What torch.amp.GradScaler.step set on this optimizer (see _step_supports_amp_scaling),
+        else None. ``grad_scale`` (None once the user called ``scaler.unscale_``): the gradients
+        are unscaled in place, in their own dtype, by the float32 rounding of the float64
+        reciprocal, as GradScaler.unscale_ does. ``found_inf`` (float32, nonzero when a gradient
+        was not finite): returned as a bool on the parameters' device that skips the fused
+        calls there. On a GPU the host state of a skipped step is settled at the next step or
+        state_dict(), as inside backward."""
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        if (grad_scale is None and found_inf is None) or self.weight_stats is None:
+            return None
+        device = self.weight_stats.device
+        if grad_scale is not None:
+            stepped = [(p, p.grad) for group in self.param_groups for p in group["params"]
+                       if p.grad is not None]
+            for p, g in stepped:
+                if g.layout is not torch.strided:
+                    self._grad_of(p, g)  # raises, before any gradient is changed
+            if stepped:
+                inverse = torch.as_tensor(grad_scale, dtype=torch.float64, device=device)
+                torch._foreach_mul_([g for _, g in stepped], inverse.reciprocal().float())
+        if found_inf is None:
+            return None
+        return torch.as_tensor(found_inf, device=device).reshape(()) != 0
 
     @staticmethod
     def _grad_of(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
