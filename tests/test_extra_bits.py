@@ -1132,11 +1132,13 @@ def test_optimizer_pickles_and_deep_copies(how):
 
 # ---- torch.amp.GradScaler ----------------------------------------------------------------------
 
-def unfused_twin(opt_cls):
-    """opt_cls without _step_supports_amp_scaling: torch.amp.GradScaler then unscales the
+def amp_twin(opt_cls, fused):
+    """opt_cls with GradScaler's path forced. Unfused: torch.amp.GradScaler unscales the
     gradients itself (GradScaler.unscale_) and skips a step with a non-finite one on the host,
-    as for torch.optim's unfused optimizers. The reference for the fused path."""
-    return type("Unfused" + opt_cls.__name__, (opt_cls,), {"_step_supports_amp_scaling": False})
+    as for torch.optim's unfused optimizers, the reference. Fused: GradScaler sets grad_scale /
+    found_inf and the step unscales and skips (taken for float16 or on a GPU)."""
+    return type(("F" if fused else "Unf") + "used" + opt_cls.__name__, (opt_cls,),
+                {"_step_supports_amp_scaling": fused})
 
 
 def grad_scaler_steps(models_and_opts, scalers, steps, bad_steps, dtype, unscale_first=False):
@@ -1180,10 +1182,12 @@ def grad_scaler_steps(models_and_opts, scalers, steps, bad_steps, dtype, unscale
 @pytest.mark.parametrize("unscale_first", [False, True])
 def test_torch_grad_scaler_hands_the_scale_to_the_step(opt_cls, kw, unscale_first):
     # bfloat16, which GradScaler can also unscale itself: the fused path (GradScaler sets
-    # grad_scale / found_inf and the step unscales and skips) equals its unfused path. A bad
-    # first step checks that SGD's first momentum buffer and Adam's count are taken back.
+    # grad_scale / found_inf and the step unscales and skips) equals its unfused path, which is
+    # the one taken on the CPU. A bad first step checks that SGD's first momentum buffer and
+    # Adam's count are taken back.
+    assert not opt_cls([torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))])._step_supports_amp_scaling
     pairs = []
-    for cls in (opt_cls, unfused_twin(opt_cls)):
+    for cls in (amp_twin(opt_cls, fused=True), amp_twin(opt_cls, fused=False)):
         model = small_model()
         torch.manual_seed(0)  # the same stochastic split of the float32 parameters
         pairs.append((model, cls(model.parameters(), **kw)))
@@ -1200,6 +1204,7 @@ def test_torch_grad_scaler_with_float16_parameters_steps_as_lowfps_scaler():
     kw = dict(lr=3e-3, extra_bits=13, param_dtype=torch.float16, rounding="nearest")
     models = [small_model(), small_model()]
     pairs = [(m, ExtraBitsAdamW(m.parameters(), **kw)) for m in models]
+    assert pairs[0][1]._step_supports_amp_scaling  # a float16 parameter: the fused path
     scale_kw = dict(init_scale=2.0 ** 12, growth_interval=3)
     scalers = [torch.amp.GradScaler("cpu", **scale_kw), lowfp.DynamicLossScaler(**scale_kw)]
     grad_scaler_steps(pairs, scalers, steps=8, bad_steps={2, 5}, dtype=torch.float16)
@@ -1207,9 +1212,34 @@ def test_torch_grad_scaler_with_float16_parameters_steps_as_lowfps_scaler():
         scalers[0].unscale_(pairs[0][1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_torch_grad_scaler_unscales_every_gradient_pattern_as_torch(dtype):
+    # Every finite 16-bit gradient pattern, subnormals included, unscaled by a scale that is not
+    # a power of two (so the product rounds): the fused step's unscale equals torch's
+    # multiplication by the float32 reciprocal rounded to the gradient's dtype (GradScaler.unscale_).
+    # A float32 gradient (converted before the kernel reads it) is unscaled by torch first:
+    # converting, then unscaling, would round twice.
+    patterns = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    g = patterns[torch.isfinite(patterns.float())]
+    inverse = torch.tensor(1 / 3.0, dtype=torch.float64).float()
+    for grad in (g, random_float32(g.numel(), seed=5, lo=-30, hi=14)):
+        p = torch.nn.Parameter(torch.zeros(g.numel(), dtype=dtype))
+        opt = amp_twin(ExtraBitsSGD, fused=True)([p], lr=1.0, extra_bits=4)
+        scaler = torch.amp.GradScaler("cpu", init_scale=3.0)
+        scaler.scale(torch.ones(()))
+        p.grad_dtype = None  # torch 2.13: a gradient of another dtype needs this
+        p.grad = grad.clone()
+        scaler.step(opt)
+        q = torch.nn.Parameter(torch.zeros(g.numel(), dtype=dtype))
+        reference = ExtraBitsSGD([q], lr=1.0, extra_bits=4)
+        q.grad = (grad * inverse).to(dtype)  # torch: float32 product, rounded to the dtype
+        reference.step()
+        assert torch.equal(opt.master_weights()[0], reference.master_weights()[0])
+
+
 def test_torch_grad_scaler_with_a_sparse_gradient_raises_before_changing_any():
     p, q = (torch.nn.Parameter(torch.ones(4, 2, dtype=torch.bfloat16)) for _ in range(2))
-    opt = ExtraBitsSGD([p, q], lr=0.1)
+    opt = amp_twin(ExtraBitsSGD, fused=True)([p, q], lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     scaler.scale(torch.ones(()))  # makes its scale tensor, as scaling the loss does
     p.grad = torch.full((4, 2), 8.0, dtype=torch.bfloat16)
