@@ -18,6 +18,9 @@ large share of memory, with the step inside backward or not (CPU: max RSS, separ
 and the time of a whole training iteration (forward, backward, step) of a wide model and of a
 narrow one (there each parameter's work is per-call overhead) with the step after backward or
 inside it, with and without a loss scaler: on a GPU the hooks never wait for the device;
+steps through a loss scaler ("GradScaler": torch.amp.GradScaler, which hands float16 gradients
+(and any on a GPU) to the fused step to unscale; "lowfp scaler": lowfp.DynamicLossScaler,
+unscale_ then the step), at scale 1 so the gradients stay the same;
 the step of many small parameters (48 x 32 x 32), where each parameter costs what its Python
 costs, against torch.optim's default and fused steps on the same bfloat16 parameters; and the
 non-finite check of a gradient that those hooks and DynamicLossScaler make
@@ -83,7 +86,27 @@ def cases(total, device="cpu"):
         opt.step()  # creates the state, so that memory_bytes() counts it
         return opt.step, bytes_moved(opt, params)
 
+    def scaled(opt_cls, kw, dtype, scaler_kind):
+        """The step through a loss scaler (scale 1, never grown: the gradients stay as they are):
+        torch.amp.GradScaler (which hands the scale to the fused step for float16 parameters
+        and on a GPU) or lowfp.DynamicLossScaler (unscale_ by torch ops, then the step)."""
+        params = make_params(total, dtype, device)
+        opt = opt_cls(params, **kw)
+        kwargs = dict(init_scale=1.0, growth_interval=10 ** 9)
+        scaler = (torch.amp.GradScaler(device, **kwargs) if scaler_kind == "torch"
+                  else lowfp.DynamicLossScaler(device, **kwargs))
+        opt.step()
+        one = torch.ones((), device=device)
+
+        def step():
+            scaler.scale(one)  # as scaling the loss does (GradScaler makes its scale there)
+            scaler.step(opt)
+            scaler.update()
+        return step, bytes_moved(opt, params)
+
     sgd, adamw = dict(lr=0.01, momentum=0.9), dict(lr=1e-3)
+    fp16_sgd = dict(sgd, extra_bits=13, rounding="stochastic")
+    fp16_adamw = dict(adamw, extra_bits=13, rounding="stochastic")
     fused = [] if device == "cpu" else [
         ("torch SGD(momentum, fused) fp32 + copy to bf16", lambda: mixed(torch.optim.SGD, dict(sgd, fused=True))),
         ("torch AdamW(fused) fp32 + copy to bf16", lambda: mixed(torch.optim.AdamW, dict(adamw, fused=True))),
@@ -95,8 +118,13 @@ def cases(total, device="cpu"):
         ("lowfp ExtraBitsSGD k=8 toward_zero", lambda: plain(ExtraBitsSGD, dict(sgd, extra_bits=8))),
         ("lowfp ExtraBitsSGD k=8 nearest", lambda: plain(ExtraBitsSGD, dict(sgd, extra_bits=8, rounding="nearest"))),
         ("lowfp ExtraBitsSGD k=16 stochastic", lambda: plain(ExtraBitsSGD, dict(sgd, extra_bits=16, rounding="stochastic"))),
-        ("lowfp ExtraBitsSGD fp16 k=13 stochastic",
-         lambda: plain(ExtraBitsSGD, dict(sgd, extra_bits=13, rounding="stochastic"), torch.float16)),
+        ("lowfp ExtraBitsSGD fp16 k=13 stochastic", lambda: plain(ExtraBitsSGD, fp16_sgd, torch.float16)),
+        ("lowfp ExtraBitsSGD fp16 k=13 stochastic, GradScaler",
+         lambda: scaled(ExtraBitsSGD, fp16_sgd, torch.float16, "torch")),
+        ("lowfp ExtraBitsSGD fp16 k=13 stochastic, lowfp scaler",
+         lambda: scaled(ExtraBitsSGD, fp16_sgd, torch.float16, "lowfp")),
+        ("lowfp ExtraBitsSGD k=8 toward_zero, GradScaler",
+         lambda: scaled(ExtraBitsSGD, dict(sgd, extra_bits=8), torch.bfloat16, "torch")),
         ("torch AdamW fp32 + copy to bf16 (mixed precision)", lambda: mixed(torch.optim.AdamW, adamw)),
         ("torch AdamW on bf16 params", lambda: plain(torch.optim.AdamW, adamw)),
         *[c for c in fused if "AdamW" in c[0]],
@@ -104,8 +132,11 @@ def cases(total, device="cpu"):
         ("lowfp ExtraBitsAdamW k=8 nearest", lambda: plain(ExtraBitsAdamW, dict(adamw, extra_bits=8, rounding="nearest"))),
         ("lowfp ExtraBitsAdamW k=8 nearest, bf16 moments",
          lambda: plain(ExtraBitsAdamW, dict(adamw, extra_bits=8, rounding="nearest", state_dtype=torch.bfloat16))),
-        ("lowfp ExtraBitsAdamW fp16 k=13 stochastic",
-         lambda: plain(ExtraBitsAdamW, dict(adamw, extra_bits=13, rounding="stochastic"), torch.float16)),
+        ("lowfp ExtraBitsAdamW fp16 k=13 stochastic", lambda: plain(ExtraBitsAdamW, fp16_adamw, torch.float16)),
+        ("lowfp ExtraBitsAdamW fp16 k=13 stochastic, GradScaler",
+         lambda: scaled(ExtraBitsAdamW, fp16_adamw, torch.float16, "torch")),
+        ("lowfp ExtraBitsAdamW fp16 k=13 stochastic, lowfp scaler",
+         lambda: scaled(ExtraBitsAdamW, fp16_adamw, torch.float16, "lowfp")),
     ]
 
 

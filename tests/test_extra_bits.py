@@ -1215,10 +1215,10 @@ def test_torch_grad_scaler_with_float16_parameters_steps_as_lowfps_scaler():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_torch_grad_scaler_unscales_every_gradient_pattern_as_torch(dtype):
     # Every finite 16-bit gradient pattern, subnormals included, unscaled by a scale that is not
-    # a power of two (so the product rounds): the fused step's unscale equals torch's
-    # multiplication by the float32 reciprocal rounded to the gradient's dtype (GradScaler.unscale_).
-    # A float32 gradient (converted before the kernel reads it) is unscaled by torch first:
-    # converting, then unscaling, would round twice.
+    # a power of two (so the product rounds), through the fused path: equal to multiplying by
+    # the float32 reciprocal in the gradient's dtype (GradScaler.unscale_), then stepping. A
+    # float32 gradient is unscaled in float32 before the step converts it: converting first
+    # would round twice.
     patterns = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype)
     g = patterns[torch.isfinite(patterns.float())]
     inverse = torch.tensor(1 / 3.0, dtype=torch.float64).float()

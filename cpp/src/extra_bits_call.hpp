@@ -57,10 +57,6 @@ struct ExtraBitsStep {
   // (nothing written, nothing counted). Stepping inside backward sets it from the gradient's
   // finiteness check on the device, so the host never waits for that check.
   const bool* found_inf;
-  // One float32 on the weights' device, or null: the reciprocal of a loss scale, by which every
-  // gradient element is unscaled (unscale_gradient) before the update. torch.amp.GradScaler's
-  // scale stays on the device, so the host never waits for it either.
-  const float* grad_unscale;
 };
 
 }  // namespace lowfp

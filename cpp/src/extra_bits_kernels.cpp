@@ -150,8 +150,6 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
   alignas(64) uint32_t rand[kTileElements];
   alignas(64) uint32_t w_bits[kTileElements];
   alignas(64) float g32[kTileElements];
-  const bool unscale = s.grad_unscale != nullptr;
-  const float inverse_scale = unscale ? *s.grad_unscale : 1.0f;
   for (int64_t t = b0; t < b1; t += kTileBlocks) {
     const int64_t blocks = min_of(kTileBlocks, b1 - t);
     const int64_t i0 = t * 32, len = min_of(blocks * 32, slot.n - i0);
@@ -168,8 +166,6 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
         g32[i] = bit_cast<float>(Widen<uint32_t>::from(grad[i0 + i]));
       }
     }
-    if (unscale)  // a loop of its own: the update loop stays as it is without a scaler
-      for (int64_t i = 0; i < len; ++i) g32[i] = unscale_gradient<W16>(g32[i], inverse_scale);
     uint32_t above_max = 0, underflow = 0, nan = 0;
     for (int64_t i = 0; i < len; ++i) {
       const uint32_t w = merge_bits<W16>(w_bits[i], values[i] & k_mask, e);

@@ -167,7 +167,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found_inf, grad_unscale = self._amp_scaling()
+        found_inf = self._amp_scaling()
         for group in self.param_groups:
             # (parameter, its state): looked up once a step, as a tensor's hash is a Python call.
             stepped = [(p, self.state[p]) for p in group["params"] if p.grad is not None]
@@ -179,44 +179,38 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                 for entry in stepped:
                     batches.setdefault(self._batch_key(group, entry[1]), []).append(entry)
                 for key, entries in batches.items():
-                    self._fused_call(group, entries, key, seed, found_inf=found_inf,
-                                     grad_unscale=grad_unscale)
+                    self._fused_call(group, entries, key, seed, found_inf=found_inf)
         if found_inf is not None and found_inf.is_cpu:
             self._settle_host_state()  # nothing to wait for: the step's state is final at once
         return loss
 
-    def _amp_scaling(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def _amp_scaling(self) -> Optional[torch.Tensor]:
         """What torch.amp.GradScaler.step set on this optimizer (see _step_supports_amp_scaling),
-        as (found_inf, grad_unscale) for the fused calls; (None, None) outside GradScaler.step.
-
-        ``found_inf`` (float32, nonzero when GradScaler found a non-finite gradient) becomes a
-        bool on the parameters' device that skips the fused calls there; on a GPU the host state
-        of a skipped step is settled at the next step or state_dict(), as inside backward.
-        ``grad_scale`` (None once the user called ``scaler.unscale_``) becomes the float32
-        rounding of its float64 reciprocal, as in GradScaler.unscale_, on the device: the kernel
-        unscales each gradient element by it in the gradient's dtype. A gradient in another
-        dtype than its parameter's (converted before the kernel reads it) makes torch unscale
-        all of them in place first, so the result stays GradScaler.unscale_'s."""
+        else None. ``grad_scale`` (None once the user called ``scaler.unscale_``): the gradients
+        are unscaled in place, in their own dtype, by the float32 rounding of the float64
+        reciprocal, as GradScaler.unscale_ does (a separate pass: unscaling inside the fused
+        kernel was slower on the CPU, the rounding to float16 costing more than the pass).
+        ``found_inf`` (float32, nonzero when GradScaler found a non-finite gradient): returned
+        as a bool on the parameters' device that skips the fused calls there; on a GPU the host
+        state of a skipped step is settled at the next step or state_dict(), as inside
+        backward."""
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         if (grad_scale is None and found_inf is None) or self.weight_stats is None:
-            return None, None
+            return None
         device = self.weight_stats.device
-        grad_unscale = None
         if grad_scale is not None:
             stepped = [(p, p.grad) for group in self.param_groups for p in group["params"]
                        if p.grad is not None]
             for p, g in stepped:
                 if g.layout is not torch.strided:
                     self._grad_of(p, g)  # raises, before any gradient is changed
-            inverse = torch.as_tensor(grad_scale, dtype=torch.float64, device=device)
-            grad_unscale = inverse.reciprocal().float().reshape(())
-            if any(g.dtype is not p.dtype for p, g in stepped):
-                torch._foreach_mul_([g for _, g in stepped], grad_unscale)
-                grad_unscale = None
-        if found_inf is not None:
-            found_inf = torch.as_tensor(found_inf, device=device).reshape(()) != 0
-        return found_inf, grad_unscale
+            if stepped:
+                inverse = torch.as_tensor(grad_scale, dtype=torch.float64, device=device)
+                torch._foreach_mul_([g for _, g in stepped], inverse.reciprocal().float().reshape(()))
+        if found_inf is None:
+            return None
+        return torch.as_tensor(found_inf, device=device).reshape(()) != 0
 
     @staticmethod
     def _grad_of(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -230,17 +224,15 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
 
     def _fused_call(self, group: dict, entries: List[Tuple[torch.Tensor, dict]], key: tuple,
                     seed: int, grads: Optional[List[torch.Tensor]] = None,
-                    found_inf: Optional[torch.Tensor] = None,
-                    grad_unscale: Optional[torch.Tensor] = None) -> None:
+                    found_inf: Optional[torch.Tensor] = None) -> None:
         """Steps the (parameter, state) entries (of one group, sharing the batch key) in one
         native call per dtype. grads: theirs, or None for p.grad. Stochastic rounding uses one
         seed per group and step; each parameter's Philox offset is fixed by its place in the
         group, so stepping parameters one by one (step in backward) gives the same result as
-        stepping them together. found_inf: a bool of step_in_backward's on the parameters'
-        device, which skips the step on the device when true. grad_unscale: a float32 on that
-        device by which the kernel unscales every gradient element (GradScaler.step). Step
-        inside backward makes this call once per parameter, and step() once per batch key, so
-        a parameter costs what its loop turn costs: a few us of Python, most of it reading
+        stepping them together. found_inf: a bool on the parameters' device (step_in_backward's
+        or GradScaler.step's) that skips the step on the device when true.
+        Step inside backward makes this call once per parameter, and step() once per batch key,
+        so a parameter costs what its loop turn costs: a few us of Python, most of it reading
         tensors' properties."""
         hyper = self._hyper(group, key)
         state_dtype = group["state_dtype"]
@@ -271,12 +263,11 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                  *_NO_STATE[len(moments):], n, offset))
         mod, device, stream = backends.native(entries[0][0], "parameter")
         skip_flag = 0 if found_inf is None else found_inf.data_ptr()
-        unscale = 0 if grad_unscale is None else grad_unscale.data_ptr()
         for dtype, slots in by_dtype.items():
             mod.extra_bits_step(self._opt_code, DTYPE_CODES[dtype], group["extra_bits"],
                                 ROUNDING_MODES.index(group["rounding"]), DTYPE_CODES[state_dtype],
-                                hyper, seed, slots, skip_flag, unscale,
-                                self.weight_stats.counts.data_ptr(), device, stream)
+                                hyper, seed, slots, skip_flag, self.weight_stats.counts.data_ptr(),
+                                device, stream)
         # Written through their pointers: tell autograd, as torch.optim's in-place updates do, so
         # a backward through a graph that saved a parameter before this step raises.
         torch.autograd.graph.increment_version(written)

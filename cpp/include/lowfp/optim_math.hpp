@@ -68,17 +68,6 @@ LOWFP_HD float adam_update(float w, float g, float& m, float& v, float& v_max, c
   return w + (h.neg_step_size * m) / denom;  // param.addcdiv_(exp_avg, denom, value=-step_size)
 }
 
-// torch.amp.GradScaler's unscale of one gradient element g (a value of W16): g times the float32
-// reciprocal of the loss scale, rounded to nearest in W16, as torch multiplies in float32 and
-// rounds the product to the gradient's dtype.
-template <class W16> LOWFP_HD float unscale_gradient(float g, float inverse_scale) {
-  RoundEvents ignored;
-  const uint32_t x = bit_cast<uint32_t>(g * inverse_scale);
-  return bit_cast<float>(std::is_same_v<W16, BFloat>
-                             ? round_to_bfloat16_bits<RoundKind::Nearest>(x, 0u, ignored)
-                             : round_to_float16_bits<RoundKind::Nearest>(x, 0u, ignored));
-}
-
 template <class S> LOWFP_HD float load_state(const S* p, int64_t i) {
   return bit_cast<float>(Widen<uint32_t>::from(p[i]));
 }
