@@ -187,10 +187,8 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
     def _amp_scaling(self) -> Optional[torch.Tensor]:
         """What torch.amp.GradScaler.step set on this optimizer (see _step_supports_amp_scaling),
         else None. ``grad_scale`` (None once the user called ``scaler.unscale_``): the gradients
-        are unscaled in place, in their own dtype, by the float32 rounding of the float64
-        reciprocal, as GradScaler.unscale_ does (a separate pass: unscaling inside the fused
-        kernel was slower on the CPU, the rounding to float16 costing more than the pass).
-        ``found_inf`` (float32, nonzero when GradScaler found a non-finite gradient): returned
+        are unscaled in place, in their own dtype, as GradScaler.unscale_ does (a torch pass:
+        unscaling inside the fused kernel was slower on the CPU). ``found_inf`` (float32, nonzero when GradScaler found a non-finite gradient): returned
         as a bool on the parameters' device that skips the fused calls there; on a GPU the host
         state of a skipped step is settled at the next step or state_dict(), as inside
         backward."""
@@ -206,8 +204,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                 if g.layout is not torch.strided:
                     self._grad_of(p, g)  # raises, before any gradient is changed
             if stepped:
-                inverse = torch.as_tensor(grad_scale, dtype=torch.float64, device=device)
-                torch._foreach_mul_([g for _, g in stepped], inverse.reciprocal().float().reshape(()))
+                torch._foreach_mul_([g for _, g in stepped], _grad_scaler_inverse(grad_scale, device))
         if found_inf is None:
             return None
         return torch.as_tensor(found_inf, device=device).reshape(()) != 0
@@ -230,10 +227,9 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         seed per group and step; each parameter's Philox offset is fixed by its place in the
         group, so stepping parameters one by one (step in backward) gives the same result as
         stepping them together. found_inf: a bool on the parameters' device (step_in_backward's
-        or GradScaler.step's) that skips the step on the device when true.
-        Step inside backward makes this call once per parameter, and step() once per batch key,
-        so a parameter costs what its loop turn costs: a few us of Python, most of it reading
-        tensors' properties."""
+        or GradScaler.step's) that skips the step on the device when true. Step inside backward
+        makes this call once per parameter, and step() once per batch key, so a parameter costs
+        what its loop turn costs: a few us of Python, most of it reading tensors' properties."""
         hyper = self._hyper(group, key)
         state_dtype = group["state_dtype"]
         keep, by_dtype = [], {}  # keep: tensors the call reads, alive until it has run
@@ -423,6 +419,13 @@ def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
                              "cannot change once moments exist; was the parameter's .data replaced, "
                              "or state loaded from another model?)")
     return n
+
+
+def _grad_scaler_inverse(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """torch.amp.GradScaler's unscale factor for a scale tensor (on any device): the float32
+    rounding of the float64 reciprocal, as its unscale_ computes it; a 0-d tensor on device,
+    made without waiting for the scale's device."""
+    return scale.to(device).reshape(()).double().reciprocal().float()
 
 
 def _add_one(counts: List[torch.Tensor]) -> None:
@@ -689,14 +692,14 @@ class StepInBackward:
 
     def _read_inverse_scale(self, device: torch.device):
         # torch.amp.GradScaler keeps its scale on the device, where get_scale() would wait for
-        # it; unscale as its unscale_ does, by the float32 rounding of the float64 reciprocal.
+        # it; unscale as its unscale_ does.
         enabled = getattr(self.scaler, "is_enabled", None)
         if callable(enabled) and not enabled():
             return 1.0
         read_async = getattr(self.scaler, "_get_scale_async", None)
         scale = read_async() if callable(read_async) else None
         if isinstance(scale, torch.Tensor):
-            return scale.to(device).reshape(()).double().reciprocal().float()
+            return _grad_scaler_inverse(scale, device)
         return 1.0 / float(self.scaler.get_scale())
 
     def _end_of_backward(self) -> None:
