@@ -295,6 +295,34 @@ def test_extra_bits_state_dict_from_cpu_to_gpu():
         gpu_opt.step()
 
 
+def test_extra_bits_channels_last_parameters_on_gpu_equal_cpu():
+    """Parameters laid out channels_last step in memory order on the GPU as on the CPU (stochastic
+    words by memory position), and a layout change made after some steps moves the state alike
+    (the packed words are reordered on the CPU and copied back)."""
+    import copy
+    from lowfp import optim
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(5, 40, 3), torch.nn.Tanh(), torch.nn.Conv2d(40, 6, 3))
+    model = model.to(memory_format=torch.channels_last)
+    gpu_model = copy.deepcopy(model).cuda()
+    kw = dict(lr=0.05, momentum=0.9, extra_bits=8, rounding="stochastic")
+    torch.manual_seed(1)
+    cpu_opt = optim.ExtraBitsSGD(model.parameters(), **kw)
+    torch.manual_seed(1)
+    gpu_opt = optim.ExtraBitsSGD(gpu_model.parameters(), **kw)
+    assert gpu_model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    g = torch.Generator().manual_seed(2)
+    step_on_both(cpu_opt, gpu_opt, list(model.parameters()), list(gpu_model.parameters()), g,
+                 steps=3, seed=10)
+    model.to(memory_format=torch.contiguous_format)
+    gpu_model.to(memory_format=torch.contiguous_format)
+    step_on_both(cpu_opt, gpu_opt, list(model.parameters()), list(gpu_model.parameters()), g,
+                 steps=2, seed=20)
+    state = gpu_opt.state[gpu_model[0].weight]
+    assert "extra_dim_order" not in state and state["extra"].is_cuda
+    assert state["momentum_buffer"].is_contiguous()
+
+
 def step_on_both(cpu_opt, gpu_opt, cpu_params, gpu_params, g, steps, seed):
     """Steps both optimizers with the same random gradients and stochastic-rounding seeds; after
     each step the weights and master weights must be equal bit for bit, and so must the counts."""

@@ -573,10 +573,10 @@ def test_a_refused_param_group_leaves_the_optimizer_as_it_was():
     opt = ExtraBitsSGD([first], lr=0.1)
     p32 = torch.nn.Parameter(torch.randn(4))
     bad = [[p32, torch.nn.Parameter(torch.ones(3, dtype=torch.float64))],
-           [p32, torch.nn.Parameter(torch.ones(4, 2).bfloat16().t())],
+           [p32, torch.nn.Parameter(torch.ones(4, 2).bfloat16()[::2])],  # every other row
            [p32, p32]]
     for params, error, match in zip(bad, (TypeError, ValueError, ValueError),
-                                    ("float16 or bfloat16", "contiguous", "more than once")):
+                                    ("float16 or bfloat16", "dense in memory", "more than once")):
         with pytest.raises(error, match=match):
             opt.add_param_group({"params": params})
         assert len(opt.param_groups) == 1 and p32.dtype == torch.float32 and p32 not in opt.state
@@ -641,6 +641,224 @@ def test_gradients_of_another_dtype_or_layout():
     with pytest.raises(ValueError, match="dense gradients, got a torch.sparse_coo one"):
         opt.step()
     assert torch.equal(dense, before)
+
+
+# ---- parameters laid out in memory other than row-major -----------------------------------------
+
+def laid_out_params(seed=0):
+    """bfloat16 parameters in three layouts: a channels_last convolution weight, a transposed
+    weight (strides (1, 4)) and a contiguous bias."""
+    torch.manual_seed(seed)
+    conv = torch.randn(8, 3, 3, 3).bfloat16().to(memory_format=torch.channels_last)
+    return [torch.nn.Parameter(conv), torch.nn.Parameter(torch.randn(6, 4).bfloat16().t()),
+            torch.nn.Parameter(torch.randn(5).bfloat16())]
+
+
+def in_memory_order(t, order):
+    """A contiguous copy of t's elements in memory order (order: lowfp's memory order)."""
+    return (t if order is None else t.permute(order)).clone(memory_format=torch.contiguous_format)
+
+
+def test_memory_order_of_dense_layouts():
+    cl = torch.empty(8, 3, 3, 3).to(memory_format=torch.channels_last)
+    assert eb.memory_order(cl) == (0, 2, 3, 1) and cl.permute(0, 2, 3, 1).is_contiguous()
+    assert eb.memory_order(torch.empty(6, 4).t()) == (1, 0)
+    assert eb.memory_order(torch.empty(5)) is None
+    # a size-1 dim goes last, whatever its stride
+    assert eb.memory_order(torch.empty(4, 1, 6).permute(2, 1, 0)) == (2, 0, 1)
+    for bad in (torch.empty(6, 4)[:, ::2], torch.empty(10)[::3], torch.empty(1, 3).expand(4, 3)):
+        with pytest.raises(ValueError, match="dense in memory"):
+            eb.memory_order(bad)
+    for order in [(0, 1, 2), (2, 0, 1), (1, 2, 0)]:
+        assert eb.inverse_order(order) == tuple(int(i) for i in np.argsort(order))
+
+
+@pytest.mark.parametrize("rounding", eb.EXTRA_BITS_ROUNDING)
+def test_reorder_packed_moves_each_elements_bits(rounding):
+    """Against pack_reference: arbitrary q-bit values packed in one memory order of a (3, 5, 7, 2)
+    tensor (210 elements, a partial last block), repacked in another, equal those values packed
+    in the new order; and back."""
+    shape = (3, 5, 7, 2)
+    orders = [None, (0, 2, 3, 1), (3, 1, 0, 2)]
+    for k in range(1, 17):
+        q = eb.bits_per_element(k, rounding)
+        logical = torch.randint(0, 2 ** q, shape, generator=torch.Generator().manual_seed(k))
+        for old in orders:
+            packed = torch.tensor(pack_reference(in_memory_order(logical, old).reshape(-1).tolist(), q),
+                                  dtype=torch.int32)
+            for new in orders:
+                want = pack_reference(in_memory_order(logical, new).reshape(-1).tolist(), q)
+                moved = eb.reorder_packed(packed, shape, k, rounding, old, new)
+                assert moved.tolist() == want, (k, old, new)
+                assert torch.equal(eb.reorder_packed(moved, shape, k, rounding, new, old), packed)
+
+
+@pytest.mark.parametrize("opt_cls,kw", [
+    (ExtraBitsSGD, dict(lr=0.1, momentum=0.9, extra_bits=8, rounding="stochastic")),
+    (ExtraBitsAdamW, dict(lr=1e-2, extra_bits=16, rounding="nearest", amsgrad=True)),
+    (ExtraBitsAdam, dict(lr=1e-2, extra_bits=5, rounding="toward_zero", state_dtype=torch.bfloat16))])
+def test_parameters_in_any_dense_layout_step_in_memory_order(opt_cls, kw):
+    """A channels_last or transposed parameter steps element by element in memory order: exactly
+    as contiguous twins holding its elements in that order, with the same gradients (stochastic
+    rounding included: Philox words follow the position in memory). Its moments take its layout,
+    and master_weights() returns its elements where they belong."""
+    params = laid_out_params()
+    orders = [eb.memory_order(p) for p in params]
+    assert orders == [(0, 2, 3, 1), (1, 0), None]
+    twins = [torch.nn.Parameter(in_memory_order(p.detach(), o)) for p, o in zip(params, orders)]
+    opt, opt_twin = opt_cls(params, **kw), opt_cls(twins, **kw)
+    for step in range(4):
+        for p, t, o in zip(params, twins, orders):
+            p.grad = torch.empty_like(p).copy_(torch.randn(p.shape))
+            t.grad = in_memory_order(p.grad, o)
+        torch.manual_seed(step)
+        opt.step()
+        torch.manual_seed(step)
+        opt_twin.step()
+        for p, t, o, w, wt in zip(params, twins, orders, opt.master_weights(), opt_twin.master_weights()):
+            assert p.stride() == torch.empty_like(p).stride() and eb.memory_order(p) == o  # kept
+            assert torch.equal(in_memory_order(p.detach(), o).view(torch.int16), t.detach().view(torch.int16))
+            assert torch.equal(in_memory_order(w, o), wt)
+            state, state_twin = opt.state[p], opt_twin.state[t]
+            assert torch.equal(state["extra"], state_twin["extra"])
+            assert state.get("extra_dim_order") == o and "extra_dim_order" not in state_twin
+            for key in ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                if key in state:
+                    assert eb.memory_order(state[key]) == o, key
+                    assert torch.equal(in_memory_order(state[key], o), state_twin[key]), key
+
+
+def test_float32_channels_last_model_keeps_its_layout_and_every_bit():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3))
+    model = model.to(memory_format=torch.channels_last)
+    w32 = [p.detach().clone() for p in model.parameters()]
+    opt = ExtraBitsSGD(model.parameters(), lr=0.1, extra_bits=16)
+    for p, w in zip(model.parameters(), w32):
+        assert p.dtype == torch.bfloat16 and p.stride() == w.stride()
+    assert all(torch.equal(a, b) for a, b in zip(opt.master_weights(), w32))  # nothing lost
+    assert opt.state[model[0].weight]["extra_dim_order"] == (0, 2, 3, 1)
+    x = torch.randn(2, 3, 10, 10).bfloat16().to(memory_format=torch.channels_last)
+    model(x).sum().backward()
+    opt.step()  # the gradients autograd gives are channels_last too
+    ref = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3))
+    with torch.no_grad():
+        for p, w in zip(ref.parameters(), w32):
+            p.copy_(w)
+    ref_opt = ExtraBitsSGD(ref.parameters(), lr=0.1, extra_bits=16)  # contiguous
+    for p, q in zip(ref.parameters(), model.parameters()):
+        p.grad = q.grad.contiguous()  # (a contiguous convolution may sum in another order)
+    ref_opt.step()
+    for a, b in zip(opt.master_weights(), ref_opt.master_weights()):
+        assert torch.equal(a, b)  # toward_zero: the same numbers in any layout
+
+
+@pytest.mark.parametrize("rounding", eb.EXTRA_BITS_ROUNDING)
+def test_a_layout_change_moves_the_extra_bits_and_moments(rounding):
+    """model.to(memory_format=torch.channels_last) after the optimizer was made, as Module.to
+    does it (param.data replaced): nothing is lost, and the next steps go on as those of a model
+    that stayed contiguous (deterministic rounding; stochastic words follow memory positions).
+    Then back, by loading the state into a contiguous model's optimizer."""
+    torch.manual_seed(0)
+    kw = dict(lr=1e-2, extra_bits=7, rounding=rounding)
+    conv = torch.nn.Conv2d(4, 6, 3).bfloat16()
+    twin = copy.deepcopy(conv)
+    opt, opt_twin = ExtraBitsAdam(conv.parameters(), **kw), ExtraBitsAdam(twin.parameters(), **kw)
+    x = torch.randn(2, 4, 7, 7).bfloat16()
+
+    def step(model, optimizer, memory_format, seed):
+        optimizer.zero_grad()
+        model(x.to(memory_format=memory_format)).square().sum().backward()
+        torch.manual_seed(seed)
+        optimizer.step()
+
+    for i in range(2):
+        step(conv, opt, torch.contiguous_format, i)
+        step(twin, opt_twin, torch.contiguous_format, i)
+    conv.to(memory_format=torch.channels_last)
+    assert eb.memory_order(conv.weight) == (0, 2, 3, 1)
+    assert all(torch.equal(a, b) for a, b in zip(opt.master_weights(), opt_twin.master_weights()))
+    opt.load_state_dict(opt.state_dict())  # moves the state to the new layout
+    state = opt.state[conv.weight]
+    assert state["extra_dim_order"] == (0, 2, 3, 1) and eb.memory_order(state["exp_avg"]) == (0, 2, 3, 1)
+    assert all(torch.equal(a, b) for a, b in zip(opt.master_weights(), opt_twin.master_weights()))
+    assert torch.equal(conv.weight, twin.weight)
+    if rounding != "stochastic":
+        for i in range(2, 4):
+            step(conv, opt, torch.channels_last, i)
+            step(twin, opt_twin, torch.contiguous_format, i)
+            assert all(torch.equal(a, b) for a, b in zip(opt.master_weights(), opt_twin.master_weights()))
+    else:
+        step(conv, opt, torch.channels_last, 2)  # moved at the step, without load_state_dict
+    # and back: a contiguous model's optimizer loads the channels_last state
+    back = copy.deepcopy(twin)
+    with torch.no_grad():
+        for p, q in zip(back.parameters(), conv.parameters()):
+            p.copy_(q)
+    opt_back = ExtraBitsAdam(back.parameters(), **kw)
+    saved = opt.state_dict()
+    assert saved["state"][0]["extra_dim_order"] == (0, 2, 3, 1)
+    opt_back.load_state_dict(saved)
+    assert "extra_dim_order" not in opt_back.state[back.weight]
+    assert opt_back.state[back.weight]["exp_avg"].is_contiguous()
+    assert all(torch.equal(a, b) for a, b in zip(opt.master_weights(), opt_back.master_weights()))
+    assert saved["state"][0]["extra_dim_order"] == (0, 2, 3, 1)  # the caller's dict unchanged
+
+
+def test_a_layout_change_moves_the_state_at_the_step():
+    """Without load_state_dict: the step finds the new layout and moves the state first."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(4, 6, 3).bfloat16()
+    twin = copy.deepcopy(conv)
+    kw = dict(lr=0.1, momentum=0.9, extra_bits=9, rounding="nearest")
+    opt, opt_twin = ExtraBitsSGD(conv.parameters(), **kw), ExtraBitsSGD(twin.parameters(), **kw)
+    for i in range(3):
+        if i == 1:
+            conv.to(memory_format=torch.channels_last)
+        for p, q in zip(conv.parameters(), twin.parameters()):
+            g = torch.randn(p.shape).bfloat16()
+            p.grad, q.grad = torch.empty_like(p).copy_(g), g
+        opt.step()
+        opt_twin.step()
+        assert all(torch.equal(a, b) for a, b in zip(opt.master_weights(), opt_twin.master_weights()))
+    assert eb.memory_order(opt.state[conv.weight]["momentum_buffer"]) == (0, 2, 3, 1)
+
+
+def test_a_recorded_layout_that_does_not_fit_is_refused():
+    p = laid_out_params()[0]
+    opt = ExtraBitsSGD([p], lr=0.1)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    saved = opt.state_dict()
+    saved["state"][0]["extra_dim_order"] = (0, 2, 3)
+    with pytest.raises(ValueError, match="dim order \\(0, 2, 3\\), which is not an order of its dims"):
+        ExtraBitsSGD([torch.nn.Parameter(p.detach().clone())], lr=0.1).load_state_dict(saved)
+
+
+def test_step_in_backward_of_a_channels_last_model_equals_a_normal_step():
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.GELU(), torch.nn.Conv2d(8, 4, 3))
+    a = a.to(memory_format=torch.channels_last)
+    b = copy.deepcopy(a)
+    kw = dict(lr=1e-2, extra_bits=8, rounding="stochastic")
+    torch.manual_seed(1)  # the same stochastic split of the float32 parameters
+    opt_a = ExtraBitsAdamW(a.parameters(), **kw)
+    torch.manual_seed(1)
+    opt_b = ExtraBitsAdamW(b.parameters(), **kw)
+    handle = lowfp.optim.step_in_backward(opt_b, clip_value=0.5)
+    x = torch.randn(2, 3, 9, 9).bfloat16().to(memory_format=torch.channels_last)
+    for step in range(3):
+        opt_a.zero_grad()
+        a(x).square().mean().backward()
+        for p in a.parameters():
+            p.grad.clamp_(-0.5, 0.5)
+        torch.manual_seed(step)
+        opt_a.step()
+        torch.manual_seed(step)
+        b(x).square().mean().backward()
+        assert all(torch.equal(u, v) for u, v in zip(opt_a.master_weights(), opt_b.master_weights()))
+    assert eb.memory_order(b[0].weight) == (0, 2, 3, 1)
+    handle.remove()
 
 
 @pytest.mark.parametrize("opt_cls", [torch.optim.SGD, ExtraBitsSGD, ExtraBitsAdamW])
@@ -719,14 +937,14 @@ def test_optimizer_refuses_buffers_that_no_longer_fit():
         opt.step()
     p.data = torch.zeros(64, dtype=torch.bfloat16)[::2]
     p.grad = torch.ones(32, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="not contiguous"):
+    with pytest.raises(ValueError, match="dense in memory .* has strides \\(2,\\)"):
         opt.step()
 
     p = bf16_param(8)
     opt = ExtraBitsSGD([p], lr=0.1, momentum=0.9)
     opt.step()
     opt.param_groups[0]["state_dtype"] = torch.bfloat16  # the buffer is float32
-    with pytest.raises(ValueError, match="'momentum_buffer'.*contiguous torch.bfloat16 tensor"):
+    with pytest.raises(ValueError, match="'momentum_buffer'.*needs a torch.bfloat16 tensor"):
         opt.step()
     opt.param_groups[0]["state_dtype"] = torch.float32
     opt.param_groups[0]["extra_bits"] = 8

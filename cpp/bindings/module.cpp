@@ -69,6 +69,15 @@ PYBIND11_MODULE(_C, mod) {
     *reinterpret_cast<bool*>(out) = found;
     for (int64_t i = 0; i < n_counts; ++i) reinterpret_cast<int64_t*>(counts)[i] += found;
   });
+  // Reorders packed extra bits (extra_bits_gather_cpu): element i of dst = element index[i] of
+  // src. Rare (a parameter's layout changed), so the CPU alone; the caller checked the indices.
+  mod.def("extra_bits_gather", [](uintptr_t src, uintptr_t index, int64_t n, uint32_t q,
+                                  uintptr_t dst) {
+    if (q < 1 || q > kMaxPackedBits) throw std::invalid_argument("bad bits per element");
+    pybind11::gil_scoped_release release;
+    extra_bits_gather_cpu(as_ptr<const uint32_t>(src), as_ptr<const int64_t>(index), n, q,
+                          as_ptr<uint32_t>(dst));
+  });
   // Adds value to the float32 at each address: Adam's step counts (one-element CPU tensors) in
   // one call, where torch._foreach_add_ dispatches an add per tensor (~2 us each).
   mod.def("add_to_float32s", [](const py::list& addresses, float value) {

@@ -211,6 +211,20 @@ void extra_bits_merge_cpu(const ExtraBitsParams& e, const ExtraBitsMerge& a) {
   parallel_blocks(a.n, [&](int, int64_t b0, int64_t b1) { fn(e, a, b0, b1); });
 }
 
+void extra_bits_gather_cpu(const uint32_t* src, const int64_t* index, int64_t n, uint32_t q,
+                           uint32_t* dst) {
+  parallel_blocks(n, [&](int, int64_t b0, int64_t b1) {
+    uint32_t values[32];
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t j = 0; j < 32; ++j) {
+        const int64_t i = b * 32 + j;
+        values[j] = i < n ? unpack_one(src + index[i] / 32 * q, q, uint32_t(index[i] % 32)) : 0u;
+      }
+      pack_block(values, q, dst + b * q);
+    }
+  });
+}
+
 bool any_non_finite_cpu(DType t, const void* x, int64_t n) {
   PerThread<bool> found(threads_for(n));
   const auto fn = kernel().any_non_finite;

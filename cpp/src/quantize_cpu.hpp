@@ -115,6 +115,12 @@ void extra_bits_merge_cpu(const ExtraBitsParams& e, const ExtraBitsMerge& a);
 // One fused optimizer step over every slot (parameter) of a group, all threads over all blocks.
 EventCounts extra_bits_step_cpu(const ExtraBitsStep& s);
 
+// Packed extra bits in another element order (a parameter's memory layout changed): element i
+// of dst (n elements of q bits, DESIGN §5's blocks) is element index[i] of src, each index in
+// [0, n); dst's padding elements are 0.
+void extra_bits_gather_cpu(const uint32_t* src, const int64_t* index, int64_t n, uint32_t q,
+                           uint32_t* dst);
+
 // Whether any of the n elements of x (a float16/bfloat16/float32/float64 buffer) is an infinity
 // or a NaN.
 bool any_non_finite_cpu(DType t, const void* x, int64_t n);

@@ -14,11 +14,14 @@ precision + k bits. Packing: q = k (+1) bits per element, blocks of 32 elements 
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import functools
+import math
+
+from typing import Optional, Sequence, Tuple
 
 import torch
 
-from . import backends
+from . import _C, backends
 from .quantize import DTYPE_CODES, ROUNDING_MODES, _check_uint64, stochastic_seed
 from .stats import Stats
 
@@ -59,7 +62,7 @@ def split(w32: torch.Tensor, dtype: torch.dtype = torch.bfloat16, k: int = 16,
           generator: Optional[torch.Generator] = None, offset: int = 0,
           stats: Optional[Stats] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Split float32 ``w32`` into a ``dtype`` tensor of the same shape and its packed extra bits
-    (int32, ``packed_words(numel, k, rounding)`` words). Stochastic rounding draws Philox words as
+    (int32, ``packed_words(numel, k, rounding)`` words, elements in row-major order). Stochastic rounding draws Philox words as
     :func:`lowfp.quantize` does (``seed``, ``generator``, ``offset``); ``stats`` counts the
     16-bit weights' overflows, underflows and NaNs."""
     if not isinstance(w32, torch.Tensor) or w32.dtype != torch.float32:
@@ -106,3 +109,59 @@ def merge(w16: torch.Tensor, packed: torch.Tensor, k: int = 16, rounding: str = 
     mod.extra_bits_merge(src.data_ptr(), DTYPE_CODES[w16.dtype], words.data_ptr(), out.data_ptr(),
                          src.numel(), k, ROUNDING_MODES.index(rounding), device, stream)
     return out
+
+
+# -- memory order ---------------------------------------------------------------------------------
+# The optimizers pack a parameter's extra bits in the order of its elements in memory, so that the
+# fused step walks the weights, gradients, moments and packed words side by side whatever the
+# layout (channels_last convolution weights, a transposed weight). split and merge above pack in
+# row-major order: a parameter's order is recorded with its packed words when it is not that.
+
+def memory_order(t: torch.Tensor, name: str = "parameter") -> Optional[Tuple[int, ...]]:
+    """None when ``t`` is contiguous (row-major); else its dims from outermost to innermost in
+    memory (those of size 1 last), so that ``t.permute(order)`` is contiguous. ValueError when
+    ``t`` is not dense: its elements do not fill one block of memory without gaps or overlaps."""
+    if t.is_contiguous():
+        return None
+    return _dense_order(t.shape, t.stride(), name)
+
+
+@functools.lru_cache(maxsize=1024)  # each step asks again for every parameter's layout
+def _dense_order(sizes: Tuple[int, ...], strides: Tuple[int, ...], name: str) -> Tuple[int, ...]:
+    spread = sorted((d for d in range(len(sizes)) if sizes[d] > 1), key=lambda d: -strides[d])
+    expected = 1
+    for d in reversed(spread):
+        if strides[d] != expected:
+            raise ValueError(f"{name}s must be dense in memory (contiguous, channels_last or "
+                             f"another order of their dims, without gaps); one of shape "
+                             f"{tuple(sizes)} has strides {tuple(strides)}")
+        expected *= sizes[d]
+    return tuple(spread) + tuple(d for d in range(len(sizes)) if sizes[d] <= 1)
+
+
+def inverse_order(order: Sequence[int]) -> Tuple[int, ...]:
+    """The permutation that undoes ``t.permute(order)``."""
+    inverse = [0] * len(order)
+    for position, d in enumerate(order):
+        inverse[d] = position
+    return tuple(inverse)
+
+
+def reorder_packed(packed: torch.Tensor, shape: Sequence[int], k: int, rounding: str,
+                   old: Optional[Sequence[int]], new: Optional[Sequence[int]]) -> torch.Tensor:
+    """Packed extra bits of a tensor of ``shape`` whose elements were packed in memory order
+    ``old`` (a :func:`memory_order`; None: row-major), repacked in order ``new``: the same bits
+    per element, moved. Done on the CPU (a layout change is rare); returned on packed's device."""
+    n = math.prod(shape)
+    if old is None:
+        old = tuple(range(len(shape)))
+    if new is None:
+        new = tuple(range(len(shape)))
+    # index[j]: where the element at position j of the new order sits in the old order
+    positions = torch.arange(n, dtype=torch.int64).reshape([shape[d] for d in old])
+    index = positions.permute(inverse_order(old)).permute(tuple(new)).reshape(-1)
+    src = packed.detach().cpu().contiguous()
+    dst = torch.empty_like(src)
+    _C.extra_bits_gather(src.data_ptr(), index.data_ptr(), n, bits_per_element(k, rounding),
+                         dst.data_ptr())
+    return dst.to(packed.device)

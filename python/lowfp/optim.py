@@ -13,6 +13,8 @@ Arguments, defaults, param groups, LR schedulers, ``zero_grad`` and ``state_dict
 torch.optim. float32 parameters are converted to ``param_dtype`` in place when the optimizer is
 built, their cut-off bits becoming the initial extra bits (so nothing is lost with bfloat16 and
 k=16); the model then computes in that dtype. float16/bfloat16 parameters start with zero extra bits.
+Parameters may have any dense layout (channels_last, transposed): a step goes over their elements
+in memory order, the order their extra bits and moments are kept in.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from . import _C, backends
-from .extra_bits import (EXTRA_BITS_ROUNDING, check_extra_bits, merge, packed_words, split)
+from .extra_bits import (EXTRA_BITS_ROUNDING, check_extra_bits, inverse_order, memory_order, merge,
+                         packed_words, reorder_packed, split)
 from .quantize import DTYPE_CODES, ROUNDING_MODES, draw_seed
 from .scaler import _any_non_finite_into
 from .stats import Stats
@@ -70,10 +73,13 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             if self.weight_stats is None:
                 self.weight_stats = Stats(p.device)
             if p.dtype == torch.float32:  # its cut-off bits become its initial extra bits
-                w16, packed = split(p.detach(), group["param_dtype"], k, rounding)
-                p.data = w16
+                order = memory_order(p)  # packed in memory order; p keeps its layout
+                w16, packed = split(p.detach() if order is None else p.detach().permute(order),
+                                    group["param_dtype"], k, rounding)
+                p.data = w16 if order is None else w16.permute(inverse_order(order))
                 p.grad = None
                 self.state[p].update(extra=packed, extra_bits=k, rounding=rounding)
+                _record_order(self.state[p], order)
         self._set_philox_offsets(group)
         if self._step_in_backward is not None:  # a group added while stepping inside backward
             self._step_in_backward._hook_group(len(self.param_groups) - 1)
@@ -103,8 +109,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             else:
                 raise TypeError(f"parameters must be float16 or bfloat16 (or float32, converted to "
                                 f"param_dtype), got {p.dtype}")
-            if not p.is_contiguous():
-                raise ValueError("parameters must be contiguous")
+            memory_order(p)  # dense (any order of its dims), else ValueError
 
     def _set_philox_offsets(self, group: dict) -> None:
         # Each parameter's Philox block offset within its group, fixed by its place there, so
@@ -143,6 +148,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         k, rounding = group["extra_bits"], group["rounding"]
         extra = torch.zeros(packed_words(p.numel(), k, rounding), dtype=torch.int32, device=p.device)
         state.update(extra=extra, extra_bits=k, rounding=rounding)
+        _record_order(state, memory_order(p))
         return extra
 
     # -- the step -----------------------------------------------------------------------------
@@ -211,13 +217,18 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _grad_of(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """g as the kernel reads it: dense, contiguous, in p's dtype."""
+        """g as the kernel reads it: dense, in p's dtype and p's memory order (contiguous for a
+        contiguous p; autograd gives a channels_last parameter a channels_last gradient)."""
         if g.layout is not torch.strided:
             raise ValueError(f"lowfp's extra-bits optimizers need dense gradients, got a {g.layout} "
                              "one (sparse gradients are not supported)")
         if g.dtype is not p.dtype:
             g = g.to(p.dtype)
-        return g.contiguous()
+        if p.is_contiguous():
+            return g.contiguous()
+        if g.shape == p.shape and _same_memory_order(g, p):
+            return g
+        return torch.empty_like(p).copy_(g)
 
     def _fused_call(self, group: dict, entries: List[Tuple[torch.Tensor, dict]], key: tuple,
                     seed: int, grads: Optional[List[torch.Tensor]] = None,
@@ -244,7 +255,12 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             if extra is None:
                 extra = self._new_extra(p, group, state)
             moments = self._moments(p, group, state_dtype, state)
-            n = _check_buffers(p, state, group, index, moments)
+            try:
+                n = _check_buffers(p, state, group, index, moments)
+            except _LayoutChanged:  # model.to(memory_format=...) since the last step
+                _match_layout(p, state)
+                extra, moments = state["extra"], self._moments(p, group, state_dtype, state)
+                n = _check_buffers(p, state, group, index, moments)
             if g.numel() != n:
                 raise ValueError(f"a gradient has shape {tuple(g.shape)} but its parameter has "
                                  f"shape {tuple(p.shape)}")
@@ -319,8 +335,11 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state.get(p, {})
-                if "extra" in state:
-                    out.append(merge(p.detach(), state["extra"], state["extra_bits"], state["rounding"]))
+                if "extra" in state:  # packed in the recorded memory order of p
+                    order = state.get("extra_dim_order")
+                    w = p.detach() if order is None else p.detach().permute(order)
+                    w32 = merge(w, state["extra"], state["extra_bits"], state["rounding"])
+                    out.append(w32 if order is None else w32.permute(inverse_order(order)))
                 else:
                     out.append(p.detach().float())
         return out
@@ -367,6 +386,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p in self.state:
+                    _match_layout(p, self.state[p])  # saved from a model laid out otherwise
                     _check_buffers(p, self.state[p], group, index)
 
 
@@ -385,11 +405,13 @@ def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
     if p.dtype not in _PARAM_DTYPES:
         raise TypeError(f"a parameter of shape {tuple(p.shape)} now has dtype {p.dtype}; extra bits "
                         "need float16 or bfloat16 parameters")
-    if not ((p.is_cpu if cpu else p.get_device() == index) and p.is_contiguous()):
+    if not (p.is_cpu if cpu else p.get_device() == index):
         device = torch.device("cpu") if cpu else torch.device("cuda", index)
-        raise ValueError(f"parameters must be contiguous and on {device}; one of shape "
-                         f"{tuple(p.shape)} is " + (f"on {p.device}" if p.device != device else
-                                                     "not contiguous"))
+        raise ValueError(f"parameters must be on {device}; one of shape {tuple(p.shape)} is on "
+                         f"{p.device}")
+    # Every buffer follows p's memory order (row-major when p is contiguous, the common case).
+    row_major = p.is_contiguous()
+    order = None if row_major else memory_order(p)
     extra = state.get("extra")
     if extra is not None:
         k, rounding = group["extra_bits"], group["rounding"]
@@ -406,19 +428,72 @@ def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
                              f"{want} contiguous int32 words on {p.device} (k={k}, rounding="
                              f"{rounding!r}); was its .data replaced, or state loaded from another "
                              "model?")
+        if state.get("extra_dim_order") != order:
+            raise _LayoutChanged
     if moments is None:
         moments = [state[key] for key in _MOMENT_KEYS if torch.is_tensor(state.get(key))]
     dtype = group["state_dtype"]
     for t in moments:
-        if (t.dtype is not dtype or t.numel() != n
-                or not (t.is_cpu if cpu else t.get_device() == index) or not t.is_contiguous()):
+        # a moment of another shape (state edited by hand) is read in its row-major order
+        laid_out = t.is_contiguous() if row_major else t.shape == p.shape and _same_memory_order(t, p)
+        if not laid_out and t.shape == p.shape:
+            raise _LayoutChanged
+        if (t.dtype is not dtype or t.numel() != n or not laid_out
+                or not (t.is_cpu if cpu else t.get_device() == index)):
             key = next(key for key in _MOMENT_KEYS if state.get(key) is t)
             raise ValueError(f"state {key!r} of a parameter of shape {tuple(p.shape)} is a "
                              f"{tuple(t.shape)} {t.dtype} tensor on {t.device}, but the step needs a "
-                             f"contiguous {dtype} tensor of {n} elements on {p.device} (state_dtype "
-                             "cannot change once moments exist; was the parameter's .data replaced, "
-                             "or state loaded from another model?)")
+                             f"{dtype} tensor of {n} elements on {p.device} in the parameter's "
+                             "memory order (state_dtype cannot change once moments exist; was the "
+                             "parameter's .data replaced, or state loaded from another model?)")
     return n
+
+
+class _LayoutChanged(ValueError):
+    """A parameter's memory order is not its extra bits' or moments' (model.to(memory_format=...)
+    since they were made): _match_layout moves them."""
+
+    def __init__(self):
+        super().__init__("a parameter's memory layout changed since its optimizer state was made")
+
+
+def _record_order(state: dict, order: Optional[Tuple[int, ...]]) -> None:
+    """Notes the memory order its extra bits are packed in; none for row-major (contiguous)."""
+    if order is None:
+        state.pop("extra_dim_order", None)
+    else:
+        state["extra_dim_order"] = order
+
+
+def _same_memory_order(t: torch.Tensor, p: torch.Tensor) -> bool:
+    """Whether t (of p's shape) has p's strides, except on dims of size 1, which do not move."""
+    ts, ps = t.stride(), p.stride()
+    return ts == ps or all(a == b for a, b, size in zip(ts, ps, p.shape) if size > 1)
+
+
+def _match_layout(p: torch.Tensor, state: dict) -> None:
+    """Moves a parameter's extra bits and moments into its current memory order: after
+    ``model.to(memory_format=...)``, or state loaded from a model laid out otherwise. Exact: the
+    packed bits of each element move with it (so a stochastic flag stays with its weight).
+    Buffers of the wrong size are left for _check_buffers to refuse."""
+    order = memory_order(p)
+    extra, old = state.get("extra"), state.get("extra_dim_order")
+    if extra is not None and old != order:
+        if (not isinstance(old, (tuple, list)) and old is not None
+                or old is not None and sorted(old) != list(range(p.dim()))):
+            raise ValueError(f"the extra bits of a parameter of shape {tuple(p.shape)} were packed "
+                             f"in dim order {old!r}, which is not an order of its dims; was state "
+                             "loaded from another model?")
+        k, rounding = state.get("extra_bits"), state.get("rounding")
+        if (torch.is_tensor(extra) and extra.dtype is torch.int32 and rounding in EXTRA_BITS_ROUNDING
+                and isinstance(k, int) and 1 <= k <= 16
+                and extra.numel() == packed_words(p.numel(), k, rounding)):
+            state["extra"] = reorder_packed(extra, p.shape, k, rounding, old, order)
+            _record_order(state, order)
+    for key in _MOMENT_KEYS:
+        t = state.get(key)
+        if torch.is_tensor(t) and t.shape == p.shape and not _same_memory_order(t, p):
+            state[key] = torch.empty_like(p, dtype=t.dtype).copy_(t)
 
 
 def _grad_scaler_inverse(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -516,7 +591,7 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
             return ()
         buf = state.get("momentum_buffer")
         if buf is None:
-            buf = state["momentum_buffer"] = torch.zeros(p.shape, dtype=state_dtype, device=p.device)
+            buf = state["momentum_buffer"] = torch.zeros_like(p, dtype=state_dtype)
         return (buf,)
 
 
@@ -578,10 +653,10 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
     def _moments(self, p, group, state_dtype, state):
         if "exp_avg" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros(p.shape, dtype=state_dtype, device=p.device)
-            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=state_dtype, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype)
         if group["amsgrad"] and "max_exp_avg_sq" not in state:  # amsgrad switched on later
-            state["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=state_dtype, device=p.device)
+            state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype)
         out = [state["exp_avg"], state["exp_avg_sq"]]
         if group["amsgrad"]:
             out.append(state["max_exp_avg_sq"])
