@@ -21,7 +21,9 @@ inside it, with and without a loss scaler: on a GPU the hooks never wait for the
 steps through a loss scaler ("GradScaler": torch.amp.GradScaler, which leaves the unscale of
 float16 gradients, and of any on a GPU, to the optimizer's step; "lowfp scaler":
 lowfp.DynamicLossScaler, unscale_ then the step), at scale 1 so the gradients stay the same;
-the step of many small parameters (48 x 32 x 32), where each parameter costs what its Python
+the step of convolution weights laid out channels_last against the same weights contiguous
+(the step walks memory in order either way); the step of many small parameters (48 x 32 x 32),
+where each parameter costs what its Python
 costs, against torch.optim's default and fused steps on the same bfloat16 parameters; and the
 non-finite check of a gradient that those hooks and DynamicLossScaler make
 (`lowfp.scaler.any_non_finite`) against `torch.isfinite(g).all()`.
@@ -273,6 +275,34 @@ def iteration_cases(device, width, depth, batch=64):
     return fns
 
 
+def layout_cases(total, device="cpu", shape=(256, 256, 3, 3)):
+    """The step of >= total parameters in convolution weights of `shape` (bfloat16, bfloat16
+    gradients of the same layout), contiguous or channels_last: ExtraBitsSGD(momentum) and
+    ExtraBitsAdamW k=8, and torch.optim on the channels_last weights. Returns {label: fn}."""
+    count = -(-total // torch.Size(shape).numel())
+    sgd, adamw = dict(lr=0.01, momentum=0.9), dict(lr=1e-3)
+    builds = {
+        "torch SGD(momentum) on bf16 params, channels_last": (torch.optim.SGD, sgd, True),
+        "lowfp ExtraBitsSGD k=8, contiguous": (ExtraBitsSGD, dict(sgd, extra_bits=8), False),
+        "lowfp ExtraBitsSGD k=8, channels_last": (ExtraBitsSGD, dict(sgd, extra_bits=8), True),
+        "torch AdamW on bf16 params, channels_last": (torch.optim.AdamW, adamw, True),
+        "lowfp ExtraBitsAdamW k=8, contiguous": (ExtraBitsAdamW, dict(adamw, extra_bits=8), False),
+        "lowfp ExtraBitsAdamW k=8, channels_last": (ExtraBitsAdamW, dict(adamw, extra_bits=8), True),
+    }
+    fns = {}
+    for label, (opt_cls, kw, channels_last) in builds.items():
+        g = torch.Generator(device).manual_seed(0)
+        layout = torch.channels_last if channels_last else torch.contiguous_format
+        params = [torch.nn.Parameter((torch.randn(shape, generator=g, device=device) * 0.02)
+                                     .bfloat16().to(memory_format=layout)) for _ in range(count)]
+        for p in params:
+            p.grad = torch.empty_like(p).copy_(torch.randn(shape, generator=g, device=device) * 1e-3)
+        opt = opt_cls(params, **kw)
+        opt.step()  # creates the state
+        fns[label] = opt.step
+    return fns
+
+
 def small_step_cases(device, count=48, shape=(32, 32), steps=20):
     """The step of many small parameters, where a step costs what its Python costs per
     parameter: count bfloat16 parameters of the given shape with bfloat16 gradients, each
@@ -362,6 +392,18 @@ def main(argv=None):
             line += f" {r['bytes_per_s'] / 1e9:11.0f} {r['fraction_of_copy']:8.2f}"
         print(line)
     result["steps"] = rows
+    fns = layout_cases(total, args.device)
+    best = time_interleaved(fns, args.repeats, once)
+    del fns
+    print(f"\noptimizer step, >= {total} parameters in 256 x 256 x 3 x 3 convolution weights "
+          f"(bfloat16), best of {args.repeats} interleaved rounds")
+    print(f"{'what':58s} {'ms':>8s} {'vs contiguous':>14s}")
+    result["layouts"] = []
+    for label, sec in best.items():
+        family = "SGD" if "SGD" in label else "AdamW"
+        base = best[f"lowfp ExtraBits{family} k=8, contiguous"]
+        print(f"{label:58s} {sec * 1e3:8.2f} {base / sec:14.2f}")
+        result["layouts"].append({"label": label, "seconds": sec})
     n_split = args.split_elements or (1 << 26 if cuda else 1 << 22)
     split_rows = split_merge_cases(n_split, args.device)
     best = time_interleaved({label: call for label, call, _ in split_rows}, max(args.repeats, 11), once)

@@ -709,8 +709,9 @@ def test_parameters_in_any_dense_layout_step_in_memory_order(opt_cls, kw):
     opt, opt_twin = opt_cls(params, **kw), opt_cls(twins, **kw)
     for step in range(4):
         for p, t, o in zip(params, twins, orders):
-            p.grad = torch.empty_like(p).copy_(torch.randn(p.shape))
-            t.grad = in_memory_order(p.grad, o)
+            g = torch.randn(p.shape).bfloat16()  # contiguous: copied into p's layout by the step
+            p.grad = torch.empty_like(p).copy_(g) if step % 2 else g
+            t.grad = in_memory_order(g, o)
         torch.manual_seed(step)
         opt.step()
         torch.manual_seed(step)

@@ -249,8 +249,9 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         offsets = self._philox_offset
         for j, (p, state) in enumerate(entries):
             g = p.grad if grads is None else grads[j]
-            if g.layout is not torch.strided or g.dtype is not p.dtype or not g.is_contiguous():
-                g = self._grad_of(p, g)
+            if (g.layout is not torch.strided or g.dtype is not p.dtype
+                    or not (g.is_contiguous() and p.is_contiguous())):
+                g = self._grad_of(p, g)  # converted, or laid out as p (a no-op when it is)
             extra = state.get("extra")
             if extra is None:
                 extra = self._new_extra(p, group, state)
