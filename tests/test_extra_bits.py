@@ -957,6 +957,39 @@ def test_optimizer_refuses_buffers_that_no_longer_fit():
         opt.step()
 
 
+def test_a_model_converted_to_another_16_bit_type_is_refused():
+    """Extra bits extend the 16-bit type they were split from. After model.half() on a bfloat16
+    model they would read as float16's and give a wrong master weight: the step,
+    master_weights() and load_state_dict() refuse, and the step changes nothing first."""
+    model = small_model().bfloat16()
+    opt = ExtraBitsSGD(model.parameters(), lr=0.1, extra_bits=8)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    saved = opt.state_dict()
+    assert saved["state"][0]["param_dtype"] == torch.bfloat16
+    model.half()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    weights = [p.detach().clone() for p in model.parameters()]
+    match = "is now torch.float16, but its extra bits extend torch.bfloat16 weights"
+    with pytest.raises(TypeError, match=match):
+        opt.step()
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    with pytest.raises(TypeError, match=match):
+        opt.master_weights()
+    fresh = ExtraBitsSGD(small_model().half().parameters(), lr=0.1, extra_bits=8)
+    with pytest.raises(TypeError, match=match):
+        fresh.load_state_dict(saved)
+    # a state_dict saved before the dtype was recorded loads, and records it from then on
+    for state in saved["state"].values():
+        del state["param_dtype"]
+    model16 = small_model().bfloat16()
+    opt16 = ExtraBitsSGD(model16.parameters(), lr=0.1, extra_bits=8)
+    opt16.load_state_dict(saved)
+    assert all(opt16.state[p]["param_dtype"] == torch.bfloat16 for p in model16.parameters())
+
+
 def test_amsgrad_switched_on_later_starts_its_maximum_at_zero():
     """torch.optim.Adam raises KeyError here; the maximum starts from zero, as it would have if
     amsgrad had been on from a zero state."""

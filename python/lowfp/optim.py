@@ -78,7 +78,8 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                                     group["param_dtype"], k, rounding)
                 p.data = w16 if order is None else w16.permute(inverse_order(order))
                 p.grad = None
-                self.state[p].update(extra=packed, extra_bits=k, rounding=rounding)
+                self.state[p].update(extra=packed, extra_bits=k, rounding=rounding,
+                                     param_dtype=group["param_dtype"])
                 _record_order(self.state[p], order)
         self._set_philox_offsets(group)
         if self._step_in_backward is not None:  # a group added while stepping inside backward
@@ -147,7 +148,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         """Zero extra bits for a parameter that started in 16 bits, made at its first step."""
         k, rounding = group["extra_bits"], group["rounding"]
         extra = torch.zeros(packed_words(p.numel(), k, rounding), dtype=torch.int32, device=p.device)
-        state.update(extra=extra, extra_bits=k, rounding=rounding)
+        state.update(extra=extra, extra_bits=k, rounding=rounding, param_dtype=p.dtype)
         _record_order(state, memory_order(p))
         return extra
 
@@ -337,6 +338,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 state = self.state.get(p, {})
                 if "extra" in state:  # packed in the recorded memory order of p
+                    _check_param_dtype(p, state)
                     order = state.get("extra_dim_order")
                     w = p.detach() if order is None else p.detach().permute(order)
                     w32 = merge(w, state["extra"], state["extra_bits"], state["rounding"])
@@ -387,8 +389,11 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p in self.state:
-                    _match_layout(p, self.state[p])  # saved from a model laid out otherwise
-                    _check_buffers(p, self.state[p], group, index)
+                    state = self.state[p]
+                    _match_layout(p, state)  # saved from a model laid out otherwise
+                    _check_buffers(p, state, group, index)
+                    if "extra" in state:  # saved before the dtype was recorded: p's from now on
+                        state.setdefault("param_dtype", p.dtype)
 
 
 def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
@@ -402,8 +407,8 @@ def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
     property is read once and the device by one attribute: ``is_cpu`` for a CPU optimizer,
     ``get_device()`` for a CUDA one (-1 on the CPU and on the meta device); torch.device objects
     and shapes are built only once something is wrong."""
-    n, cpu = p.numel(), index < 0
-    if p.dtype not in _PARAM_DTYPES:
+    n, cpu, param_dtype = p.numel(), index < 0, p.dtype
+    if param_dtype not in _PARAM_DTYPES:
         raise TypeError(f"a parameter of shape {tuple(p.shape)} now has dtype {p.dtype}; extra bits "
                         "need float16 or bfloat16 parameters")
     if not (p.is_cpu if cpu else p.get_device() == index):
@@ -420,6 +425,8 @@ def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
             raise ValueError(f"extra_bits/rounding of a parameter group changed from "
                              f"{state['extra_bits']}/{state['rounding']!r} to {k}/{rounding!r} after "
                              "its extra bits were created; build a new optimizer instead")
+        if state.get("param_dtype", param_dtype) is not param_dtype:
+            _check_param_dtype(p, state)
         want = packed_words(n, k, rounding)
         if (extra.dtype is not torch.int32 or extra.numel() != want
                 or not (extra.is_cpu if cpu else extra.get_device() == index)
@@ -448,6 +455,18 @@ def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
                              "memory order (state_dtype cannot change once moments exist; was the "
                              "parameter's .data replaced, or state loaded from another model?)")
     return n
+
+
+def _check_param_dtype(p: torch.Tensor, state: dict) -> None:
+    """Extra bits extend the 16-bit type they were split from: read with another (model.half()
+    on a bfloat16 model after the optimizer was made) they would give a wrong master weight, and
+    the right one cannot be recovered from the converted weights."""
+    made_for = state.get("param_dtype", p.dtype)
+    if made_for != p.dtype:  # (dtypes are singletons: ``is`` is the fast test, == the sure one)
+        raise TypeError(f"a parameter of shape {tuple(p.shape)} is now {p.dtype}, but its extra bits "
+                        f"extend {made_for} weights (was the model converted after the optimizer "
+                        "was made?); its float32 master weight cannot be recovered from the "
+                        "converted weights: convert the model before building the optimizer")
 
 
 class _LayoutChanged(ValueError):
