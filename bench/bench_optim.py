@@ -335,6 +335,18 @@ def small_step_cases(device, count=48, shape=(32, 32), steps=20):
     return fns
 
 
+def family_table(best, unit, scale, fmt, against, base_label):
+    """Prints {label: seconds} as a table, each row against the row base_label(family) of its
+    family (SGD or AdamW) in the same run; returns the rows for the JSON result."""
+    print(f"{'what':58s} {unit:>8s} {against:>17s}")
+    rows = []
+    for label, sec in best.items():
+        base = best[base_label("SGD" if "SGD" in label else "AdamW")]
+        print(f"{label:58s} {sec * scale:8{fmt}} {base / sec:17.2f}")
+        rows.append({"label": label, "seconds": sec})
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -397,13 +409,8 @@ def main(argv=None):
     del fns
     print(f"\noptimizer step, >= {total} parameters in 256 x 256 x 3 x 3 convolution weights "
           f"(bfloat16), best of {args.repeats} interleaved rounds")
-    print(f"{'what':58s} {'ms':>8s} {'vs contiguous':>14s}")
-    result["layouts"] = []
-    for label, sec in best.items():
-        family = "SGD" if "SGD" in label else "AdamW"
-        base = best[f"lowfp ExtraBits{family} k=8, contiguous"]
-        print(f"{label:58s} {sec * 1e3:8.2f} {base / sec:14.2f}")
-        result["layouts"].append({"label": label, "seconds": sec})
+    result["layouts"] = family_table(best, "ms", 1e3, ".2f", "vs contiguous",
+                                     lambda family: f"lowfp ExtraBits{family} k=8, contiguous")
     n_split = args.split_elements or (1 << 26 if cuda else 1 << 22)
     split_rows = split_merge_cases(n_split, args.device)
     best = time_interleaved({label: call for label, call, _ in split_rows}, max(args.repeats, 11), once)
@@ -455,13 +462,9 @@ def main(argv=None):
     best = time_interleaved(fns, max(args.repeats, 11), once)
     print(f"\noptimizer step of {count} parameters of {shape[0]} x {shape[1]} (bfloat16), "
           f"best of {max(args.repeats, 11)} interleaved rounds of {steps} steps")
-    print(f"{'what':58s} {'us/step':>8s} {'vs torch default':>17s}")
-    result["small_steps"] = []
-    for label, sec in best.items():
-        family = "SGD" if "SGD" in label else "AdamW"
-        base = best[f"torch {family}{'(momentum)' if family == 'SGD' else ''} on bf16 params"]
-        print(f"{label:58s} {sec / steps * 1e6:8.0f} {base / sec:17.2f}")
-        result["small_steps"].append({"label": label, "seconds": sec / steps})
+    result["small_steps"] = family_table(
+        {label: sec / steps for label, sec in best.items()}, "us/step", 1e6, ".0f",
+        "vs torch default", lambda family: f"torch {family}{'(momentum)' if family == 'SGD' else ''} on bf16 params")
     print(f"\nnon-finite check of one gradient, best of {max(args.repeats, 11)} interleaved rounds")
     print(f"{'what':58s} {'ms':>8s} {'vs isfinite.all':>16s}")
     result["non_finite_check"] = []
