@@ -661,16 +661,16 @@ def in_memory_order(t, order):
 
 def test_memory_order_of_dense_layouts():
     cl = torch.empty(8, 3, 3, 3).to(memory_format=torch.channels_last)
-    assert eb.memory_order(cl) == (0, 2, 3, 1) and cl.permute(0, 2, 3, 1).is_contiguous()
-    assert eb.memory_order(torch.empty(6, 4).t()) == (1, 0)
-    assert eb.memory_order(torch.empty(5)) is None
+    assert lowfp.backends.memory_order(cl) == (0, 2, 3, 1) and cl.permute(0, 2, 3, 1).is_contiguous()
+    assert lowfp.backends.memory_order(torch.empty(6, 4).t()) == (1, 0)
+    assert lowfp.backends.memory_order(torch.empty(5)) is None
     # a size-1 dim goes last, whatever its stride
-    assert eb.memory_order(torch.empty(4, 1, 6).permute(2, 1, 0)) == (2, 0, 1)
+    assert lowfp.backends.memory_order(torch.empty(4, 1, 6).permute(2, 1, 0)) == (2, 0, 1)
     for bad in (torch.empty(6, 4)[:, ::2], torch.empty(10)[::3], torch.empty(1, 3).expand(4, 3)):
         with pytest.raises(ValueError, match="dense in memory"):
-            eb.memory_order(bad)
+            lowfp.backends.memory_order(bad)
     for order in [(0, 1, 2), (2, 0, 1), (1, 2, 0)]:
-        assert eb.inverse_order(order) == tuple(int(i) for i in np.argsort(order))
+        assert lowfp.backends.inverse_order(order) == tuple(int(i) for i in np.argsort(order))
 
 
 @pytest.mark.parametrize("rounding", eb.EXTRA_BITS_ROUNDING)
@@ -703,7 +703,7 @@ def test_parameters_in_any_dense_layout_step_in_memory_order(opt_cls, kw):
     rounding included: Philox words follow the position in memory). Its moments take its layout,
     and master_weights() returns its elements where they belong."""
     params = laid_out_params()
-    orders = [eb.memory_order(p) for p in params]
+    orders = [lowfp.backends.memory_order(p) for p in params]
     assert orders == [(0, 2, 3, 1), (1, 0), None]
     twins = [torch.nn.Parameter(in_memory_order(p.detach(), o)) for p, o in zip(params, orders)]
     opt, opt_twin = opt_cls(params, **kw), opt_cls(twins, **kw)
@@ -717,7 +717,7 @@ def test_parameters_in_any_dense_layout_step_in_memory_order(opt_cls, kw):
         torch.manual_seed(step)
         opt_twin.step()
         for p, t, o, w, wt in zip(params, twins, orders, opt.master_weights(), opt_twin.master_weights()):
-            assert p.stride() == torch.empty_like(p).stride() and eb.memory_order(p) == o  # kept
+            assert p.stride() == torch.empty_like(p).stride() and lowfp.backends.memory_order(p) == o  # kept
             assert torch.equal(in_memory_order(p.detach(), o).view(torch.int16), t.detach().view(torch.int16))
             assert torch.equal(in_memory_order(w, o), wt)
             state, state_twin = opt.state[p], opt_twin.state[t]
@@ -725,7 +725,7 @@ def test_parameters_in_any_dense_layout_step_in_memory_order(opt_cls, kw):
             assert state.get("extra_dim_order") == o and "extra_dim_order" not in state_twin
             for key in ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
                 if key in state:
-                    assert eb.memory_order(state[key]) == o, key
+                    assert lowfp.backends.memory_order(state[key]) == o, key
                     assert torch.equal(in_memory_order(state[key], o), state_twin[key]), key
 
 
@@ -777,11 +777,11 @@ def test_a_layout_change_moves_the_extra_bits_and_moments(rounding):
         step(conv, opt, torch.contiguous_format, i)
         step(twin, opt_twin, torch.contiguous_format, i)
     conv.to(memory_format=torch.channels_last)
-    assert eb.memory_order(conv.weight) == (0, 2, 3, 1)
+    assert lowfp.backends.memory_order(conv.weight) == (0, 2, 3, 1)
     assert all(torch.equal(a, b) for a, b in zip(opt.master_weights(), opt_twin.master_weights()))
     opt.load_state_dict(opt.state_dict())  # moves the state to the new layout
     state = opt.state[conv.weight]
-    assert state["extra_dim_order"] == (0, 2, 3, 1) and eb.memory_order(state["exp_avg"]) == (0, 2, 3, 1)
+    assert state["extra_dim_order"] == (0, 2, 3, 1) and lowfp.backends.memory_order(state["exp_avg"]) == (0, 2, 3, 1)
     assert all(torch.equal(a, b) for a, b in zip(opt.master_weights(), opt_twin.master_weights()))
     assert torch.equal(conv.weight, twin.weight)
     if rounding != "stochastic":
@@ -822,7 +822,7 @@ def test_a_layout_change_moves_the_state_at_the_step():
         opt.step()
         opt_twin.step()
         assert all(torch.equal(a, b) for a, b in zip(opt.master_weights(), opt_twin.master_weights()))
-    assert eb.memory_order(opt.state[conv.weight]["momentum_buffer"]) == (0, 2, 3, 1)
+    assert lowfp.backends.memory_order(opt.state[conv.weight]["momentum_buffer"]) == (0, 2, 3, 1)
 
 
 def test_a_recorded_layout_that_does_not_fit_is_refused():
@@ -858,7 +858,7 @@ def test_step_in_backward_of_a_channels_last_model_equals_a_normal_step():
         torch.manual_seed(step)
         b(x).square().mean().backward()
         assert all(torch.equal(u, v) for u, v in zip(opt_a.master_weights(), opt_b.master_weights()))
-    assert eb.memory_order(b[0].weight) == (0, 2, 3, 1)
+    assert lowfp.backends.memory_order(b[0].weight) == (0, 2, 3, 1)
     handle.remove()
 
 

@@ -135,6 +135,7 @@ def test_any_non_finite_agrees_with_isfinite(dtype):
     cases = [torch.zeros(0, dtype=dtype), torch.tensor(1.5, dtype=dtype),
              torch.full((1000,), big, dtype=dtype), -torch.full((7, 3), big, dtype=dtype),
              torch.randn(64, 48).to(dtype)[:, ::3],  # non-contiguous
+             torch.randn(2, 3, 5, 7).to(dtype).to(memory_format=torch.channels_last),
              torch.tensor([big, -big], dtype=dtype),  # max - min overflows, yet all finite
              torch.tensor([-math.inf, math.inf], dtype=dtype)]
     for special in (float("nan"), float("inf"), -float("inf")):
@@ -143,6 +144,16 @@ def test_any_non_finite_agrees_with_isfinite(dtype):
             t[where] = special
             cases.append(t)
         cases.append(torch.tensor(special, dtype=dtype))
+        # Dense but not row-major (read as a flat buffer): channels_last, with the special at
+        # the last logical element, which is not the last in memory; a transposed one.
+        t = torch.randn(2, 3, 5, 7).to(dtype).to(memory_format=torch.channels_last)
+        t[1, 2, 4, 6] = special
+        cases += [t, torch.randn(50, 40).to(dtype).t()]
+        cases[-1][39, 0] = special
+        # Not dense: a view beside the special, which must not be read (nor broadcast strides)
+        base = torch.randn(40, 64).to(dtype)
+        base[:, 60:] = special
+        cases += [base[:, :60].t(), torch.randn(1, 5).to(dtype).expand(3, 5)]
         # Long enough for several threads: the first element, the middle, the last.
         for where in (0, 100_001, 200_002):
             t = torch.randn(200_003).to(dtype)

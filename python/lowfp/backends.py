@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Optional, Sequence, Tuple
+
 import torch
 
 from . import _C
@@ -11,7 +14,7 @@ try:  # present only when lowfp was built with nvcc (LOWFP_CUDA=AUTO/ON)
 except ImportError:
     _C_cuda = None
 
-__all__ = ["check_dense", "cuda_built", "for_device", "native"]
+__all__ = ["check_dense", "cuda_built", "for_device", "native", "memory_order", "inverse_order", "is_dense"]
 
 
 def cuda_built() -> bool:
@@ -63,3 +66,45 @@ def native(t: torch.Tensor, argname: str):
     for_device(t.device, argname)  # the clear errors
     device = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return _C_cuda, device, torch.cuda.current_stream(device).cuda_stream
+
+
+# -- memory layouts -------------------------------------------------------------------------------
+
+def memory_order(t: torch.Tensor, name: str = "parameter") -> Optional[Tuple[int, ...]]:
+    """None when ``t`` is contiguous (row-major); else its dims from outermost to innermost in
+    memory (those of size 1 last), so that ``t.permute(order)`` is contiguous. ValueError when
+    ``t`` is not dense: its elements do not fill one block of memory without gaps or overlaps."""
+    if t.is_contiguous():
+        return None
+    order = _dense_order(t.shape, t.stride())
+    if order is None:
+        raise ValueError(f"{name}s must be dense in memory (contiguous, channels_last or another "
+                         f"order of their dims, without gaps); one of shape {tuple(t.shape)} has "
+                         f"strides {tuple(t.stride())}")
+    return order
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill one block of memory from t.data_ptr(), in some order (a kernel
+    that treats each element alike may read it as a flat buffer)."""
+    return t.is_contiguous() or _dense_order(t.shape, t.stride()) is not None
+
+
+@functools.lru_cache(maxsize=1024)  # each step asks again for every parameter's layout
+def _dense_order(sizes: Tuple[int, ...], strides: Tuple[int, ...]) -> Optional[Tuple[int, ...]]:
+    """memory_order from a shape and strides; None when they leave gaps or overlap."""
+    spread = sorted((d for d in range(len(sizes)) if sizes[d] > 1), key=lambda d: -strides[d])
+    expected = 1
+    for d in reversed(spread):
+        if strides[d] != expected:
+            return None
+        expected *= sizes[d]
+    return tuple(spread) + tuple(d for d in range(len(sizes)) if sizes[d] <= 1)
+
+
+def inverse_order(order: Sequence[int]) -> Tuple[int, ...]:
+    """The permutation that undoes ``t.permute(order)``."""
+    inverse = [0] * len(order)
+    for position, d in enumerate(order):
+        inverse[d] = position
+    return tuple(inverse)

@@ -14,7 +14,6 @@ precision + k bits. Packing: q = k (+1) bits per element, blocks of 32 elements 
 
 from __future__ import annotations
 
-import functools
 import math
 
 from typing import Optional, Sequence, Tuple
@@ -22,6 +21,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from . import _C, backends
+from .backends import inverse_order
 from .quantize import DTYPE_CODES, ROUNDING_MODES, _check_uint64, stochastic_seed
 from .stats import Stats
 
@@ -112,40 +112,11 @@ def merge(w16: torch.Tensor, packed: torch.Tensor, k: int = 16, rounding: str = 
 
 
 # -- memory order ---------------------------------------------------------------------------------
-# The optimizers pack a parameter's extra bits in the order of its elements in memory, so that the
-# fused step walks the weights, gradients, moments and packed words side by side whatever the
-# layout (channels_last convolution weights, a transposed weight). split and merge above pack in
-# row-major order: a parameter's order is recorded with its packed words when it is not that.
-
-def memory_order(t: torch.Tensor, name: str = "parameter") -> Optional[Tuple[int, ...]]:
-    """None when ``t`` is contiguous (row-major); else its dims from outermost to innermost in
-    memory (those of size 1 last), so that ``t.permute(order)`` is contiguous. ValueError when
-    ``t`` is not dense: its elements do not fill one block of memory without gaps or overlaps."""
-    if t.is_contiguous():
-        return None
-    return _dense_order(t.shape, t.stride(), name)
-
-
-@functools.lru_cache(maxsize=1024)  # each step asks again for every parameter's layout
-def _dense_order(sizes: Tuple[int, ...], strides: Tuple[int, ...], name: str) -> Tuple[int, ...]:
-    spread = sorted((d for d in range(len(sizes)) if sizes[d] > 1), key=lambda d: -strides[d])
-    expected = 1
-    for d in reversed(spread):
-        if strides[d] != expected:
-            raise ValueError(f"{name}s must be dense in memory (contiguous, channels_last or "
-                             f"another order of their dims, without gaps); one of shape "
-                             f"{tuple(sizes)} has strides {tuple(strides)}")
-        expected *= sizes[d]
-    return tuple(spread) + tuple(d for d in range(len(sizes)) if sizes[d] <= 1)
-
-
-def inverse_order(order: Sequence[int]) -> Tuple[int, ...]:
-    """The permutation that undoes ``t.permute(order)``."""
-    inverse = [0] * len(order)
-    for position, d in enumerate(order):
-        inverse[d] = position
-    return tuple(inverse)
-
+# The optimizers pack a parameter's extra bits in the order of its elements in memory
+# (backends.memory_order), so that the fused step walks the weights, gradients, moments and packed
+# words side by side whatever the layout (channels_last convolution weights, a transposed weight).
+# split and merge above pack in row-major order: a parameter's order is recorded with its packed
+# words when it is not that.
 
 def reorder_packed(packed: torch.Tensor, shape: Sequence[int], k: int, rounding: str,
                    old: Optional[Sequence[int]], new: Optional[Sequence[int]]) -> torch.Tensor:

@@ -27,8 +27,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from . import _C, backends
-from .extra_bits import (EXTRA_BITS_ROUNDING, check_extra_bits, inverse_order, memory_order, merge,
-                         packed_words, reorder_packed, split)
+from .backends import inverse_order, memory_order
+from .extra_bits import (EXTRA_BITS_ROUNDING, check_extra_bits, merge, packed_words, reorder_packed,
+                         split)
 from .quantize import DTYPE_CODES, ROUNDING_MODES, draw_seed
 from .scaler import _any_non_finite_into
 from .stats import Stats

@@ -46,7 +46,7 @@ def _any_non_finite_into(t: torch.Tensor, out: Optional[torch.Tensor],
                          count_into: Optional[torch.Tensor]) -> torch.Tensor:
     """any_non_finite without checking ``out`` and ``count_into``, for callers that made them
     (the hooks of step inside backward, one call per parameter)."""
-    if t.is_cpu and t.dtype in _DTYPE_CODES and t.is_contiguous():
+    if t.is_cpu and t.dtype in _DTYPE_CODES and backends.is_dense(t):  # each element alike
         found = torch.empty((), dtype=torch.bool) if out is None else out
         counts = (0, 0) if count_into is None else (count_into.data_ptr(), count_into.numel())
         _C.any_non_finite(t.data_ptr(), _DTYPE_CODES[t.dtype], t.numel(), found.data_ptr(), *counts)
