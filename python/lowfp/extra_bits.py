@@ -123,11 +123,22 @@ def reorder_packed(packed: torch.Tensor, shape: Sequence[int], k: int, rounding:
     """Packed extra bits of a tensor of ``shape`` whose elements were packed in memory order
     ``old`` (a :func:`memory_order`; None: row-major), repacked in order ``new``: the same bits
     per element, moved. Done on the CPU (a layout change is rare); returned on packed's device."""
+    shape = tuple(shape)
     n = math.prod(shape)
-    if old is None:
-        old = tuple(range(len(shape)))
-    if new is None:
-        new = tuple(range(len(shape)))
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+        raise ValueError(f"k must be an int between 1 and 16, got {k!r}")
+    if rounding not in EXTRA_BITS_ROUNDING:
+        raise ValueError(f"rounding must be one of {EXTRA_BITS_ROUNDING}, got {rounding!r}")
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32:
+        raise TypeError("packed must be an int32 torch.Tensor")
+    if packed.numel() != packed_words(n, k, rounding):
+        raise ValueError(f"packed has {packed.numel()} words but {n} elements with k={k}, "
+                         f"rounding={rounding!r} need {packed_words(n, k, rounding)}")
+    old, new = (tuple(range(len(shape))) if o is None else tuple(o) for o in (old, new))
+    for name, order in (("old", old), ("new", new)):
+        if sorted(order) != list(range(len(shape))):
+            raise ValueError(f"{name} must be an order of the {len(shape)} dims of shape {shape} "
+                             f"(or None: row-major), got {order}")
     # index[j]: where the element at position j of the new order sits in the old order
     positions = torch.arange(n, dtype=torch.int64).reshape([shape[d] for d in old])
     index = positions.permute(inverse_order(old)).permute(tuple(new)).reshape(-1)
