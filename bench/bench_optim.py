@@ -464,7 +464,8 @@ def main(argv=None):
           f"best of {max(args.repeats, 11)} interleaved rounds of {steps} steps")
     result["small_steps"] = family_table(
         {label: sec / steps for label, sec in best.items()}, "us/step", 1e6, ".0f",
-        "vs torch default", lambda family: f"torch {family}{'(momentum)' if family == 'SGD' else ''} on bf16 params")
+        "vs torch default",
+        lambda family: f"torch {family}{'(momentum)' if family == 'SGD' else ''} on bf16 params")
     print(f"\nnon-finite check of one gradient, best of {max(args.repeats, 11)} interleaved rounds")
     print(f"{'what':58s} {'ms':>8s} {'vs isfinite.all':>16s}")
     result["non_finite_check"] = []

@@ -14,7 +14,8 @@ try:  # present only when lowfp was built with nvcc (LOWFP_CUDA=AUTO/ON)
 except ImportError:
     _C_cuda = None
 
-__all__ = ["check_dense", "cuda_built", "for_device", "native", "memory_order", "inverse_order", "is_dense"]
+__all__ = ["check_dense", "cuda_built", "for_device", "native", "memory_order", "inverse_order",
+           "is_dense"]
 
 
 def cuda_built() -> bool:

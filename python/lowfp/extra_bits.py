@@ -15,7 +15,6 @@ precision + k bits. Packing: q = k (+1) bits per element, blocks of 32 elements 
 from __future__ import annotations
 
 import math
-
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -62,9 +61,9 @@ def split(w32: torch.Tensor, dtype: torch.dtype = torch.bfloat16, k: int = 16,
           generator: Optional[torch.Generator] = None, offset: int = 0,
           stats: Optional[Stats] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Split float32 ``w32`` into a ``dtype`` tensor of the same shape and its packed extra bits
-    (int32, ``packed_words(numel, k, rounding)`` words, elements in row-major order). Stochastic rounding draws Philox words as
-    :func:`lowfp.quantize` does (``seed``, ``generator``, ``offset``); ``stats`` counts the
-    16-bit weights' overflows, underflows and NaNs."""
+    (int32, ``packed_words(numel, k, rounding)`` words, elements in row-major order). Stochastic
+    rounding draws Philox words as :func:`lowfp.quantize` does (``seed``, ``generator``,
+    ``offset``); ``stats`` counts the 16-bit weights' overflows, underflows and NaNs."""
     if not isinstance(w32, torch.Tensor) or w32.dtype != torch.float32:
         raise TypeError(f"w32 must be a float32 torch.Tensor, got "
                         f"{w32.dtype if isinstance(w32, torch.Tensor) else type(w32).__name__}")
@@ -121,8 +120,9 @@ def merge(w16: torch.Tensor, packed: torch.Tensor, k: int = 16, rounding: str = 
 def reorder_packed(packed: torch.Tensor, shape: Sequence[int], k: int, rounding: str,
                    old: Optional[Sequence[int]], new: Optional[Sequence[int]]) -> torch.Tensor:
     """Packed extra bits of a tensor of ``shape`` whose elements were packed in memory order
-    ``old`` (a :func:`memory_order`; None: row-major), repacked in order ``new``: the same bits
-    per element, moved. Done on the CPU (a layout change is rare); returned on packed's device."""
+    ``old`` (a :func:`lowfp.backends.memory_order`; None: row-major), repacked in order ``new``:
+    the same bits per element, moved. Done on the CPU (a layout change is rare); returned on
+    packed's device."""
     shape = tuple(shape)
     n = math.prod(shape)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
