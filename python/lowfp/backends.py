@@ -1,4 +1,5 @@
-"""Which compiled backend runs a tensor: lowfp._C on the CPU, lowfp._C_cuda on CUDA devices."""
+"""Which compiled backend runs a tensor: lowfp._C on the CPU, lowfp._C_cuda on CUDA devices; and
+how the kernels may see a tensor's memory (dense, in which order of its dims)."""
 
 from __future__ import annotations
 
