@@ -60,7 +60,7 @@ struct SlotTable {
   int64_t first_chunk[kSlotsPerLaunch + 1];  // prefix sums of the slots' chunk counts
   int32_t n_slots;
 };
-static_assert(sizeof(SlotTable) + sizeof(ExtraBitsParams) + sizeof(SgdHyper) + sizeof(AdamHyper) + 72
+static_assert(sizeof(SlotTable) + sizeof(ExtraBitsParams) + sizeof(SgdHyper) + sizeof(AdamHyper) + 80
                   <= 32764, "step_kernel's arguments must fit CUDA's 32764-byte limit");
 
 // Packed blocks per chunk. H100, 1.04e8 bfloat16 parameters, k = 8: SGD(momentum) 1.13 / 1.03 /
@@ -93,7 +93,8 @@ __device__ ExtraBitsSlot slot_from(const ExtraBitsSlot& s, int64_t first, uint32
 // flight per warp rather than one.
 template <bool kFull, class W16, RoundKind K, class Update>
 __device__ void step_chunk(const ExtraBitsSlot& at, const Update& update, const ExtraBitsParams& e,
-                           uint64_t seed, uint32_t lane, uint32_t* scratch, ThreadCounts& tc) {
+                           uint64_t seed, const float* grad_scale, uint32_t lane,
+                           uint32_t* scratch, ThreadCounts& tc) {
   constexpr int U = kBlocksPerChunk;
   const int32_t blocks = kFull ? U : int32_t(min_of<int64_t>((at.n + 31) / 32, U));
   const int32_t n = kFull ? U * 32 : int32_t(min_of<int64_t>(at.n, U * 32));
@@ -137,7 +138,8 @@ __device__ void step_chunk(const ExtraBitsSlot& at, const Update& update, const 
     if (kFull || i < n) {
       const uint32_t w = merge_bits<W16>(truncation_bits(w16_old[u], value[u] >> e.k),
                                          value[u] & ((1u << e.k) - 1u), e);
-      const float g = bit_cast<float>(Widen<uint32_t>::from(grad_u[u]));
+      float g = bit_cast<float>(Widen<uint32_t>::from(grad_u[u]));
+      if (grad_scale != nullptr) g = unscale_gradient(g, __ldg(grad_scale));
       const float w_new = update.apply(bit_cast<float>(w), g, state[u]);
       update.store(i, state[u]);
       uint32_t extra, flag;
@@ -167,7 +169,8 @@ template <class W16, class Maker> constexpr int step_min_blocks() {
 template <class W16, RoundKind K, class Maker>
 __global__ void __launch_bounds__(kThreads, (step_min_blocks<W16, Maker>()))
 step_kernel(const SlotTable table, ExtraBitsParams e, SgdHyper sgd, AdamHyper adam, uint64_t seed,
-            int64_t numel, const bool* found_inf, unsigned long long* counts) {
+            int64_t numel, const bool* found_inf, const float* grad_scale,
+            unsigned long long* counts) {
   if (found_inf != nullptr && *found_inf) return;  // a non-finite gradient: skip the step
   constexpr int U = kBlocksPerChunk;
   const uint32_t lane = threadIdx.x & 31;
@@ -182,8 +185,8 @@ step_kernel(const SlotTable table, ExtraBitsParams e, SgdHyper sgd, AdamHyper ad
     const ExtraBitsSlot at =
         slot_from<W16, Maker>(table.slots[which], (c - table.first_chunk[which]) * U * 32, e.q);
     const auto update = Maker::make(sgd, adam, at);
-    if (at.n >= U * 32) step_chunk<true, W16, K>(at, update, e, seed, lane, scratch, tc);
-    else step_chunk<false, W16, K>(at, update, e, seed, lane, scratch, tc);
+    if (at.n >= U * 32) step_chunk<true, W16, K>(at, update, e, seed, grad_scale, lane, scratch, tc);
+    else step_chunk<false, W16, K>(at, update, e, seed, grad_scale, lane, scratch, tc);
   }
   if (counts != nullptr) finish_counts(tc, counts, numel);
 }
@@ -245,7 +248,7 @@ void extra_bits_step_cuda(const ExtraBitsStep& s, int64_t* counts, int device, u
     dispatch_extra_bits_step(s, [&](auto w16, auto kind, auto maker) {
       step_kernel<typename decltype(w16)::type, decltype(kind)::value, typename decltype(maker)::type>
           <<<grid, kThreads, 0, stream>>>(*table, s.e, s.sgd, s.adam, s.seed, numel, s.found_inf,
-                                          reinterpret_cast<unsigned long long*>(counts));
+                                          s.grad_scale, reinterpret_cast<unsigned long long*>(counts));
     });
     check(cudaGetLastError(), "kernel launch");
   }

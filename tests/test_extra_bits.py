@@ -1398,10 +1398,10 @@ def test_optimizer_pickles_and_deep_copies(how):
 # ---- torch.amp.GradScaler ----------------------------------------------------------------------
 
 def amp_twin(opt_cls, fused):
-    """opt_cls with GradScaler's path forced. Unfused: torch.amp.GradScaler unscales the
+    """opt_cls with GradScaler's path chosen. Unfused: torch.amp.GradScaler unscales the
     gradients itself (GradScaler.unscale_) and skips a step with a non-finite one on the host,
-    as for torch.optim's unfused optimizers, the reference. Fused: GradScaler sets grad_scale /
-    found_inf and the step unscales and skips (taken for float16 or on a GPU)."""
+    as for torch.optim's unfused optimizers. Fused (the optimizers' own choice): GradScaler sets
+    grad_scale / found_inf and the step unscales and skips."""
     return type(("F" if fused else "Unf") + "used" + opt_cls.__name__, (opt_cls,),
                 {"_step_supports_amp_scaling": fused})
 
@@ -1460,10 +1460,11 @@ def test_reorder_packed_errors():
 @pytest.mark.parametrize("unscale_first", [False, True])
 def test_torch_grad_scaler_hands_the_scale_to_the_step(opt_cls, kw, unscale_first):
     # bfloat16, which GradScaler can also unscale itself: the fused path (GradScaler sets
-    # grad_scale / found_inf and the step unscales and skips) equals its unfused path, which is
-    # the one taken on the CPU. A bad first step checks that SGD's first momentum buffer and
-    # Adam's count are taken back.
-    assert not opt_cls([torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))])._step_supports_amp_scaling
+    # grad_scale / found_inf and the step unscales and skips) skips, takes back and scales as
+    # its unfused path does; with power-of-two scales, bfloat16 gradients unscaled in bfloat16
+    # (unfused) or in float32 (fused) are the same numbers. A bad first step checks that SGD's
+    # first momentum buffer and Adam's count are taken back.
+    assert opt_cls([torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))])._step_supports_amp_scaling
     pairs = []
     for cls in (amp_twin(opt_cls, fused=True), amp_twin(opt_cls, fused=False)):
         model = small_model()
@@ -1475,44 +1476,66 @@ def test_torch_grad_scaler_hands_the_scale_to_the_step(opt_cls, kw, unscale_firs
     assert scaler.get_scale() == 2.0 ** 10 / 8 * 4  # three back-offs, two growths
 
 
-def test_torch_grad_scaler_with_float16_parameters_steps_as_lowfps_scaler():
-    # GradScaler refuses to unscale float16 gradients for an unfused optimizer ("Attempting to
-    # unscale FP16 gradients"); the ExtraBits step unscales them in their own dtype, as
-    # lowfp.DynamicLossScaler does, with the same skips and scales.
-    kw = dict(lr=3e-3, extra_bits=13, param_dtype=torch.float16, rounding="nearest")
-    models = [small_model(), small_model()]
-    pairs = [(m, ExtraBitsAdamW(m.parameters(), **kw)) for m in models]
-    assert pairs[0][1]._step_supports_amp_scaling  # a float16 parameter: the fused path
-    scale_kw = dict(init_scale=2.0 ** 12, growth_interval=3)
-    scalers = [torch.amp.GradScaler("cpu", **scale_kw), lowfp.DynamicLossScaler(**scale_kw)]
-    grad_scaler_steps(pairs, scalers, steps=8, bad_steps={2, 5}, dtype=torch.float16)
+def test_torch_grad_scaler_with_float16_parameters_unscales_in_float32():
+    """float16 + 13 through GradScaler (which refuses to unscale float16 gradients itself): the
+    step divides each float16 gradient by the scale in float32, as torch's fused optimizers do,
+    so its master is, bit for bit, an fp32 master stepped with those quotients (the weights
+    stay in float16's normal range). That includes the quotients below float16's normal range,
+    which unscaling in float16 would round or flush to zero (checked to happen here). After the
+    step p.grad holds the quotient rounded to float16, as torch's fused kernels leave it."""
+    model = small_model()
+    ref = RefAdam([p.detach().numpy().copy() for p in model.parameters()], lr=1e-3,
+                  decoupled=True, weight_decay=1e-2)
+    opt = ExtraBitsAdamW(model.parameters(), lr=1e-3, weight_decay=1e-2, extra_bits=13,
+                         param_dtype=torch.float16, rounding="nearest")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=10 ** 6)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(256, 16, generator=g), torch.randint(0, 4, (256,), generator=g)
+    lost_in_float16 = 0
+    for step in range(60):
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.cross_entropy(model(x.half()).float(), y)).backward()
+        scaled = [p.grad.float().numpy() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.get_scale() == 2.0 ** 10  # no step skipped
+        quotients = [q / F32(2.0 ** 10) for q in scaled]
+        ref.step(quotients)
+        for p, q, gs in zip(model.parameters(), quotients, scaled):
+            assert torch.equal(p.grad, torch.from_numpy(q).half()), step
+            in_float16 = (torch.from_numpy(gs).half() * torch.tensor(2.0 ** -10).half()).float()
+            lost_in_float16 += int((in_float16 != torch.from_numpy(q)).sum())
+        for got, want in zip(opt.master_weights(), ref.w):
+            assert np.array_equal(got.numpy().view(np.int32), want.view(np.int32)), step
+    assert lost_in_float16 > 0
     with pytest.raises(ValueError, match="FP16"):  # torch's own unscale_ still refuses them
-        scalers[0].unscale_(pairs[0][1])
+        scaler.unscale_(opt)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_torch_grad_scaler_unscales_every_gradient_pattern_as_torch(dtype):
+def test_torch_grad_scaler_unscales_every_gradient_pattern_in_float32(dtype):
     # Every finite 16-bit gradient pattern, subnormals included, unscaled by a scale that is not
-    # a power of two (so the product rounds), through the fused path: equal to multiplying by
-    # the float32 reciprocal in the gradient's dtype (GradScaler.unscale_), then stepping. A
-    # float32 gradient is unscaled in float32 before the step converts it: converting first
-    # would round twice.
+    # a power of two (so the quotient rounds) through GradScaler: the step's update is that of
+    # the float32 quotient g / 3 (SGD, lr 1, from 0: the new master is -(g / 3) split with 4
+    # extra bits), and p.grad is left as that quotient rounded to the dtype. A float32 gradient
+    # is divided in float32 before the step converts it (converting it scaled could overflow).
     patterns = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype)
     g = patterns[torch.isfinite(patterns.float())]
-    inverse = torch.tensor(1 / 3.0, dtype=torch.float64).float()
+    three = torch.tensor(3.0)
     for grad in (g, random_float32(g.numel(), seed=5, lo=-30, hi=14)):
         p = torch.nn.Parameter(torch.zeros(g.numel(), dtype=dtype))
-        opt = amp_twin(ExtraBitsSGD, fused=True)([p], lr=1.0, extra_bits=4)
+        opt = ExtraBitsSGD([p], lr=1.0, extra_bits=4)
         scaler = torch.amp.GradScaler("cpu", init_scale=3.0)
         scaler.scale(torch.ones(()))
         p.grad_dtype = None  # torch 2.13: a gradient of another dtype needs this
         p.grad = grad.clone()
         scaler.step(opt)
-        q = torch.nn.Parameter(torch.zeros(g.numel(), dtype=dtype))
-        reference = ExtraBitsSGD([q], lr=1.0, extra_bits=4)
-        q.grad = (grad * inverse).to(dtype)  # torch: float32 product, rounded to the dtype
-        reference.step()
-        assert torch.equal(opt.master_weights()[0], reference.master_weights()[0])
+        quotient = grad.float() / three
+        if grad.dtype != dtype:
+            quotient = quotient.to(dtype).float()  # the step converts the unscaled gradient
+        want = eb.merge(*eb.split(-quotient, dtype, 4), 4)
+        assert torch.equal(opt.master_weights()[0], want)
+        assert torch.equal(p.grad, (grad.float() / three).to(grad.dtype))
 
 
 def test_torch_grad_scaler_with_a_sparse_gradient_raises_before_changing_any():
@@ -1524,7 +1547,7 @@ def test_torch_grad_scaler_with_a_sparse_gradient_raises_before_changing_any():
     q.grad = torch.ones(4, 2, dtype=torch.bfloat16).to_sparse()
     with pytest.raises(ValueError, match="dense gradients"):
         scaler.step(opt)
-    assert torch.equal(p.grad, torch.full((4, 2), 8.0, dtype=torch.bfloat16))  # not unscaled
+    assert torch.equal(p.grad, torch.full((4, 2), 8.0, dtype=torch.bfloat16))  # as it was
     assert torch.equal(p, torch.ones(4, 2, dtype=torch.bfloat16))
 
 

@@ -1,10 +1,11 @@
 // The extra-bits functions shared by lowfp._C and lowfp._C_cuda (one signature for both):
 //   extra_bits_split(w32, w16, dtype, words, n, k, rounding, seed, offset, counts, device, stream)
 //   extra_bits_merge(w16, dtype, words, w32, n, k, rounding, device, stream)
-//   extra_bits_step(opt, dtype, k, rounding, state_dtype, hyper, seed, slots, found_inf, counts,
-//                   device, stream)
+//   extra_bits_step(opt, dtype, k, rounding, state_dtype, hyper, seed, slots, found_inf,
+//                   grad_scale, counts, device, stream)
 // slots: (w16, grad, words, state0, state1, state2, n, rand_offset) per parameter; found_inf: a
-// bool on the device that skips the step when true, or 0; counts: an int64[4] buffer (overflow,
+// bool on the device that skips the step when true, or 0; grad_scale: a float32 loss scale on the
+// device that divides the gradients (in float32), or 0; counts: an int64[4] buffer (overflow,
 // underflow, nan, numel) of the weights' roundings, or 0.
 #pragma once
 #include <pybind11/pybind11.h>
@@ -83,9 +84,11 @@ void def_extra_bits(pybind11::module_& mod, Split split, Merge merge, Step step)
   mod.def("extra_bits_step", [step](int32_t opt, int32_t weights, int32_t k, int32_t rounding,
                                     int32_t state, const pybind11::tuple& hyper, uint64_t seed,
                                     const pybind11::list& slots, uintptr_t found_inf,
-                                    uintptr_t counts, int32_t device, uintptr_t stream) {
+                                    uintptr_t grad_scale, uintptr_t counts, int32_t device,
+                                    uintptr_t stream) {
     ExtraBitsStep s = make_extra_bits_step(opt, weights, k, rounding, state, hyper, seed, slots);
     s.found_inf = as_ptr<const bool>(found_inf);
+    s.grad_scale = as_ptr<const float>(grad_scale);
     pybind11::gil_scoped_release release;
     step(s, as_ptr<int64_t>(counts), device, stream);
   });

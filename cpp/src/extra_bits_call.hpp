@@ -57,6 +57,10 @@ struct ExtraBitsStep {
   // (nothing written, nothing counted). Stepping inside backward sets it from the gradient's
   // finiteness check on the device, so the host never waits for that check.
   const bool* found_inf;
+  // One float32 on the weights' device, or null: the loss scale of torch.amp.GradScaler, by
+  // which the step divides every gradient element (unscale_gradient) before the update. It
+  // stays on the device, so the host never waits for it.
+  const float* grad_scale;
 };
 
 }  // namespace lowfp

@@ -150,6 +150,7 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
   alignas(64) uint32_t rand[kTileElements];
   alignas(64) uint32_t w_bits[kTileElements];
   alignas(64) float g32[kTileElements];
+  const float* const grad_scale = s.grad_scale;
   for (int64_t t = b0; t < b1; t += kTileBlocks) {
     const int64_t blocks = min_of(kTileBlocks, b1 - t);
     const int64_t i0 = t * 32, len = min_of(blocks * 32, slot.n - i0);
@@ -165,6 +166,10 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
         w_bits[i] = truncation_bits(w16[i0 + i], values[i] >> e.k);
         g32[i] = bit_cast<float>(Widen<uint32_t>::from(grad[i0 + i]));
       }
+    }
+    if (grad_scale != nullptr) {  // a loop of its own: the update loop stays as it is without
+      const float scale = *grad_scale;
+      for (int64_t i = 0; i < len; ++i) g32[i] = unscale_gradient(g32[i], scale);
     }
     uint32_t above_max = 0, underflow = 0, nan = 0;
     for (int64_t i = 0; i < len; ++i) {

@@ -155,18 +155,12 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
 
     # -- the step -----------------------------------------------------------------------------
 
-    @property
-    def _step_supports_amp_scaling(self) -> bool:
-        """Read by torch.amp.GradScaler.step. When true, GradScaler only checks the gradients and
-        sets ``grad_scale`` and ``found_inf`` on the optimizer, as for torch's fused optimizers;
-        the fused step unscales and skips (_amp_scaling). That is needed for float16 gradients,
-        which GradScaler refuses to unscale otherwise, and on a GPU, where GradScaler would
-        otherwise wait for its check. On the CPU with bfloat16 gradients GradScaler's own path
-        checks and unscales in one pass, and the fused path would add a second: the two give
-        the same numbers (tests/test_extra_bits.py), so the faster one is taken."""
-        device = None if self.weight_stats is None else self.weight_stats.device
-        return device is not None and (device.type != "cpu" or any(
-            p.dtype is torch.float16 for group in self.param_groups for p in group["params"]))
+    # Read by torch.amp.GradScaler.step: as for torch's fused optimizers, GradScaler then only
+    # checks the gradients and sets ``grad_scale`` and ``found_inf`` on the optimizer, and the
+    # fused step unscales and skips (_amp_scaling). GradScaler's own path would unscale float16
+    # gradients in float16 (it refuses to) and bfloat16 ones in bfloat16; the step divides them
+    # in float32, so that a gradient below the 16-bit type's normal range keeps its value.
+    _step_supports_amp_scaling = True
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -175,7 +169,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found_inf = self._amp_scaling()
+        found_inf, grad_scale = self._amp_scaling()
         for group in self.param_groups:
             # (parameter, its state): looked up once a step, as a tensor's hash is a Python call.
             stepped = [(p, self.state[p]) for p in group["params"] if p.grad is not None]
@@ -187,35 +181,48 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                 for entry in stepped:
                     batches.setdefault(self._batch_key(group, entry[1]), []).append(entry)
                 for key, entries in batches.items():
-                    self._fused_call(group, entries, key, seed, found_inf=found_inf)
+                    self._fused_call(group, entries, key, seed, found_inf=found_inf,
+                                     grad_scale=grad_scale)
+        if grad_scale is not None:  # p.grad unscaled after the step, as torch's fused kernels leave it
+            self._unscale_grads_after_step(grad_scale, found_inf)
         if found_inf is not None and found_inf.is_cpu:
             self._settle_host_state()  # nothing to wait for: the step's state is final at once
         return loss
 
-    def _amp_scaling(self) -> Optional[torch.Tensor]:
-        """What torch.amp.GradScaler.step set on this optimizer (see _step_supports_amp_scaling),
-        else None. ``grad_scale`` (None once the user called ``scaler.unscale_``): the gradients
-        are unscaled in place, in their own dtype, as GradScaler.unscale_ does (a torch pass:
-        unscaling inside the fused kernel was slower on the CPU). ``found_inf`` (float32, nonzero when GradScaler found a non-finite gradient): returned
-        as a bool on the parameters' device that skips the fused calls there; on a GPU the host
-        state of a skipped step is settled at the next step or state_dict(), as inside
-        backward."""
+    def _amp_scaling(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """What torch.amp.GradScaler.step set on this optimizer (see _step_supports_amp_scaling):
+        (``found_inf`` as a bool on the parameters' device, which skips the fused calls there,
+        or None; ``grad_scale`` as a float32 0-d tensor there, by which the fused step divides
+        each gradient in float32, or None). ``grad_scale`` is None when the user called
+        ``scaler.unscale_`` first. On a GPU the host state of a skipped step is settled at the
+        next step or state_dict(), as inside backward. A gradient whose dtype is not its
+        parameter's (assigned by hand) would be converted to it still scaled, which can
+        overflow: then every gradient is unscaled by torch first, in its own dtype."""
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         if (grad_scale is None and found_inf is None) or self.weight_stats is None:
-            return None
+            return None, None
         device = self.weight_stats.device
-        if grad_scale is not None:
-            stepped = [(p, p.grad) for group in self.param_groups for p in group["params"]
-                       if p.grad is not None]
-            for p, g in stepped:
-                if g.layout is not torch.strided:
-                    self._grad_of(p, g)  # raises, before any gradient is changed
-            if stepped:
-                torch._foreach_mul_([g for _, g in stepped], _grad_scaler_inverse(grad_scale, device))
-        if found_inf is None:
-            return None
-        return torch.as_tensor(found_inf, device=device).reshape(()) != 0
+        skip = None if found_inf is None else torch.as_tensor(found_inf, device=device).reshape(()) != 0
+        if grad_scale is None:
+            return skip, None
+        stepped = [(p, p.grad) for group in self.param_groups for p in group["params"]
+                   if p.grad is not None]
+        for p, g in stepped:
+            if g.layout is not torch.strided:
+                self._grad_of(p, g)  # raises, before any gradient is changed
+        scale = grad_scale.to(device=device, dtype=torch.float32).reshape(())
+        if any(g.dtype is not p.dtype for p, g in stepped):
+            torch._foreach_div_([g for _, g in stepped], scale)
+            return skip, None
+        return skip, scale
+
+    def _unscale_grads_after_step(self, scale: torch.Tensor, skip: Optional[torch.Tensor]) -> None:
+        """Each p.grad divided by the scale in its own dtype after the fused step read it, as
+        torch's fused optimizers leave their gradients (a skipped step leaves them scaled)."""
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_div_(grads, scale if skip is None else torch.where(skip, 1.0, scale))
 
     @staticmethod
     def _grad_of(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -234,13 +241,16 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
 
     def _fused_call(self, group: dict, entries: List[Tuple[torch.Tensor, dict]], key: tuple,
                     seed: int, grads: Optional[List[torch.Tensor]] = None,
-                    found_inf: Optional[torch.Tensor] = None) -> None:
+                    found_inf: Optional[torch.Tensor] = None,
+                    grad_scale: Optional[torch.Tensor] = None) -> None:
         """Steps the (parameter, state) entries (of one group, sharing the batch key) in one
         native call per dtype. grads: theirs, or None for p.grad. Stochastic rounding uses one
         seed per group and step; each parameter's Philox offset is fixed by its place in the
         group, so stepping parameters one by one (step in backward) gives the same result as
         stepping them together. found_inf: a bool on the parameters' device (step_in_backward's
-        or GradScaler.step's) that skips the step on the device when true. Step inside backward
+        or GradScaler.step's) that skips the step on the device when true; grad_scale: a
+        float32 0-d tensor there (GradScaler's scale) that the step divides the gradients by, in
+        float32, before the update. Step inside backward
         makes this call once per parameter, and step() once per batch key, so a parameter costs
         what its loop turn costs: a few us of Python, most of it reading tensors' properties."""
         hyper = self._hyper(group, key)
@@ -278,11 +288,12 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                  *_NO_STATE[len(moments):], n, offset))
         mod, device, stream = backends.native(entries[0][0], "parameter")
         skip_flag = 0 if found_inf is None else found_inf.data_ptr()
+        scale_at = 0 if grad_scale is None else grad_scale.data_ptr()
         for dtype, slots in by_dtype.items():
             mod.extra_bits_step(self._opt_code, DTYPE_CODES[dtype], group["extra_bits"],
                                 ROUNDING_MODES.index(group["rounding"]), DTYPE_CODES[state_dtype],
-                                hyper, seed, slots, skip_flag, self.weight_stats.counts.data_ptr(),
-                                device, stream)
+                                hyper, seed, slots, skip_flag, scale_at,
+                                self.weight_stats.counts.data_ptr(), device, stream)
         # Written through their pointers: tell autograd, as torch.optim's in-place updates do, so
         # a backward through a graph that saved a parameter before this step raises.
         torch.autograd.graph.increment_version(written)

@@ -68,6 +68,12 @@ LOWFP_HD float adam_update(float w, float g, float& m, float& v, float& v_max, c
   return w + (h.neg_step_size * m) / denom;  // param.addcdiv_(exp_avg, denom, value=-step_size)
 }
 
+// A gradient element g (widened from the 16-bit gradient) unscaled by a loss scale that
+// torch.amp.GradScaler handed to the step: g / scale in float32, not rounded back to the 16-bit
+// type, as torch's fused optimizers divide (a float16 gradient below float16's normal range keeps
+// its value, where unscaling it in float16 would flush it toward zero).
+LOWFP_HD float unscale_gradient(float g, float scale) { return g / scale; }
+
 template <class S> LOWFP_HD float load_state(const S* p, int64_t i) {
   return bit_cast<float>(Widen<uint32_t>::from(p[i]));
 }
