@@ -18,8 +18,8 @@ large share of memory, with the step inside backward or not (CPU: max RSS, separ
 and the time of a whole training iteration (forward, backward, step) of a wide model and of a
 narrow one (there each parameter's work is per-call overhead) with the step after backward or
 inside it, with and without a loss scaler: on a GPU the hooks never wait for the device;
-steps through a loss scaler ("GradScaler": torch.amp.GradScaler, which leaves the unscale to the
-optimizer's step, in float32, and p.grad unscaled after it; "lowfp scaler":
+steps through a loss scaler ("GradScaler": torch.amp.GradScaler, which leaves the unscale of
+float16 gradients, and of any on a GPU, to the optimizer's step, in float32; "lowfp scaler":
 lowfp.DynamicLossScaler, unscale_ then the step), at scale 1 so the gradients stay the same;
 the step of convolution weights laid out channels_last against the same weights contiguous
 (the step walks memory in order either way); the step of many small parameters (48 x 32 x 32),
@@ -90,8 +90,8 @@ def cases(total, device="cpu"):
 
     def scaled(opt_cls, kw, dtype, scaler_kind):
         """The step through a loss scaler (scale 1, never grown: the gradients stay as they are):
-        torch.amp.GradScaler (which hands the scale to the optimizer's step) or
-        lowfp.DynamicLossScaler (unscale_, then the step)."""
+        torch.amp.GradScaler (which hands the scale to the optimizer's step for float16
+        parameters and on a GPU) or lowfp.DynamicLossScaler (unscale_, then the step)."""
         params = make_params(total, dtype, device)
         opt = opt_cls(params, **kw)
         kwargs = dict(init_scale=1.0, growth_interval=10 ** 9)

@@ -10,7 +10,8 @@ scaled backward pass leaves them, then unscaled either
   in float16   as GradScaler.unscale_ would (it refuses float16) and lowfp.DynamicLossScaler does
   in float32   as torch's fused optimizers do, and lowfp's ExtraBits step under GradScaler
 and compares the weights with those of exact (unscaled float32) gradients. Printed: the share of
-float16-unscaled gradients flushed to zero, and the mean and largest weight error of each way.
+float16-unscaled gradients of the last step flushed to zero, and the mean and largest weight
+error of each way.
 """
 
 import argparse

@@ -1461,10 +1461,10 @@ def test_reorder_packed_errors():
 def test_torch_grad_scaler_hands_the_scale_to_the_step(opt_cls, kw, unscale_first):
     # bfloat16, which GradScaler can also unscale itself: the fused path (GradScaler sets
     # grad_scale / found_inf and the step unscales and skips) skips, takes back and scales as
-    # its unfused path does; with power-of-two scales, bfloat16 gradients unscaled in bfloat16
-    # (unfused) or in float32 (fused) are the same numbers. A bad first step checks that SGD's
-    # first momentum buffer and Adam's count are taken back.
-    assert opt_cls([torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))])._step_supports_amp_scaling
+    # its unfused path, the one taken on the CPU, does; with power-of-two scales, bfloat16
+    # gradients unscaled in bfloat16 (unfused) or in float32 (fused) are the same numbers. A
+    # bad first step checks that SGD's first momentum buffer and Adam's count are taken back.
+    assert not opt_cls([torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))])._step_supports_amp_scaling
     pairs = []
     for cls in (amp_twin(opt_cls, fused=True), amp_twin(opt_cls, fused=False)):
         model = small_model()
@@ -1488,6 +1488,7 @@ def test_torch_grad_scaler_with_float16_parameters_unscales_in_float32():
                   decoupled=True, weight_decay=1e-2)
     opt = ExtraBitsAdamW(model.parameters(), lr=1e-3, weight_decay=1e-2, extra_bits=13,
                          param_dtype=torch.float16, rounding="nearest")
+    assert opt._step_supports_amp_scaling  # a float16 parameter: the fused path
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=10 ** 6)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(256, 16, generator=g), torch.randint(0, 4, (256,), generator=g)
@@ -1515,7 +1516,8 @@ def test_torch_grad_scaler_with_float16_parameters_unscales_in_float32():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_torch_grad_scaler_unscales_every_gradient_pattern_in_float32(dtype):
     # Every finite 16-bit gradient pattern, subnormals included, unscaled by a scale that is not
-    # a power of two (so the quotient rounds) through GradScaler: the step's update is that of
+    # a power of two (so the quotient rounds) through GradScaler's fused path (the CPU keeps
+    # GradScaler's own path for bfloat16 parameters; a GPU takes this one): the update is that of
     # the float32 quotient g / 3 (SGD, lr 1, from 0: the new master is -(g / 3) split with 4
     # extra bits), and p.grad is left as that quotient rounded to the dtype. A float32 gradient
     # is divided in float32 before the step converts it (converting it scaled could overflow).
@@ -1524,7 +1526,7 @@ def test_torch_grad_scaler_unscales_every_gradient_pattern_in_float32(dtype):
     three = torch.tensor(3.0)
     for grad in (g, random_float32(g.numel(), seed=5, lo=-30, hi=14)):
         p = torch.nn.Parameter(torch.zeros(g.numel(), dtype=dtype))
-        opt = ExtraBitsSGD([p], lr=1.0, extra_bits=4)
+        opt = amp_twin(ExtraBitsSGD, fused=True)([p], lr=1.0, extra_bits=4)
         scaler = torch.amp.GradScaler("cpu", init_scale=3.0)
         scaler.scale(torch.ones(()))
         p.grad_dtype = None  # torch 2.13: a gradient of another dtype needs this

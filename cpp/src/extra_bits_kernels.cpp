@@ -168,8 +168,8 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
       }
     }
     if (grad_scale != nullptr) {  // a loop of its own: the update loop stays as it is without
-      const float scale = *grad_scale;
-      for (int64_t i = 0; i < len; ++i) g32[i] = unscale_gradient(g32[i], scale);
+      const GradUnscale unscale(*grad_scale);  // (-O3 unswitches its branch out of the loop)
+      for (int64_t i = 0; i < len; ++i) g32[i] = unscale(g32[i]);
     }
     uint32_t above_max = 0, underflow = 0, nan = 0;
     for (int64_t i = 0; i < len; ++i) {

@@ -155,12 +155,21 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
 
     # -- the step -----------------------------------------------------------------------------
 
-    # Read by torch.amp.GradScaler.step: as for torch's fused optimizers, GradScaler then only
-    # checks the gradients and sets ``grad_scale`` and ``found_inf`` on the optimizer, and the
-    # fused step unscales and skips (_amp_scaling). GradScaler's own path would unscale float16
-    # gradients in float16 (it refuses to) and bfloat16 ones in bfloat16; the step divides them
-    # in float32, so that a gradient below the 16-bit type's normal range keeps its value.
-    _step_supports_amp_scaling = True
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Read by torch.amp.GradScaler.step. When true, as for torch's fused optimizers,
+        GradScaler only checks the gradients and sets ``grad_scale`` and ``found_inf`` on the
+        optimizer, and the fused step divides the gradients by the scale in float32 and skips
+        (_amp_scaling): so a float16 gradient below float16's normal range once unscaled keeps
+        its value (GradScaler refuses to unscale float16 gradients itself), and on a GPU
+        GradScaler does not wait for its check. On the CPU with bfloat16 parameters only,
+        GradScaler's own path is kept: it checks and unscales in one pass, where the fused path
+        adds a pass and a division, and bfloat16, with float32's exponent range, divides by its
+        power-of-two scales exactly (to 2^-126); only a scale that is not a power of two (an
+        init_scale chosen so) gives a quotient rounded to bfloat16 there."""
+        device = None if self.weight_stats is None else self.weight_stats.device
+        return device is not None and (device.type != "cpu" or any(
+            p.dtype is torch.float16 for group in self.param_groups for p in group["params"]))
 
     @torch.no_grad()
     def step(self, closure=None):
