@@ -86,7 +86,8 @@ class DynamicLossScaler:
     steps in a row without one.
 
     Gradients are unscaled in their own dtype (float16 gradients of tiny values can underflow
-    there, as they would on hardware). With :func:`lowfp.optim.step_in_backward` pass the scaler
+    there, as they would on hardware). For float16 parameters of lowfp's ExtraBits optimizers,
+    torch.amp.GradScaler keeps them: it hands its scale to their step, which divides in float32. With :func:`lowfp.optim.step_in_backward` pass the scaler
     to it: each parameter is unscaled and checked by itself, the pass reports a non-finite
     gradient here, and ``update()`` is called after ``backward()`` with no ``step``.
     """
