@@ -456,13 +456,16 @@ def test_torch_grad_scaler_on_gpu_equals_cpu(opt_name, kw):
     dtype = kw.get("param_dtype", torch.bfloat16)
     x, y = torch.randn(64, 33).to(dtype), torch.randint(0, 3, (64,))
     for step in range(6):
+        # The CPU's scaled gradients for both: a GPU's matmuls may sum in another order.
+        opts[0].zero_grad()
+        scalers[0].scale(torch.nn.functional.cross_entropy(cpu_model(x).float(), y)).backward()
+        if step in (0, 3):
+            cpu_model[2].bias.grad[0] = float("inf")
+        for p, q in zip(cpu_model.parameters(), gpu_model.parameters()):
+            q.grad = p.grad.cuda()
+        scalers[1].scale(torch.ones((), device="cuda"))  # makes its scale, as scaling a loss does
         for model, opt, scaler in zip((cpu_model, gpu_model), opts, scalers):
             device = next(model.parameters()).device
-            opt.zero_grad()
-            scaler.scale(torch.nn.functional.cross_entropy(model(x.to(device)).float(),
-                                                           y.to(device))).backward()
-            if step in (0, 3):
-                model[2].bias.grad[0] = float("inf")
             never_waits = device.type == "cuda" and opt_name == "ExtraBitsSGD" and step >= 2
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error" if never_waits else "default")
