@@ -1440,19 +1440,6 @@ def grad_scaler_steps(models_and_opts, scalers, steps, bad_steps, dtype, unscale
     return scalers[0]
 
 
-def test_reorder_packed_errors():
-    packed = torch.zeros(eb.packed_words(30, 8, "nearest"), dtype=torch.int32)
-    for args, error, match in [
-            ((packed[:-1], (5, 6), 8, "nearest", None, (1, 0)), ValueError, "packed has 8 words but 30"),
-            ((packed.long(), (5, 6), 8, "nearest", None, (1, 0)), TypeError, "int32"),
-            ((packed, (5, 6), 17, "nearest", None, (1, 0)), ValueError, "k must be an int between 1 and 16"),
-            ((packed, (5, 6), 8, "up", None, (1, 0)), ValueError, "rounding must be one of"),
-            ((packed, (5, 6), 8, "nearest", (0, 0), None), ValueError, "old must be an order of the 2 dims"),
-            ((packed, (5, 6), 8, "nearest", None, (1, 0, 2)), ValueError, "new must be an order")]:
-        with pytest.raises(error, match=match):
-            eb.reorder_packed(*args)
-
-
 @pytest.mark.parametrize("opt_cls,kw", [
     (ExtraBitsSGD, dict(lr=0.1, momentum=0.9, extra_bits=8, rounding="stochastic")),
     (ExtraBitsAdamW, dict(lr=1e-2, extra_bits=16, amsgrad=True)),
