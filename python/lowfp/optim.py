@@ -22,14 +22,13 @@ from __future__ import annotations
 import copy
 import math
 import weakref
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import _C, backends
 from .backends import inverse_order, memory_order
-from .extra_bits import (EXTRA_BITS_ROUNDING, check_extra_bits, merge, packed_words, reorder_packed,
-                         split)
+from .extra_bits import check_extra_bits, merge, packed_words, reorder_packed, split
 from .quantize import DTYPE_CODES, ROUNDING_MODES, draw_seed
 from .scaler import _any_non_finite_into
 from .stats import Stats
@@ -178,7 +177,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found_inf, grad_scale = self._amp_scaling()
+        found_inf, grad_scale, scaled_grads = self._amp_scaling()
         for group in self.param_groups:
             # (parameter, its state): looked up once a step, as a tensor's hash is a Python call.
             stepped = [(p, self.state[p]) for p in group["params"] if p.grad is not None]
@@ -192,17 +191,20 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                 for key, entries in batches.items():
                     self._fused_call(group, entries, key, seed, found_inf=found_inf,
                                      grad_scale=grad_scale)
-        if grad_scale is not None:  # p.grad unscaled after the step, as torch's fused kernels leave it
-            self._unscale_grads_after_step(grad_scale, found_inf)
+        if scaled_grads:  # unscaled after the step read them, as torch's fused kernels leave them
+            # (a skipped step leaves them scaled)
+            torch._foreach_div_(scaled_grads, grad_scale if found_inf is None else
+                                torch.where(found_inf, 1.0, grad_scale))
         if found_inf is not None and found_inf.is_cpu:
             self._settle_host_state()  # nothing to wait for: the step's state is final at once
         return loss
 
-    def _amp_scaling(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def _amp_scaling(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], list]:
         """What torch.amp.GradScaler.step set on this optimizer (see _step_supports_amp_scaling):
         (``found_inf`` as a bool on the parameters' device, which skips the fused calls there,
         or None; ``grad_scale`` as a float32 0-d tensor there, by which the fused step divides
-        each gradient in float32, or None). ``grad_scale`` is None when the user called
+        each gradient in float32, or None; the gradients it reads scaled, which step() unscales
+        in their dtype after it, or []). ``grad_scale`` is None when the user called
         ``scaler.unscale_`` first. On a GPU the host state of a skipped step is settled at the
         next step or state_dict(), as inside backward. A gradient whose dtype is not its
         parameter's (assigned by hand) would be converted to it still scaled, which can
@@ -210,28 +212,23 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         if (grad_scale is None and found_inf is None) or self.weight_stats is None:
-            return None, None
+            return None, None, []
         device = self.weight_stats.device
         skip = None if found_inf is None else torch.as_tensor(found_inf, device=device).reshape(()) != 0
         if grad_scale is None:
-            return skip, None
+            return skip, None, []
         stepped = [(p, p.grad) for group in self.param_groups for p in group["params"]
                    if p.grad is not None]
         for p, g in stepped:
             if g.layout is not torch.strided:
                 self._grad_of(p, g)  # raises, before any gradient is changed
         scale = grad_scale.to(device=device, dtype=torch.float32).reshape(())
+        grads = [g for _, g in stepped]
         if any(g.dtype is not p.dtype for p, g in stepped):
-            torch._foreach_div_([g for _, g in stepped], scale)
-            return skip, None
-        return skip, scale
-
-    def _unscale_grads_after_step(self, scale: torch.Tensor, skip: Optional[torch.Tensor]) -> None:
-        """Each p.grad divided by the scale in its own dtype after the fused step read it, as
-        torch's fused optimizers leave their gradients (a skipped step leaves them scaled)."""
-        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if grads:
-            torch._foreach_div_(grads, scale if skip is None else torch.where(skip, 1.0, scale))
+            if grads:
+                torch._foreach_div_(grads, scale)
+            return skip, None, []
+        return skip, scale, grads
 
     @staticmethod
     def _grad_of(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -525,11 +522,12 @@ def _match_layout(p: torch.Tensor, state: dict) -> None:
             raise ValueError(f"the extra bits of a parameter of shape {tuple(p.shape)} were packed "
                              f"in dim order {old!r}, which is not an order of its dims; was state "
                              "loaded from another model?")
-        k, rounding = state.get("extra_bits"), state.get("rounding")
-        if (torch.is_tensor(extra) and extra.dtype is torch.int32 and rounding in EXTRA_BITS_ROUNDING
-                and isinstance(k, int) and 1 <= k <= 16
-                and extra.numel() == packed_words(p.numel(), k, rounding)):
-            state["extra"] = reorder_packed(extra, p.shape, k, rounding, old, order)
+        try:
+            state["extra"] = reorder_packed(extra, p.shape, state.get("extra_bits"),
+                                            state.get("rounding"), old, order)
+        except (TypeError, ValueError):
+            pass  # words that do not fit: _check_buffers refuses them, saying what they are
+        else:
             _record_order(state, order)
     for key in _MOMENT_KEYS:
         t = state.get(key)
