@@ -526,6 +526,40 @@ def test_float32_model_conversion_and_memory():
     assert opt16.memory_bytes()["moments"] == sum(2 * 2 * p.numel() for g in opt16.param_groups for p in g["params"])
 
 
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
+def test_a_float32_model_with_buffers_is_converted_by_to_after_the_optimizer(param_dtype):
+    """The optimizer converts only parameters: BatchNorm's float32 running statistics then meet
+    16-bit weights, which torch's batch_norm refuses. model.to(param_dtype) after the optimizer
+    converts the buffers and leaves the already 16-bit parameters, their identity and their
+    extra bits as they are, so nothing of the float32 weights is lost."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 4))
+    w32 = [p.detach().clone() for p in model.parameters()]
+    opt = ExtraBitsAdamW(model.parameters(), lr=1e-3, extra_bits=16 if param_dtype == torch.bfloat16
+                         else 13, param_dtype=param_dtype)
+    x = torch.randn(5, 3, 8, 8)
+    with pytest.raises(RuntimeError):  # torch's own error: float32 running statistics
+        model(x.to(param_dtype))
+    params = list(model.parameters())
+    extras = [opt.state[p]["extra"].clone() for p in params]
+    assert model.to(param_dtype) is model
+    assert list(model.parameters()) == params and all(p.dtype == param_dtype for p in params)
+    assert model[1].running_var.dtype == param_dtype
+    assert all(torch.equal(opt.state[p]["extra"], e) for p, e in zip(params, extras))
+    # bfloat16 + 16 is float32; float16 + 13 too in float16's normal range
+    normal = [w.abs() >= 2.0 ** -14 if param_dtype == torch.float16 else torch.ones_like(w, dtype=torch.bool)
+              for w in w32]
+    assert all(torch.equal(a[m], b[m]) for a, b, m in zip(opt.master_weights(), w32, normal))
+    assert sum(m.sum().item() for m in normal) > 0.99 * sum(w.numel() for w in w32)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x.to(param_dtype)).float().square().mean().backward()
+        opt.step()
+    assert all(not torch.equal(a, b) for a, b in zip(opt.master_weights(), w32))
+
+
 def test_param_groups_schedulers_and_zero_grad():
     model = small_model().bfloat16()
     opt = ExtraBitsSGD([{"params": model[0].parameters(), "lr": 0.5},

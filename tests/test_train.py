@@ -39,3 +39,21 @@ def test_train_rejects_bad_options(tmp_path, capsys):
     assert "step_in_backward needs an extrabits optimizer" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["train", "--model", "vgg"])
+
+
+@pytest.mark.parametrize("optimizer", ["extrabits-sgd", "extrabits-adamw"])
+def test_extra_bits_optimizers_keep_the_float32_initialisation(optimizer):
+    """The model is built in float32 and the optimizer converts it, so its extra bits hold the
+    initial weights' cut-off bits (k=16: all of them); BatchNorm's buffers follow to bfloat16."""
+    import torch
+    from lowfp import models, train
+    cfg = train.TrainConfig(optimizer=optimizer, extra_bits=16, rounding="toward_zero")
+    model = models.build("resnet", 1, 10, 0.25, 8)
+    w32 = [p.detach().clone() for p in model.parameters()]
+    opt = train.make_optimizer(cfg, model)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(b.dtype == torch.bfloat16 for b in model.buffers() if b.is_floating_point())
+    assert any(not torch.equal(p.float(), w) for p, w in zip(model.parameters(), w32))
+    assert all(torch.equal(a, b) for a, b in zip(opt.master_weights(), w32))
+    model(torch.randn(2, 1, 8, 8, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()

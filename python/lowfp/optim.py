@@ -12,7 +12,10 @@ float32, and splits the result back, in one fused pass over every element of a p
 Arguments, defaults, param groups, LR schedulers, ``zero_grad`` and ``state_dict`` work as in
 torch.optim. float32 parameters are converted to ``param_dtype`` in place when the optimizer is
 built, their cut-off bits becoming the initial extra bits (so nothing is lost with bfloat16 and
-k=16); the model then computes in that dtype. float16/bfloat16 parameters start with zero extra bits.
+k=16); the model then computes in that dtype. Buffers are not parameters: a model with float32
+buffers (BatchNorm's running statistics) needs ``model.to(param_dtype)`` after the optimizer is
+built, which leaves the already 16-bit parameters and their extra bits as they are.
+float16/bfloat16 parameters start with zero extra bits.
 Parameters may have any dense layout (channels_last, transposed): a step goes over their elements
 in memory order, the order their extra bits and moments are kept in.
 """

@@ -100,6 +100,26 @@ def evaluate(model, x, y, batch_size: int) -> float:
     return correct / max(1, len(y))
 
 
+def make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """cfg's optimizer for the float32 model. An ExtraBits optimizer converts the parameters to
+    bfloat16, keeping their cut-off bits as the initial extra bits; the model's buffers
+    (BatchNorm's statistics) follow with model.to, which leaves those parameters as they are."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                               weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    from .optim import ExtraBitsAdamW, ExtraBitsSGD
+    if cfg.optimizer == "extrabits-sgd":
+        opt = ExtraBitsSGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                           weight_decay=cfg.weight_decay, extra_bits=cfg.extra_bits, rounding=cfg.rounding)
+    else:
+        opt = ExtraBitsAdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             extra_bits=cfg.extra_bits, rounding=cfg.rounding)
+    model.to(torch.bfloat16)
+    return opt
+
+
 def run(cfg: TrainConfig, log=None, progress=None) -> dict:
     """Train as ``cfg`` says; returns a result dict (per-epoch records, the assignment summary,
     history of the last emulation, final and best test accuracy). ``progress``: a stream for
@@ -110,10 +130,8 @@ def run(cfg: TrainConfig, log=None, progress=None) -> dict:
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.device)
     ds = D.load(cfg.data, cfg.data_dir, seed=cfg.seed)
-    model = M.build(cfg.model, ds.in_channels, ds.num_classes, cfg.width, ds.image_size)
-    if cfg.optimizer.startswith("extrabits"):
-        model = model.to(torch.bfloat16)
-    model = model.to(device)
+    model = M.build(cfg.model, ds.in_channels, ds.num_classes, cfg.width, ds.image_size).to(device)
+    opt = make_optimizer(cfg, model)
     dtype = next(model.parameters()).dtype
     tx, ty = ds.train_x.to(device, dtype), ds.train_y.to(device)
     vx, vy = ds.test_x.to(device, dtype), ds.test_y.to(device)
@@ -128,18 +146,6 @@ def run(cfg: TrainConfig, log=None, progress=None) -> dict:
     kwargs = {"r": cfg.r, "order": cfg.order, "seed": cfg.seed} if cfg.assignment == "ours" else {}
     assignment = A.make(tr, cfg.assignment, candidates=cand, **kwargs)
 
-    if cfg.optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    elif cfg.optimizer == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    else:
-        from .optim import ExtraBitsAdamW, ExtraBitsSGD
-        if cfg.optimizer == "extrabits-sgd":
-            opt = ExtraBitsSGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                               weight_decay=cfg.weight_decay, extra_bits=cfg.extra_bits, rounding=cfg.rounding)
-        else:
-            opt = ExtraBitsAdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                 extra_bits=cfg.extra_bits, rounding=cfg.rounding)
     steps_per_epoch = math.ceil(n / bs)
     total_steps = cfg.epochs * steps_per_epoch
     sched = None
