@@ -580,6 +580,50 @@ def test_param_groups_schedulers_and_zero_grad():
     assert all(p.grad is None for p in model.parameters())
 
 
+
+@pytest.mark.parametrize("opt_cls, kw", [(ExtraBitsSGD, dict(momentum=0.9)), (ExtraBitsAdamW, {}),
+                                         (ExtraBitsAdam, dict(betas=(0.8, 0.99)))])
+def test_tensor_lr_and_betas_step_as_floats(opt_cls, kw):
+    """torch.optim takes lr (and Adam's betas) as 1-element tensors, which LR schedulers fill in
+    place; the step reads them as floats, so it equals the float run under the same schedule."""
+    def run(as_tensor):
+        model = small_model()
+        # 1-element: torch accepts any shape; float64, so the scheduler's values stay the floats'
+        lr = torch.tensor([0.02], dtype=torch.float64) if as_tensor else 0.02
+        kws = dict(kw)
+        if as_tensor and "betas" in kws:
+            kws["betas"] = tuple(torch.tensor(b, dtype=torch.float64) for b in kws["betas"])
+        opt = opt_cls(model.parameters(), lr=lr, extra_bits=8, rounding="nearest", **kws)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=6)
+        g = torch.Generator().manual_seed(3)
+        for _ in range(5):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+            opt.step()
+            sched.step()
+        return opt
+    tensor_run, float_run = run(True), run(False)
+    lr = tensor_run.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and lr.shape == () and float(lr) == float_run.param_groups[0]["lr"]
+    assert all(torch.equal(a, b) for a, b in zip(tensor_run.master_weights(), float_run.master_weights()))
+    loaded = opt_cls(small_model().parameters(), lr=torch.tensor(1.0), extra_bits=8, rounding="nearest",
+                     **kw)
+    loaded.load_state_dict(tensor_run.state_dict())
+    assert float(loaded.param_groups[0]["lr"]) == float(lr)
+    for bad in (torch.tensor([0.1, 0.2]), torch.tensor(1)):
+        with pytest.raises(ValueError, match="Tensor lr must be 1-element and floating-point"):
+            opt_cls(small_model().parameters(), lr=bad, **kw)
+    with pytest.raises(TypeError, match="lr must be a float or a 1-element tensor"):
+        opt_cls(small_model().parameters(), lr="0.1", **kw)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        opt_cls([{"params": small_model().parameters(), "lr": torch.tensor(-1.0)}], **kw)
+    if opt_cls is not ExtraBitsSGD:
+        with pytest.raises(ValueError, match="both floats or both Tensors"):
+            opt_cls(small_model().parameters(), betas=(0.9, torch.tensor(0.99)))
+        with pytest.raises(ValueError, match=r"Tensor betas\[1\] must be 1-element"):
+            opt_cls(small_model().parameters(), betas=(torch.tensor(0.9), torch.tensor([0.9, 0.99])))
+
+
 def test_optimizer_errors():
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         ExtraBitsSGD([torch.nn.Parameter(torch.ones(3, dtype=torch.float64))])

@@ -92,6 +92,8 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         """Everything about a new group's parameters that the fused step relies on, checked
         before any float32 parameter is converted."""
         k, rounding = group["extra_bits"], group["rounding"]
+        group["lr"] = _hyperparameter(group["lr"], "lr")
+        _check_common(group["lr"], group["weight_decay"])
         if group["state_dtype"] not in _STATE_DTYPES:
             raise TypeError(f"state_dtype must be torch.float32 or torch.bfloat16, got {group['state_dtype']}")
         params = group["params"]
@@ -575,9 +577,21 @@ def _check_torch_switches(foreach, fused, differentiable, capturable=False):
                          "are computed on the host, so the step cannot be captured in a CUDA graph")
 
 
+def _hyperparameter(value, name: str):
+    """A float, or a 1-element tensor as torch.optim allows for lr and betas (kept as a 0-d
+    tensor, which LR schedulers fill in place). The step reads it as a Python float, as torch's
+    default CPU step does (a CUDA tensor is read once per group and step, which waits for it)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or not value.is_floating_point():
+            raise ValueError(f"Tensor {name} must be 1-element and floating-point, got a "
+                             f"{value.dtype} tensor of shape {tuple(value.shape)}")
+        return value.reshape(())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float or a 1-element tensor, got {value!r}")
+    return value
+
+
 def _check_common(lr, weight_decay):
-    if isinstance(lr, torch.Tensor):
-        raise TypeError("lr as a tensor is not supported by lowfp's extra-bits optimizers; pass a float")
     if lr < 0.0:
         raise ValueError(f"Invalid learning rate: {lr}")
     if weight_decay < 0.0:
@@ -593,7 +607,8 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
     ``"stochastic"``), ``state_dtype`` of the momentum buffer (float32 or bfloat16) and
     ``param_dtype`` (the 16-bit type float32 parameters are converted to). torch's ``foreach``
     and ``fused`` are accepted and change nothing (the step is always lowfp's fused kernel);
-    ``differentiable=True`` is refused.
+    ``differentiable=True`` is refused. ``lr`` may be a 1-element tensor, as in torch.optim
+    (schedulers fill it in place); each step reads it as a float, as torch's default CPU step.
     """
 
     _opt_code = 0
@@ -604,6 +619,7 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
                  fused: Optional[bool] = None, extra_bits: int = 16, rounding: str = "toward_zero",
                  state_dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.bfloat16):
         _check_torch_switches(foreach, fused, differentiable)
+        lr = _hyperparameter(lr, "lr")
         _check_common(lr, weight_decay)
         if momentum < 0.0:
             raise ValueError(f"Invalid momentum value: {momentum}")
@@ -619,7 +635,7 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
 
     def _hyper(self, group, key):
         (first,) = key
-        return (-group["lr"], group["momentum"], 1 - group["dampening"], group["weight_decay"],
+        return (-float(group["lr"]), group["momentum"], 1 - group["dampening"], group["weight_decay"],
                 group["nesterov"], group["maximize"], first, group["momentum"] != 0)
 
     def _host_state_changed(self, key) -> bool:
@@ -645,6 +661,8 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
     per param group), plus ``extra_bits``, ``rounding``, ``state_dtype`` (of exp_avg /
     exp_avg_sq) and ``param_dtype`` as in :class:`ExtraBitsSGD`. ``foreach`` and ``fused`` are
     accepted and change nothing; ``capturable=True`` and ``differentiable=True`` are refused.
+    ``lr`` and ``betas`` may be 1-element tensors (both betas, or neither), read as floats at
+    each step.
     """
 
     _opt_code = 1
@@ -661,6 +679,7 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
                  extra_bits: int = 16, rounding: str = "toward_zero",
                  state_dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.bfloat16):
         _check_torch_switches(foreach, fused, differentiable, capturable)
+        lr = _hyperparameter(lr, "lr")
         _check_common(lr, weight_decay)
         if not isinstance(decoupled_weight_decay, bool):
             raise TypeError(f"decoupled_weight_decay must be a bool, got {decoupled_weight_decay!r}")
@@ -668,6 +687,9 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
             raise ValueError(f"Invalid epsilon value: {eps}")
         if isinstance(betas, torch.Tensor) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair of floats (beta1, beta2), got {betas!r}")
+        betas = tuple(_hyperparameter(b, f"betas[{i}]") for i, b in enumerate(betas))
+        if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+            raise ValueError("betas must be either both floats or both Tensors")  # as torch.optim
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"Invalid beta parameters: {betas}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
@@ -682,7 +704,8 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
 
     def _hyper(self, group, key):
         (step,) = key
-        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
+        beta1, beta2 = map(float, group["betas"])
         decoupled = group["decoupled_weight_decay"]
         bias_correction1 = 1 - beta1 ** step
         bias_correction2 = 1 - beta2 ** step
