@@ -425,6 +425,72 @@ def test_state_dict_round_trip_into_a_fresh_optimizer():
     assert all(torch.equal(a, b) for a, b in zip(opt.master_weights(), opt2.master_weights()))
 
 
+
+@pytest.mark.parametrize("opt_cls, torch_cls, ref_cls, kw", [
+    (ExtraBitsSGD, torch.optim.SGD, RefSGD, dict(lr=0.05, momentum=0.9, dampening=0.1)),
+    (ExtraBitsAdam, torch.optim.Adam, RefAdam, dict(lr=1e-3, weight_decay=1e-2)),
+    (ExtraBitsAdamW, torch.optim.AdamW, RefAdam, dict(lr=1e-3, amsgrad=True, weight_decay=0.1))])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_a_torch_optim_state_dict_continues_float32_training(opt_cls, torch_cls, ref_cls, kw, state_dtype):
+    """A checkpoint of float32 training with torch.optim continued with extra bits: the model's
+    float32 weights are loaded, the optimizer converts them (bfloat16 + 16 bits: every bit kept)
+    and loads torch's state_dict, whose moments and step counts it takes. The next steps equal
+    the float32 reference formulas continued from torch's weights and state (moments rounded to
+    bfloat16 after every step for bfloat16 state, as test_bfloat16_state_... checks)."""
+    torch.manual_seed(0)
+    model = small_model()
+    topt = torch_cls(model.parameters(), **kw)
+    g = torch.Generator().manual_seed(5)
+    grads = [[torch.randn(p.shape, generator=g) for p in model.parameters()] for _ in range(7)]
+    for step in range(3):
+        for p, gr in zip(model.parameters(), grads[step]):
+            p.grad = gr
+        topt.step()
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(topt.state_dict())
+    tstate = [topt.state[p] for p in model.parameters()]
+
+    state_round = None if state_dtype == torch.float32 else (
+        lambda a: torch.from_numpy(a).bfloat16().float().numpy())
+    ref = ref_cls([p.detach().numpy().copy() for p in model.parameters()], **kw, state_round=state_round)
+    first = (lambda t: t.bfloat16().float().numpy()) if state_round else (lambda t: t.numpy().copy())
+    if ref_cls is RefSGD:
+        ref.buf = [first(s["momentum_buffer"]) for s in tstate]
+    else:
+        ref.t = 3
+        ref.m, ref.v = [first(s["exp_avg"]) for s in tstate], [first(s["exp_avg_sq"]) for s in tstate]
+        if kw.get("amsgrad"):
+            ref.vmax = [first(s["max_exp_avg_sq"]) for s in tstate]
+        ref.decoupled = torch_cls is torch.optim.AdamW
+
+    fresh = small_model(seed=1)
+    fresh.load_state_dict(saved_model)  # float32 weights first, then the optimizer
+    opt = opt_cls(fresh.parameters(), extra_bits=16, state_dtype=state_dtype,
+                  **{key: v for key, v in kw.items() if key != "lr"}, lr=0.5)  # lr: torch's, loaded
+    extras = [opt.state[p]["extra"].clone() for p in fresh.parameters()]
+    opt.load_state_dict(saved_opt)
+    group = opt.param_groups[0]
+    assert group["lr"] == kw["lr"] and group["extra_bits"] == 16 and group["state_dtype"] is state_dtype
+    assert not {"foreach", "fused", "differentiable", "capturable"} & set(group)
+    for p, e, s in zip(fresh.parameters(), extras, tstate):
+        assert torch.equal(opt.state[p]["extra"], e)  # the converted float32 weights' cut-off bits
+        for key, value in s.items():
+            got = opt.state[p][key]
+            want = value if key == "step" else value.to(state_dtype)
+            assert got.dtype == want.dtype and torch.equal(got, want), key
+    assert all(torch.equal(a, torch.from_numpy(b)) for a, b in zip(opt.master_weights(), ref.w))
+    for step in range(3, 7):
+        for p, gr in zip(fresh.parameters(), grads[step]):
+            p.grad = gr.bfloat16()
+        ref.step([gr.bfloat16().float().numpy() for gr in grads[step]])
+        opt.step()
+        for got, want in zip(opt.master_weights(), ref.w):
+            assert np.array_equal(got.numpy().view(np.int32), want.view(np.int32)), step
+    # Another family's state is still refused, naming what it lacks.
+    other = torch.optim.Adam if torch_cls is torch.optim.SGD else torch.optim.SGD
+    with pytest.raises(ValueError, match="lacks"):
+        opt.load_state_dict(other(small_model().parameters(), lr=0.1).state_dict())
+
+
 def steps_of(make_opt, steps=5, seed=0):
     """Master weights of small_model after `steps` steps on fixed gradients."""
     model = small_model(seed)

@@ -42,6 +42,9 @@ _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _PARAM_DTYPES = (torch.float16, torch.bfloat16)
 _MOMENT_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _NO_STATE = (0, 0, 0)  # the pointers of a step's unused state slots (three in all)
+_LOWFP_GROUP_KEYS = ("extra_bits", "rounding", "state_dtype", "param_dtype")  # not torch.optim's
+_TORCH_SWITCHES = ("foreach", "fused", "capturable", "differentiable")  # torch.optim's, not here
+_EXTRA_KEYS = ("extra", "extra_bits", "rounding", "param_dtype", "extra_dim_order")
 
 
 class _ExtraBitsOptimizer(torch.optim.Optimizer):
@@ -387,20 +390,41 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                 "total": weights + extra + moments}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """As torch.optim's, keeping each saved state tensor's dtype (torch would cast floating
+        state to the parameters' 16-bit dtype, rounding float32 moments and the packed bits).
+
+        A state_dict saved by torch.optim's SGD/Adam/AdamW loads too (a checkpoint of float32
+        training continued with extra bits): its hyperparameters, moments and step counts are
+        taken; the lowfp settings (extra_bits, rounding, state_dtype, param_dtype) stay this
+        optimizer's; moments are converted to state_dtype (rounded to nearest for bfloat16); and
+        each parameter keeps the extra bits it has, which, for float32 weights converted by this
+        optimizer, are their cut-off bits. torch's implementation switches (foreach, fused,
+        capturable, differentiable) are dropped."""
         self._settle_host_state()  # before the state it would change is replaced
-        # torch casts floating state to the parameter dtype (bfloat16 here), which would round
-        # float32 moments; the saved tensors are put back with their own dtypes afterwards.
         added = self._added_group_keys()
-        state_dict = {**state_dict,  # a copy: the caller's dict is not changed
-                      "param_groups": [{**added, **g} for g in state_dict["param_groups"]]}
-        saved = state_dict["state"]
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        for g in state_dict["param_groups"]:
+        groups, from_torch = [], []
+        for g, own in zip(state_dict["param_groups"], self.param_groups):
+            g = {**added, **g}
+            foreign = not any(key in g for key in _LOWFP_GROUP_KEYS)  # saved by torch.optim
+            if foreign:
+                g = {key: v for key, v in g.items() if key not in _TORCH_SWITCHES}
+                g.update((key, own[key]) for key in _LOWFP_GROUP_KEYS)
+            groups.append(g)
+            from_torch.append(foreign)
+        groups += state_dict["param_groups"][len(groups):]  # a count mismatch: torch's error
+        for g in groups:
             missing = sorted(set(self.defaults) - set(g))
             if missing:
                 raise ValueError(f"state_dict: a param group lacks {missing}, which "
                                  f"{type(self).__name__} needs; was it saved by another optimizer?")
-        super().load_state_dict(state_dict)
+        # The extra bits that parameters of groups saved by torch.optim keep.
+        kept = {id(p): {key: v for key, v in self.state[p].items() if key in _EXTRA_KEYS}
+                for own, foreign in zip(self.param_groups, from_torch) if foreign
+                for p in own["params"] if p in self.state}
+        saved = state_dict["state"]
+        ids = [i for g in groups for i in g["params"]]
+        # a copy: the caller's dict is not changed
+        super().load_state_dict({**state_dict, "param_groups": groups})
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(ids, params):
             for key, value in saved.get(pid, {}).items():
@@ -409,15 +433,31 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                 self.state[p][key] = (value.to(device=where, copy=True) if torch.is_tensor(value)
                                       else copy.deepcopy(value))
         index = self.weight_stats.counts.get_device()
-        for group in self.param_groups:
+        for group, foreign in zip(self.param_groups, from_torch):
             for p in group["params"]:
-                if p in self.state:
-                    state = self.state[p]
-                    _match_layout(p, state)  # saved from a model laid out otherwise
-                    _check_buffers(p, state, group, index)
-                    if "extra" in state:  # saved before the dtype was recorded: p's from now on
-                        state.setdefault("param_dtype", p.dtype)
+                if p not in self.state:
+                    continue
+                state = self.state[p]
+                for key in _MOMENT_KEYS:
+                    if key in state and state[key] is None:  # torch.optim may save None buffers
+                        del state[key]
+                if foreign:
+                    _from_torch_state(state, group["state_dtype"])
+                    state.update(kept.get(id(p), {}))
+                _match_layout(p, state)  # saved from a model laid out otherwise
+                _check_buffers(p, state, group, index)
+                if "extra" in state:  # saved before the dtype was recorded: p's from now on
+                    state.setdefault("param_dtype", p.dtype)
 
+
+def _from_torch_state(state: dict, state_dtype: torch.dtype) -> None:
+    """A parameter's state as torch.optim saved it, made this optimizer's: moments in
+    state_dtype, the step count a float32 CPU tensor (a plain number in old torch.optim)."""
+    for key in _MOMENT_KEYS:
+        if torch.is_tensor(state.get(key)) and state[key].is_floating_point():
+            state[key] = state[key].to(state_dtype)
+    if "step" in state and not torch.is_tensor(state["step"]):
+        state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
 
 def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
                    moments: Optional[Sequence[torch.Tensor]] = None) -> int:
