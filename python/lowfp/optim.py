@@ -50,7 +50,7 @@ _EXTRA_KEYS = ("extra", "extra_bits", "rounding", "param_dtype", "extra_dim_orde
 class _ExtraBitsOptimizer(torch.optim.Optimizer):
     _opt_code = -1
 
-    def __init__(self, params, defaults: dict):
+    def __init__(self, params, defaults: dict, generator: Optional[torch.Generator] = None):
         k, rounding = defaults["extra_bits"], defaults["rounding"]
         param_dtype, state_dtype = defaults["param_dtype"], defaults["state_dtype"]
         if param_dtype not in (torch.float16, torch.bfloat16):
@@ -58,6 +58,10 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         check_extra_bits(param_dtype, k, rounding, "extra_bits")
         if state_dtype not in _STATE_DTYPES:
             raise TypeError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {generator!r}")
+        # Where stochastic rounding's seeds come from (None: torch's default CPU generator).
+        self._generator = generator
         self.weight_stats: Optional[Stats] = None  # 16-bit weight roundings (on the params' device)
         self._step_in_backward: Optional[StepInBackward] = None  # the active handle, if any
         self._philox_offset: Dict[int, int] = {}  # per parameter, set once in add_param_group
@@ -81,7 +85,8 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             if p.dtype == torch.float32:  # its cut-off bits become its initial extra bits
                 order = memory_order(p)  # packed in memory order; p keeps its layout
                 w16, packed = split(p.detach() if order is None else p.detach().permute(order),
-                                    group["param_dtype"], k, rounding)
+                                    group["param_dtype"], k, rounding,
+                                    generator=self._generator if rounding == "stochastic" else None)
                 p.data = w16 if order is None else w16.permute(inverse_order(order))
                 p.grad = None
                 self.state[p].update(extra=packed, extra_bits=k, rounding=rounding,
@@ -113,6 +118,14 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"all parameters must be on one device: {device} and {p.device}")
             if p.dtype == torch.float32:
                 check_extra_bits(group["param_dtype"], k, rounding, "extra_bits")
+                if _grad_accumulator_is_held(p):
+                    raise ValueError(
+                        f"a float32 parameter of shape {tuple(p.shape)} is already wired into "
+                        "autograd: something holds its gradient accumulator (a "
+                        "DistributedDataParallel model's reducer, or a graph not yet backwarded). "
+                        f"Converting it to {group['param_dtype']} would disconnect that silently (DDP "
+                        "would stop averaging its gradients), so build the optimizer before wrapping "
+                        "the model in DDP (then model.to(param_dtype) for its buffers, then DDP)")
             elif p.dtype in _PARAM_DTYPES:
                 check_extra_bits(p.dtype, k, rounding, "extra_bits")
             else:
@@ -132,10 +145,12 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["weight_stats"] = self.weight_stats
+        state["_generator"] = self._generator  # pickled with its state (a copy draws alike)
         return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("_generator", None)  # pickled before there was one
         self._step_in_backward = None  # hooks stay with the original parameters
         self._unsettled = []
         self._philox_offset = {}  # keyed by id(): rebuilt for the new parameter objects
@@ -192,7 +207,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             if stepped:
                 # One fused call per set of parameters that share their per-parameter
                 # hyperparameters (SGD's first momentum step, Adam's step count).
-                seed = draw_seed() if group["rounding"] == "stochastic" else 0
+                seed = draw_seed(self._generator) if group["rounding"] == "stochastic" else 0
                 batches: Dict[tuple, list] = {}
                 for entry in stepped:
                     batches.setdefault(self._batch_key(group, entry[1]), []).append(entry)
@@ -459,6 +474,21 @@ def _from_torch_state(state: dict, state_dtype: torch.dtype) -> None:
     if "step" in state and not torch.is_tensor(state["step"]):
         state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
 
+def _grad_accumulator_is_held(p: torch.Tensor) -> bool:
+    """Whether something other than this call holds p's AccumulateGrad node: DDP's reducer
+    (which hooks its gradient all-reduce there) or a live graph. Changing p's dtype (the float32
+    conversion) makes autograd drop that node for a new one, so those would never see p's
+    gradients again. The node is cached weakly on p: a mark left in its metadata survives a
+    second lookup only if another owner kept the node alive in between."""
+    if not p.requires_grad:
+        return False
+    with torch.enable_grad():  # optimizers are often built under no_grad
+        node = p.view_as(p).grad_fn.next_functions[0][0]
+        node.metadata["lowfp_probe"] = True
+        del node
+        return p.view_as(p).grad_fn.next_functions[0][0].metadata.pop("lowfp_probe", False)
+
+
 def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
                    moments: Optional[Sequence[torch.Tensor]] = None) -> int:
     """The fused kernels trust every buffer's size, dtype and device. A parameter whose ``.data``
@@ -649,6 +679,9 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
     and ``fused`` are accepted and change nothing (the step is always lowfp's fused kernel);
     ``differentiable=True`` is refused. ``lr`` may be a 1-element tensor, as in torch.optim
     (schedulers fill it in place); each step reads it as a float, as torch's default CPU step.
+    ``generator``: a torch.Generator that stochastic rounding's seeds are drawn from (default:
+    torch's default CPU generator). With DistributedDataParallel, pass one seeded alike on every
+    rank so that the replicas round alike and stay identical.
     """
 
     _opt_code = 0
@@ -657,7 +690,8 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
                  foreach: Optional[bool] = None, differentiable: bool = False,
                  fused: Optional[bool] = None, extra_bits: int = 16, rounding: str = "toward_zero",
-                 state_dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.bfloat16):
+                 state_dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.bfloat16,
+                 generator: Optional[torch.Generator] = None):
         _check_torch_switches(foreach, fused, differentiable)
         lr = _hyperparameter(lr, "lr")
         _check_common(lr, weight_decay)
@@ -668,7 +702,7 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, extra_bits=extra_bits,
                         rounding=rounding, state_dtype=state_dtype, param_dtype=param_dtype)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, generator)
 
     def _batch_key(self, group, state):
         return (group["momentum"] != 0 and "momentum_buffer" not in state,)
@@ -699,7 +733,7 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
     Args: as torch.optim.Adam (``lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
     amsgrad=False, maximize=False, decoupled_weight_decay=False``: True is AdamW's decay, also
     per param group), plus ``extra_bits``, ``rounding``, ``state_dtype`` (of exp_avg /
-    exp_avg_sq) and ``param_dtype`` as in :class:`ExtraBitsSGD`. ``foreach`` and ``fused`` are
+    exp_avg_sq), ``param_dtype`` and ``generator`` as in :class:`ExtraBitsSGD`. ``foreach`` and ``fused`` are
     accepted and change nothing; ``capturable=True`` and ``differentiable=True`` are refused.
     ``lr`` and ``betas`` may be 1-element tensors (both betas, or neither), read as floats at
     each step.
@@ -717,7 +751,8 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
                  maximize: bool = False, capturable: bool = False, differentiable: bool = False,
                  fused: Optional[bool] = None, decoupled_weight_decay: bool = False,
                  extra_bits: int = 16, rounding: str = "toward_zero",
-                 state_dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.bfloat16):
+                 state_dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.bfloat16,
+                 generator: Optional[torch.Generator] = None):
         _check_torch_switches(foreach, fused, differentiable, capturable)
         lr = _hyperparameter(lr, "lr")
         _check_common(lr, weight_decay)
@@ -736,7 +771,7 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
                         amsgrad=amsgrad, maximize=maximize,
                         decoupled_weight_decay=decoupled_weight_decay, extra_bits=extra_bits,
                         rounding=rounding, state_dtype=state_dtype, param_dtype=param_dtype)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, generator)
 
     def _batch_key(self, group, state):
         step = state.get("step")
@@ -853,7 +888,7 @@ class StepInBackward:
     def _start_pass(self, device: torch.device) -> None:
         opt = self.optimizer
         opt._settle_host_state()  # left over when the last backward pass raised
-        self._seeds = {i: (draw_seed() if g["rounding"] == "stochastic" else 0)
+        self._seeds = {i: (draw_seed(opt._generator) if g["rounding"] == "stochastic" else 0)
                        for i, g in enumerate(opt.param_groups)}
         if self._skip_counts is None:
             self._skip_counts = torch.zeros(2, dtype=torch.int64, device=device)
