@@ -1097,6 +1097,11 @@ def test_optimizer_refuses_buffers_that_no_longer_fit():
     p.grad = torch.ones(32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="dense in memory .* has strides \\(2,\\)"):
         opt.step()
+    # model.to(device) after the optimizer: checked as for an optimizer on cuda:0 (index 0)
+    from lowfp.optim import _check_buffers
+    q = bf16_param(32)
+    with pytest.raises(ValueError, match="must be on cuda:0.* is on cpu .*move the model before"):
+        _check_buffers(q, {}, opt.param_groups[0], 0)
 
     p = bf16_param(8)
     opt = ExtraBitsSGD([p], lr=0.1, momentum=0.9)

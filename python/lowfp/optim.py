@@ -507,7 +507,8 @@ def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
     if not (p.is_cpu if cpu else p.get_device() == index):
         device = torch.device("cpu") if cpu else torch.device("cuda", index)
         raise ValueError(f"parameters must be on {device}; one of shape {tuple(p.shape)} is on "
-                         f"{p.device}")
+                         f"{p.device} (the optimizer's state lives where it was built: move the "
+                         "model before building the optimizer, as torch.optim's docs ask)")
     # Every buffer follows p's memory order (row-major when p is contiguous, the common case).
     row_major = p.is_contiguous()
     order = None if row_major else memory_order(p)
