@@ -1,9 +1,10 @@
 """16-bit weights + extra bits against an fp32 master, on scikit-learn's handwritten digits.
 
-    python examples/extra_bits_demo.py [--epochs N] [--data digits|synthetic]
+    python examples/extra_bits_demo.py [--epochs N] [--data digits|synthetic] [--model mlp|resnet]
 
-A small version of the method's ResNet-18/CIFAR-10 table: the same residual MLP trained with
-SGD (momentum 0.9) from the same start, with
+A small version of the method's ResNet-18/CIFAR-10 table: the same model (a residual MLP, or
+with --model resnet lowfp's small ResNet with BatchNorm, on the 8x8 images) trained with SGD
+(momentum 0.9) from the same start, with
   fp32            torch.optim.SGD on float32 parameters (the reference curve)
   pure bfloat16   torch.optim.SGD on bfloat16 parameters (each update rounded to nearest)
   bf16 + k        lowfp.optim.ExtraBitsSGD, bfloat16 weights + k extra bits, stochastic rounding
@@ -50,8 +51,11 @@ class Block(torch.nn.Module):
         return torch.relu(x + self.fc2(torch.relu(self.fc1(x))))
 
 
-def make_model(seed=0, width=128):
+def make_model(kind="mlp", seed=0, width=128):
     torch.manual_seed(seed)
+    if kind == "resnet":  # images of 1 x 8 x 8
+        return torch.nn.Sequential(torch.nn.Unflatten(1, (1, 8, 8)),
+                                   lowfp.models.build("resnet", 1, 10, width=0.5, image_size=8))
     return torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), Block(width), Block(width),
                                torch.nn.Linear(width, 10))
 
@@ -85,16 +89,17 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--lr", type=float, default=0.002)
     p.add_argument("--data", choices=("digits", "synthetic"), default="digits")
+    p.add_argument("--model", choices=("mlp", "resnet"), default="mlp")
     args = p.parse_args(argv)
     train_set, test_set = load(args.data)
-    base = make_model()
+    base = make_model(args.model)
     n = sum(p.numel() for p in base.parameters())
     sgd = dict(lr=args.lr, momentum=0.9)
     configs = [("fp32", torch.float32, None, None), ("pure bfloat16", torch.bfloat16, None, None),
                ("bf16 + 8", torch.bfloat16, 8, "stochastic"), ("bf16 + 16", torch.bfloat16, 16, "stochastic"),
                ("fp16 + 8", torch.float16, 8, "stochastic"), ("fp16 + 13", torch.float16, 13, "stochastic")]
-    print(f"{args.data}: {len(train_set[1])} training / {len(test_set[1])} test examples, residual MLP "
-          f"with {n} parameters, SGD(lr={args.lr}, momentum=0.9), {args.epochs} epochs\n")
+    print(f"{args.data}: {len(train_set[1])} training / {len(test_set[1])} test examples, "
+          f"{'residual MLP' if args.model == 'mlp' else 'ResNet'} with {n} parameters, SGD(lr={args.lr}, momentum=0.9), {args.epochs} epochs\n")
     print(f"{'weights':16s} {'final loss':>10s} {'test acc':>9s} {'bytes/param':>12s} {'step ms':>8s}")
     for name, dtype, k, rounding in configs:
         model = copy.deepcopy(base)
@@ -105,6 +110,7 @@ def main(argv=None):
             per_param = torch.finfo(dtype).bits / 8
         else:
             opt = ExtraBitsSGD(model.parameters(), extra_bits=k, rounding=rounding, param_dtype=dtype, **sgd)
+            model.to(dtype)  # the buffers (BatchNorm's statistics); the parameters are 16-bit already
             mem = opt.memory_bytes()
             per_param = (mem["weights"] + mem["extra_bits"]) / n
         loss, acc, sec = train(name, model, opt, dtype, train_set, test_set, args.epochs)

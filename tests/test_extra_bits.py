@@ -1689,11 +1689,13 @@ def test_torch_grad_scaler_with_a_sparse_gradient_raises_before_changing_any():
     assert torch.equal(p, torch.ones(4, 2, dtype=torch.bfloat16))
 
 
-def test_demo_runs():
+@pytest.mark.parametrize("model", ["mlp", "resnet"])
+def test_demo_runs(model):
     import subprocess
     import sys
     from pathlib import Path
     demo = Path(__file__).resolve().parents[1] / "examples" / "extra_bits_demo.py"
-    out = subprocess.run([sys.executable, str(demo), "--data", "synthetic", "--epochs", "1"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, str(demo), "--data", "synthetic", "--epochs", "1",
+                          "--model", model], capture_output=True, text=True, check=True).stdout
     assert "pure bfloat16" in out and "fp16 + 13" in out and out.count("\n") >= 8
+    assert ("ResNet" in out) == (model == "resnet")
