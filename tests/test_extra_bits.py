@@ -703,6 +703,15 @@ def test_optimizer_errors():
         ExtraBitsSGD([torch.nn.Parameter(torch.ones(3))], nesterov=True)
     with pytest.raises(ValueError, match="betas must be a pair"):
         ExtraBitsAdam([torch.nn.Parameter(torch.ones(3))], betas=(0.9,))
+    nan = float("nan")
+    for cls, kw, what in [(ExtraBitsSGD, dict(lr=nan), "learning rate"),
+                          (ExtraBitsAdamW, dict(lr=-1e-3), "learning rate"),
+                          (ExtraBitsSGD, dict(momentum=nan), "momentum"),
+                          (ExtraBitsSGD, dict(weight_decay=nan), "weight_decay"),
+                          (ExtraBitsAdam, dict(eps=nan), "epsilon"),
+                          (ExtraBitsAdam, dict(betas=(0.9, nan)), "beta")]:
+        with pytest.raises(ValueError, match=f"Invalid {what}"):  # as torch.optim
+            cls([torch.nn.Parameter(torch.ones(3))], **kw)
     sgd = ExtraBitsSGD([torch.nn.Parameter(torch.ones(3))], momentum=0.9)
     with pytest.raises(ValueError, match=r"lacks \['amsgrad', 'betas', 'eps'\].*another optimizer"):
         ExtraBitsAdamW([torch.nn.Parameter(torch.ones(3))]).load_state_dict(sgd.state_dict())

@@ -663,9 +663,9 @@ def _hyperparameter(value, name: str):
 
 
 def _check_common(lr, weight_decay):
-    if lr < 0.0:
+    if not 0.0 <= lr:  # as torch.optim: NaN is refused too
         raise ValueError(f"Invalid learning rate: {lr}")
-    if weight_decay < 0.0:
+    if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
@@ -696,7 +696,7 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
         _check_torch_switches(foreach, fused, differentiable)
         lr = _hyperparameter(lr, "lr")
         _check_common(lr, weight_decay)
-        if momentum < 0.0:
+        if not 0.0 <= momentum:
             raise ValueError(f"Invalid momentum value: {momentum}")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
@@ -759,7 +759,7 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
         _check_common(lr, weight_decay)
         if not isinstance(decoupled_weight_decay, bool):
             raise TypeError(f"decoupled_weight_decay must be a bool, got {decoupled_weight_decay!r}")
-        if eps < 0.0:
+        if not 0.0 <= eps:
             raise ValueError(f"Invalid epsilon value: {eps}")
         if isinstance(betas, torch.Tensor) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair of floats (beta1, beta2), got {betas!r}")
