@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lowfp.optim import ExtraBitsAdamW, ExtraBitsSGD
+from lowfp.optim import ExtraBitsAdamW, ExtraBitsSGD, step_in_backward
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="this torch build has no gloo backend")
@@ -85,7 +85,13 @@ def test_a_ddp_model_is_refused_before_its_hooks_are_cut_off(one_rank_group):
     loss_of(ddp, torch.randn(8, 16)).backward()
     opt.step()
     # 16-bit parameters are not converted: a DDP model of them is fine in either order
-    opt = ExtraBitsSGD(DDP(small_model().bfloat16()).parameters(), extra_bits=8)
+    ddp16 = DDP(small_model().bfloat16())
+    opt = ExtraBitsSGD(ddp16.parameters(), extra_bits=8)
+    # Stepping inside backward would step before DDP's all-reduce: refused, model= or not.
+    with pytest.raises(ValueError, match="DistributedDataParallel.*step normally with DDP"):
+        step_in_backward(opt)
+    plain = ExtraBitsSGD(small_model().bfloat16().parameters(), extra_bits=8)
+    step_in_backward(plain).remove()
 
 
 def test_a_live_graph_through_a_float32_parameter_is_refused():

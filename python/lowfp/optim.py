@@ -478,8 +478,9 @@ def _grad_accumulator_is_held(p: torch.Tensor) -> bool:
     """Whether something other than this call holds p's AccumulateGrad node: DDP's reducer
     (which hooks its gradient all-reduce there) or a live graph. Changing p's dtype (the float32
     conversion) makes autograd drop that node for a new one, so those would never see p's
-    gradients again. The node is cached weakly on p: a mark left in its metadata survives a
-    second lookup only if another owner kept the node alive in between."""
+    gradients again; and hooks that step inside backward would run before DDP's all-reduce.
+    The node is cached weakly on p: a mark left in its metadata survives a second lookup only
+    if another owner kept the node alive in between."""
     if not p.requires_grad:
         return False
     with torch.enable_grad():  # optimizers are often built under no_grad
@@ -991,6 +992,14 @@ def step_in_backward(optimizer, *, clip_value: Optional[float] = None, scaler=No
     if model is not None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError("model: DistributedDataParallel all-reduces gradients after the per-"
                          "parameter hooks would have stepped; step normally with DDP")
+    for group in optimizer.param_groups:  # a DDP model not passed as model=: its reducer shows
+        for p in group["params"]:
+            if _grad_accumulator_is_held(p):
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} is already wired into autograd: "
+                    "something holds its gradient accumulator (a DistributedDataParallel model's "
+                    "reducer, which all-reduces gradients after the per-parameter hooks would have "
+                    "stepped, or a graph not yet backwarded); step normally with DDP")
     if clip_value is not None and (isinstance(clip_value, bool) or not isinstance(clip_value, (int, float))
                                    or not clip_value > 0):
         raise ValueError(f"clip_value must be a positive number, got {clip_value!r}")
