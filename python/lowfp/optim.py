@@ -965,7 +965,9 @@ def step_in_backward(optimizer, *, clip_value: Optional[float] = None, scaler=No
             ``new_scale`` here, as no ``step`` records its checks.
         clip_norm, accumulation_steps, model: refused where they cannot work: norm clipping needs
             every gradient before any step, accumulation needs gradients kept across backward
-            passes, and DistributedDataParallel reduces gradients after these hooks would run.
+            passes, and DistributedDataParallel reduces gradients after these hooks would run
+            (a live DDP model's parameters are refused without model= too: its reducer holds
+            their gradient accumulators).
     Returns a handle whose ``remove()`` restores ordinary stepping.
 
     On a GPU the hooks never wait for it: the finiteness check is a flag on the device that the
