@@ -491,6 +491,30 @@ def test_a_torch_optim_state_dict_continues_float32_training(opt_cls, torch_cls,
         opt.load_state_dict(other(small_model().parameters(), lr=0.1).state_dict())
 
 
+
+def test_a_torch_optim_state_dict_keeps_the_extra_bits_of_parameters_it_has_no_state_for():
+    """A parameter that never had a gradient under torch.optim has no saved state: it keeps the
+    extra bits its float32 weights were converted with, and its moments start at its first step."""
+    model = small_model()
+    topt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    frozen = model[4].bias
+    for p in model.parameters():
+        p.grad = None if p is frozen else torch.randn(p.shape)
+    topt.step()
+    saved = topt.state_dict()
+    w32 = frozen.detach().clone()
+    opt = ExtraBitsAdamW(model.parameters(), lr=1e-3, extra_bits=16)
+    extra = opt.state[frozen]["extra"].clone()
+    opt.load_state_dict(saved)
+    assert torch.equal(opt.state[frozen]["extra"], extra) and "exp_avg" not in opt.state[frozen]
+    assert torch.equal(opt.master_weights()[5], w32)  # bfloat16 + 16: every bit of it
+    assert float(opt.state[model[0].weight]["step"]) == 1.0
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert float(opt.state[frozen]["step"]) == 1.0 and float(opt.state[model[0].weight]["step"]) == 2.0
+
+
 def steps_of(make_opt, steps=5, seed=0):
     """Master weights of small_model after `steps` steps on fixed gradients."""
     model = small_model(seed)

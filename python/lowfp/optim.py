@@ -450,15 +450,16 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         index = self.weight_stats.counts.get_device()
         for group, foreign in zip(self.param_groups, from_torch):
             for p in group["params"]:
+                if foreign and (p in self.state or id(p) in kept):
+                    # kept extra bits go back whether torch saved state for p or not (never stepped)
+                    _from_torch_state(self.state[p], group["state_dtype"])
+                    self.state[p].update(kept.get(id(p), {}))
                 if p not in self.state:
                     continue
                 state = self.state[p]
                 for key in _MOMENT_KEYS:
                     if key in state and state[key] is None:  # torch.optim may save None buffers
                         del state[key]
-                if foreign:
-                    _from_torch_state(state, group["state_dtype"])
-                    state.update(kept.get(id(p), {}))
                 _match_layout(p, state)  # saved from a model laid out otherwise
                 _check_buffers(p, state, group, index)
                 if "extra" in state:  # saved before the dtype was recorded: p's from now on
