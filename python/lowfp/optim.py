@@ -118,14 +118,10 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"all parameters must be on one device: {device} and {p.device}")
             if p.dtype == torch.float32:
                 check_extra_bits(group["param_dtype"], k, rounding, "extra_bits")
-                if _grad_accumulator_is_held(p):
-                    raise ValueError(
-                        f"a float32 parameter of shape {tuple(p.shape)} is already wired into "
-                        "autograd: something holds its gradient accumulator (a "
-                        "DistributedDataParallel model's reducer, or a graph not yet backwarded). "
-                        f"Converting it to {group['param_dtype']} would disconnect that silently (DDP "
-                        "would stop averaging its gradients), so build the optimizer before wrapping "
-                        "the model in DDP (then model.to(param_dtype) for its buffers, then DDP)")
+                _refuse_if_wired_into_autograd(
+                    p, f"converting it to {group['param_dtype']} would disconnect that silently (DDP "
+                    "would stop averaging its gradients), so build the optimizer before wrapping "
+                    "the model in DDP (then model.to(param_dtype) for its buffers, then DDP)")
             elif p.dtype in _PARAM_DTYPES:
                 check_extra_bits(p.dtype, k, rounding, "extra_bits")
             else:
@@ -474,6 +470,15 @@ def _from_torch_state(state: dict, state_dtype: torch.dtype) -> None:
             state[key] = state[key].to(state_dtype)
     if "step" in state and not torch.is_tensor(state["step"]):
         state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+
+
+def _refuse_if_wired_into_autograd(p: torch.Tensor, consequence: str) -> None:
+    if _grad_accumulator_is_held(p):
+        raise ValueError(f"a {p.dtype} parameter of shape {tuple(p.shape)} is already wired into "
+                         "autograd: something holds its gradient accumulator (a "
+                         "DistributedDataParallel model's reducer, or a graph not yet "
+                         f"backwarded); {consequence}")
+
 
 def _grad_accumulator_is_held(p: torch.Tensor) -> bool:
     """Whether something other than this call holds p's AccumulateGrad node: DDP's reducer
@@ -997,12 +1002,8 @@ def step_in_backward(optimizer, *, clip_value: Optional[float] = None, scaler=No
                          "parameter hooks would have stepped; step normally with DDP")
     for group in optimizer.param_groups:  # a DDP model not passed as model=: its reducer shows
         for p in group["params"]:
-            if _grad_accumulator_is_held(p):
-                raise ValueError(
-                    f"a parameter of shape {tuple(p.shape)} is already wired into autograd: "
-                    "something holds its gradient accumulator (a DistributedDataParallel model's "
-                    "reducer, which all-reduces gradients after the per-parameter hooks would have "
-                    "stepped, or a graph not yet backwarded); step normally with DDP")
+            _refuse_if_wired_into_autograd(p, "the per-parameter hooks would step before DDP's "
+                                              "all-reduce of the gradients; step normally with DDP")
     if clip_value is not None and (isinstance(clip_value, bool) or not isinstance(clip_value, (int, float))
                                    or not clip_value > 0):
         raise ValueError(f"clip_value must be a positive number, got {clip_value!r}")
