@@ -741,8 +741,9 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
     Args: as torch.optim.Adam (``lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
     amsgrad=False, maximize=False, decoupled_weight_decay=False``: True is AdamW's decay, also
     per param group), plus ``extra_bits``, ``rounding``, ``state_dtype`` (of exp_avg /
-    exp_avg_sq), ``param_dtype`` and ``generator`` as in :class:`ExtraBitsSGD`. ``foreach`` and ``fused`` are
-    accepted and change nothing; ``capturable=True`` and ``differentiable=True`` are refused.
+    exp_avg_sq), ``param_dtype`` and ``generator`` as in :class:`ExtraBitsSGD`. ``foreach`` and
+    ``fused`` are accepted and change nothing; ``capturable=True`` and ``differentiable=True``
+    are refused.
     ``lr`` and ``betas`` may be 1-element tensors (both betas, or neither), read as floats at
     each step.
     """
