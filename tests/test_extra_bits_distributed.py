@@ -4,7 +4,6 @@ bits, and DDP's gradient hooks must not be cut off by the float32 conversion."""
 
 import copy
 import os
-import tempfile
 
 import pytest
 import torch
@@ -16,6 +15,9 @@ from lowfp.optim import ExtraBitsAdamW, ExtraBitsSGD, step_in_backward
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="this torch build has no gloo backend")
+
+if os.path.exists("/sys/class/net/lo"):  # gloo on loopback, whatever the host name resolves to
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
 def small_model(seed=0):
