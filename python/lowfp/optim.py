@@ -689,7 +689,9 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
     (schedulers fill it in place); each step reads it as a float, as torch's default CPU step.
     ``generator``: a torch.Generator that stochastic rounding's seeds are drawn from (default:
     torch's default CPU generator). With DistributedDataParallel, pass one seeded alike on every
-    rank so that the replicas round alike and stay identical.
+    rank so that the replicas round alike and stay identical. Its state is not part of
+    ``state_dict()`` (nor is torch's own RNG state): save ``generator.get_state()`` beside it to
+    resume bit for bit.
     """
 
     _opt_code = 0
