@@ -323,6 +323,34 @@ def test_extra_bits_channels_last_parameters_on_gpu_equal_cpu():
     assert state["momentum_buffer"].is_contiguous()
 
 
+
+def test_extra_bits_continue_a_torch_fused_adamw_checkpoint_on_gpu_as_on_cpu():
+    """A CUDA torch.optim.AdamW(fused=True) state_dict (step counts on the device) loads into
+    ExtraBitsAdamW on the GPU as its CPU copy loads into the CPU optimizer, and both continue
+    alike, with the seeds from a generator= of their own (torch's global one draws nothing)."""
+    import copy
+    from lowfp import optim
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.Tanh(), torch.nn.Linear(48, 5)).cuda()
+    topt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        topt.step()
+    saved = topt.state_dict()
+    assert saved["state"][0]["step"].is_cuda
+    cpu_model = copy.deepcopy(model).cpu()
+    kw = dict(lr=1e-3, extra_bits=8, rounding="stochastic")
+    gpu_opt = optim.ExtraBitsAdamW(model.parameters(), generator=torch.Generator().manual_seed(4), **kw)
+    cpu_opt = optim.ExtraBitsAdamW(cpu_model.parameters(), generator=torch.Generator().manual_seed(4), **kw)
+    gpu_opt.load_state_dict(saved)
+    cpu_opt.load_state_dict(copy.deepcopy(saved))
+    assert gpu_opt.state[model[0].weight]["step"].device.type == "cpu"
+    g = torch.Generator().manual_seed(2)
+    step_on_both(cpu_opt, gpu_opt, list(cpu_model.parameters()), list(model.parameters()), g,
+                 steps=3, seed=10)
+
+
 def step_on_both(cpu_opt, gpu_opt, cpu_params, gpu_params, g, steps, seed):
     """Steps both optimizers with the same random gradients and stochastic-rounding seeds; after
     each step the weights and master weights must be equal bit for bit, and so must the counts."""
