@@ -1130,6 +1130,25 @@ def test_optimizer_refuses_buffers_that_no_longer_fit():
     p.grad = torch.ones(32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="dense in memory .* has strides \\(2,\\)"):
         opt.step()
+    # Changes that keep every object, and some the data pointers too: each is refused at the
+    # next step (so no shortcut may take "same objects, same pointers" for "nothing changed").
+    p = bf16_param(32)
+    opt = ExtraBitsAdam([p], lr=0.1)
+    opt.step()
+    opt.step()
+    p.data = p.data.view(torch.float16)  # the same memory read as float16
+    with pytest.raises(TypeError, match="is now torch.float16, but its extra bits extend torch.bfloat16"):
+        opt.step()
+    p.data = p.data.view(torch.bfloat16)
+    opt.step()
+    opt.state[p]["exp_avg"].data = torch.zeros(3)  # the same tensor object, other memory
+    with pytest.raises(ValueError, match="'exp_avg' .* is a \\(3,\\)"):
+        opt.step()
+    opt.state[p]["exp_avg"].data = torch.zeros(32)
+    opt.step()
+    opt.param_groups[0]["rounding"] = "nearest"
+    with pytest.raises(ValueError, match="changed from 16/'toward_zero' to 16/'nearest'"):
+        opt.step()
     # model.to(device) after the optimizer: checked as for an optimizer on cuda:0 (index 0)
     from lowfp.optim import _check_buffers
     q = bf16_param(32)
