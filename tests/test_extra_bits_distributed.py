@@ -96,12 +96,35 @@ def test_a_ddp_model_is_refused_before_its_hooks_are_cut_off(one_rank_group):
     step_in_backward(plain).remove()
 
 
-def test_a_live_graph_through_a_float32_parameter_is_refused():
+def test_a_graph_kept_alive_is_no_reason_to_refuse_outside_a_process_group():
+    """Without a process group there is no DDP, and a graph that holds the accumulators is
+    harmless: a loss kept from an earlier step (the usual loop variable), or even one not yet
+    backwarded, whose backward then leaves a float32 gradient that the step converts."""
+    assert not dist.is_initialized()
     model = small_model()
-    out = loss_of(model, torch.randn(8, 16))
-    with pytest.raises(ValueError, match="graph not yet backwarded"):
+    x = torch.randn(8, 16)
+    loss_of(model, x).backward()
+    kept = loss_of(model, x)  # not backwarded yet
+    old = loss_of(model, x)
+    old.backward()  # backwarded, still referenced
+    opt = ExtraBitsSGD(model.parameters(), lr=0.1, extra_bits=8)
+    handle = step_in_backward(opt)
+    handle.remove()
+    model.zero_grad()
+    kept.backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    masters = [w.clone() for w in opt.master_weights()]
+    opt.step()
+    assert all(not torch.equal(a, b) for a, b in zip(opt.master_weights(), masters))
+
+
+def test_a_graph_kept_alive_inside_a_process_group_is_named_in_the_refusal(one_rank_group):
+    model = small_model()
+    loss = loss_of(model, torch.randn(8, 16))
+    loss.backward()
+    with pytest.raises(ValueError, match="a loss kept from an earlier step: del it first"):
         ExtraBitsSGD(model.parameters(), extra_bits=8)
-    del out
+    del loss
     with torch.no_grad():  # the check sees autograd's state even when built under no_grad
         ExtraBitsSGD(model.parameters(), extra_bits=8)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())

@@ -118,7 +118,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"all parameters must be on one device: {device} and {p.device}")
             if p.dtype == torch.float32:
                 check_extra_bits(group["param_dtype"], k, rounding, "extra_bits")
-                _refuse_if_wired_into_autograd(
+                _refuse_if_in_ddp(
                     p, f"converting it to {group['param_dtype']} would disconnect that silently (DDP "
                     "would stop averaging its gradients), so build the optimizer before wrapping "
                     "the model in DDP (then model.to(param_dtype) for its buffers, then DDP)")
@@ -472,21 +472,25 @@ def _from_torch_state(state: dict, state_dtype: torch.dtype) -> None:
         state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
 
 
-def _refuse_if_wired_into_autograd(p: torch.Tensor, consequence: str) -> None:
+def _refuse_if_in_ddp(p: torch.Tensor, consequence: str) -> None:
+    """Refuses a parameter that a DistributedDataParallel model may have hooked: DDP hooks its
+    gradient all-reduce on the parameter's AccumulateGrad node, which a dtype change replaces
+    and which runs after per-parameter hooks. DDP needs a process group, so without one nothing
+    is looked at; with one, the node being held by anything else counts (a graph still
+    referenced, such as a loss kept from an earlier step, holds it too: the message says so)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
     if _grad_accumulator_is_held(p):
-        raise ValueError(f"a {p.dtype} parameter of shape {tuple(p.shape)} is already wired into "
-                         "autograd: something holds its gradient accumulator (a "
-                         "DistributedDataParallel model's reducer, or a graph not yet "
-                         f"backwarded); {consequence}")
+        raise ValueError(f"a {p.dtype} parameter of shape {tuple(p.shape)} looks wrapped in "
+                         "DistributedDataParallel: something holds its gradient accumulator (a "
+                         "DDP model's reducer, or a graph still referenced, such as a loss kept "
+                         f"from an earlier step: del it first); {consequence}")
 
 
 def _grad_accumulator_is_held(p: torch.Tensor) -> bool:
-    """Whether something other than this call holds p's AccumulateGrad node: DDP's reducer
-    (which hooks its gradient all-reduce there) or a live graph. Changing p's dtype (the float32
-    conversion) makes autograd drop that node for a new one, so those would never see p's
-    gradients again; and hooks that step inside backward would run before DDP's all-reduce.
-    The node is cached weakly on p: a mark left in its metadata survives a second lookup only
-    if another owner kept the node alive in between."""
+    """Whether something other than this call holds p's AccumulateGrad node (DDP's reducer, a
+    graph). The node is cached weakly on p: a mark left in its metadata survives a second
+    lookup only if another owner kept the node alive in between."""
     if not p.requires_grad:
         return False
     with torch.enable_grad():  # optimizers are often built under no_grad
@@ -1005,8 +1009,8 @@ def step_in_backward(optimizer, *, clip_value: Optional[float] = None, scaler=No
                          "parameter hooks would have stepped; step normally with DDP")
     for group in optimizer.param_groups:  # a DDP model not passed as model=: its reducer shows
         for p in group["params"]:
-            _refuse_if_wired_into_autograd(p, "the per-parameter hooks would step before DDP's "
-                                              "all-reduce of the gradients; step normally with DDP")
+            _refuse_if_in_ddp(p, "the per-parameter hooks would step before DDP's "
+                                  "all-reduce of the gradients; step normally with DDP")
     if clip_value is not None and (isinstance(clip_value, bool) or not isinstance(clip_value, (int, float))
                                    or not clip_value > 0):
         raise ValueError(f"clip_value must be a positive number, got {clip_value!r}")
