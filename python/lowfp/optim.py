@@ -85,8 +85,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             if p.dtype == torch.float32:  # its cut-off bits become its initial extra bits
                 order = memory_order(p)  # packed in memory order; p keeps its layout
                 w16, packed = split(p.detach() if order is None else p.detach().permute(order),
-                                    group["param_dtype"], k, rounding,
-                                    generator=self._generator if rounding == "stochastic" else None)
+                                    group["param_dtype"], k, rounding, generator=self._generator)
                 p.data = w16 if order is None else w16.permute(inverse_order(order))
                 p.grad = None
                 self.state[p].update(extra=packed, extra_bits=k, rounding=rounding,
