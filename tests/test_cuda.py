@@ -533,16 +533,18 @@ def test_torch_grad_scaler_refuses_bfloat16_gradients_on_gpu_for_torch_optimizer
         assert torch.equal(p.detach(), before)
 
 
-def test_dynamic_loss_scaler_steps_bfloat16_extra_bits_on_gpu_as_on_cpu():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dynamic_loss_scaler_steps_extra_bits_on_gpu_as_on_cpu(dtype):
     """lowfp.DynamicLossScaler takes bfloat16 gradients on a GPU (where torch's GradScaler does
-    not): the same steps and skips as on the CPU."""
+    not): the same steps and skips as on the CPU (which checks each gradient with lowfp's
+    kernel, the GPU with multi-tensor calls)."""
     from lowfp import optim
     torch.manual_seed(0)
     w = torch.randn(300, 7)
     runs = []
     for device in ("cpu", "cuda"):
         p = torch.nn.Parameter(w.to(device))
-        opt = optim.ExtraBitsSGD([p], lr=0.05, momentum=0.9, extra_bits=8)
+        opt = optim.ExtraBitsSGD([p], lr=0.05, momentum=0.9, extra_bits=8, param_dtype=dtype)
         scaler = lowfp.DynamicLossScaler(device, init_scale=2.0 ** 10, growth_interval=2)
         torch.manual_seed(1)
         for step in range(6):
@@ -550,12 +552,44 @@ def test_dynamic_loss_scaler_steps_bfloat16_extra_bits_on_gpu_as_on_cpu():
             g = torch.randn(300, 7)
             if step in (1, 4):
                 g[3, 2] = float("nan")
-            p.grad = (g * scaler.get_scale()).to(device=device, dtype=torch.bfloat16)
+            p.grad = (g * scaler.get_scale()).to(device=device, dtype=dtype)
             scaler.step(opt)
             scaler.update()
         runs.append((scaler.get_scale(), opt.master_weights()[0].cpu()))
     assert runs[0][0] == runs[1][0]
     assert torch.equal(runs[0][1], runs[1][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_multi_tensor_unscale_on_gpu_finds_each_non_finite_value_without_waiting(dtype):
+    """DynamicLossScaler's GPU unscale (multi-tensor multiply and infinity norm): the CPU's
+    gradients and flag for NaN, +-inf or an overflow by the unscale at any place of any of many
+    gradients (some past the first multi-tensor chunk), and unscale_ does not wait."""
+    from lowfp.scaler import _unscale_multi_tensor, _unscale_one_by_one
+    gen = torch.Generator().manual_seed(3)
+    sizes = [0, 1, 5, 70000, 33, 2 ** 20 + 3] + [17] * 200
+    for case in range(12):
+        grads = [(torch.randn(n, generator=gen) * 50).to(dtype) for n in sizes]
+        inv = 0.25
+        if case:
+            i = int(torch.randint(1, len(sizes), (1,), generator=gen))
+            j = int(torch.randint(0, sizes[i], (1,), generator=gen))
+            bad = (float("nan"), float("inf"), -float("inf"), torch.finfo(dtype).max)[case % 4]
+            grads[i][j] = bad
+            if case % 4 == 3:
+                inv = 4.0  # the finite largest value overflows once unscaled
+        gpu = [g.cuda() for g in grads]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            found_gpu = _unscale_multi_tensor(gpu, inv)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        found_cpu = _unscale_one_by_one(grads, inv)
+        assert bool(found_gpu) == bool(found_cpu) == (case != 0), case
+        for g, h in zip(grads, gpu):
+            # (a GPU's NaN has no payload to keep: NaN equals NaN here, all else exactly)
+            assert torch.allclose(g.double(), h.cpu().double(), rtol=0, atol=0, equal_nan=True)
 
 
 def test_emulated_training_on_cuda():

@@ -218,3 +218,51 @@ def test_any_non_finite_of_integer_bool_and_complex_tensors():
         assert bool(any_non_finite(t)) == expected == (not bool(torch.isfinite(t).all()))
         out = torch.tensor(not expected)
         assert any_non_finite(t, out=out) is out and bool(out) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_both_unscale_paths_equal_a_multiply_then_isfinite(dtype):
+    """DynamicLossScaler unscales with lowfp's check per gradient on the CPU and with torch's
+    multi-tensor multiply and infinity norm elsewhere (one launch for many gradients on a
+    GPU). Both, run here on the CPU, equal g * inv in g's dtype and isfinite after it: NaN,
+    +-inf, a finite value that the unscale takes to infinity (inv > 1), empty and strided
+    gradients, one bad element in many tensors."""
+    from lowfp.scaler import _unscale_multi_tensor, _unscale_one_by_one
+    gen = torch.Generator().manual_seed(5)
+    big = torch.finfo(dtype).max
+    for case in range(40):
+        sizes = [int(s) for s in torch.randint(0, 300, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen)]
+        grads = [torch.randn(n, generator=gen, dtype=torch.float64).to(dtype) * 100 for n in sizes]
+        grads.append(torch.randn(6, 4, generator=gen).to(dtype).t())  # strided
+        bad = case % 5
+        if bad and sizes[0] > 0:
+            grads[0][int(torch.randint(0, sizes[0], (1,), generator=gen))] = (
+                float("nan"), float("inf"), -float("inf"), big)[bad - 1]
+        inv = 2.0 if bad == 4 else 2.0 ** -int(torch.randint(0, 20, (1,), generator=gen))
+        expect = [g.double() * inv for g in grads]  # exact in float64, then rounded to dtype
+        expect = [e.to(dtype) for e in expect]
+        expect_found = not all(bool(torch.isfinite(e).all()) for e in expect)
+        for path in (_unscale_one_by_one, _unscale_multi_tensor):
+            gs = [g.clone() for g in grads]
+            found = path(gs, inv)
+            assert found.dtype is torch.bool and found.shape == ()
+            assert bool(found) == expect_found, (case, path.__name__)
+            for g, e in zip(gs, expect):
+                assert torch.equal(g, e) or torch.allclose(g, e, equal_nan=True, rtol=0, atol=0)
+        assert expect_found == (bad != 0 and sizes[0] > 0)
+
+
+def test_multi_tensor_unscale_of_several_dtypes_and_empty_gradients():
+    """One flag for gradients of several dtypes (checked in a multi-tensor call each), found in
+    any of them; only empty gradients: finite."""
+    from lowfp.scaler import _unscale_multi_tensor
+    for bad_dtype in (None, torch.float32, torch.bfloat16, torch.float16):
+        grads = [torch.full((7,), 3.0, dtype=d) for d in (torch.float32, torch.bfloat16, torch.float16)]
+        grads.append(torch.empty(0))
+        for g in grads:
+            if g.dtype is bad_dtype and g.numel():
+                g[2] = float("nan")
+        found = _unscale_multi_tensor(grads, 0.5)
+        assert bool(found) == (bad_dtype is not None)
+        assert all(float(g[0]) == 1.5 for g in grads if g.numel())
+    assert not bool(_unscale_multi_tensor([torch.empty(0), torch.empty(0, 3)], 0.5))

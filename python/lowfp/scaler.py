@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -71,6 +71,57 @@ def _any_non_finite_by_torch(t: torch.Tensor, out: Optional[torch.Tensor] = None
         return torch.ne(low * 0, high * 0)
     torch.ne(low * 0, high * 0, out=out.view(()))  # a 0-d view: ne's result shape, no resize
     return out
+
+
+def _unscale_and_find_non_finite(grads: List[torch.Tensor], inv: float) -> torch.Tensor:
+    """Multiply each gradient by inv in place, in its own dtype, then say (a bool tensor, not
+    waited for) whether any is not finite: on the CPU one lowfp kernel call per gradient;
+    elsewhere, where each call is a launch, torch's multi-tensor calls for all of them."""
+    if not grads:
+        return torch.zeros((), dtype=torch.bool)
+    cpu = [g for g in grads if g.is_cpu]
+    others = [g for g in grads if not g.is_cpu]
+    non_finite = ([_unscale_one_by_one(cpu, inv)] if cpu else []) + (
+        [_unscale_multi_tensor(others, inv)] if others else [])
+    if len(non_finite) == 1:
+        return non_finite[0]
+    return torch.stack([f.cpu() for f in non_finite]).any()
+
+
+def _unscale_one_by_one(grads: List[torch.Tensor], inv: float) -> torch.Tensor:
+    """_unscale_and_find_non_finite by a multiply and lowfp's check per gradient (one pass each
+    over a dense CPU gradient)."""
+    non_finite = []
+    for g in grads:
+        g.mul_(inv)
+        non_finite.append(any_non_finite(g))
+    return torch.stack(non_finite).any()
+
+
+def _unscale_multi_tensor(grads: List[torch.Tensor], inv: float) -> torch.Tensor:
+    """_unscale_and_find_non_finite (for the gradients not on the CPU) by torch's multi-tensor
+    calls for each (device, dtype): a multiply, then the infinity norm (the largest magnitude,
+    NaN or infinite exactly when some element is; unlike a sum of squares it cannot overflow).
+    GradScaler's own check, _amp_foreach_non_finite_check_and_unscale_, has no bfloat16 CUDA
+    kernel and looks at the values before they are unscaled."""
+    by_device_and_dtype: Dict[tuple, List[torch.Tensor]] = {}
+    for g in grads:
+        by_device_and_dtype.setdefault((g.device, g.dtype), []).append(g)
+    non_finite = []
+    for same in by_device_and_dtype.values():
+        torch._foreach_mul_(same, inv)
+        nonempty = [g for g in same if g.numel()]  # torch: no infinity norm of nothing
+        if not nonempty:
+            continue
+        largest = torch.stack(torch._foreach_norm(nonempty, float("inf")))
+        non_finite.append(~torch.isfinite(largest).all())
+    if len(non_finite) == 1:
+        return non_finite[0]
+    if not non_finite:
+        return torch.zeros((), dtype=torch.bool, device=grads[0].device)
+    if len({f.device for f in non_finite}) == 1:
+        return torch.stack(non_finite).any()
+    return torch.stack([f.cpu() for f in non_finite]).any()  # several devices: waits
 
 
 class DynamicLossScaler:
@@ -180,18 +231,12 @@ class DynamicLossScaler:
         if state["stage"] == _STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         inv = 1.0 / self._scale
-        non_finite = []
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+                 if p.grad is not None]
+        if any(g.is_sparse for g in grads):
+            raise ValueError("DynamicLossScaler does not support sparse gradients")
         with torch.no_grad():
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    g = p.grad
-                    if g is None:
-                        continue
-                    if g.is_sparse:
-                        raise ValueError("DynamicLossScaler does not support sparse gradients")
-                    g.mul_(inv)
-                    non_finite.append(any_non_finite(g))
-        found = torch.stack(non_finite).any() if non_finite else torch.zeros((), dtype=torch.bool)
+            found = _unscale_and_find_non_finite(grads, inv)
         if self.emulator is not None:
             found = found.to(self.emulator.counts.device) | (self.emulator.backward_overflows() > 0)
         state["found_inf"] = found
