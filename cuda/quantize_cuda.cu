@@ -1,6 +1,8 @@
 // The quantize kernel: the shared element math of cpp/include/lowfp/ in a grid-stride loop over
 // groups of four elements (vector loads and stores; one Philox block per group when rounding
 // stochastically). Counts are reduced per warp and added to the device buffer with atomics.
+#include <type_traits>
+
 #include "common.cuh"
 #include "dispatch.hpp"
 #include "lowfp/philox.hpp"
@@ -35,7 +37,49 @@ quantize_kernel(const In* x, Out* y, int64_t n, RoundParams<Bits> p, uint64_t se
   if constexpr (kCount) finish_counts(tc, counts, n);
 }
 
+// any_non_finite in one launch: each block ORs its elements' flags, ORs the result into
+// scratch[0] and takes a ticket from scratch[1]; the last block to finish (which, after the
+// fence, sees every other block's OR) writes the answer and the counts and puts both scratch
+// words back to zero for the next call on the stream.
+template <class U>
+__global__ void any_non_finite_kernel(const U* x, int64_t n, U exponent, bool* out,
+                                      long long* counts, int64_t n_counts, unsigned* scratch) {
+  U any = 0;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    any |= U(non_finite_bits(x[i], exponent));
+  const int block_any = __syncthreads_or(any != 0);
+  if (threadIdx.x != 0) return;
+  if (block_any) atomicOr(scratch, 1u);
+  __threadfence();
+  if (atomicAdd(scratch + 1, 1u) != gridDim.x - 1) return;
+  const unsigned found = atomicExch(scratch, 0u);
+  atomicExch(scratch + 1, 0u);
+  *out = found != 0;
+  for (int64_t i = 0; i < n_counts; ++i) counts[i] += found;
+}
+
 }  // namespace
+
+void any_non_finite_cuda(DType t, const void* x, int64_t n, bool* out, int64_t* counts,
+                         int64_t n_counts, uint32_t* scratch, int device, uintptr_t stream_handle) {
+  const DeviceGuard guard(device);
+  const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const int blocks = n == 0 ? 1 : grid_size(device, n);
+  auto launch = [&](auto* bits) {
+    using U = std::remove_const_t<std::remove_pointer_t<decltype(bits)>>;
+    any_non_finite_kernel<U><<<blocks, kThreads, 0, stream>>>(
+        static_cast<const U*>(x), n, U(exponent_mask(t)), out,
+        reinterpret_cast<long long*>(counts), n_counts, scratch);
+  };
+  switch (t) {
+    case DType::Float16:
+    case DType::BFloat16: launch(static_cast<const uint16_t*>(nullptr)); break;
+    case DType::Float32: launch(static_cast<const uint32_t*>(nullptr)); break;
+    default: launch(static_cast<const uint64_t*>(nullptr)); break;
+  }
+  check(cudaGetLastError(), "kernel launch");
+}
 
 void quantize_cuda(const QuantizeCall& c, int64_t* counts, int device, uintptr_t stream_handle) {
   if (c.n == 0) return;

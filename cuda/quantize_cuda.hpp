@@ -15,4 +15,11 @@ void quantize_cuda(const QuantizeCall& call, int64_t* counts, int device, uintpt
 void s2fp8_cuda(const S2fp8Call& call, int64_t* sums, double* params, int64_t* counts, int device,
                 uintptr_t stream);
 
+// Writes whether any of the n elements of a float16/bfloat16/float32/float64 buffer (DType t)
+// is inf or NaN to the bool at out and adds it (0 or 1) to each of the n_counts int64 at counts
+// (all device memory), in one launch on `stream`. scratch: two uint32 on the device, zero
+// before the call and left zero after it; calls that share them must share the stream.
+void any_non_finite_cuda(DType t, const void* x, int64_t n, bool* out, int64_t* counts,
+                         int64_t n_counts, uint32_t* scratch, int device, uintptr_t stream);
+
 }  // namespace lowfp

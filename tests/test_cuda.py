@@ -623,25 +623,41 @@ def test_emulated_training_on_cuda():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_any_non_finite_on_gpu(dtype):
-    """The GPU's path (aminmax, then min * 0 != max * 0) against isfinite, with count_into and
-    out= (one element of a larger buffer, as step inside backward passes it)."""
+    """The GPU's paths against isfinite, with count_into and out= (one element of a larger
+    buffer, as step inside backward passes it): lowfp's one-launch kernel for dense tensors
+    (its last block resets its scratch: found and clean calls alternate here; a transposed
+    tensor; one past a grid's worth of threads), torch's aminmax path for a strided one.
+    Neither waits for the device."""
     from lowfp.scaler import any_non_finite
     big = torch.finfo(dtype).max
     cases = [torch.zeros(0, dtype=dtype), torch.tensor([big, -big], dtype=dtype),
-             torch.randn(64, 48).to(dtype)[:, ::3]]
+             torch.randn(64, 48).to(dtype)[:, ::3], torch.randn(48, 64).to(dtype).t()]
     for special in (float("nan"), float("inf"), -float("inf")):
         for where in (0, 100_001, 200_002):
             t = torch.randn(200_003).to(dtype)
             t[where] = special
             cases.append(t)
+            cases.append(torch.randn(3, 5).to(dtype))
+        t = torch.randn(96, 64).to(dtype)
+        t[95, 0] = special
+        cases.append(t.t())  # dense, transposed: its last element in memory
+        t = torch.randn(3_000_017).to(dtype)
+        t[-1] = special
+        cases.append(t)
     counts = torch.zeros(2, dtype=torch.int64, device="cuda")
     flags = torch.zeros(3, dtype=torch.bool, device="cuda")
     expected = 0
     for t in cases:
         want = not bool(torch.isfinite(t).all())
         g = t.cuda()
-        found = any_non_finite(g, counts, out=flags[1])
-        assert found.device.type == "cuda" and bool(found) == want
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            found = any_non_finite(g, counts, out=flags[1])
+            alone = any_non_finite(g)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert found.device.type == "cuda" and bool(found) == want == bool(alone)
         assert flags.tolist() == [False, want, False]
         expected += int(want)
         assert counts.tolist() == [expected, expected]

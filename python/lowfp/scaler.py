@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -46,15 +46,36 @@ def _any_non_finite_into(t: torch.Tensor, out: Optional[torch.Tensor],
                          count_into: Optional[torch.Tensor]) -> torch.Tensor:
     """any_non_finite without checking ``out`` and ``count_into``, for callers that made them
     (the hooks of step inside backward, one call per parameter)."""
-    if t.is_cpu and t.dtype in _DTYPE_CODES and backends.is_dense(t):  # each element alike
-        found = torch.empty((), dtype=torch.bool) if out is None else out
+    if t.dtype in _DTYPE_CODES and backends.is_dense(t) and (t.is_cpu or (
+            t.is_cuda and backends.cuda_built())):  # each element alike: read in memory order
+        found = torch.empty((), dtype=torch.bool, device=t.device) if out is None else out
         counts = (0, 0) if count_into is None else (count_into.data_ptr(), count_into.numel())
-        _C.any_non_finite(t.data_ptr(), _DTYPE_CODES[t.dtype], t.numel(), found.data_ptr(), *counts)
+        if t.is_cpu:
+            _C.any_non_finite(t.data_ptr(), _DTYPE_CODES[t.dtype], t.numel(), found.data_ptr(),
+                              *counts)
+        else:  # one launch, where the torch path takes four
+            module, device, stream = backends.native(t, "t")
+            module.any_non_finite(t.data_ptr(), _DTYPE_CODES[t.dtype], t.numel(),
+                                  found.data_ptr(), *counts, _zeroed_scratch(device, stream),
+                                  device, stream)
         return found
     found = _any_non_finite_by_torch(t, out)
     if count_into is not None:
         count_into.add_(found.reshape(()))
     return found
+
+
+_SCRATCH: Dict[Tuple[int, int], torch.Tensor] = {}
+
+
+def _zeroed_scratch(device: int, stream: int) -> int:
+    """The address of two int32 on CUDA device `device`, zero, that the CUDA any_non_finite
+    leaves zero: one pair per stream, as calls on one stream run one after another."""
+    scratch = _SCRATCH.get((device, stream))
+    if scratch is None:
+        scratch = _SCRATCH[(device, stream)] = torch.zeros(2, dtype=torch.int32,
+                                                           device=torch.device("cuda", device))
+    return scratch.data_ptr()
 
 
 def _any_non_finite_by_torch(t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
