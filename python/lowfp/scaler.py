@@ -19,9 +19,10 @@ def any_non_finite(t: torch.Tensor, count_into: Optional[torch.Tensor] = None, *
     """Whether t holds a NaN or an infinity, as a bool tensor on t's device (never waited for);
     ``count_into``, a contiguous int64 tensor on that device, gets it (0 or 1) added to each
     element; ``out``, one bool on that device, receives it and is returned. ``isfinite(t).all()``
-    first writes a bool per element. A contiguous floating CPU tensor is read once by lowfp's
-    kernel (exponent bits all ones), check and count in one call where torch takes several;
-    elsewhere :func:`_any_non_finite_by_torch`."""
+    first writes a bool per element. A dense float16/bfloat16/float32/float64 tensor on the CPU
+    or a CUDA device is read once by lowfp's kernel (exponent bits all ones), check and count in
+    one call (one launch on a GPU) where torch takes several; any other tensor by
+    :func:`_any_non_finite_by_torch`."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
     # Device index and is_cpu: comparing torch.device objects costs several times more a call.
