@@ -103,21 +103,24 @@ def _unscale_and_find_non_finite(grads: List[torch.Tensor], inv: float) -> torch
         return torch.zeros((), dtype=torch.bool)
     cpu = [g for g in grads if g.is_cpu]
     others = [g for g in grads if not g.is_cpu]
-    non_finite = ([_unscale_one_by_one(cpu, inv)] if cpu else []) + (
-        [_unscale_multi_tensor(others, inv)] if others else [])
-    if len(non_finite) == 1:
-        return non_finite[0]
-    return torch.stack([f.cpu() for f in non_finite]).any()
+    return _any_of(([_unscale_one_by_one(cpu, inv)] if cpu else []) +
+                   ([_unscale_multi_tensor(others, inv)] if others else []))
+
+
+def _any_of(flags: List[torch.Tensor]) -> torch.Tensor:
+    """One bool that is true when any of the 0-d bools `flags` (at least one) is: on their
+    device when they share one (not waited for), else on the CPU (which waits)."""
+    if len(flags) == 1:
+        return flags[0]
+    if len({f.device for f in flags}) == 1:
+        return torch.stack(flags).any()
+    return torch.stack([f.cpu() for f in flags]).any()
 
 
 def _unscale_one_by_one(grads: List[torch.Tensor], inv: float) -> torch.Tensor:
     """_unscale_and_find_non_finite by a multiply and lowfp's check per gradient (one pass each
     over a dense CPU gradient)."""
-    non_finite = []
-    for g in grads:
-        g.mul_(inv)
-        non_finite.append(any_non_finite(g))
-    return torch.stack(non_finite).any()
+    return _any_of([any_non_finite(g.mul_(inv)) for g in grads])  # checked while in cache
 
 
 def _unscale_multi_tensor(grads: List[torch.Tensor], inv: float) -> torch.Tensor:
@@ -137,13 +140,9 @@ def _unscale_multi_tensor(grads: List[torch.Tensor], inv: float) -> torch.Tensor
             continue
         largest = torch.stack(torch._foreach_norm(nonempty, float("inf")))
         non_finite.append(~torch.isfinite(largest).all())
-    if len(non_finite) == 1:
-        return non_finite[0]
-    if not non_finite:
+    if not non_finite:  # every gradient empty
         return torch.zeros((), dtype=torch.bool, device=grads[0].device)
-    if len({f.device for f in non_finite}) == 1:
-        return torch.stack(non_finite).any()
-    return torch.stack([f.cpu() for f in non_finite]).any()  # several devices: waits
+    return _any_of(non_finite)
 
 
 class DynamicLossScaler:
