@@ -44,7 +44,8 @@ class Spec(NamedTuple):
         return self.emin - (self.m if self.subnormals else 0)
 
     def fits(self, mant_bits, max_exp, smallest_exp):
-        return self.m <= mant_bits and self.emax <= max_exp and self.smallest_exp >= smallest_exp
+        """Every value is a carrier value: the grid step 2^(emin - m) too, subnormals or not."""
+        return self.m <= mant_bits and self.emax <= max_exp and self.emin - self.m >= smallest_exp
 
 
 FLOAT32_LIMITS = (23, 127, -149)
@@ -95,6 +96,14 @@ def overflow_result(x: float, spec: Spec, mode: str, policy: str) -> float:
     return mx if to_max else inf
 
 
+def code_is_odd(k: int, qe: int, spec: Spec) -> bool:
+    """Whether the encoding of k * 2^qe (a value of the grid) ends in 1: its mantissa's last bit,
+    or with m = 0, where k is 0 or 1, its exponent code qe + bias (DESIGN §3)."""
+    if spec.m > 0:
+        return k % 2 == 1
+    return k == 1 and (qe + spec.bias) % 2 == 1
+
+
 def round_exact(x: float, spec: Spec, mode: str, policy: str):
     """(result as float, event) with event in {None, 'overflow', 'underflow', 'nan'}.
 
@@ -110,7 +119,7 @@ def round_exact(x: float, spec: Spec, mode: str, policy: str):
     neg = x < 0
     k, rem, unit, qe = split_at_grid(abs(x), spec)
     if mode == "nearest":
-        up = 2 * rem > unit or (2 * rem == unit and k % 2 == 1)
+        up = 2 * rem > unit or (2 * rem == unit and code_is_odd(k, qe, spec))
     elif mode == "nearest_away":
         up = 2 * rem >= unit
     elif mode == "toward_zero":

@@ -1,7 +1,7 @@
 """All 2^32 float32 bit patterns, modes nearest and toward_zero, against a reference that shares
 no code with the engine: the format's values are decoded code by code (reference.positive_values),
 and the float32 patterns that round to each value form one run between two boundaries (midpoints
-for nearest, with a tie going to the neighbour whose significand is even; the values themselves
+for nearest, with a tie going to the neighbour whose encoding is even; the values themselves
 for toward_zero). Patterns are checked in chunks against np.repeat of that table."""
 
 import math
@@ -21,6 +21,7 @@ CASES = {
     "float8_e4m3fn": Spec(4, 3, 0, "fn"),
     "float8_e5m2": Spec(5, 2, 0, "ieee"),
     "bfloat16": Spec(8, 7, 0, "ieee"),
+    "fp(5,0,3)": Spec(5, 0, 3, "none"),  # m = 0: ties go by the exponent code's parity
 }
 
 
@@ -36,12 +37,12 @@ def reference_runs(spec: Spec, mode: str, policy: str):
     step_top = vals[-1] - vals[-2] if spec.m == 0 else 2 ** (spec.emax - spec.m)
     extended = vals + [vals[-1] + step_top]  # V continues above max
     starts, results = [0], [0]
-    for lo, hi in zip(extended[:-1], extended[1:]):
+    for code, (lo, hi) in enumerate(zip(extended[:-1], extended[1:])):
         if mode == "toward_zero":
             start = f32_bits(float(hi))
         else:
             q = hi - lo
-            lower_is_even = (lo / q).numerator % 2 == 0
+            lower_is_even = code % 2 == 0  # positive codes count up with the values
             start = f32_bits(float(lo + q / 2)) + (1 if lower_is_even else 0)
         starts.append(min(start, INF_BITS))
         results.append(f32_bits(float(hi)))

@@ -84,7 +84,7 @@ def test_carrier_fit_errors_name_the_limit():
     assert fp(8, 7, 0).fit_error(torch.float32).endswith("float32 allows at most 127")
     assert fp(8, 7, 0, specials="ieee").fits(torch.float32)  # bfloat16
     assert "mantissa bits" in fp(5, 30, 0).fit_error(torch.float32)
-    assert "smallest value 2^-150" in fp(8, 20, 4, specials="ieee").fit_error(torch.float32)
+    assert "finest grid step 2^-150" in fp(8, 20, 4, specials="ieee").fit_error(torch.float32)
     assert fp(8, 20, 4, specials="ieee").fits(torch.float64)
 
 

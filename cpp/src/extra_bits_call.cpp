@@ -19,7 +19,8 @@ bool same_round_params(const RoundParams<uint32_t>& a, const RoundParams<uint32_
          a.below_step == b.below_step && a.max_bits == b.max_bits &&
          a.overflow_pos == b.overflow_pos && a.overflow_neg == b.overflow_neg &&
          a.inf_stays_inf == b.inf_stays_inf && a.no_negative_zero == b.no_negative_zero &&
-         a.ties_away == b.ties_away && a.away_pos == b.away_pos && a.away_neg == b.away_neg &&
+         a.ties_away == b.ties_away && a.parity_bias == b.parity_bias &&
+         a.parity_mask == b.parity_mask && a.away_pos == b.away_pos && a.away_neg == b.away_neg &&
          a.sr_shift == b.sr_shift && a.subnormal_exponent == b.subnormal_exponent &&
          a.fixed_drop == b.fixed_drop;
 }

@@ -81,9 +81,13 @@ inline std::string fit_error(const FormatSpec& f, DType t) {
   if (max_exponent(f) > lim.max_exp)
     return fmt + " has largest exponent emax=" + std::to_string(max_exponent(f)) + "; " + lim.name +
            " allows at most " + std::to_string(lim.max_exp);
-  if (smallest_exponent(f) < lim.smallest_exp)
-    return fmt + " has smallest value 2^" + std::to_string(smallest_exponent(f)) + "; " + lim.name +
-           " reaches down to 2^" + std::to_string(lim.smallest_exp);
+  // The finest grid step, 2^(emin - m), must be a value of t: with subnormals it is the smallest
+  // subnormal; without, the normals just above 2^emin are still that far apart.
+  const int32_t finest = min_exponent(f) - f.m;
+  if (finest < lim.smallest_exp)
+    return fmt + " has finest grid step 2^" + std::to_string(finest) + " (2^(emin-m) with emin=" +
+           std::to_string(min_exponent(f)) + "); " + lim.name + " reaches down to 2^" +
+           std::to_string(lim.smallest_exp);
   return std::string();
 }
 
@@ -131,6 +135,11 @@ struct RoundParams {
   bool inf_stays_inf;     // policy "inf": infinite inputs stay infinite whatever the mode
   bool no_negative_zero;  // "fnuz": zero is +0
   bool ties_away;         // nearest_away
+  // Which neighbour a nearest tie keeps: the one whose encoding is even. With m > 0 that is the
+  // kept significand's last bit (parity_mask all ones); with m = 0 there is none and it is the
+  // exponent code's, E + B (parity_mask 0, parity_bias B): trunc & ((E + parity_bias) | parity_mask).
+  int32_t parity_bias;
+  Bits parity_mask;
   bool away_pos, away_neg;  // directed modes: which signs round their magnitude up
   uint32_t sr_shift;      // 32 - sr_bits: the random word keeps its top sr_bits bits
   bool subnormal_exponent;  // carrier subnormals need their true exponent (see round_bits)
@@ -166,6 +175,8 @@ RoundParams<Bits> make_round_params(const FormatSpec& f, Overflow overflow, Roun
   p.inf_stays_inf = overflow == Overflow::Inf;
   p.no_negative_zero = f.specials == Specials::FNUZ;
   p.ties_away = mode == Rounding::NearestAway;
+  p.parity_bias = f.m == 0 ? exponent_bias(f) : 0;
+  p.parity_mask = f.m == 0 ? Bits(0) : ~Bits(0);
   p.away_pos = mode == Rounding::Up;
   p.away_neg = mode == Rounding::Down;
   p.sr_shift = uint32_t(32 - sr_bits);

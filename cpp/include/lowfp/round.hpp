@@ -79,10 +79,13 @@ LOWFP_HD Bits round_bits(Bits x, const RoundParams<Bits>& p, uint32_t rand, Roun
   // up is 0 or 1 in the carrier's integer width (bools in the data flow defeat gcc's vectoriser).
   Bits up;
   if constexpr (Kind == RoundKind::Nearest) {
-    // 2 rem > unit, or a tie with an odd kept part (or ties away). 2 rem is even and unit a
-    // power of two, so adding the 0/1 tie flag can only turn an exact tie into "greater".
+    // 2 rem > unit, or a tie whose lower neighbour's encoding is odd (or ties away). 2 rem is
+    // even and unit a power of two, so adding the 0/1 tie flag can only turn an exact tie into
+    // "greater". With m = 0 the lower neighbour is 0 (trunc = 0, even) or 2^e_true, whose
+    // exponent code is e_true + B; e_true is that neighbour's exponent whenever trunc != 0.
     const Bits twice_rem = rem << 1;  // sig < 2^(MB+1): no overflow
-    const Bits tie_up = (trunc | Bits(p.ties_away)) & 1;
+    const Bits odd = trunc & (Bits(e_true + SInt(p.parity_bias)) | p.parity_mask);
+    const Bits tie_up = (odd | Bits(p.ties_away)) & 1;
     up = Bits(twice_rem + tie_up > unit);
   } else if constexpr (Kind == RoundKind::Directed) {
     up = Bits(rem != 0) & select(sign != 0, Bits(p.away_neg), Bits(p.away_pos));
@@ -160,6 +163,8 @@ LOWFP_HD constexpr RoundParams<uint32_t> float16_round_params() {
   p.inf_stays_inf = true;
   p.no_negative_zero = false;
   p.ties_away = false;
+  p.parity_bias = 0;
+  p.parity_mask = ~0u;
   p.away_pos = p.away_neg = false;
   p.sr_shift = 0;
   p.subnormal_exponent = false;
