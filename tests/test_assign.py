@@ -80,13 +80,44 @@ def test_op_and_op_io_by_definition():
     assert [tr.ops[i].key for i in tr.gemms] == ["0:linear", "2:linear", "4:linear"]
     op_lo = {"v:1:relu", "theta:2.weight", "theta:2.bias", "dv:2:linear"}
     assert A.op(tr).lo == op_lo
-    assert A.op_io(tr).lo == op_lo | {"v:2:linear", "dv:1:relu", "dtheta:2.weight", "dtheta:2.bias"}
+    io_lo = op_lo | {"v:2:linear", "dv:1:relu"}  # dtheta_2 stays hi, as in every strategy
+    assert A.op_io(tr).lo == io_lo
+    assert A.op_io(tr, A.Candidates(weight_grads_lo=True)).lo == \
+        io_lo | {"dtheta:2.weight", "dtheta:2.bias"}
     # lo tensors get the lo candidate of their direction, everything else hi
     a = A.op_io(tr)
     for n, f in a.formats.items():
         want = (lowfp.fp(4, 3, 4) if A.role_of(n) in ("v", "theta") else lowfp.fp(5, 2, 0)) \
             if n in a.lo else lowfp.fp(6, 9, 0)
         assert f == want, n
+
+
+def test_weight_gradients_stay_hi_in_every_strategy_unless_asked():
+    """A model whose weight gradients dominate TS (wide layers, batch 2): no strategy demotes a
+    dtheta by default, so op_io's ratio cannot pass uniform's; weight_grads_lo=True demotes them
+    in every strategy that demotes their theta."""
+    torch.manual_seed(0)
+    model = mlp(256, 256, 256, 256, 8)
+    tr = A.trace(model, torch.randn(2, 256), F.cross_entropy, torch.randint(0, 8, (2,)))
+    dtheta = sum(t.numel for t in tr.tensors.values() if t.role == "dtheta")
+    assert dtheta > 0.4 * tr.total_numel
+    strategies = [A.uniform, A.op, A.op_io] + [lambda t, c=None, r=r: A.ours(t, r, candidates=c)
+                                               for r in (0.2, 0.4, 0.5, 0.7)]
+    wide = A.Candidates(weight_grads_lo=True)
+    for i, strategy in enumerate(strategies):
+        a = strategy(tr)
+        assert not any(A.role_of(n) == "dtheta" for n in a.lo), a.name
+        assert all(a[n] == lowfp.fp(6, 9, 0) for n in tr.names("dtheta")), a.name
+        assert a.ratio_lo <= A.uniform(tr).ratio_lo + 1e-12, a.name
+        w = strategy(tr, wide)
+        if i < 3:  # (ours demotes other groups once dtheta counts in their sizes)
+            assert a.lo <= w.lo and w.lo - a.lo <= set(tr.names("dtheta")), a.name
+        for n in w.lo:  # with weight_grads_lo a dtheta is lo only with its theta
+            if A.role_of(n) == "dtheta":
+                assert "theta:" + n.split(":", 1)[1] in w.lo, (w.name, n)
+        assert any(A.role_of(n) == "dtheta" for n in w.lo) == (strategy is not A.op), w.name
+    assert A.op_io(tr, wide).ratio_lo > A.op_io(tr).ratio_lo
+    assert A.uniform(tr, wide).ratio_lo == 1.0
 
 
 def test_functional_graph_residual_cat_matmul():
@@ -222,3 +253,111 @@ def test_errors():
         lowfp.emulate(mlp(8, 5, 4), A.uniform(tr))
     assert A.make(tr, "ours", r=0.5).formats == A.ours(tr, 0.5).formats
     assert math.isclose(A.make(tr, "uniform").ratio_lo, A.uniform(tr).ratio_lo)
+
+
+# -- partitioning calls (docs/design.md §6) -------------------------------------------------------
+class _ShuffleV2Unit(nn.Module):
+    """ShuffleNet-v2's basic unit: half the channels bypass the three convolutions to the
+    concatenation. ``split`` picks chunk, split, tensor_split, narrow, or explicit slices
+    multiplied by 1.0 (an operator of one output each)."""
+
+    def __init__(self, c, split):
+        super().__init__()
+        h = c // 2
+        self.split = split
+        self.conv1, self.bn1 = nn.Conv2d(h, h, 1, bias=False), nn.BatchNorm2d(h)
+        self.conv2, self.bn2 = nn.Conv2d(h, h, 3, padding=1, groups=h, bias=False), nn.BatchNorm2d(h)
+        self.conv3, self.bn3 = nn.Conv2d(h, h, 1, bias=False), nn.BatchNorm2d(h)
+
+    def forward(self, x):
+        c = x.shape[1] // 2
+        if self.split == "chunk":
+            x1, x2 = x.chunk(2, dim=1)
+        elif self.split == "split":
+            x1, x2 = torch.split(x, [c, c], dim=1)
+        elif self.split == "tensor_split":
+            x1, x2 = x.tensor_split(2, dim=1)
+        elif self.split == "narrow":
+            x1, x2 = x.narrow(1, 0, c), torch.narrow(x, 1, c, c)
+        else:
+            x1, x2 = x[:, :c] * 1.0, x[:, c:] * 1.0
+        out = F.relu(self.bn1(self.conv1(x2)))
+        out = self.bn2(self.conv2(out))
+        out = F.relu(self.bn3(self.conv3(out)))
+        out = torch.cat([x1, out], 1)
+        n, c, h, w = out.shape
+        return out.view(n, 2, c // 2, h, w).transpose(1, 2).reshape(n, c, h, w)  # channel shuffle
+
+
+class _ShuffleNet(nn.Module):
+    def __init__(self, split):
+        super().__init__()
+        self.stem = nn.Conv2d(1, 8, 3, padding=1, bias=False)
+        self.unit = _ShuffleV2Unit(8, split)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc(self.unit(self.stem(x)).mean((2, 3)))
+
+
+def _shufflenet_trace(split):
+    torch.manual_seed(0)
+    return A.trace(_ShuffleNet(split), torch.randn(2, 1, 4, 4), F.cross_entropy, torch.tensor([0, 2]))
+
+
+def test_shufflenet_unit_op_ratio_counted_by_hand():
+    """N=2, 8 channels of 4x4 after the stem; the unit's halves are 2x4x4x4 = 128 elements.
+    op demotes the inputs, weights and output gradients of the three inner convolutions: the
+    split's second half (128, not the whole 256-element stem output), conv1/2/3's weights
+    (16 + 36 + 16), relu's and bn2's outputs (128 each), three output gradients (128 each)."""
+    tr = _shufflenet_trace("chunk")
+    v = 32 + 256 + 2 * 128 + 8 * 128 + 256 + 16 + 6  # input, stem, halves, unit, cat, mean, fc
+    dv = v - 32                                       # the model input has no gradient
+    theta = 72 + 16 + 8 + 36 + 8 + 16 + 8 + 24 + 3    # stem, conv1, bn1, conv2, bn2, conv3, bn3, fc
+    assert tr.total_numel == v + dv + 2 * theta == 4042
+    a = A.op(tr)
+    assert a.lo == {"v:unit:chunk[1]", "theta:unit.conv1.weight", "dv:unit.conv1:conv2d",
+                    "v:unit:relu", "theta:unit.conv2.weight", "dv:unit.conv2:conv2d",
+                    "v:unit.bn2:batch_norm", "theta:unit.conv3.weight", "dv:unit.conv3:conv2d"}
+    assert a.ratio_lo == (6 * 128 + 16 + 36 + 16) / 4042
+    # the bypassing half is an operator output of its own, in the stem's group, and stays hi
+    assert tr.tensors["v:unit:chunk[0]"].numel == 128 and a["v:unit:chunk[0]"] == lowfp.fp(6, 9, 0)
+
+
+@pytest.mark.parametrize("split", ["chunk", "split", "tensor_split", "narrow"])
+def test_partitioning_calls_count_as_explicit_slices(split):
+    """Splitting with a partitioning call or with slices multiplied by 1.0 gives the same tensors
+    of TS, so every strategy gives the same ratio and aggregate."""
+    tr, ref = _shufflenet_trace(split), _shufflenet_trace("slices")
+    assert len(tr.tensors) == len(ref.tensors) and tr.total_numel == ref.total_numel
+    strategies = {"fp32": A.fp32, "all_hi": A.all_hi, "uniform": A.uniform, "op": A.op,
+                  "op_io": A.op_io}
+    strategies.update({f"ours({r})": (lambda t, r=r: A.ours(t, r)) for r in (0.4, 0.5, 0.7)})
+    for name, strategy in strategies.items():
+        a, b = strategy(tr), strategy(ref)
+        assert (a.ratio_lo, a.aggregate_bits) == (b.ratio_lo, b.aggregate_bits), (split, name)
+        assert sorted(tr.tensors[n].numel for n in a.lo) == \
+            sorted(ref.tensors[n].numel for n in b.lo), (split, name)
+
+
+def test_partitioned_parts_are_rounded_on_their_own_in_emulation():
+    """Under emulation each part takes its own format: op_io keeps the bypassing half hi while
+    the half feeding conv1 is lo, and the chunked model trains bit for bit like the sliced one."""
+    torch.manual_seed(0)
+    chunked = _ShuffleNet("chunk")
+    sliced = _ShuffleNet("slices")
+    sliced.load_state_dict(chunked.state_dict())
+    x, y = torch.randn(4, 1, 4, 4), torch.tensor([0, 2, 1, 1])
+    results = []
+    for model in (chunked, sliced):
+        tr = A.trace(model, x, F.cross_entropy, y)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with lowfp.emulate(model, A.op_io(tr)):
+            for _ in range(3):
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+        results.append([p.detach().clone() for p in model.parameters()] + [loss.detach()])
+    for p, q in zip(*results):
+        assert torch.equal(p, q)

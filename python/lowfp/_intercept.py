@@ -8,9 +8,13 @@ a ``torch.nn.functional`` function or a Tensor method — from nn.Modules and fr
 - **pass**: metadata (``size``, ``dtype``, ``requires_grad``), factories (``zeros_like``) and
   anything that returns no floating tensor: not part of the training step's tensors.
 - **view**: calls that move or reinterpret values without changing any (``view``, ``transpose``,
-  ``flatten``, ``__getitem__``, ``chunk``, ``contiguous``, ``clone``, dtype casts, ``repeat``,
-  channel shuffles): their result is the same tensor of TS as their input, so it is not recorded
-  or rounded again.
+  ``flatten``, ``__getitem__``, ``contiguous``, ``clone``, dtype casts, ``repeat``, channel
+  shuffles): their result is the same tensor of TS as their input, so it is not recorded or
+  rounded again.
+- **partition**: ``chunk``, ``split``, ``tensor_split``, ``unbind``, ``narrow`` (and their
+  variants) are operators: each part is a tensor of its own, as in the precision-assignment
+  paper's code, so a part that bypasses a GEMM (ShuffleNet-v2's identity half) keeps its own
+  precision and is counted on its own.
 - **operator**: everything else that takes a tracked tensor (an activation of this step, a model
   input or a parameter) and returns floating tensors. Its floating outputs are new activations v.
 
@@ -33,8 +37,7 @@ PASS, VIEW, OP = 0, 1, 2
 _VIEW_NAMES = frozenset("""
 view view_as reshape reshape_as flatten unflatten squeeze unsqueeze squeeze_ unsqueeze_ transpose
 transpose_ t t_ permute movedim moveaxis swapaxes swapdims expand expand_as broadcast_to contiguous
-__getitem__ chunk split split_with_sizes tensor_split hsplit vsplit dsplit unbind narrow select
-detach detach_ clone to float double half bfloat16 type type_as cpu cuda requires_grad_ repeat tile
+__getitem__ select detach detach_ clone to float double half bfloat16 type type_as cpu cuda requires_grad_ repeat tile
 flip fliplr flipud roll rot90 diagonal unfold as_strided channel_shuffle native_channel_shuffle
 pixel_shuffle pixel_unshuffle index_select gather take masked_select repeat_interleave
 """.split())

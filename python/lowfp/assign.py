@@ -392,7 +392,8 @@ def _check(trace: Trace, candidates: Optional[Candidates]) -> Candidates:
 
 
 def _with_lo(trace: Trace, c: Candidates, lo: Iterable[str], name: str, groups=()) -> Assignment:
-    lo = set(lo)
+    # Weight gradients stay hi in every strategy unless the candidates say otherwise (§6).
+    lo = {n for n in lo if c.weight_grads_lo or trace.tensors[n].role != "dtheta"}
     formats = {n: (c.lo(t.role) if n in lo else c.hi) for n, t in trace.tensors.items()}
     return Assignment(trace, formats, lo, name, c, groups)
 
@@ -412,8 +413,7 @@ def all_hi(trace: Trace, candidates: Optional[Candidates] = None) -> Assignment:
 def uniform(trace: Trace, candidates: Optional[Candidates] = None) -> Assignment:
     """Every tensor lo (weight gradients hi unless ``candidates.weight_grads_lo``)."""
     c = _check(trace, candidates)
-    lo = [n for n, t in trace.tensors.items() if t.role != "dtheta" or c.weight_grads_lo]
-    return _with_lo(trace, c, lo, "uniform")
+    return _with_lo(trace, c, trace.tensors, "uniform")
 
 
 def _op_lo(trace: Trace, io: bool) -> List[str]:
@@ -437,7 +437,8 @@ def op(trace: Trace, candidates: Optional[Candidates] = None) -> Assignment:
 
 
 def op_io(trace: Trace, candidates: Optional[Candidates] = None) -> Assignment:
-    """``op`` plus the GEMMs' outputs and the other gradients: v_{i+1}, dv_i and dtheta_i."""
+    """``op`` plus the GEMMs' outputs and the other gradients: v_{i+1}, dv_i and dtheta_i
+    (dtheta_i only with ``Candidates(weight_grads_lo=True)``, as in every strategy)."""
     c = _check(trace, candidates)
     return _with_lo(trace, c, _op_lo(trace, True), "op_io")
 
