@@ -31,6 +31,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Un
 
 import torch
 
+from ._checks import check_choice
 from ._intercept import ForwardSession
 from .formats import Format, S2FP8, fp, to_precision
 
@@ -454,8 +455,7 @@ def ours(trace: Trace, r: float, order: str = "decreasing", seed: Optional[int] 
     c = _check(trace, candidates)
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
         raise ValueError(f"r must be a number in [0, 1], got {r!r}")
-    if order not in ORDERS:
-        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    check_choice(order, ORDERS, "order")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
     groups = trace.groups(c.weight_grads_lo)
@@ -489,6 +489,5 @@ STRATEGIES = {"fp32": fp32, "all_hi": all_hi, "uniform": uniform, "op": op, "op_
 
 def make(trace: Trace, strategy: str, **kwargs) -> Assignment:
     """An assignment by name: ``make(tr, "op_io")``, ``make(tr, "ours", r=0.5)``."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {tuple(STRATEGIES)}, got {strategy!r}")
+    check_choice(strategy, STRATEGIES, "strategy")
     return STRATEGIES[strategy](trace, **kwargs)

@@ -42,6 +42,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ._checks import check_choice
 from ._intercept import ForwardSession
 from .assign import FORWARD_ROLES, Assignment, grad_name, role_of
 from .quantize import Rounder
@@ -135,10 +136,8 @@ class Emulator(ForwardSession):
             raise TypeError(f"promote must be a bool, got {promote!r}")
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
             raise ValueError(f"threshold must be a number in [0, 1], got {threshold!r}")
-        if backward_overflow not in _OVERFLOW:
-            raise ValueError(f"backward_overflow must be one of {_OVERFLOW}, got {backward_overflow!r}")
-        if rounding not in ("nearest", "stochastic"):
-            raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+        check_choice(backward_overflow, _OVERFLOW, "backward_overflow")
+        check_choice(rounding, ("nearest", "stochastic"), "rounding")
         params = dict(model.named_parameters())
         unknown = [n for n, t in assignment.trace.tensors.items() if t.role == "theta" and (
             n[len("theta:"):] not in params or params[n[len("theta:"):]].numel() != t.numel)]

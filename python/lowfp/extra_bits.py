@@ -20,6 +20,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from . import _C, backends
+from ._checks import check_choice, is_dtype_in
 from .backends import inverse_order
 from .quantize import DTYPE_CODES, ROUNDING_MODES, _check_uint64, stochastic_seed
 from .stats import Stats
@@ -30,20 +31,22 @@ EXTRA_BITS_ROUNDING = ("toward_zero", "nearest", "stochastic")
 _MAX_K = {torch.bfloat16: 16, torch.float16: 13}
 
 
-def max_extra_bits(dtype: torch.dtype) -> int:
-    if dtype not in _MAX_K:
-        raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+def max_extra_bits(dtype: torch.dtype, dtype_name: str = "dtype") -> int:
+    """The most extra bits a ``dtype`` (float16: 13, bfloat16: 16) takes; ``dtype_name`` is
+    what an error calls the argument."""
+    if not is_dtype_in(dtype, _MAX_K):
+        raise TypeError(f"{dtype_name} must be torch.float16 or torch.bfloat16, got {dtype}")
     return _MAX_K[dtype]
 
 
-def check_extra_bits(dtype: torch.dtype, k, rounding: str, name: str = "k") -> None:
-    kmax = max_extra_bits(dtype)
+def check_extra_bits(dtype: torch.dtype, k, rounding: str, name: str = "k",
+                     dtype_name: str = "dtype") -> None:
+    kmax = max_extra_bits(dtype, dtype_name)
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"{name} must be an int, got {type(k).__name__}")
     if not 1 <= k <= kmax:
         raise ValueError(f"{name} must be between 1 and {kmax} for {dtype}, got {k}")
-    if rounding not in EXTRA_BITS_ROUNDING:
-        raise ValueError(f"rounding must be one of {EXTRA_BITS_ROUNDING}, got {rounding!r}")
+    check_choice(rounding, EXTRA_BITS_ROUNDING, "rounding")
 
 
 def bits_per_element(k: int, rounding: str) -> int:
@@ -91,7 +94,7 @@ def merge(w16: torch.Tensor, packed: torch.Tensor, k: int = 16, rounding: str = 
     """W' (float32, w16's shape) from a 16-bit tensor and its packed extra bits."""
     if not isinstance(w16, torch.Tensor):
         raise TypeError(f"w16 must be a torch.Tensor, got {type(w16).__name__}")
-    check_extra_bits(w16.dtype, k, rounding)
+    check_extra_bits(w16.dtype, k, rounding, dtype_name="w16's dtype")
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32:
         raise TypeError("packed must be an int32 torch.Tensor")
     mod, device, stream = backends.native(w16, "w16")
@@ -127,8 +130,7 @@ def reorder_packed(packed: torch.Tensor, shape: Sequence[int], k: int, rounding:
     n = math.prod(shape)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
         raise ValueError(f"k must be an int between 1 and 16, got {k!r}")
-    if rounding not in EXTRA_BITS_ROUNDING:
-        raise ValueError(f"rounding must be one of {EXTRA_BITS_ROUNDING}, got {rounding!r}")
+    check_choice(rounding, EXTRA_BITS_ROUNDING, "rounding")
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32:
         raise TypeError("packed must be an int32 torch.Tensor")
     if packed.numel() != packed_words(n, k, rounding):

@@ -17,6 +17,7 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 
 from . import _C
+from ._checks import check_choice
 
 __all__ = ["Format", "fp", "named", "to_format", "S2FP8", "to_precision", "SPECIALS",
            "OVERFLOW_POLICIES"]
@@ -56,14 +57,12 @@ class Format:
     def __init__(self, e: int, m: int, b: int = 0, *, specials: str = "none",
                  subnormals: bool = True, overflow: Optional[str] = None):
         e, m, b = _check_int(e, "e"), _check_int(m, "m"), _check_int(b, "b")
-        if specials not in SPECIALS:
-            raise ValueError(f"specials must be one of {SPECIALS}, got {specials!r}")
+        check_choice(specials, SPECIALS, "specials")
         if not isinstance(subnormals, bool):
             raise TypeError(f"subnormals must be a bool, got {subnormals!r}")
         if overflow is None:
             overflow = DEFAULT_OVERFLOW[specials]
-        if overflow not in OVERFLOW_POLICIES:
-            raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES} or None, got {overflow!r}")
+        check_choice(overflow, OVERFLOW_POLICIES, "overflow")
         try:
             info = _C.format_info(e, m, b, SPECIALS.index(specials), subnormals)
         except ValueError as err:
@@ -328,5 +327,7 @@ def to_format(value: Union[Format, str], argname: str = "fmt") -> Format:
             return Format.parse(value)
         except ValueError as err:
             raise ValueError(f"{argname}: {err}") from None
+        except TypeError as err:  # a literal of the wrong type: "fp(4.0,3)", "fp(True,3)"
+            raise TypeError(f"{argname}: {err} in {value!r}") from None
     raise TypeError(f"{argname} must be a lowfp.Format or a format string such as 'fp(4,3,4)' "
                     f"or 'float8_e4m3fn', got {type(value).__name__}")

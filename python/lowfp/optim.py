@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import _C, backends
+from ._checks import is_dtype_in
 from .backends import inverse_order, memory_order
 from .extra_bits import check_extra_bits, merge, packed_words, reorder_packed, split
 from .quantize import DTYPE_CODES, ROUNDING_MODES, draw_seed
@@ -53,10 +55,10 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults: dict, generator: Optional[torch.Generator] = None):
         k, rounding = defaults["extra_bits"], defaults["rounding"]
         param_dtype, state_dtype = defaults["param_dtype"], defaults["state_dtype"]
-        if param_dtype not in (torch.float16, torch.bfloat16):
+        if not is_dtype_in(param_dtype, _PARAM_DTYPES):
             raise TypeError(f"param_dtype must be torch.float16 or torch.bfloat16, got {param_dtype}")
-        check_extra_bits(param_dtype, k, rounding, "extra_bits")
-        if state_dtype not in _STATE_DTYPES:
+        check_extra_bits(param_dtype, k, rounding, "extra_bits", "param_dtype")
+        if not is_dtype_in(state_dtype, _STATE_DTYPES):
             raise TypeError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {generator!r}")
@@ -99,9 +101,8 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         """Everything about a new group's parameters that the fused step relies on, checked
         before any float32 parameter is converted."""
         k, rounding = group["extra_bits"], group["rounding"]
-        group["lr"] = _hyperparameter(group["lr"], "lr")
-        _check_common(group["lr"], group["weight_decay"])
-        if group["state_dtype"] not in _STATE_DTYPES:
+        self._check_hyperparameters(group)
+        if not is_dtype_in(group["state_dtype"], _STATE_DTYPES):
             raise TypeError(f"state_dtype must be torch.float32 or torch.bfloat16, got {group['state_dtype']}")
         params = group["params"]
         if len({id(p) for p in params}) != len(params):
@@ -116,13 +117,13 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             elif p.device != device:
                 raise ValueError(f"all parameters must be on one device: {device} and {p.device}")
             if p.dtype == torch.float32:
-                check_extra_bits(group["param_dtype"], k, rounding, "extra_bits")
+                check_extra_bits(group["param_dtype"], k, rounding, "extra_bits", "param_dtype")
                 _refuse_if_in_ddp(
                     p, f"converting it to {group['param_dtype']} would disconnect that silently (DDP "
                     "would stop averaging its gradients), so build the optimizer before wrapping "
                     "the model in DDP (then model.to(param_dtype) for its buffers, then DDP)")
             elif p.dtype in _PARAM_DTYPES:
-                check_extra_bits(p.dtype, k, rounding, "extra_bits")
+                check_extra_bits(p.dtype, k, rounding, "extra_bits", "a parameter's dtype")
             else:
                 raise TypeError(f"parameters must be float16 or bfloat16 (or float32, converted to "
                                 f"param_dtype), got {p.dtype}")
@@ -672,11 +673,27 @@ def _hyperparameter(value, name: str):
     return value
 
 
-def _check_common(lr, weight_decay):
-    if not 0.0 <= lr:  # as torch.optim: NaN is refused too
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+def _check_bool(group: dict, name: str) -> None:
+    value = group[name]
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def _check_real(group: dict, name: str, message: str) -> None:
+    """A real number >= 0; NaN is refused too, as torch.optim's ``not 0.0 <= x`` does."""
+    value = group[name]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+    if not 0.0 <= value:
+        raise ValueError(f"{message}: {value} ({name} must be >= 0)")
+
+
+def _check_common(group: dict) -> None:
+    """lr (a float or a 1-element tensor, kept as a 0-d tensor) and weight_decay, in place."""
+    group["lr"] = _hyperparameter(group["lr"], "lr")
+    if not 0.0 <= group["lr"]:
+        raise ValueError(f"Invalid learning rate: {group['lr']} (lr must be >= 0)")
+    _check_real(group, "weight_decay", "Invalid weight_decay value")
 
 
 class ExtraBitsSGD(_ExtraBitsOptimizer):
@@ -706,16 +723,21 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
                  state_dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.bfloat16,
                  generator: Optional[torch.Generator] = None):
         _check_torch_switches(foreach, fused, differentiable)
-        lr = _hyperparameter(lr, "lr")
-        _check_common(lr, weight_decay)
-        if not 0.0 <= momentum:
-            raise ValueError(f"Invalid momentum value: {momentum}")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, extra_bits=extra_bits,
                         rounding=rounding, state_dtype=state_dtype, param_dtype=param_dtype)
+        self._check_hyperparameters(defaults)
         super().__init__(params, defaults, generator)
+
+    @staticmethod
+    def _check_hyperparameters(group: dict) -> None:
+        _check_common(group)
+        _check_real(group, "momentum", "Invalid momentum value")
+        _check_real(group, "dampening", "Invalid dampening value")
+        _check_bool(group, "nesterov")
+        _check_bool(group, "maximize")
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
     def _batch_key(self, group, state):
         return (group["momentum"] != 0 and "momentum_buffer" not in state,)
@@ -768,24 +790,28 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
                  state_dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.bfloat16,
                  generator: Optional[torch.Generator] = None):
         _check_torch_switches(foreach, fused, differentiable, capturable)
-        lr = _hyperparameter(lr, "lr")
-        _check_common(lr, weight_decay)
-        if not isinstance(decoupled_weight_decay, bool):
-            raise TypeError(f"decoupled_weight_decay must be a bool, got {decoupled_weight_decay!r}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        amsgrad=amsgrad, maximize=maximize,
+                        decoupled_weight_decay=decoupled_weight_decay, extra_bits=extra_bits,
+                        rounding=rounding, state_dtype=state_dtype, param_dtype=param_dtype)
+        self._check_hyperparameters(defaults)
+        super().__init__(params, defaults, generator)
+
+    @staticmethod
+    def _check_hyperparameters(group: dict) -> None:
+        _check_common(group)
+        _check_real(group, "eps", "Invalid epsilon value")
+        betas = group["betas"]
         if isinstance(betas, torch.Tensor) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair of floats (beta1, beta2), got {betas!r}")
         betas = tuple(_hyperparameter(b, f"betas[{i}]") for i, b in enumerate(betas))
         if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
             raise ValueError("betas must be either both floats or both Tensors")  # as torch.optim
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameters: {betas}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        amsgrad=amsgrad, maximize=maximize,
-                        decoupled_weight_decay=decoupled_weight_decay, extra_bits=extra_bits,
-                        rounding=rounding, state_dtype=state_dtype, param_dtype=param_dtype)
-        super().__init__(params, defaults, generator)
+            raise ValueError(f"Invalid beta parameters: {betas} (betas must be in [0, 1))")
+        group["betas"] = betas
+        for name in ("amsgrad", "maximize", "decoupled_weight_decay"):
+            _check_bool(group, name)
 
     def _batch_key(self, group, state):
         step = state.get("step")

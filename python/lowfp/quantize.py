@@ -11,6 +11,7 @@ import torch
 
 from . import _C
 from . import backends
+from ._checks import check_choice, is_dtype_in
 from ._memory import new_output
 from .formats import SPECIALS, Format, S2FP8, to_format, to_precision
 from .stats import Stats
@@ -74,13 +75,11 @@ def stochastic_seed(seed: Optional[int], generator: Optional[torch.Generator]) -
 def _make_call(fmt, rounding, overflow, subnormals, seed, generator, offset, sr_bits) -> _Call:
     fmt = to_format(fmt, "fmt")
     if overflow is not None or subnormals is not None:
-        if overflow is not None and overflow not in _OVERFLOW_CODES:
-            raise ValueError(f"overflow must be one of {tuple(_OVERFLOW_CODES)} or None, got {overflow!r}")
+        check_choice(overflow, tuple(_OVERFLOW_CODES), "overflow", none_ok=True)
         if subnormals is not None and not isinstance(subnormals, bool):
             raise TypeError(f"subnormals must be a bool or None, got {subnormals!r}")
         fmt = fmt.replace(overflow=overflow, subnormals=subnormals)
-    if rounding not in ROUNDING_MODES:
-        raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got {rounding!r}")
+    check_choice(rounding, ROUNDING_MODES, "rounding")
     if isinstance(sr_bits, bool) or not isinstance(sr_bits, int):
         raise TypeError(f"sr_bits must be an int, got {type(sr_bits).__name__}")
     if not 1 <= sr_bits <= 32:
@@ -94,7 +93,7 @@ def _make_call(fmt, rounding, overflow, subnormals, seed, generator, offset, sr_
 
 
 def _result_dtype(x: torch.Tensor, fmt: Format, out, out_dtype) -> torch.dtype:
-    if out_dtype is not None and out_dtype not in DTYPE_CODES:
+    if out_dtype is not None and not is_dtype_in(out_dtype, DTYPE_CODES):
         raise TypeError(f"out_dtype must be {_ALLOWED}, got {out_dtype}")
     if out is not None:
         if out_dtype is not None and out.dtype != out_dtype:
@@ -301,8 +300,7 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
     dtype = _result_dtype(x, call.fmt, out, out_dtype)
     if grad_fmt is not None:
         grad_fmt = to_precision(grad_fmt, "grad_fmt")
-        if grad_rounding not in ROUNDING_MODES:
-            raise ValueError(f"grad_rounding must be one of {ROUNDING_MODES}, got {grad_rounding!r}")
+        check_choice(grad_rounding, ROUNDING_MODES, "grad_rounding")
     if x.requires_grad and torch.is_grad_enabled():  # (out= was refused for it above)
         return _QuantizeFunction.apply(x, call, dtype, stats, grad_fmt, grad_rounding)
     y = out if out is not None else new_output(x, dtype)
@@ -333,8 +331,7 @@ class Rounder:
 
     def __init__(self, precision, rounding: str = "nearest", overflow: Optional[str] = None):
         self.precision = to_precision(precision, "precision")
-        if rounding not in ROUNDING_MODES:
-            raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got {rounding!r}")
+        check_choice(rounding, ROUNDING_MODES, "rounding")
         self.rounding = rounding
         self.overflow = overflow
         fmt = self.precision.fmt if isinstance(self.precision, S2FP8) else self.precision
@@ -345,7 +342,7 @@ class Rounder:
     def _check_dtype(self, dtype: torch.dtype) -> None:
         reason = self._fits.get(dtype)
         if reason is None:
-            if dtype not in DTYPE_CODES:
+            if not is_dtype_in(dtype, DTYPE_CODES):
                 reason = f"tensors of dtype {dtype} cannot be rounded (allowed: {_ALLOWED})"
             elif isinstance(self.precision, Format):
                 reason = self._call.fmt.fit_error(dtype)

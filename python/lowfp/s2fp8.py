@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from . import _C, backends
+from ._checks import check_choice
 from ._memory import new_output
 from .formats import Format, S2FP8, to_format, to_precision
 from .quantize import (DTYPE_CODES, ROUNDING_MODES, _Call, _check_tensor_args, _make_call,
@@ -99,8 +100,7 @@ def apply_s2fp8(x: torch.Tensor, spec: S2FP8, rounding: str, *, overflow=None, s
         raise ValueError(f"fmt {call.fmt} cannot be used by S2FP8: {reason}")
     if grad_fmt is not None:
         grad_fmt = to_precision(grad_fmt, "grad_fmt")
-        if grad_rounding not in ROUNDING_MODES:
-            raise ValueError(f"grad_rounding must be one of {ROUNDING_MODES}, got {grad_rounding!r}")
+        check_choice(grad_rounding, ROUNDING_MODES, "grad_rounding")
     result = S2FP8Stats(x.device, x.numel())
     if x.requires_grad and torch.is_grad_enabled():  # (out= was refused for it above)
         y = _S2FP8Function.apply(x, spec, call, result, stats, grad_fmt, grad_rounding)
