@@ -87,6 +87,11 @@ PYBIND11_MODULE(_C, mod) {
   // The deterministic log2/exp2 that S2FP8 uses (tests compare them with float64 references).
   mod.def("log2_det", [](double x) { return log2_det(x); });
   mod.def("exp2_det", [](double t) { return exp2_det(t); });
+  // The CPU Adam step's vector square root (extra_bits_call.hpp): the address of a function with
+  // vmsSqrt's signature and its mode argument, or 0 for std::sqrt.
+  mod.def("set_cpu_sqrt", [](uintptr_t fn, int64_t mode) {
+    set_cpu_sqrt({reinterpret_cast<VectorSqrt>(fn), mode});
+  });
   mod.def("set_num_threads", &set_num_threads);
   mod.def("get_num_threads", &get_num_threads);
   mod.def("cpu_kernel", &cpu_kernel_name);

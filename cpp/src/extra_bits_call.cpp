@@ -1,5 +1,6 @@
 #include "extra_bits_call.hpp"
 
+#include <atomic>
 #include <stdexcept>
 #include <string>
 
@@ -25,7 +26,17 @@ bool same_round_params(const RoundParams<uint32_t>& a, const RoundParams<uint32_
          a.fixed_drop == b.fixed_drop;
 }
 
+std::atomic<VectorSqrt> g_sqrt_fn{nullptr};
+std::atomic<int64_t> g_sqrt_mode{0};
+
 }  // namespace
+
+void set_cpu_sqrt(CpuSqrt root) {
+  g_sqrt_mode.store(root.mode);
+  g_sqrt_fn.store(root.fn);
+}
+
+CpuSqrt cpu_sqrt() { return {g_sqrt_fn.load(), g_sqrt_mode.load()}; }
 
 ExtraBitsParams make_extra_bits_params(DType weights, int32_t k, Rounding mode) {
   if (weights != DType::Float16 && weights != DType::BFloat16)

@@ -43,6 +43,19 @@ struct ExtraBitsSlot {
 
 enum class OptimKind : int32_t { Sgd = 0, Adam = 1 };
 
+// The float32 square root of a whole array that the CPU Adam step takes its denominators' roots
+// from, with the signature of MKL's vmsSqrt (n, in, out, mode). torch's CPU sqrt is that
+// routine where torch has MKL, and it is not always correctly rounded, so lowfp's Python layer
+// hands over torch's own (after checking it against torch.sqrt) to step as torch.optim steps.
+// Unset (null): std::sqrt, correctly rounded.
+using VectorSqrt = void (*)(int32_t n, const float* in, float* out, int64_t mode);
+struct CpuSqrt {
+  VectorSqrt fn;
+  int64_t mode;
+};
+void set_cpu_sqrt(CpuSqrt root);
+CpuSqrt cpu_sqrt();
+
 struct ExtraBitsStep {
   ExtraBitsParams e;
   Rounding mode;

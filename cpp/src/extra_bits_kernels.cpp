@@ -3,6 +3,7 @@
 // Each tile unpacks its blocks into one value per element, runs a branch-free element loop the
 // compiler vectorises (merge, update, split: cpp/include/lowfp/), and packs the blocks back.
 #include <array>
+#include <cmath>
 #include <type_traits>
 #include <utility>
 
@@ -139,10 +140,20 @@ void finish_split_tile(const uint32_t* w_bits, uint32_t* values, int64_t len, in
   add_events(counts, above_max, underflow, nan);
 }
 
+// root[i] = sqrt(q[i]) for a tile, by the routine set_cpu_sqrt chose.
+void sqrt_tile(const CpuSqrt& root, const float* q, int64_t len, float* out) {
+  if (root.fn != nullptr) {
+    root.fn(int32_t(len), q, out, root.mode);
+  } else {
+    for (int64_t i = 0; i < len; ++i) out[i] = std::sqrt(q[i]);
+  }
+}
+
 template <class W16, RoundKind K, class Update>
 void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, int64_t b1,
                  EventCounts& counts, const Update update) {
   const ExtraBitsParams e = s.e;
+  const CpuSqrt root = cpu_sqrt();
   W16* w16 = static_cast<W16*>(slot.w16);
   const W16* grad = static_cast<const W16*>(slot.grad);
   const uint32_t k_mask = (1u << e.k) - 1u;
@@ -172,12 +183,31 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
       for (int64_t i = 0; i < len; ++i) g32[i] = unscale(g32[i]);
     }
     uint32_t above_max = 0, underflow = 0, nan = 0;
-    for (int64_t i = 0; i < len; ++i) {
-      const uint32_t w = merge_bits<W16>(w_bits[i], values[i] & k_mask, e);
-      const float w_new = update_element(update, bit_cast<float>(w), g32[i], i0 + i);
-      const uint32_t r = K == RoundKind::Stochastic ? rand[i] : 0u;
-      split_element<W16, K>(bit_cast<uint32_t>(w_new), e, r, w_bits[i], values[i], above_max,
-                            underflow, nan);
+    if constexpr (Update::kSquareRootApart) {
+      // w32 and g32 (dead after the first part) hold the decayed weights and the new first
+      // moments, root the square roots.
+      float* w32 = reinterpret_cast<float*>(w_bits);
+      alignas(64) float q[kTileElements];
+      for (int64_t i = 0; i < len; ++i) {
+        float w = bit_cast<float>(merge_bits<W16>(w_bits[i], values[i] & k_mask, e));
+        q[i] = update.moments(i0 + i, w, g32[i], g32[i]);
+        w32[i] = w;
+      }
+      sqrt_tile(root, q, len, q);
+      for (int64_t i = 0; i < len; ++i) {
+        const float w_new = update.finish(w32[i], g32[i], q[i]);
+        const uint32_t r = K == RoundKind::Stochastic ? rand[i] : 0u;
+        split_element<W16, K>(bit_cast<uint32_t>(w_new), e, r, w_bits[i], values[i], above_max,
+                              underflow, nan);
+      }
+    } else {
+      for (int64_t i = 0; i < len; ++i) {
+        const uint32_t w = merge_bits<W16>(w_bits[i], values[i] & k_mask, e);
+        const float w_new = update_element(update, bit_cast<float>(w), g32[i], i0 + i);
+        const uint32_t r = K == RoundKind::Stochastic ? rand[i] : 0u;
+        split_element<W16, K>(bit_cast<uint32_t>(w_new), e, r, w_bits[i], values[i], above_max,
+                              underflow, nan);
+      }
     }
     finish_split_tile(w_bits, values, len, blocks, e.q, w16 + i0, words, counts, above_max,
                       underflow, nan);

@@ -8,7 +8,9 @@
 torch.bfloat16
 
 Each step merges w and its extra bits into W' (float32), applies torch.optim's update formula in
-float32, and splits the result back, in one fused pass over every element of a parameter group.
+float32 with torch's own arithmetic (the same operations and fused multiply-adds as torch's CPU
+kernels, and for Adam torch's own square root: see _torch_sqrt), and splits the result back, in
+one fused pass over every element of a parameter group.
 Arguments, defaults, param groups, LR schedulers, ``zero_grad`` and ``state_dict`` work as in
 torch.optim. float32 parameters are converted to ``param_dtype`` in place when the optimizer is
 built, their cut-off bits becoming the initial extra bits (so nothing is lost with bfloat16 and
@@ -31,6 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import _C, backends
+from ._torch_sqrt import use_torch_sqrt
 from ._checks import is_dtype_in
 from .backends import inverse_order, memory_order
 from .extra_bits import check_extra_bits, merge, packed_words, reorder_packed, split
@@ -51,6 +54,7 @@ _EXTRA_KEYS = ("extra", "extra_bits", "rounding", "param_dtype", "extra_dim_orde
 
 class _ExtraBitsOptimizer(torch.optim.Optimizer):
     _opt_code = -1
+    _takes_square_roots = False  # Adam: its denominators' square roots (see _torch_sqrt)
 
     def __init__(self, params, defaults: dict, generator: Optional[torch.Generator] = None):
         k, rounding = defaults["extra_bits"], defaults["rounding"]
@@ -312,6 +316,8 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                 (p.data_ptr(), g.data_ptr(), extra.data_ptr(), *[m.data_ptr() for m in moments],
                  *_NO_STATE[len(moments):], n, offset))
         mod, device, stream = backends.native(entries[0][0], "parameter")
+        if device < 0 and self._takes_square_roots:
+            use_torch_sqrt()  # once: the CPU step's square roots as torch.sqrt's
         skip_flag = 0 if found_inf is None else found_inf.data_ptr()
         scale_at = 0 if grad_scale is None else grad_scale.data_ptr()
         for dtype, slots in by_dtype.items():
@@ -776,6 +782,7 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
     """
 
     _opt_code = 1
+    _takes_square_roots = True
     _decoupled = False  # the class's decoupled_weight_decay (AdamW: True)
 
     @classmethod

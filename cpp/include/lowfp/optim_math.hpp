@@ -1,6 +1,10 @@
-// Per-element optimizer updates in float32, in torch.optim's formulas and operation order
-// (single-tensor code paths of torch 2.x; every scalar is rounded to float32 first, as torch's CPU
-// kernels do). Compiled without fused multiply-adds, so each operation rounds on its own.
+// Per-element optimizer updates in float32 with torch.optim's own arithmetic (single-tensor
+// code paths of torch 2.x on the CPU): the same operations in the same order, every scalar
+// rounded to float32 first, and a fused multiply-add exactly where torch's CPU kernels compute
+// one: add with alpha (a + alpha b), lerp and addcmul. Elsewhere each operation rounds on its own
+// (the build contracts nothing by itself). The square root of Adam's denominator is the caller's:
+// on the CPU torch takes it from its vector math library, which is not always correctly rounded
+// (see adam_moments).
 #pragma once
 #include <cmath>
 #include <type_traits>
@@ -9,6 +13,15 @@
 #include "storage.hpp"
 
 namespace lowfp {
+
+// a b + c rounded once, as torch's kernels compute add(self, other, alpha), lerp and addcmul.
+LOWFP_HD float fused_mul_add(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
 
 struct SgdHyper {
   float neg_lr;               // -lr
@@ -29,11 +42,16 @@ struct AdamHyper {
   bool decoupled, amsgrad, maximize;
 };
 
-// torch.lerp: self + w (end - self) for |w| < 0.5, else end - (end - self)(1 - w).
+// torch.lerp: self + w (end - self) for |w| < 0.5, else end + (w - 1)(end - self), each with
+// one rounding after the difference.
 LOWFP_HD float lerp_torch(float self, float end, float w) {
-  const float small = self + w * (end - self);
-  const float large = end - (end - self) * (1.0f - w);
-  return select_float((w < 0.5f) & (w > -0.5f), small, large);
+  const bool small = (w < 0.5f) & (w > -0.5f);
+  return fused_mul_add(select_float(small, w, w - 1.0f), end - self, select_float(small, self, end));
+}
+
+// torch.maximum: NaN when either is NaN.
+LOWFP_HD float maximum_torch(float a, float b) {
+  return select_float(b != b, b, max_of(a, b));  // (max_of(NaN, b) is already NaN)
 }
 
 // -x when c, else x: a sign flip, one operation where a select takes three.
@@ -47,25 +65,38 @@ LOWFP_HD float negate_if(bool c, float x) {
 template <bool kDecayOrNesterov = true>
 LOWFP_HD float sgd_update(float w, float g, float& buf, bool has_momentum, const SgdHyper& h) {
   float d = negate_if(h.maximize, g);
-  if constexpr (kDecayOrNesterov)
-    d = select_float(h.weight_decay != 0.0f, d + h.weight_decay * w, d);  // grad.add(param, alpha=wd)
-  if (has_momentum) {
-    buf = select_float(h.first_step, d, buf * h.momentum + h.one_minus_dampening * d);
-    d = kDecayOrNesterov ? select_float(h.nesterov, d + h.momentum * buf, buf) : buf;
+  if constexpr (kDecayOrNesterov)  // grad.add(param, alpha=wd)
+    d = select_float(h.weight_decay != 0.0f, fused_mul_add(h.weight_decay, w, d), d);
+  if (has_momentum) {  // buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+    buf = select_float(h.first_step, d, fused_mul_add(h.one_minus_dampening, d, buf * h.momentum));
+    d = kDecayOrNesterov ? select_float(h.nesterov, fused_mul_add(h.momentum, buf, d), buf) : buf;
   }
-  return w + h.neg_lr * d;  // param.add_(d_p, alpha=-lr)
+  return fused_mul_add(h.neg_lr, d, w);  // param.add_(d_p, alpha=-lr)
 }
 
-// Adam / AdamW: returns the new weight; m, v (and v_max with amsgrad) are updated in place.
-LOWFP_HD float adam_update(float w, float g, float& m, float& v, float& v_max, const AdamHyper& h) {
+// Adam / AdamW in two parts around the square root of the denominator. adam_moments updates m,
+// v (and v_max with amsgrad) in place, applies AdamW's decay to w and returns the value whose
+// square root adam_finish needs; adam_finish returns the new weight.
+LOWFP_HD float adam_moments(float& w, float g, float& m, float& v, float& v_max, const AdamHyper& h) {
   g = negate_if(h.maximize, g);
-  w = select_float(h.decoupled, w * h.decay, w);                              // param.mul_(1 - lr wd)
-  g = select_float(!h.decoupled & (h.weight_decay != 0.0f), g + h.weight_decay * w, g);  // grad.add(param, wd)
-  m = lerp_torch(m, g, h.lerp_weight);                                        // exp_avg.lerp_(grad, 1 - b1)
-  v = v * h.beta2 + (h.one_minus_beta2 * g) * g;  // exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
-  v_max = select_float(h.amsgrad, max_of(v_max, v), v_max);
-  const float denom = sqrtf(select_float(h.amsgrad, v_max, v)) / h.bias_correction2_sqrt + h.eps;
+  w = select_float(h.decoupled, w * h.decay, w);  // param.mul_(1 - lr wd)
+  g = select_float(!h.decoupled & (h.weight_decay != 0.0f), fused_mul_add(h.weight_decay, w, g),
+                   g);                             // grad.add(param, alpha=wd)
+  m = lerp_torch(m, g, h.lerp_weight);             // exp_avg.lerp_(grad, 1 - b1)
+  v = fused_mul_add(h.one_minus_beta2 * g, g, v * h.beta2);  // .mul_(b2).addcmul_(g, g, value=1 - b2)
+  v_max = select_float(h.amsgrad, maximum_torch(v_max, v), v_max);
+  return select_float(h.amsgrad, v_max, v);
+}
+
+LOWFP_HD float adam_finish(float w, float m, float root, const AdamHyper& h) {
+  const float denom = root / h.bias_correction2_sqrt + h.eps;  // (sqrt / bc2_sqrt).add_(eps)
   return w + (h.neg_step_size * m) / denom;  // param.addcdiv_(exp_avg, denom, value=-step_size)
+}
+
+// Both parts with a correctly rounded square root, as torch's CUDA kernels take it.
+LOWFP_HD float adam_update(float w, float g, float& m, float& v, float& v_max, const AdamHyper& h) {
+  const float q = adam_moments(w, g, m, v, v_max, h);
+  return adam_finish(w, m, sqrtf(q), h);
 }
 
 // A gradient element g (widened from the 16-bit gradient) unscaled by a loss scale that
@@ -113,6 +144,7 @@ template <class S> LOWFP_HD void store_state(S* p, int64_t i, float v) {
 // Hyperparameters are held by value: a reference could alias the arrays, which would make the
 // compiler reload them every element and give up vectorising.
 struct SgdPlain {
+  static constexpr bool kSquareRootApart = false;
   const SgdHyper h;
   struct State {};
   LOWFP_HD State load(int64_t) const { return {}; }
@@ -125,6 +157,7 @@ struct SgdPlain {
 
 template <class S, bool kDecayOrNesterov>
 struct SgdMomentum {
+  static constexpr bool kSquareRootApart = false;
   const SgdHyper h;
   S* buf;
   struct State { float b; };
@@ -135,8 +168,11 @@ struct SgdMomentum {
   LOWFP_HD void store(int64_t i, const State& st) const { store_state(buf, i, st.b); }
 };
 
+// Adam's CPU tiles run its two parts apart (kSquareRootApart), so that the square roots of a
+// tile are taken by torch's own vector routine in between.
 template <class S, bool kAmsgrad>
 struct Adam {
+  static constexpr bool kSquareRootApart = true;
   const AdamHyper h;
   S* m;
   S* v;
@@ -148,6 +184,16 @@ struct Adam {
   LOWFP_HD float apply(float w, float g, State& st) const {
     return adam_update(w, g, st.m, st.v, st.v_max, h);
   }
+  // The first part for element i: w becomes the decayed weight, m the new first moment (both
+  // for finish), and the return value is what the square root is taken of.
+  LOWFP_HD float moments(int64_t i, float& w, float g, float& m_out) const {
+    State st = load(i);
+    const float q = adam_moments(w, g, st.m, st.v, st.v_max, h);
+    store(i, st);
+    m_out = st.m;
+    return q;
+  }
+  LOWFP_HD float finish(float w, float m_new, float root) const { return adam_finish(w, m_new, root, h); }
   LOWFP_HD void store(int64_t i, const State& st) const {
     store_state(m, i, st.m);
     store_state(v, i, st.v);
