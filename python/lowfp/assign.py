@@ -15,10 +15,14 @@ model's first input.
 
 Groups (for ``ours``): the operators are cut at every GEMM. Group 0 holds the model inputs and
 what the operators before the first GEMM produce; group k ≥ 1 starts with the k-th GEMM and holds
-the outputs of that GEMM and of every operator after it up to the next GEMM, plus the parameters
-whose first use is one of those operators. ``dv`` is in the group of its ``v``. Weight gradients
-stay hi (outside every group) unless ``Candidates(weight_grads_lo=True)``, which puts ``dtheta``
-in the group of its ``theta``.
+the outputs of that GEMM and of every operator after it up to the next GEMM. A parameter joins
+the group of the activation its operator reads (first activation argument), so the weight of the
+k-th GEMM is in the group of that GEMM's input, group k - 1: demoting a group lowers both operands
+of the next GEMM. This is how the assignment paper's released code groups tensors (a parameter
+with the module before its own); a parameter whose operator reads no activation joins that
+operator's group. ``dv`` is in the group of its ``v``. Weight gradients stay hi (outside every
+group) unless ``Candidates(weight_grads_lo=True)``, which puts ``dtheta`` in the group of its
+``theta``.
 """
 
 from __future__ import annotations
@@ -173,10 +177,15 @@ class _Recorder(ForwardSession):
         if is_gemm:
             self._gemms_seen += 1
         g = self._gemms_seen
+        # A parameter joins the group of its operator's activation input (a GEMM's weight goes
+        # with the GEMM's input, so that a demoted group lowers both operands), as the
+        # assignment paper's code groups them; without an activation input, the operator's group.
+        activation = next((n for n in inputs if n.startswith("v:")), None)
+        param_group = self.group[activation] if activation is not None else g
         for name in inputs:
             if name.startswith("theta:") and name not in self.first_op:
                 self.first_op[name] = key
-                self.group[name] = g
+                self.group[name] = param_group
         for name in outputs:
             self.first_op[name] = key
             self.group[name] = g
