@@ -156,6 +156,30 @@ def positive_values(spec: Spec) -> List[Fraction]:
     return sorted(vals)
 
 
+# -- float32 arithmetic as torch's CPU kernels do it -----------------------------------------------
+
+
+def fma32(a, b, c):
+    """a * b + c rounded once to float32 (numpy float32 arrays or scalars), exactly: the product
+    is exact in float64, the sum is rounded to float64 with its error kept (TwoSum), and a sum
+    that lands on a float32 midpoint with a nonzero error is moved one float64 ulp toward the
+    true value before the final rounding, so it never rounds twice."""
+    import numpy as np
+    a, b, c = (np.asarray(v, dtype=np.float32).astype(np.float64) for v in (a, b, c))
+    p = a * b
+    s = p + c
+    bb = s - p
+    err = (p - (s - bb)) + (c - bb)
+    r = s.astype(np.float32)
+    r64 = r.astype(np.float64)
+    # the float32 neighbour on s's other side; s is a midpoint when it lies halfway between them
+    other = np.where(s > r64, np.nextafter(r, np.float32(np.inf)),
+                     np.nextafter(r, np.float32(-np.inf))).astype(np.float64)
+    midpoint = (s != r64) & (s == (r64 + other) / 2)
+    nudged = np.where(midpoint & (err != 0), np.nextafter(s, s + err), s)
+    return nudged.astype(np.float32)
+
+
 # -- Philox4x32-10, written from the paper's description ------------------------------------
 
 

@@ -130,3 +130,33 @@ def test_square_roots_are_torchs():
     master.grad = g.float()
     ref.step()
     assert torch.equal(opt.master_weights()[0], master.detach())
+
+
+@pytest.mark.parametrize("kwargs", [dict(momentum=0.9), dict(momentum=0.9, nesterov=True,
+                                                             weight_decay=1e-2),
+                                    dict(momentum=0.8, dampening=0.3, maximize=True)])
+def test_bfloat16_momentum_is_torchs_bfloat16_buffer(kwargs):
+    """torch.optim.SGD steps a float32 parameter with a bfloat16 momentum buffer (its in-place
+    updates round the buffer to bfloat16); state_dtype=torch.bfloat16 does the same. torch's first
+    buffer is a float32 clone of the gradient, converted here after the first step, as lowfp
+    stores it. (torch's Adam refuses bfloat16 moments beside float32 parameters: lerp_ wants
+    equal dtypes, so there is nothing to compare its bfloat16 moments with.)"""
+    model, x, y = model_and_data(1)
+    master = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    ref = torch.optim.SGD(master, lr=0.05, **kwargs)
+    opt = ExtraBitsSGD(model.parameters(), lr=0.05, extra_bits=16, state_dtype=torch.bfloat16,
+                       **kwargs)
+    xs = x.to(torch.bfloat16)
+    for step in range(300):
+        opt.zero_grad()
+        F.cross_entropy(model(xs[:16]).float(), y[:16]).backward()
+        for p, m in zip(model.parameters(), master):
+            m.grad = p.grad.float()
+        opt.step()
+        ref.step()
+        if step == 0:
+            for m in master:
+                ref.state[m]["momentum_buffer"] = ref.state[m]["momentum_buffer"].bfloat16()
+    for p, m, w in zip(model.parameters(), master, opt.master_weights()):
+        assert torch.equal(w, m.detach())
+        assert torch.equal(opt.state[p]["momentum_buffer"], ref.state[m]["momentum_buffer"])

@@ -25,7 +25,6 @@ in memory order, the order their extra bits and moments are kept in.
 from __future__ import annotations
 
 import copy
-import math
 import numbers
 import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -834,7 +833,7 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
         step_size = lr / bias_correction1
         decay = 1 - lr * wd if (decoupled and wd != 0) else 1.0
         return (decay, 0.0 if decoupled else wd, 1 - beta1, beta2, 1 - beta2,
-                math.sqrt(bias_correction2), eps, -step_size, decoupled, group["amsgrad"],
+                bias_correction2 ** 0.5, eps, -step_size, decoupled, group["amsgrad"],
                 group["maximize"])
 
     def _moments(self, p, group, state_dtype, state):

@@ -59,16 +59,41 @@ LOWFP_HD float negate_if(bool c, float x) {
   return bit_cast<float>(bit_cast<uint32_t>(x) ^ (uint32_t(c) << 31));
 }
 
-// SGD: returns the new weight; buf is the momentum buffer (ignored when momentum == 0).
+template <class S> LOWFP_HD float load_state(const S* p, int64_t i) {
+  return bit_cast<float>(Widen<uint32_t>::from(p[i]));
+}
+// v as a value of the state type S: itself for float32 state, rounded to nearest for bfloat16.
+template <class S> LOWFP_HD float to_state(float v) {
+  static_assert(std::is_same_v<S, float> || std::is_same_v<S, BFloat>, "float32 or bfloat16 state");
+  if constexpr (std::is_same_v<S, float>) {
+    return v;
+  } else {
+    RoundEvents ignored;
+    return bit_cast<float>(round_to_bfloat16_bits<RoundKind::Nearest>(bit_cast<uint32_t>(v), 0u, ignored));
+  }
+}
+// State in float32, or in bfloat16 rounded to nearest.
+template <class S> LOWFP_HD void store_state(S* p, int64_t i, float v) {
+  if constexpr (std::is_same_v<S, float>)
+    p[i] = v;
+  else
+    p[i] = Store<S>::from(bit_cast<uint32_t>(to_state<S>(v)));
+}
+
+// SGD: returns the new weight; buf is the momentum buffer (ignored when momentum == 0), of state
+// type S: with bfloat16 state each in-place update of the buffer rounds to bfloat16, as torch's
+// in-place operations on a bfloat16 buffer do (the first step's buffer is the gradient itself,
+// float32 until stored, as torch's clone of a float32 gradient).
 // kDecayOrNesterov = false: the caller knows weight_decay == 0 and !nesterov, and the two
 // selects (four vector operations of about 80 per step) drop out.
-template <bool kDecayOrNesterov = true>
+template <bool kDecayOrNesterov = true, class S = float>
 LOWFP_HD float sgd_update(float w, float g, float& buf, bool has_momentum, const SgdHyper& h) {
   float d = negate_if(h.maximize, g);
   if constexpr (kDecayOrNesterov)  // grad.add(param, alpha=wd)
     d = select_float(h.weight_decay != 0.0f, fused_mul_add(h.weight_decay, w, d), d);
   if (has_momentum) {  // buf.mul_(momentum).add_(grad, alpha=1 - dampening)
-    buf = select_float(h.first_step, d, fused_mul_add(h.one_minus_dampening, d, buf * h.momentum));
+    const float kept = to_state<S>(buf * h.momentum);
+    buf = select_float(h.first_step, d, to_state<S>(fused_mul_add(h.one_minus_dampening, d, kept)));
     d = kDecayOrNesterov ? select_float(h.nesterov, fused_mul_add(h.momentum, buf, d), buf) : buf;
   }
   return fused_mul_add(h.neg_lr, d, w);  // param.add_(d_p, alpha=-lr)
@@ -121,21 +146,6 @@ struct GradUnscale {
   }
 };
 
-template <class S> LOWFP_HD float load_state(const S* p, int64_t i) {
-  return bit_cast<float>(Widen<uint32_t>::from(p[i]));
-}
-// State in float32, or in bfloat16 rounded to nearest.
-template <class S> LOWFP_HD void store_state(S* p, int64_t i, float v) {
-  static_assert(std::is_same_v<S, float> || std::is_same_v<S, BFloat>, "float32 or bfloat16 state");
-  if constexpr (std::is_same_v<S, float>) {
-    p[i] = v;
-  } else {
-    RoundEvents ignored;
-    p[i] = Store<S>::from(
-        round_to_bfloat16_bits<RoundKind::Nearest>(bit_cast<uint32_t>(v), 0u, ignored));
-  }
-}
-
 // Update functors for the drivers: the new weight from (W', g, element index), reading and
 // writing their own state arrays (float32 or bfloat16, rounded to nearest), in three parts:
 // load(i) -> State, apply(w, g, State&) and store(i, State). update_element runs them for one
@@ -163,7 +173,7 @@ struct SgdMomentum {
   struct State { float b; };
   LOWFP_HD State load(int64_t i) const { return {load_state(buf, i)}; }
   LOWFP_HD float apply(float w, float g, State& st) const {
-    return sgd_update<kDecayOrNesterov>(w, g, st.b, true, h);
+    return sgd_update<kDecayOrNesterov, S>(w, g, st.b, true, h);
   }
   LOWFP_HD void store(int64_t i, const State& st) const { store_state(buf, i, st.b); }
 };
