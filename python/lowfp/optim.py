@@ -55,7 +55,13 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
     _opt_code = -1
     _takes_square_roots = False  # Adam: its denominators' square roots (see _torch_sqrt)
 
+    @staticmethod
+    def _check_hyperparameters(group: dict) -> None:
+        """Raises TypeError/ValueError for a group's (or the defaults') bad hyperparameters."""
+        raise NotImplementedError
+
     def __init__(self, params, defaults: dict, generator: Optional[torch.Generator] = None):
+        self._check_hyperparameters(defaults)  # before any group: torch.optim's order of errors
         k, rounding = defaults["extra_bits"], defaults["rounding"]
         param_dtype, state_dtype = defaults["param_dtype"], defaults["state_dtype"]
         if not is_dtype_in(param_dtype, _PARAM_DTYPES):
@@ -731,7 +737,6 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, extra_bits=extra_bits,
                         rounding=rounding, state_dtype=state_dtype, param_dtype=param_dtype)
-        self._check_hyperparameters(defaults)
         super().__init__(params, defaults, generator)
 
     @staticmethod
@@ -800,7 +805,6 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
                         amsgrad=amsgrad, maximize=maximize,
                         decoupled_weight_decay=decoupled_weight_decay, extra_bits=extra_bits,
                         rounding=rounding, state_dtype=state_dtype, param_dtype=param_dtype)
-        self._check_hyperparameters(defaults)
         super().__init__(params, defaults, generator)
 
     @staticmethod
