@@ -6,7 +6,7 @@ A step is forward, cross-entropy, backward and an SGD step. Cases: a residual CN
 Transformer (nn.MultiheadAttention) on 8×8 one-channel images (the digits data of `lowfp train`)
 and on 32×32 three-channel images (CIFAR-sized), each under the `uniform` and `ours(r=0.5)`
 assignments and, as a floor for the interception itself, `fp32` (every operator seen, nothing
-rounded). Target (issue 6): emulated step ≤ 3× the plain step on the CPU.
+rounded). Target: emulated step ≤ 3× the plain step on the CPU.
 """
 
 import argparse

@@ -7,7 +7,7 @@ Baselines: torch.optim on float32 parameters followed by the copy into the 16-bi
 model computes with (standard mixed precision), and torch.optim directly on bfloat16 parameters
 (the lowfp cases too, except the float16 + 13 extra bits ones); on a GPU also torch's fused
 (single-kernel) SGD and AdamW.
-Targets (issue 5): ExtraBitsSGD(k=8) and ExtraBitsAdamW(k=8) at least as fast as the standard
+Targets: ExtraBitsSGD(k=8) and ExtraBitsAdamW(k=8) at least as fast as the standard
 mixed-precision step on the CPU; on a GPU, >= 80 % of the bandwidth needed for the bytes they move.
 Those bytes are every byte the optimizer holds for a parameter (16-bit weight, packed extra bits,
 moments: `memory_bytes()`), read once and written once, plus the 16-bit gradient read once; the

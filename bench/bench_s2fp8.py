@@ -3,7 +3,7 @@
     python bench/bench_s2fp8.py [--device cpu|cuda|all] [--size N] [--gpu-size N] [--json FILE]
 
 Both sides round to float8_e5m2 (and float8_e4m3fn with log_max 8) on the same float32 data
-(gradient-like values around 2^-20). Target (issue 4): S2FP8 >= 0.4x plain quantize.
+(gradient-like values around 2^-20). Target: S2FP8 >= 0.4x plain quantize.
 
 On the CPU it also times S2FP8 (float8_e5m2, nearest, out=) per input dtype on its two paths:
 the threshold path (x' read from per-call intervals of |x|; float32 and 16-bit x, deterministic

@@ -1,4 +1,4 @@
-// Extra bits on the GPU (DESIGN §5): split, merge and the fused optimizer step of a whole
+// Extra bits on the GPU (docs/design.md §5): split, merge and the fused optimizer step of a whole
 // parameter group in one launch. A warp owns a chunk of consecutive 32-element packed blocks of
 // one parameter at a time (lane j = element j of each block), so a block's q words are read and
 // written by that warp alone: each lane reads its bits directly, and the words are assembled in
@@ -35,7 +35,7 @@ __device__ uint32_t* warp_scratch() {
   return scratch[threadIdx.x / 32];
 }
 
-// The Philox word of element i (a block of 4 per counter; DESIGN §3's scheme). Selects, not
+// The Philox word of element i (a block of 4 per counter; docs/design.md §3's scheme). Selects, not
 // .w[i % 4]: a runtime index would put the block in local memory.
 __device__ uint32_t philox_word(uint64_t seed, uint64_t block_offset, uint64_t i) {
   const Philox4x32Block b = philox_block(seed, block_offset + i / 4);

@@ -1,4 +1,4 @@
-// S2FP8 on the GPU (DESIGN §4): a reduction kernel, a one-thread kernel turning the sums into
+// S2FP8 on the GPU (docs/design.md §4): a reduction kernel, a one-thread kernel turning the sums into
 // alpha, beta, mu, m, and an element kernel, enqueued on one stream. The math is
 // cpp/include/lowfp/s2fp8.hpp's; the reduction is made of integer sums and a max, so its result
 // does not depend on how the work is split and equals the CPU's bit for bit. For 16/32-bit x the

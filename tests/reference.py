@@ -1,4 +1,4 @@
-"""Slow, obviously-correct references written from DESIGN.md, sharing no code with the engine."""
+"""Slow, obviously-correct references written from docs/design.md, sharing no code with the engine."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ DETERMINISTIC = ("nearest", "nearest_away", "toward_zero", "up", "down")
 
 
 def overflow_result(x: float, spec: Spec, mode: str, policy: str) -> float:
-    """What an overflowing x becomes under an overflow policy (DESIGN §3)."""
+    """What an overflowing x becomes under an overflow policy (docs/design.md §3)."""
     neg = math.copysign(1.0, x) < 0
     mx = math.ldexp(spec.max_significand, spec.emax - spec.m)
     mx = -mx if neg else mx
@@ -98,7 +98,7 @@ def overflow_result(x: float, spec: Spec, mode: str, policy: str) -> float:
 
 def code_is_odd(k: int, qe: int, spec: Spec) -> bool:
     """Whether the encoding of k * 2^qe (a value of the grid) ends in 1: its mantissa's last bit,
-    or with m = 0, where k is 0 or 1, its exponent code qe + bias (DESIGN §3)."""
+    or with m = 0, where k is 0 or 1, its exponent code qe + bias (docs/design.md §3)."""
     if spec.m > 0:
         return k % 2 == 1
     return k == 1 and (qe + spec.bias) % 2 == 1
@@ -108,7 +108,7 @@ def round_exact(x: float, spec: Spec, mode: str, policy: str):
     """(result as float, event) with event in {None, 'overflow', 'underflow', 'nan'}.
 
     Rounds x to the format's values extended upward without bound, then applies the overflow
-    policy (DESIGN §3).
+    policy (docs/design.md §3).
     """
     if math.isnan(x):
         return math.nan, "nan"
@@ -198,7 +198,7 @@ def philox4x32_10(ctr, key):
 
 
 def philox_word(seed: int, offset: int, i: int) -> int:
-    """The random word DESIGN §3 assigns to element i."""
+    """The random word docs/design.md §3 assigns to element i."""
     block = offset + i // 4
     words = philox4x32_10([block & MASK32, block >> 32, 0, 0], [seed & MASK32, seed >> 32])
     return words[i % 4]
@@ -213,7 +213,7 @@ def exceeds_max(k: int, qe: int, spec: Spec) -> bool:
 
 
 def stochastic_exact(x: float, spec: Spec, word: int, sr_bits: int = 32) -> float:
-    """Stochastic rounding of finite x with a given random word, per DESIGN §3 (no overflow):
+    """Stochastic rounding of finite x with a given random word, per docs/design.md §3 (no overflow):
     up with probability floor(f * 2^R) / 2^R, decided by the word's top R bits."""
     if x == 0:
         return x

@@ -1,4 +1,4 @@
-"""The quantize API: layouts, dtypes, out=/in-place, numpy, autograd, errors (DESIGN §3, §7)."""
+"""The quantize API: layouts, dtypes, out=/in-place, numpy, autograd, errors (docs/design.md §3, §7)."""
 
 import math
 import os
@@ -254,7 +254,7 @@ def test_extra_bits_and_s2fp8_over_2_to_the_31_elements():
     x[-3:] = torch.tensor([100.0, -7.7, 1e-4])
     y, stats = lowfp.s2fp8_quantize(x, out=x)
     assert stats.count == n and y is x
-    # float64 reference of DESIGN §4 for n - 3 copies of 0.3 and three other magnitudes
+    # float64 reference of docs/design.md §4 for n - 3 copies of 0.3 and three other magnitudes
     values = torch.tensor([0.3, 100.0, -7.7, 1e-4]).half().double()
     logs = values.abs().log2()
     mu = (float(logs[0]) * (n - 3) + math.fsum(logs[1:].tolist())) / n
@@ -356,7 +356,7 @@ torch.save([lowfp._C.cpu_kernel()] + outs, sys.argv[1])
             assert torch.equal(a, b), kernel
 
 
-# -- errors (DESIGN §7) ---------------------------------------------------------------------------
+# -- errors (docs/design.md §7) ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("call,exc,match", [
     (lambda: lowfp.quantize([1.0], F), TypeError, "x must be a torch.Tensor"),

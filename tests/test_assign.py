@@ -1,4 +1,4 @@
-"""Recording a training step and the precision assignments of DESIGN §6, checked against sizes,
+"""Recording a training step and the precision assignments of docs/design.md §6, checked against sizes,
 groups and ratios worked out by hand."""
 
 import json

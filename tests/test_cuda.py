@@ -1,4 +1,4 @@
-"""CUDA backend: bit-identical to the CPU engine (DESIGN §1, §3). Needs a GPU and the CUDA build."""
+"""CUDA backend: bit-identical to the CPU engine (docs/design.md §1, §3). Needs a GPU and the CUDA build."""
 
 import numpy as np
 import pytest
@@ -124,7 +124,7 @@ def test_more_than_2_to_the_31_elements():
     torch.cuda.empty_cache()
 
 
-# S2FP8 (DESIGN §4): statistics and x' equal to the CPU's bit for bit.
+# S2FP8 (docs/design.md §4): statistics and x' equal to the CPU's bit for bit.
 
 def s2fp8_cpu_and_gpu(x, fmt="float8_e5m2", mode="nearest", **kw):
     s_cpu, s_gpu = lowfp.Stats(), lowfp.Stats("cuda")
@@ -224,7 +224,7 @@ def test_s2fp8_edge_cases_on_gpu():
     assert torch.equal(x.grad.cpu(), lowfp.s2fp8_quantize(up.cpu())[0])
 
 
-# Extra bits (DESIGN §5): split, merge and fused steps equal the CPU's bit for bit.
+# Extra bits (docs/design.md §5): split, merge and fused steps equal the CPU's bit for bit.
 
 @pytest.mark.parametrize("dtype,k", [(torch.bfloat16, 16), (torch.bfloat16, 5), (torch.float16, 13), (torch.float16, 8)])
 @pytest.mark.parametrize("rounding", ["toward_zero", "nearest", "stochastic"])

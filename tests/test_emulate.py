@@ -1,4 +1,4 @@
-"""Emulated training (DESIGN §6): every tensor on its format's grid, fp32 bit for bit, promotion,
+"""Emulated training (docs/design.md §6): every tensor on its format's grid, fp32 bit for bit, promotion,
 and the loss scaler seeing emulated overflows."""
 
 import copy

@@ -1,4 +1,4 @@
-"""Extra bits (DESIGN §5): split/merge/packing and the ExtraBits optimizers, against references
+"""Extra bits (docs/design.md §5): split/merge/packing and the ExtraBits optimizers, against references
 written here: float64/integer arithmetic for truncation, a Python bit string for packing, and a
 numpy float32 optimizer that performs torch.optim's operations in the same order (numpy's
 float32 element-wise operations round each operation: no fused multiply-adds)."""
@@ -86,7 +86,7 @@ def test_smaller_k_truncates(dtype, ks, rounding):
 
 
 def pack_reference(values, q):
-    """DESIGN §5's packing as a bit string: element j of each 32-element block at bits [j q, (j + 1) q)
+    """docs/design.md §5's packing as a bit string: element j of each 32-element block at bits [j q, (j + 1) q)
     of the block's q words, least significant bit first; the last block padded with zeros. int32s."""
     n = -(-len(values) // 32) * 32
     bits = "".join(format(v, f"0{q}b")[::-1] for v in values) + "0" * q * (n - len(values))

@@ -1,4 +1,4 @@
-"""lowfp.Format: derived properties, parsing, equality, validation (DESIGN §2)."""
+"""lowfp.Format: derived properties, parsing, equality, validation (docs/design.md §2)."""
 
 import math
 import pickle

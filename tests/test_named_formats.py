@@ -64,7 +64,7 @@ def test_bit_exact_with_ml_dtypes(name):
     got = lowfp.quantize(x, fmt, overflow=ML_OVERFLOW[name])
     with np.errstate(invalid="ignore"):
         want = x.astype(ML_TYPES[name]).astype(np.float32)
-    # fp6/fp4 have no NaN: ml_dtypes maps NaN to a number, lowfp keeps NaN (DESIGN §3).
+    # fp6/fp4 have no NaN: ml_dtypes maps NaN to a number, lowfp keeps NaN (docs/design.md §3).
     assert np.isnan(got[np.isnan(x)]).all()
     keep = ~np.isnan(x)
     assert_same_bits(got[keep], want[keep], name)
@@ -78,7 +78,7 @@ def test_bit_exact_with_torch_casts(name, dtype, source):
     fmt = getattr(lowfp.formats, name)
     x = torch.from_numpy(np.concatenate([random_float32(1 << 20, 11), boundary_float32(fmt)]))
     x = x.to(source)
-    # Each format's default overflow policy is torch's cast's (DESIGN §3). torch 2.11 (seen on
+    # Each format's default overflow policy is torch's cast's (docs/design.md §3). torch 2.11 (seen on
     # the GPU machine) casts an overflowing float8_e4m3fn to NaN where 2.13 saturates: compare
     # with the "nan" policy under a torch that does.
     kw = {"overflow": "nan"} if torch.isnan(torch.tensor(1e6).to(dtype).float()) else {}

@@ -1,4 +1,4 @@
-"""Arbitrary fp(e,m,b) against the exact Fraction reference (DESIGN §2-3).
+"""Arbitrary fp(e,m,b) against the exact Fraction reference (docs/design.md §2-3).
 
 Grid: e 2-8, m 0-10, b -3..+6, every specials convention that is valid, subnormals on and off;
 every deterministic mode and every overflow policy; float64 and (where the format fits) float32

@@ -1,4 +1,4 @@
-"""S2FP8 (DESIGN §4) against a float64 reference of its equations written here.
+"""S2FP8 (docs/design.md §4) against a float64 reference of its equations written here.
 
 Reference: mu = mean log2|x| (math.fsum), m = max log2|x| over finite nonzero x, alpha =
 log_max / (m - mu), beta = -alpha mu, Y = sign(x) 2^(alpha log2|x| + beta), Y rounded to the
@@ -258,7 +258,7 @@ def _mixed_tensor(n, dtype, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_threshold_path_equals_float64_path(dtype, monkeypatch):
     """For float32 and 16-bit x in the deterministic modes, the CPU reads x' from per-call
-    intervals of |x| (s2fp8_thresholds.cpp; DESIGN §4 unchanged): every output bit, count and
+    intervals of |x| (s2fp8_thresholds.cpp; docs/design.md §4 unchanged): every output bit, count and
     statistic must equal the float64 path's, for every deterministic mode, overflow policy and a
     range of formats (fp(6,9,0) is too fine for the threshold form and float64 x has none: those
     compare the float64 path with itself)."""

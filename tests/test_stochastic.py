@@ -1,4 +1,4 @@
-"""Stochastic rounding and its random numbers (DESIGN §3)."""
+"""Stochastic rounding and its random numbers (docs/design.md §3)."""
 
 import math
 

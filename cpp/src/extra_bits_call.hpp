@@ -1,4 +1,4 @@
-// Requests for the extra-bits drivers (DESIGN §5), validated by make_extra_bits_params.
+// Requests for the extra-bits drivers (docs/design.md §5), validated by make_extra_bits_params.
 #pragma once
 #include <cstdint>
 #include <vector>

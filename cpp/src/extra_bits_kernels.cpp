@@ -1,4 +1,4 @@
-// The extra-bits loops (DESIGN §5), compiled once per instruction-set level like
+// The extra-bits loops (docs/design.md §5), compiled once per instruction-set level like
 // quantize_kernels.cpp: split, merge and the fused optimizer steps over whole 32-element blocks.
 // Each tile unpacks its blocks into one value per element, runs a branch-free element loop the
 // compiler vectorises (merge, update, split: cpp/include/lowfp/), and packs the blocks back.

@@ -1,4 +1,4 @@
-// The extra-bits packing of DESIGN §5 on vectors, for the CPU kernels' tiles: the same layout as
+// The extra-bits packing of docs/design.md §5 on vectors, for the CPU kernels' tiles: the same layout as
 // unpack_one / pack_block of cpp/include/lowfp/extra_bits.hpp, one instance per q (Q).
 //
 // AVX-512BW, 16 elements at a time. A 32-element block of q bits per element is 32 q bits; each

@@ -33,7 +33,7 @@ struct QuantizeRequest {
 QuantizeCall make_quantize_call(const QuantizeRequest& r, const void* x, void* y, int64_t n,
                                 bool count);
 
-// S2FP8 (DESIGN §4): x and y share one dtype; Y is rounded to the request's format in a float64
+// S2FP8 (docs/design.md §4): x and y share one dtype; Y is rounded to the request's format in a float64
 // carrier (q.p64); x' is stored in the dtype, rounded to nearest once when it is 16-bit.
 struct S2fp8Call {
   QuantizeCall q;

@@ -108,7 +108,7 @@ void quantize_cpu(const QuantizeCall& call, int64_t* counts);
 // (double[kParamSize]: alpha, beta, mu, m), then x' into call.q.y; counts as quantize_cpu.
 void s2fp8_cpu(const S2fp8Call& call, int64_t* sums, double* params, int64_t* counts);
 
-// Extra bits (DESIGN §5) on the CPU threads; the returned counts are the 16-bit weights'
+// Extra bits (docs/design.md §5) on the CPU threads; the returned counts are the 16-bit weights'
 // rounding events (overflow, underflow, nan).
 EventCounts extra_bits_split_cpu(const ExtraBitsParams& e, Rounding mode, const ExtraBitsSplit& a);
 void extra_bits_merge_cpu(const ExtraBitsParams& e, const ExtraBitsMerge& a);
@@ -116,7 +116,7 @@ void extra_bits_merge_cpu(const ExtraBitsParams& e, const ExtraBitsMerge& a);
 EventCounts extra_bits_step_cpu(const ExtraBitsStep& s);
 
 // Packed extra bits in another element order (a parameter's memory layout changed): element i
-// of dst (n elements of q bits, DESIGN §5's blocks) is element index[i] of src, each index in
+// of dst (n elements of q bits, docs/design.md §5's blocks) is element index[i] of src, each index in
 // [0, n); dst's padding elements are 0.
 void extra_bits_gather_cpu(const uint32_t* src, const int64_t* index, int64_t n, uint32_t q,
                            uint32_t* dst);

@@ -1,4 +1,4 @@
-// The S2FP8 loops (DESIGN §4), compiled once per instruction-set level like quantize_kernels.cpp:
+// The S2FP8 loops (docs/design.md §4), compiled once per instruction-set level like quantize_kernels.cpp:
 // the reduction over log2|x| and the element transform, both the shared math of
 // cpp/include/lowfp/s2fp8.hpp in plain loops the compiler vectorises (plus, with AVX-512, table
 // lookups from registers).

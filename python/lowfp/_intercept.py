@@ -1,5 +1,5 @@
 """The operator-level view of a model's forward pass that ``assign.trace`` and ``emulate`` share
-(DESIGN §6).
+(docs/design.md §6).
 
 While the model's ``forward`` runs, a ``TorchFunctionMode`` sees every call of a torch function,
 a ``torch.nn.functional`` function or a Tensor method — from nn.Modules and from user code alike
@@ -46,7 +46,7 @@ _CONSTANT_NAMES = frozenset("""
 zeros_like ones_like empty_like full_like rand_like randn_like randint_like new_zeros new_ones
 new_empty new_full new_tensor
 """.split())
-# DESIGN §6: linear, conv*, matmul/mm/bmm/addmm/baddbmm/einsum, scaled-dot-product attention; plus
+# docs/design.md §6: linear, conv*, matmul/mm/bmm/addmm/baddbmm/einsum, scaled-dot-product attention; plus
 # the composites that are one operator here and consist of GEMMs (attention, recurrent layers).
 GEMM_NAMES = frozenset("""
 linear bilinear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d conv_tbc

@@ -1,4 +1,4 @@
-"""Precision assignment (DESIGN §6): record a training step, then choose a format per tensor.
+"""Precision assignment (docs/design.md §6): record a training step, then choose a format per tensor.
 
 >>> import torch, lowfp
 >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
@@ -269,7 +269,7 @@ def trace(model: torch.nn.Module, example_inputs, loss_fn: Optional[Callable] = 
 # -- candidates and assignments ------------------------------------------------------------------
 @dataclass(frozen=True)
 class Candidates:
-    """The precision candidates C of DESIGN §6: ``hi`` for every tensor; ``lo_forward`` for
+    """The precision candidates C of docs/design.md §6: ``hi`` for every tensor; ``lo_forward`` for
     activations and parameters, ``lo_backward`` for gradients. ``weight_grads_lo`` lets
     ``uniform`` and ``ours`` demote weight gradients too (by default they stay hi). Any lowfp
     format or :class:`lowfp.S2FP8` may be a candidate."""

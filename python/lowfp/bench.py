@@ -1,4 +1,4 @@
-"""Throughput of lowfp.quantize against baselines measured in the same run (DESIGN §8).
+"""Throughput of lowfp.quantize against baselines measured in the same run (docs/design.md §8).
 
 Baselines: ``y.copy_(x)`` (the memory roofline), torch's round-trip casts
 ``x.to(dtype).float()``, and, when installed, ml_dtypes ``astype`` round trips and QPyTorch's
@@ -186,7 +186,7 @@ def summarize_gpu(rows: List[dict]) -> Dict[str, float]:
 
 
 def summarize(rows: List[dict]) -> Dict[str, Optional[float]]:
-    """The issue's target ratios, from the rows of one run: each the median over rounds of the
+    """The quantize benchmark's target ratios, from the rows of one run: each the median over rounds of the
     ratio of two cases' speeds in that round (paired_ratio), then the worst over formats."""
     t = {r["label"]: r["rounds"] for r in rows}
 

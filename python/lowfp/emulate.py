@@ -1,4 +1,4 @@
-"""Emulated low-precision training (DESIGN §6): every tensor of the training step is rounded to
+"""Emulated low-precision training (docs/design.md §6): every tensor of the training step is rounded to
 the format its assignment gives it, in forward and backward, with promotion of overflowing
 tensors and a per-step history.
 

@@ -1,4 +1,4 @@
-"""16-bit weights plus k packed extra bits (DESIGN §5).
+"""16-bit weights plus k packed extra bits (docs/design.md §5).
 
 >>> import torch, lowfp
 >>> w = torch.tensor([1.0 + 2**-9 + 2**-20, -3.14159])

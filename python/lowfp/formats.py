@@ -1,4 +1,4 @@
-"""Floating-point formats fp(e, m, b) and the named formats of DESIGN §2.
+"""Floating-point formats fp(e, m, b) and the named formats of docs/design.md §2.
 
 >>> import lowfp
 >>> f = lowfp.fp(4, 3, 4)
@@ -24,7 +24,7 @@ __all__ = ["Format", "fp", "named", "to_format", "S2FP8", "to_precision", "SPECI
 
 SPECIALS = ("none", "ieee", "fn", "fnuz")
 OVERFLOW_POLICIES = ("saturate", "inf", "nan")
-# DESIGN §3: the overflow policy a format uses unless a call overrides it.
+# docs/design.md §3: the overflow policy a format uses unless a call overrides it.
 DEFAULT_OVERFLOW = {"none": "saturate", "ieee": "inf", "fn": "saturate", "fnuz": "nan"}
 
 _TORCH_DTYPE_NAMES = {
@@ -243,7 +243,7 @@ def named() -> Dict[str, Format]:
 
 
 class S2FP8:
-    """S2FP8 as a precision (DESIGN §4): each tensor is squeezed and shifted by its own statistics
+    """S2FP8 as a precision (docs/design.md §4): each tensor is squeezed and shifted by its own statistics
     α, β so that log2|Y| has mean 0 and maximum ``log_max``, Y is rounded to ``fmt``, and the
     result is mapped back. Accepted by :func:`lowfp.quantize` wherever a format is.
 

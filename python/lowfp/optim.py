@@ -1,5 +1,5 @@
 """Optimizers that keep 16-bit weights plus k packed extra bits instead of an fp32 master copy
-(DESIGN §5): ``ExtraBitsSGD``, ``ExtraBitsAdam``, ``ExtraBitsAdamW``.
+(docs/design.md §5): ``ExtraBitsSGD``, ``ExtraBitsAdam``, ``ExtraBitsAdamW``.
 
 >>> import torch, lowfp
 >>> model = torch.nn.Linear(4, 2)                       # float32 parameters ...
@@ -708,7 +708,7 @@ def _check_common(group: dict) -> None:
 
 
 class ExtraBitsSGD(_ExtraBitsOptimizer):
-    """torch.optim.SGD on W' = 16-bit weight + ``extra_bits`` packed bits (DESIGN §5).
+    """torch.optim.SGD on W' = 16-bit weight + ``extra_bits`` packed bits (docs/design.md §5).
 
     Args: as torch.optim.SGD (``lr=1e-3, momentum=0, dampening=0, weight_decay=0,
     nesterov=False, maximize=False``), plus ``extra_bits`` (k: 1-16 for bfloat16, 1-13 for
@@ -773,7 +773,7 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
 
 
 class ExtraBitsAdam(_ExtraBitsOptimizer):
-    """torch.optim.Adam on W' = 16-bit weight + ``extra_bits`` packed bits (DESIGN §5).
+    """torch.optim.Adam on W' = 16-bit weight + ``extra_bits`` packed bits (docs/design.md §5).
 
     Args: as torch.optim.Adam (``lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
     amsgrad=False, maximize=False, decoupled_weight_decay=False``: True is AdamW's decay, also
@@ -999,7 +999,7 @@ def step_in_backward(optimizer, *, clip_value: Optional[float] = None, scaler=No
                      clip_norm: Optional[float] = None, accumulation_steps: int = 1,
                      model: Optional[torch.nn.Module] = None) -> StepInBackward:
     """Step each parameter as soon as its gradient is accumulated, then free that gradient, so
-    the gradients of the whole model never exist at once (DESIGN §5). Call ``loss.backward()``
+    the gradients of the whole model never exist at once (docs/design.md §5). Call ``loss.backward()``
     and nothing else: ``optimizer.step()`` and ``zero_grad()`` are not needed.
 
     Args:

@@ -1,4 +1,4 @@
-"""``lowfp.quantize``: round tensors and arrays to a format (DESIGN §3)."""
+"""``lowfp.quantize``: round tensors and arrays to a format (docs/design.md §3)."""
 
 from __future__ import annotations
 

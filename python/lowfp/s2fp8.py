@@ -1,4 +1,4 @@
-"""S2FP8: shifted-and-squeezed 8-bit truncation with per-tensor statistics (DESIGN §4).
+"""S2FP8: shifted-and-squeezed 8-bit truncation with per-tensor statistics (docs/design.md §4).
 
 >>> import torch, lowfp
 >>> g = torch.tensor([3e-7, -1e-6, 2.5e-6, 0.0])

@@ -1,4 +1,4 @@
-"""Dynamic loss scaling that also sees emulated overflows (DESIGN §6)."""
+"""Dynamic loss scaling that also sees emulated overflows (docs/design.md §6)."""
 
 from __future__ import annotations
 

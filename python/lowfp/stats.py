@@ -1,4 +1,4 @@
-"""Event counts of rounding calls (DESIGN §3): overflow, underflow, nan, numel."""
+"""Event counts of rounding calls (docs/design.md §3): overflow, underflow, nan, numel."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-// 16-bit weights plus k extra bits (DESIGN §5): split an fp32 master W into a float16/bfloat16
+// 16-bit weights plus k extra bits (docs/design.md §5): split an fp32 master W into a float16/bfloat16
 // weight w and the next k bits of W's significand below the truncation t of W, merge them back
 // into W' (W truncated to 16-bit precision + k bits), and pack q bits per element (k, plus a flag
 // bit when w was rounded away from t) into blocks of 32 elements = q int32 words.

@@ -1,4 +1,4 @@
-// Formats fp(e, m, b) and the constants the rounding kernel needs for one carrier (DESIGN §2-3).
+// Formats fp(e, m, b) and the constants the rounding kernel needs for one carrier (docs/design.md §2-3).
 #pragma once
 #include <cmath>
 #include <string>

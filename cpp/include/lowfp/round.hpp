@@ -1,4 +1,4 @@
-// Rounding one carrier value to fp(e, m, b) (DESIGN §3), branch-free on the carrier's integer
+// Rounding one carrier value to fp(e, m, b) (docs/design.md §3), branch-free on the carrier's integer
 // representation so that CPU compilers vectorise it and GPU threads do not diverge.
 //
 // For |x| with carrier significand sig (implicit bit made explicit) and effective exponent E, the

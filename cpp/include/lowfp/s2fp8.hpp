@@ -1,4 +1,4 @@
-// S2FP8 (DESIGN §4): over a tensor's finite nonzero elements, mu = mean log2|x|, m = max log2|x|,
+// S2FP8 (docs/design.md §4): over a tensor's finite nonzero elements, mu = mean log2|x|, m = max log2|x|,
 // alpha = log_max / (m - mu), beta = -alpha mu; each element becomes
 //   Y = sign(x) 2^(alpha log2|x| + beta),   x' = sign(x) 2^((log2|round(Y)| - beta) / alpha).
 //
