@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 import lowfp
 from lowfp import assign as A
-from lowfp import models
-from lowfp.bench import _time as best, machine_description
+from lowfp.experiments import models
+from lowfp.experiments.bench import _time as best, machine_description
 
 CASES = [  # name, model factory, batch, channels, image size
     ("resnet 8x8", lambda: models.ResidualCNN(1, 10, 1.0), 64, 1, 8),

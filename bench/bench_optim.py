@@ -39,7 +39,7 @@ import sys
 import torch
 
 import lowfp
-from lowfp.bench import _once_cpu, _once_cuda, machine_description, time_interleaved
+from lowfp.experiments.bench import _once_cpu, _once_cuda, machine_description, time_interleaved
 from lowfp.optim import ExtraBitsAdamW, ExtraBitsSGD
 
 SHAPES_PER_10M = [(2048, 2048)] * 2 + [(1024, 1024)] * 5 + [(4096,)] * 4  # ~13.6M

@@ -19,7 +19,7 @@ import sys
 import torch
 
 import lowfp
-from lowfp.bench import (_once_cpu, _once_cuda, _time, machine_description, paired_ratio,
+from lowfp.experiments.bench import (_once_cpu, _once_cuda, _time, machine_description, paired_ratio,
                          time_interleaved, time_rounds)
 
 CASES = [("float8_e5m2", 15.0), ("float8_e4m3fn", 8.0)]
@@ -27,7 +27,7 @@ CASES = [("float8_e5m2", 15.0), ("float8_e4m3fn", 8.0)]
 
 def run(device: str, size: int, repeats: int):
     """Rows (label, best seconds, S2FP8 / quantize or None). Each case's quantize and S2FP8 are
-    timed in alternating rounds (lowfp.bench.time_rounds); the ratio is the median over rounds
+    timed in alternating rounds (lowfp.experiments.bench.time_rounds); the ratio is the median over rounds
     of the two times measured moments apart."""
     once = _once_cpu if device == "cpu" else _once_cuda
     if device == "cuda":

@@ -22,6 +22,7 @@ import time
 import torch
 
 import lowfp
+import lowfp.experiments.models
 from lowfp.optim import ExtraBitsSGD
 
 
@@ -55,7 +56,7 @@ def make_model(kind="mlp", seed=0, width=128):
     torch.manual_seed(seed)
     if kind == "resnet":  # images of 1 x 8 x 8
         return torch.nn.Sequential(torch.nn.Unflatten(1, (1, 8, 8)),
-                                   lowfp.models.build("resnet", 1, 10, width=0.5, image_size=8))
+                                   lowfp.experiments.models.build("resnet", 1, 10, width=0.5, image_size=8))
     return torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), Block(width), Block(width),
                                torch.nn.Linear(width, 10))
 

@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import lowfp
+import lowfp.experiments.models
 from lowfp import assign as A
 
 
@@ -151,7 +152,7 @@ def test_functional_graph_residual_cat_matmul():
 
 
 def test_ours_endpoints_monotone_and_orders():
-    model = lowfp.models.ResidualCNN(1, 10, 0.5)
+    model = lowfp.experiments.models.ResidualCNN(1, 10, 0.5)
     tr = A.trace(model, torch.randn(4, 1, 8, 8), F.cross_entropy, torch.randint(0, 10, (4,)))
     assert A.ours(tr, 0).formats == A.all_hi(tr).formats
     assert A.ours(tr, 1).formats == A.uniform(tr).formats
@@ -217,7 +218,7 @@ def test_malformed_saved_assignments_are_value_errors():
 
 
 def test_trace_leaves_the_model_as_it_was():
-    model = lowfp.models.ResidualCNN(1, 10, 0.5)
+    model = lowfp.experiments.models.ResidualCNN(1, 10, 0.5)
     model.train()
     x = torch.randn(4, 1, 8, 8)
     state = {k: v.clone() for k, v in model.state_dict().items()}

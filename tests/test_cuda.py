@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import lowfp
+import lowfp.experiments.models
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and lowfp.cuda_built()),
@@ -596,7 +597,7 @@ def test_emulated_training_on_cuda():
     import torch.nn.functional as F
     from lowfp import assign as A
     torch.manual_seed(0)
-    model = lowfp.models.ResidualCNN(1, 10, 0.5).cuda()
+    model = lowfp.experiments.models.ResidualCNN(1, 10, 0.5).cuda()
     x, y = torch.randn(16, 1, 8, 8, device="cuda"), torch.randint(0, 10, (16,), device="cuda")
     tr = A.trace(model, x, F.cross_entropy, y)
     a = A.ours(tr, 0.5)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from lowfp import data
+from lowfp.experiments import data
 
 
 def write_cifar(root, classes, n_per_file=6, seed=0):

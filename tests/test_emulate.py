@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import lowfp
 from lowfp import assign as A
-from lowfp import models
+from lowfp.experiments import models
 
 
 def batch(n=16, c=1, hw=8, classes=10, seed=0):

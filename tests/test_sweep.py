@@ -6,8 +6,9 @@ import json
 import pytest
 
 from lowfp import assign as A
-from lowfp import cli, sweep
-from lowfp import train as T
+from lowfp import cli
+from lowfp.experiments import sweep
+from lowfp.experiments import train as T
 
 TINY = ["--data", "synthetic", "--width", "0.25", "--batch-size", "256", "--epochs", "1"]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -60,8 +61,8 @@ def test_sweep_ratio_matches_the_assignment(tmp_path):
     (run,) = res["runs"]
     import torch
     import torch.nn.functional as F
-    from lowfp import data as D
-    from lowfp import models as M
+    from lowfp.experiments import data as D
+    from lowfp.experiments import models as M
     torch.manual_seed(3)
     ds = D.load("synthetic", seed=3)
     model = M.build("resnet", ds.in_channels, ds.num_classes, 0.25, ds.image_size)

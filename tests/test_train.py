@@ -46,7 +46,7 @@ def test_extra_bits_optimizers_keep_the_float32_initialisation(optimizer):
     """The model is built in float32 and the optimizer converts it, so its extra bits hold the
     initial weights' cut-off bits (k=16: all of them); BatchNorm's buffers follow to bfloat16."""
     import torch
-    from lowfp import models, train
+    from lowfp.experiments import models, train
     cfg = train.TrainConfig(optimizer=optimizer, extra_bits=16, rounding="toward_zero")
     model = models.build("resnet", 1, 10, 0.25, 8)
     w32 = [p.detach().clone() for p in model.parameters()]

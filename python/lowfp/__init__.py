@@ -7,10 +7,11 @@ tensor([ 0.1016,  1.0000,  3.2500, 30.0000])
 """
 
 from . import _C
-from . import assign, extra_bits, formats, models, optim
+from . import assign, extra_bits, formats, optim
 from .backends import cuda_built
 from .formats import Format, S2FP8, fp
-from .quantize import ROUNDING_MODES, draw_seed, quantize, quantize_
+from ._native import ROUNDING_MODES, draw_seed
+from .quantize import quantize, quantize_
 from .s2fp8 import S2FP8Stats, s2fp8_quantize
 from .stats import Stats
 from .emulate import Emulator, History, emulate

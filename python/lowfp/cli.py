@@ -60,13 +60,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub.add_parser("sweep", help="the memory-accuracy trade-off of the assignments (lowfp sweep --help)",
                    add_help=False)
     if argv and argv[0] == "bench":  # the benchmark parses its own options
-        from . import bench
+        from .experiments import bench
         return bench.main(argv[1:], default_size=1 << 22)
     if argv and argv[0] == "train":
-        from . import train
+        from .experiments import train
         return train.main(argv[1:])
     if argv and argv[0] == "sweep":
-        from . import sweep
+        from .experiments import sweep
         return sweep.main(argv[1:])
     args = parser.parse_args(argv)
     return cmd_formats(args)

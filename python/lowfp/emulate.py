@@ -43,6 +43,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ._checks import check_choice
+from ._optional import pyplot
 from ._intercept import ForwardSession
 from .assign import FORWARD_ROLES, Assignment, grad_name, role_of
 from .quantize import Rounder
@@ -94,9 +95,7 @@ class History:
     def plot(self, path, title: Optional[str] = None) -> None:
         """Loss (when recorded), loss scale, ratio_lo and aggregate, and the largest overflow
         ratio per step, with promotions marked, as a PNG."""
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot("History.plot")
         steps = [s["step"] for s in self.steps]
         panels = [("loss", "loss", False), ("loss_scale", "loss scale", True),
                   ("ratio_lo", "ratio_lo", False), ("aggregate_bits", "aggregate (bits)", False),

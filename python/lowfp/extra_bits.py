@@ -22,7 +22,7 @@ import torch
 from . import _C, backends
 from ._checks import check_choice, is_dtype_in
 from .backends import inverse_order
-from .quantize import DTYPE_CODES, ROUNDING_MODES, _check_uint64, stochastic_seed
+from ._native import DTYPE_CODES, ROUNDING_MODES, check_uint64, stochastic_seed
 from .stats import Stats
 
 __all__ = ["split", "merge", "packed_words", "bits_per_element", "EXTRA_BITS_ROUNDING", "max_extra_bits"]
@@ -78,7 +78,7 @@ def split(w32: torch.Tensor, dtype: torch.dtype = torch.bfloat16, k: int = 16,
         seed = stochastic_seed(seed, generator)
     else:
         seed = 0
-    offset = _check_uint64(offset, "offset")
+    offset = check_uint64(offset, "offset")
     src = w32.contiguous()
     w16 = torch.empty(w32.shape, dtype=dtype, device=w32.device)
     packed = torch.empty(packed_words(src.numel(), k, rounding), dtype=torch.int32, device=w32.device)

@@ -36,7 +36,7 @@ from ._torch_sqrt import use_torch_sqrt
 from ._checks import is_dtype_in
 from .backends import inverse_order, memory_order
 from .extra_bits import check_extra_bits, merge, packed_words, reorder_packed, split
-from .quantize import DTYPE_CODES, ROUNDING_MODES, draw_seed
+from ._native import DTYPE_CODES, ROUNDING_MODES, draw_seed
 from .scaler import _any_non_finite_into
 from .stats import Stats
 

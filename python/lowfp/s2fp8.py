@@ -13,17 +13,16 @@ one element pass maps x to Y = sign(x) 2^β |x|^α, rounds Y to the 8-bit format
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import numpy as np
 import torch
 
-from . import _C, backends
-from ._checks import check_choice
+from . import _C
 from ._memory import new_output
-from .formats import Format, S2FP8, to_format, to_precision
-from .quantize import (DTYPE_CODES, ROUNDING_MODES, _Call, _check_tensor_args, _make_call,
-                       _numpy_as_tensor, into_numpy_out, run_contiguous)
+from ._native import check_tensor_args, into_numpy_out, make_call, numpy_as_tensor, run_s2fp8
+from ._straight_through import StraightThrough
+from .formats import Format, S2FP8, to_format
 from .stats import Stats
 
 __all__ = ["S2FP8", "S2FP8Stats", "s2fp8_quantize"]
@@ -57,56 +56,29 @@ class S2FP8Stats:
                 "numel={numel})").format(**d)
 
 
-def _run(x: torch.Tensor, y: torch.Tensor, spec: S2FP8, call: _Call, result: S2FP8Stats,
-         stats: Optional[Stats]) -> torch.Tensor:
-    backend = backends.for_device(x.device, "x")
-    counts = stats.counts.data_ptr() if stats is not None else 0
-    return run_contiguous(x, y, lambda src, dst: backend.s2fp8(
-        src, DTYPE_CODES[src.dtype], dst, src.numel(), call.args(), spec.log_max, result.sums,
-        result.params, counts))
-
-
-class _S2FP8Function(torch.autograd.Function):
-    """Straight-through estimator; the gradient is optionally rounded to grad_fmt (an S2FP8
-    grad_fmt truncates it with the gradient's own statistics)."""
-
-    @staticmethod
-    def forward(ctx, x, spec, call, result, stats, grad_fmt, grad_rounding):
-        ctx.grad_spec = (grad_fmt, grad_rounding)
-        return _run(x, new_output(x, x.dtype), spec, call, result, stats)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad_fmt, grad_rounding = ctx.grad_spec
-        if grad_fmt is not None:
-            from .quantize import quantize
-            grad = quantize(grad, grad_fmt, grad_rounding)
-        return grad, None, None, None, None, None, None
-
-
 def apply_s2fp8(x: torch.Tensor, spec: S2FP8, rounding: str, *, overflow=None, subnormals=None,
                 seed=None, generator=None, offset=0, sr_bits=32, stats=None, out=None,
-                out_dtype=None, grad_fmt=None, grad_rounding="nearest"
+                out_dtype=None, round_grad: Optional[Callable] = None
                 ) -> Tuple[torch.Tensor, S2FP8Stats]:
-    """S2FP8 on a tensor (``quantize`` and ``s2fp8_quantize`` both end here)."""
-    _check_tensor_args(x, out, stats)
+    """S2FP8 on a tensor (``quantize`` and ``s2fp8_quantize`` both end here); the gradient
+    passes straight through, or through ``round_grad``."""
+    check_tensor_args(x, out, stats)
     if out is not None and out.dtype != x.dtype:
         raise ValueError(f"S2FP8 returns x's dtype {x.dtype}, but out has dtype {out.dtype}")
     if out_dtype is not None and out_dtype != x.dtype:
         raise ValueError(f"S2FP8 returns x's dtype {x.dtype}; out_dtype={out_dtype} is not supported")
-    call = _make_call(spec.fmt, rounding, overflow, subnormals, seed, generator, offset, sr_bits)
+    call = make_call(spec.fmt, rounding, overflow, subnormals, seed, generator, offset, sr_bits)
     reason = call.fmt.fit_error(torch.float64)
     if reason:
         raise ValueError(f"fmt {call.fmt} cannot be used by S2FP8: {reason}")
-    if grad_fmt is not None:
-        grad_fmt = to_precision(grad_fmt, "grad_fmt")
-        check_choice(grad_rounding, ROUNDING_MODES, "grad_rounding")
     result = S2FP8Stats(x.device, x.numel())
+
+    def run(t, y):
+        return run_s2fp8(t, y, spec, call, result.sums, result.params, stats)
+
     if x.requires_grad and torch.is_grad_enabled():  # (out= was refused for it above)
-        y = _S2FP8Function.apply(x, spec, call, result, stats, grad_fmt, grad_rounding)
-        return y, result
-    y = out if out is not None else new_output(x, x.dtype)
-    return _run(x, y, spec, call, result, stats), result
+        return StraightThrough.apply(x, lambda t: run(t, new_output(t, t.dtype)), round_grad), result
+    return run(x, out if out is not None else new_output(x, x.dtype)), result
 
 
 def s2fp8_quantize(x, fmt: Union[Format, S2FP8, str] = "float8_e5m2", *,
@@ -144,7 +116,7 @@ def s2fp8_quantize(x, fmt: Union[Format, S2FP8, str] = "float8_e5m2", *,
     if isinstance(x, np.ndarray):
         if truncate_grad:
             raise ValueError("truncate_grad applies to torch tensors only")
-        xt = _numpy_as_tensor(x, "x")
+        xt = numpy_as_tensor(x, "x")
         if out is not None:
             results = []
             into_numpy_out(out, lambda t: results.append(apply_s2fp8(xt, spec, rounding, out=t,
@@ -154,5 +126,5 @@ def s2fp8_quantize(x, fmt: Union[Format, S2FP8, str] = "float8_e5m2", *,
         return y.numpy(), result
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
-    return apply_s2fp8(x, spec, rounding, out=out, grad_fmt=spec if truncate_grad else None,
-                       **kwargs)
+    truncate = (lambda grad: apply_s2fp8(grad, spec, "nearest")[0]) if truncate_grad else None
+    return apply_s2fp8(x, spec, rounding, out=out, round_grad=truncate, **kwargs)

@@ -7,7 +7,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from . import _C, backends
-from .quantize import DTYPE_CODES as _DTYPE_CODES
+from ._native import DTYPE_CODES as _DTYPE_CODES
 
 __all__ = ["DynamicLossScaler"]
 

@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
 
+from .._optional import pyplot
 from . import train as T
 
 __all__ = ["Cell", "plan", "run_sweep", "summarise", "main", "STRATEGIES", "DEFAULT_R"]
@@ -210,9 +211,7 @@ def _spread_bar(ax, cells: Sequence[dict], xkey: str, y: str, fmt: str, **kwargs
 def plot_tradeoff(summary: Sequence[dict], path: str, title: str) -> None:
     """Best test accuracy and final training loss against ratio_lo, and best test accuracy
     against the aggregate memory."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the sweep's plots")
     panels = (("ratio_lo", "best_acc", "ratio_lo (after promotions)", "best test accuracy"),
               ("ratio_lo", "train_loss", "ratio_lo (after promotions)", "training loss, last epoch"),
               ("aggregate_mib", "best_acc", "aggregate memory of the assigned tensors (MiB)", "best test accuracy"))
@@ -254,10 +253,8 @@ def plot_tradeoff(summary: Sequence[dict], path: str, title: str) -> None:
 
 
 def plot_curves(runs: Sequence[dict], path: str, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+    plt = pyplot("the sweep's plots")
     cells = _by_cell(runs)
     promotions = sorted({c.promote for c in cells if c.strategy != "fp32"}, reverse=True) or [False]
     fig, axes = plt.subplots(len(promotions), 2, figsize=(12, 3.8 * len(promotions)), squeeze=False)

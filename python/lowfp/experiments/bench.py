@@ -19,8 +19,9 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-from . import _C, quantize
-from .stats import Stats
+from .. import _C
+from ..quantize import quantize
+from ..stats import Stats
 
 FORMATS = ["float8_e4m3fn", "float8_e5m2", "fp(4,3,4)", "bfloat16"]
 HALF_FORMATS = FORMATS[:3]  # those float16 holds (rounded in float32, returned in float16)
@@ -231,7 +232,7 @@ def main(argv: Optional[List[str]] = None, default_size: int = 1 << 24) -> int:
     args = p.parse_args(argv)
     if args.size <= 0 or args.gpu_size <= 0 or args.repeats <= 0:
         p.error("--size, --gpu-size and --repeats must be positive")
-    from .backends import cuda_built
+    from ..backends import cuda_built
     gpu_ok = torch.cuda.is_available() and cuda_built()
     if args.device == "cuda" and not gpu_ok:
         p.error("--device cuda needs a CUDA GPU and lowfp built with nvcc")

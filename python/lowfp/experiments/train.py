@@ -16,11 +16,11 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import assign as A
+from .. import assign as A
+from ..emulate import emulate
+from ..scaler import DynamicLossScaler
 from . import data as D
 from . import models as M
-from .emulate import emulate
-from .scaler import DynamicLossScaler
 
 __all__ = ["TrainConfig", "check_config", "run", "add_arguments", "config_from_args", "main"]
 
@@ -109,7 +109,7 @@ def make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Opti
                                weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    from .optim import ExtraBitsAdamW, ExtraBitsSGD
+    from ..optim import ExtraBitsAdamW, ExtraBitsSGD
     if cfg.optimizer == "extrabits-sgd":
         opt = ExtraBitsSGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                            weight_decay=cfg.weight_decay, extra_bits=cfg.extra_bits, rounding=cfg.rounding)
@@ -167,7 +167,7 @@ def run(cfg: TrainConfig, log=None, progress=None) -> dict:
             scaler = DynamicLossScaler(device, init_scale=init, growth_interval=growth, emulator=em)
         handle = None
         if cfg.step_in_backward:
-            from .optim import step_in_backward
+            from ..optim import step_in_backward
             handle = step_in_backward(opt, scaler=scaler)
         for epoch in range(1, cfg.epochs + 1):
             t0 = time.perf_counter()

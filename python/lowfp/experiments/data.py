@@ -16,6 +16,8 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
+from .._optional import import_optional
+
 __all__ = ["Dataset", "load", "DATASETS", "read_cifar"]
 
 DATASETS = ("digits", "cifar10", "cifar100", "synthetic")
@@ -51,8 +53,7 @@ def _standardise(train: np.ndarray, test: np.ndarray) -> Tuple[torch.Tensor, tor
 
 
 def _digits(seed: int) -> Dataset:
-    from sklearn.datasets import load_digits
-    d = load_digits()
+    d = import_optional("sklearn.datasets", "the digits data").load_digits()
     x = d.data.reshape(-1, 1, 8, 8).astype(np.float64)
     y = d.target.astype(np.int64)
     order = np.random.default_rng(seed).permutation(len(y))

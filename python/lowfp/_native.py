@@ -1,0 +1,223 @@
+"""The native-call toolkit the public modules share: dtype and mode codes, the checked request
+the C++/CUDA drivers take, seeds, argument checks of tensors and arrays, and the launches of the
+rounding and S2FP8 kernels on contiguous buffers. Nothing here is public API."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from . import backends
+from ._checks import check_choice, is_dtype_in
+from .formats import SPECIALS, Format, S2FP8, to_format
+from .stats import Stats
+
+ROUNDING_MODES = ("nearest", "nearest_away", "toward_zero", "up", "down", "stochastic")
+OVERFLOW_CODES = {"saturate": 0, "inf": 1, "nan": 2}
+DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+NUMPY_TO_TORCH = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
+                  np.dtype(np.float64): torch.float64}
+ALLOWED_DTYPES = "torch.float16, torch.bfloat16, torch.float32 or torch.float64"
+
+
+@dataclass(frozen=True)
+class NativeCall:
+    """A fully checked request: what the C++/CUDA drivers take besides the buffers."""
+
+    fmt: Format
+    rounding: int
+    sr_bits: int
+    seed: int
+    offset: int
+
+    def args(self):
+        f = self.fmt
+        return (f.e, f.m, f.b, SPECIALS.index(f.specials), f.subnormals,
+                OVERFLOW_CODES[f.overflow], self.rounding, self.sr_bits, self.seed, self.offset)
+
+
+def check_uint64(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= value < 2**64:
+        raise ValueError(f"{name} must be in [0, 2**64), got {value}")
+    return value
+
+
+def draw_seed(generator: Optional[torch.Generator] = None) -> int:
+    """A 64-bit seed from ``generator`` (default: torch's default CPU generator)."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    device = generator.device if generator is not None else "cpu"
+    words = torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator, device=device)
+    lo, hi = words.tolist()
+    return lo | (hi << 32)
+
+
+def stochastic_seed(seed: Optional[int], generator: Optional[torch.Generator]) -> int:
+    """The Philox key of a stochastic call: ``seed``, or one drawn from ``generator``."""
+    if seed is None:
+        return draw_seed(generator)
+    if generator is not None:
+        raise ValueError("pass seed= or generator=, not both: seed is the Philox key itself, "
+                         "generator draws one")
+    return check_uint64(seed, "seed")
+
+
+def make_call(fmt, rounding, overflow, subnormals, seed, generator, offset, sr_bits) -> NativeCall:
+    fmt = to_format(fmt, "fmt")
+    if overflow is not None or subnormals is not None:
+        check_choice(overflow, tuple(OVERFLOW_CODES), "overflow", none_ok=True)
+        if subnormals is not None and not isinstance(subnormals, bool):
+            raise TypeError(f"subnormals must be a bool or None, got {subnormals!r}")
+        fmt = fmt.replace(overflow=overflow, subnormals=subnormals)
+    check_choice(rounding, ROUNDING_MODES, "rounding")
+    if isinstance(sr_bits, bool) or not isinstance(sr_bits, int):
+        raise TypeError(f"sr_bits must be an int, got {type(sr_bits).__name__}")
+    if not 1 <= sr_bits <= 32:
+        raise ValueError(f"sr_bits must be between 1 and 32, got {sr_bits}")
+    offset = check_uint64(offset, "offset")
+    if rounding == "stochastic":
+        seed = stochastic_seed(seed, generator)
+    else:
+        seed = 0 if seed is None else check_uint64(seed, "seed")
+    return NativeCall(fmt, ROUNDING_MODES.index(rounding), sr_bits, seed, offset)
+
+
+def result_dtype(x: torch.Tensor, fmt: Format, out, out_dtype) -> torch.dtype:
+    if out_dtype is not None and not is_dtype_in(out_dtype, DTYPE_CODES):
+        raise TypeError(f"out_dtype must be {ALLOWED_DTYPES}, got {out_dtype}")
+    if out is not None:
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise ValueError(f"out has dtype {out.dtype} but out_dtype is {out_dtype}")
+        dtype = out.dtype
+    else:
+        dtype = out_dtype if out_dtype is not None else x.dtype
+    wide = torch.float64 in (x.dtype, dtype)
+    carrier = torch.float64 if wide else torch.float32
+    reason = fmt.fit_error(carrier)
+    if reason:
+        raise ValueError(f"fmt {fmt} does not fit the float32 carrier used for {x.dtype} input: "
+                         f"{reason}; pass out_dtype=torch.float64 to round in float64")
+    reason = fmt.fit_error(dtype)
+    if reason:
+        if out is not None:
+            where = f"out has dtype {dtype}, which cannot hold every value of fmt {fmt}"
+        elif out_dtype is not None:
+            where = f"out_dtype {dtype} cannot hold every value of fmt {fmt}"
+        else:
+            where = f"x has dtype {dtype}, which cannot hold every value of fmt {fmt}"
+        wider = "torch.float64" if dtype == torch.float32 else "torch.float32"
+        raise ValueError(f"{where} ({reason}); pass out_dtype={wider}")
+    return dtype
+
+
+def share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether contiguous a and b overlap in memory."""
+    return a.data_ptr() < b.data_ptr() + b.nbytes and b.data_ptr() < a.data_ptr() + a.nbytes
+
+
+def run_contiguous(x: torch.Tensor, y: torch.Tensor, launch) -> torch.Tensor:
+    """launch(src, dst) on contiguous buffers for x and y (same shape, any layouts); returns y.
+    An out= that overlaps x without being x itself (say x[:-1] into x[1:]) reads a copy of x, so
+    the result is what it would be without the overlap (NumPy's rule for ufuncs)."""
+    src = x.contiguous()
+    dst = y if y.is_contiguous() else torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    if (dst is y and share_bytes(src, dst)
+            and not (src.data_ptr() == dst.data_ptr() and src.dtype == dst.dtype)):
+        src = src.clone()
+    launch(src, dst)
+    if dst is not y:
+        y.copy_(dst)  # a torch op: it marks y changed itself
+    else:
+        # Written through its pointer: tell autograd, as torch's in-place ops do, so a backward
+        # that saved y raises instead of reading the new values.
+        torch.autograd.graph.increment_version(y)
+    return y
+
+
+def run_quantize(x: torch.Tensor, y: torch.Tensor, call: NativeCall, stats: Optional[Stats]) -> torch.Tensor:
+    """Round x into y (same shape, any layout) on x's device."""
+    backend = backends.for_device(x.device, "x")
+    counts = stats.counts.data_ptr() if stats is not None else 0
+    return run_contiguous(x, y, lambda src, dst: backend.quantize(
+        src, DTYPE_CODES[src.dtype], dst, DTYPE_CODES[dst.dtype], src.numel(), call.args(), counts))
+
+
+def check_writable(t: torch.Tensor, name: str) -> None:
+    """torch's own in-place ops refuse to write an inference tensor outside inference mode (it
+    has no version counter to tell autograd about the write)."""
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(f"{name} is an inference tensor, which cannot be written in place outside "
+                         "torch.inference_mode(); write into a clone of it")
+
+
+def check_tensor_args(x: torch.Tensor, out, stats):
+    backends.check_dense(x, "x")
+    if x.dtype not in DTYPE_CODES:
+        raise TypeError(f"x must have dtype {ALLOWED_DTYPES}, got {x.dtype}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor for tensor input, got {type(out).__name__}")
+        backends.check_dense(out, "out")
+        if out.dtype not in DTYPE_CODES:
+            raise TypeError(f"out must have dtype {ALLOWED_DTYPES}, got {out.dtype}")
+        if out.shape != x.shape:
+            raise ValueError(f"out has shape {tuple(out.shape)} but x has shape {tuple(x.shape)}")
+        if out.device != x.device:
+            raise ValueError(f"out is on {out.device} but x is on {x.device}")
+        check_writable(out, "out")
+        if torch.is_grad_enabled() and (x.requires_grad or out.requires_grad):
+            # torch's out= functions refuse this too: autograd cannot record a write into out.
+            raise ValueError(f"out= does not support automatic differentiation "
+                             f"({'x' if x.requires_grad else 'out'} requires grad); drop out= or "
+                             "run under torch.no_grad()")
+    if stats is not None:
+        if not isinstance(stats, Stats):
+            raise TypeError(f"stats must be a lowfp.Stats or None, got {type(stats).__name__}")
+        if stats.device != x.device:
+            raise ValueError(f"stats lives on {stats.device} but x is on {x.device}; "
+                             f"use lowfp.Stats(device={str(x.device)!r})")
+
+
+def numpy_as_tensor(a: np.ndarray, name: str) -> torch.Tensor:
+    """A tensor viewing a, or a native-order contiguous copy of it where torch cannot view it
+    (negative strides, non-native byte order)."""
+    if a.dtype.newbyteorder("=") not in NUMPY_TO_TORCH:
+        raise TypeError(f"{name} must have dtype float16, float32 or float64, got numpy {a.dtype}")
+    if any(s < 0 for s in a.strides) or not a.dtype.isnative:
+        a = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("="))
+    with warnings.catch_warnings():  # read-only arrays are only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
+
+
+def into_numpy_out(out, write) -> np.ndarray:
+    """write(t) puts a result into t, a tensor for the numpy array ``out``: a view of it, or else
+    a copy that is then copied back, so every check on t is the one a tensor out= gets."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy.ndarray for array input, got {type(out).__name__}")
+    if not out.flags.writeable:
+        raise ValueError("out is a read-only array")
+    out_t = numpy_as_tensor(out, "out")
+    write(out_t)
+    if out_t.data_ptr() != out.ctypes.data and out.size != 0:  # a copy (e.g. negative strides)
+        np.copyto(out, out_t.numpy())
+    return out
+
+
+
+
+def run_s2fp8(x: torch.Tensor, y: torch.Tensor, spec: S2FP8, call: NativeCall, sums: torch.Tensor,
+              params: torch.Tensor, stats: Optional[Stats]) -> torch.Tensor:
+    """S2FP8 of x into y on x's device; its statistics go to ``sums`` and ``params``
+    (lowfp.S2FP8Stats's tensors)."""
+    backend = backends.for_device(x.device, "x")
+    counts = stats.counts.data_ptr() if stats is not None else 0
+    return run_contiguous(x, y, lambda src, dst: backend.s2fp8(
+        src, DTYPE_CODES[src.dtype], dst, src.numel(), call.args(), spec.log_max, sums, params,
+        counts))

@@ -1,0 +1,94 @@
+"""The package's shape: the library never loads the experiments or their dependencies, and its
+modules import each other without cycles (lazy imports inside functions included)."""
+
+import ast
+import os
+import subprocess
+import sys
+
+import lowfp
+
+PACKAGE_DIR = os.path.dirname(lowfp.__file__)
+
+
+def test_import_lowfp_loads_no_experiment_and_no_plotting_or_sklearn():
+    code = ("import sys, lowfp, lowfp.optim, lowfp.assign, lowfp.emulate, lowfp.scaler; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'sklearn') "
+            "or m.startswith('lowfp.experiments')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_library_works_without_matplotlib_and_scikit_learn():
+    """With both made unimportable, the library imports and rounds; what needs them says how to
+    install them."""
+    code = ("import sys; sys.modules['matplotlib'] = None; sys.modules['sklearn'] = None\n"
+            "import torch, lowfp\n"
+            "print(lowfp.quantize(torch.tensor([3.3]), 'fp(4,3,4)').item())\n"
+            "from lowfp.experiments import data\n"
+            "try:\n    data.load('digits')\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    first, second = out.stdout.strip().splitlines()
+    assert first == "3.25"
+    assert "scikit-learn" in second or "sklearn" in second
+    assert "pip install 'lowfp[experiments]'" in second
+
+
+def module_imports():
+    """{module: set of lowfp modules it imports anywhere in its source}."""
+    graph = {}
+    for root, _, files in os.walk(PACKAGE_DIR):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(root, f)
+            rel = os.path.relpath(path, os.path.dirname(PACKAGE_DIR))[:-3].replace(os.sep, ".")
+            name = rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+            package = name if f == "__init__.py" else name.rsplit(".", 1)[0]
+            deps = set()
+            for node in ast.walk(ast.parse(open(path).read())):
+                if isinstance(node, ast.ImportFrom):
+                    base = package
+                    for _ in range(node.level - 1):
+                        base = base.rsplit(".", 1)[0]
+                    mod = (base + "." + node.module if node.module else base) if node.level else node.module
+                    targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+                elif isinstance(node, ast.Import):
+                    targets = [a.name for a in node.names]
+                else:
+                    continue
+                deps.update(t for t in targets if t and t.startswith("lowfp"))
+            graph[name] = deps
+    known = set(graph)
+    return {m: {d for d in deps if d in known and d != m} for m, deps in graph.items()}
+
+
+def test_library_modules_do_not_import_the_experiments():
+    graph = module_imports()
+    for m, deps in graph.items():
+        if not m.startswith("lowfp.experiments") and m != "lowfp.cli":
+            assert not any(d.startswith("lowfp.experiments") for d in deps), (m, deps)
+
+
+def test_no_import_cycles():
+    """Package __init__ files re-export their modules and are left out of the walk."""
+    graph = module_imports()
+    inits = {m for m in graph if os.path.exists(os.path.join(
+        os.path.dirname(PACKAGE_DIR), *m.split("."), "__init__.py"))}
+    graph = {m: deps - inits for m, deps in graph.items() if m not in inits}
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for d in graph.get(m, ()):
+            if state.get(d) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
