@@ -69,9 +69,9 @@ def table(rows):
     for r in rows:
         lines.append([r["case"], str(r["operators"]), f"{r['plain_ms']:.2f}"] +
                      [f"{r[s + '_ms']:.2f} ({r[s + '_ratio']:.2f}×)" for s, _ in STRATEGIES])
-    widths = [max(len(l[i]) for l in lines) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(l, widths)))
-                     for l in lines)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))
+                     for line in lines)
 
 
 def main(argv=None):

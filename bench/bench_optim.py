@@ -14,7 +14,8 @@ moments: `memory_bytes()`), read once and written once, plus the 16-bit gradient
 bandwidth they are compared with is `y.copy_(x)`'s (bytes read + written), measured in the same run.
 Also: `lowfp.extra_bits.split` / `merge` on their own against torch's casts to and from the 16-bit
 type, in the same rounds; and the peak memory of a training step of a model whose gradients are a
-large share of memory, with the step inside backward or not (CPU: max RSS, separate processes; GPU: torch's peak allocation);
+large share of memory, with the step inside backward or not (CPU: max RSS, separate processes;
+GPU: torch's peak allocation);
 and the time of a whole training iteration (forward, backward, step) of a wide model and of a
 narrow one (there each parameter's work is per-call overhead) with the step after backward or
 inside it, with and without a loss scaler: on a GPU the hooks never wait for the device;
@@ -32,7 +33,6 @@ non-finite check of a gradient that those hooks and DynamicLossScaler make
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 
@@ -119,7 +119,8 @@ def cases(total, device="cpu"):
         *[c for c in fused if "SGD" in c[0]],
         ("lowfp ExtraBitsSGD k=8 toward_zero", lambda: plain(ExtraBitsSGD, dict(sgd, extra_bits=8))),
         ("lowfp ExtraBitsSGD k=8 nearest", lambda: plain(ExtraBitsSGD, dict(sgd, extra_bits=8, rounding="nearest"))),
-        ("lowfp ExtraBitsSGD k=16 stochastic", lambda: plain(ExtraBitsSGD, dict(sgd, extra_bits=16, rounding="stochastic"))),
+        ("lowfp ExtraBitsSGD k=16 stochastic",
+         lambda: plain(ExtraBitsSGD, dict(sgd, extra_bits=16, rounding="stochastic"))),
         ("lowfp ExtraBitsSGD fp16 k=13 stochastic", lambda: plain(ExtraBitsSGD, fp16_sgd, torch.float16)),
         ("lowfp ExtraBitsSGD fp16 k=13 stochastic, GradScaler",
          lambda: scaled(ExtraBitsSGD, fp16_sgd, torch.float16, "torch")),
@@ -136,7 +137,8 @@ def cases(total, device="cpu"):
         ("torch AdamW on bf16 params", lambda: plain(torch.optim.AdamW, adamw)),
         *[c for c in fused if "AdamW" in c[0]],
         ("lowfp ExtraBitsAdamW k=8 toward_zero", lambda: plain(ExtraBitsAdamW, dict(adamw, extra_bits=8))),
-        ("lowfp ExtraBitsAdamW k=8 nearest", lambda: plain(ExtraBitsAdamW, dict(adamw, extra_bits=8, rounding="nearest"))),
+        ("lowfp ExtraBitsAdamW k=8 nearest",
+         lambda: plain(ExtraBitsAdamW, dict(adamw, extra_bits=8, rounding="nearest"))),
         ("lowfp ExtraBitsAdamW k=8 nearest, bf16 moments",
          lambda: plain(ExtraBitsAdamW, dict(adamw, extra_bits=8, rounding="nearest", state_dtype=torch.bfloat16))),
         ("lowfp ExtraBitsAdamW fp16 k=13 stochastic", lambda: plain(ExtraBitsAdamW, fp16_adamw, torch.float16)),

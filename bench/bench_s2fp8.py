@@ -97,10 +97,10 @@ def main(argv=None):
         for label, sec, ratio in rows:
             print(f"{label:50s} {size / sec:11.3e} {'' if ratio is None else f'{ratio:17.2f}'}")
         print(f"S2FP8 / quantize, min over cases (target >= 0.4): {min(ratios):.2f}")
-        results[dev] = [{"label": l, "seconds": s, "elements_per_s": size / s, "ratio": r}
-                        for l, s, r in rows]
+        results[dev] = [{"label": label, "seconds": s, "elements_per_s": size / s, "ratio": r}
+                        for label, s, r in rows]
         if dev == "cpu":
-            print(f"\nCPU S2FP8 float8_e5m2 nearest out=, by input dtype: float64 path vs default")
+            print("\nCPU S2FP8 float8_e5m2 nearest out=, by input dtype: float64 path vs default")
             print(f"{'dtype':10s} {'float64 path /s':>16s} {'default /s':>16s} {'speed-up':>9s}")
             paths = run_paths(size, args.repeats)
             for dtype, wide, default in paths:

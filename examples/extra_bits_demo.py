@@ -65,7 +65,7 @@ def train(name, model, opt, dtype, train_set, test_set, epochs, batch=64, seed=0
     x, y = train_set
     g = torch.Generator().manual_seed(seed)
     step_time, steps, loss_sum = 0.0, 0, 0.0
-    for epoch in range(epochs):
+    for _ in range(epochs):
         perm = torch.randperm(len(y), generator=g)
         loss_sum, count = 0.0, 0
         for i in range(0, len(y), batch):
@@ -100,7 +100,8 @@ def main(argv=None):
                ("bf16 + 8", torch.bfloat16, 8, "stochastic"), ("bf16 + 16", torch.bfloat16, 16, "stochastic"),
                ("fp16 + 8", torch.float16, 8, "stochastic"), ("fp16 + 13", torch.float16, 13, "stochastic")]
     print(f"{args.data}: {len(train_set[1])} training / {len(test_set[1])} test examples, "
-          f"{'residual MLP' if args.model == 'mlp' else 'ResNet'} with {n} parameters, SGD(lr={args.lr}, momentum=0.9), {args.epochs} epochs\n")
+          f"{'residual MLP' if args.model == 'mlp' else 'ResNet'} with {n} parameters, "
+          f"SGD(lr={args.lr}, momentum=0.9), {args.epochs} epochs\n")
     print(f"{'weights':16s} {'final loss':>10s} {'test acc':>9s} {'bytes/param':>12s} {'step ms':>8s}")
     for name, dtype, k, rounding in configs:
         model = copy.deepcopy(base)

@@ -2,7 +2,6 @@
 
 import math
 import os
-import pickle
 import subprocess
 import sys
 

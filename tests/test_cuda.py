@@ -1,15 +1,14 @@
 """CUDA backend: bit-identical to the CPU engine (docs/design.md §1, §3). Needs a GPU and the CUDA build."""
 
-import numpy as np
 import pytest
 import torch
 
 import lowfp
 import lowfp.experiments.models
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
     not (torch.cuda.is_available() and lowfp.cuda_built()),
-    reason="needs a CUDA GPU and lowfp built with nvcc (LOWFP_CUDA=AUTO/ON)")
+    reason="needs a CUDA GPU and lowfp built with nvcc (LOWFP_CUDA=AUTO/ON)")]
 
 MODES = lowfp.ROUNDING_MODES
 NAMED = list(lowfp.formats.named())
@@ -152,7 +151,8 @@ def test_s2fp8_matches_cpu(dtype, mode):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("fmt,mode", [("float8_e5m2", m) for m in ("nearest", "nearest_away", "toward_zero", "up", "down")]
+@pytest.mark.parametrize("fmt,mode", [("float8_e5m2", m)
+                                      for m in ("nearest", "nearest_away", "toward_zero", "up", "down")]
                          + [("float8_e4m3fn", "nearest"), ("fp(4,3,4)", "toward_zero")])
 def test_s2fp8_threshold_form_on_gpu(dtype, fmt, mode, monkeypatch):
     # From 2^24 elements the GPU reads x' from thresholds built on the host (deterministic modes,
@@ -227,7 +227,8 @@ def test_s2fp8_edge_cases_on_gpu():
 
 # Extra bits (docs/design.md §5): split, merge and fused steps equal the CPU's bit for bit.
 
-@pytest.mark.parametrize("dtype,k", [(torch.bfloat16, 16), (torch.bfloat16, 5), (torch.float16, 13), (torch.float16, 8)])
+@pytest.mark.parametrize("dtype,k", [(torch.bfloat16, 16), (torch.bfloat16, 5), (torch.float16, 13),
+                                     (torch.float16, 8)])
 @pytest.mark.parametrize("rounding", ["toward_zero", "nearest", "stochastic"])
 def test_extra_bits_split_merge_match_cpu(dtype, k, rounding):
     import lowfp.extra_bits as eb
@@ -245,7 +246,8 @@ def test_extra_bits_split_merge_match_cpu(dtype, k, rounding):
 # selects, Adam(amsgrad), Adam and AdamW with float32 and bfloat16 moments; every rounding mode.
 # The parameters' sizes give chunks of 4 full packed blocks and a partial last chunk.
 @pytest.mark.parametrize("opt_name,kw", [
-    ("ExtraBitsSGD", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, extra_bits=8, rounding="stochastic")),
+    ("ExtraBitsSGD", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, extra_bits=8,
+                          rounding="stochastic")),
     ("ExtraBitsSGD", dict(lr=0.05, momentum=0.9, extra_bits=8, rounding="toward_zero")),
     ("ExtraBitsSGD", dict(lr=0.1, extra_bits=4, rounding="nearest")),
     ("ExtraBitsAdam", dict(lr=1e-3, amsgrad=True, extra_bits=16, rounding="nearest", state_dtype=torch.bfloat16)),
@@ -433,7 +435,9 @@ def test_step_in_backward_on_gpu_never_waits(opt_name, kw, scaler_kind):
               if scaler_kind == "lowfp" else torch.amp.GradScaler("cuda", init_scale=256.0))
     handle = optim.step_in_backward(opt_b, scaler=scaler)
     x, y = torch.randn(64, 33, device="cuda").bfloat16(), torch.randint(0, 3, (64,), device="cuda")
-    loss_of = lambda model: torch.nn.functional.cross_entropy(model(x).float(), y)
+
+    def loss_of(model):
+        return torch.nn.functional.cross_entropy(model(x).float(), y)
     for step in range(4):
         opt_a.zero_grad()
         loss_of(a).backward()

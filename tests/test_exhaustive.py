@@ -4,13 +4,14 @@ and the float32 patterns that round to each value form one run between two bound
 for nearest, with a tie going to the neighbour whose encoding is even; the values themselves
 for toward_zero). Patterns are checked in chunks against np.repeat of that table."""
 
-import math
 
 import numpy as np
 import pytest
 
 import lowfp
 from reference import Spec, positive_values
+
+pytestmark = pytest.mark.slow  # every float32 pattern of each case
 
 CHUNK = 1 << 24
 INF_BITS = 0x7F800000

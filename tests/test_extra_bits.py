@@ -70,7 +70,8 @@ def random_patterns(n, seed, finite=True):
 def test_smaller_k_truncates(dtype, ks, rounding):
     # float16: its normal and subnormal ranges, and below (t = 0); bfloat16: all of float32's.
     # Random patterns add float32's subnormals and every binade of float32 below float16's max.
-    w = random_float32(50_000, seed=5, lo=-30, hi=15) if dtype == torch.float16 else random_float32(50_000, seed=5, lo=-140, hi=120)
+    lo, hi = (-30, 15) if dtype == torch.float16 else (-140, 120)
+    w = random_float32(50_000, seed=5, lo=lo, hi=hi)
     w = torch.cat([w, random_patterns(50_000, seed=6)])
     w = w[w.abs() < 65504]  # overflow: test_overflow_and_specials
     for k in ks:
@@ -336,7 +337,8 @@ def run_exactness(opt_cls, ref_cls, kwargs, dtype=torch.bfloat16, k=16, rounding
 SGD_CASES = [dict(lr=0.05), dict(lr=0.05, momentum=0.9), dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
              dict(lr=0.05, momentum=0.9, weight_decay=1e-3),
              dict(lr=0.05, momentum=0.8, dampening=0.1, maximize=True)]
-ADAM_CASES = [dict(lr=1e-3), dict(lr=3e-3, weight_decay=1e-2, amsgrad=True), dict(lr=1e-3, betas=(0.8, 0.99), maximize=True)]
+ADAM_CASES = [dict(lr=1e-3), dict(lr=3e-3, weight_decay=1e-2, amsgrad=True),
+              dict(lr=1e-3, betas=(0.8, 0.99), maximize=True)]
 
 
 @pytest.mark.parametrize("kwargs", SGD_CASES)
@@ -1500,7 +1502,9 @@ def test_step_in_backward_under_emulation_equals_a_normal_step(opt_cls, kw):
     opt_a = opt_cls(a.parameters(), lr=0.05, **kw)
     torch.manual_seed(9)
     opt_b = opt_cls(b.parameters(), lr=0.05, **kw)
-    loss_fn = lambda out, y: torch.nn.functional.cross_entropy(out.float(), y)
+
+    def loss_fn(out, y):
+        return torch.nn.functional.cross_entropy(out.float(), y)
     assignment = lowfp.assign.uniform(lowfp.assign.trace(a, x, loss_fn, y),
                                       lowfp.assign.Candidates(hi=lowfp.fp(6, 6, 0)))
     handle = lowfp.optim.step_in_backward(opt_b)

@@ -122,7 +122,7 @@ def test_formats_at_the_carrier_floor_round_exactly(dtype):
                 by_grid.setdefault((s.m, s.emin, subnormals), []).append(s)
     assert len(by_grid) > (300 if dtype == torch.float32 else 2000)
     seed = 99
-    for key, specs in sorted(by_grid.items()):
+    for _, specs in sorted(by_grid.items()):
         s = rng.choice(specs)  # e and specials only move the top of the range
         xs = carrier_values(dtype, s, rng, 8)
         x = torch.tensor(xs, dtype=dtype)

@@ -8,7 +8,7 @@ import torch
 
 import lowfp
 from lowfp.formats import Format, fp
-from reference import FLOAT32_LIMITS, FLOAT64_LIMITS, Spec
+from reference import FLOAT32_LIMITS, Spec
 
 
 @pytest.mark.parametrize("e,m,b,specials", [(4, 3, 4, "none"), (5, 2, 0, "none"), (6, 9, 0, "none"),

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import lowfp
 from lowfp.optim import ExtraBitsAdam, ExtraBitsAdamW, ExtraBitsSGD
 
 STEPS = 1000

@@ -188,7 +188,8 @@ class Emulator(ForwardSession):
             if name not in self._unknown_warned:
                 self._unknown_warned.add(name)
                 warnings.warn(f"lowfp.emulate: {name} was not in the recorded step; it is rounded "
-                              f"to the hi candidate. Trace the model again if its structure changed.")
+                              "to the hi candidate. Trace the model again if its structure changed.",
+                              stacklevel=2)
             hi = None if self.assignment.candidates is None else self.assignment.candidates.hi
             return self._rounder(hi, True), None, self._rounder(hi, False), None
         gname = grad_name(name)

@@ -159,9 +159,10 @@ class DynamicLossScaler:
 
     Gradients are unscaled in their own dtype (float16 gradients of tiny values can underflow
     there, as they would on hardware). For float16 parameters of lowfp's ExtraBits optimizers,
-    torch.amp.GradScaler keeps them: it hands its scale to their step, which divides in float32. With :func:`lowfp.optim.step_in_backward` pass the scaler
-    to it: each parameter is unscaled and checked by itself, the pass reports a non-finite
-    gradient here, and ``update()`` is called after ``backward()`` with no ``step``.
+    torch.amp.GradScaler keeps them: it hands its scale to their step, which divides in
+    float32. With :func:`lowfp.optim.step_in_backward` pass the scaler to it: each parameter is
+    unscaled and checked by itself, the pass reports a non-finite gradient here, and
+    ``update()`` is called after ``backward()`` with no ``step``.
     """
 
     def __init__(self, device="cpu", init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,

@@ -156,7 +156,7 @@ def _run_cases(device: str, size: int, repeats: int, once, allocating: bool) -> 
         torch.cuda.synchronize()
     times = time_rounds({label: fn for _, label, fn in cases}, repeats, once)
     rows = []
-    for kind, label, fn in cases:
+    for kind, label, _ in cases:
         seconds = min(times[label])
         read_write = {"float64": 16, "float16": 4, "bfloat16": 4}.get(label.split()[0], 8)  # bytes/el
         rows.append({"kind": kind, "label": label, "seconds": seconds, "rounds": times[label],

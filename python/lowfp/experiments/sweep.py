@@ -426,5 +426,6 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"Run the same command again to resume.", file=sys.stderr)
         return 130
     print(summary_table(result["summary"]))
-    print(f"wrote {', '.join(os.path.join(args.out, f) for f in ('results.json', 'results.csv', 'summary.csv', 'tradeoff.png', 'curves.png'))}")
+    written = ("results.json", "results.csv", "summary.csv", "tradeoff.png", "curves.png")
+    print(f"wrote {', '.join(os.path.join(args.out, f) for f in written)}")
     return 0
