@@ -92,3 +92,22 @@ def test_no_import_cycles():
     for m in sorted(graph):
         if m not in state:
             visit(m)
+
+
+def test_python_codes_equal_the_extensions():
+    """The codes Python passes (position in its tuples, its dicts) are the extension modules'
+    enum values of the same names."""
+    from lowfp import _C, _native, backends
+    from lowfp.formats import SPECIALS
+    modules = [_C] + ([backends._C_cuda] if lowfp.cuda_built() else [])
+    for mod in modules:
+        def codes(enum):
+            return {name: int(value) for name, value in enum.__members__.items()}
+        assert codes(mod.Rounding) == {n: i for i, n in enumerate(_native.ROUNDING_MODES)}
+        assert codes(mod.Specials) == {n: i for i, n in enumerate(SPECIALS)}
+        assert codes(mod.Overflow) == _native.OVERFLOW_CODES
+        assert codes(mod.DType) == {str(d).removeprefix("torch."): c for d, c in _native.DTYPE_CODES.items()}
+        # every member documents its semantics
+        for enum in (mod.Rounding, mod.Specials, mod.Overflow, mod.DType):
+            for name in enum.__members__:
+                assert f"{name} : " in enum.__doc__, (enum, name)

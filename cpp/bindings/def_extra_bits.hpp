@@ -12,6 +12,7 @@
 
 #include <stdexcept>
 
+#include "def_contract.hpp"
 #include "extra_bits_call.hpp"
 
 namespace lowfp {
@@ -19,8 +20,10 @@ namespace lowfp {
 template <class T> T* as_ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
 
 // slots: (w16, grad, words, state0, state1, state2, n, rand_offset) per parameter.
-inline ExtraBitsStep make_extra_bits_step(int32_t opt, int32_t weights, int32_t k, int32_t rounding, int32_t state,
-                        const pybind11::tuple& hyper, uint64_t seed, const pybind11::list& slots) {
+// hyper: the module's SgdHyper (opt 0) or AdamHyper (opt 1).
+inline ExtraBitsStep make_extra_bits_step(int32_t opt, int32_t weights, int32_t k, int32_t rounding,
+                                          int32_t state, const pybind11::object& hyper, uint64_t seed,
+                                          const pybind11::list& slots) {
   ExtraBitsStep s{};
   if (weights < 0 || weights > 3 || state < 0 || state > 3 || rounding < 0 || rounding > 5)
     throw std::invalid_argument("bad dtype or rounding code");
@@ -33,16 +36,11 @@ inline ExtraBitsStep make_extra_bits_step(int32_t opt, int32_t weights, int32_t 
   s.seed = seed;
   if (opt == 0) {
     s.opt = OptimKind::Sgd;
-    s.sgd = SgdHyper{hyper[0].cast<float>(), hyper[1].cast<float>(), hyper[2].cast<float>(),
-                     hyper[3].cast<float>(), hyper[4].cast<bool>(), hyper[5].cast<bool>(),
-                     hyper[6].cast<bool>()};
-    s.has_momentum = hyper[7].cast<bool>();
+    s.sgd = hyper.cast<SgdHyper>();
+    s.has_momentum = s.sgd.has_momentum;
   } else if (opt == 1) {
     s.opt = OptimKind::Adam;
-    s.adam = AdamHyper{hyper[0].cast<float>(), hyper[1].cast<float>(), hyper[2].cast<float>(),
-                       hyper[3].cast<float>(), hyper[4].cast<float>(), hyper[5].cast<float>(),
-                       hyper[6].cast<float>(), hyper[7].cast<float>(), hyper[8].cast<bool>(),
-                       hyper[9].cast<bool>(), hyper[10].cast<bool>()};
+    s.adam = hyper.cast<AdamHyper>();
   } else {
     throw std::invalid_argument("bad optimizer code");
   }
@@ -82,7 +80,7 @@ void def_extra_bits(pybind11::module_& mod, Split split, Merge merge, Step step)
     merge(e, a, device, stream);
   });
   mod.def("extra_bits_step", [step](int32_t opt, int32_t weights, int32_t k, int32_t rounding,
-                                    int32_t state, const pybind11::tuple& hyper, uint64_t seed,
+                                    int32_t state, const pybind11::object& hyper, uint64_t seed,
                                     const pybind11::list& slots, uintptr_t found_inf,
                                     uintptr_t grad_scale, uintptr_t counts, int32_t device,
                                     uintptr_t stream) {

@@ -39,6 +39,7 @@ py::tuple philox(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0
 
 PYBIND11_MODULE(_C, mod) {
   mod.doc() = "lowfp CPU core (raw-buffer interface; use the lowfp package)";
+  def_contract(mod);
   mod.def("format_info", &format_info);
   mod.attr("S2FP8_SUM_SIZE") = int(kSumSize);  // int64 accumulators an s2fp8 call writes
   def_quantize(mod, [](const QuantizeCall& call, int64_t* counts, int32_t, uintptr_t) {

@@ -10,6 +10,7 @@
 
 PYBIND11_MODULE(_C_cuda, mod) {
   mod.doc() = "lowfp CUDA core (raw-buffer interface; use the lowfp package)";
+  lowfp::def_contract(mod);
   lowfp::def_quantize(mod, &lowfp::quantize_cuda);
   lowfp::def_s2fp8(mod, &lowfp::s2fp8_cuda);
   lowfp::def_extra_bits(mod, &lowfp::extra_bits_split_cuda, &lowfp::extra_bits_merge_cuda,

@@ -287,7 +287,6 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         float32, before the update. Step inside backward
         makes this call once per parameter, and step() once per batch key, so a parameter costs
         what its loop turn costs: a few us of Python, most of it reading tensors' properties."""
-        hyper = self._hyper(group, key)
         state_dtype = group["state_dtype"]
         keep, by_dtype = [], {}  # keep: tensors the call reads, alive until it has run
         written = []  # what the call writes: parameters, extra bits, moments
@@ -321,6 +320,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                 (p.data_ptr(), g.data_ptr(), extra.data_ptr(), *[m.data_ptr() for m in moments],
                  *_NO_STATE[len(moments):], n, offset))
         mod, device, stream = backends.native(entries[0][0], "parameter")
+        hyper = self._hyper(mod, group, key)
         if device < 0 and self._takes_square_roots:
             use_torch_sqrt()  # once: the CPU step's square roots as torch.sqrt's
         skip_flag = 0 if found_inf is None else found_inf.data_ptr()
@@ -752,10 +752,13 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
     def _batch_key(self, group, state):
         return (group["momentum"] != 0 and "momentum_buffer" not in state,)
 
-    def _hyper(self, group, key):
+    def _hyper(self, mod, group, key):
         (first,) = key
-        return (-float(group["lr"]), group["momentum"], 1 - group["dampening"], group["weight_decay"],
-                group["nesterov"], group["maximize"], first, group["momentum"] != 0)
+        return mod.SgdHyper(neg_lr=-float(group["lr"]), momentum=group["momentum"],
+                            one_minus_dampening=1 - group["dampening"],
+                            weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+                            maximize=group["maximize"], first_step=first,
+                            has_momentum=group["momentum"] != 0)
 
     def _host_state_changed(self, key) -> bool:
         return key[0]  # the first momentum step: the buffer is taken as existing from now on
@@ -827,7 +830,7 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
         step = state.get("step")
         return (1.0 if step is None else float(step) + 1,)
 
-    def _hyper(self, group, key):
+    def _hyper(self, mod, group, key):
         (step,) = key
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         beta1, beta2 = map(float, group["betas"])
@@ -836,9 +839,11 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
         bias_correction2 = 1 - beta2 ** step
         step_size = lr / bias_correction1
         decay = 1 - lr * wd if (decoupled and wd != 0) else 1.0
-        return (decay, 0.0 if decoupled else wd, 1 - beta1, beta2, 1 - beta2,
-                bias_correction2 ** 0.5, eps, -step_size, decoupled, group["amsgrad"],
-                group["maximize"])
+        return mod.AdamHyper(decay=decay, weight_decay=0.0 if decoupled else wd,
+                             lerp_weight=1 - beta1, beta2=beta2, one_minus_beta2=1 - beta2,
+                             bias_correction2_sqrt=bias_correction2 ** 0.5, eps=eps,
+                             neg_step_size=-step_size, decoupled=decoupled,
+                             amsgrad=group["amsgrad"], maximize=group["maximize"])
 
     def _moments(self, p, group, state_dtype, state):
         if "exp_avg" not in state:

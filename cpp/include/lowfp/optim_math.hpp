@@ -29,6 +29,7 @@ struct SgdHyper {
   float one_minus_dampening;  // 1 - dampening
   float weight_decay;
   bool nesterov, maximize, first_step;
+  bool has_momentum;          // momentum != 0 (in double, as torch.optim tests it)
 };
 
 struct AdamHyper {
