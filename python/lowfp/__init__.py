@@ -7,6 +7,7 @@ tensor([ 0.1016,  1.0000,  3.2500, 30.0000])
 """
 
 from . import _C
+from ._checks import check_int
 from . import assign, extra_bits, formats, optim
 from .backends import cuda_built
 from .formats import Format, S2FP8, fp
@@ -27,8 +28,7 @@ __all__ = ["Format", "fp", "formats", "extra_bits", "optim", "quantize", "quanti
 
 def set_num_threads(n: int) -> None:
     """Threads used by lowfp's CPU kernels (0: one per core). Results never depend on it."""
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"n must be an int, got {type(n).__name__}")
+    n = check_int(n, "n")
     if not 0 <= n < 2**31:
         raise ValueError(f"n must be between 0 and 2**31 - 1, got {n}")
     _C.set_num_threads(n)

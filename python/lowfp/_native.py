@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from . import backends
-from ._checks import check_choice, is_dtype_in
+from ._checks import check_choice, check_int, is_dtype_in
 from .formats import SPECIALS, Format, S2FP8, to_format
 from .stats import Stats
 
@@ -41,8 +41,7 @@ class NativeCall:
 
 
 def check_uint64(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = check_int(value, name)
     if not 0 <= value < 2**64:
         raise ValueError(f"{name} must be in [0, 2**64), got {value}")
     return value
@@ -76,8 +75,7 @@ def make_call(fmt, rounding, overflow, subnormals, seed, generator, offset, sr_b
             raise TypeError(f"subnormals must be a bool or None, got {subnormals!r}")
         fmt = fmt.replace(overflow=overflow, subnormals=subnormals)
     check_choice(rounding, ROUNDING_MODES, "rounding")
-    if isinstance(sr_bits, bool) or not isinstance(sr_bits, int):
-        raise TypeError(f"sr_bits must be an int, got {type(sr_bits).__name__}")
+    sr_bits = check_int(sr_bits, "sr_bits")
     if not 1 <= sr_bits <= 32:
         raise ValueError(f"sr_bits must be between 1 and 32, got {sr_bits}")
     offset = check_uint64(offset, "offset")

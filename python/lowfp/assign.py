@@ -31,13 +31,13 @@ import contextlib
 import json
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ._checks import check_choice
+from ._checks import check_choice, check_int, is_real
 from ._intercept import ForwardSession
-from .formats import Format, S2FP8, fp, to_precision
+from .formats import Precision, fp, to_precision
 
 __all__ = ["Candidates", "TensorInfo", "OpInfo", "Trace", "Assignment", "trace", "fp32", "all_hi",
            "uniform", "op", "op_io", "ours", "make", "STRATEGIES", "ROLES"]
@@ -45,7 +45,6 @@ __all__ = ["Candidates", "TensorInfo", "OpInfo", "Trace", "Assignment", "trace",
 ROLES = ("v", "dv", "theta", "dtheta")
 FORWARD_ROLES = ("v", "theta")
 _GRAD_OF = {"v": "dv", "theta": "dtheta"}
-Precision = Union[Format, S2FP8]
 
 
 def role_of(name: str) -> str:
@@ -462,11 +461,11 @@ def ours(trace: Trace, r: float, order: str = "decreasing", seed: Optional[int] 
     ``"random"`` for ablations), until ratio_lo ≥ r. ``demoted_groups`` lists the demotion
     sequence. ``ours(trace, 0)`` is ``all_hi``; ``ours(trace, 1)`` is ``uniform``."""
     c = _check(trace, candidates)
-    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
+    if not is_real(r) or not 0.0 <= r <= 1.0:
         raise ValueError(f"r must be a number in [0, 1], got {r!r}")
     check_choice(order, ORDERS, "order")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    if seed is not None:
+        check_int(seed, "seed")
     groups = trace.groups(c.weight_grads_lo)
     sizes = [sum(trace.tensors[n].numel for n in g) for g in groups]
     candidates_idx = [i for i, g in enumerate(groups) if g]

@@ -42,7 +42,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ._checks import check_choice
+from ._checks import check_choice, is_real
 from ._optional import pyplot
 from ._intercept import ForwardSession
 from .assign import FORWARD_ROLES, Assignment, grad_name, role_of
@@ -133,7 +133,7 @@ class Emulator(ForwardSession):
             raise TypeError(f"assignment must be a lowfp.assign.Assignment, got {type(assignment).__name__}")
         if not isinstance(promote, bool):
             raise TypeError(f"promote must be a bool, got {promote!r}")
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
+        if not is_real(threshold) or not 0 <= threshold <= 1:
             raise ValueError(f"threshold must be a number in [0, 1], got {threshold!r}")
         check_choice(backward_overflow, _OVERFLOW, "backward_overflow")
         check_choice(rounding, ("nearest", "stochastic"), "rounding")

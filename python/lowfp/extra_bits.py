@@ -20,7 +20,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from . import _C, backends
-from ._checks import check_choice, is_dtype_in
+from ._checks import check_choice, check_int, is_dtype_in, is_int
 from .backends import inverse_order
 from ._native import DTYPE_CODES, ROUNDING_MODES, check_uint64, stochastic_seed
 from .stats import Stats
@@ -42,8 +42,7 @@ def max_extra_bits(dtype: torch.dtype, dtype_name: str = "dtype") -> int:
 def check_extra_bits(dtype: torch.dtype, k, rounding: str, name: str = "k",
                      dtype_name: str = "dtype") -> None:
     kmax = max_extra_bits(dtype, dtype_name)
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"{name} must be an int, got {type(k).__name__}")
+    check_int(k, name)
     if not 1 <= k <= kmax:
         raise ValueError(f"{name} must be between 1 and {kmax} for {dtype}, got {k}")
     check_choice(rounding, EXTRA_BITS_ROUNDING, "rounding")
@@ -128,7 +127,7 @@ def reorder_packed(packed: torch.Tensor, shape: Sequence[int], k: int, rounding:
     packed's device."""
     shape = tuple(shape)
     n = math.prod(shape)
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+    if not is_int(k) or not 1 <= k <= 16:
         raise ValueError(f"k must be an int between 1 and 16, got {k!r}")
     check_choice(rounding, EXTRA_BITS_ROUNDING, "rounding")
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32:

@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 
 from . import _C
-from ._checks import check_choice
+from ._checks import check_choice, check_int, is_real
 
 __all__ = ["Format", "fp", "named", "to_format", "S2FP8", "to_precision", "SPECIALS",
            "OVERFLOW_POLICIES"]
@@ -35,11 +35,6 @@ _TORCH_DTYPE_NAMES = {
 }
 
 
-def _check_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    return value
-
 
 class Format:
     """A binary floating-point format with ``e`` exponent bits, ``m`` mantissa bits and an extra
@@ -56,7 +51,7 @@ class Format:
 
     def __init__(self, e: int, m: int, b: int = 0, *, specials: str = "none",
                  subnormals: bool = True, overflow: Optional[str] = None):
-        e, m, b = _check_int(e, "e"), _check_int(m, "m"), _check_int(b, "b")
+        e, m, b = check_int(e, "e"), check_int(m, "m"), check_int(b, "b")
         check_choice(specials, SPECIALS, "specials")
         if not isinstance(subnormals, bool):
             raise TypeError(f"subnormals must be a bool, got {subnormals!r}")
@@ -254,7 +249,7 @@ class S2FP8:
 
     def __init__(self, fmt: Union["Format", str] = "float8_e5m2", log_max: float = 15.0):
         fmt = to_format(fmt, "fmt")
-        if isinstance(log_max, bool) or not isinstance(log_max, (int, float)):
+        if not is_real(log_max):
             raise TypeError(f"log_max must be a real number, got {type(log_max).__name__}")
         log_max = float(log_max)
         if not (0.0 < log_max < 1e300):

@@ -25,7 +25,6 @@ in memory order, the order their extra bits and moments are kept in.
 from __future__ import annotations
 
 import copy
-import numbers
 import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -33,7 +32,7 @@ import torch
 
 from . import _C, backends
 from ._torch_sqrt import use_torch_sqrt
-from ._checks import is_dtype_in
+from ._checks import is_dtype_in, is_real
 from .backends import inverse_order, memory_order
 from .extra_bits import check_extra_bits, merge, packed_words, reorder_packed, split
 from ._native import DTYPE_CODES, ROUNDING_MODES, draw_seed
@@ -679,7 +678,7 @@ def _hyperparameter(value, name: str):
             raise ValueError(f"Tensor {name} must be 1-element and floating-point, got a "
                              f"{value.dtype} tensor of shape {tuple(value.shape)}")
         return value.reshape(())
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_real(value):
         raise TypeError(f"{name} must be a float or a 1-element tensor, got {value!r}")
     return value
 
@@ -693,7 +692,7 @@ def _check_bool(group: dict, name: str) -> None:
 def _check_real(group: dict, name: str, message: str) -> None:
     """A real number >= 0; NaN is refused too, as torch.optim's ``not 0.0 <= x`` does."""
     value = group[name]
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_real(value):
         raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
     if not 0.0 <= value:
         raise ValueError(f"{message}: {value} ({name} must be >= 0)")
@@ -1051,8 +1050,7 @@ def step_in_backward(optimizer, *, clip_value: Optional[float] = None, scaler=No
         for p in group["params"]:
             _refuse_if_in_ddp(p, "the per-parameter hooks would step before DDP's "
                                   "all-reduce of the gradients; step normally with DDP")
-    if clip_value is not None and (isinstance(clip_value, bool) or not isinstance(clip_value, (int, float))
-                                   or not clip_value > 0):
+    if clip_value is not None and (not is_real(clip_value) or not clip_value > 0):
         raise ValueError(f"clip_value must be a positive number, got {clip_value!r}")
     if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
         raise TypeError("scaler must have a get_scale() method (torch.amp.GradScaler, "

@@ -7,6 +7,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from . import _C, backends
+from ._checks import is_int
 from ._native import DTYPE_CODES as _DTYPE_CODES
 
 __all__ = ["DynamicLossScaler"]
@@ -225,7 +226,7 @@ class DynamicLossScaler:
         return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        if isinstance(new_interval, bool) or not isinstance(new_interval, int) or new_interval < 1:
+        if not is_int(new_interval) or new_interval < 1:
             raise ValueError(f"growth_interval must be a positive int, got {new_interval!r}")
         self._growth_interval = new_interval
 

@@ -25,7 +25,7 @@ from . import models as M
 __all__ = ["TrainConfig", "check_config", "run", "add_arguments", "config_from_args", "main"]
 
 OPTIMIZERS = ("sgd", "adamw", "extrabits-sgd", "extrabits-adamw")
-ASSIGNMENTS = ("fp32", "all_hi", "uniform", "op", "op_io", "ours")
+ASSIGNMENTS = tuple(A.STRATEGIES)
 
 
 @dataclass
