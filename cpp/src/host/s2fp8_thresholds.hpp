@@ -3,7 +3,7 @@
 #pragma once
 #include <vector>
 
-#include "quantize_cpu.hpp"
+#include "s2fp8_forms.hpp"
 
 namespace lowfp {
 
