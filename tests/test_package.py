@@ -1,5 +1,6 @@
 """The package's shape: the library never loads the experiments or their dependencies, and its
-modules import each other without cycles (lazy imports inside functions included)."""
+modules import each other without cycles (lazy imports inside functions included; imports for
+type checkers alone are not imports)."""
 
 import ast
 import os
@@ -46,7 +47,13 @@ def module_imports():
             name = rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
             package = name if f == "__init__.py" else name.rsplit(".", 1)[0]
             deps = set()
-            for node in ast.walk(ast.parse(open(path).read())):
+            tree = ast.parse(open(path).read())
+            typing_only = {id(n) for block in ast.walk(tree)  # `if TYPE_CHECKING:` never runs
+                           if isinstance(block, ast.If) and getattr(block.test, "id", None) == "TYPE_CHECKING"
+                           for n in ast.walk(block)}
+            for node in ast.walk(tree):
+                if id(node) in typing_only:
+                    continue
                 if isinstance(node, ast.ImportFrom):
                     base = package
                     for _ in range(node.level - 1):
