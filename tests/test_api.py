@@ -447,12 +447,13 @@ def test_more_threads_than_work_give_the_same_results():
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
-def test_cuda_tensor_without_cuda_build_is_a_clear_error():
+def test_cuda_tensor_without_cuda_build_is_a_clear_error(monkeypatch):
     from lowfp import backends
-    if backends.cuda_built():
-        pytest.skip("this build has the CUDA backend; the error path is for CPU-only builds")
+    monkeypatch.setattr(backends, "_C_cuda", None)  # a CPU-only build, whatever this one is
     with pytest.raises(ValueError, match="no CUDA backend"):
-        backends.for_device(torch.device("cuda", 0), "x")
+        backends._check_device(torch.device("cuda", 0), "x")
+    with pytest.raises(ValueError, match="lowfp supports cpu and cuda"):
+        backends._check_device(torch.device("meta"), "x")
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])

@@ -140,10 +140,11 @@ def run_contiguous(x: torch.Tensor, y: torch.Tensor, launch) -> torch.Tensor:
 
 def run_quantize(x: torch.Tensor, y: torch.Tensor, call: NativeCall, stats: Optional[Stats]) -> torch.Tensor:
     """Round x into y (same shape, any layout) on x's device."""
-    backend = backends.for_device(x.device, "x")
+    mod, device, stream = backends.native(x, "x")
     counts = stats.counts.data_ptr() if stats is not None else 0
-    return run_contiguous(x, y, lambda src, dst: backend.quantize(
-        src, DTYPE_CODES[src.dtype], dst, DTYPE_CODES[dst.dtype], src.numel(), call.args(), counts))
+    return run_contiguous(x, y, lambda src, dst: mod.quantize(
+        src.data_ptr(), DTYPE_CODES[src.dtype], dst.data_ptr(), DTYPE_CODES[dst.dtype], src.numel(),
+        *call.args(), counts, device, stream))
 
 
 def check_writable(t: torch.Tensor, name: str) -> None:
@@ -214,8 +215,8 @@ def run_s2fp8(x: torch.Tensor, y: torch.Tensor, spec: S2FP8, call: NativeCall, s
               params: torch.Tensor, stats: Optional[Stats]) -> torch.Tensor:
     """S2FP8 of x into y on x's device; its statistics go to ``sums`` and ``params``
     (lowfp.S2FP8Stats's tensors)."""
-    backend = backends.for_device(x.device, "x")
+    mod, device, stream = backends.native(x, "x")
     counts = stats.counts.data_ptr() if stats is not None else 0
-    return run_contiguous(x, y, lambda src, dst: backend.s2fp8(
-        src, DTYPE_CODES[src.dtype], dst, src.numel(), call.args(), spec.log_max, sums, params,
-        counts))
+    return run_contiguous(x, y, lambda src, dst: mod.s2fp8(
+        src.data_ptr(), DTYPE_CODES[src.dtype], dst.data_ptr(), src.numel(), *call.args(),
+        spec.log_max, sums.data_ptr(), params.data_ptr(), counts, device, stream))

@@ -1,5 +1,6 @@
-"""Which compiled backend runs a tensor: lowfp._C on the CPU, lowfp._C_cuda on CUDA devices; and
-how the kernels may see a tensor's memory (dense, in which order of its dims)."""
+"""Which compiled module runs a tensor (``native``: lowfp._C on the CPU, lowfp._C_cuda with the
+device index and torch's current stream on CUDA devices; both take the same arguments), and how
+the kernels may see a tensor's memory (dense, in which order of its dims)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ try:  # present only when lowfp was built with nvcc (LOWFP_CUDA=AUTO/ON)
 except ImportError:
     _C_cuda = None
 
-__all__ = ["check_dense", "cuda_built", "for_device", "native", "memory_order", "inverse_order",
+__all__ = ["check_dense", "cuda_built", "native", "memory_order", "inverse_order",
            "is_dense"]
 
 
@@ -24,32 +25,16 @@ def cuda_built() -> bool:
     return _C_cuda is not None
 
 
-class _CpuBackend:
-    name = "cpu"
-
-    @staticmethod
-    def quantize(x, x_code, y, y_code, n, args, counts_ptr):
-        _C.quantize(x.data_ptr(), x_code, y.data_ptr(), y_code, n, *args, counts_ptr, -1, 0)
-
-    @staticmethod
-    def s2fp8(x, code, y, n, args, log_max, sums, params, counts_ptr):
-        _C.s2fp8(x.data_ptr(), code, y.data_ptr(), n, *args, log_max, sums.data_ptr(),
-                 params.data_ptr(), counts_ptr, -1, 0)
-
-
-_CPU = _CpuBackend()
-
-
-def for_device(device: torch.device, argname: str):
+def _check_device(device: torch.device, argname: str) -> None:
+    """ValueError naming argname for a device lowfp has no backend for."""
     if device.type == "cpu":
-        return _CPU
+        return
     if device.type == "cuda":
         if _C_cuda is None:
             raise ValueError(f"{argname} is a CUDA tensor ({device}) but this lowfp build has no CUDA "
                              "backend (lowfp.cuda_built() is False); move it to the CPU or reinstall "
                              "lowfp on a machine with nvcc")
-        from . import _cuda_backend
-        return _cuda_backend.backend()
+        return
     raise ValueError(f"{argname} is on device {device}; lowfp supports cpu and cuda tensors")
 
 
@@ -65,7 +50,7 @@ def native(t: torch.Tensor, argname: str):
     check_dense(t, argname)
     if t.is_cpu:  # not t.device.type: it builds a torch.device, and some callers run per parameter
         return _C, -1, 0
-    for_device(t.device, argname)  # the clear errors
+    _check_device(t.device, argname)
     device = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return _C_cuda, device, torch.cuda.current_stream(device).cuda_stream
 

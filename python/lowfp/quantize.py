@@ -166,7 +166,8 @@ class Rounder:
             args = NativeCall(self._call.fmt, self._call.rounding, 32, draw_seed(), 0).args()
         code = DTYPE_CODES[x.dtype]
         counts = stats.counts.data_ptr() if stats is not None else 0
-        backends.for_device(x.device, "x").quantize(x, code, y, code, x.numel(), args, counts)
+        mod, device, stream = backends.native(x, "x")
+        mod.quantize(x.data_ptr(), code, y.data_ptr(), code, x.numel(), *args, counts, device, stream)
         return y
 
     def __repr__(self) -> str:
