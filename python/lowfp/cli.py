@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from .formats import SEED_FORMATS, Format, named
+from .formats import ASSIGNMENT_PAPER_FORMATS, Format, named
 
 
 def _fmt_num(v: Optional[float]) -> str:
@@ -43,7 +43,7 @@ def cmd_formats(args) -> int:
                 print(f"lowfp formats: {err}", file=sys.stderr)
                 return 2
     else:
-        items = list(named().items()) + list(SEED_FORMATS.items())
+        items = list(named().items()) + list(ASSIGNMENT_PAPER_FORMATS.items())
     print(formats_table(items))
     return 0
 

@@ -128,12 +128,13 @@ class Format:
         """The named format this equals, if any."""
         return _NAME_OF_KEY.get(self._key)
 
-    def fit_error(self, dtype: torch.dtype) -> str:
-        """'' when every value of the format is exact in ``dtype``, else the limit it exceeds."""
-        return self._info["fit_errors"][_TORCH_DTYPE_NAMES[dtype]]
+    def fit_error(self, dtype: torch.dtype) -> Optional[str]:
+        """None when every value of the format is exact in ``dtype`` (docs/design.md §2), else
+        which limit it exceeds."""
+        return self._info["fit_errors"][_TORCH_DTYPE_NAMES[dtype]] or None
 
     def fits(self, dtype: torch.dtype) -> bool:
-        return self.fit_error(dtype) == ""
+        return self.fit_error(dtype) is None
 
     def replace(self, *, overflow: Optional[str] = None, subnormals: Optional[bool] = None) -> "Format":
         """This format with another default overflow policy or subnormal setting."""
@@ -228,8 +229,8 @@ _NAME_OF_KEY = {f.key: name for name, f in _NAMED.items()}
 globals().update(_NAMED)
 __all__ += list(_NAMED)
 
-# The precision-assignment paper's candidates.
-SEED_FORMATS = {"fp(4,3,4)": fp(4, 3, 4), "fp(5,2,0)": fp(5, 2, 0), "fp(6,9,0)": fp(6, 9, 0)}
+# The precision-assignment paper's candidates (hi fp(6,9,0), lo fp(4,3,4) and fp(5,2,0)).
+ASSIGNMENT_PAPER_FORMATS = {"fp(4,3,4)": fp(4, 3, 4), "fp(5,2,0)": fp(5, 2, 0), "fp(6,9,0)": fp(6, 9, 0)}
 
 
 def named() -> Dict[str, Format]:

@@ -140,8 +140,8 @@ class Rounder:
         self._fits: dict = {}
 
     def _check_dtype(self, dtype: torch.dtype) -> None:
-        reason = self._fits.get(dtype)
-        if reason is None:
+        if dtype not in self._fits:  # (None: it fits)
+            reason = None
             if not is_dtype_in(dtype, DTYPE_CODES):
                 reason = f"tensors of dtype {dtype} cannot be rounded (allowed: {ALLOWED_DTYPES})"
             elif isinstance(self.precision, Format):
@@ -149,6 +149,7 @@ class Rounder:
                 if reason:
                     reason = f"{self.precision} does not fit {dtype} tensors ({reason})"
             self._fits[dtype] = reason
+        reason = self._fits[dtype]
         if reason:
             raise ValueError(reason)
 

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
 
 from .._optional import pyplot
-from . import train as T
+from . import train
 
 __all__ = ["Cell", "plan", "run_sweep", "summarise", "main", "STRATEGIES", "DEFAULT_R"]
 
@@ -59,8 +59,8 @@ def _cell_of(cfg: dict) -> Cell:
     return Cell(s, cfg["r"] if s == "ours" else None, bool(cfg["promote"]) if s != "fp32" else False)
 
 
-def plan(base: T.TrainConfig, strategies: Sequence[str] = STRATEGIES, rs: Sequence[float] = DEFAULT_R,
-         promotions: Sequence[bool] = (True, False), seeds: Sequence[int] = (0, 1, 2)) -> List[T.TrainConfig]:
+def plan(base: train.TrainConfig, strategies: Sequence[str] = STRATEGIES, rs: Sequence[float] = DEFAULT_R,
+         promotions: Sequence[bool] = (True, False), seeds: Sequence[int] = (0, 1, 2)) -> List[train.TrainConfig]:
     """The runs of a sweep, seed-major so that an interrupted sweep has whole seeds done. fp32
     rounds nothing, so it runs once per seed (with ``promote=False``); the other strategies run
     once per promotion setting. Fields that a strategy ignores are normalised (r is 0 except for
@@ -70,7 +70,7 @@ def plan(base: T.TrainConfig, strategies: Sequence[str] = STRATEGIES, rs: Sequen
         for s in strategies:
             for r in (rs if s == "ours" else [0.0]):
                 for promote in ([False] if s == "fp32" else promotions):
-                    runs.append(T.TrainConfig(**{**asdict(base), "assignment": s, "r": float(r),
+                    runs.append(train.TrainConfig(**{**asdict(base), "assignment": s, "r": float(r),
                                                  "promote": promote, "seed": seed}))
     return runs
 
@@ -101,7 +101,7 @@ def _compact(result: dict, seconds: float) -> dict:
 
 def _run_one(cfg: dict) -> dict:
     t0 = time.perf_counter()
-    result = T.run(T.TrainConfig(**cfg), log=lambda *a, **k: None)
+    result = train.run(train.TrainConfig(**cfg), log=lambda *a, **k: None)
     return _compact(result, time.perf_counter() - t0)
 
 
@@ -299,7 +299,7 @@ def plot_curves(runs: Sequence[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def run_sweep(base: T.TrainConfig, out: str, *, strategies: Sequence[str] = STRATEGIES,
+def run_sweep(base: train.TrainConfig, out: str, *, strategies: Sequence[str] = STRATEGIES,
               rs: Sequence[float] = DEFAULT_R, promotions: Sequence[bool] = (True, False),
               seeds: Sequence[int] = (0, 1, 2), jobs: int = 0, fresh: bool = False,
               log=None) -> dict:
@@ -309,7 +309,7 @@ def run_sweep(base: T.TrainConfig, out: str, *, strategies: Sequence[str] = STRA
     log = log or functools.partial(print, flush=True)
     configs = plan(base, strategies, rs, promotions, seeds)
     for cfg in configs:
-        T.check_config(cfg)
+        train.check_config(cfg)
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "results.json")
     done = {} if fresh else _load(path)
@@ -411,11 +411,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--jobs", type=int, default=0,
                    help="worker processes (default: one per core on cpu, 1 on other devices)")
     p.add_argument("--fresh", action="store_true", help="ignore the runs already in --out")
-    T.add_arguments(p, skip=("assignment", "r", "promote", "seed"))
+    train.add_arguments(p, skip=("assignment", "r", "promote", "seed"))
     args = p.parse_args(argv)
     promotions = {"both": (True, False), "on": (True,), "off": (False,)}[args.promotion]
     try:
-        base = T.config_from_args(args, assignment="fp32", r=0.0, promote=False, seed=0)
+        base = train.config_from_args(args, assignment="fp32", r=0.0, promote=False, seed=0)
         result = run_sweep(base, args.out, strategies=args.strategies, rs=args.r, promotions=promotions,
                            seeds=args.seeds, jobs=args.jobs, fresh=args.fresh)
     except ValueError as err:

@@ -16,16 +16,16 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .. import assign as A
+from .. import assign
 from ..emulate import emulate
 from ..scaler import DynamicLossScaler
-from . import data as D
-from . import models as M
+from . import data as datasets
+from . import models
 
 __all__ = ["TrainConfig", "check_config", "run", "add_arguments", "config_from_args", "main"]
 
 OPTIMIZERS = ("sgd", "adamw", "extrabits-sgd", "extrabits-adamw")
-ASSIGNMENTS = tuple(A.STRATEGIES)
+ASSIGNMENTS = tuple(assign.STRATEGIES)
 
 
 @dataclass
@@ -59,8 +59,8 @@ class TrainConfig:
 
 def check_config(cfg: TrainConfig) -> None:
     """Raise ValueError naming the first option of ``cfg`` that is not allowed."""
-    if cfg.model not in M.MODELS:
-        raise ValueError(f"model must be one of {tuple(M.MODELS)}, got {cfg.model!r}")
+    if cfg.model not in models.MODELS:
+        raise ValueError(f"model must be one of {tuple(models.MODELS)}, got {cfg.model!r}")
     if cfg.assignment not in ASSIGNMENTS:
         raise ValueError(f"assignment must be one of {ASSIGNMENTS}, got {cfg.assignment!r}")
     if cfg.optimizer not in OPTIMIZERS:
@@ -129,8 +129,8 @@ def run(cfg: TrainConfig, log=None, progress=None) -> dict:
     log = log or functools.partial(print, flush=True)
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.device)
-    ds = D.load(cfg.data, cfg.data_dir, seed=cfg.seed)
-    model = M.build(cfg.model, ds.in_channels, ds.num_classes, cfg.width, ds.image_size).to(device)
+    ds = datasets.load(cfg.data, cfg.data_dir, seed=cfg.seed)
+    model = models.build(cfg.model, ds.in_channels, ds.num_classes, cfg.width, ds.image_size).to(device)
     opt = make_optimizer(cfg, model)
     dtype = next(model.parameters()).dtype
     tx, ty = ds.train_x.to(device, dtype), ds.train_y.to(device)
@@ -141,10 +141,10 @@ def run(cfg: TrainConfig, log=None, progress=None) -> dict:
 
     n = len(ty)
     bs = min(cfg.batch_size, n)
-    tr = A.trace(model, tx[:bs], loss_fn, ty[:bs])
-    cand = A.Candidates(cfg.hi, cfg.lo_forward, cfg.lo_backward)
+    tr = assign.trace(model, tx[:bs], loss_fn, ty[:bs])
+    cand = assign.Candidates(cfg.hi, cfg.lo_forward, cfg.lo_backward)
     kwargs = {"r": cfg.r, "order": cfg.order, "seed": cfg.seed} if cfg.assignment == "ours" else {}
-    assignment = A.make(tr, cfg.assignment, candidates=cand, **kwargs)
+    assignment = assign.make(tr, cfg.assignment, candidates=cand, **kwargs)
 
     steps_per_epoch = math.ceil(n / bs)
     total_steps = cfg.epochs * steps_per_epoch
@@ -237,13 +237,13 @@ def add_arguments(p: argparse.ArgumentParser, skip: Tuple[str, ...] = ()) -> Non
         if dest not in skip:
             p.add_argument(*args, **kwargs)
 
-    add("--model", default=d.model, choices=tuple(M.MODELS))
+    add("--model", default=d.model, choices=tuple(models.MODELS))
     add("--width", type=float, default=d.width, help="width multiplier")
-    add("--data", default=d.data, choices=D.DATASETS)
+    add("--data", default=d.data, choices=datasets.DATASETS)
     add("--data-dir", default=None, help="folder with the CIFAR python-version files")
     add("--assignment", default=d.assignment, choices=ASSIGNMENTS)
     add("--r", type=float, default=d.r, help="low-precision ratio for --assignment ours")
-    add("--order", default=d.order, choices=A.ORDERS)
+    add("--order", default=d.order, choices=assign.ORDERS)
     add("--no-promotion", dest="promote", action="store_false")
     add("--threshold", type=float, default=d.threshold, help="promotion threshold Θ")
     add("--hi", default=d.hi)
