@@ -63,8 +63,7 @@ struct SlotTable {
 static_assert(sizeof(SlotTable) + sizeof(ExtraBitsParams) + sizeof(SgdHyper) + sizeof(AdamHyper) + 80
                   <= 32764, "step_kernel's arguments must fit CUDA's 32764-byte limit");
 
-// Packed blocks per chunk. H100, 1.04e8 bfloat16 parameters, k = 8: SGD(momentum) 1.13 / 1.03 /
-// 0.88 ms and AdamW 1.48 / 1.35 / 1.34 ms for 1 / 2 / 4 blocks (bench/profile_gpu.py).
+// Packed blocks per chunk: 4 measured fastest of 1, 2 and 4 on an H100 (bench/profile_gpu.py).
 constexpr int kBlocksPerChunk = 4;
 
 // A parameter seen from element `first` on (a multiple of 32): the chunk's accesses are then a base

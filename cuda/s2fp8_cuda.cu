@@ -228,9 +228,8 @@ uint32_t* upload_table(const std::vector<uint32_t>& storage, cudaStream_t stream
 void free_table(uint32_t* table, cudaStream_t stream) { check(cudaFreeAsync(table, stream), "cudaFreeAsync"); }
 
 // Below this many elements the float64 kernel costs less than a host-built form: the wait for
-// the statistics, the build and the table's upload cost ~0.2 ms of wall time on an H100, and save
-// ~14 ps an element (stochastic float32 x, 2^22 elements: 0.279 ms a call with the fast form,
-// 0.146 ms with the float64 kernel; bench/profile_gpu.py).
+// the statistics, the build and the table's upload cost a fixed time that the form's saving per
+// element repays only on large tensors (measured on an H100, bench/profile_gpu.py).
 constexpr int64_t kGpuHostFormMin = int64_t(1) << 24;
 
 }  // namespace

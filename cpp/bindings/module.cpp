@@ -80,7 +80,7 @@ PYBIND11_MODULE(_C, mod) {
                           as_ptr<uint32_t>(dst));
   });
   // Adds value to the float32 at each address: Adam's step counts (one-element CPU tensors) in
-  // one call, where torch._foreach_add_ dispatches an add per tensor (~2 us each).
+  // one call, where torch._foreach_add_ dispatches an add per tensor.
   mod.def("add_to_float32s", [](const py::list& addresses, float value) {
     for (const py::handle a : addresses) *reinterpret_cast<float*>(a.cast<uintptr_t>()) += value;
   });

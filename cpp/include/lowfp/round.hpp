@@ -70,8 +70,8 @@ LOWFP_HD Bits round_bits(Bits x, const RoundParams<Bits>& p, uint32_t rand, Roun
   }
   const Bits trunc = sig >> Bits(dm);
   // unit = 2^dm. For 64-bit lanes not written 1 << dm: gcc narrows a shift count to 32 bits and
-  // then cannot vectorise a shift of a constant (it can when the shifted value is a variable);
-  // the float64 carrier's loops ran scalar, 4.7x slower. For 32-bit lanes the plain shift is faster.
+  // then cannot vectorise a shift of a constant (it can when the shifted value is a variable),
+  // and the float64 carrier's loops ran scalar. For 32-bit lanes the plain shift is faster.
   const Bits unit = sizeof(Bits) == 8 ? ((trunc + 1) << Bits(dm)) - (trunc << Bits(dm))
                                       : Bits(1) << Bits(dm);
   const Bits rem = sig & (unit - 1);

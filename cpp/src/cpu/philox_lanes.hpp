@@ -4,10 +4,9 @@
 // One block per 64-bit lane, its word in the lane's low half: the lane's 32x32->64 multiply
 // (vpmuludq) then gives lo and hi at once, with no shuffles between rounds. The high halves carry
 // garbage that nothing reads (the multiply ignores them, the store drops them). Several vectors
-// per group (kRegs), so that independent chains of rounds fill the multiplier's latency. With
-// AVX-512 this makes 0.88-0.96 ns a word on one core of the 2 GHz Xeon we measure on, against
-// 1.07-1.13 for one block per 32-bit lane (two multiplies, shifts and blends per mulhilo); with
-// AVX2 there, 1.21 against 1.34.
+// per group (kRegs), so that independent chains of rounds fill the multiplier's latency. This
+// measured faster than one block per 32-bit lane (two multiplies, shifts and blends per mulhilo)
+// with AVX-512 and with AVX2 (bench/RESULTS.md).
 #pragma once
 #include <cstring>
 
@@ -57,8 +56,7 @@ typedef uint64_t U64 __attribute__((vector_size(sizeof(Vec))));
 inline Vec splat(uint64_t v) { return Vec(U64{} + v); }
 
 // Independent vectors per group: the rounds are a chain of dependent multiplies, which one vector
-// alone leaves idle. With AVX2 (16 registers) on the AMD EPYC, one core: 2 vectors 0.63-0.66 ns a
-// word, 3 vectors 0.53-0.54, 4 vectors 0.72 (spilled). AVX-512 keeps the 2 measured on the Xeon.
+// alone leaves idle. With AVX2's 16 registers 3 measured fastest (4 spill); AVX-512 keeps 2.
 #if defined(__AVX512F__)
 constexpr int kRegs = 2;
 #else

@@ -75,7 +75,7 @@ void set_num_threads(int n) { g_num_threads = n > 0 ? n : 0; }
 
 int get_num_threads() {
   if (g_num_threads > 0) return g_num_threads;
-  // Read once: hardware_concurrency() reads /sys on Linux (about 7 us), and every call asks.
+  // Read once: hardware_concurrency() reads /sys on Linux, and every call asks.
   static const int cores = [] {
     const unsigned hw = std::thread::hardware_concurrency();
     return hw > 0 ? int(hw) : 1;

@@ -272,8 +272,7 @@ void lookup(const uint32_t* __restrict table, const uint32_t* __restrict index,
 
 // kSymmetric, in these loops: the form is mirrored (S2fp8Thresholds::sign_entries = 0), so the
 // negative sign has no entries and no event ranges of its own, and the loops drop their per-sign
-// terms (with the paired lookups, 1.26 -> 1.06 ns/el for the threshold form with AVX2,
-// bench/RESULTS.md).
+// terms.
 template <class T, bool kSymmetric, class Raw = RawOf<T>>
 void bucket_index(const Raw* __restrict x, uint32_t* __restrict index, int64_t len,
                   const S2fp8Thresholds& th) {

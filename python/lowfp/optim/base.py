@@ -337,7 +337,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         """The host-side state of steps taken inside backward, whose skip for a non-finite
         gradient the device decided: a skipped step's state made before the call is taken back
         (SGD's first momentum buffer), a taken step's state that follows it is applied (Adam's
-        step count: one call for the pass, where one per parameter took ~13 us inside backward).
+        step count: one call for the pass rather than one per parameter inside backward).
         This waits for the device: once per backward pass, at its end, and only when some step
         in it changed host state."""
         if not self._unsettled:
@@ -477,8 +477,8 @@ def _grad_scaler_inverse(scale: torch.Tensor, device: torch.device) -> torch.Ten
 def _add_one(counts: List[torch.Tensor]) -> None:
     """count += 1 for each of Adam's step counts. torch.optim keeps them as one-element float32
     CPU tensors, as this optimizer does: those are added to by one native call, where
-    torch._foreach_add_ dispatches an add per tensor (~2 us each); any other kind of count (state
-    edited by hand) by torch."""
+    torch._foreach_add_ dispatches an add per tensor; any other kind of count (state edited by
+    hand) by torch."""
     addresses = []
     for t in counts:
         if t.dtype is not torch.float32 or not t.is_cpu or t.numel() != 1:
