@@ -37,15 +37,15 @@ def any_non_finite(t: torch.Tensor, count_into: Optional[torch.Tensor] = None, *
                             or out.numel() != 1 or out.get_device() != on
                             or out.is_cpu != cpu):
         raise ValueError(f"out must be a one-element bool tensor on {t.device}")
-    found = _any_non_finite_into(t, out, count_into)
+    found = any_non_finite_into(t, out, count_into)
     written = [x for x in (out, count_into) if x is not None]
     if written:  # lowfp's kernel writes them through their pointers: tell autograd, as torch does
         torch.autograd.graph.increment_version(written)
     return found
 
 
-def _any_non_finite_into(t: torch.Tensor, out: Optional[torch.Tensor],
-                         count_into: Optional[torch.Tensor]) -> torch.Tensor:
+def any_non_finite_into(t: torch.Tensor, out: Optional[torch.Tensor],
+                        count_into: Optional[torch.Tensor]) -> torch.Tensor:
     """any_non_finite without checking ``out`` and ``count_into``, for callers that made them
     (the hooks of step inside backward, one call per parameter)."""
     if t.dtype in _DTYPE_CODES and backends.is_dense(t) and (t.is_cpu or (

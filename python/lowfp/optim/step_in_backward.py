@@ -8,7 +8,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .._checks import is_real
-from ..scaler import _any_non_finite_into
+from ..scaler import any_non_finite_into
 from ._ddp import _refuse_if_in_ddp
 from .base import _ExtraBitsOptimizer, _grad_scaler_inverse
 
@@ -124,7 +124,7 @@ class StepInBackward:
             # a value that overflows it is found here, not stepped with as inf.
             g = g * self._inverse_scale
         # Decided on the device: the fused step reads it and does nothing when it is true.
-        found_inf = _any_non_finite_into(g, self._found_inf[i], self._skip_counts)
+        found_inf = any_non_finite_into(g, self._found_inf[i], self._skip_counts)
         if self.clip_value is not None:
             g = g.clamp(-self.clip_value, self.clip_value)
         opt._step_parameter(gi, p, g, self._seeds[gi], found_inf)
