@@ -70,10 +70,13 @@ class RefSGD:
 
 class RefAdam:
     """torch.optim.Adam/AdamW's single-tensor formulas in numpy float32, with torch's fused
-    multiply-adds (add with alpha, lerp, addcmul) and torch's own square root."""
+    multiply-adds (add with alpha, lerp, addcmul) and torch's own square root. With
+    ``cuda=True``, the association of torch's CUDA foreach kernels (ForeachFunctors.cuh:
+    ``self + value * op(t1, t2)``, one fused multiply-add) and a correctly rounded square root."""
 
     def __init__(self, w, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False,
-                 maximize=False, decoupled=False, state_round=None):
+                 maximize=False, decoupled=False, state_round=None, cuda=False):
+        self.cuda = cuda
         self.w = [x.copy() for x in w]
         self.state_round = state_round  # applied to the stored moments after each step
         self.m = [np.zeros_like(x) for x in w]
@@ -97,13 +100,17 @@ class RefAdam:
                 g = fma32(F32(self.wd), w, g)  # grad.add(param, alpha=wd)
             m = self.m[i]  # lerp: one rounding after the difference
             self.m[i] = fma32(lw, g - m, m) if abs(lw) < 0.5 else fma32(lw - F32(1), g - m, g)
-            self.v[i] = fma32(F32(1 - b2) * g, g, self.v[i] * F32(b2))  # mul_ then addcmul_
+            kept = self.v[i] * F32(b2)  # mul_ then addcmul_
+            self.v[i] = fma32(F32(1 - b2), g * g, kept) if self.cuda else fma32(F32(1 - b2) * g, g, kept)
             v = self.v[i]
             if self.amsgrad:
                 self.vmax[i] = np.maximum(self.vmax[i], self.v[i])
                 v = self.vmax[i]
-            denom = torch_sqrt(v) / bc2s + F32(self.eps)
-            self.w[i] = w + (neg_ss * self.m[i]) / denom
+            denom = (np.sqrt(v) if self.cuda else torch_sqrt(v)) / bc2s + F32(self.eps)
+            if self.cuda:  # addcdiv_
+                self.w[i] = fma32(neg_ss, self.m[i] / denom, w)
+            else:
+                self.w[i] = w + (neg_ss * self.m[i]) / denom
             if self.state_round is not None:
                 self.m[i], self.v[i], self.vmax[i] = map(self.state_round, (self.m[i], self.v[i], self.vmax[i]))
 

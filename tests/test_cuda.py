@@ -356,7 +356,10 @@ def test_extra_bits_continue_a_torch_fused_adamw_checkpoint_on_gpu_as_on_cpu():
 
 def step_on_both(cpu_opt, gpu_opt, cpu_params, gpu_params, g, steps, seed):
     """Steps both optimizers with the same random gradients and stochastic-rounding seeds; after
-    each step the weights and master weights must be equal bit for bit, and so must the counts."""
+    each step the weights and master weights must be equal bit for bit, and so must the counts.
+    The CPU optimizer steps with torch's CUDA arithmetic (Adam's association, correctly rounded
+    roots), as the GPU does."""
+    cpu_opt._cuda_association = True
     for step in range(steps):
         for p, q in zip(cpu_params, gpu_params):
             grad = torch.randn(p.shape, generator=g).to(p.dtype)
@@ -487,6 +490,7 @@ def test_torch_grad_scaler_on_gpu_equals_cpu(opt_name, kw):
     for model, device in ((cpu_model, "cpu"), (gpu_model, "cuda")):
         torch.manual_seed(1)
         opts.append(getattr(optim, opt_name)(model.parameters(), **kw))
+        opts[-1]._cuda_association = True  # the CPU twin steps with torch's CUDA arithmetic
         scalers.append(torch.amp.GradScaler(device, init_scale=2.0 ** 12, growth_interval=2))
     dtype = kw.get("param_dtype", torch.bfloat16)
     x, y = torch.randn(64, 33).to(dtype), torch.randint(0, 3, (64,))
@@ -669,3 +673,31 @@ def test_any_non_finite_on_gpu(dtype):
         flags.zero_()
     with pytest.raises(ValueError, match="out must be a one-element bool tensor on cuda"):
         any_non_finite(cases[1].cuda(), out=torch.zeros((), dtype=torch.bool))
+
+
+@pytest.mark.parametrize("opt_name,torch_name,kw", [
+    ("ExtraBitsSGD", "SGD", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2)),
+    ("ExtraBitsSGD", "SGD", dict(lr=0.05, momentum=0.8, dampening=0.1, maximize=True)),
+    ("ExtraBitsAdam", "Adam", dict(lr=1e-3, weight_decay=1e-2, amsgrad=True)),
+    ("ExtraBitsAdamW", "AdamW", dict(lr=1e-3, weight_decay=1e-2)),
+    ("ExtraBitsAdam", "Adam", dict(lr=1e-3, maximize=True, decoupled_weight_decay=True,
+                                   weight_decay=0.1)),
+])
+def test_extra_bits_on_gpu_equal_torch_optim_foreach_on_gpu(opt_name, torch_name, kw):
+    """bfloat16 + 16 extra bits on the GPU equals torch.optim's default CUDA path (foreach) on a
+    float32 master bit for bit, fed the same gradients (docs/design.md §5)."""
+    from lowfp import optim
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(33, 70), torch.nn.Tanh(), torch.nn.Linear(70, 3)).cuda()
+    master = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    ref = getattr(torch.optim, torch_name)(master, **kw)
+    opt = getattr(optim, opt_name)(model.parameters(), extra_bits=16, **kw)
+    g = torch.Generator().manual_seed(3)
+    for step in range(200):
+        for p, m in zip(model.parameters(), master):
+            grad = torch.randn(p.shape, generator=g).to(torch.bfloat16).cuda()
+            p.grad, m.grad = grad, grad.float()
+        opt.step()
+        ref.step()
+        for w, m in zip(opt.master_weights(), master):
+            assert torch.equal(w, m.detach()), step

@@ -7,6 +7,7 @@ model for real: the 16-bit model computes the gradients, which both optimizers r
 float32 master as ``g.float()``, exact). Every torch.optim option is covered.
 """
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -159,3 +160,44 @@ def test_bfloat16_momentum_is_torchs_bfloat16_buffer(kwargs):
     for p, m, w in zip(model.parameters(), master, opt.master_weights()):
         assert torch.equal(w, m.detach())
         assert torch.equal(opt.state[p]["momentum_buffer"], ref.state[m]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("cls,kwargs", [
+    (ExtraBitsAdam, dict(lr=1e-3)),
+    (ExtraBitsAdam, dict(lr=1e-3, weight_decay=1e-2, amsgrad=True, maximize=True)),
+    (ExtraBitsAdamW, dict(lr=1e-3, weight_decay=1e-2)),
+])
+def test_torchs_cuda_association_on_the_cpu(cls, kwargs):
+    """On CUDA torch.optim's default foreach kernels associate Adam's addcmul and addcdiv as
+    self + value * (t1 op t2) with one fused multiply-add, and take correctly rounded square
+    roots; the GPU step does the same. A CPU optimizer told to step as on CUDA
+    (_cuda_association) equals a numpy reference of those formulas over 300 steps, so the
+    formulas are checked here and a GPU run only adds the kernel (tests/test_cuda.py compares
+    it with torch on the GPU); it differs from the CPU association."""
+    from extra_bits_reference import RefAdam
+    model, x, y = model_and_data(2)
+    decoupled = cls is ExtraBitsAdamW
+    ref = RefAdam([p.detach().numpy().copy() for p in model.parameters()], cuda=True,
+                  decoupled=decoupled, **dict(dict(weight_decay=1e-2) if decoupled else {}, **kwargs))
+    twins = [p.detach().clone().requires_grad_(True) for p in model.parameters()]  # float32 yet
+    opt = cls(model.parameters(), extra_bits=16, **kwargs)
+    opt._cuda_association = True
+    cpu_style = cls(twins, extra_bits=16, **kwargs)
+    for a, b in zip(opt.master_weights(), cpu_style.master_weights()):
+        assert torch.equal(a, b)
+    xs = x.to(torch.bfloat16)
+    differed = False
+    for step in range(300):
+        opt.zero_grad()
+        F.cross_entropy(model(xs[:16]).float(), y[:16]).backward()
+        grads = [p.grad for p in model.parameters()]
+        ref.step([g.float().numpy() for g in grads])
+        for q, g in zip(cpu_style.param_groups[0]["params"], grads):
+            q.grad = g.clone()
+        opt.step()
+        cpu_style.step()
+        for got, want in zip(opt.master_weights(), ref.w):
+            assert np.array_equal(got.numpy().view(np.int32), want.view(np.int32)), step
+        differed |= any(not torch.equal(a, b) for a, b in
+                        zip(opt.master_weights(), cpu_style.master_weights()))
+    assert differed  # the two associations are not the same arithmetic

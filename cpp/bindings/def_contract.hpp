@@ -57,17 +57,19 @@ inline void def_contract(pybind11::module_& mod) {
                         "kernels do")
       .def(py::init([](float decay, float weight_decay, float lerp_weight, float beta2,
                        float one_minus_beta2, float bias_correction2_sqrt, float eps,
-                       float neg_step_size, bool decoupled, bool amsgrad, bool maximize) {
+                       float neg_step_size, bool decoupled, bool amsgrad, bool maximize,
+                       bool cuda_association) {
              return AdamHyper{decay, weight_decay, lerp_weight, beta2, one_minus_beta2,
                               bias_correction2_sqrt, eps, neg_step_size, decoupled, amsgrad,
-                              maximize};
+                              maximize, cuda_association};
            }),
            py::kw_only(), py::arg("decay"), py::arg("weight_decay"), py::arg("lerp_weight"),
            py::arg("beta2"), py::arg("one_minus_beta2"), py::arg("bias_correction2_sqrt"),
            py::arg("eps"), py::arg("neg_step_size"), py::arg("decoupled"), py::arg("amsgrad"),
-           py::arg("maximize"))
+           py::arg("maximize"), py::arg("cuda_association"))
       .def_readonly("neg_step_size", &AdamHyper::neg_step_size)
-      .def_readonly("amsgrad", &AdamHyper::amsgrad);
+      .def_readonly("amsgrad", &AdamHyper::amsgrad)
+      .def_readonly("cuda_association", &AdamHyper::cuda_association);
 }
 
 }  // namespace lowfp

@@ -41,6 +41,11 @@ struct AdamHyper {
   float eps;
   float neg_step_size;        // -lr / (1 - beta1^step)
   bool decoupled, amsgrad, maximize;
+  // How torch associates addcmul and addcdiv: its CPU kernels compute self + (value t1) t2 and
+  // self + (value t1) / t2, its CUDA foreach kernels self + value (t1 t2) and
+  // self + value (t1 / t2) with one fused multiply-add (ForeachFunctors.cuh). Set for steps on
+  // CUDA, where torch.optim's default is the foreach path.
+  bool cuda_association;
 };
 
 // torch.lerp: self + w (end - self) for |w| < 0.5, else end + (w - 1)(end - self), each with
@@ -109,17 +114,21 @@ LOWFP_HD float adam_moments(float& w, float g, float& m, float& v, float& v_max,
   g = select_float(!h.decoupled & (h.weight_decay != 0.0f), fused_mul_add(h.weight_decay, w, g),
                    g);                             // grad.add(param, alpha=wd)
   m = lerp_torch(m, g, h.lerp_weight);             // exp_avg.lerp_(grad, 1 - b1)
-  v = fused_mul_add(h.one_minus_beta2 * g, g, v * h.beta2);  // .mul_(b2).addcmul_(g, g, value=1 - b2)
+  const float kept = v * h.beta2;  // .mul_(b2).addcmul_(g, g, value=1 - b2)
+  v = select_float(h.cuda_association, fused_mul_add(h.one_minus_beta2, g * g, kept),
+                   fused_mul_add(h.one_minus_beta2 * g, g, kept));
   v_max = select_float(h.amsgrad, maximum_torch(v_max, v), v_max);
   return select_float(h.amsgrad, v_max, v);
 }
 
 LOWFP_HD float adam_finish(float w, float m, float root, const AdamHyper& h) {
   const float denom = root / h.bias_correction2_sqrt + h.eps;  // (sqrt / bc2_sqrt).add_(eps)
-  return w + (h.neg_step_size * m) / denom;  // param.addcdiv_(exp_avg, denom, value=-step_size)
+  // param.addcdiv_(exp_avg, denom, value=-step_size)
+  return h.cuda_association ? fused_mul_add(h.neg_step_size, m / denom, w)
+                            : w + (h.neg_step_size * m) / denom;
 }
 
-// Both parts with a correctly rounded square root, as torch's CUDA kernels take it.
+// Both parts with a correctly rounded square root, as torch's CUDA kernels take it (sqrtf).
 LOWFP_HD float adam_update(float w, float g, float& m, float& v, float& v_max, const AdamHyper& h) {
   const float q = adam_moments(w, g, m, v, v_max, h);
   return adam_finish(w, m, sqrtf(q), h);

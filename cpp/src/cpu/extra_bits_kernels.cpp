@@ -192,7 +192,8 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
         q[i] = update.moments(i0 + i, w, g32[i], g32[i]);
         w32[i] = w;
       }
-      sqrt_tile(root, q, len, q);
+      // torch's CUDA association (a CPU twin of a GPU step) goes with CUDA's correctly rounded root
+      sqrt_tile(update.h.cuda_association ? CpuSqrt{nullptr, 0} : root, q, len, q);
       for (int64_t i = 0; i < len; ++i) {
         const float w_new = update.finish(w32[i], g32[i], q[i]);
         const uint32_t r = K == RoundKind::Stochastic ? rand[i] : 0u;

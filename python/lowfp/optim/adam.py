@@ -77,7 +77,8 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
                              lerp_weight=1 - beta1, beta2=beta2, one_minus_beta2=1 - beta2,
                              bias_correction2_sqrt=bias_correction2 ** 0.5, eps=eps,
                              neg_step_size=-step_size, decoupled=decoupled,
-                             amsgrad=group["amsgrad"], maximize=group["maximize"])
+                             amsgrad=group["amsgrad"], maximize=group["maximize"],
+                             cuda_association=self._steps_like_cuda(mod))
 
     def _moments(self, p, group, state_dtype, state):
         if "exp_avg" not in state:

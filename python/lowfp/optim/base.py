@@ -34,6 +34,10 @@ _TORCH_SWITCHES = ("foreach", "fused", "capturable", "differentiable")  # torch.
 class _ExtraBitsOptimizer(torch.optim.Optimizer):
     _opt_code = -1
     _takes_square_roots = False  # Adam: its denominators' square roots (see _torch_sqrt)
+    # torch's arithmetic differs between its CPU kernels and its CUDA foreach kernels (Adam's
+    # addcmul and addcdiv, docs/design.md §5): None follows the parameters' device; True makes a
+    # CPU optimizer step as torch does on CUDA (the CPU twin of a GPU run, in tests).
+    _cuda_association: Optional[bool] = None
 
     @staticmethod
     def _check_hyperparameters(group: dict) -> None:
@@ -318,6 +322,12 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             self._unsettled.extend((state, key, found_inf) for _, state in entries)
         else:
             self._after_step([state for _, state in entries])
+
+    def _steps_like_cuda(self, mod) -> bool:
+        """Whether this step follows torch's CUDA arithmetic (the module ``mod`` runs it)."""
+        if self._cuda_association is not None:
+            return self._cuda_association
+        return mod is not _C
 
     # -- what step_in_backward uses ---------------------------------------------------------
 
