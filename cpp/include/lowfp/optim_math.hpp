@@ -123,9 +123,12 @@ LOWFP_HD float adam_moments(float& w, float g, float& m, float& v, float& v_max,
 
 LOWFP_HD float adam_finish(float w, float m, float root, const AdamHyper& h) {
   const float denom = root / h.bias_correction2_sqrt + h.eps;  // (sqrt / bc2_sqrt).add_(eps)
-  // param.addcdiv_(exp_avg, denom, value=-step_size)
-  return h.cuda_association ? fused_mul_add(h.neg_step_size, m / denom, w)
-                            : w + (h.neg_step_size * m) / denom;
+  // param.addcdiv_(exp_avg, denom, value=-step_size): w + (-step_size m) / denom on the CPU,
+  // fma(-step_size, m / denom, w) on CUDA; one division either way, and selects (a ?: here
+  // stopped gcc vectorising the nearest and stochastic steps).
+  const bool cuda = h.cuda_association;
+  const float quotient = select_float(cuda, m, h.neg_step_size * m) / denom;
+  return select_float(cuda, fused_mul_add(h.neg_step_size, quotient, w), w + quotient);
 }
 
 // Both parts with a correctly rounded square root, as torch's CUDA kernels take it (sqrtf).
