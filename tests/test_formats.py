@@ -80,6 +80,13 @@ def test_invalid_formats(args, kwargs, exc, match):
         fp(*args, **kwargs)
 
 
+def test_fit_error_takes_floating_dtypes_only():
+    for bad in (torch.int32, "float32", None, [torch.float32]):
+        with pytest.raises(TypeError, match="dtype must be one of"):
+            fp(4, 3, 4).fit_error(bad)
+    assert fp(4, 3, 4).fit_error(torch.float16) is None and fp(4, 3, 4).fits(torch.bfloat16)
+
+
 def test_carrier_fit_errors_name_the_limit():
     assert fp(8, 7, 0).fit_error(torch.float32).endswith("float32 allows at most 127")
     assert fp(8, 7, 0, specials="ieee").fits(torch.float32)  # bfloat16

@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 
 from . import _C
-from ._checks import check_choice, check_int, is_real
+from ._checks import check_choice, check_int, is_dtype_in, is_real
 
 __all__ = ["Format", "fp", "named", "to_format", "S2FP8", "to_precision", "SPECIALS",
            "OVERFLOW_POLICIES"]
@@ -131,6 +131,8 @@ class Format:
     def fit_error(self, dtype: torch.dtype) -> Optional[str]:
         """None when every value of the format is exact in ``dtype`` (docs/design.md §2), else
         which limit it exceeds."""
+        if not is_dtype_in(dtype, _TORCH_DTYPE_NAMES):
+            raise TypeError(f"dtype must be one of {tuple(_TORCH_DTYPE_NAMES)}, got {dtype!r}")
         return self._info["fit_errors"][_TORCH_DTYPE_NAMES[dtype]] or None
 
     def fits(self, dtype: torch.dtype) -> bool:
