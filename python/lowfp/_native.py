@@ -125,6 +125,10 @@ def run_contiguous(x: torch.Tensor, y: torch.Tensor, launch) -> torch.Tensor:
     the result is what it would be without the overlap (NumPy's rule for ufuncs)."""
     src = x.contiguous()
     dst = y if y.is_contiguous() else torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    # A mode can make the buffers lowfp allocates tensor subclasses (FakeTensorMode with plain
+    # inputs allowed): refuse before the kernel writes through their pointers.
+    backends.check_dense(src, "x")
+    backends.check_dense(dst, "the result buffer")
     if (dst is y and share_bytes(src, dst)
             and not (src.data_ptr() == dst.data_ptr() and src.dtype == dst.dtype)):
         src = src.clone()

@@ -38,8 +38,24 @@ def _check_device(device: torch.device, argname: str) -> None:
     raise ValueError(f"{argname} is on device {device}; lowfp supports cpu and cuda tensors")
 
 
+# The tensor types whose data_ptr() is their own memory. Subclasses (DTensor, FakeTensor, the
+# wrappers of torch.compile and torch.func) are views of something else, or of nothing.
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def check_dense(t: torch.Tensor, argname: str) -> None:
-    """The kernels read and write plain (strided) buffers; sparse and other layouts are refused."""
+    """The kernels read and write plain strided buffers through data_ptr(): tensor subclasses,
+    nested, quantized, sparse and other layouts are refused by name."""
+    if type(t) not in _PLAIN_TYPES:
+        kind = f"{type(t).__module__}.{type(t).__qualname__}"
+        raise TypeError(f"{argname} is a {kind}, a tensor subclass whose memory lowfp's kernels cannot "
+                        "read (under FakeTensorMode, torch.export or a DTensor); pass a plain "
+                        "torch.Tensor (a DTensor's shard: .to_local())")
+    if t.is_nested:
+        raise TypeError(f"{argname} is a nested tensor; lowfp takes plain dense tensors (round each "
+                        "component, or .to_padded_tensor())")
+    if t.is_quantized:
+        raise TypeError(f"{argname} is a quantized tensor ({t.dtype}); dequantize it first")
     if t.layout != torch.strided:
         raise TypeError(f"{argname} must be a dense (torch.strided) tensor, got layout {t.layout}; "
                         f"convert it with .to_dense() first")
