@@ -427,10 +427,14 @@ def test_more_threads_than_work_give_the_same_results():
     # started, and results (events included) never depend on the count.
     x = torch.randn(200_003) * 1e3
     x[::7] = float("inf")
-    old = lowfp.get_num_threads()
+    torch_threads = torch.get_num_threads()
     try:
-        lowfp.set_num_threads(0)
-        assert lowfp.get_num_threads() == os.cpu_count()  # 0: one per core
+        lowfp.set_num_threads(0)  # 0: follow torch's intra-op thread count
+        assert lowfp.get_num_threads() == torch_threads
+        torch.set_num_threads(1)
+        assert lowfp.get_num_threads() == 1
+        torch.set_num_threads(torch_threads)
+        assert lowfp.get_num_threads() == torch_threads
         results = []
         for n in (1, 10**6):
             lowfp.set_num_threads(n)
@@ -441,7 +445,8 @@ def test_more_threads_than_work_give_the_same_results():
             w16, packed = lowfp.extra_bits.split(x, torch.bfloat16, 8, "nearest")
             results.append((q, stats.overflow, y, s2.alpha, w16, packed))
     finally:
-        lowfp.set_num_threads(old)
+        lowfp.set_num_threads(0)
+        torch.set_num_threads(torch_threads)
     one, many = results
     for a, b in zip(one, many):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b

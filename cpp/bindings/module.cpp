@@ -94,6 +94,7 @@ PYBIND11_MODULE(_C, mod) {
     set_cpu_sqrt({reinterpret_cast<VectorSqrt>(fn), mode});
   });
   mod.def("set_num_threads", &set_num_threads);
+  mod.def("set_default_threads", &set_default_threads);
   mod.def("get_num_threads", &get_num_threads);
   mod.def("cpu_kernel", &cpu_kernel_name);
 }

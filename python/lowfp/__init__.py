@@ -9,6 +9,7 @@ tensor([ 0.1016,  1.0000,  3.2500, 30.0000])
 from . import _C
 from ._checks import check_int
 from . import assign, extra_bits, formats, optim
+from . import backends
 from .backends import cuda_built
 from .formats import Format, S2FP8, fp
 from ._native import ROUNDING_MODES, draw_seed
@@ -27,7 +28,8 @@ __all__ = ["Format", "fp", "formats", "extra_bits", "optim", "quantize", "quanti
 
 
 def set_num_threads(n: int) -> None:
-    """Threads used by lowfp's CPU kernels (0: one per core). Results never depend on it."""
+    """Threads used by lowfp's CPU kernels; 0 (the default) follows torch.get_num_threads().
+    Results never depend on it."""
     n = check_int(n, "n")
     if not 0 <= n < 2**31:
         raise ValueError(f"n must be between 0 and 2**31 - 1, got {n}")
@@ -35,4 +37,6 @@ def set_num_threads(n: int) -> None:
 
 
 def get_num_threads() -> int:
+    """Threads lowfp's CPU kernels use: set_num_threads's, else torch.get_num_threads()."""
+    backends.follow_torch_threads()
     return _C.get_num_threads()

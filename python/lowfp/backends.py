@@ -61,10 +61,24 @@ def check_dense(t: torch.Tensor, argname: str) -> None:
                         f"convert it with .to_dense() first")
 
 
+_torch_threads = 0  # the torch.get_num_threads() last handed to the CPU kernels
+
+
+def follow_torch_threads() -> None:
+    """The CPU kernels use torch's intra-op thread count unless lowfp.set_num_threads set one:
+    handed over whenever torch's has changed (torch.set_num_threads)."""
+    global _torch_threads
+    n = torch.get_num_threads()
+    if n != _torch_threads:
+        _C.set_default_threads(n)
+        _torch_threads = n
+
+
 def native(t: torch.Tensor, argname: str):
     """(module, device index, stream handle) that run raw-buffer functions on t's device."""
     check_dense(t, argname)
     if t.is_cpu:  # not t.device.type: it builds a torch.device, and some callers run per parameter
+        follow_torch_threads()
         return _C, -1, 0
     _check_device(t.device, argname)
     device = t.device.index if t.device.index is not None else torch.cuda.current_device()

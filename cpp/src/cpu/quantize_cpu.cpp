@@ -62,7 +62,8 @@ const Kernel& kernel() {
   return k;
 }
 
-int g_num_threads = 0;  // 0: every core
+int g_num_threads = 0;      // lowfp.set_num_threads; 0: the default below
+int g_default_threads = 0;  // torch's thread count, handed over by the Python layer; 0: every core
 
 // Below this many elements per thread, starting threads costs more than it saves.
 constexpr int64_t kMinPerThread = 1 << 15;
@@ -73,8 +74,11 @@ const char* cpu_kernel_name() { return kernel().name; }
 
 void set_num_threads(int n) { g_num_threads = n > 0 ? n : 0; }
 
+void set_default_threads(int n) { g_default_threads = n > 0 ? n : 0; }
+
 int get_num_threads() {
   if (g_num_threads > 0) return g_num_threads;
+  if (g_default_threads > 0) return g_default_threads;
   // Read once: hardware_concurrency() reads /sys on Linux, and every call asks.
   static const int cores = [] {
     const unsigned hw = std::thread::hardware_concurrency();

@@ -65,6 +65,8 @@ bool any_non_finite_cpu(DType t, const void* x, int64_t n);
 
 const char* cpu_kernel_name();
 void set_num_threads(int n);
+// The thread count when set_num_threads has none (torch's, from the Python layer; 0: every core).
+void set_default_threads(int n);
 int get_num_threads();
 
 }  // namespace lowfp

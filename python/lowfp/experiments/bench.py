@@ -227,7 +227,7 @@ def main(argv: Optional[List[str]] = None, default_size: int = 1 << 24) -> int:
                    help="where to run (default: the CPU, and the GPU when one is usable)")
     p.add_argument("--repeats", type=int, default=11,
                    help="rounds of timed calls, each calling every case once (best reported)")
-    p.add_argument("--threads", type=int, default=0, help="lowfp CPU threads (0: all cores)")
+    p.add_argument("--threads", type=int, default=0, help="lowfp CPU threads (0: torch.get_num_threads())")
     p.add_argument("--json", default=None, help="write results here (default: print only)")
     args = p.parse_args(argv)
     if args.size <= 0 or args.gpu_size <= 0 or args.repeats <= 0:
