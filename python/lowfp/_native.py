@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
 
 from . import backends
 from ._checks import check_choice, check_int, is_dtype_in
-from .formats import SPECIALS, Format, S2FP8, to_format
+from .formats import SPECIALS, Format, S2FP8, to_format, to_precision
 from .stats import Stats
 
 ROUNDING_MODES = ("nearest", "nearest_away", "toward_zero", "up", "down", "stochastic")
@@ -47,13 +47,18 @@ def check_uint64(value, name: str) -> int:
     return value
 
 
-def draw_seed(generator: Optional[torch.Generator] = None) -> int:
-    """A 64-bit seed from ``generator`` (default: torch's default CPU generator)."""
+def seed_words(generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Two 32-bit words [lo, hi] (int64) drawn from ``generator`` (default: torch's default CPU
+    generator): a 64-bit seed lo | hi << 32."""
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     device = generator.device if generator is not None else "cpu"
-    words = torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator, device=device)
-    lo, hi = words.tolist()
+    return torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator, device=device)
+
+
+def draw_seed(generator: Optional[torch.Generator] = None) -> int:
+    """A 64-bit seed from ``generator`` (default: torch's default CPU generator)."""
+    lo, hi = seed_words(generator).tolist()
     return lo | (hi << 32)
 
 
@@ -69,6 +74,16 @@ def stochastic_seed(seed: Optional[int], generator: Optional[torch.Generator]) -
 
 def make_call(fmt, rounding, overflow, subnormals, seed, generator, offset, sr_bits) -> NativeCall:
     fmt = to_format(fmt, "fmt")
+    fmt, rounding, sr_bits = _checked_rounding(fmt, rounding, overflow, subnormals, sr_bits)
+    offset = check_uint64(offset, "offset")
+    if rounding == "stochastic":
+        seed = stochastic_seed(seed, generator)
+    else:
+        seed = 0 if seed is None else check_uint64(seed, "seed")
+    return NativeCall(fmt, ROUNDING_MODES.index(rounding), sr_bits, seed, offset)
+
+
+def _checked_rounding(fmt: Format, rounding, overflow, subnormals, sr_bits):
     if overflow is not None or subnormals is not None:
         check_choice(overflow, tuple(OVERFLOW_CODES), "overflow", none_ok=True)
         if subnormals is not None and not isinstance(subnormals, bool):
@@ -78,32 +93,116 @@ def make_call(fmt, rounding, overflow, subnormals, seed, generator, offset, sr_b
     sr_bits = check_int(sr_bits, "sr_bits")
     if not 1 <= sr_bits <= 32:
         raise ValueError(f"sr_bits must be between 1 and 32, got {sr_bits}")
-    offset = check_uint64(offset, "offset")
-    if rounding == "stochastic":
-        seed = stochastic_seed(seed, generator)
+    return fmt, rounding, sr_bits
+
+
+class Plan(NamedTuple):
+    """What a rounding call decides before it reads a tensor, in the constants lowfp's operators
+    take (lowfp._ops)."""
+
+    s2fp8: bool            # S2FP8 (fmt is then the 8-bit format Y is rounded to)
+    fmt: str               # the format's string, overflow/subnormal overrides applied
+    log_max: float         # S2FP8's (0.0 for a format)
+    rounding: str
+    sr_bits: int
+    dtype: torch.dtype     # the result's
+    grad_fmt: Optional[str]
+    grad_rounding: str
+
+
+_PLANS: dict = {}
+
+
+@torch.compiler.assume_constant_result  # under torch.compile: run once, at trace time
+def plan_rounding(fmt, rounding, overflow, subnormals, sr_bits, x_dtype, out_dtype_given,
+                  out_dtype, grad_fmt, grad_rounding) -> tuple:
+    """The checked Plan (as a tuple) of a rounding of an ``x_dtype`` tensor into an out= of
+    dtype ``out_dtype_given`` (None: no out=) or a new tensor of ``out_dtype``. Every argument
+    error is raised here, naming the argument."""
+    key = (fmt, rounding, overflow, subnormals, sr_bits, x_dtype, out_dtype_given, out_dtype,
+           grad_fmt, grad_rounding)
+    try:
+        return _PLANS[key]
+    except (KeyError, TypeError):  # (TypeError: an unhashable argument, refused below)
+        pass
+    precision = to_precision(fmt, "fmt")
+    if isinstance(precision, S2FP8):
+        inner, rounding, sr_bits = _checked_rounding(precision.fmt, rounding, overflow, subnormals,
+                                                     sr_bits)
+        if out_dtype_given is not None and out_dtype_given != x_dtype:
+            raise ValueError(f"S2FP8 returns x's dtype {x_dtype}, but out has dtype {out_dtype_given}")
+        if out_dtype is not None and out_dtype != x_dtype:
+            raise ValueError(f"S2FP8 returns x's dtype {x_dtype}; out_dtype={out_dtype} is not supported")
+        reason = inner.fit_error(torch.float64)
+        if reason:
+            raise ValueError(f"fmt {inner} cannot be used by S2FP8: {reason}")
+        plan = Plan(True, str(inner), precision.log_max, rounding, sr_bits, x_dtype, None, "nearest")
     else:
-        seed = 0 if seed is None else check_uint64(seed, "seed")
-    return NativeCall(fmt, ROUNDING_MODES.index(rounding), sr_bits, seed, offset)
+        precision, rounding, sr_bits = _checked_rounding(precision, rounding, overflow, subnormals,
+                                                         sr_bits)
+        dtype = result_dtype(x_dtype, precision, out_dtype_given, out_dtype)
+        plan = Plan(False, str(precision), 0.0, rounding, sr_bits, dtype, None, "nearest")
+    if grad_fmt is not None:
+        plan = plan._replace(grad_fmt=str(_checked_grad_precision(grad_fmt, plan.dtype)),
+                             grad_rounding=grad_rounding)
+        check_choice(grad_rounding, ROUNDING_MODES, "grad_rounding")
+    plan = tuple(plan)
+    if len(_PLANS) > 4096:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
 
 
-def result_dtype(x: torch.Tensor, fmt: Format, out, out_dtype) -> torch.dtype:
+def _checked_grad_precision(grad_fmt, dtype: torch.dtype):
+    """grad_fmt as a precision that can round gradients of ``dtype`` (the result's)."""
+    precision = to_precision(grad_fmt, "grad_fmt")
+    fmt = precision.fmt if isinstance(precision, S2FP8) else precision
+    reason = fmt.fit_error(torch.float64 if isinstance(precision, S2FP8) else dtype)
+    if reason:
+        raise ValueError(f"grad_fmt {precision} cannot round the {dtype} gradient of the result: "
+                         f"{reason}")
+    return precision
+
+
+def call_seed(rounding: str, seed, generator) -> Tuple[int, Optional[torch.Tensor]]:
+    """(seed, drawn_seed) operator arguments: a stochastic call without a seed draws its key
+    from ``generator`` now, or, by default, from torch's default generator through the
+    lowfp::draw_seed operator (when the call runs, also inside a compiled graph)."""
+    if rounding == "stochastic" and seed is None:
+        if generator is None:
+            return 0, torch.ops.lowfp.draw_seed()
+        return as_int64(draw_seed(generator)), None
+    if seed is None:
+        return 0, None
+    if generator is not None:
+        raise ValueError("pass seed= or generator=, not both: seed is the Philox key itself, "
+                         "generator draws one")
+    return as_int64(check_uint64(seed, "seed")), None
+
+
+def as_int64(value: int) -> int:
+    """The int64 with the bits of a uint64 (operator schemas carry int64)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def result_dtype(x_dtype: torch.dtype, fmt: Format, out_dtype_given, out_dtype) -> torch.dtype:
     if out_dtype is not None and not is_dtype_in(out_dtype, DTYPE_CODES):
         raise TypeError(f"out_dtype must be {ALLOWED_DTYPES}, got {out_dtype}")
-    if out is not None:
-        if out_dtype is not None and out.dtype != out_dtype:
-            raise ValueError(f"out has dtype {out.dtype} but out_dtype is {out_dtype}")
-        dtype = out.dtype
+    if out_dtype_given is not None:
+        if out_dtype is not None and out_dtype_given != out_dtype:
+            raise ValueError(f"out has dtype {out_dtype_given} but out_dtype is {out_dtype}")
+        dtype = out_dtype_given
     else:
-        dtype = out_dtype if out_dtype is not None else x.dtype
-    wide = torch.float64 in (x.dtype, dtype)
+        dtype = out_dtype if out_dtype is not None else x_dtype
+    wide = torch.float64 in (x_dtype, dtype)
     carrier = torch.float64 if wide else torch.float32
     reason = fmt.fit_error(carrier)
     if reason:
-        raise ValueError(f"fmt {fmt} does not fit the float32 carrier used for {x.dtype} input: "
+        raise ValueError(f"fmt {fmt} does not fit the float32 carrier used for {x_dtype} input: "
                          f"{reason}; pass out_dtype=torch.float64 to round in float64")
     reason = fmt.fit_error(dtype)
     if reason:
-        if out is not None:
+        if out_dtype_given is not None:
             where = f"out has dtype {dtype}, which cannot hold every value of fmt {fmt}"
         elif out_dtype is not None:
             where = f"out_dtype {dtype} cannot hold every value of fmt {fmt}"
@@ -142,31 +241,35 @@ def run_contiguous(x: torch.Tensor, y: torch.Tensor, launch) -> torch.Tensor:
     return y
 
 
-def run_quantize(x: torch.Tensor, y: torch.Tensor, call: NativeCall, stats: Optional[Stats]) -> torch.Tensor:
-    """Round x into y (same shape, any layout) on x's device."""
+def run_quantize(x: torch.Tensor, y: torch.Tensor, call: NativeCall,
+                 counts: Optional[torch.Tensor]) -> torch.Tensor:
+    """Round x into y (same shape, any layout) on x's device, adding the event counts to
+    ``counts`` (lowfp.Stats's tensor) when given."""
     mod, device, stream = backends.native(x, "x")
-    counts = stats.counts.data_ptr() if stats is not None else 0
+    counts_ptr = counts.data_ptr() if counts is not None else 0
     return run_contiguous(x, y, lambda src, dst: mod.quantize(
         src.data_ptr(), DTYPE_CODES[src.dtype], dst.data_ptr(), DTYPE_CODES[dst.dtype], src.numel(),
-        *call.args(), counts, device, stream))
+        *call.args(), counts_ptr, device, stream))
 
 
 def check_writable(t: torch.Tensor, name: str) -> None:
     """torch's own in-place ops refuse to write an inference tensor outside inference mode (it
     has no version counter to tell autograd about the write)."""
+    if torch.compiler.is_compiling():  # (Dynamo cannot ask; compiled code has no inference tensors)
+        return
     if t.is_inference() and not torch.is_inference_mode_enabled():
         raise ValueError(f"{name} is an inference tensor, which cannot be written in place outside "
                          "torch.inference_mode(); write into a clone of it")
 
 
 def check_tensor_args(x: torch.Tensor, out, stats):
-    backends.check_dense(x, "x")
+    backends.check_operand(x, "x")
     if x.dtype not in DTYPE_CODES:
         raise TypeError(f"x must have dtype {ALLOWED_DTYPES}, got {x.dtype}")
     if out is not None:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor for tensor input, got {type(out).__name__}")
-        backends.check_dense(out, "out")
+        backends.check_operand(out, "out")
         if out.dtype not in DTYPE_CODES:
             raise TypeError(f"out must have dtype {ALLOWED_DTYPES}, got {out.dtype}")
         if out.shape != x.shape:
@@ -215,12 +318,12 @@ def into_numpy_out(out, write) -> np.ndarray:
 
 
 
-def run_s2fp8(x: torch.Tensor, y: torch.Tensor, spec: S2FP8, call: NativeCall, sums: torch.Tensor,
-              params: torch.Tensor, stats: Optional[Stats]) -> torch.Tensor:
+def run_s2fp8(x: torch.Tensor, y: torch.Tensor, log_max: float, call: NativeCall,
+              sums: torch.Tensor, params: torch.Tensor, counts: Optional[torch.Tensor]) -> torch.Tensor:
     """S2FP8 of x into y on x's device; its statistics go to ``sums`` and ``params``
-    (lowfp.S2FP8Stats's tensors)."""
+    (lowfp.S2FP8Stats's tensors), its event counts to ``counts`` when given."""
     mod, device, stream = backends.native(x, "x")
-    counts = stats.counts.data_ptr() if stats is not None else 0
+    counts_ptr = counts.data_ptr() if counts is not None else 0
     return run_contiguous(x, y, lambda src, dst: mod.s2fp8(
         src.data_ptr(), DTYPE_CODES[src.dtype], dst.data_ptr(), src.numel(), *call.args(),
-        spec.log_max, sums.data_ptr(), params.data_ptr(), counts, device, stream))
+        log_max, sums.data_ptr(), params.data_ptr(), counts_ptr, device, stream))

@@ -8,6 +8,8 @@ import functools
 from typing import Optional, Sequence, Tuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from . import _C
 
@@ -16,7 +18,7 @@ try:  # present only when lowfp was built with nvcc (LOWFP_CUDA=AUTO/ON)
 except ImportError:
     _C_cuda = None
 
-__all__ = ["check_dense", "cuda_built", "native", "memory_order", "inverse_order",
+__all__ = ["check_dense", "check_operand", "cuda_built", "native", "memory_order", "inverse_order",
            "is_dense"]
 
 
@@ -59,6 +61,23 @@ def check_dense(t: torch.Tensor, argname: str) -> None:
     if t.layout != torch.strided:
         raise TypeError(f"{argname} must be a dense (torch.strided) tensor, got layout {t.layout}; "
                         f"convert it with .to_dense() first")
+
+
+# Tensors that stand for real ones while torch traces (torch.compile, torch.export, fake and
+# meta runs): lowfp's operators give them their results' shapes and dtypes without reading memory.
+_TRACING_TYPES = (FakeTensor, FunctionalTensor)
+
+
+def check_operand(t: torch.Tensor, argname: str) -> None:
+    """What a tensor argument of a lowfp operator must be: dense and plain, or a tensor torch
+    traces with; on a CPU, CUDA or meta device."""
+    if type(t) in _TRACING_TYPES:
+        if t.is_nested or t.layout != torch.strided:
+            raise TypeError(f"{argname} must be a dense (torch.strided) tensor, got layout {t.layout}")
+        return
+    check_dense(t, argname)
+    if t.device.type != "meta" and not t.is_cpu:
+        _check_device(t.device, argname)
 
 
 _torch_threads = 0  # the torch.get_num_threads() last handed to the CPU kernels

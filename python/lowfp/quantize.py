@@ -2,35 +2,55 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Optional, Tuple, Union
 
 import numpy as np
 import torch
 
 from . import backends
 from ._checks import check_choice, is_dtype_in
-from ._memory import new_output
-from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODES, NativeCall,
-                      check_tensor_args, check_writable, draw_seed, into_numpy_out, make_call,
-                      numpy_as_tensor, result_dtype, run_quantize)
-from ._straight_through import StraightThrough
+from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODES, NativeCall, Plan,
+                      as_int64, call_seed, check_tensor_args, check_uint64, check_writable,
+                      draw_seed, into_numpy_out, make_call, numpy_as_tensor, plan_rounding)
+from ._ops import s2fp8_stat_buffers
 from .formats import Format, S2FP8, to_precision
-from .s2fp8 import apply_s2fp8
-from .stats import Stats
+from .stats import S2FP8Stats, Stats
 
 __all__ = ["quantize", "quantize_", "ROUNDING_MODES"]
 
 Tensorish = Union[torch.Tensor, np.ndarray]
 
 
-def gradient_rounding(grad_fmt, grad_rounding: str) -> Optional[Callable]:
-    """What a straight-through rounding does to the gradient: nothing (None), or round it to
-    ``grad_fmt`` (a format or S2FP8) by ``grad_rounding``. Checked here, used in backward."""
-    if grad_fmt is None:
-        return None
-    grad_fmt = to_precision(grad_fmt, "grad_fmt")
-    check_choice(grad_rounding, ROUNDING_MODES, "grad_rounding")
-    return lambda grad: quantize(grad, grad_fmt, grad_rounding)
+def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=None,
+                 subnormals=None, seed=None, generator=None, offset=0, sr_bits=32, stats=None,
+                 out=None, out_dtype=None, grad_fmt=None, grad_rounding="nearest"
+                 ) -> Tuple[torch.Tensor, Optional[S2FP8Stats]]:
+    """lowfp.quantize of a tensor through lowfp's operators: (result, S2FP8Stats or None)."""
+    check_tensor_args(x, out, stats)
+    plan = Plan(*plan_rounding(fmt, rounding, overflow, subnormals, sr_bits, x.dtype,
+                               None if out is None else out.dtype, out_dtype, grad_fmt,
+                               grad_rounding))
+    offset = as_int64(check_uint64(offset, "offset"))
+    seed, drawn = call_seed(plan.rounding, seed, generator)
+    counts = stats.counts if stats is not None else None
+    common = (plan.rounding, plan.sr_bits, seed, drawn, offset)
+    if not plan.s2fp8:
+        if out is not None:
+            torch.ops.lowfp.quantize_into(x, out, plan.fmt, *common, counts)
+            return out, None
+        y, new_counts = torch.ops.lowfp.quantize(x, plan.fmt, *common, plan.dtype, counts is not None,
+                                                 plan.grad_fmt, plan.grad_rounding)
+    elif out is not None:
+        sums, params = s2fp8_stat_buffers(x)
+        torch.ops.lowfp.s2fp8_into(x, out, plan.fmt, plan.log_max, *common, sums, params, counts)
+        return out, S2FP8Stats(sums, params, x.numel())
+    else:
+        y, sums, params, new_counts = torch.ops.lowfp.s2fp8(
+            x, plan.fmt, plan.log_max, *common, counts is not None, plan.grad_fmt,
+            plan.grad_rounding)
+    if counts is not None:
+        counts.add_(new_counts)
+    return y, (S2FP8Stats(sums, params, x.numel()) if plan.s2fp8 else None)
 
 
 def _quantize_numpy(x: np.ndarray, fmt, rounding, out, out_dtype, kwargs):
@@ -90,21 +110,9 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
         return _quantize_numpy(x, fmt, rounding, out, out_dtype, kwargs)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
-    fmt = to_precision(fmt, "fmt")
-    if isinstance(fmt, S2FP8):
-        round_grad = gradient_rounding(grad_fmt, grad_rounding)
-        return apply_s2fp8(x, fmt, rounding, overflow=overflow, subnormals=subnormals, seed=seed,
-                           generator=generator, offset=offset, sr_bits=sr_bits, stats=stats,
-                           out=out, out_dtype=out_dtype, round_grad=round_grad)[0]
-    check_tensor_args(x, out, stats)
-    call = make_call(fmt, rounding, overflow, subnormals, seed, generator, offset, sr_bits)
-    dtype = result_dtype(x, call.fmt, out, out_dtype)
-    round_grad = gradient_rounding(grad_fmt, grad_rounding)
-    if x.requires_grad and torch.is_grad_enabled():  # (out= was refused for it above)
-        return StraightThrough.apply(
-            x, lambda t: run_quantize(t, new_output(t, dtype), call, stats), round_grad)
-    y = out if out is not None else new_output(x, dtype)
-    return run_quantize(x, y, call, stats)
+    return round_tensor(x, fmt, rounding, overflow=overflow, subnormals=subnormals, seed=seed,
+                        generator=generator, offset=offset, sr_bits=sr_bits, stats=stats, out=out,
+                        out_dtype=out_dtype, grad_fmt=grad_fmt, grad_rounding=grad_rounding)[0]
 
 
 def quantize_(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", **kwargs) -> Tensorish:
@@ -157,8 +165,8 @@ class Rounder:
         self._check_dtype(x.dtype)
         if isinstance(self.precision, S2FP8):
             with torch.no_grad():
-                return apply_s2fp8(x, self.precision, self.rounding, overflow=self.overflow,
-                                   stats=stats)[0]
+                return round_tensor(x, self.precision, self.rounding, overflow=self.overflow,
+                                    stats=stats)[0]
         if not (x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))):
             x = x.contiguous()
         y = torch.empty_like(x)  # same dense strides: element i of both buffers is the same element

@@ -1,4 +1,5 @@
-"""Event counts of rounding calls (docs/design.md §3): overflow, underflow, nan, numel."""
+"""What rounding calls report: event counts (docs/design.md §3: overflow, underflow, nan, numel)
+and S2FP8's per-tensor statistics (§4)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Dict, Union
 
 import torch
 
-__all__ = ["Stats"]
+__all__ = ["Stats", "S2FP8Stats"]
 
 _FIELDS = ("overflow", "underflow", "nan", "numel")
 
@@ -57,3 +58,31 @@ class Stats:
 
     def __repr__(self) -> str:
         return "Stats(" + ", ".join(f"{k}={v}" for k, v in self.as_dict().items()) + ")"
+
+
+class S2FP8Stats:
+    """α, β, μ, m of one S2FP8 call and the number of finite nonzero elements they were taken
+    over (``count``). The values live in device tensors (``params``: float64 [α, β, μ, m];
+    ``sums``: the reduction's int64 accumulators), the lowfp::s2fp8 operator's outputs, and are
+    read only when a property is used, so a GPU call does not synchronise."""
+
+    def __init__(self, sums: torch.Tensor, params: torch.Tensor, numel: int):
+        self.sums = sums
+        self.params = params
+        self.numel = numel
+
+    alpha = property(lambda self: float(self.params[0]), doc="squeeze exponent α")
+    beta = property(lambda self: float(self.params[1]), doc="shift β (log2 units)")
+    mu = property(lambda self: float(self.params[2]), doc="mean log2|x| over finite nonzero x")
+    m = property(lambda self: float(self.params[3]), doc="max log2|x| over finite nonzero x")
+    count = property(lambda self: int(self.sums[2]), doc="finite nonzero elements")
+
+    def as_dict(self) -> Dict[str, float]:
+        alpha, beta, mu, m = self.params.tolist()
+        return {"alpha": alpha, "beta": beta, "mu": mu, "m": m, "count": self.count,
+                "numel": self.numel}
+
+    def __repr__(self) -> str:
+        d = self.as_dict()
+        return ("S2FP8Stats(alpha={alpha!r}, beta={beta!r}, mu={mu!r}, m={m!r}, count={count}, "
+                "numel={numel})").format(**d)

@@ -1,0 +1,188 @@
+"""lowfp's native rounding entry points as torch.library operators (namespace ``lowfp``).
+
+The public functions (lowfp.quantize, quantize_, s2fp8_quantize) check their arguments, turn
+them into the constants below and call these operators, so that torch.compile and torch.export
+see one opaque operator per rounding, with a fake implementation for shapes and dtypes and an
+autograd formula (the straight-through estimator, or a rounded gradient).
+
+Arguments every rounding operator shares:
+    fmt: the format's string (``str(lowfp.Format)``: ``"fp(4,3,4)"``, ``"float8_e4m3fn"``,
+        overflow and subnormal overrides included); for S2FP8 the 8-bit format Y is rounded to.
+    rounding: one of lowfp.ROUNDING_MODES.
+    sr_bits, offset: as lowfp.quantize's; offset is the uint64 Philox block offset stored as the
+        int64 with the same bits.
+    seed, drawn_seed: the Philox key. ``drawn_seed`` (when given) is lowfp::draw_seed's result,
+        two 32-bit words [lo, hi]; otherwise ``seed`` is the key as the int64 with its bits.
+
+``lowfp::draw_seed`` draws a key from torch's default CPU generator when it runs; it is an
+ordered effect, so a compiled graph draws its keys in program order, as eager code does.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from ._memory import new_output
+from ._native import NativeCall, ROUNDING_MODES, run_quantize, run_s2fp8, seed_words
+from .formats import Format, S2FP8, to_precision
+
+__all__ = ["lib", "round_gradient", "s2fp8_stat_buffers"]
+
+lib = torch.library.Library("lowfp", "DEF")
+
+_COMMON = "str rounding, int sr_bits, int seed, Tensor? drawn_seed, int offset"
+lib.define("draw_seed() -> Tensor")
+lib.define(f"quantize(Tensor x, str fmt, {_COMMON}, ScalarType dtype, bool count, str? grad_fmt, "
+           "str grad_rounding) -> (Tensor, Tensor)")
+lib.define(f"quantize_into(Tensor x, Tensor(a!) out, str fmt, {_COMMON}, "
+           "Tensor(b!)? counts) -> ()")
+lib.define(f"s2fp8(Tensor x, str fmt, float log_max, {_COMMON}, bool count, str? grad_fmt, "
+           "str grad_rounding) -> (Tensor, Tensor, Tensor, Tensor)")
+lib.define(f"s2fp8_into(Tensor x, Tensor(a!) out, str fmt, float log_max, {_COMMON}, "
+           "Tensor(b!) sums, Tensor(c!) params, Tensor(d!)? counts) -> ()")
+
+torch.library._register_effectful_op("lowfp::draw_seed", torch._library.effects.EffectType.ORDERED)
+
+from . import _C  # noqa: E402  (after the definitions: _C only supplies a size)
+
+S2FP8_SUM_SIZE = _C.S2FP8_SUM_SIZE
+_U64 = (1 << 64) - 1
+
+
+_PRECISIONS: Dict[str, object] = {}
+
+
+def _precision(text: str):
+    """A format string of an operator call, parsed once."""
+    p = _PRECISIONS.get(text)
+    if p is None:
+        p = _PRECISIONS[text] = to_precision(text, "fmt")
+    return p
+
+
+def _call(fmt: str, rounding: str, sr_bits: int, seed: int, drawn_seed, offset: int) -> NativeCall:
+    if drawn_seed is not None:
+        lo, hi = drawn_seed.tolist()
+        seed = lo | (hi << 32)
+    return NativeCall(_precision(fmt), ROUNDING_MODES.index(rounding), sr_bits, seed & _U64,
+                      offset & _U64)
+
+
+# -- implementations (CPU and CUDA: the native module follows x's device) -----------------------
+
+def _draw_seed_impl() -> torch.Tensor:
+    """The two words lowfp.draw_seed() would draw, as a tensor."""
+    return seed_words()
+
+
+def _counts(x: torch.Tensor, count: bool) -> torch.Tensor:
+    return torch.zeros(4 if count else 0, dtype=torch.int64, device=x.device)
+
+
+def _quantize_impl(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype, count, grad_fmt,
+                   grad_rounding):
+    counts = _counts(x, count)
+    y = run_quantize(x, new_output(x, dtype), _call(fmt, rounding, sr_bits, seed, drawn_seed, offset),
+                     counts if count else None)
+    return y, counts
+
+
+def _quantize_into_impl(x, out, fmt, rounding, sr_bits, seed, drawn_seed, offset, counts):
+    run_quantize(x, out, _call(fmt, rounding, sr_bits, seed, drawn_seed, offset), counts)
+
+
+def s2fp8_stat_buffers(x: torch.Tensor):
+    """New (sums, params) for lowfp.S2FP8Stats of a call on x's device."""
+    return (torch.zeros(S2FP8_SUM_SIZE, dtype=torch.int64, device=x.device),
+            torch.zeros(4, dtype=torch.float64, device=x.device))
+
+
+def _s2fp8_impl(x, fmt, log_max, rounding, sr_bits, seed, drawn_seed, offset, count, grad_fmt,
+                grad_rounding):
+    sums, params = s2fp8_stat_buffers(x)
+    counts = _counts(x, count)
+    y = run_s2fp8(x, new_output(x, x.dtype), log_max,
+                  _call(fmt, rounding, sr_bits, seed, drawn_seed, offset), sums, params,
+                  counts if count else None)
+    return y, sums, params, counts
+
+
+def _s2fp8_into_impl(x, out, fmt, log_max, rounding, sr_bits, seed, drawn_seed, offset, sums,
+                     params, counts):
+    run_s2fp8(x, out, log_max, _call(fmt, rounding, sr_bits, seed, drawn_seed, offset), sums,
+              params, counts)
+
+
+for _name, _impl in (("draw_seed", _draw_seed_impl),):
+    lib.impl(_name, _impl, "CompositeExplicitAutograd")
+for _name, _impl in (("quantize", _quantize_impl), ("quantize_into", _quantize_into_impl),
+                     ("s2fp8", _s2fp8_impl), ("s2fp8_into", _s2fp8_into_impl)):
+    for _key in ("CPU", "CUDA"):
+        lib.impl(_name, _impl, _key)
+
+
+# -- fake implementations: shapes, dtypes and devices only -------------------------------------
+
+@torch.library.register_fake("lowfp::draw_seed", lib=lib)
+def _draw_seed_fake():
+    return torch.empty(2, dtype=torch.int64)
+
+
+@torch.library.register_fake("lowfp::quantize", lib=lib)
+def _quantize_fake(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype, count, grad_fmt,
+                   grad_rounding):
+    return (torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format),
+            x.new_empty(4 if count else 0, dtype=torch.int64))
+
+
+@torch.library.register_fake("lowfp::quantize_into", lib=lib)
+def _quantize_into_fake(x, out, fmt, rounding, sr_bits, seed, drawn_seed, offset, counts):
+    return None
+
+
+@torch.library.register_fake("lowfp::s2fp8", lib=lib)
+def _s2fp8_fake(x, fmt, log_max, rounding, sr_bits, seed, drawn_seed, offset, count, grad_fmt,
+                grad_rounding):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            x.new_empty(S2FP8_SUM_SIZE, dtype=torch.int64),
+            x.new_empty(4, dtype=torch.float64),
+            x.new_empty(4 if count else 0, dtype=torch.int64))
+
+
+@torch.library.register_fake("lowfp::s2fp8_into", lib=lib)
+def _s2fp8_into_fake(x, out, fmt, log_max, rounding, sr_bits, seed, drawn_seed, offset, sums,
+                     params, counts):
+    return None
+
+
+# -- autograd: straight through, or the gradient rounded to grad_fmt ----------------------------
+
+def round_gradient(grad: torch.Tensor, grad_fmt: Optional[str], grad_rounding: str) -> torch.Tensor:
+    """The gradient a rounding hands back: ``grad``, or grad rounded to ``grad_fmt`` (a format
+    or S2FP8 string checked when the forward call was made) with ``grad_rounding``."""
+    if grad_fmt is None:
+        return grad
+    drawn = torch.ops.lowfp.draw_seed() if grad_rounding == "stochastic" else None
+    precision = _precision(grad_fmt)
+    if isinstance(precision, S2FP8):
+        return torch.ops.lowfp.s2fp8(grad, str(precision.fmt), precision.log_max, grad_rounding,
+                                     32, 0, drawn, 0, False, None, "nearest")[0]
+    assert isinstance(precision, Format)
+    return torch.ops.lowfp.quantize(grad, grad_fmt, grad_rounding, 32, 0, drawn, 0, grad.dtype,
+                                    False, None, "nearest")[0]
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.grad_fmt, ctx.grad_rounding = inputs[-2], inputs[-1]
+
+
+def _backward(ctx, grad, *unused):
+    n_inputs = 11
+    return (round_gradient(grad, ctx.grad_fmt, ctx.grad_rounding),) + (None,) * (n_inputs - 1)
+
+
+torch.library.register_autograd("lowfp::quantize", _backward, setup_context=_setup_context, lib=lib)
+torch.library.register_autograd("lowfp::s2fp8", _backward, setup_context=_setup_context, lib=lib)
+

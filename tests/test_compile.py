@@ -1,0 +1,149 @@
+"""lowfp's rounding operators inside torch.compile and torch.export: no graph break
+(fullgraph=True), results bit-identical to eager code (stochastic rounding with seed=None
+included), fake and meta tensors give the results' shapes and dtypes, and torch.library's own
+operator checks pass."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import lowfp
+
+F434 = lowfp.fp(4, 3, 4)
+S2 = lowfp.S2FP8("float8_e4m3fn", log_max=8.0)
+
+
+def _rounds(x, stats):
+    """Every public rounding, each precision kind and both seed kinds."""
+    a = lowfp.quantize(x, "fp(4,3,4)", "stochastic")                      # string, drawn seed
+    b = lowfp.quantize(x * 3, F434, "stochastic", stats=stats, sr_bits=7)  # Format, counted
+    c = lowfp.quantize(x, "fp(5,2,0)", "stochastic", seed=2**64 - 3, offset=2**63 + 5)
+    d = lowfp.quantize(x, "float8_e4m3fn", "toward_zero", out_dtype=torch.bfloat16)
+    e, st = lowfp.s2fp8_quantize(x, rounding="stochastic")
+    f = lowfp.quantize(x, S2)
+    g = x.clone()
+    lowfp.quantize_(g, F434, "up", stats=stats)
+    h = torch.empty_like(x)
+    lowfp.quantize(x, "s2fp8", out=h)
+    return a, b, c, d.float(), e, f, g, h, st.params, st.sums
+
+
+def test_compiled_roundings_equal_eager_bit_for_bit():
+    x = torch.randn(4, 257, dtype=torch.float32) * 40
+    eager_stats, compiled_stats = lowfp.Stats(), lowfp.Stats()
+    torch.manual_seed(7)
+    eager = _rounds(x, eager_stats)
+    compiled = torch.compile(_rounds, fullgraph=True, backend="inductor")
+    torch.manual_seed(7)
+    got = compiled(x, compiled_stats)
+    for i, (want, have) in enumerate(zip(eager, got)):
+        assert torch.equal(want, have), i
+    assert torch.equal(eager_stats.counts, compiled_stats.counts)
+    assert eager_stats.overflow > 0
+    # The drawn seeds follow the default generator: another seed, other results.
+    torch.manual_seed(8)
+    assert not torch.equal(compiled(x, compiled_stats)[0], eager[0])
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = lowfp.quantize(self.fc1(x), F434, "stochastic", grad_fmt="fp(5,2,0)",
+                           grad_rounding="stochastic")
+        h = lowfp.quantize(h.relu(), "s2fp8", grad_fmt=F434)
+        h, _ = lowfp.s2fp8_quantize(h, truncate_grad=True)
+        return self.fc2(h)
+
+
+def _step(model, x):
+    torch.manual_seed(3)
+    model.zero_grad()
+    out = model(x)
+    out.backward(torch.ones_like(out))
+    return [out.detach()] + [p.grad.clone() for p in model.parameters()]
+
+
+def test_compiled_training_step_equals_eager_with_rounded_gradients():
+    torch.manual_seed(0)
+    net, x = _Net(), torch.randn(8, 16)
+    eager = _step(net, x)
+    compiled = _step(torch.compile(net, fullgraph=True), x)
+    for want, have in zip(eager, compiled):
+        assert torch.equal(want, have)
+
+
+def test_exported_program_runs_and_equals_eager():
+    torch.manual_seed(0)
+    net, x = _Net(), torch.randn(8, 16)
+    program = torch.export.export(net, (x,))
+    code = program.graph_module.code
+    assert "lowfp.quantize" in code and "lowfp.s2fp8" in code and "lowfp.draw_seed" in code
+    torch.manual_seed(5)
+    want = net(x)
+    torch.manual_seed(5)
+    assert torch.equal(program.module()(x), want)
+
+
+def test_seed_arguments_are_constants_of_the_graph():
+    """A format string and an explicit seed are folded in at trace time: recompiling for each new
+    seed value is how Dynamo treats Python ints."""
+    x = torch.randn(100)
+    f = torch.compile(lambda t, s: lowfp.quantize(t, "fp(3,2,0)", "stochastic", seed=s),
+                      fullgraph=True)
+    for seed in (0, 1, 2**64 - 1):
+        assert torch.equal(f(x, seed), lowfp.quantize(x, "fp(3,2,0)", "stochastic", seed=seed))
+
+
+@pytest.mark.parametrize("mode", ["meta", "fake"])
+def test_meta_and_fake_tensors_get_shapes_and_dtypes(mode):
+    def run():
+        x = torch.empty(3, 5, dtype=torch.bfloat16, device="meta" if mode == "meta" else "cpu")
+        xt = x.t()  # a non-contiguous input: the result is contiguous, as on real tensors
+        y = lowfp.quantize(xt, "fp(4,3,4)", "stochastic", out_dtype=torch.float32)
+        z, st = lowfp.s2fp8_quantize(x.double())
+        lowfp.quantize_(x, "float8_e5m2")
+        return y, z, st
+    if mode == "fake":
+        with FakeTensorMode():
+            y, z, st = run()
+    else:
+        y, z, st = run()
+    assert (y.shape, y.dtype, y.is_contiguous()) == ((5, 3), torch.float32, True)
+    assert (z.shape, z.dtype) == ((3, 5), torch.float64)
+    assert st.params.shape == (4,) and st.params.dtype == torch.float64
+
+
+def test_fake_results_match_real_ones():
+    x = torch.randn(6, 7).t()
+    real = lowfp.quantize(x, F434, out_dtype=torch.float64)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = lowfp.quantize(x, F434, out_dtype=torch.float64)
+    assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
+
+
+def test_argument_errors_are_raised_while_tracing():
+    f = torch.compile(lambda t: lowfp.quantize(t, "fp(4,3,4)", "sideways"), fullgraph=True)
+    with pytest.raises(Exception, match="rounding must be one of"):
+        f(torch.randn(4))
+
+
+@pytest.mark.parametrize("name,args", [
+    ("quantize", lambda x: (x, "fp(4,3,4)", "stochastic", 32, 3, None, 0, torch.float64, True,
+                            "fp(5,2,0)", "nearest")),
+    ("quantize_into", lambda x: (x, torch.empty_like(x), "float8_e4m3fn", "nearest", 32, 0, None, 0,
+                                 torch.zeros(4, dtype=torch.int64))),
+    ("s2fp8", lambda x: (x, "float8_e5m2", 15.0, "stochastic", 32, 0,
+                         torch.tensor([1, 2]), 0, True, "s2fp8", "nearest")),
+    ("s2fp8_into", lambda x: (x, torch.empty_like(x), "float8_e5m2", 15.0, "nearest", 32, 0, None, 0,
+                              torch.zeros(lowfp._C.S2FP8_SUM_SIZE, dtype=torch.int64),
+                              torch.zeros(4, dtype=torch.float64), None)),
+    ("draw_seed", lambda x: ()),
+])
+def test_torch_library_opcheck(name, args):
+    x = torch.randn(9, 4, requires_grad=name in ("quantize", "s2fp8"))
+    op = getattr(torch.ops.lowfp, name).default
+    results = torch.library.opcheck(op, args(x))
+    assert set(results.values()) == {"SUCCESS"}, results
