@@ -45,6 +45,11 @@ def _check_device(device: torch.device, argname: str) -> None:
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
+def is_plain(t: torch.Tensor) -> bool:
+    """Whether t's data_ptr() is its own memory (not a subclass's view of something else)."""
+    return type(t) in _PLAIN_TYPES
+
+
 def check_dense(t: torch.Tensor, argname: str) -> None:
     """The kernels read and write plain strided buffers through data_ptr(): tensor subclasses,
     nested, quantized, sparse and other layouts are refused by name."""
@@ -72,12 +77,28 @@ def check_operand(t: torch.Tensor, argname: str) -> None:
     """What a tensor argument of a lowfp operator must be: dense and plain, or a tensor torch
     traces with; on a CPU, CUDA or meta device."""
     if type(t) in _TRACING_TYPES:
-        if t.is_nested or t.layout != torch.strided:
+        if t.is_nested or t.is_quantized or t.layout != torch.strided:
             raise TypeError(f"{argname} must be a dense (torch.strided) tensor, got layout {t.layout}")
         return
     check_dense(t, argname)
     if t.device.type != "meta" and not t.is_cpu:
         _check_device(t.device, argname)
+
+
+def fake_mode_of(*tensors):
+    """The FakeTensorMode a call on ``tensors`` must run under: the active one, else that of a
+    FakeTensor among them (used outside its mode); None for real tensors. A call that mixes
+    FakeTensors with real tensors outside any mode is a TypeError."""
+    active = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if active is not None:
+        return active
+    fakes = [t for t in tensors if type(t) is FakeTensor]
+    if not fakes:
+        return None
+    if len(fakes) != sum(t is not None for t in tensors):
+        raise TypeError("x and out are FakeTensors and real tensors mixed; pass all of them fake "
+                        "(or run under their FakeTensorMode)")
+    return fakes[0].fake_mode
 
 
 _torch_threads = 0  # the torch.get_num_threads() last handed to the CPU kernels

@@ -6,12 +6,14 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import backends
 from ._checks import check_choice, is_dtype_in
 from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODES, NativeCall, Plan,
                       as_int64, call_seed, check_tensor_args, check_uint64, check_writable,
                       draw_seed, into_numpy_out, make_call, numpy_as_tensor, plan_rounding)
+from ._dtensor import is_dtensor, round_dtensor
 from ._ops import s2fp8_stat_buffers
 from .formats import Format, S2FP8, to_precision
 from .stats import S2FP8Stats, Stats
@@ -26,7 +28,20 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
                  out=None, out_dtype=None, grad_fmt=None, grad_rounding="nearest"
                  ) -> Tuple[torch.Tensor, Optional[S2FP8Stats]]:
     """lowfp.quantize of a tensor through lowfp's operators: (result, S2FP8Stats or None)."""
+    if type(x) is not torch.Tensor and type(x) is not torch.nn.Parameter and is_dtensor(x):
+        return round_dtensor(round_tensor, x, fmt, rounding=rounding, overflow=overflow,
+                             subnormals=subnormals, seed=seed, generator=generator, offset=offset,
+                             sr_bits=sr_bits, stats=stats, out=out, out_dtype=out_dtype,
+                             grad_fmt=grad_fmt, grad_rounding=grad_rounding)
     check_tensor_args(x, out, stats)
+    if type(x) is FakeTensor or type(out) is FakeTensor:
+        mode = backends.fake_mode_of(x, out)
+        if mode is not None and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+            with mode:  # a FakeTensor used outside its mode: its mode makes the drawn seed fake too
+                return round_tensor(x, fmt, rounding, overflow=overflow, subnormals=subnormals,
+                                    seed=seed, generator=generator, offset=offset,
+                                    sr_bits=sr_bits, stats=stats, out=out, out_dtype=out_dtype,
+                                    grad_fmt=grad_fmt, grad_rounding=grad_rounding)
     plan = Plan(*plan_rounding(fmt, rounding, overflow, subnormals, sr_bits, x.dtype,
                                None if out is None else out.dtype, out_dtype, grad_fmt,
                                grad_rounding))
@@ -145,6 +160,7 @@ class Rounder:
         fmt = self.precision.fmt if isinstance(self.precision, S2FP8) else self.precision
         self._call = make_call(fmt, rounding, overflow, None, 0, None, 0, 32)
         self._args = self._call.args()
+        self._fmt = str(self._call.fmt)
         self._fits: dict = {}
 
     def _check_dtype(self, dtype: torch.dtype) -> None:
@@ -167,6 +183,13 @@ class Rounder:
             with torch.no_grad():
                 return round_tensor(x, self.precision, self.rounding, overflow=self.overflow,
                                     stats=stats)[0]
+        if torch.compiler.is_compiling():  # the operator: a graph node instead of a pointer call
+            drawn = torch.ops.lowfp.draw_seed() if self.rounding == "stochastic" else None
+            y, counts = torch.ops.lowfp.quantize(x, self._fmt, self.rounding, 32, 0, drawn, 0, x.dtype,
+                                                 stats is not None, None, "nearest")
+            if stats is not None:
+                stats.counts.add_(counts)
+            return y
         if not (x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))):
             x = x.contiguous()
         y = torch.empty_like(x)  # same dense strides: element i of both buffers is the same element

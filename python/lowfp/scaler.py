@@ -26,6 +26,9 @@ def any_non_finite(t: torch.Tensor, count_into: Optional[torch.Tensor] = None, *
     :func:`_any_non_finite_by_torch`."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested or t.is_quantized or t.layout != torch.strided:
+        raise TypeError(f"t must be a dense (torch.strided) tensor, not nested or quantized; got "
+                        f"layout {t.layout}")
     # Device index and is_cpu: comparing torch.device objects costs several times more a call.
     on, cpu = t.get_device(), t.is_cpu
     if count_into is not None and (not isinstance(count_into, torch.Tensor)
@@ -48,7 +51,7 @@ def any_non_finite_into(t: torch.Tensor, out: Optional[torch.Tensor],
                         count_into: Optional[torch.Tensor]) -> torch.Tensor:
     """any_non_finite without checking ``out`` and ``count_into``, for callers that made them
     (the hooks of step inside backward, one call per parameter)."""
-    if t.dtype in _DTYPE_CODES and backends.is_dense(t) and (t.is_cpu or (
+    if t.dtype in _DTYPE_CODES and backends.is_plain(t) and backends.is_dense(t) and (t.is_cpu or (
             t.is_cuda and backends.cuda_built())):  # each element alike: read in memory order
         found = torch.empty((), dtype=torch.bool, device=t.device) if out is None else out
         counts = (0, 0) if count_into is None else (count_into.data_ptr(), count_into.numel())
