@@ -124,6 +124,24 @@ def test_fake_results_match_real_ones():
     assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
 
 
+def test_extra_bits_split_and_merge_compile_and_take_fake_tensors():
+    w = torch.randn(5, 37)
+    f = torch.compile(lambda t: lowfp.extra_bits.merge(
+        *lowfp.extra_bits.split(t, torch.bfloat16, 8, "stochastic"), k=8, rounding="stochastic"),
+        fullgraph=True)
+    torch.manual_seed(2)
+    got = f(w)
+    torch.manual_seed(2)
+    want = lowfp.extra_bits.merge(*lowfp.extra_bits.split(w, torch.bfloat16, 8, "stochastic"), k=8,
+                                  rounding="stochastic")
+    assert torch.equal(got, want)
+    with FakeTensorMode():
+        w16, packed = lowfp.extra_bits.split(torch.empty(5, 37), torch.float16, 13, "nearest")
+        assert (w16.shape, w16.dtype, packed.shape) == ((5, 37), torch.float16,
+                                                        (lowfp.extra_bits.packed_words(185, 13, "nearest"),))
+        assert lowfp.extra_bits.merge(w16, packed, 13, "nearest").dtype == torch.float32
+
+
 def test_argument_errors_are_raised_while_tracing():
     f = torch.compile(lambda t: lowfp.quantize(t, "fp(4,3,4)", "sideways"), fullgraph=True)
     with pytest.raises(Exception, match="rounding must be one of"):
@@ -141,6 +159,8 @@ def test_argument_errors_are_raised_while_tracing():
                               torch.zeros(lowfp._C.S2FP8_SUM_SIZE, dtype=torch.int64),
                               torch.zeros(4, dtype=torch.float64), None)),
     ("draw_seed", lambda x: ()),
+    ("extra_bits_split", lambda x: (x, torch.bfloat16, 8, "stochastic", 32, 3, None, 0, True)),
+    ("extra_bits_merge", lambda x: lowfp.extra_bits.split(x, torch.float16, 5, "nearest") + (5, "nearest")),
 ])
 def test_torch_library_opcheck(name, args):
     x = torch.randn(9, 4, requires_grad=name in ("quantize", "s2fp8"))

@@ -701,3 +701,27 @@ def test_extra_bits_on_gpu_equal_torch_optim_foreach_on_gpu(opt_name, torch_name
         ref.step()
         for w, m in zip(opt.master_weights(), master):
             assert torch.equal(w, m.detach()), step
+
+
+def test_compiled_and_exported_roundings_on_gpu_equal_eager():
+    """tests/test_compile.py's checks on a CUDA device: fullgraph compile and export."""
+    import test_compile as tc
+    x = (torch.randn(4, 257) * 40).cuda()
+    eager_stats, compiled_stats = lowfp.Stats("cuda"), lowfp.Stats("cuda")
+    torch.manual_seed(7)
+    eager = tc._rounds(x, eager_stats)
+    torch.manual_seed(7)
+    got = torch.compile(tc._rounds, fullgraph=True)(x, compiled_stats)
+    for i, (want, have) in enumerate(zip(eager, got)):
+        assert torch.equal(want, have), i
+    assert torch.equal(eager_stats.counts, compiled_stats.counts)
+    torch.manual_seed(0)
+    net, xs = tc._Net().cuda(), torch.randn(8, 16, device="cuda")
+    want = tc._step(net, xs)
+    for a, b in zip(want, tc._step(torch.compile(net, fullgraph=True), xs)):
+        assert torch.equal(a, b)
+    program = torch.export.export(net, (xs,))
+    torch.manual_seed(5)
+    ref = net(xs)
+    torch.manual_seed(5)
+    assert torch.equal(program.module()(xs), ref)

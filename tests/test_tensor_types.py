@@ -9,7 +9,6 @@ import textwrap
 
 import pytest
 
-FAKE = "from torch._subclasses.fake_tensor import FakeTensorMode\n"
 DTENSOR = textwrap.dedent("""
     import os, torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor, Shard
@@ -22,9 +21,6 @@ DTENSOR = textwrap.dedent("""
 """)
 
 CASES = {
-    "split of a FakeTensor": (FAKE, "with FakeTensorMode():\n"
-                                    "    lowfp.extra_bits.split(torch.randn(8), torch.bfloat16, 8)",
-                              TypeError, "w32 is a .*FakeTensor"),
     "ExtraBitsAdamW over DTensor parameters": (
         DTENSOR, "lowfp.optim.ExtraBitsAdamW([torch.nn.Parameter(d)])", TypeError,
         "parameter is a .*DTensor"),

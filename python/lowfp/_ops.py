@@ -24,8 +24,9 @@ from typing import Dict, Optional
 
 import torch
 
+from . import backends
 from ._memory import new_output
-from ._native import NativeCall, ROUNDING_MODES, run_quantize, run_s2fp8, seed_words
+from ._native import DTYPE_CODES, NativeCall, ROUNDING_MODES, run_quantize, run_s2fp8, seed_words
 from .formats import Format, S2FP8, to_precision
 
 __all__ = ["lib", "round_gradient", "s2fp8_stat_buffers"]
@@ -42,6 +43,10 @@ lib.define(f"s2fp8(Tensor x, str fmt, float log_max, {_COMMON}, bool count, str?
            "str grad_rounding) -> (Tensor, Tensor, Tensor, Tensor)")
 lib.define(f"s2fp8_into(Tensor x, Tensor(a!) out, str fmt, float log_max, {_COMMON}, "
            "Tensor(b!) sums, Tensor(c!) params, Tensor(d!)? counts) -> ()")
+
+lib.define(f"extra_bits_split(Tensor w32, ScalarType dtype, int k, {_COMMON}, bool count) "
+           "-> (Tensor, Tensor, Tensor)")
+lib.define("extra_bits_merge(Tensor w16, Tensor packed, int k, str rounding) -> Tensor")
 
 torch.library._register_effectful_op("lowfp::draw_seed", torch._library.effects.EffectType.ORDERED)
 
@@ -62,12 +67,17 @@ def _precision(text: str):
     return p
 
 
-def _call(fmt: str, rounding: str, sr_bits: int, seed: int, drawn_seed, offset: int) -> NativeCall:
+def _key(seed: int, drawn_seed: Optional[torch.Tensor]) -> int:
+    """The uint64 Philox key of an operator call."""
     if drawn_seed is not None:
         lo, hi = drawn_seed.tolist()
-        seed = lo | (hi << 32)
-    return NativeCall(_precision(fmt), ROUNDING_MODES.index(rounding), sr_bits, seed & _U64,
-                      offset & _U64)
+        return lo | (hi << 32)
+    return seed & _U64
+
+
+def _call(fmt: str, rounding: str, sr_bits: int, seed: int, drawn_seed, offset: int) -> NativeCall:
+    return NativeCall(_precision(fmt), ROUNDING_MODES.index(rounding), sr_bits,
+                      _key(seed, drawn_seed), offset & _U64)
 
 
 # -- implementations (CPU and CUDA: the native module follows x's device) -----------------------
@@ -115,12 +125,42 @@ def _s2fp8_into_impl(x, out, fmt, log_max, rounding, sr_bits, seed, drawn_seed, 
               params, counts)
 
 
+def _extra_bits_split_impl(w32, dtype, k, rounding, sr_bits, seed, drawn_seed, offset, count):
+    from .extra_bits import packed_words
+    mod, device, stream = backends.native(w32, "w32")
+    src = w32.contiguous()
+    w16 = torch.empty(w32.shape, dtype=dtype, device=w32.device)
+    packed = torch.empty(packed_words(src.numel(), k, rounding), dtype=torch.int32,
+                         device=w32.device)
+    counts = _counts(w32, count)
+    for t, name in ((src, "w32"), (w16, "the result buffer"), (packed, "the packed buffer")):
+        backends.check_dense(t, name)
+    mod.extra_bits_split(src.data_ptr(), w16.data_ptr(), DTYPE_CODES[dtype], packed.data_ptr(),
+                         src.numel(), k, ROUNDING_MODES.index(rounding), _key(seed, drawn_seed),
+                         offset & _U64,
+                         counts.data_ptr() if count else 0, device, stream)
+    return w16, packed, counts
+
+
+def _extra_bits_merge_impl(w16, packed, k, rounding):
+    mod, device, stream = backends.native(w16, "w16")
+    src, words = w16.contiguous(), packed.contiguous()
+    out = torch.empty(w16.shape, dtype=torch.float32, device=w16.device)
+    for t, name in ((src, "w16"), (words, "packed"), (out, "the result buffer")):
+        backends.check_dense(t, name)
+    mod.extra_bits_merge(src.data_ptr(), DTYPE_CODES[w16.dtype], words.data_ptr(), out.data_ptr(),
+                         src.numel(), k, ROUNDING_MODES.index(rounding), device, stream)
+    return out
+
+
 for _name, _impl in (("draw_seed", _draw_seed_impl),):
     lib.impl(_name, _impl, "CompositeExplicitAutograd")
 for _name, _impl in (("quantize", _quantize_impl), ("quantize_into", _quantize_into_impl),
-                     ("s2fp8", _s2fp8_impl), ("s2fp8_into", _s2fp8_into_impl)):
-    for _key in ("CPU", "CUDA"):
-        lib.impl(_name, _impl, _key)
+                     ("s2fp8", _s2fp8_impl), ("s2fp8_into", _s2fp8_into_impl),
+                     ("extra_bits_split", _extra_bits_split_impl),
+                     ("extra_bits_merge", _extra_bits_merge_impl)):
+    for _dispatch_key in ("CPU", "CUDA"):
+        lib.impl(_name, _impl, _dispatch_key)
 
 
 # -- fake implementations: shapes, dtypes and devices only -------------------------------------
@@ -155,6 +195,19 @@ def _s2fp8_fake(x, fmt, log_max, rounding, sr_bits, seed, drawn_seed, offset, co
 def _s2fp8_into_fake(x, out, fmt, log_max, rounding, sr_bits, seed, drawn_seed, offset, sums,
                      params, counts):
     return None
+
+
+@torch.library.register_fake("lowfp::extra_bits_split", lib=lib)
+def _extra_bits_split_fake(w32, dtype, k, rounding, sr_bits, seed, drawn_seed, offset, count):
+    from .extra_bits import packed_words
+    return (w32.new_empty(w32.shape, dtype=dtype),
+            w32.new_empty(packed_words(w32.numel(), k, rounding), dtype=torch.int32),
+            w32.new_empty(4 if count else 0, dtype=torch.int64))
+
+
+@torch.library.register_fake("lowfp::extra_bits_merge", lib=lib)
+def _extra_bits_merge_fake(w16, packed, k, rounding):
+    return w16.new_empty(w16.shape, dtype=torch.float32)
 
 
 # -- autograd: straight through, or the gradient rounded to grad_fmt ----------------------------

@@ -22,7 +22,7 @@ import torch
 from . import _C, backends
 from ._checks import check_choice, check_int, is_dtype_in, is_int
 from .backends import inverse_order
-from ._native import DTYPE_CODES, ROUNDING_MODES, check_uint64, stochastic_seed
+from ._native import as_int64, call_seed, check_uint64
 from .stats import Stats
 
 __all__ = ["split", "merge", "packed_words", "bits_per_element", "EXTRA_BITS_ROUNDING", "max_extra_bits"]
@@ -70,21 +70,17 @@ def split(w32: torch.Tensor, dtype: torch.dtype = torch.bfloat16, k: int = 16,
         raise TypeError(f"w32 must be a float32 torch.Tensor, got "
                         f"{w32.dtype if isinstance(w32, torch.Tensor) else type(w32).__name__}")
     check_extra_bits(dtype, k, rounding)
-    mod, device, stream = backends.native(w32, "w32")
+    backends.check_operand(w32, "w32")
     if stats is not None and (not isinstance(stats, Stats) or stats.device != w32.device):
         raise ValueError(f"stats must be a lowfp.Stats on {w32.device}")
-    if rounding == "stochastic":
-        seed = stochastic_seed(seed, generator)
-    else:
-        seed = 0
-    offset = check_uint64(offset, "offset")
-    src = w32.contiguous()
-    w16 = torch.empty(w32.shape, dtype=dtype, device=w32.device)
-    packed = torch.empty(packed_words(src.numel(), k, rounding), dtype=torch.int32, device=w32.device)
-    counts = stats.counts.data_ptr() if stats is not None else 0
-    mod.extra_bits_split(src.data_ptr(), w16.data_ptr(), DTYPE_CODES[dtype], packed.data_ptr(),
-                         src.numel(), k, ROUNDING_MODES.index(rounding), seed, offset, counts,
-                         device, stream)
+    if rounding != "stochastic":
+        seed, generator = None, None
+    seed, drawn = call_seed(rounding, seed, generator)
+    offset = as_int64(check_uint64(offset, "offset"))
+    w16, packed, counts = torch.ops.lowfp.extra_bits_split(w32, dtype, k, rounding, 32, seed, drawn,
+                                                           offset, stats is not None)
+    if stats is not None:
+        stats.counts.add_(counts)
     return w16, packed
 
 
@@ -96,20 +92,15 @@ def merge(w16: torch.Tensor, packed: torch.Tensor, k: int = 16, rounding: str = 
     check_extra_bits(w16.dtype, k, rounding, dtype_name="w16's dtype")
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32:
         raise TypeError("packed must be an int32 torch.Tensor")
-    mod, device, stream = backends.native(w16, "w16")
-    backends.check_dense(packed, "packed")
+    backends.check_operand(w16, "w16")
+    backends.check_operand(packed, "packed")
     if packed.device != w16.device:
         raise ValueError(f"packed is on {packed.device} but w16 is on {w16.device}")
     want = packed_words(w16.numel(), k, rounding)
     if packed.numel() != want:
         raise ValueError(f"packed has {packed.numel()} words but {w16.numel()} elements with "
                          f"k={k}, rounding={rounding!r} need {want}")
-    src = w16.contiguous()
-    words = packed.contiguous()
-    out = torch.empty(w16.shape, dtype=torch.float32, device=w16.device)
-    mod.extra_bits_merge(src.data_ptr(), DTYPE_CODES[w16.dtype], words.data_ptr(), out.data_ptr(),
-                         src.numel(), k, ROUNDING_MODES.index(rounding), device, stream)
-    return out
+    return torch.ops.lowfp.extra_bits_merge(w16, packed, k, rounding)
 
 
 # -- memory order ---------------------------------------------------------------------------------
