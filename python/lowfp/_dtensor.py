@@ -55,11 +55,8 @@ def round_dtensor(round_local, x, fmt, *, rounding: str, seed, generator, offset
         y, s2 = round_local(local, rounding=rounding, seed=seed, generator=generator,
                             offset=offset, stats=stats, out=out_local, **kwargs)
     else:
-        if seed is None:  # every rank draws the same key when their generators agree
-            from ._native import draw_seed
-            seed = draw_seed(generator)
-        elif generator is not None:
-            raise ValueError("pass seed= or generator=, not both")
+        from ._native import stochastic_seed
+        seed = stochastic_seed(seed, generator)  # ranks draw alike when their generators agree
         local_shape, global_start = compute_local_shape_and_global_offset(
             x.shape, x.device_mesh, x.placements)
         y, s2 = _round_at_global_positions(round_local, local, x.shape, global_start, rounding,

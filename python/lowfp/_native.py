@@ -165,19 +165,14 @@ def _checked_grad_precision(grad_fmt, dtype: torch.dtype):
 
 
 def call_seed(rounding: str, seed, generator) -> Tuple[int, Optional[torch.Tensor]]:
-    """(seed, drawn_seed) operator arguments: a stochastic call without a seed draws its key
-    from ``generator`` now, or, by default, from torch's default generator through the
-    lowfp::draw_seed operator (when the call runs, also inside a compiled graph)."""
-    if rounding == "stochastic" and seed is None:
-        if generator is None:
-            return 0, torch.ops.lowfp.draw_seed()
-        return as_int64(draw_seed(generator)), None
-    if seed is None:
-        return 0, None
-    if generator is not None:
-        raise ValueError("pass seed= or generator=, not both: seed is the Philox key itself, "
-                         "generator draws one")
-    return as_int64(check_uint64(seed, "seed")), None
+    """(seed, drawn_seed) operator arguments: a stochastic call without seed or generator draws
+    its key from torch's default generator through the lowfp::draw_seed operator (when the call
+    runs, also inside a compiled graph); otherwise as make_call decides it."""
+    if rounding != "stochastic":
+        return (0 if seed is None else as_int64(check_uint64(seed, "seed"))), None
+    if seed is None and generator is None:
+        return 0, torch.ops.lowfp.draw_seed()
+    return as_int64(stochastic_seed(seed, generator)), None
 
 
 def as_int64(value: int) -> int:

@@ -86,12 +86,11 @@ def check_operand(t: torch.Tensor, argname: str) -> None:
 
 
 def fake_mode_of(*tensors):
-    """The FakeTensorMode a call on ``tensors`` must run under: the active one, else that of a
-    FakeTensor among them (used outside its mode); None for real tensors. A call that mixes
-    FakeTensors with real tensors outside any mode is a TypeError."""
-    active = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
-    if active is not None:
-        return active
+    """The FakeTensorMode to enter for a call on ``tensors`` made outside any: that of a
+    FakeTensor among them (None when a mode is active or no tensor is fake). FakeTensors mixed
+    with real tensors outside any mode are a TypeError."""
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return None
     fakes = [t for t in tensors if type(t) is FakeTensor]
     if not fakes:
         return None

@@ -36,7 +36,7 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
     check_tensor_args(x, out, stats)
     if type(x) is FakeTensor or type(out) is FakeTensor:
         mode = backends.fake_mode_of(x, out)
-        if mode is not None and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+        if mode is not None:
             with mode:  # a FakeTensor used outside its mode: its mode makes the drawn seed fake too
                 return round_tensor(x, fmt, rounding, overflow=overflow, subnormals=subnormals,
                                     seed=seed, generator=generator, offset=offset,
