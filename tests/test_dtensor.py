@@ -3,6 +3,7 @@ full tensor equals the rounding of the unsharded tensor bit for bit, stochastic 
 included (Philox by global element index)."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -83,4 +84,7 @@ def _check_rank(rank, world, init_file):
 
 
 def test_sharded_rounding_equals_unsharded_bit_for_bit(tmp_path):
-    mp.spawn(_check_rank, args=(2, str(tmp_path / "pg")), nprocs=2, join=True)
+    ranks = mp.spawn(_check_rank, args=(2, str(tmp_path / "pg")), nprocs=2, join=False)
+    deadline = time.monotonic() + 300
+    while not ranks.join(timeout=5):  # raises when a rank failed; a hung rank fails the test
+        assert time.monotonic() < deadline, "a rank did not finish in 300 s"
