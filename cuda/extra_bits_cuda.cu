@@ -45,7 +45,7 @@ __device__ uint32_t philox_word(uint64_t seed, uint64_t block_offset, uint64_t i
 
 // Each warp's exchange of a chunk's random words (stochastic steps only).
 __device__ uint32_t* warp_random_words() {
-  __shared__ uint4 words[kThreads / 32][32];
+  __shared__ uint4 words[kThreads / 32][33];  // 32 blocks, and a 33rd when a chunk starts mid-block
   return reinterpret_cast<uint32_t*>(words[threadIdx.x / 32]);
 }
 
@@ -81,7 +81,7 @@ __device__ ExtraBitsSlot slot_from(const ExtraBitsSlot& s, int64_t first, uint32
   at.state1 = advance(s.state1);
   at.state2 = advance(s.state2);
   at.n = s.n - first;
-  at.rand_offset = s.rand_offset + uint64_t(first) / 4;
+  at.rand_element = s.rand_element + uint64_t(first);
   return at;
 }
 
@@ -115,18 +115,25 @@ __device__ void step_chunk(const ExtraBitsSlot& at, const Update& update, const 
       state[u] = update.load(i);
     }
   }
-  // Stochastic rounding: the chunk's U * 32 = 128 elements take every word of 32 consecutive
-  // Philox blocks. Lane L computes block L (elements 4L to 4L + 3) and the warp exchanges the
-  // words through shared memory, rather than each lane computing a whole block for one word of it.
+  // Stochastic rounding: the chunk's U * 32 = 128 elements take 128 consecutive Philox words,
+  // from word rand_element % 4 of block rand_element / 4 on (32 blocks, 33 when that word is not
+  // a block's first: a shard of a larger tensor). Lane L computes block L and the warp exchanges
+  // the words through shared memory, rather than each lane computing a whole block for one word.
   static_assert(U == 4, "a chunk of 128 elements: one Philox block per lane");
   uint32_t rand[U] = {};
   if constexpr (K == RoundKind::Stochastic) {
     uint32_t* const words = warp_random_words();
-    const Philox4x32Block b = philox_block(seed, at.rand_offset + lane);
+    const uint64_t block0 = at.rand_element / 4;
+    const uint32_t phase = uint32_t(at.rand_element % 4);
+    const Philox4x32Block b = philox_block(seed, block0 + lane);
     reinterpret_cast<uint4*>(words)[lane] = make_uint4(b.w[0], b.w[1], b.w[2], b.w[3]);
+    if (phase != 0 && lane == 0) {
+      const Philox4x32Block c = philox_block(seed, block0 + 32);
+      reinterpret_cast<uint4*>(words)[32] = make_uint4(c.w[0], c.w[1], c.w[2], c.w[3]);
+    }
     __syncwarp();
 #pragma unroll
-    for (int u = 0; u < U; ++u) rand[u] = words[u * 32 + lane];
+    for (int u = 0; u < U; ++u) rand[u] = words[phase + u * 32 + lane];
     __syncwarp();  // all lanes have read before the next chunk's words overwrite these
   }
 #pragma unroll

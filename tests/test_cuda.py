@@ -725,3 +725,20 @@ def test_compiled_and_exported_roundings_on_gpu_equal_eager():
     ref = net(xs)
     torch.manual_seed(5)
     assert torch.equal(program.module()(xs), ref)
+
+
+@pytest.mark.parametrize("start", [1, 2, 3])
+def test_extra_bits_step_from_an_element_offset_matches_cpu(start):
+    # A DTensor shard's step starts inside a Philox block: each 128-element chunk then reads a
+    # 33rd block (the kernel's phase path), and must draw as the CPU does.
+    from lowfp import optim
+    g = torch.Generator().manual_seed(start)
+    cpu_params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (1000, 129, 5)]
+    gpu_params = [torch.nn.Parameter(p.detach().cuda()) for p in cpu_params]
+    kw = dict(lr=0.01, extra_bits=8, rounding="stochastic", weight_decay=0.01)
+    cpu_opt = optim.ExtraBitsAdamW(cpu_params, **kw)
+    gpu_opt = optim.ExtraBitsAdamW(gpu_params, **kw)
+    for opt, params in ((cpu_opt, cpu_params), (gpu_opt, gpu_params)):
+        for p in params:
+            opt._philox_offset[id(p)] += start
+    step_on_both(cpu_opt, gpu_opt, cpu_params, gpu_params, g, steps=2, seed=60)

@@ -525,3 +525,25 @@ def test_gradients_of_another_dtype_or_layout():
     with pytest.raises(ValueError, match="dense gradients, got a torch.sparse_coo one"):
         opt.step()
     assert torch.equal(dense, before)
+
+
+@pytest.mark.parametrize("start", [1, 2, 3, 6, 37])
+@pytest.mark.parametrize("opt_cls,kw", [(ExtraBitsAdamW, {}), (ExtraBitsSGD, dict(momentum=0.9))])
+def test_a_shard_steps_as_its_part_of_the_whole_tensor(start, opt_cls, kw):
+    # A DTensor shard that starts at global element `start` draws its stochastic rounding words
+    # from there (element i: word (start + i) % 4 of Philox block (start + i) // 4), so it steps
+    # bit for bit as those elements of the unsharded parameter do. The element offset is set
+    # directly here, as the optimizer sets it from a shard's placement.
+    g = torch.Generator().manual_seed(start)
+    whole = torch.nn.Parameter(torch.randn(300, generator=g).bfloat16())
+    part = torch.nn.Parameter(whole.detach()[start:].clone())
+    opts = [opt_cls([p], lr=0.1, extra_bits=6, rounding="stochastic",
+                    generator=torch.Generator().manual_seed(3), **kw) for p in (whole, part)]
+    opts[1]._philox_offset[id(part)] = start
+    for _ in range(3):
+        grad = torch.randn(300, generator=g).bfloat16()
+        whole.grad, part.grad = grad, grad[start:].clone()
+        for opt in opts:
+            opt.step()
+        assert torch.equal(part.detach().view(torch.int16), whole.detach()[start:].view(torch.int16))
+    assert torch.equal(opts[1].master_weights()[0], opts[0].master_weights()[0][start:])

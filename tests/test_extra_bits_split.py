@@ -193,3 +193,19 @@ def test_split_merge_errors():
     keep = w.clone()
     eb.split(w, torch.bfloat16, 8, "stochastic")
     assert torch.equal(w, keep)
+
+
+@pytest.mark.parametrize("k,rounding", [(16, "stochastic"), (13, "toward_zero"), (5, "nearest"),
+                                        (1, "toward_zero")])
+@pytest.mark.parametrize("n", [0, 1, 31, 33, 1000])
+def test_pack_and_unpack_are_the_packing_per_element(k, rounding, n):
+    # The per-element form sharded optimizer state is saved in, against the bit-string reference.
+    q = eb.bits_per_element(k, rounding)
+    values = np.random.default_rng(n + k).integers(0, 2**q, n).tolist()
+    packed = torch.tensor(pack_reference(values, q), dtype=torch.int32).reshape(-1)
+    assert eb.pack(torch.tensor(values, dtype=torch.int32), k, rounding).tolist() == packed.tolist()
+    assert eb.unpack(packed, n, k, rounding).tolist() == values
+    with pytest.raises(ValueError, match="must lie in"):
+        eb.pack(torch.tensor([2**q], dtype=torch.int32), k, rounding)
+    with pytest.raises(ValueError, match="words but"):
+        eb.unpack(packed, n + 32, k, rounding)

@@ -21,9 +21,9 @@ DTENSOR = textwrap.dedent("""
 """)
 
 CASES = {
-    "ExtraBitsAdamW over DTensor parameters": (
+    "ExtraBitsAdamW over float32 DTensor parameters": (
         DTENSOR, "lowfp.optim.ExtraBitsAdamW([torch.nn.Parameter(d)])", TypeError,
-        "parameter is a .*DTensor"),
+        "float32 DTensor parameter .* convert the model before sharding"),
     "quantize of a nested tensor": (
         "", "lowfp.quantize(torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]), 'fp(4,3,4)')",
         TypeError, "x is a nested tensor"),

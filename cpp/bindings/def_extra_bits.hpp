@@ -3,7 +3,7 @@
 //   extra_bits_merge(w16, dtype, words, w32, n, k, rounding, device, stream)
 //   extra_bits_step(opt, dtype, k, rounding, state_dtype, hyper, seed, slots, found_inf,
 //                   grad_scale, counts, device, stream)
-// slots: (w16, grad, words, state0, state1, state2, n, rand_offset) per parameter; found_inf: a
+// slots: (w16, grad, words, state0, state1, state2, n, rand_element) per parameter; found_inf: a
 // bool on the device that skips the step when true, or 0; grad_scale: a float32 loss scale on the
 // device that divides the gradients (in float32), or 0; counts: an int64[4] buffer (overflow,
 // underflow, nan, numel) of the weights' roundings, or 0.
@@ -19,7 +19,7 @@ namespace lowfp {
 
 template <class T> T* as_ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
 
-// slots: (w16, grad, words, state0, state1, state2, n, rand_offset) per parameter.
+// slots: (w16, grad, words, state0, state1, state2, n, rand_element) per parameter.
 // hyper: the module's SgdHyper (opt 0) or AdamHyper (opt 1).
 inline ExtraBitsStep make_extra_bits_step(int32_t opt, int32_t weights, int32_t k, int32_t rounding,
                                           int32_t state, const pybind11::object& hyper, uint64_t seed,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["is_dtensor", "round_dtensor"]
+__all__ = ["is_dtensor", "round_dtensor", "contiguous_strides"]
 
 
 def _dtensor_type():
@@ -64,11 +64,11 @@ def round_dtensor(round_local, x, fmt, *, rounding: str, seed, generator, offset
     if out is not None:
         return out, s2
     result = DTensor.from_local(y, x.device_mesh, x.placements, run_check=False, shape=x.shape,
-                                stride=_contiguous_strides(x.shape))
+                                stride=contiguous_strides(x.shape))
     return result, s2
 
 
-def _contiguous_strides(shape):
+def contiguous_strides(shape):
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
@@ -83,7 +83,7 @@ def _round_at_global_positions(round_local, local: torch.Tensor, global_shape, g
     from ._native import check_uint64
     from .stats import Stats
 
-    strides = _contiguous_strides(global_shape)
+    strides = contiguous_strides(global_shape)
     first = sum(s * o for s, o in zip(strides, global_start))
     last = first + sum(s * (n - 1) for s, n in zip(strides, local.shape))
     phase = first % 4

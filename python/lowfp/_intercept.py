@@ -134,6 +134,7 @@ class ForwardSession:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
         self.param_names: Dict[int, str] = {id(p): n for n, p in model.named_parameters()}
+        self._other_params: set = set()  # ids of Parameters seen that are not the model's
         self._module_stack: List[str] = []
         self._repeats: Dict[str, int] = {}
         self.serial = 0
@@ -239,6 +240,13 @@ class ForwardSession:
             return t
         if isinstance(t, torch.nn.Parameter):
             pname = self.param_names.get(id(t))
+            if pname is None and id(t) not in self._other_params:
+                # A parameter registered since install: FSDP2 swaps each module's unsharded
+                # parameters in for its sharded ones while it runs.
+                self.param_names.update((id(p), n) for n, p in self.model.named_parameters())
+                pname = self.param_names.get(id(t))
+                if pname is None:
+                    self._other_params.add(id(t))  # not the model's: looked up once
             if pname is not None:
                 name = "theta:" + pname
                 inputs.append(name)

@@ -25,7 +25,8 @@ from .backends import inverse_order
 from ._native import as_int64, call_seed, check_uint64
 from .stats import Stats
 
-__all__ = ["split", "merge", "packed_words", "bits_per_element", "EXTRA_BITS_ROUNDING", "max_extra_bits"]
+__all__ = ["split", "merge", "packed_words", "bits_per_element", "EXTRA_BITS_ROUNDING", "max_extra_bits",
+           "unpack", "pack"]
 
 EXTRA_BITS_ROUNDING = ("toward_zero", "nearest", "stochastic")
 _MAX_K = {torch.bfloat16: 16, torch.float16: 13}
@@ -101,6 +102,46 @@ def merge(w16: torch.Tensor, packed: torch.Tensor, k: int = 16, rounding: str = 
         raise ValueError(f"packed has {packed.numel()} words but {w16.numel()} elements with "
                          f"k={k}, rounding={rounding!r} need {want}")
     return torch.ops.lowfp.extra_bits_merge(w16, packed, k, rounding)
+
+
+def _bit_positions(numel: int, q: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(word, shift) of each element's first bit: element i's q bits start at bit (i % 32) q of
+    its block of 32 elements, whose q words run from word (i // 32) q (docs/design.md §5)."""
+    i = torch.arange(numel, dtype=torch.int64, device=device)
+    bit = (i % 32) * q
+    return (i // 32) * q + bit // 32, bit % 32
+
+
+def unpack(packed: torch.Tensor, numel: int, k: int, rounding: str) -> torch.Tensor:
+    """The q = k (+1) bits of each of ``numel`` elements held in ``packed`` words, one int32 per
+    element (the flag bit, where the rounding has one, is bit k): the per-element form in which
+    sharded optimizer state is saved, so that a checkpoint reshards like the parameters."""
+    q = bits_per_element(k, rounding)
+    if packed.numel() != packed_words(numel, k, rounding):
+        raise ValueError(f"packed has {packed.numel()} words but {numel} elements with k={k}, "
+                         f"rounding={rounding!r} need {packed_words(numel, k, rounding)}")
+    words = torch.cat([packed.reshape(-1), packed.new_zeros(1)]).to(torch.int64) & 0xFFFFFFFF
+    word, shift = _bit_positions(numel, q, packed.device)
+    window = words[word] | (words[word + 1] << 32)  # the next word only matters past bit 31
+    return ((window >> shift) & ((1 << q) - 1)).to(torch.int32)
+
+
+def pack(values: torch.Tensor, k: int, rounding: str) -> torch.Tensor:
+    """The inverse of :func:`unpack`: int32 ``values`` (each below 2^q, in row-major order)
+    packed into ``packed_words(values.numel(), k, rounding)`` int32 words."""
+    q = bits_per_element(k, rounding)
+    v = values.reshape(-1).to(torch.int64)
+    if v.numel() and (int(v.min()) < 0 or int(v.max()) >= 1 << q):
+        raise ValueError(f"extra-bit values must lie in [0, 2^{q}) for k={k}, rounding={rounding!r}")
+    n = v.numel()
+    word, shift = _bit_positions(n, q, values.device)
+    # Elements' bits never overlap, so adding their shifted parts is or-ing them.
+    acc = torch.zeros(packed_words(n, k, rounding) + 1, dtype=torch.int64, device=values.device)
+    shifted = v << shift
+    acc.index_add_(0, word, shifted & 0xFFFFFFFF)
+    acc.index_add_(0, word + 1, shifted >> 32)
+    acc = acc[:-1]
+    return torch.where(acc >= 2**31, acc - 2**32, acc).to(torch.int32)
 
 
 # -- memory order ---------------------------------------------------------------------------------

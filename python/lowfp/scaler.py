@@ -6,6 +6,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ._dtensor import is_dtensor
 from . import _C, backends
 from ._checks import is_int
 from ._native import DTYPE_CODES as _DTYPE_CODES
@@ -109,6 +110,18 @@ def _unscale_and_find_non_finite(grads: List[torch.Tensor], inv: float) -> torch
     others = [g for g in grads if not g.is_cpu]
     return _any_of(([_unscale_one_by_one(cpu, inv)] if cpu else []) +
                    ([_unscale_multi_tensor(others, inv)] if others else []))
+
+
+def _on_any_rank(found: torch.Tensor, meshes) -> torch.Tensor:
+    """Whether ``found`` holds on any rank of the device meshes of sharded gradients: every rank
+    must skip the same steps, though each checked only its own shards (and its own emulated
+    backward overflows)."""
+    flag = found.to(torch.int32).reshape(1)
+    for mesh in meshes:
+        for dim in range(mesh.ndim):
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX,
+                                         group=mesh.get_group(dim))
+    return flag.reshape(()) != 0
 
 
 def _any_of(flags: List[torch.Tensor]) -> torch.Tensor:
@@ -261,10 +274,14 @@ class DynamicLossScaler:
                  if p.grad is not None]
         if any(g.is_sparse for g in grads):
             raise ValueError("DynamicLossScaler does not support sparse gradients")
-        with torch.no_grad():
-            found = _unscale_and_find_non_finite(grads, inv)
+        meshes = {id(g.device_mesh): g.device_mesh for g in grads if is_dtensor(g)}
+        with torch.no_grad():  # a DTensor gradient (FSDP2): this rank's shard
+            found = _unscale_and_find_non_finite([g._local_tensor if is_dtensor(g) else g
+                                                  for g in grads], inv)
         if self.emulator is not None:
             found = found.to(self.emulator.counts.device) | (self.emulator.backward_overflows() > 0)
+        if meshes:
+            found = _on_any_rank(found, meshes.values())
         state["found_inf"] = found
         state["stage"] = _UNSCALED
 

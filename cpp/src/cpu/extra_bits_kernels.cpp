@@ -157,7 +157,11 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
   const W16* grad = static_cast<const W16*>(slot.grad);
   const uint32_t k_mask = (1u << e.k) - 1u;
   alignas(64) uint32_t values[kTileElements];
-  alignas(64) uint32_t rand[kTileElements];
+  // Element i takes word (rand_element + i) % 4 of Philox block (rand_element + i) / 4: a tile
+  // (i0 a multiple of 4) draws from the block of its first element on and reads from `phase`.
+  alignas(64) uint32_t rand[kTileElements + 4];
+  const uint32_t phase = uint32_t(slot.rand_element % 4);
+  const uint32_t* const rnd = rand + phase;
   alignas(64) uint32_t w_bits[kTileElements];
   alignas(64) float g32[kTileElements];
   const float* const grad_scale = s.grad_scale;
@@ -167,7 +171,7 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
     uint32_t* words = slot.words + t * e.q;
     unpack_tile(words, e.q, blocks, values);
     if constexpr (K == RoundKind::Stochastic)
-      philox_fill(rand, s.seed, slot.rand_offset + uint64_t(i0) / 4, (len + 3) / 4);
+      philox_fill(rand, s.seed, (slot.rand_element + uint64_t(i0)) / 4, (phase + len + 3) / 4);
     if constexpr (kF16cTiles<W16>) {
       truncations_through_f16c(w16 + i0, values, e.k, len, w_bits);
       half_tile_to_float(grad + i0, g32, len);
@@ -196,7 +200,7 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
       sqrt_tile(update.h.cuda_association ? CpuSqrt{nullptr, 0} : root, q, len, q);
       for (int64_t i = 0; i < len; ++i) {
         const float w_new = update.finish(w32[i], g32[i], q[i]);
-        const uint32_t r = K == RoundKind::Stochastic ? rand[i] : 0u;
+        const uint32_t r = K == RoundKind::Stochastic ? rnd[i] : 0u;
         split_element<W16, K>(bit_cast<uint32_t>(w_new), e, r, w_bits[i], values[i], above_max,
                               underflow, nan);
       }
@@ -204,7 +208,7 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
       for (int64_t i = 0; i < len; ++i) {
         const uint32_t w = merge_bits<W16>(w_bits[i], values[i] & k_mask, e);
         const float w_new = update_element(update, bit_cast<float>(w), g32[i], i0 + i);
-        const uint32_t r = K == RoundKind::Stochastic ? rand[i] : 0u;
+        const uint32_t r = K == RoundKind::Stochastic ? rnd[i] : 0u;
         split_element<W16, K>(bit_cast<uint32_t>(w_new), e, r, w_bits[i], values[i], above_max,
                               underflow, nan);
       }

@@ -38,7 +38,9 @@ struct ExtraBitsSlot {
   void* state1;
   void* state2;
   int64_t n;
-  uint64_t rand_offset;       // Philox block offset of element 0 (elements never share words)
+  // Stochastic rounding: element i takes word (rand_element + i) % 4 of Philox block
+  // (rand_element + i) / 4, so a shard of a larger tensor can draw as that tensor would.
+  uint64_t rand_element;
 };
 
 enum class OptimKind : int32_t { Sgd = 0, Adam = 1 };

@@ -82,7 +82,8 @@ def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
             raise _LayoutChanged
         if (t.dtype is not dtype or t.numel() != n or not laid_out
                 or not (t.is_cpu if cpu else t.get_device() == index)):
-            key = next(key for key in _MOMENT_KEYS if state.get(key) is t)
+            key = next((key for key in _MOMENT_KEYS if state.get(key) is t
+                        or getattr(state.get(key), "_local_tensor", None) is t), "a moment")
             raise ValueError(f"state {key!r} of a parameter of shape {tuple(p.shape)} is a "
                              f"{tuple(t.shape)} {t.dtype} tensor on {t.device}, but the step needs a "
                              f"{dtype} tensor of {n} elements on {p.device} in the parameter's "

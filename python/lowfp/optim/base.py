@@ -15,11 +15,13 @@ import torch
 
 from .. import _C, backends
 from .._checks import is_dtype_in
+from .._dtensor import is_dtensor
 from .._native import DTYPE_CODES, ROUNDING_MODES, draw_seed
 from .._torch_sqrt import use_torch_sqrt
 from ..backends import inverse_order, memory_order
-from ..extra_bits import check_extra_bits, merge, packed_words, split
+from ..extra_bits import check_extra_bits, merge, pack, packed_words, reorder_packed, split, unpack
 from ..stats import Stats
+from . import _sharded
 from ._ddp import _refuse_if_in_ddp
 from ._state import (_EXTRA_KEYS, _LOWFP_GROUP_KEYS, _MOMENT_KEYS, _NO_STATE, _PARAM_DTYPES,
                      _STATE_DTYPES, _LayoutChanged, _check_buffers, _check_param_dtype,
@@ -104,7 +106,15 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             raise ValueError("a parameter appears more than once in a param group")
         device = None if self.weight_stats is None else self.weight_stats.device
         for p in params:
-            backends.native(p, "parameter")  # a CUDA parameter needs the CUDA build
+            if is_dtensor(p):  # FSDP2, tensor parallel: each rank steps its shard
+                _sharded.check_dtensor_parameter(p, group["param_dtype"])
+                if rounding == "stochastic" and _sharded.shard_start(p) is None:
+                    raise ValueError(
+                        f"a DTensor parameter of shape {tuple(p.shape)} placed as {p.placements}: "
+                        "stochastic rounding draws by global element index, which needs each "
+                        "rank's shard to be one run of the row-major order (Shard(0), FSDP2's "
+                        "default, or Replicate)")
+            backends.native(_sharded.local(p), "parameter")  # a CUDA parameter needs the CUDA build
             if device is None:
                 device = p.device
             elif p.device != device:
@@ -120,15 +130,18 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             else:
                 raise TypeError(f"parameters must be float16 or bfloat16 (or float32, converted to "
                                 f"param_dtype), got {p.dtype}")
-            memory_order(p)  # dense (any order of its dims), else ValueError
+            memory_order(_sharded.local(p))  # dense (any order of its dims), else ValueError
 
     def _set_philox_offsets(self, group: dict) -> None:
-        # Each parameter's Philox block offset within its group, fixed by its place there, so
-        # stepping parameters one by one (step in backward) draws the same words as together.
+        # Each parameter's Philox element offset within its group, fixed by its place there, so
+        # stepping parameters one by one (step in backward) draws the same words as together. A
+        # DTensor's shard starts at its first element's global index (-1: not one run of it), so
+        # a sharded step draws as the unsharded one.
         offset = 0
         for p in group["params"]:
-            self._philox_offset[id(p)] = offset
-            offset += (p.numel() + 3) // 4  # every parameter starts on a fresh Philox block
+            start = _sharded.shard_start(p)
+            self._philox_offset[id(p)] = -1 if start is None else offset + start
+            offset += 4 * ((p.numel() + 3) // 4)  # every parameter starts on a fresh Philox block
 
     # torch.optim.Optimizer pickles (and deep-copies) only defaults, state and param_groups.
     def __getstate__(self) -> dict:
@@ -278,13 +291,22 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         offsets = self._philox_offset
         for j, (p, state) in enumerate(entries):
             g = p.grad if grads is None else grads[j]
+            pid = id(p)
+            if type(p) is not torch.nn.Parameter and is_dtensor(p):  # steps this rank's shard
+                g = _sharded.local_grad(p, g)
+                moments = [m._local_tensor for m in self._moments(p, group, state_dtype, state)]
+                written.append(p)
+                p = p._local_tensor
+            else:
+                moments = None
             if (g.layout is not torch.strided or g.dtype is not p.dtype
                     or not (g.is_contiguous() and p.is_contiguous())):
                 g = self._grad_of(p, g)  # converted, or laid out as p (a no-op when it is)
             extra = state.get("extra")
             if extra is None:
                 extra = self._new_extra(p, group, state)
-            moments = self._moments(p, group, state_dtype, state)
+            if moments is None:
+                moments = self._moments(p, group, state_dtype, state)
             try:
                 n = _check_buffers(p, state, group, index, moments)
             except _LayoutChanged:  # model.to(memory_format=...) since the last step
@@ -294,16 +316,21 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             if g.numel() != n:
                 raise ValueError(f"a gradient has shape {tuple(g.shape)} but its parameter has "
                                  f"shape {tuple(p.shape)}")
-            offset = offsets.get(id(p))
+            offset = offsets.get(pid)
             if offset is None:  # appended to group["params"] by hand, as torch.optim allows
                 self._set_philox_offsets(group)
-                offset = offsets[id(p)]
+                offset = offsets[pid]
+            if offset < 0:  # a shard that is not one run of its parameter's global order
+                if group["rounding"] == "stochastic":
+                    raise ValueError("stochastic rounding of a DTensor parameter whose shard is "
+                                     "not one run of its row-major order (Shard(0) or Replicate)")
+                offset = 0  # no random words drawn
             keep.append(g)
             written += (p, extra, *moments)
             by_dtype.setdefault(p.dtype, []).append(
                 (p.data_ptr(), g.data_ptr(), extra.data_ptr(), *[m.data_ptr() for m in moments],
                  *_NO_STATE[len(moments):], n, offset))
-        mod, device, stream = backends.native(entries[0][0], "parameter")
+        mod, device, stream = backends.native(_sharded.local(entries[0][0]), "parameter")
         hyper = self._hyper(mod, group, key)
         if device < 0 and self._takes_square_roots:
             use_torch_sqrt()  # once: the CPU step's square roots as torch.sqrt's
@@ -364,8 +391,21 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             self._after_step(taken)
 
     def state_dict(self) -> dict:
+        """As torch.optim's. The extra bits of a DTensor parameter (FSDP2) are saved per element
+        under ``extra_values``: an int32 DTensor placed like the parameter (bit k the rounding's
+        flag, lowfp.extra_bits.unpack), so that torch.distributed.checkpoint reshards them with
+        the parameter; those of other parameters stay packed under ``extra``."""
         self._settle_host_state()
-        return super().state_dict()
+        saved = super().state_dict()
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, p in enumerate(params):
+            state = saved["state"].get(i)
+            if state is not None and "extra" in state and is_dtensor(p):
+                state = dict(state)  # torch.optim's state_dict shares the state dicts themselves
+                state["extra_values"] = _sharded.extra_values(p, state.pop("extra"),
+                                                              state["extra_bits"], state["rounding"])
+                saved["state"][i] = state
+        return saved
 
     # Subclasses: _batch_key, _hyper, _moments, _after_step, _host_state_changed, _undo_host_state.
     def _after_step(self, states: List[dict]) -> None:
@@ -384,12 +424,18 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def master_weights(self) -> List[torch.Tensor]:
-        """W' of every parameter as a float32 tensor, in param_groups order."""
+        """W' of every parameter as a float32 tensor, in param_groups order (a DTensor placed
+        like the parameter for a DTensor parameter)."""
         out = []
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state.get(p, {})
-                if "extra" in state:  # packed in the recorded memory order of p
+                if "extra" in state and is_dtensor(p):
+                    w32 = merge(p._local_tensor.detach(), state["extra"], state["extra_bits"],
+                                state["rounding"])
+                    out.append(type(p).from_local(w32, p.device_mesh, p.placements, run_check=False,
+                                                  shape=p.shape, stride=p.stride()))
+                elif "extra" in state:  # packed in the recorded memory order of p
                     _check_param_dtype(p, state)
                     order = state.get("extra_dim_order")
                     w = p.detach() if order is None else p.detach().permute(order)
@@ -400,18 +446,21 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         return out
 
     def memory_bytes(self) -> Dict[str, int]:
-        """Bytes held for the parameters: 16-bit weights, packed extra bits, optimizer moments."""
+        """Bytes held for the parameters: 16-bit weights, packed extra bits, optimizer moments
+        (this rank's shards of DTensor parameters)."""
         weights = extra = moments = 0
         for group in self.param_groups:
             for p in group["params"]:
-                weights += p.numel() * p.element_size()
                 state = self.state.get(p, {})
+                p = _sharded.local(p)
+                weights += p.numel() * p.element_size()
                 k, rounding = group["extra_bits"], group["rounding"]
                 extra += 4 * (state["extra"].numel() if "extra" in state
                               else packed_words(p.numel(), k, rounding))
                 for key in _MOMENT_KEYS:
                     if key in state and torch.is_tensor(state[key]):
-                        moments += state[key].numel() * state[key].element_size()
+                        t = _sharded.local(state[key])
+                        moments += t.numel() * t.element_size()
         return {"weights": weights, "extra_bits": extra, "moments": moments,
                 "total": weights + extra + moments}
 
@@ -439,7 +488,8 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             from_torch.append(foreign)
         groups += state_dict["param_groups"][len(groups):]  # a count mismatch: torch's error
         for g in groups:
-            missing = sorted(set(self.defaults) - set(g))
+            # (torch.optim.Optimizer.__setstate__ adds "differentiable" to the defaults)
+            missing = sorted(set(self.defaults) - set(g) - set(_TORCH_SWITCHES))
             if missing:
                 raise ValueError(f"state_dict: a param group lacks {missing}, which "
                                  f"{type(self).__name__} needs; was it saved by another optimizer?")
@@ -453,11 +503,15 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         super().load_state_dict({**state_dict, "param_groups": groups})
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(ids, params):
+            state = self.state[p]
             for key, value in saved.get(pid, {}).items():
                 # Adam's step count stays on the CPU, as in torch.optim: each step reads it
                 where = "cpu" if key == "step" else p.device
-                self.state[p][key] = (value.to(device=where, copy=True) if torch.is_tensor(value)
-                                      else copy.deepcopy(value))
+                if torch.is_tensor(value) and key in _MOMENT_KEYS and is_dtensor(p):
+                    value = _sharded.placed_like(p, value)
+                state[key] = (value.to(device=where, copy=True) if torch.is_tensor(value)
+                              else copy.deepcopy(value))
+            self._load_extra_bits(p, state)
         index = self.weight_stats.counts.get_device()
         for group, foreign in zip(self.param_groups, from_torch):
             for p in group["params"]:
@@ -471,10 +525,44 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                 for key in _MOMENT_KEYS:
                     if key in state and state[key] is None:  # torch.optim may save None buffers
                         del state[key]
+                if is_dtensor(p):
+                    _check_buffers(p._local_tensor, state, group, index,
+                                   [_sharded.local(state[key]) for key in _MOMENT_KEYS
+                                    if torch.is_tensor(state.get(key))])
+                    continue
                 _match_layout(p, state)  # saved from a model laid out otherwise
                 _check_buffers(p, state, group, index)
                 if "extra" in state:  # saved before the dtype was recorded: p's from now on
                     state.setdefault("param_dtype", p.dtype)
+
+
+    @staticmethod
+    def _load_extra_bits(p: torch.Tensor, state: dict) -> None:
+        """Loaded extra bits made the packed words of p (of its shard, for a DTensor): saved
+        per element (``extra_values``, by a sharded optimizer) or packed (``extra``, by an
+        unsharded one, in its recorded memory order)."""
+        values = state.pop("extra_values", None)
+        if values is None and not (is_dtensor(p) and "extra" in state):
+            return
+        k, rounding = state.get("extra_bits"), state.get("rounding")
+        if not isinstance(k, int) or rounding is None:
+            raise ValueError("state_dict: saved extra bits without their extra_bits and rounding")
+        if values is None:  # packed words of the whole parameter, for a DTensor parameter's shard
+            packed = state.pop("extra")
+            old = state.pop("extra_dim_order", None)
+            if old is not None:
+                packed = reorder_packed(packed, p.shape, k, rounding, old, None)
+            values = unpack(packed, p.numel(), k, rounding).reshape(p.shape)
+        if is_dtensor(p):
+            state["extra"] = _sharded.packed_shard(p, values, k, rounding)
+        else:  # row-major; _match_layout moves it into p's memory order
+            if is_dtensor(values):
+                values = values.full_tensor()
+            if tuple(values.shape) != tuple(p.shape):
+                raise ValueError(f"saved extra bits of shape {tuple(values.shape)} for a parameter "
+                                 f"of shape {tuple(p.shape)}; was state loaded from another model?")
+            state["extra"] = pack(values.to(p.device), k, rounding)
+            state.pop("extra_dim_order", None)
 
 
 def _grad_scaler_inverse(scale: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -8,6 +8,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .._checks import is_real
+from .._dtensor import is_dtensor
 from ..scaler import any_non_finite_into
 from ._ddp import _refuse_if_in_ddp
 from .base import _ExtraBitsOptimizer, _grad_scaler_inverse
@@ -180,6 +181,12 @@ def step_in_backward(optimizer, *, clip_value: Optional[float] = None, scaler=No
                          "parameter hooks would have stepped; step normally with DDP")
     for group in optimizer.param_groups:  # a DDP model not passed as model=: its reducer shows
         for p in group["params"]:
+            if is_dtensor(p):
+                raise ValueError(
+                    "a parameter is a DTensor (FSDP2's fully_shard, tensor parallel): FSDP2 gives "
+                    "each sharded parameter its gradient after its reduce-scatter, outside "
+                    "autograd, so a per-parameter hook never sees it; step normally (FSDP2 frees "
+                    "the unsharded gradients itself)")
             _refuse_if_in_ddp(p, "the per-parameter hooks would step before DDP's "
                                   "all-reduce of the gradients; step normally with DDP")
     if clip_value is not None and (not is_real(clip_value) or not clip_value > 0):
