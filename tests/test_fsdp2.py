@@ -127,6 +127,9 @@ def _check_rank(rank, world, init_file, ckpt_dir, errors):
                 set_state_dict(restored, restored_opt, model_state_dict=state["model"],
                                optim_state_dict=state["optim"])
                 _assert_same(restored, plain, restored_opt, plain_opt, what + ("dcp",))
+                if rank == 0:  # for the reload on one rank (test_checkpoint_reshards_to_one_rank)
+                    torch.save([[q.detach() for q in plain.parameters()],
+                                plain_opt.master_weights()], path + ".want")
                 # the same generator state as the run it continues (DCP saves none)
                 restored_opt._generator.set_state(plain_opt._generator.get_state())
                 _train(plain, plain_opt, 2, first=3)
@@ -193,14 +196,50 @@ def _check_rank(rank, world, init_file, ckpt_dir, errors):
     os._exit(0)  # see tests/test_dtensor.py: torch 2.13's gloo teardown may abort
 
 
-def test_fsdp2_training_equals_single_process_bit_for_bit(tmp_path):
+def _reload_on_one_rank(rank, init_file, ckpt_dir, errors):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for rounding in ("nearest", "stochastic"):
+            for make in _optimizers(rounding):
+                model = _shard(_model(), mesh)
+                opt = make(model.parameters())
+                path = os.path.join(ckpt_dir, f"{rounding}-{type(opt).__name__}")
+                model_sd, optim_sd = get_state_dict(model, opt)
+                state = {"model": model_sd, "optim": optim_sd}
+                dcp.load(state, checkpoint_id=path)
+                set_state_dict(model, opt, model_state_dict=state["model"],
+                               optim_state_dict=state["optim"])
+                params, masters = torch.load(path + ".want")
+                for p, q in zip(model.parameters(), params):
+                    assert torch.equal(p.full_tensor().view(torch.int16), q.view(torch.int16))
+                for w, v in zip(opt.master_weights(), masters):
+                    assert torch.equal(w.full_tensor(), v), (rounding, type(opt).__name__)
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+    errors.put((rank, None))
+    os._exit(0)
+
+
+def test_fsdp2_training_equals_single_process_and_its_checkpoint_reshards(tmp_path):
+    # Two ranks check training, state_dict, checkpoints, emulate and the scaler (_check_rank);
+    # then one rank loads their checkpoints: the extra bits are saved per element, placed like
+    # the parameters, so every master weight comes back exact on another number of ranks.
     ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    ranks = mp.spawn(_check_rank, args=(2, str(tmp_path / "pg"), str(tmp_path), errors), nprocs=2,
-                     join=False)
-    deadline = time.monotonic() + 300
-    while not ranks.join(timeout=5):
-        assert time.monotonic() < deadline, "a rank did not finish in 300 s"
-    reports = [errors.get() for _ in range(2)]
-    failures = [f"rank {r}:\n{tb}" for r, tb in reports if tb is not None]
-    assert not failures, "\n".join(failures)
+    for nprocs, fn, args in ((2, _check_rank, (2, str(tmp_path / "pg"), str(tmp_path))),
+                             (1, _reload_on_one_rank, (str(tmp_path / "pg1"), str(tmp_path)))):
+        errors = ctx.SimpleQueue()
+        ranks = mp.spawn(fn, args=(*args, errors), nprocs=nprocs, join=False)
+        deadline = time.monotonic() + 300
+        while not ranks.join(timeout=5):
+            assert time.monotonic() < deadline, "a rank did not finish in 300 s"
+        failures = [f"rank {r}:\n{tb}" for r, tb in (errors.get() for _ in range(nprocs))
+                    if tb is not None]
+        assert not failures, "\n".join(failures)
