@@ -475,3 +475,18 @@ def test_every_storage_dtype_pair(x_dtype, out_dtype, mode):
     assert torch.equal(got[4:].double(), want[4:])
     assert got[0].isnan() and got[1] == float("inf") and got[2] == -float("inf")
     assert got[3] == 0 and torch.signbit(got[3])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_lowfp_starts_no_openmp_runtime_of_its_own():
+    # lowfp's CPU kernels run on the OpenMP runtime torch loaded (the same libgomp.so.1), so they
+    # add no worker threads beside torch's and wait as torch's do (OMP_WAIT_POLICY); imported in
+    # either order. In a fresh interpreter, as an earlier import would decide it.
+    code = ("import {first}, {second}, lowfp.backends\n"
+            "maps = [l.split()[-1] for l in open('/proc/self/maps') if 'gomp' in l or 'omp.so' in l]\n"
+            "print(len(set(maps)))\n")
+    for first, second in (("torch", "lowfp"), ("lowfp", "torch")):
+        out = subprocess.run([sys.executable, "-c", code.format(first=first, second=second)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip() == "1", (first, out.stdout)

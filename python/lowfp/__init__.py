@@ -6,6 +6,8 @@
 tensor([ 0.1016,  1.0000,  3.2500, 30.0000])
 """
 
+import torch  # noqa: F401  (before _C: lowfp's kernels then run on torch's OpenMP runtime and threads)
+
 from . import _C
 from ._checks import check_int
 from . import assign, extra_bits, formats, optim
