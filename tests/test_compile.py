@@ -161,9 +161,33 @@ def test_argument_errors_are_raised_while_tracing():
     ("draw_seed", lambda x: ()),
     ("extra_bits_split", lambda x: (x, torch.bfloat16, 8, "stochastic", 32, 3, None, 0, True)),
     ("extra_bits_merge", lambda x: lowfp.extra_bits.split(x, torch.float16, 5, "nearest") + (5, "nearest")),
+    ("any_non_finite", lambda x: (x.detach().index_fill(0, torch.tensor([3]), float("nan")),)),
 ])
 def test_torch_library_opcheck(name, args):
     x = torch.randn(9, 4, requires_grad=name in ("quantize", "s2fp8"))
     op = getattr(torch.ops.lowfp, name).default
     results = torch.library.opcheck(op, args(x))
     assert set(results.values()) == {"SUCCESS"}, results
+
+
+def test_non_finite_check_compiles_and_traces():
+    # The loss scaler's check inside a compiled function (fullgraph: the operator
+    # lowfp::any_non_finite, out= and count_into= as graph writes), on fake and meta tensors.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def check(t, out, count):
+        return lowfp.scaler.any_non_finite(t * 2, count, out=out)
+
+    compiled = torch.compile(check, fullgraph=True)
+    for t in (torch.randn(1000), torch.tensor([1.0, float("inf")]), torch.randn(3).bfloat16()):
+        outs = [torch.zeros((), dtype=torch.bool) for _ in range(2)]
+        counts = [torch.zeros(3, dtype=torch.int64) for _ in range(2)]
+        eager = check(t, outs[0], counts[0])
+        traced = compiled(t, outs[1], counts[1])
+        assert bool(eager) == bool(traced) == bool(outs[1]) == (not torch.isfinite(t).all())
+        assert torch.equal(counts[0], counts[1])
+    with FakeTensorMode():
+        found = lowfp.scaler.any_non_finite(torch.randn(5))
+        assert (found.shape, found.dtype) == ((), torch.bool)
+    meta = lowfp.scaler.any_non_finite(torch.empty(4, device="meta"))
+    assert (meta.device.type, meta.dtype) == ("meta", torch.bool)

@@ -47,6 +47,7 @@ lib.define(f"s2fp8_into(Tensor x, Tensor(a!) out, str fmt, float log_max, {_COMM
 lib.define(f"extra_bits_split(Tensor w32, ScalarType dtype, int k, {_COMMON}, bool count) "
            "-> (Tensor, Tensor, Tensor)")
 lib.define("extra_bits_merge(Tensor w16, Tensor packed, int k, str rounding) -> Tensor")
+lib.define("any_non_finite(Tensor t) -> Tensor")
 
 torch.library._register_effectful_op("lowfp::draw_seed", torch._library.effects.EffectType.ORDERED)
 
@@ -153,12 +154,18 @@ def _extra_bits_merge_impl(w16, packed, k, rounding):
     return out
 
 
+def _any_non_finite_impl(t):
+    from .scaler import any_non_finite_into
+    return any_non_finite_into(t, None, None)
+
+
 for _name, _impl in (("draw_seed", _draw_seed_impl),):
     lib.impl(_name, _impl, "CompositeExplicitAutograd")
 for _name, _impl in (("quantize", _quantize_impl), ("quantize_into", _quantize_into_impl),
                      ("s2fp8", _s2fp8_impl), ("s2fp8_into", _s2fp8_into_impl),
                      ("extra_bits_split", _extra_bits_split_impl),
-                     ("extra_bits_merge", _extra_bits_merge_impl)):
+                     ("extra_bits_merge", _extra_bits_merge_impl),
+                     ("any_non_finite", _any_non_finite_impl)):
     for _dispatch_key in ("CPU", "CUDA"):
         lib.impl(_name, _impl, _dispatch_key)
 
@@ -203,6 +210,11 @@ def _extra_bits_split_fake(w32, dtype, k, rounding, sr_bits, seed, drawn_seed, o
     return (w32.new_empty(w32.shape, dtype=dtype),
             w32.new_empty(packed_words(w32.numel(), k, rounding), dtype=torch.int32),
             w32.new_empty(4 if count else 0, dtype=torch.int64))
+
+
+@torch.library.register_fake("lowfp::any_non_finite", lib=lib)
+def _any_non_finite_fake(t):
+    return t.new_empty((), dtype=torch.bool)
 
 
 @torch.library.register_fake("lowfp::extra_bits_merge", lib=lib)

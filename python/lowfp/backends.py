@@ -70,13 +70,13 @@ def check_dense(t: torch.Tensor, argname: str) -> None:
 
 # Tensors that stand for real ones while torch traces (torch.compile, torch.export, fake and
 # meta runs): lowfp's operators give them their results' shapes and dtypes without reading memory.
-_TRACING_TYPES = (FakeTensor, FunctionalTensor)
+TRACING_TYPES = (FakeTensor, FunctionalTensor)
 
 
 def check_operand(t: torch.Tensor, argname: str) -> None:
     """What a tensor argument of a lowfp operator must be: dense and plain, or a tensor torch
     traces with; on a CPU, CUDA or meta device."""
-    if type(t) in _TRACING_TYPES:
+    if type(t) in TRACING_TYPES:
         if t.is_nested or t.is_quantized or t.layout != torch.strided:
             raise TypeError(f"{argname} must be a dense (torch.strided) tensor, got layout {t.layout}")
         return
