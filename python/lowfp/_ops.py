@@ -26,6 +26,7 @@ import torch
 
 from . import backends
 from ._memory import new_output
+from ._non_finite import check_non_finite
 from ._native import DTYPE_CODES, NativeCall, ROUNDING_MODES, run_quantize, run_s2fp8, seed_words
 from .formats import Format, S2FP8, to_precision
 
@@ -155,8 +156,7 @@ def _extra_bits_merge_impl(w16, packed, k, rounding):
 
 
 def _any_non_finite_impl(t):
-    from .scaler import any_non_finite_into
-    return any_non_finite_into(t, None, None)
+    return check_non_finite(t, None, None)
 
 
 for _name, _impl in (("draw_seed", _draw_seed_impl),):

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
 from ._dtensor import is_dtensor
-from . import _C, backends
+from . import backends
 from ._checks import is_int
-from ._native import DTYPE_CODES as _DTYPE_CODES
+from ._non_finite import check_non_finite
 
 __all__ = ["DynamicLossScaler"]
 
@@ -24,7 +24,7 @@ def any_non_finite(t: torch.Tensor, count_into: Optional[torch.Tensor] = None, *
     first writes a bool per element. A dense float16/bfloat16/float32/float64 tensor on the CPU
     or a CUDA device is read once by lowfp's kernel (exponent bits all ones), check and count in
     one call (one launch on a GPU) where torch takes several; any other tensor by
-    :func:`_any_non_finite_by_torch`."""
+    :func:`non_finite_by_torch`."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
     if t.is_nested or t.is_quantized or t.layout != torch.strided:
@@ -63,52 +63,7 @@ def any_non_finite_into(t: torch.Tensor, out: Optional[torch.Tensor],
         if count_into is not None:
             count_into.add_(found.reshape(()).to(count_into.dtype))
         return found
-    if t.dtype in _DTYPE_CODES and backends.is_plain(t) and backends.is_dense(t) and (t.is_cpu or (
-            t.is_cuda and backends.cuda_built())):  # each element alike: read in memory order
-        found = torch.empty((), dtype=torch.bool, device=t.device) if out is None else out
-        counts = (0, 0) if count_into is None else (count_into.data_ptr(), count_into.numel())
-        if t.is_cpu:
-            _C.any_non_finite(t.data_ptr(), _DTYPE_CODES[t.dtype], t.numel(), found.data_ptr(),
-                              *counts)
-        else:  # one launch, where the torch path takes four
-            module, device, stream = backends.native(t, "t")
-            module.any_non_finite(t.data_ptr(), _DTYPE_CODES[t.dtype], t.numel(),
-                                  found.data_ptr(), *counts, _zeroed_scratch(device, stream),
-                                  device, stream)
-        return found
-    found = _any_non_finite_by_torch(t, out)
-    if count_into is not None:
-        count_into.add_(found.reshape(()))
-    return found
-
-
-_SCRATCH: Dict[Tuple[int, int], torch.Tensor] = {}
-
-
-def _zeroed_scratch(device: int, stream: int) -> int:
-    """The address of two int32 on CUDA device `device`, zero, that the CUDA any_non_finite
-    leaves zero: one pair per stream, as calls on one stream run one after another."""
-    scratch = _SCRATCH.get((device, stream))
-    if scratch is None:
-        scratch = _SCRATCH[(device, stream)] = torch.zeros(2, dtype=torch.int32,
-                                                           device=torch.device("cuda", device))
-    return scratch.data_ptr()
-
-
-def _any_non_finite_by_torch(t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """any_non_finite in four torch calls on any device: one min/max reduction, which propagates
-    NaN, then min * 0 != max * 0, which is false exactly when both are finite (inf * 0 is NaN,
-    and NaN != anything). out: a one-element bool on t's device that receives it, or None."""
-    backends.check_dense(t, "t")
-    if t.is_complex():
-        t = torch.view_as_real(t)  # not finite when its real or imaginary part is not
-    if t.numel() == 0:
-        return torch.zeros((), dtype=torch.bool, device=t.device) if out is None else out.fill_(False)
-    low, high = torch.aminmax(t)
-    if out is None:
-        return torch.ne(low * 0, high * 0)
-    torch.ne(low * 0, high * 0, out=out.view(()))  # a 0-d view: ne's result shape, no resize
-    return out
+    return check_non_finite(t, out, count_into)
 
 
 def _unscale_and_find_non_finite(grads: List[torch.Tensor], inv: float) -> torch.Tensor:
