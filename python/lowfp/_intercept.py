@@ -124,6 +124,18 @@ class _Mode(TorchFunctionMode):
         return self.session.call(func, args, kwargs)
 
 
+@torch.compiler.disable
+def _begin_outside_graphs(session: "ForwardSession") -> None:
+    """A forward's bookkeeping (closing the previous step reads its counts) runs eagerly, so
+    that a compiled model's graph holds the forward alone and does not depend on the step."""
+    session._begin()
+
+
+@torch.compiler.disable
+def _forward_outside_graphs(session: "ForwardSession", inner, args, kwargs):
+    return session._forward(inner, args, kwargs)
+
+
 class ForwardSession:
     """Runs a model's forward with every torch-function call classified and tracked tensors
     tagged. Subclasses decide what a parameter, a model input and an operator output become:
@@ -136,6 +148,7 @@ class ForwardSession:
         self.param_names: Dict[int, str] = {id(p): n for n, p in model.named_parameters()}
         self._other_params: set = set()  # ids of Parameters seen that are not the model's
         self._module_stack: List[str] = []
+        self._traced: Dict[torch.Tensor, str] = {}  # the tags while Dynamo traces a forward
         self._repeats: Dict[str, int] = {}
         self.serial = 0
         self._hooks = []
@@ -192,11 +205,19 @@ class ForwardSession:
         self._repeats.clear()
 
     def _run_forward(self, inner, args, kwargs):
-        self._begin()
+        _begin_outside_graphs(self)
+        if torch.compiler.is_compiling() and not self._compilable():
+            return _forward_outside_graphs(self, inner, args, kwargs)
+        return self._forward(inner, args, kwargs)
+
+    def _forward(self, inner, args, kwargs):
         args = tuple(self._map_input(a, f"input[{i}]") for i, a in enumerate(args))
         kwargs = {k: self._map_input(v, f"input[{k}]") for k, v in kwargs.items()}
-        with self._mode:
-            return inner(*args, **kwargs)
+        try:
+            with self._mode:
+                return inner(*args, **kwargs)
+        finally:
+            self._traced.clear()
 
     def _map_input(self, a, name):
         if _floating(a):  # an alias, so that neither tags nor hooks land on the caller's tensor
@@ -207,10 +228,15 @@ class ForwardSession:
         return a
 
     def _tag(self, t: torch.Tensor, name: str) -> torch.Tensor:
-        setattr(t, _TAG, (self.serial, name))
+        if torch.compiler.is_compiling():  # Dynamo cannot set attributes on tensors
+            self._traced[t] = name
+        else:
+            setattr(t, _TAG, (self.serial, name))
         return t
 
     def tracked_name(self, t: torch.Tensor) -> Optional[str]:
+        if torch.compiler.is_compiling():
+            return self._traced.get(t)
         tag = getattr(t, _TAG, None)
         return tag[1] if tag is not None and tag[0] == self.serial else None
 
@@ -234,9 +260,9 @@ class ForwardSession:
         return new if isinstance(args, list) else tuple(new)
 
     def _see(self, t: torch.Tensor, inputs: List[str]) -> torch.Tensor:
-        tag = getattr(t, _TAG, None)
-        if tag is not None and tag[0] == self.serial:
-            inputs.append(tag[1])
+        name = self.tracked_name(t)
+        if name is not None:
+            inputs.append(name)
             return t
         if isinstance(t, torch.nn.Parameter):
             pname = self.param_names.get(id(t))
@@ -288,6 +314,11 @@ class ForwardSession:
         return rebuild(new)
 
     # -- what subclasses decide ------------------------------------------------------------
+    def _compilable(self) -> bool:
+        """Whether torch.compile may trace the session's forward; if not, a compiled model runs
+        it eagerly (one graph break)."""
+        return True
+
     def _param(self, p: torch.nn.Parameter, name: str) -> torch.Tensor:
         return p
 

@@ -28,6 +28,10 @@ table that is read once, when the step is closed: at the next training forward, 
 ``end_step()`` or when the emulation ends. Forwards under ``torch.no_grad()`` or in eval mode
 are rounded but not counted.
 
+``torch.compile(model)`` inside the emulation (or a compiled training step) traces the
+roundings into the model's graph, made once and reused from step to step; a step that promotes
+a tensor recompiles it once (docs/design.md §6).
+
 An in-place operator on an activation (``relu_``, ``x += y``) returns a rounded copy: code that
 uses the returned value (as nn.Modules do) sees rounded values; a tensor mutated in place and then
 used without the returned value keeps the unrounded result.
@@ -71,6 +75,31 @@ class _Round(torch.autograd.Function):
             if observe is not None:
                 observe[0](grad_name(observe[1]), grad)
         return grad, None, None, None, None, None
+
+
+class _RoundInGraph(torch.autograd.Function):
+    """_Round as torch.compile records it: no writes to state outside the function. Forward
+    returns (rounded x, its counts); backward rounds the gradient with ``bwd`` and hands its
+    counts back as the gradient of ``sink``, a row of the emulator's float64 leaf
+    ``_grad_counts``, which autograd accumulates."""
+
+    @staticmethod
+    def forward(ctx, x, sink, fwd, count, bwd):
+        ctx.bwd, ctx.count = bwd, sink is not None
+        stats = Stats(x.device) if count else None
+        y = x.clone() if fwd is None else fwd(x, stats)
+        counts = stats.counts if count else x.new_zeros(0, dtype=torch.int64)
+        ctx.mark_non_differentiable(counts)
+        return y, counts
+
+    @staticmethod
+    def backward(ctx, grad, unused):
+        bwd = ctx.bwd
+        if bwd is None:
+            return grad, None, None, None, None
+        stats = Stats(grad.device) if ctx.count else None
+        grad = bwd(grad, stats)
+        return grad, (stats.counts.to(torch.float64) if ctx.count else None), None, None, None
 
 
 class History:
@@ -148,13 +177,17 @@ class Emulator(ForwardSession):
         self.rounding, self.backward_overflow = rounding, backward_overflow
         self.history = History()
         self.scaler = None                     # set by DynamicLossScaler(emulator=...)
-        self.observer = None                   # observer(name, tensor): every rounded result
+        self.observer = None                   # observer(name, tensor): every rounded result;
+        #                                        a compiled forward with one runs eagerly
         self.step = 0                          # closed training steps
         names = list(self.assignment.trace.tensors)
         self._row = {n: i for i, n in enumerate(names)}
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.counts = torch.zeros(len(names), 4, dtype=torch.int64, device=device)
         self._stats = {n: Stats.view(self.counts[i]) for n, i in self._row.items()}
+        # backward counts of compiled steps arrive as this leaf's gradient (see _RoundGradient)
+        self._grad_counts = torch.zeros(len(names), 4, dtype=torch.float64, device=device,
+                                        requires_grad=True)
         self._backward_rows = torch.tensor([i for n, i in self._row.items()
                                             if role_of(n) in ("dv", "dtheta")],
                                            dtype=torch.int64, device=device)
@@ -201,6 +234,8 @@ class Emulator(ForwardSession):
         fwd, fs, bwd, bs = self._rounders_of(name)
         if fwd is None and bwd is None:
             return t
+        if torch.compiler.is_compiling():
+            return self._round_in_graph(t, name, fwd, fs, bwd, bs)
         observe = None if self.observer is None else (self.observer, name)
         if t.requires_grad and torch.is_grad_enabled():
             out = _Round.apply(t, fwd, fs, bwd, bs, observe)
@@ -210,6 +245,17 @@ class Emulator(ForwardSession):
             out = fwd(t, fs)
         if observe is not None and fwd is not None:
             self.observer(name, out)
+        return out
+
+    def _round_in_graph(self, t, name, fwd, fs, bwd, bs):
+        """_round in a graph torch.compile records: lowfp's operators; the forward counts are
+        added to the table by the graph, the backward counts arrive as ``_grad_counts.grad``."""
+        if not (t.requires_grad and torch.is_grad_enabled()):
+            return t if fwd is None else fwd(t, fs)
+        sink = None if bs is None else self._grad_counts[self._row[grad_name(name)]]
+        out, counts = _RoundInGraph.apply(t, sink, fwd, fs is not None, bwd)
+        if fs is not None:
+            fs.counts.add_(counts)
         return out
 
     # -- ForwardSession decisions -----------------------------------------------------------
@@ -222,6 +268,9 @@ class Emulator(ForwardSession):
             self._step_scale = None if self.scaler is None else self.scaler.get_scale()
         self._counting = training
         self._params.clear()
+
+    def _compilable(self) -> bool:
+        return self.observer is None  # an observer is Python called with each rounded tensor
 
     def _param(self, p, name):
         q = self._params.get(id(p))
@@ -244,7 +293,15 @@ class Emulator(ForwardSession):
     def backward_overflows(self) -> torch.Tensor:
         """Overflows of the backward roundings (dv, dtheta) in the current step, as a 0-d int64
         tensor on the device (no synchronisation)."""
+        self._fold_grad_counts()
         return self.counts.index_select(0, self._backward_rows)[:, 0].sum()
+
+    def _fold_grad_counts(self) -> None:
+        """Move the backward counts of compiled steps into ``counts``."""
+        g = self._grad_counts.grad
+        if g is not None:
+            self.counts.add_(g.to(torch.int64))
+            self._grad_counts.grad = None
 
     def end_step(self) -> Optional[dict]:
         """Close the current training step: read its counts (one synchronisation), promote
@@ -254,6 +311,7 @@ class Emulator(ForwardSession):
             return None
         self._pending = False
         self.step += 1
+        self._fold_grad_counts()
         rows = self.counts.tolist()
         self.counts.zero_()
         over, under = [], []

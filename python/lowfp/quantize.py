@@ -163,17 +163,22 @@ class Rounder:
         self._fmt = str(self._call.fmt)
         self._fits: dict = {}
 
+    def _fit_error(self, dtype: torch.dtype) -> Optional[str]:
+        if not is_dtype_in(dtype, DTYPE_CODES):
+            return f"tensors of dtype {dtype} cannot be rounded (allowed: {ALLOWED_DTYPES})"
+        if isinstance(self.precision, Format):
+            reason = self._call.fmt.fit_error(dtype)
+            if reason:
+                return f"{self.precision} does not fit {dtype} tensors ({reason})"
+        return None
+
     def _check_dtype(self, dtype: torch.dtype) -> None:
-        if dtype not in self._fits:  # (None: it fits)
-            reason = None
-            if not is_dtype_in(dtype, DTYPE_CODES):
-                reason = f"tensors of dtype {dtype} cannot be rounded (allowed: {ALLOWED_DTYPES})"
-            elif isinstance(self.precision, Format):
-                reason = self._call.fmt.fit_error(dtype)
-                if reason:
-                    reason = f"{self.precision} does not fit {dtype} tensors ({reason})"
-            self._fits[dtype] = reason
-        reason = self._fits[dtype]
+        if torch.compiler.is_compiling():  # checked once per graph, and no cache to mutate
+            reason = self._fit_error(dtype)
+        else:
+            if dtype not in self._fits:  # (None: it fits)
+                self._fits[dtype] = self._fit_error(dtype)
+            reason = self._fits[dtype]
         if reason:
             raise ValueError(reason)
 
