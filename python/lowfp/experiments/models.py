@@ -1,6 +1,6 @@
-"""Small image classifiers for emulated-training experiments (``lowfp train``, tests, benchmarks).
+"""Models for emulated-training experiments (``lowfp train``, tests, benchmarks).
 
-Each takes the input channels, the number of classes and a width multiplier, works on any image
+The image classifiers take the input channels, the number of classes and a width multiplier, works on any image
 size (8×8 digits to 32×32 CIFAR), and is written the way people write models — in-place ReLUs,
 ``out += identity`` residuals, ``torch.cat`` and channel shuffles, nn.MultiheadAttention — so
 that emulating them exercises what lowfp.emulate must handle.
@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ResidualCNN", "MobileNetCNN", "ShuffleNetCNN", "TransformerClassifier", "MODELS", "build"]
+__all__ = ["ResidualCNN", "ResNet18", "MobileNetCNN", "ShuffleNetCNN", "TransformerClassifier", "GPT",
+           "MODELS", "build"]
 
 
 def _ch(c: int, width: float) -> int:
@@ -57,6 +58,27 @@ class ResidualCNN(nn.Module):
 
     def forward(self, x):
         x = self.layer2(self.layer1(self.stem(x)))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 as used on CIFAR (the extra-bits paper's Table 3 model): a 3×3 stem without
+    pooling and four stages of two basic blocks, 64·width to 512·width channels (11.2 M
+    parameters at width 1, 10 classes)."""
+
+    def __init__(self, in_channels: int = 3, num_classes: int = 10, width: float = 1.0):
+        super().__init__()
+        c = [_ch(n, width) for n in (64, 128, 256, 512)]
+        self.stem = _stem(in_channels, c[0])
+        stages, cin = [], c[0]
+        for i, cout in enumerate(c):
+            stages.append(nn.Sequential(_BasicBlock(cin, cout, 1 if i == 0 else 2), _BasicBlock(cout, cout, 1)))
+            cin = cout
+        self.stages = nn.Sequential(*stages)
+        self.fc = nn.Linear(c[-1], num_classes)
+
+    def forward(self, x):
+        x = self.stages(self.stem(x))
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
@@ -165,7 +187,53 @@ class TransformerClassifier(nn.Module):
         return self.head(x.mean(1))
 
 
-MODELS = {"resnet": ResidualCNN, "mobilenet": MobileNetCNN, "shufflenet": ShuffleNetCNN,
+class _CausalBlock(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        n, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(d, dim=2)
+        q, k, v = (z.view(n, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(n, t, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """A small GPT: token and learned position embeddings, pre-norm blocks of causal
+    scaled-dot-product attention and a GELU MLP, a final LayerNorm and a linear head.
+    ``forward(tokens)`` takes (batch, time) int64 tokens and returns (batch, time, vocab)
+    logits."""
+
+    def __init__(self, vocab_size: int, block_size: int = 64, dim: int = 128, depth: int = 4,
+                 heads: int = 4):
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"dim {dim} is not a multiple of heads {heads}")
+        self.block_size = block_size
+        self.tok = nn.Embedding(vocab_size, dim)
+        self.pos = nn.Parameter(torch.zeros(1, block_size, dim))
+        nn.init.normal_(self.pos, std=0.02)
+        self.blocks = nn.Sequential(*[_CausalBlock(dim, heads) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size)
+
+    def forward(self, tokens):
+        t = tokens.shape[1]
+        if t > self.block_size:
+            raise ValueError(f"tokens has {t} positions, more than block_size {self.block_size}")
+        x = self.tok(tokens) + self.pos[:, :t]
+        return self.head(self.norm(self.blocks(x)))
+
+
+MODELS = {"resnet": ResidualCNN, "resnet18": ResNet18, "mobilenet": MobileNetCNN, "shufflenet": ShuffleNetCNN,
           "transformer": TransformerClassifier}
 
 
