@@ -148,6 +148,20 @@ def test_argument_errors_are_raised_while_tracing():
         f(torch.randn(4))
 
 
+def _step_args(x, optimizer, rounding):
+    """lowfp::extra_bits_step's arguments for one parameter (values as an optimizer makes them)."""
+    w, packed = lowfp.extra_bits.split(x.detach(), torch.bfloat16, 8, rounding)
+    grads = [torch.randn_like(w)]
+    if optimizer == "adam":  # decay .. neg_step_size; decoupled, amsgrad, maximize, CUDA's arithmetic
+        moments = [torch.zeros_like(x), torch.zeros_like(x)]
+        hyper, flags = [0.999, 0.0, 0.1, 0.999, 0.001, 0.0316, 1e-8, -0.01], [True, False, False, False]
+    else:  # neg_lr, momentum, 1 - dampening, weight decay; nesterov, maximize, first step, momentum
+        moments = [torch.zeros_like(x)]
+        hyper, flags = [-0.1, 0.9, 1.0, 0.0], [False, False, True, True]
+    return ([w], grads, [packed], moments, len(moments), optimizer, 8, rounding, torch.float32, hyper,
+            flags, 12345, [5], None, None, torch.zeros(4, dtype=torch.int64))
+
+
 @pytest.mark.parametrize("name,args", [
     ("quantize", lambda x: (x, "fp(4,3,4)", "stochastic", 32, 3, None, 0, torch.float64, True,
                             "fp(5,2,0)", "nearest")),
@@ -162,6 +176,8 @@ def test_argument_errors_are_raised_while_tracing():
     ("extra_bits_split", lambda x: (x, torch.bfloat16, 8, "stochastic", 32, 3, None, 0, True)),
     ("extra_bits_merge", lambda x: lowfp.extra_bits.split(x, torch.float16, 5, "nearest") + (5, "nearest")),
     ("any_non_finite", lambda x: (x.detach().index_fill(0, torch.tensor([3]), float("nan")),)),
+    ("extra_bits_step", lambda x: _step_args(x, "adam", "stochastic")),
+    ("extra_bits_step", lambda x: _step_args(x, "sgd", "nearest")),
 ])
 def test_torch_library_opcheck(name, args):
     x = torch.randn(9, 4, requires_grad=name in ("quantize", "s2fp8"))
@@ -191,3 +207,60 @@ def test_non_finite_check_compiles_and_traces():
         assert (found.shape, found.dtype) == ((), torch.bool)
     meta = lowfp.scaler.any_non_finite(torch.empty(4, device="meta"))
     assert (meta.device.type, meta.dtype) == ("meta", torch.bool)
+
+
+def _tiny_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("name", ["ExtraBitsAdamW", "ExtraBitsSGD"])
+@pytest.mark.parametrize("where", ["fake", "meta"])
+def test_extra_bits_optimizers_step_fake_and_meta_parameters(name, where):
+    # Shapes, dtypes and devices only (memory planning, tracing): the state is what a real
+    # optimizer makes, and the step goes through lowfp::extra_bits_step's fake implementation.
+    kwargs = {"lr": 0.1, "extra_bits": 8, "rounding": "stochastic"}
+    if name == "ExtraBitsSGD":
+        kwargs["momentum"] = 0.9
+
+    def run(model, x):
+        opt = getattr(lowfp.optim, name)(model.parameters(), **kwargs)
+        for _ in range(2):
+            model(x).float().sum().backward()
+            opt.step()
+        return {k: (tuple(v.shape), v.dtype) for k, v in opt.state[model[0].weight].items()
+                if torch.is_tensor(v)}, model[0].weight
+
+    want, _ = run(_tiny_model(), torch.randn(4, 8, dtype=torch.bfloat16))
+    if where == "fake":
+        with FakeTensorMode():
+            got, w = run(_tiny_model(), torch.randn(4, 8, dtype=torch.bfloat16))
+        assert type(w).__name__ == "FakeTensor"
+    else:
+        got, w = run(_tiny_model().to("meta"), torch.randn(4, 8, dtype=torch.bfloat16, device="meta"))
+        assert w.is_meta
+    assert got == want and w.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_training_step_with_an_extra_bits_optimizer_equals_eager(backend):
+    # The optimizer's step runs between the compiled graphs (one graph break, nothing traced).
+    x = torch.randn(32, 8, dtype=torch.bfloat16)
+    results = []
+    for compiled in (False, True):
+        model = _tiny_model().to(torch.bfloat16)
+        opt = lowfp.optim.ExtraBitsAdamW(model.parameters(), lr=1e-2, extra_bits=8, rounding="stochastic",
+                                         generator=torch.Generator().manual_seed(0))
+
+        def step():
+            loss = model(x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        run = torch.compile(step, backend=backend) if compiled else step
+        for _ in range(3):
+            run()
+        results.append([p.detach().clone() for p in model.parameters()] + [opt.master_weights()[0]])
+    for want, have in zip(*results):
+        assert torch.equal(want, have)

@@ -57,8 +57,12 @@ def seed_words(generator: Optional[torch.Generator] = None) -> torch.Tensor:
 
 
 def draw_seed(generator: Optional[torch.Generator] = None) -> int:
-    """A 64-bit seed from ``generator`` (default: torch's default CPU generator)."""
-    lo, hi = seed_words(generator).tolist()
+    """A 64-bit seed from ``generator`` (default: torch's default CPU generator); 0 under
+    FakeTensorMode, where nothing is rounded and torch's generators do not advance."""
+    words = seed_words(generator)
+    if type(words) in backends.TRACING_TYPES:
+        return 0
+    lo, hi = words.tolist()
     return lo | (hi << 32)
 
 

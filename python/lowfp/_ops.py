@@ -49,10 +49,18 @@ lib.define(f"extra_bits_split(Tensor w32, ScalarType dtype, int k, {_COMMON}, bo
            "-> (Tensor, Tensor, Tensor)")
 lib.define("extra_bits_merge(Tensor w16, Tensor packed, int k, str rounding) -> Tensor")
 lib.define("any_non_finite(Tensor t) -> Tensor")
+# One fused ExtraBits optimizer step over parameters of one dtype (lowfp.optim): moments holds
+# each parameter's state tensors in turn (moments_per_param of them: SGD 0 or 1, Adam 2 or 3);
+# hyper and flags are the step's scalars in the order of HYPER_FIELDS[optimizer].
+lib.define("extra_bits_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] extras, "
+           "Tensor(c!)[] moments, int moments_per_param, str optimizer, int k, str rounding, "
+           "ScalarType state_dtype, float[] hyper, bool[] flags, int seed, int[] offsets, "
+           "Tensor? found_inf, Tensor? grad_scale, Tensor(d!) counts) -> ()")
 
 torch.library._register_effectful_op("lowfp::draw_seed", torch._library.effects.EffectType.ORDERED)
 
 from . import _C  # noqa: E402  (after the definitions: _C only supplies a size)
+from ._torch_sqrt import use_torch_sqrt  # noqa: E402
 
 S2FP8_SUM_SIZE = _C.S2FP8_SUM_SIZE
 _U64 = (1 << 64) - 1
@@ -155,6 +163,44 @@ def _extra_bits_merge_impl(w16, packed, k, rounding):
     return out
 
 
+# The scalars of one optimizer step: (the module's class, its float fields, its bool fields).
+HYPER_FIELDS = {
+    "sgd": ("SgdHyper", ("neg_lr", "momentum", "one_minus_dampening", "weight_decay"),
+            ("nesterov", "maximize", "first_step", "has_momentum")),
+    "adam": ("AdamHyper", ("decay", "weight_decay", "lerp_weight", "beta2", "one_minus_beta2",
+                           "bias_correction2_sqrt", "eps", "neg_step_size"),
+             ("decoupled", "amsgrad", "maximize", "cuda_association")),
+}
+_OPTIMIZER_CODES = {"sgd": 0, "adam": 1}
+_UNUSED_STATE = (0, 0, 0)  # the pointers of a step's unused state slots (three in all)
+
+
+def _extra_bits_step_impl(params, grads, extras, moments, moments_per_param, optimizer, k,
+                          rounding, state_dtype, hyper, flags, seed, offsets, found_inf,
+                          grad_scale, counts):
+    """One native call (lowfp.optim's buffers are checked by the optimizer before it)."""
+    mod, device, stream = backends.native(params[0], "parameter")
+    cls, float_names, bool_names = HYPER_FIELDS[optimizer]
+    values = dict(zip(float_names, hyper))
+    values.update(zip(bool_names, flags))
+    if device < 0 and optimizer == "adam":
+        use_torch_sqrt()  # once: the CPU step's square roots as torch.sqrt's
+    m = moments_per_param
+    slots = [(p.data_ptr(), g.data_ptr(), e.data_ptr(),
+              *[t.data_ptr() for t in moments[i * m:(i + 1) * m]], *_UNUSED_STATE[m:],
+              p.numel(), offset)
+             for i, (p, g, e, offset) in enumerate(zip(params, grads, extras, offsets))]
+    mod.extra_bits_step(_OPTIMIZER_CODES[optimizer], DTYPE_CODES[params[0].dtype], k,
+                        ROUNDING_MODES.index(rounding), DTYPE_CODES[state_dtype],
+                        getattr(mod, cls)(**values), seed & _U64, slots,
+                        0 if found_inf is None else found_inf.data_ptr(),
+                        0 if grad_scale is None else grad_scale.data_ptr(), counts.data_ptr(),
+                        device, stream)
+    # Written through their pointers: tell autograd, as torch.optim's in-place updates do, so
+    # a backward through a graph that saved a parameter before this step raises.
+    torch.autograd.graph.increment_version([*params, *extras, *moments])
+
+
 def _any_non_finite_impl(t):
     return check_non_finite(t, None, None)
 
@@ -165,7 +211,8 @@ for _name, _impl in (("quantize", _quantize_impl), ("quantize_into", _quantize_i
                      ("s2fp8", _s2fp8_impl), ("s2fp8_into", _s2fp8_into_impl),
                      ("extra_bits_split", _extra_bits_split_impl),
                      ("extra_bits_merge", _extra_bits_merge_impl),
-                     ("any_non_finite", _any_non_finite_impl)):
+                     ("any_non_finite", _any_non_finite_impl),
+                     ("extra_bits_step", _extra_bits_step_impl)):
     for _dispatch_key in ("CPU", "CUDA"):
         lib.impl(_name, _impl, _dispatch_key)
 
@@ -215,6 +262,13 @@ def _extra_bits_split_fake(w32, dtype, k, rounding, sr_bits, seed, drawn_seed, o
 @torch.library.register_fake("lowfp::any_non_finite", lib=lib)
 def _any_non_finite_fake(t):
     return t.new_empty((), dtype=torch.bool)
+
+
+@torch.library.register_fake("lowfp::extra_bits_step", lib=lib)
+def _extra_bits_step_fake(params, grads, extras, moments, moments_per_param, optimizer, k,
+                          rounding, state_dtype, hyper, flags, seed, offsets, found_inf,
+                          grad_scale, counts):
+    return None
 
 
 @torch.library.register_fake("lowfp::extra_bits_merge", lib=lib)

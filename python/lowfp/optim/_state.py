@@ -13,7 +13,6 @@ from ..extra_bits import packed_words, reorder_packed
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _PARAM_DTYPES = (torch.float16, torch.bfloat16)
 _MOMENT_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-_NO_STATE = (0, 0, 0)  # the pointers of a step's unused state slots (three in all)
 _LOWFP_GROUP_KEYS = ("extra_bits", "rounding", "state_dtype", "param_dtype")  # not torch.optim's
 _EXTRA_KEYS = ("extra", "extra_bits", "rounding", "param_dtype", "extra_dim_order")
 
@@ -29,23 +28,37 @@ def _from_torch_state(state: dict, state_dtype: torch.dtype) -> None:
         state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
 
 
+META_INDEX = -2  # _check_buffers' index of the meta device (whose get_device() is -1, the CPU's)
+
+
+def device_index(t: torch.Tensor) -> int:
+    """_check_buffers' index of t's device."""
+    return META_INDEX if t.is_meta else t.get_device()
+
+
+def _on(t: torch.Tensor, index: int) -> bool:
+    return t.is_meta if index == META_INDEX else t.get_device() == index
+
+
 def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
                    moments: Optional[Sequence[torch.Tensor]] = None) -> int:
     """The fused kernels trust every buffer's size, dtype and device. A parameter whose ``.data``
     was replaced, a changed group setting or state loaded from another model must fail here, not
-    read or write past a buffer. ``index``: the optimizer's CUDA device index, or -1 for the CPU;
+    read or write past a buffer. ``index``: the optimizer's CUDA device index, -1 for the CPU or
+    META_INDEX for the meta device (device_index gives it);
     ``moments``: the state tensors the step passes (default: all). Returns p.numel().
 
     It runs for every parameter at every step (once per parameter inside backward), so each
     property is read once and the device by one attribute: ``is_cpu`` for a CPU optimizer,
-    ``get_device()`` for a CUDA one (-1 on the CPU and on the meta device); torch.device objects
+    ``get_device()`` for a CUDA one, ``is_meta`` for a meta one; torch.device objects
     and shapes are built only once something is wrong."""
-    n, cpu, param_dtype = p.numel(), index < 0, p.dtype
+    n, cpu, param_dtype = p.numel(), index == -1, p.dtype
     if param_dtype not in _PARAM_DTYPES:
         raise TypeError(f"a parameter of shape {tuple(p.shape)} now has dtype {p.dtype}; extra bits "
                         "need float16 or bfloat16 parameters")
-    if not (p.is_cpu if cpu else p.get_device() == index):
-        device = torch.device("cpu") if cpu else torch.device("cuda", index)
+    if not (p.is_cpu if cpu else _on(p, index)):
+        device = (torch.device("cpu") if cpu else torch.device("meta") if index == META_INDEX
+                  else torch.device("cuda", index))
         raise ValueError(f"parameters must be on {device}; one of shape {tuple(p.shape)} is on "
                          f"{p.device} (the optimizer's state lives where it was built: move the "
                          "model before building the optimizer, as torch.optim's docs ask)")
@@ -63,7 +76,7 @@ def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
             _check_param_dtype(p, state)
         want = packed_words(n, k, rounding)
         if (extra.dtype is not torch.int32 or extra.numel() != want
-                or not (extra.is_cpu if cpu else extra.get_device() == index)
+                or not (extra.is_cpu if cpu else _on(extra, index))
                 or not extra.is_contiguous()):
             raise ValueError(f"the extra bits of a parameter of shape {tuple(p.shape)} are "
                              f"{extra.numel()} {extra.dtype} words on {extra.device}, but it needs "
@@ -81,7 +94,7 @@ def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
         if not laid_out and t.shape == p.shape:
             raise _LayoutChanged
         if (t.dtype is not dtype or t.numel() != n or not laid_out
-                or not (t.is_cpu if cpu else t.get_device() == index)):
+                or not (t.is_cpu if cpu else _on(t, index))):
             key = next((key for key in _MOMENT_KEYS if state.get(key) is t
                         or getattr(state.get(key), "_local_tensor", None) is t), "a moment")
             raise ValueError(f"state {key!r} of a parameter of shape {tuple(p.shape)} is a "

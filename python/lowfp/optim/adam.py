@@ -22,8 +22,7 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
     each step.
     """
 
-    _opt_code = 1
-    _takes_square_roots = True
+    _optimizer = "adam"
     _decoupled = False  # the class's decoupled_weight_decay (AdamW: True)
 
     @classmethod
@@ -64,7 +63,7 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
         step = state.get("step")
         return (1.0 if step is None else float(step) + 1,)
 
-    def _hyper(self, mod, group, key):
+    def _hyper(self, group, key, device_type):
         (step,) = key
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         beta1, beta2 = map(float, group["betas"])
@@ -73,12 +72,11 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
         bias_correction2 = 1 - beta2 ** step
         step_size = lr / bias_correction1
         decay = 1 - lr * wd if (decoupled and wd != 0) else 1.0
-        return mod.AdamHyper(decay=decay, weight_decay=0.0 if decoupled else wd,
-                             lerp_weight=1 - beta1, beta2=beta2, one_minus_beta2=1 - beta2,
-                             bias_correction2_sqrt=bias_correction2 ** 0.5, eps=eps,
-                             neg_step_size=-step_size, decoupled=decoupled,
-                             amsgrad=group["amsgrad"], maximize=group["maximize"],
-                             cuda_association=self._steps_like_cuda(mod))
+        return dict(decay=decay, weight_decay=0.0 if decoupled else wd, lerp_weight=1 - beta1,
+                    beta2=beta2, one_minus_beta2=1 - beta2,
+                    bias_correction2_sqrt=bias_correction2 ** 0.5, eps=eps,
+                    neg_step_size=-step_size, decoupled=decoupled, amsgrad=group["amsgrad"],
+                    maximize=group["maximize"], cuda_association=self._steps_like_cuda(device_type))
 
     def _moments(self, p, group, state_dtype, state):
         if "exp_avg" not in state:

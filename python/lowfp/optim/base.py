@@ -1,7 +1,8 @@
 """The base of the ExtraBits optimizers: parameter groups and their conversion, the fused step
 over a group, settling host-side state, state_dict, master weights and memory.
 
-Subclasses give _check_hyperparameters, _batch_key, _hyper, _moments and optionally
+Subclasses give _optimizer (lowfp::extra_bits_step's name for their update), _check_hyperparameters,
+_batch_key, _hyper, _moments and optionally
 _after_step, _host_state_changed, _undo_host_state, _added_group_keys. step_in_backward reaches
 the optimizer through _step_parameter, _draw_group_seeds, _settle_host_state and the
 _step_in_backward attribute only."""
@@ -16,15 +17,15 @@ import torch
 from .. import _C, backends
 from .._checks import is_dtype_in
 from .._dtensor import is_dtensor
-from .._native import DTYPE_CODES, ROUNDING_MODES, draw_seed
-from .._torch_sqrt import use_torch_sqrt
+from .._native import as_int64, draw_seed
+from .._ops import HYPER_FIELDS, _extra_bits_step_impl
 from ..backends import inverse_order, memory_order
 from ..extra_bits import check_extra_bits, merge, pack, packed_words, reorder_packed, split, unpack
 from ..stats import Stats
 from . import _sharded
 from ._ddp import _refuse_if_in_ddp
-from ._state import (_EXTRA_KEYS, _LOWFP_GROUP_KEYS, _MOMENT_KEYS, _NO_STATE, _PARAM_DTYPES,
-                     _STATE_DTYPES, _LayoutChanged, _check_buffers, _check_param_dtype,
+from ._state import (_EXTRA_KEYS, _LOWFP_GROUP_KEYS, _MOMENT_KEYS, _PARAM_DTYPES,
+                     _STATE_DTYPES, _LayoutChanged, _check_buffers, _check_param_dtype, device_index,
                      _from_torch_state, _match_layout, _record_order, _same_memory_order)
 
 if TYPE_CHECKING:
@@ -34,8 +35,7 @@ _TORCH_SWITCHES = ("foreach", "fused", "capturable", "differentiable")  # torch.
 
 
 class _ExtraBitsOptimizer(torch.optim.Optimizer):
-    _opt_code = -1
-    _takes_square_roots = False  # Adam: its denominators' square roots (see _torch_sqrt)
+    _optimizer = ""  # "sgd" or "adam": the update lowfp::extra_bits_step applies
     # torch's arithmetic differs between its CPU kernels and its CUDA foreach kernels (Adam's
     # addcmul and addcdiv, docs/design.md §5): None follows the parameters' device; True makes a
     # CPU optimizer step as torch does on CUDA (the CPU twin of a GPU run, in tests).
@@ -114,7 +114,11 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                         "stochastic rounding draws by global element index, which needs each "
                         "rank's shard to be one run of the row-major order (Shard(0), FSDP2's "
                         "default, or Replicate)")
-            backends.native(_sharded.local(p), "parameter")  # a CUDA parameter needs the CUDA build
+            local = _sharded.local(p)
+            if type(local) in backends.TRACING_TYPES or local.is_meta:
+                backends.check_operand(local, "parameter")  # shapes only: lowfp's operators
+            else:
+                backends.native(local, "parameter")  # a CUDA parameter needs the CUDA build
             if device is None:
                 device = p.device
             elif p.device != device:
@@ -195,6 +199,9 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         return device is not None and (device.type != "cpu" or any(
             p.dtype is torch.float16 for group in self.param_groups for p in group["params"]))
 
+    # A step is one fused native call per group, nothing a compiler could fuse further: a
+    # compiled training step runs it between its graphs, with one graph break and no tracing.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
         self._settle_host_state()
@@ -285,9 +292,9 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         makes this call once per parameter, and step() once per batch key, so a parameter costs
         what its loop turn costs: a few us of Python, most of it reading tensors' properties."""
         state_dtype = group["state_dtype"]
-        keep, by_dtype = [], {}  # keep: tensors the call reads, alive until it has run
-        written = []  # what the call writes: parameters, extra bits, moments
-        index = self.weight_stats.counts.get_device()
+        by_dtype = {}  # dtype: (parameters, gradients, extra bits, moments, Philox offsets)
+        dtensors = []  # DTensor parameters, whose shards the step writes
+        index = device_index(self.weight_stats.counts)
         offsets = self._philox_offset
         for j, (p, state) in enumerate(entries):
             g = p.grad if grads is None else grads[j]
@@ -295,7 +302,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             if type(p) is not torch.nn.Parameter and is_dtensor(p):  # steps this rank's shard
                 g = _sharded.local_grad(p, g)
                 moments = [m._local_tensor for m in self._moments(p, group, state_dtype, state)]
-                written.append(p)
+                dtensors.append(p)
                 p = p._local_tensor
             else:
                 moments = None
@@ -325,36 +332,40 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                     raise ValueError("stochastic rounding of a DTensor parameter whose shard is "
                                      "not one run of its row-major order (Shard(0) or Replicate)")
                 offset = 0  # no random words drawn
-            keep.append(g)
-            written += (p, extra, *moments)
-            by_dtype.setdefault(p.dtype, []).append(
-                (p.data_ptr(), g.data_ptr(), extra.data_ptr(), *[m.data_ptr() for m in moments],
-                 *_NO_STATE[len(moments):], n, offset))
-        mod, device, stream = backends.native(_sharded.local(entries[0][0]), "parameter")
-        hyper = self._hyper(mod, group, key)
-        if device < 0 and self._takes_square_roots:
-            use_torch_sqrt()  # once: the CPU step's square roots as torch.sqrt's
-        skip_flag = 0 if found_inf is None else found_inf.data_ptr()
-        scale_at = 0 if grad_scale is None else grad_scale.data_ptr()
-        for dtype, slots in by_dtype.items():
-            mod.extra_bits_step(self._opt_code, DTYPE_CODES[dtype], group["extra_bits"],
-                                ROUNDING_MODES.index(group["rounding"]), DTYPE_CODES[state_dtype],
-                                hyper, seed, slots, skip_flag, scale_at,
-                                self.weight_stats.counts.data_ptr(), device, stream)
-        # Written through their pointers: tell autograd, as torch.optim's in-place updates do, so
-        # a backward through a graph that saved a parameter before this step raises.
-        torch.autograd.graph.increment_version(written)
+            batch = by_dtype.get(p.dtype)
+            if batch is None:
+                batch = by_dtype[p.dtype] = ([], [], [], [], [])
+            batch[0].append(p)
+            batch[1].append(g)
+            batch[2].append(extra)
+            batch[3].extend(moments)
+            batch[4].append(offset)
+        first = entries[0][0]
+        _, float_names, bool_names = HYPER_FIELDS[self._optimizer]
+        values = self._hyper(group, key, _sharded.local(first).device.type)
+        hyper, flags = [float(values[k]) for k in float_names], [bool(values[k]) for k in bool_names]
+        # The operator where torch traces (fake, functional or meta parameters); else its
+        # implementation, called directly: a dispatch costs more than a small parameter's step.
+        local = _sharded.local(first)
+        step = (torch.ops.lowfp.extra_bits_step
+                if type(local) in backends.TRACING_TYPES or local.is_meta else _extra_bits_step_impl)
+        for params, grads_, extras, moments, offs in by_dtype.values():
+            step(params, grads_, extras, moments, len(moments) // len(params), self._optimizer,
+                 group["extra_bits"], group["rounding"], state_dtype, hyper, flags,
+                 as_int64(seed), offs, found_inf, grad_scale, self.weight_stats.counts)
+        if dtensors:
+            torch.autograd.graph.increment_version(dtensors)
         if found_inf is not None and self._host_state_changed(key):
             # Inside backward the device decides the skip: settled at the end of the pass.
             self._unsettled.extend((state, key, found_inf) for _, state in entries)
         else:
             self._after_step([state for _, state in entries])
 
-    def _steps_like_cuda(self, mod) -> bool:
-        """Whether this step follows torch's CUDA arithmetic (the module ``mod`` runs it)."""
+    def _steps_like_cuda(self, device_type: str) -> bool:
+        """Whether a step on parameters of ``device_type`` follows torch's CUDA arithmetic."""
         if self._cuda_association is not None:
             return self._cuda_association
-        return mod is not _C
+        return device_type == "cuda"
 
     # -- what step_in_backward uses ---------------------------------------------------------
 
@@ -512,7 +523,7 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                 state[key] = (value.to(device=where, copy=True) if torch.is_tensor(value)
                               else copy.deepcopy(value))
             self._load_extra_bits(p, state)
-        index = self.weight_stats.counts.get_device()
+        index = device_index(self.weight_stats.counts)
         for group, foreign in zip(self.param_groups, from_torch):
             for p in group["params"]:
                 if foreign and (p in self.state or id(p) in kept):
@@ -579,7 +590,8 @@ def _add_one(counts: List[torch.Tensor]) -> None:
     hand) by torch."""
     addresses = []
     for t in counts:
-        if t.dtype is not torch.float32 or not t.is_cpu or t.numel() != 1:
+        if (t.dtype is not torch.float32 or not t.is_cpu or t.numel() != 1
+                or type(t) is not torch.Tensor):  # (fake tensors while torch traces)
             torch._foreach_add_(counts, 1)
             return
         addresses.append(t.data_ptr())

@@ -27,7 +27,7 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
     resume bit for bit.
     """
 
-    _opt_code = 0
+    _optimizer = "sgd"
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
@@ -54,13 +54,12 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
     def _batch_key(self, group, state):
         return (group["momentum"] != 0 and "momentum_buffer" not in state,)
 
-    def _hyper(self, mod, group, key):
+    def _hyper(self, group, key, device_type):
         (first,) = key
-        return mod.SgdHyper(neg_lr=-float(group["lr"]), momentum=group["momentum"],
-                            one_minus_dampening=1 - group["dampening"],
-                            weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-                            maximize=group["maximize"], first_step=first,
-                            has_momentum=group["momentum"] != 0)
+        return dict(neg_lr=-float(group["lr"]), momentum=group["momentum"],
+                    one_minus_dampening=1 - group["dampening"], weight_decay=group["weight_decay"],
+                    nesterov=group["nesterov"], maximize=group["maximize"], first_step=first,
+                    has_momentum=group["momentum"] != 0)
 
     def _host_state_changed(self, key) -> bool:
         return key[0]  # the first momentum step: the buffer is taken as existing from now on
