@@ -1,17 +1,25 @@
 """Time of an emulated training step against the same step without emulation, in the same run.
 
     python bench/bench_emulate.py [--device cpu|cuda] [--repeats R] [--json FILE]
+                                  [--no-compile | --compile-only]
 
-A step is forward, cross-entropy, backward and an SGD step. Cases: a residual CNN and a small
-Transformer (nn.MultiheadAttention) on 8×8 one-channel images (the digits data of `lowfp train`)
-and on 32×32 three-channel images (CIFAR-sized), each under the `uniform` and `ours(r=0.5)`
-assignments and, as a floor for the interception itself, `fp32` (every operator seen, nothing
-rounded). Target: emulated step ≤ 3× the plain step on the CPU.
+A step is forward, cross-entropy, backward and an SGD step.
+
+Strategies: a residual CNN and a small Transformer (nn.MultiheadAttention) on 8×8 one-channel
+images (the digits data of `lowfp train`) and on 32×32 three-channel images (CIFAR-sized), each
+under the `uniform` and `ours(r=0.5)` assignments and, as a floor for the interception itself,
+`fp32` (every operator seen, nothing rounded). Target: emulated step ≤ 3× the plain step on the
+CPU.
+
+torch.compile: ResNet-18 on 32×32 images and a small GPT (4 blocks, width 128, 64 tokens), each
+plain, compiled plain, emulated (ours(r=0.5)) and compiled inside the emulation. Targets:
+compiled emulated ≤ eager emulated, and ≤ 1.5× compiled plain.
 """
 
 import argparse
 import json
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +36,16 @@ CASES = [  # name, model factory, batch, channels, image size
     ("transformer 32x32", lambda: models.TransformerClassifier(3, 10, 1.0, image_size=32, patch=4), 32, 3, 32),
 ]
 STRATEGIES = [("fp32", {}), ("uniform", {}), ("ours", {"r": 0.5})]
+COMPILE_CASES = [  # name, model factory, batch, input factory(batch, device) -> (x, target)
+    ("resnet18 32x32", lambda: models.ResNet18(3, 10), 16,
+     lambda n, d: (torch.randn(n, 3, 32, 32, device=d), torch.randint(0, 10, (n,), device=d))),
+    ("gpt 64 tokens", lambda: models.GPT(96, 64, 128, 4, 4), 16,
+     lambda n, d: (torch.randint(0, 96, (n, 64), device=d), torch.randint(0, 96, (n, 64), device=d))),
+]
+
+
+def _loss(logits, target):
+    return F.cross_entropy(logits.flatten(0, -2), target.flatten())
 
 
 def sync(device):
@@ -63,15 +81,76 @@ def run(device: torch.device, repeats: int):
     return rows
 
 
+def run_compile(device: torch.device, repeats: int):
+    """Plain, compiled plain, emulated and compiled emulated steps of COMPILE_CASES."""
+    import torch._dynamo
+    rows = []
+    for name, make, n, inputs in COMPILE_CASES:
+        torch.manual_seed(0)
+        model = make().to(device)
+        x, y = inputs(n, device)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def step_of(forward):
+            def step():
+                loss = _loss(forward(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sync(device)
+            return step
+
+        def first_and_best(forward):
+            t0 = time.perf_counter()
+            step_of(forward)()  # compiles when forward is compiled
+            return time.perf_counter() - t0, best(step_of(forward), repeats)
+
+        torch._dynamo.reset()
+        row = {"case": name, "batch": n}
+        _, row["plain_s"] = first_and_best(model)
+        row["compile_plain_first_s"], row["compiled_plain_s"] = first_and_best(torch.compile(model))
+        assignment = A.ours(A.trace(model, x, _loss, y), 0.5)
+        with lowfp.emulate(model, assignment):
+            _, row["emulated_s"] = first_and_best(model)
+        torch._dynamo.reset()
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        with lowfp.emulate(model, assignment):
+            row["compile_emulated_first_s"], row["compiled_emulated_s"] = first_and_best(torch.compile(model))
+        row["graphs"] = counters["stats"]["unique_graphs"]
+        row["recompiles"] = sum(counters["recompiles"].values()) if "recompiles" in counters else 0
+        row["compiled_emulated/emulated"] = row["compiled_emulated_s"] / row["emulated_s"]
+        row["compiled_emulated/compiled_plain"] = row["compiled_emulated_s"] / row["compiled_plain_s"]
+        rows.append(row)
+    return rows
+
+
+def compile_table(rows):
+    head = ["case", "plain ms", "compiled ms", "emulated ms", "compiled emulated ms",
+            "c.em/em", "c.em/compiled", "graphs", "first step s (plain / emulated)"]
+    lines = [head]
+    for r in rows:
+        lines.append([r["case"]] + [f"{r[k] * 1e3:.1f}" for k in ("plain_s", "compiled_plain_s", "emulated_s",
+                                                                  "compiled_emulated_s")] +
+                     [f"{r['compiled_emulated/emulated']:.2f}", f"{r['compiled_emulated/compiled_plain']:.2f}",
+                      str(r["graphs"]),
+                      f"{r['compile_plain_first_s']:.0f} / {r['compile_emulated_first_s']:.0f}"])
+    return _format(lines)
+
+
+def _format(lines):
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))
+                     for line in lines)
+
+
 def table(rows):
     head = ["case", "ops", "plain ms"] + [f"{s} ms (×)" for s, _ in STRATEGIES]
     lines = [head]
     for r in rows:
         lines.append([r["case"], str(r["operators"]), f"{r['plain_ms']:.2f}"] +
                      [f"{r[s + '_ms']:.2f} ({r[s + '_ratio']:.2f}×)" for s, _ in STRATEGIES])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))
-                     for line in lines)
+    return _format(lines)
 
 
 def main(argv=None):
@@ -79,15 +158,26 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--json")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--no-compile", action="store_true", help="skip the torch.compile table")
+    which.add_argument("--compile-only", action="store_true", help="only the torch.compile table")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    rows = run(device, args.repeats)
     print(machine_description() if device.type == "cpu" else torch.cuda.get_device_name(device))
-    print(table(rows))
-    print("(×: emulated step time / plain step time, best of", args.repeats, "; target ≤ 3× on CPU)")
+    result = {"device": str(device)}
+    if not args.compile_only:
+        result["rows"] = rows = run(device, args.repeats)
+        print(table(rows))
+        print("(×: emulated step time / plain step time, best of", args.repeats, "; target ≤ 3× on CPU)")
+    if not args.no_compile:
+        result["compile_rows"] = rows = run_compile(device, args.repeats)
+        print(compile_table(rows))
+        print("(best of", args.repeats, "steps; c.em/em: compiled emulated / emulated, target ≤ 1;",
+              "c.em/compiled: compiled emulated / compiled plain, target ≤ 1.5; graphs: Dynamo graphs",
+              "of the compiled emulated model)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": str(device), "rows": rows}, f, indent=1)
+            json.dump(result, f, indent=1)
     return 0
 
 
