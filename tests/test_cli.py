@@ -23,6 +23,17 @@ def test_formats_table_lists_named_and_seed_formats():
     assert row.split()[8] == "114688"
 
 
+def test_formats_table_lists_the_scaled_formats():
+    r = run("formats")
+    lines = r.stdout.splitlines()
+    for name in lowfp.scaled.named():
+        assert any(line.startswith(name + " ") for line in lines), name
+    row = next(line for line in lines if line.startswith("nvfp4 "))
+    assert row.split()[1:] == ["float4_e2m1fn", "16", "-1", "float8_e4m3fn", "nearest", "yes", "4.5"]
+    r = run("formats", "Scaled('fp(4,3,4)', block=8)", "float8_e5m2")
+    assert r.returncode == 0 and "fp(4,3,4)" in r.stdout and "float8_e5m2 " in r.stdout
+
+
 def test_formats_one_and_bad():
     r = run("formats", "fp(4,3,4)", "float8_e5m2")
     assert r.returncode == 0 and len(r.stdout.splitlines()) == 5

@@ -4,6 +4,7 @@
 
 #include "def_extra_bits.hpp"
 #include "def_quantize.hpp"
+#include "def_scaled.hpp"
 #include "lowfp/philox.hpp"
 #include "quantize_cpu.hpp"
 
@@ -47,6 +48,8 @@ PYBIND11_MODULE(_C, mod) {
   });
   def_s2fp8(mod, [](const S2fp8Call& call, int64_t* sums, double* params, int64_t* counts,
                     int32_t, uintptr_t) { s2fp8_cpu(call, sums, params, counts); });
+  def_scaled(mod, [](const ScaledCall& call, double* tensor_scale, int64_t* counts, int32_t,
+                     uintptr_t) { scaled_cpu(call, tensor_scale, counts); });
   def_extra_bits(
       mod,
       [](const ExtraBitsParams& e, Rounding mode, const ExtraBitsSplit& a, int64_t* counts, int32_t,

@@ -10,10 +10,11 @@ import torch  # noqa: F401  (before _C: lowfp's kernels then run on torch's Open
 
 from . import _C
 from ._checks import check_int
-from . import assign, extra_bits, formats, optim
+from . import assign, extra_bits, formats, optim, scaled
 from . import backends
 from .backends import cuda_built
 from .formats import Format, S2FP8, fp
+from .scaled import Scaled
 from ._native import ROUNDING_MODES, draw_seed
 from .quantize import quantize, quantize_
 from .s2fp8 import S2FP8Stats, s2fp8_quantize
@@ -24,7 +25,7 @@ from .scaler import DynamicLossScaler
 __version__ = "0.1.0"
 
 __all__ = ["Format", "fp", "formats", "extra_bits", "optim", "quantize", "quantize_", "Stats", "ROUNDING_MODES",
-           "S2FP8", "S2FP8Stats", "s2fp8_quantize",
+           "S2FP8", "S2FP8Stats", "s2fp8_quantize", "Scaled", "scaled",
            "assign", "emulate", "Emulator", "History", "DynamicLossScaler",
            "draw_seed", "cuda_built", "set_num_threads", "get_num_threads"]
 

@@ -8,6 +8,8 @@ import sys
 from typing import List, Optional
 
 from .formats import ASSIGNMENT_PAPER_FORMATS, Format, named
+from .scaled import Scaled
+from .scaled import named as named_scaled
 
 
 def _fmt_num(v: Optional[float]) -> str:
@@ -33,18 +35,39 @@ def formats_table(items) -> str:
     return "\n".join(out) + "\n(range: log2(max / smallest positive value), in binades)"
 
 
+def scaled_table(items) -> str:
+    head = ("scaled format", "element", "block", "axis", "scale", "rule", "tensor scale", "bits")
+    rows = [head] + [(label, str(f.element), "-" if f.block is None else str(f.block),
+                      "tensor" if f.axis is None else str(f.axis), str(f.scale), f.scale_rule,
+                      "yes" if f.tensor_scale else "no", f"{f.bits:.4g}") for label, f in items]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    out = []
+    for n, r in enumerate(rows):
+        out.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out) + "\n(bits: per element, a block's scale shared out; docs/design.md §9)"
+
+
 def cmd_formats(args) -> int:
     if args.format:
-        items = []
+        items, scaled = [], []
         for text in args.format:
             try:
-                items.append((text, Format.parse(text)))
+                if text.strip() in named_scaled() or text.strip().startswith("Scaled("):
+                    scaled.append((text, Scaled.parse(text)))
+                else:
+                    items.append((text, Format.parse(text)))
             except (ValueError, TypeError) as err:
                 print(f"lowfp formats: {err}", file=sys.stderr)
                 return 2
     else:
         items = list(named().items()) + list(ASSIGNMENT_PAPER_FORMATS.items())
-    print(formats_table(items))
+        scaled = list(named_scaled().items())
+    if items:
+        print(formats_table(items))
+    if scaled:
+        print(("\n" if items else "") + scaled_table(scaled))
     return 0
 
 
@@ -53,7 +76,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="lowfp", description="Emulated low-precision floating point.")
     sub = parser.add_subparsers(dest="command", required=True)
     p_formats = sub.add_parser("formats", help="print the named formats, or the ones given")
-    p_formats.add_argument("format", nargs="*", help="e.g. 'fp(4,3,4)' or float8_e4m3fn")
+    p_formats.add_argument("format", nargs="*", help="e.g. 'fp(4,3,4)', float8_e4m3fn or mxfp8_e4m3")
     sub.add_parser("bench", help="benchmark quantize (lowfp bench --help)", add_help=False)
     sub.add_parser("train", help="train a model under a precision assignment (lowfp train --help)",
                    add_help=False)

@@ -16,6 +16,7 @@ from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODE
 from ._dtensor import is_dtensor, round_dtensor
 from ._ops import s2fp8_stat_buffers
 from .formats import Format, S2FP8, to_precision
+from .scaled import quantize_scaled, to_scaled
 from .stats import S2FP8Stats, Stats
 
 __all__ = ["quantize", "quantize_", "ROUNDING_MODES"]
@@ -93,9 +94,11 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
     Args:
         x: torch tensor or numpy array of float16, bfloat16 (torch only), float32 or float64,
             any shape or layout; never modified (unless it is also ``out``).
-        fmt: a :class:`lowfp.Format` or its string (``"fp(4,3,4)"``, ``"float8_e4m3fn"``), or a
+        fmt: a :class:`lowfp.Format` or its string (``"fp(4,3,4)"``, ``"float8_e4m3fn"``), a
             :class:`lowfp.S2FP8` (``"s2fp8"``): x is then truncated with its own statistics
-            (the result keeps x's dtype; :func:`lowfp.s2fp8_quantize` also returns them).
+            (the result keeps x's dtype; :func:`lowfp.s2fp8_quantize` also returns them), or a
+            :class:`lowfp.Scaled` (``"mxfp8_e4m3"``, ``"nvfp4"``): the result is s · q in x's
+            dtype (torch tensors; see :mod:`lowfp.scaled`).
         rounding: ``"nearest"`` (ties to even), ``"nearest_away"``, ``"toward_zero"``, ``"up"``,
             ``"down"`` or ``"stochastic"``.
         overflow, subnormals: override the format's overflow policy / subnormal setting.
@@ -125,6 +128,14 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
         return _quantize_numpy(x, fmt, rounding, out, out_dtype, kwargs)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+    scaled = to_scaled(fmt)
+    if scaled is not None:
+        for name, value in (("subnormals", subnormals), ("out", out), ("out_dtype", out_dtype),
+                            ("grad_fmt", grad_fmt)):
+            if value is not None:
+                raise ValueError(f"{name}= does not apply to the scaled format {scaled}")
+        return quantize_scaled(x, scaled, rounding, overflow=overflow, seed=seed,
+                               generator=generator, offset=offset, sr_bits=sr_bits, stats=stats)
     return round_tensor(x, fmt, rounding, overflow=overflow, subnormals=subnormals, seed=seed,
                         generator=generator, offset=offset, sr_bits=sr_bits, stats=stats, out=out,
                         out_dtype=out_dtype, grad_fmt=grad_fmt, grad_rounding=grad_rounding)[0]

@@ -22,6 +22,8 @@ struct Kernel {
                            EventCounts&);
   void (*extra_bits_merge)(const ExtraBitsParams&, const ExtraBitsMerge&, int64_t, int64_t);
   bool (*any_non_finite)(DType, const void*, int64_t, int64_t);
+  void (*scaled_amax)(const ScaledCall&, int64_t, int64_t, double*);
+  void (*scaled_elements)(const ScaledCall&, int64_t, int64_t, EventCounts&);
   const char* name;
 };
 
@@ -29,7 +31,7 @@ struct Kernel {
   {                                                                                \
     ns::quantize_range, ns::s2fp8_reduce_range, ns::s2fp8_transform_range,         \
         ns::extra_bits_step_range, ns::extra_bits_split_range, ns::extra_bits_merge_range, \
-        ns::any_non_finite_range, name                                                 \
+        ns::any_non_finite_range, ns::scaled_amax_range, ns::scaled_elements_range, name \
   }
 
 bool cpu_has(const char* level) {
@@ -236,6 +238,64 @@ bool any_non_finite_cpu(DType t, const void* x, int64_t n) {
   for (const Slot<bool>& f : found)
     if (f.v) return true;
   return false;
+}
+
+namespace {
+
+// fn(thread, begin, end) over contiguous ranges of [0, n) items (rows, block rows), on as many
+// threads as `elements` (what the items hold) is worth.
+template <class Fn>
+int parallel_items(int64_t n, int64_t elements, Fn&& fn) {
+  const int threads = int(min_of<int64_t>(threads_for(elements), max_of<int64_t>(n, 1)));
+  if (threads <= 1) {
+    fn(0, int64_t(0), n);
+    return 1;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t b0 = n * t / nt, b1 = n * (t + 1) / nt;
+    if (b0 < b1) fn(t, b0, b1);
+  }
+  return threads;
+}
+
+}  // namespace
+
+void scaled_cpu(const ScaledCall& call, double* tensor_scale, int64_t* counts) {
+  const Kernel& k = kernel();
+  const int64_t n = call.rows * call.cols;
+  const int64_t grid_rows = call.block_grid_rows(), blocks = grid_rows * call.block_grid_cols();
+  std::vector<double> amax(size_t(max_of<int64_t>(blocks, 1)));
+  parallel_items(grid_rows, n, [&](int, int64_t b0, int64_t b1) {
+    k.scaled_amax(call, b0, b1, amax.data());
+  });
+  double t = 1.0;
+  if (call.tensor_scale) {
+    double a = 0.0;
+    for (int64_t b = 0; b < blocks; ++b) a = max_of(a, amax[b]);
+    // t = amax / (max_S · max_E) in float32 (the division's float64 result rounds to the
+    // same float32 as the exact quotient), held at float32's smallest value.
+    t = a > 0.0 ? max_of(double(float(a / (call.scale.s_max * call.scale.max_e))), 0x1p-149) : 1.0;
+  }
+  *tensor_scale = t;
+  int64_t saturated = 0;
+  // A block without a finite nonzero element (zeros, infinities, NaN) takes the smallest scale.
+  const double empty = call.scale.rule == ScaleRule::Format ? call.scale.s_smallest * t : 0x1p-127;
+  for (int64_t b = 0; b < blocks; ++b) {
+    bool sat = false;
+    call.scales[b] = amax[b] > 0.0 ? block_scale(call.scale, amax[b], t, sat) : empty;
+    saturated += sat;
+  }
+  PerThread<EventCounts> parts(threads_for(n));
+  parallel_items(call.rows, n, [&](int th, int64_t r0, int64_t r1) {
+    k.scaled_elements(call, r0, r1, parts[th].v);
+  });
+  if (counts != nullptr) {
+    add_counts(sum(parts), n, counts);
+    counts[4] += saturated;
+    counts[5] += blocks;
+  }
 }
 
 EventCounts extra_bits_step_cpu(const ExtraBitsStep& s) {

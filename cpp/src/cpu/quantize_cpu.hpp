@@ -6,6 +6,7 @@
 #include "extra_bits_call.hpp"
 #include "quantize_call.hpp"
 #include "s2fp8_forms.hpp"
+#include "scaled_call.hpp"
 
 namespace lowfp {
 
@@ -29,6 +30,8 @@ constexpr int64_t kTile = 2048;
                               int64_t, EventCounts&);                                         \
   void extra_bits_merge_range(const ExtraBitsParams&, const ExtraBitsMerge&, int64_t, int64_t); \
   bool any_non_finite_range(DType, const void*, int64_t, int64_t);                           \
+  void scaled_amax_range(const ScaledCall&, int64_t, int64_t, double*);                       \
+  void scaled_elements_range(const ScaledCall&, int64_t, int64_t, EventCounts&);              \
   }
 LOWFP_DECLARE_KERNEL(isa_baseline)
 LOWFP_DECLARE_KERNEL(isa_avx2)
@@ -62,6 +65,12 @@ void extra_bits_gather_cpu(const uint32_t* src, const int64_t* index, int64_t n,
 // Whether any of the n elements of x (a float16/bfloat16/float32/float64 buffer) is an infinity
 // or a NaN.
 bool any_non_finite_cpu(DType t, const void* x, int64_t n);
+
+// A scaled-format rounding (docs/design.md §9) on the CPU threads: the blocks' scales into
+// call.scales, the tensor scale (1 without one) into *tensor_scale, s · q into call.y; adds
+// {overflow, underflow, nan, numel, blocks whose scale saturated, blocks} to counts (int64[6])
+// when counts is not null.
+void scaled_cpu(const ScaledCall& call, double* tensor_scale, int64_t* counts);
 
 const char* cpu_kernel_name();
 void set_num_threads(int n);

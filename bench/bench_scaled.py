@@ -1,0 +1,75 @@
+"""Throughput of rounding to scaled formats (docs/design.md §9) against y.copy_(x) and torchao's
+reference casts, in the same run.
+
+    python bench/bench_scaled.py [--size N] [--repeats R] [--json FILE]
+
+Each case rounds a float32 (rows, 4096) tensor of N elements (one new result per call, as
+lowfp.quantize returns) and reports elements per second and the ratio to the copy's. Target on
+the CPU: MXFP8 and NVFP4 ≥ 0.5× the copy.
+"""
+
+import argparse
+import json
+import sys
+
+import torch
+
+import lowfp
+from lowfp.experiments.bench import machine_description, time_interleaved
+
+CASES = [("mxfp8_e4m3", "nearest"), ("mxfp8_e4m3", "stochastic"), ("mxfp4_e2m1", "nearest"),
+         ("nvfp4", "nearest"), ("nvfp4", "stochastic"), ("fp8_e4m3_rowwise", "nearest"),
+         ("fp8_e4m3_block128x128", "nearest")]
+
+
+def torchao_cases(x):
+    """torchao's reference casts (quantize and dequantize, as lowfp.quantize's result is s · q)."""
+    try:
+        from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
+        from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
+    except ImportError:
+        return {}
+
+    def mx():
+        s, d = to_mx(x, torch.float8_e4m3fn, 32)
+        return to_dtype(d, s, torch.float8_e4m3fn, 32, torch.float32)
+
+    return {"torchao to_mx + to_dtype (MXFP8)": mx,
+            "torchao nvfp4_quantize (codes only)": lambda: nvfp4_quantize(x, 16)}
+
+
+def run(size: int, repeats: int):
+    x = torch.randn(size // 4096, 4096)
+    y = torch.empty_like(x)
+    fns = {"y.copy_(x)": lambda: y.copy_(x)}
+    for name, rounding in CASES:
+        fns[f"{name} {rounding}"] = (lambda n=name, r=rounding: lowfp.quantize(x, n, r, seed=1))
+    fns.update(torchao_cases(x))
+    best = time_interleaved(fns, repeats)
+    copy = x.numel() / best["y.copy_(x)"]
+    return [{"case": k, "ms": t * 1e3, "elements_per_s": x.numel() / t,
+             "vs_copy": x.numel() / t / copy} for k, t in best.items()]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", type=int, default=1 << 24)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    rows = run(args.size, args.repeats)
+    print(machine_description())
+    width = max(len(r["case"]) for r in rows)
+    print(f"{'case':<{width}}  {'ms':>8}  {'vs copy':>7}")
+    for r in rows:
+        print(f"{r['case']:<{width}}  {r['ms']:8.2f}  {r['vs_copy']:7.2f}")
+    print(f"({args.size} float32 elements, best of {args.repeats} interleaved rounds; "
+          "target: MXFP8 and NVFP4 >= 0.5x the copy)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+#include "scaled_call.hpp"
+
+#include <stdexcept>
+#include <string>
+
+namespace lowfp {
+
+ScaledCall make_scaled_call(const ScaledRequest& r, const void* x, void* y, double* scales,
+                            float* q, bool count) {
+  auto in_range = [](int32_t v, int32_t lo, int32_t hi) { return v >= lo && v <= hi; };
+  if (!in_range(int32_t(r.element.specials), 0, 3) || !in_range(int32_t(r.scale_format.specials), 0, 3))
+    throw std::invalid_argument("bad specials code");
+  if (!in_range(int32_t(r.overflow), 0, 2)) throw std::invalid_argument("bad overflow code");
+  if (!in_range(int32_t(r.mode), 0, 5)) throw std::invalid_argument("bad rounding code");
+  if (!in_range(int32_t(r.dtype), 0, 3)) throw std::invalid_argument("bad dtype code");
+  if (!in_range(int32_t(r.rule), 0, 4)) throw std::invalid_argument("bad scale rule code");
+  if (!in_range(r.sr_bits, 1, 32))
+    throw std::invalid_argument("sr_bits must be between 1 and 32, got " + std::to_string(r.sr_bits));
+  if (r.rows < 0 || r.cols < 0 || r.block_rows < 1 || r.block_cols < 1)
+    throw std::invalid_argument("bad shape or block");
+  for (const FormatSpec* f : {&r.element, &r.scale_format}) {
+    if (f == &r.scale_format && r.rule != ScaleRule::Format) continue;
+    const std::string bad = spec_error(*f);
+    if (!bad.empty()) throw std::invalid_argument(bad);
+    const std::string wide = fit_error(*f, DType::Float32);
+    if (!wide.empty()) throw std::invalid_argument(wide);
+  }
+  if (r.element.m > kScaledMaxElementMantissa)
+    throw std::invalid_argument("scaled formats take elements of at most " +
+                                std::to_string(kScaledMaxElementMantissa) + " mantissa bits");
+  ScaledCall c{};
+  c.x = x;
+  c.y = y;
+  c.dtype = r.dtype;
+  c.rows = r.rows;
+  c.cols = r.cols;
+  c.block_rows = r.block_rows;
+  c.block_cols = r.block_cols;
+  c.scale.rule = r.rule;
+  c.scale.emax_e = max_exponent(r.element);
+  c.scale.max_e = max_value(r.element);
+  c.scale.m_e = r.element.m;
+  if (r.rule == ScaleRule::Format) {
+    c.scale.s = make_round_params<uint64_t>(r.scale_format, Overflow::Saturate, Rounding::Nearest, 32);
+    c.scale.s_smallest = std::ldexp(1.0, smallest_exponent(r.scale_format));
+    c.scale.s_max = max_value(r.scale_format);
+  }
+  c.tensor_scale = r.tensor_scale;
+  if (r.tensor_scale && r.rule != ScaleRule::Format)
+    throw std::invalid_argument("a tensor scale goes with block scales in a format");
+  c.p = make_round_params<uint64_t>(r.element, r.overflow, r.mode, r.sr_bits);
+  if (r.dtype == DType::Float16 || r.dtype == DType::BFloat16) {
+    const FormatSpec store = r.dtype == DType::Float16 ? FormatSpec{5, 10, 0, Specials::IEEE, true}
+                                                       : FormatSpec{8, 7, 0, Specials::IEEE, true};
+    c.out = make_round_params<uint64_t>(store, Overflow::Inf, Rounding::Nearest, 32);
+  }
+  c.mode = r.mode;
+  c.count = count;
+  c.seed = r.seed;
+  c.offset = r.offset;
+  c.scales = scales;
+  c.q = q;
+  if (scales == nullptr) throw std::invalid_argument("scaled_quantize needs a scales buffer");
+  return c;
+}
+
+}  // namespace lowfp

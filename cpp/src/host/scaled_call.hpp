@@ -1,0 +1,52 @@
+// One scaled-format rounding (docs/design.md §9) as the drivers see it: a buffer viewed as
+// (rows, cols), row-major, cut into blocks of block_rows × block_cols (the last ones may be short),
+// one scale per block.
+#pragma once
+#include <cstdint>
+
+#include "lowfp/scaled.hpp"
+
+namespace lowfp {
+
+struct ScaledCall {
+  const void* x;
+  void* y;                       // s · q in x's dtype (may be x)
+  DType dtype;
+  int64_t rows, cols, block_rows, block_cols;
+  ScaleSpec scale;
+  bool tensor_scale;             // a float32 second-level scale t = amax / (max_S · max_E)
+  RoundParams<uint64_t> p;       // E, with the call's rounding mode and overflow policy
+  RoundParams<uint64_t> out;     // nearest to dtype (16-bit outputs: s · q may be off its grid)
+  Rounding mode;
+  bool count;
+  uint64_t seed, offset;         // stochastic: element i = r·cols + c takes word (offset·4 + i) % 4
+                                 // of Philox block offset + i / 4 (offset: a block offset)
+  double* scales;                // per block, row-major over the block grid: s (t included)
+  float* q;                      // optional (nullptr): the elements q, row-major (E fits float32)
+  int64_t block_grid_cols() const { return (cols + block_cols - 1) / block_cols; }
+  int64_t block_grid_rows() const { return (rows + block_rows - 1) / block_rows; }
+};
+
+// Element formats of at most this many mantissa bits: with 32 random bits their stochastic
+// rounding of a float64 quotient is exact (docs/design.md §9).
+constexpr int32_t kScaledMaxElementMantissa = 19;
+
+struct ScaledRequest {
+  FormatSpec element;
+  Overflow overflow;
+  Rounding mode;
+  int32_t sr_bits;
+  ScaleRule rule;
+  FormatSpec scale_format;  // rule Format: S (float32 scales: fp(8,23,0,ieee))
+  bool tensor_scale;
+  DType dtype;
+  int64_t rows, cols, block_rows, block_cols;
+  uint64_t seed, offset;
+};
+
+// Checks r (std::invalid_argument: pybind11's ValueError) and builds the call; scales: one double
+// per block (written), q: the elements (written when not null).
+ScaledCall make_scaled_call(const ScaledRequest& r, const void* x, void* y, double* scales,
+                            float* q, bool count);
+
+}  // namespace lowfp

@@ -1,0 +1,18 @@
+"""Scaled formats (docs/design.md §9): per-tensor, per-axis and block scales (MX, NVFP4, FP8).
+
+>>> import torch, lowfp
+>>> x = torch.randn(4, 64)
+>>> y = lowfp.quantize(x, "mxfp8_e4m3")                  # dequantized: s · q, x's shape and dtype
+>>> parts = lowfp.scaled.encode(x, lowfp.scaled.nvfp4)   # q, block scales, tensor scale
+>>> tuple(parts.scales.shape)
+(4, 4)
+"""
+
+from .config import E8M0_RULES, Scaled, named, to_scaled
+from .quantize import ScaledParts, ScaledStats, encode, quantize_scaled
+
+__all__ = ["Scaled", "ScaledStats", "ScaledParts", "encode", "quantize_scaled", "named",
+           "to_scaled", "E8M0_RULES"]
+
+globals().update(named())
+__all__ += list(named())

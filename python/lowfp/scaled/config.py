@@ -1,0 +1,223 @@
+"""Scaled formats (docs/design.md §9): ``lowfp.Scaled`` and the named ones (MX, NVFP4, FP8 with
+per-tensor, per-row and block scales).
+
+A scaled format stores each element q on an element format E's grid together with one scale
+s > 0 per block, x ≈ s · q. For a block whose largest finite magnitude is a (NaN and ±inf left
+out; a block without a finite nonzero element takes the smallest scale):
+
+- ``scale="e8m0"``: s = 2^k, k clamped to [-127, 127], by ``scale_rule``:
+    ``"floor"`` (OCP MX v1.0): k = floor(log2 a) - emax_E;
+    ``"ceil"``: k = ceil(log2(a / max_E)), the smallest power of two that keeps a / s <= max_E;
+    ``"rceil"`` (cuBLAS, torchao RCEIL): d = a / max_E rounded to float32, k = d's exponent
+    rounded up (plus 1 unless d is a power of two);
+    ``"even"`` (torchao EVEN): a rounded to E's mantissa bits, halves away from zero, then floor.
+- ``scale=<a lowfp format S>`` or ``"float32"``: s = round_S(a / max_E) to nearest, saturating at
+  S's largest value and held at its smallest positive one. With ``tensor_scale=True`` (NVFP4) a
+  float32 t = amax / (max_S · max_E) over the whole tensor is kept too: the stored block scale is
+  round_S(a / (max_E · t)) and the block's scale is its product with t.
+
+Each element becomes q = round_E(x / s) by the call's rounding mode (the exact quotient, rounded
+once; stochastic rounding with the usual Philox words by element index), saturating unless
+``overflow=`` says otherwise, and the result is s · q in x's dtype (rounded to nearest even when
+that dtype cannot hold it).
+
+Granularity: ``axis=None`` keeps one scale per tensor; otherwise blocks run along ``axis`` (a GEMM
+operand's reduction axis): ``block=None`` for one scale per slice along it (per row for
+``axis=-1``), ``block=B`` for 1-D blocks of B consecutive elements (the last block of a slice
+may be shorter), ``block=(B0, B1)`` for 2-D blocks over the last two dims (``axis=-1``).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+
+from .._checks import check_choice, check_int
+from ..formats import Format, _parse_call, named as _named_formats, to_format
+
+__all__ = ["Scaled", "E8M0_RULES", "named", "to_scaled"]
+
+E8M0_RULES = ("floor", "ceil", "rceil", "even")
+# The native scale-rule codes (cpp/include/lowfp/scaled.hpp, ScaleRule).
+RULE_CODES = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3, "nearest": 4}
+FLOAT32 = Format(8, 23, 0, specials="ieee")  # float32 as a scale format
+MAX_ELEMENT_MANTISSA = 19                    # exact stochastic rounding of the quotient (§9)
+
+
+class Scaled:
+    """A scaled format: ``element`` values times one scale per block (see the module docs).
+
+    Args:
+        element: the element format E (a lowfp Format or its string, at most 19 mantissa bits,
+            fitting float32).
+        block: None, an int B >= 1, or a pair (B0, B1) for 2-D blocks over the last two dims.
+        axis: the axis blocks run along, or None for one scale per tensor.
+        scale: ``"e8m0"`` (power-of-two scales), ``"float32"`` or a lowfp format S.
+        scale_rule: ``"floor"``, ``"ceil"``, ``"rceil"`` or ``"even"`` for e8m0 scales (default
+            ``"floor"``); ``"nearest"`` for the others (their only rule).
+        tensor_scale: a second-level float32 tensor scale (scales in a format only).
+    """
+
+    __slots__ = ("_key",)
+
+    def __init__(self, element: Union[Format, str], *, block: Union[None, int, Tuple[int, int]] = None,
+                 axis: Optional[int] = -1, scale: Union[str, Format] = "e8m0",
+                 scale_rule: Optional[str] = None, tensor_scale: bool = False):
+        element = to_format(element, "element")
+        if element.m > MAX_ELEMENT_MANTISSA:
+            raise ValueError(f"element {element} has {element.m} mantissa bits; scaled formats take "
+                             f"at most {MAX_ELEMENT_MANTISSA}")
+        reason = element.fit_error(torch.float32)
+        if reason:
+            raise ValueError(f"element {element} does not fit float32 ({reason})")
+        if block is not None:
+            if isinstance(block, (tuple, list)):
+                if len(block) != 2:
+                    raise ValueError(f"block must be an int or a pair (B0, B1), got {block!r}")
+                block = (check_int(block[0], "block[0]"), check_int(block[1], "block[1]"))
+                if axis not in (-1,):
+                    raise ValueError("2-D blocks run over the last two dims: axis must be -1")
+            else:
+                block = check_int(block, "block")
+            if min(block if isinstance(block, tuple) else (block,)) < 1:
+                raise ValueError(f"block sizes must be >= 1, got {block!r}")
+        if axis is not None:
+            axis = check_int(axis, "axis")
+        elif block is not None:
+            raise ValueError("block needs an axis to run along (axis=None is one scale per tensor)")
+        if isinstance(scale, str) and scale in ("e8m0", "float32"):
+            scale_key = scale
+        else:
+            scale = to_format(scale, "scale")
+            scale_key = scale
+            if scale == FLOAT32:
+                scale_key = "float32"
+        if scale_key == "e8m0":
+            scale_rule = "floor" if scale_rule is None else scale_rule
+            check_choice(scale_rule, E8M0_RULES, "scale_rule")
+            if tensor_scale:
+                raise ValueError("tensor_scale goes with scales in a format (NVFP4), not e8m0")
+        else:
+            scale_rule = "nearest" if scale_rule is None else scale_rule
+            check_choice(scale_rule, ("nearest",), "scale_rule")
+        if not isinstance(tensor_scale, bool):
+            raise TypeError(f"tensor_scale must be a bool, got {tensor_scale!r}")
+        self._key = (element, block, axis, scale_key, scale_rule, tensor_scale)
+
+    element = property(lambda self: self._key[0], doc="element format E")
+    block = property(lambda self: self._key[1], doc="None, B or (B0, B1)")
+    axis = property(lambda self: self._key[2], doc="the axis blocks run along (None: per tensor)")
+    scale = property(lambda self: self._key[3], doc='"e8m0", "float32" or the scale Format')
+    scale_rule = property(lambda self: self._key[4])
+    tensor_scale = property(lambda self: self._key[5])
+
+    @property
+    def scale_format(self) -> Optional[Format]:
+        """The scale format S (float32 for ``"float32"``; None for e8m0)."""
+        s = self.scale
+        return None if s == "e8m0" else FLOAT32 if s == "float32" else s
+
+    @property
+    def scale_bits(self) -> int:
+        s = self.scale
+        return 8 if s == "e8m0" else 32 if s == "float32" else s.bits
+
+    @property
+    def bits(self) -> float:
+        """Storage per element with a block's scale shared out (per-tensor scales: E's bits)."""
+        b = self.block
+        if self.axis is None or b is None:
+            return float(self.element.bits)
+        n = b[0] * b[1] if isinstance(b, tuple) else b
+        return self.element.bits + self.scale_bits / n
+
+    @property
+    def name(self) -> Optional[str]:
+        return _NAME_OF.get(self._key)
+
+    @property
+    def key(self) -> Tuple:
+        e, block, axis, s, rule, t = self._key
+        return ("scaled", e.key, block, axis, s if isinstance(s, str) else s.key, rule, t)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Scaled) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __str__(self) -> str:
+        if self.name is not None:
+            return self.name
+        e, block, axis, s, rule, t = self._key
+        parts = [repr(str(e)), f"block={block!r}", f"axis={axis!r}", f"scale={str(s)!r}"]
+        if rule not in ("floor", "nearest"):
+            parts.append(f"scale_rule={rule!r}")
+        if t:
+            parts.append("tensor_scale=True")
+        return f"Scaled({', '.join(parts)})"
+
+    __repr__ = __str__
+
+    def __reduce__(self):
+        return (Scaled.parse, (str(self),))
+
+    @staticmethod
+    def parse(text: str) -> "Scaled":
+        """A named scaled format (``"mxfp8_e4m3"``, ``"nvfp4"``) or ``"Scaled('float8_e4m3fn',
+        block=32, ...)"``."""
+        if not isinstance(text, str):
+            raise TypeError(f"format string expected, got {type(text).__name__}")
+        s = text.strip()
+        if s in _NAMED:
+            return _NAMED[s]
+        call = _parse_call(s, ("Scaled",))
+        if call is None:
+            raise ValueError(f"cannot parse scaled format {text!r}: expected one of {sorted(_NAMED)} "
+                             "or \"Scaled('float8_e4m3fn', block=32)\"")
+        args, kwargs = call
+        if isinstance(kwargs.get("block"), list):
+            kwargs["block"] = tuple(kwargs["block"])
+        return Scaled(*args, **kwargs)
+
+
+_F = _named_formats()
+_NAMED: Dict[str, Scaled] = {
+    # OCP MX v1.0: 32 elements share a power-of-two scale, floor rule.
+    "mxfp8_e4m3": Scaled(_F["float8_e4m3fn"], block=32),
+    "mxfp8_e5m2": Scaled(_F["float8_e5m2"], block=32),
+    "mxfp6_e3m2": Scaled(_F["float6_e3m2fn"], block=32),
+    "mxfp6_e2m3": Scaled(_F["float6_e2m3fn"], block=32),
+    "mxfp4_e2m1": Scaled(_F["float4_e2m1fn"], block=32),
+    # NVFP4: 16 FP4 elements share an E4M3 scale under a float32 tensor scale.
+    "nvfp4": Scaled(_F["float4_e2m1fn"], block=16, scale=_F["float8_e4m3fn"], tensor_scale=True),
+    # FP8 with float32 scales: per tensor (TransformerEngine's current scaling), per row
+    # (torchao's rowwise), 1×128 blocks (activations) and 128×128 blocks (weights) as in
+    # DeepSeek-V3.
+    "fp8_e4m3_tensorwise": Scaled(_F["float8_e4m3fn"], axis=None, scale="float32"),
+    "fp8_e5m2_tensorwise": Scaled(_F["float8_e5m2"], axis=None, scale="float32"),
+    "fp8_e4m3_rowwise": Scaled(_F["float8_e4m3fn"], scale="float32"),
+    "fp8_e5m2_rowwise": Scaled(_F["float8_e5m2"], scale="float32"),
+    "fp8_e4m3_block128": Scaled(_F["float8_e4m3fn"], block=128, scale="float32"),
+    "fp8_e4m3_block128x128": Scaled(_F["float8_e4m3fn"], block=(128, 128), scale="float32"),
+}
+_NAME_OF = {f._key: name for name, f in _NAMED.items()}
+
+
+def named() -> Dict[str, Scaled]:
+    """The named scaled formats, by name."""
+    return dict(_NAMED)
+
+
+def to_scaled(value) -> Optional[Scaled]:
+    """value as a Scaled when it is one or names one (its string), else None."""
+    if isinstance(value, Scaled):
+        return value
+    if isinstance(value, str):
+        s = value.strip()
+        if s in _NAMED:
+            return _NAMED[s]
+        if s.startswith("Scaled("):
+            return Scaled.parse(s)
+    return None

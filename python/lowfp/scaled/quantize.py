@@ -1,0 +1,219 @@
+"""Rounding to a scaled format: the lowfp::scaled_quantize operator and the public functions.
+
+The tensor is laid out as (rows, cols) with the block axis last (a copy when it is not), so
+that a block is block_rows × block_cols of that matrix: 1-D blocks are (1, B), a per-slice scale
+(1, cols), 2-D blocks (B0, B1) and a per-tensor scale the whole matrix. Stochastic rounding draws
+by element index in that layout (the tensor's own row-major order when the block axis is last).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import backends
+from .._checks import check_choice
+from .._native import (DTYPE_CODES, ROUNDING_MODES, as_int64, call_seed, check_tensor_args,
+                       check_uint64)
+from ..formats import OVERFLOW_POLICIES, SPECIALS, Format
+from ..stats import Stats
+from .config import RULE_CODES, Scaled, to_scaled
+
+__all__ = ["ScaledStats", "ScaledParts", "quantize_scaled", "encode"]
+
+_U64 = (1 << 64) - 1
+_OVERFLOW_CODES = {name: i for i, name in enumerate(OVERFLOW_POLICIES)}
+
+lib = torch.library.Library("lowfp", "FRAGMENT")
+lib.define("scaled_quantize(Tensor x, str fmt, str rounding, str overflow, int sr_bits, int seed, "
+           "Tensor? drawn_seed, int offset, bool count, bool parts) -> "
+           "(Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+class ScaledStats(Stats):
+    """:class:`lowfp.Stats` for scaled formats: element overflow, underflow, NaN and numel, plus
+    ``saturated_blocks`` (blocks whose ideal scale lay outside the scale format's range) and
+    ``blocks``."""
+
+    def __init__(self, device="cpu"):
+        self.counts = torch.zeros(6, dtype=torch.int64, device=device)
+
+    saturated_blocks = property(lambda self: int(self.counts[4]))
+    blocks = property(lambda self: int(self.counts[5]))
+
+    def as_dict(self):
+        return dict(zip(("overflow", "underflow", "nan", "numel", "saturated_blocks", "blocks"),
+                        self.counts.tolist()))
+
+    def __repr__(self) -> str:
+        return "ScaledStats(" + ", ".join(f"{k}={v}" for k, v in self.as_dict().items()) + ")"
+
+
+class ScaledParts(NamedTuple):
+    """A scaled rounding's parts: ``q`` (the elements, on E's grid, float32, x's shape),
+    ``scales`` (float64, one per block: x's shape with the block axis holding the blocks; per
+    tensor: 0-d; the tensor scale included) and ``tensor_scale`` (float64 0-d; 1 without one).
+    ``value`` is the dequantized result s · q in x's dtype."""
+    value: torch.Tensor
+    q: torch.Tensor
+    scales: torch.Tensor
+    tensor_scale: torch.Tensor
+
+
+def _layout(shape, fmt: Scaled):
+    """(rows, cols, block_rows, block_cols, axis to move last or None) of a tensor of ``shape``."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    dim = len(shape)
+    if fmt.axis is None:
+        cols = shape[-1] if dim >= 2 else numel
+        rows = numel // cols if cols else 0
+        return rows, cols, max(rows, 1), max(cols, 1), None
+    if dim == 0:
+        raise ValueError(f"{fmt} scales along axis {fmt.axis}; x is a 0-d tensor")
+    if not -dim <= fmt.axis < dim:
+        raise ValueError(f"{fmt} scales along axis {fmt.axis}; x has {dim} dims")
+    axis = fmt.axis % dim
+    cols = shape[axis]
+    rows = numel // cols if cols else 0
+    block = fmt.block
+    if isinstance(block, tuple):
+        if dim < 2:
+            raise ValueError(f"{fmt} has 2-D blocks; x has {dim} dim")
+        if dim > 2 and shape[-2] % block[0]:
+            raise ValueError(f"{fmt}: 2-D blocks of {block[0]} rows would span the leading dims "
+                             f"of a tensor of shape {tuple(shape)} (dim -2 is not a multiple)")
+        return rows, cols, block[0], block[1], None
+    return rows, cols, 1, max(cols if block is None else block, 1), (axis if axis != dim - 1 else None)
+
+
+def _spec(f: Format):
+    return f.e, f.m, f.b, SPECIALS.index(f.specials), f.subnormals
+
+
+def _impl(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, parts):
+    scaled = Scaled.parse(fmt)
+    rows, cols, brows, bcols, move = _layout(tuple(x.shape), scaled)
+    xm = (x if move is None else x.movedim(move, -1)).contiguous()
+    y = torch.empty_like(xm)
+    q = torch.empty(xm.shape if parts else (0,), dtype=torch.float32, device=x.device)
+    grid = (-(-rows // brows) if rows else 0, -(-cols // bcols) if cols else 0)
+    scales = torch.empty(grid, dtype=torch.float64, device=x.device)
+    tensor_scale = torch.ones((), dtype=torch.float64, device=x.device)
+    counts = torch.zeros(6 if count else 0, dtype=torch.int64, device=x.device)
+    if xm.numel():
+        mod, device, stream = backends.native(xm, "x")
+        if device >= 0:
+            raise NotImplementedError("scaled formats run on the CPU for now")
+        key = (int(drawn_seed[0]) | (int(drawn_seed[1]) << 32)) if drawn_seed is not None else seed & _U64
+        sf = scaled.scale_format or Format(2, 1)  # (unused for e8m0)
+        mod.scaled_quantize(xm.data_ptr(), DTYPE_CODES[xm.dtype], y.data_ptr(), rows, cols, brows, bcols,
+                            *_spec(scaled.element), _OVERFLOW_CODES[overflow],
+                            ROUNDING_MODES.index(rounding), sr_bits, key, offset & _U64,
+                            RULE_CODES[scaled.scale_rule], *_spec(sf), scaled.tensor_scale,
+                            scales.data_ptr(), q.data_ptr() if parts else 0, tensor_scale.data_ptr(),
+                            counts.data_ptr() if count else 0, device, stream)
+    scales = _scales_shape(scales, xm.shape, scaled, move)
+    if move is not None:
+        y = y.movedim(-1, move)
+        if parts:
+            q = q.movedim(-1, move)
+    return y, q, scales, tensor_scale, counts
+
+
+def _scales_shape(scales, moved_shape, fmt: Scaled, move):
+    """The (grid rows, grid cols) scales shaped as the tensor, its block axis (axes) holding the
+    blocks; 0-d for a per-tensor scale."""
+    if fmt.axis is None:
+        return scales.reshape(())
+    if isinstance(fmt.block, tuple):
+        if len(moved_shape) <= 2:
+            return scales
+        return scales.reshape(*moved_shape[:-2], moved_shape[-2] // fmt.block[0], scales.shape[1])
+    s = scales.reshape(*moved_shape[:-1], scales.shape[1])
+    return s if move is None else s.movedim(-1, move)
+
+
+def _fake(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, parts):
+    scaled = Scaled.parse(fmt)
+    rows, cols, brows, bcols, move = _layout(tuple(x.shape), scaled)
+    moved = x if move is None else x.movedim(move, -1)
+    grid = (-(-rows // brows) if rows else 0, -(-cols // bcols) if cols else 0)
+    scales = _scales_shape(x.new_empty(grid, dtype=torch.float64), moved.shape, scaled, move)
+    y = torch.empty_like(moved, memory_format=torch.contiguous_format)
+    q = x.new_empty(moved.shape if parts else (0,), dtype=torch.float32)
+    if move is not None:
+        y = y.movedim(-1, move)
+        q = q.movedim(-1, move) if parts else q
+    return (y, q, scales, x.new_empty((), dtype=torch.float64),
+            x.new_empty(6 if count else 0, dtype=torch.int64))
+
+
+for _key in ("CPU", "CUDA"):
+    lib.impl("scaled_quantize", _impl, _key)
+torch.library.register_fake("lowfp::scaled_quantize", _fake, lib=lib)
+
+
+def _backward(ctx, grad, *unused):
+    return (grad,) + (None,) * 9
+
+
+torch.library.register_autograd("lowfp::scaled_quantize", _backward,
+                                setup_context=lambda ctx, inputs, output: None, lib=lib)
+
+
+def _call(x, fmt: Scaled, rounding, overflow, seed, generator, offset, sr_bits, count, parts):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    check_tensor_args(x, None, None)
+    check_choice(rounding, ROUNDING_MODES, "rounding")
+    overflow = "saturate" if overflow is None else overflow
+    check_choice(overflow, OVERFLOW_POLICIES, "overflow")
+    if isinstance(sr_bits, bool) or not isinstance(sr_bits, int) or not 1 <= sr_bits <= 32:
+        raise ValueError(f"sr_bits must be an int between 1 and 32, got {sr_bits!r}")
+    _layout(tuple(x.shape), fmt)  # shape errors before any drawing
+    offset = as_int64(check_uint64(offset, "offset"))
+    seed, drawn = call_seed(rounding, seed, generator)
+    return torch.ops.lowfp.scaled_quantize(x, str(fmt), rounding, overflow, sr_bits, seed, drawn,
+                                           offset, count, parts)
+
+
+def quantize_scaled(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=None, seed=None,
+                    generator=None, offset: int = 0, sr_bits: int = 32,
+                    stats: Optional[Stats] = None) -> torch.Tensor:
+    """s · q of every element of x under the scaled format ``fmt`` (lowfp.quantize's path for
+    scaled formats; arguments as lowfp.quantize's, ``overflow`` the elements' policy, default
+    ``"saturate"``). ``stats``: a lowfp.Stats (element counts) or a ScaledStats (block counts
+    too). Gradients pass straight through."""
+    fmt = _checked(fmt)
+    if stats is not None and not isinstance(stats, Stats):
+        raise TypeError(f"stats must be a lowfp.Stats or None, got {type(stats).__name__}")
+    y, _, _, _, counts = _call(x, fmt, rounding, overflow, seed, generator, offset, sr_bits,
+                               stats is not None, False)
+    if stats is not None:
+        stats.counts.add_(counts[:stats.counts.numel()].to(stats.counts.device))
+    return y
+
+
+def encode(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=None, seed=None,
+           generator=None, offset: int = 0, sr_bits: int = 32,
+           stats: Optional[Stats] = None) -> ScaledParts:
+    """The parts of x under the scaled format ``fmt``: the elements q, the block scales and the
+    tensor scale, with the dequantized value (see :class:`ScaledParts`); arguments as
+    :func:`quantize_scaled`."""
+    fmt = _checked(fmt)
+    y, q, scales, tensor_scale, counts = _call(x, fmt, rounding, overflow, seed, generator, offset,
+                                               sr_bits, stats is not None, True)
+    if stats is not None:
+        stats.counts.add_(counts[:stats.counts.numel()].to(stats.counts.device))
+    return ScaledParts(y, q, scales, tensor_scale)
+
+
+def _checked(fmt) -> Scaled:
+    scaled = to_scaled(fmt)
+    if scaled is None:
+        raise TypeError(f"fmt must be a lowfp.Scaled or its name (e.g. 'mxfp8_e4m3'), got {fmt!r}")
+    return scaled
+

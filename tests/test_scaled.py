@@ -1,0 +1,285 @@
+"""Scaled formats (docs/design.md §9): MX and NVFP4 bit for bit against torchao's reference code
+where the two agree on the definition, against an exact reference (Python fractions) for every
+scale rule and rounding mode, and the format objects' behaviour."""
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+
+import lowfp
+from lowfp.scaled import Scaled
+
+# torchao (a test dependency) runs its MX and NVFP4 reference code on the CPU with our torch.
+import torchao.prototype.mx_formats.mx_tensor as torchao_mx
+from torchao.prototype.mx_formats.config import ScaleCalculationMode
+from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
+from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
+
+MX = {  # lowfp name: torchao element dtype
+    "mxfp8_e4m3": torch.float8_e4m3fn,
+    "mxfp8_e5m2": torch.float8_e5m2,
+    "mxfp6_e3m2": "fp6_e3m2",
+    "mxfp6_e2m3": "fp6_e2m3",
+    "mxfp4_e2m1": torch.float4_e2m1fn_x2,
+}
+
+
+def blocks_of_many_magnitudes(rows=64, cols=256, lo=-30, hi=30, seed=0):
+    """Normal values times a power of two per 32-element block (log-uniform over [2^lo, 2^hi]),
+    so that every block's scale differs."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g)
+    exps = torch.randint(lo, hi + 1, (rows, cols // 32), generator=g).repeat_interleave(32, dim=1)
+    return x * torch.exp2(exps.float())
+
+
+# -- exact reference (docs/design.md §9) ---------------------------------------------------------
+
+def grid_round(v: Fraction, fmt: lowfp.Format, rounding: str) -> Fraction:
+    """v rounded to fmt's grid (saturating), exactly: nearest even, toward zero, up or down."""
+    if v == 0:
+        return Fraction(0)
+    a = abs(v)
+    e = max(math.floor(math.log2(a)), fmt.emin)
+    while Fraction(2) ** e > a:  # (log2 of a Fraction may be off by one near powers of two)
+        e -= 1
+    while Fraction(2) ** (e + 1) <= a:
+        e += 1
+    e = max(e, fmt.emin)
+    step = Fraction(2) ** (e - fmt.m)
+    lo = (a // step) * step
+    hi = lo + step
+    neg = v < 0
+    if rounding == "nearest":
+        r = lo if a - lo < hi - a else hi if a - lo > hi - a else (lo if (lo / step) % 2 == 0 else hi)
+    elif rounding == "toward_zero":
+        r = lo
+    elif rounding == "up":
+        r = lo if a == lo else (lo if neg else hi)
+    elif rounding == "down":
+        r = lo if a == lo else (hi if neg else lo)
+    else:
+        raise ValueError(rounding)
+    r = min(r, Fraction(fmt.max))
+    return -r if neg else r
+
+
+def ref_e8m0_exponent(a: Fraction, fmt: Scaled) -> int:
+    e, rule = fmt.element, fmt.scale_rule
+    fl = math.floor(math.log2(a))
+    while Fraction(2) ** fl > a:
+        fl -= 1
+    while Fraction(2) ** (fl + 1) <= a:
+        fl += 1
+    if rule == "floor":
+        k = fl - e.emax
+    elif rule == "ceil":
+        k = fl - e.emax
+        if a / Fraction(2) ** k > Fraction(e.max):
+            k += 1
+    elif rule == "rceil":
+        d = Fraction(float(torch.tensor(float(a / Fraction(e.max)), dtype=torch.float32)))
+        k = math.floor(math.log2(d))
+        while Fraction(2) ** k > d:
+            k -= 1
+        while Fraction(2) ** (k + 1) <= d:
+            k += 1
+        if d != Fraction(2) ** k:
+            k += 1
+    else:  # even: a to E's mantissa bits, halves up, then floor
+        v = a + Fraction(2) ** (fl - e.m - 1)
+        k = math.floor(math.log2(v))
+        while Fraction(2) ** (k + 1) <= v:
+            k += 1
+        while Fraction(2) ** k > v:
+            k -= 1
+        k -= e.emax
+    return max(-127, min(127, k))
+
+
+def reference(x: torch.Tensor, fmt: Scaled, rounding="nearest"):
+    """(values, scales) of a 2-D float32 x with 1-D blocks along its last axis, exactly."""
+    rows, cols = x.shape
+    b = fmt.block or cols
+    out = torch.empty(rows, cols, dtype=torch.float64)
+    scales = []
+    for r in range(rows):
+        row_scales = []
+        for c0 in range(0, cols, b):
+            vals = [Fraction(float(v)) for v in x[r, c0:c0 + b]]
+            a = max(abs(v) for v in vals)
+            if fmt.scale == "e8m0":
+                s = Fraction(2) ** (ref_e8m0_exponent(a, fmt) if a else -127)
+            else:
+                sf = fmt.scale_format
+                s = grid_round(a / Fraction(fmt.element.max), sf, "nearest") if a else Fraction(0)
+                if s == 0:
+                    s = Fraction(2) ** (sf.emin - sf.m)
+            row_scales.append(float(s))
+            for j, v in enumerate(vals):
+                out[r, c0 + j] = float(s * grid_round(v / s, fmt.element, rounding))
+        scales.append(row_scales)
+    return out.float(), torch.tensor(scales, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("rule", ["floor", "ceil", "rceil", "even"])
+@pytest.mark.parametrize("element", ["float8_e4m3fn", "float4_e2m1fn", "float6_e2m3fn"])
+def test_e8m0_rules_match_the_exact_reference(rule, element):
+    fmt = Scaled(element, block=8, scale_rule=rule)
+    x = blocks_of_many_magnitudes(6, 64, -10, 10, seed=1)[:, :56]  # a short last block per row
+    x[0, :8] = torch.tensor([448.0, 449.0, 480.0, 500.0, 3.0, -1.0, 0.0, 1.0])  # around max_E
+    x[1, :8] = torch.tensor([6.0, 6.5, 7.0, 8.0, 0.25, 0.0, -6.1, 5.9])
+    for rounding in ("nearest", "toward_zero", "up", "down"):
+        parts = lowfp.scaled.encode(x, fmt, rounding)
+        want, want_scales = reference(x, fmt, rounding)
+        assert torch.equal(parts.scales, want_scales), (rounding, parts.scales, want_scales)
+        assert torch.equal(parts.value, want), rounding
+
+
+@pytest.mark.parametrize("scale", ["float8_e4m3fn", "float32", "fp(5,2,0)"])
+def test_scales_in_a_format_match_the_exact_reference(scale):
+    fmt = Scaled("float4_e2m1fn", block=16, scale=scale)
+    x = blocks_of_many_magnitudes(4, 64, -8, 8, seed=2)
+    x[0, :16] = 0.0  # an empty block
+    for rounding in ("nearest", "toward_zero", "up", "down"):
+        parts = lowfp.scaled.encode(x, fmt, rounding)
+        want, want_scales = reference(x, fmt, rounding)
+        assert torch.equal(parts.value, want), rounding
+        assert torch.equal(parts.scales[1:], want_scales[1:])
+
+
+def _torchao_mx(x, elem, mode):
+    scale, data = torchao_mx.to_mx(x, elem, 32, mode)
+    return torchao_mx.to_dtype(data, scale, elem, 32, torch.float32)
+
+
+@pytest.mark.parametrize("name", sorted(MX))
+@pytest.mark.parametrize("rule", ["floor", "even", "rceil"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mx_matches_torchao_bit_for_bit(name, rule, dtype):
+    # Blocks whose largest magnitude a gives a scale of 2^-127 differ by definition (torchao
+    # divides by 2^-126 there, docs/design.md §9): magnitudes here keep scales far above it.
+    fmt = Scaled(lowfp.scaled.named()[name].element, block=32, scale_rule=rule)
+    x = blocks_of_many_magnitudes(32, 512, -40, 40, seed=3).to(dtype)
+    want = _torchao_mx(x, MX[name], ScaleCalculationMode(rule))
+    got = lowfp.quantize(x, fmt)
+    assert got.dtype == dtype
+    assert torch.equal(got.float(), want.to(dtype).float())
+
+
+def _torchao_nvfp4(x, per_tensor_scale=None):
+    scales, packed = nvfp4_quantize(x, 16, per_tensor_scale)
+    q = f4_unpacked_to_f32(unpack_uint4(packed)).reshape(x.shape)
+    s = scales.float().repeat_interleave(16, dim=-1)
+    if per_tensor_scale is not None:
+        s = s * per_tensor_scale
+    return q, s
+
+
+def test_nvfp4_single_level_matches_torchao_where_the_definitions_agree():
+    # torchao floors E4M3 block scales at 2^-6 and scales elements by a rounded reciprocal,
+    # x * fl(1 / s); lowfp keeps subnormal scales and rounds the exact quotient x / s
+    # (docs/design.md §9). With block scales in E4M3's normal range the scales agree exactly,
+    # and the elements wherever x / s is not within a reciprocal's rounding of a tie.
+    fmt = Scaled("float4_e2m1fn", block=16, scale="float8_e4m3fn")
+    x = blocks_of_many_magnitudes(64, 512, -3, 7, seed=4)
+    q, s = _torchao_nvfp4(x)
+    parts = lowfp.scaled.encode(x, fmt)
+    assert torch.equal(parts.scales.float().repeat_interleave(16, dim=-1), s)
+    differ = parts.q != q
+    quotient = (x.double() / s.double()).abs()
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)
+    near_tie = ((quotient[..., None] - ties).abs() / ties).amin(-1) < 2.0 ** -22
+    assert differ.sum() < 0.001 * x.numel()
+    assert bool(near_tie[differ].all())
+
+
+def test_nvfp4_two_level_scales():
+    x = blocks_of_many_magnitudes(8, 64, -6, 6, seed=5)
+    parts = lowfp.scaled.encode(x, "nvfp4")
+    amax = x.abs().max().double()
+    t = torch.tensor(float(amax / (448.0 * 6.0)), dtype=torch.float32).double()
+    assert torch.equal(parts.tensor_scale, t)
+    stored = parts.scales / t  # round_E4M3(a / (6 t)), exactly representable in E4M3
+    assert torch.equal(lowfp.quantize(stored.float(), "float8_e4m3fn").double(), stored)
+    a = x.abs().reshape(8, 4, 16).amax(-1).double()
+    assert torch.equal(stored, lowfp.quantize((a / (6.0 * t)), "float8_e4m3fn"))
+    # elements: q = round_E2M1(x / s) exactly
+    q_ref = lowfp.quantize((x.double() / parts.scales.repeat_interleave(16, dim=-1)), "float4_e2m1fn")
+    assert torch.equal(parts.q.double(), q_ref)
+
+
+def test_stochastic_rounding_is_unbiased_and_seeded():
+    fmt = lowfp.scaled.mxfp4_e2m1
+    x = torch.full((64, 4096), 0.3)
+    x[:, ::32] = 6.0  # block max: scale 1
+    a = lowfp.quantize(x, fmt, "stochastic", seed=7)
+    b = lowfp.quantize(x, fmt, "stochastic", seed=7)
+    c = lowfp.quantize(x, fmt, "stochastic", seed=8)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    mask = x != 6.0
+    # 0.3 lies between 0 and 0.5 (E2M1's grid): up with probability 0.6
+    assert set(a[mask].unique().tolist()) == {0.0, 0.5}
+    assert abs(a[mask].mean().item() - 0.3) < 0.003
+    # the element draws follow lowfp.quantize's Philox indexing: equal to rounding x / s with
+    # the same seed when s = 1
+    assert torch.equal(a, lowfp.quantize(x, "float4_e2m1fn", "stochastic", seed=7))
+
+
+def test_counts_and_non_finite_elements():
+    x = torch.tensor([[1.0, float("nan"), float("inf"), 1e-30] + [0.5] * 28,
+                      [0.0] * 32])
+    st = lowfp.scaled.ScaledStats()
+    y = lowfp.quantize(x, "mxfp8_e4m3", stats=st)
+    assert math.isnan(y[0, 1]) and y[0, 2] == 448.0 * 2.0 ** -8  # inf saturates (scale 2^-8)
+    assert y[0, 3] == 0.0 and torch.equal(y[1], x[1])
+    d = st.as_dict()
+    assert d == {"overflow": 1, "underflow": 1, "nan": 1, "numel": 64, "saturated_blocks": 0, "blocks": 2}
+    tiny = torch.full((1, 32), 2.0 ** -140)
+    lowfp.quantize(tiny, "mxfp8_e4m3", stats=st)
+    assert st.saturated_blocks == 1  # 2^(-140 - 8) is below E8M0's 2^-127
+
+
+def test_granularities_and_shapes():
+    x = torch.randn(2, 6, 40)
+    per_tensor = lowfp.scaled.encode(x, "fp8_e4m3_tensorwise")
+    want = torch.tensor(float(x.abs().max()) / 448.0, dtype=torch.float32)  # a / max_E in float32
+    assert per_tensor.scales.shape == () and float(per_tensor.scales) == float(want)
+    rows = lowfp.scaled.encode(x, "fp8_e4m3_rowwise")
+    assert rows.scales.shape == (2, 6, 1)
+    cols = lowfp.scaled.encode(x, Scaled("float8_e4m3fn", block=4, axis=1, scale="float32"))
+    assert cols.scales.shape == (2, 2, 40)  # 6 rows in blocks of 4: the last block is short
+    want = torch.stack([lowfp.scaled.encode(x[:, :, j], Scaled("float8_e4m3fn", block=4, scale="float32")).value
+                        for j in range(40)], dim=-1)
+    assert torch.equal(cols.value, want)
+    two_d = lowfp.scaled.encode(torch.randn(2, 8, 12), Scaled("float8_e4m3fn", block=(4, 6), scale="float32"))
+    assert two_d.scales.shape == (2, 2, 2)
+    with pytest.raises(ValueError, match="span the leading dims"):
+        lowfp.scaled.encode(torch.randn(2, 6, 12), Scaled("float8_e4m3fn", block=(4, 6), scale="float32"))
+
+
+def test_formats_print_parse_and_compare():
+    for name, fmt in lowfp.scaled.named().items():
+        assert str(fmt) == name and Scaled.parse(name) == fmt
+    f = Scaled("fp(4,3,4)", block=(2, 8), scale="float32")
+    assert Scaled.parse(str(f)) == f and hash(Scaled.parse(str(f))) == hash(f)
+    assert Scaled("float8_e4m3fn", block=32) == lowfp.scaled.mxfp8_e4m3
+    assert Scaled("float8_e4m3fn", block=32, scale_rule="rceil") != lowfp.scaled.mxfp8_e4m3
+    assert lowfp.scaled.mxfp8_e4m3.bits == 8 + 8 / 32 and lowfp.scaled.nvfp4.bits == 4 + 8 / 16
+    with pytest.raises(ValueError, match="scale_rule"):
+        Scaled("float8_e4m3fn", block=32, scale_rule="nearest")
+    with pytest.raises(ValueError, match="mantissa bits"):
+        Scaled("float32" if False else "fp(8,23,0)", block=32)
+    with pytest.raises(ValueError, match="axis"):
+        Scaled("float8_e4m3fn", block=32, axis=None)
+
+
+def test_gradients_pass_straight_through_and_inputs_are_untouched():
+    x = torch.randn(4, 64, requires_grad=True)
+    before = x.detach().clone()
+    y = lowfp.quantize(x, "nvfp4")
+    (y * torch.arange(64.0)).sum().backward()
+    assert torch.equal(x.grad, torch.arange(64.0).expand(4, 64))
+    assert torch.equal(x.detach(), before)
