@@ -78,7 +78,8 @@ LOWFP_HD uint64_t divide_nudged(double x, double s) {
   const uint64_t b = bit_cast<uint64_t>(qd);
   // |exact| > |qd| when r has qd's sign; qd is finite and nonzero whenever r is nonzero.
   const bool away = (r > 0.0) == (qd > 0.0);
-  return !(r != 0.0 && std::fabs(r) <= 1.7976931348623157e308) ? b : (away ? b + 1 : b - 1);
+  const bool nudge = (r != 0.0) & (std::fabs(r) <= 1.7976931348623157e308);  // (no branches:
+  return b + select(nudge, select(away, uint64_t(1), ~uint64_t(0)), uint64_t(0));  // vectorises)
 }
 
 }  // namespace lowfp

@@ -14,6 +14,7 @@ import torch
 
 from .. import backends
 from .._checks import check_choice
+from .._memory import new_output
 from .._native import (DTYPE_CODES, ROUNDING_MODES, as_int64, call_seed, check_tensor_args,
                        check_uint64)
 from ..formats import OVERFLOW_POLICIES, SPECIALS, Format
@@ -97,7 +98,7 @@ def _impl(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, 
     scaled = Scaled.parse(fmt)
     rows, cols, brows, bcols, move = _layout(tuple(x.shape), scaled)
     xm = (x if move is None else x.movedim(move, -1)).contiguous()
-    y = torch.empty_like(xm)
+    y = new_output(xm, xm.dtype)
     q = torch.empty(xm.shape if parts else (0,), dtype=torch.float32, device=x.device)
     grid = (-(-rows // brows) if rows else 0, -(-cols // bcols) if cols else 0)
     scales = torch.empty(grid, dtype=torch.float64, device=x.device)
