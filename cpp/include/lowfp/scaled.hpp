@@ -37,6 +37,16 @@ struct ScaleSpec {
   double s_max;                   // Format: S's largest value
 };
 
+// floor(log2 a) and 2^k by the bits (both run once per block, so they matter for small blocks).
+LOWFP_HD int32_t floor_log2(double a) {  // a > 0 and finite
+  const uint64_t b = bit_cast<uint64_t>(a);
+  const int32_t field = int32_t(b >> 52);
+  return field != 0 ? field - 1023 : int32_t(std::ilogb(a));  // (float64 subnormals: rare)
+}
+LOWFP_HD double pow2(int32_t k) {  // -1022 <= k <= 1023
+  return bit_cast<double>(uint64_t(k + 1023) << 52);
+}
+
 // The scale of a block with largest finite magnitude a (a > 0 and finite) under a tensor scale t
 // (1 without one: stored block scales are then round_S(a / (max_E · t)) and the block's scale is
 // their product with t). saturated: the ideal scale lay outside the scale format's range.
@@ -60,13 +70,13 @@ LOWFP_HD double block_scale(const ScaleSpec& sp, double a, double t, bool& satur
     if (!(d <= 3.4028234663852886e38f)) k = 128;  // above it (float64 inputs): clamped above
   } else {
     double v = a;
-    if (sp.rule == ScaleRule::Even) v = a + std::ldexp(1.0, std::ilogb(a) - sp.m_e - 1);
-    k = int32_t(std::ilogb(v)) - sp.emax_e;
+    if (sp.rule == ScaleRule::Even) v = a + std::ldexp(1.0, floor_log2(a) - sp.m_e - 1);
+    k = floor_log2(v) - sp.emax_e;
     if (sp.rule == ScaleRule::Ceil && std::ldexp(a, -k) > sp.max_e) k += 1;
   }
   saturated = k > 127 || k < -127;
   k = k > 127 ? 127 : (k < -127 ? -127 : k);
-  return std::ldexp(1.0, k);
+  return pow2(k);
 }
 
 // x / s, exact or moved one float64 unit toward the exact quotient's side (r: the remainder

@@ -23,6 +23,7 @@ struct Kernel {
   void (*extra_bits_merge)(const ExtraBitsParams&, const ExtraBitsMerge&, int64_t, int64_t);
   bool (*any_non_finite)(DType, const void*, int64_t, int64_t);
   void (*scaled_amax)(const ScaledCall&, int64_t, int64_t, double*);
+  void (*scaled_scales)(const ScaledCall&, const double*, double, int64_t, int64_t, int64_t&);
   void (*scaled_elements)(const ScaledCall&, int64_t, int64_t, EventCounts&);
   const char* name;
 };
@@ -31,7 +32,8 @@ struct Kernel {
   {                                                                                \
     ns::quantize_range, ns::s2fp8_reduce_range, ns::s2fp8_transform_range,         \
         ns::extra_bits_step_range, ns::extra_bits_split_range, ns::extra_bits_merge_range, \
-        ns::any_non_finite_range, ns::scaled_amax_range, ns::scaled_elements_range, name \
+        ns::any_non_finite_range, ns::scaled_amax_range, ns::scaled_scales_range,         \
+        ns::scaled_elements_range, name                                                  \
   }
 
 bool cpu_has(const char* level) {
@@ -279,21 +281,17 @@ void scaled_cpu(const ScaledCall& call, double* tensor_scale, int64_t* counts) {
     t = a > 0.0 ? max_of(double(float(a / (call.scale.s_max * call.scale.max_e))), 0x1p-149) : 1.0;
   }
   *tensor_scale = t;
-  int64_t saturated = 0;
-  // A block without a finite nonzero element (zeros, infinities, NaN) takes the smallest scale.
-  const double empty = call.scale.rule == ScaleRule::Format ? call.scale.s_smallest * t : 0x1p-127;
-  for (int64_t b = 0; b < blocks; ++b) {
-    bool sat = false;
-    call.scales[b] = amax[b] > 0.0 ? block_scale(call.scale, amax[b], t, sat) : empty;
-    saturated += sat;
-  }
+  PerThread<int64_t> saturated(threads_for(blocks * 64));  // (a block's scale: some 64 elements' work)
+  parallel_items(blocks, blocks * 64, [&](int th, int64_t b0, int64_t b1) {
+    k.scaled_scales(call, amax.data(), t, b0, b1, saturated[th].v);
+  });
   PerThread<EventCounts> parts(threads_for(n));
   parallel_items(call.rows, n, [&](int th, int64_t r0, int64_t r1) {
     k.scaled_elements(call, r0, r1, parts[th].v);
   });
   if (counts != nullptr) {
     add_counts(sum(parts), n, counts);
-    counts[4] += saturated;
+    for (const Slot<int64_t>& s : saturated) counts[4] += s.v;
     counts[5] += blocks;
   }
 }

@@ -54,6 +54,16 @@ ScaledCall make_scaled_call(const ScaledRequest& r, const void* x, void* y, doub
                                                        : FormatSpec{8, 7, 0, Specials::IEEE, true};
     c.out = make_round_params<uint64_t>(store, Overflow::Inf, Rounding::Nearest, 32);
   }
+  c.narrow = r.rule != ScaleRule::Format && r.dtype != DType::Float64 &&
+             smallest_exponent(r.element) >= -22;
+  if (c.narrow) {
+    c.p32 = make_round_params<uint32_t>(r.element, r.overflow, r.mode, r.sr_bits);
+    if (r.dtype == DType::Float16 || r.dtype == DType::BFloat16) {
+      const FormatSpec store = r.dtype == DType::Float16 ? FormatSpec{5, 10, 0, Specials::IEEE, true}
+                                                         : FormatSpec{8, 7, 0, Specials::IEEE, true};
+      c.out32 = make_round_params<uint32_t>(store, Overflow::Inf, Rounding::Nearest, 32);
+    }
+  }
   c.mode = r.mode;
   c.count = count;
   c.seed = r.seed;

@@ -17,6 +17,12 @@ struct ScaledCall {
   bool tensor_scale;             // a float32 second-level scale t = amax / (max_S · max_E)
   RoundParams<uint64_t> p;       // E, with the call's rounding mode and overflow policy
   RoundParams<uint64_t> out;     // nearest to dtype (16-bit outputs: s · q may be off its grid)
+  // The float32 carrier (same results, twice the lanes): power-of-two scales, an input of at
+  // most 32 bits and E's finest step at least 2^-22, so that x · 2^-k is exact or below 2^-126
+  // (where only its sign and being nonzero decide E's rounding, with 32 random bits too) and
+  // s · q is exact in float32 (see scaled_kernels.cpp).
+  bool narrow;
+  RoundParams<uint32_t> p32, out32;
   Rounding mode;
   bool count;
   uint64_t seed, offset;         // stochastic: element i = r·cols + c takes word (offset·4 + i) % 4
