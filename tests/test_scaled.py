@@ -306,3 +306,47 @@ def test_float32_and_float64_carriers_agree(name, rounding):
         got = lowfp.quantize(small, name, rounding, seed=3)
         want = lowfp.quantize(small.double(), name, rounding, seed=3)
         assert torch.equal(got.double(), lowfp.quantize(want, "float16" if dtype == torch.float16 else "bfloat16"))
+
+
+def test_compiles_without_graph_breaks_and_traces_fake_and_meta_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def f(x):
+        return lowfp.quantize(x, "mxfp8_e4m3") + lowfp.quantize(x, lowfp.scaled.nvfp4, "stochastic")
+
+    x = torch.randn(4, 64)
+    torch.manual_seed(0)
+    eager = f(x)
+    torch.manual_seed(0)
+    assert torch.equal(torch.compile(f, fullgraph=True)(x), eager)
+    with FakeTensorMode():
+        parts = lowfp.scaled.encode(torch.randn(3, 8, 64), "nvfp4")
+    assert [tuple(t.shape) for t in parts] == [(3, 8, 64), (3, 8, 64), (3, 8, 4), ()]
+    meta = lowfp.scaled.encode(torch.randn(3, 8, 64, device="meta"), Scaled("float8_e4m3fn", block=4, axis=1))
+    assert [tuple(t.shape) for t in meta] == [(3, 8, 64), (3, 8, 64), (3, 2, 64), ()]
+    results = torch.library.opcheck(torch.ops.lowfp.scaled_quantize.default,
+                                    (torch.randn(6, 40, requires_grad=True), "nvfp4", "stochastic",
+                                     "saturate", 32, 3, None, 0, True, True))
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
+def test_random_hadamard_transform():
+    from lowfp.scaled import hadamard, hadamard_signs
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(8, 64, generator=g, dtype=torch.float64)
+    signs = hadamard_signs(3)
+    assert set(signs.tolist()) == {-1.0, 1.0} and torch.equal(signs, hadamard_signs(3))
+    # against the matrix: H16 · diag(signs) / 4, H16 by Sylvester's construction
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < 16:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    want = (x.reshape(-1, 16) * signs.double()) @ h.T / 4
+    z = hadamard(x, signs, -1)
+    assert torch.allclose(z.reshape(-1, 16), want, rtol=0, atol=1e-12)
+    assert torch.allclose(hadamard(z, signs, -1, inverse=True), x, rtol=0, atol=1e-12)
+    # quantizing through it: the transformed values are rounded, the result is transformed back
+    y = lowfp.scaled.quantize_scaled(x.float(), "nvfp4", hadamard_seed=3)
+    zq = lowfp.quantize(hadamard(x.float(), signs, -1), "nvfp4")
+    assert torch.equal(y, hadamard(zq, signs, -1, inverse=True))
+    with pytest.raises(ValueError, match="multiple"):
+        lowfp.scaled.quantize_scaled(torch.randn(4, 40), "nvfp4", hadamard_seed=1)

@@ -50,7 +50,7 @@ struct TypeLimits {
   int32_t smallest_exp;
 };
 // The exponent field of a storage type's raw bits (all ones: an infinity or a NaN).
-inline uint64_t exponent_mask(DType t) {
+LOWFP_HD uint64_t exponent_mask(DType t) {
   switch (t) {
     case DType::Float16: return 0x7c00u;
     case DType::BFloat16: return 0x7f80u;

@@ -10,6 +10,8 @@
 #include <cmath>
 
 #include "round.hpp"
+#include "storage.hpp"
+
 
 namespace lowfp {
 
@@ -37,14 +39,29 @@ struct ScaleSpec {
   double s_max;                   // Format: S's largest value
 };
 
-// floor(log2 a) and 2^k by the bits (both run once per block, so they matter for small blocks).
+// floor(log2 a) and 2^k by the bits (no math library: the same on host and device, and cheap,
+// as they run once per block).
 LOWFP_HD int32_t floor_log2(double a) {  // a > 0 and finite
   const uint64_t b = bit_cast<uint64_t>(a);
   const int32_t field = int32_t(b >> 52);
-  return field != 0 ? field - 1023 : int32_t(std::ilogb(a));  // (float64 subnormals: rare)
+  if (field != 0) return field - 1023;
+  int32_t e = -1022;  // a float64 subnormal: its leading bit's place
+  for (uint64_t m = b & 0x000fffffffffffffull; m < 0x0010000000000000ull; m <<= 1) --e;
+  return e;
 }
-LOWFP_HD double pow2(int32_t k) {  // -1022 <= k <= 1023
+LOWFP_HD double pow2(int32_t k) {  // k clamped to [-1022, 1023]
+  k = k < -1022 ? -1022 : (k > 1023 ? 1023 : k);
   return bit_cast<double>(uint64_t(k + 1023) << 52);
+}
+LOWFP_HD bool is_pow2(double a) {  // a > 0, normal
+  return (bit_cast<uint64_t>(a) & 0x000fffffffffffffull) == 0;
+}
+LOWFP_HD double fma_rn(double a, double b, double c) {
+#ifdef __CUDA_ARCH__
+  return __fma_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
 }
 
 // The scale of a block with largest finite magnitude a (a > 0 and finite) under a tensor scale t
@@ -62,17 +79,15 @@ LOWFP_HD double block_scale(const ScaleSpec& sp, double a, double t, bool& satur
   }
   int32_t k;
   if (sp.rule == ScaleRule::RCeil) {
-    const float d = float(a / sp.max_e);  // the float32 quotient cuBLAS rounds up
-    int e2 = 0;
-    const double f = std::frexp(double(d), &e2);  // d = f · 2^e2, f in [0.5, 1)
-    k = f == 0.5 ? e2 - 1 : e2;
-    if (d == 0.0f) k = -150;                      // below float32's range: clamped below
-    if (!(d <= 3.4028234663852886e38f)) k = 128;  // above it (float64 inputs): clamped above
+    const double d = double(float(a / sp.max_e));  // the float32 quotient cuBLAS rounds up
+    if (d == 0.0) k = -150;                            // below float32's range: clamped below
+    else if (!(d <= 3.4028234663852886e38)) k = 128;   // above it (float64 inputs): clamped above
+    else k = floor_log2(d) + (is_pow2(d) ? 0 : 1);
   } else {
     double v = a;
-    if (sp.rule == ScaleRule::Even) v = a + std::ldexp(1.0, floor_log2(a) - sp.m_e - 1);
+    if (sp.rule == ScaleRule::Even) v = a + pow2(floor_log2(a) - sp.m_e - 1);
     k = floor_log2(v) - sp.emax_e;
-    if (sp.rule == ScaleRule::Ceil && std::ldexp(a, -k) > sp.max_e) k += 1;
+    if (sp.rule == ScaleRule::Ceil && k > -1000 && a > sp.max_e * pow2(k)) k += 1;
   }
   saturated = k > 127 || k < -127;
   k = k > 127 ? 127 : (k < -127 ? -127 : k);
@@ -84,12 +99,36 @@ LOWFP_HD double block_scale(const ScaleSpec& sp, double a, double t, bool& satur
 // coarser than float64's sees the exact quotient's neighbours and side. Bit patterns in uint64.
 LOWFP_HD uint64_t divide_nudged(double x, double s) {
   const double qd = x / s;
-  const double r = std::fma(-qd, s, x);  // NaN for infinite or NaN x: nothing to nudge
+  const double r = fma_rn(-qd, s, x);  // NaN for infinite or NaN x: nothing to nudge
   const uint64_t b = bit_cast<uint64_t>(qd);
   // |exact| > |qd| when r has qd's sign; qd is finite and nonzero whenever r is nonzero.
   const bool away = (r > 0.0) == (qd > 0.0);
-  const bool nudge = (r != 0.0) & (std::fabs(r) <= 1.7976931348623157e308);  // (no branches:
+  const bool nudge = (r != 0.0) & (r - r == 0.0);  // nonzero and finite (no branches:
   return b + select(nudge, select(away, uint64_t(1), ~uint64_t(0)), uint64_t(0));  // vectorises)
+}
+
+// One element in the float64 carrier: q = round_E(x / s) (kPow2: s is a power of two, whose
+// inverse multiplies exactly), its events in ev.
+template <RoundKind Kind, bool kPow2, bool kSubExp>
+LOWFP_HD double scaled_element(double x, double s, double inv, const RoundParams<uint64_t>& p,
+                               uint32_t rand, RoundEvents& ev) {
+  const uint64_t quotient = kPow2 ? bit_cast<uint64_t>(x * inv) : divide_nudged(x, s);
+  return bit_cast<double>(round_bits<Kind, uint64_t, kSubExp>(quotient, p, rand, ev));
+}
+
+// s · q (exact in float64) in the storage type: float32 and float64 by conversion (nearest
+// even), 16-bit types rounded to their grid by lowfp's nearest rounding (`out`) first.
+template <class Out>
+LOWFP_HD Out store_scaled(double v, const RoundParams<uint64_t>& out) {
+  if constexpr (std::is_same_v<Out, double>) {
+    return v;
+  } else if constexpr (std::is_same_v<Out, float>) {
+    return float(v);
+  } else {
+    RoundEvents ev;
+    return Store<Out>::from(
+        round_bits<RoundKind::Nearest, uint64_t, true>(bit_cast<uint64_t>(v), out, 0u, ev));
+  }
 }
 
 }  // namespace lowfp

@@ -61,21 +61,6 @@ void amax_rows(const ScaledCall& c, int64_t br0, int64_t br1, double* amax) {
   }
 }
 
-// s · q (float64) in the storage type: float32 and float64 by the conversion (nearest even);
-// 16-bit types rounded to their grid by lowfp's own nearest rounding first.
-template <class Out>
-Out store(double v, const RoundParams<uint64_t>& out) {
-  if constexpr (std::is_same_v<Out, double>) {
-    return v;
-  } else if constexpr (std::is_same_v<Out, float>) {
-    return float(v);
-  } else {
-    RoundEvents ev;
-    const uint64_t b = round_bits<RoundKind::Nearest, uint64_t, true>(bit_cast<uint64_t>(v), out, 0u, ev);
-    return Store<Out>::from(b);
-  }
-}
-
 // One block's run of one row: n elements from index `first` (row-major) with scale s. kPow2: s is
 // a power of two, so x · (1 / s) is the exact quotient; else divide_nudged. kParts: write q too.
 template <class In, RoundKind Kind, bool kCount, bool kPow2, bool kSubExp, bool kParts>
@@ -93,12 +78,11 @@ void run_block(const ScaledCall& c, int64_t first, int64_t n, double s, uint32_t
     int64_t above = 0, under = 0, nans = 0;
     for (int64_t i = 0; i < len; ++i) {
       const double xv = bit_cast<double>(Widen<uint64_t>::from(x[t0 + i]));
-      const uint64_t quotient = kPow2 ? bit_cast<uint64_t>(xv * inv) : divide_nudged(xv, s);
       RoundEvents ev;
       const uint32_t rw = Kind == RoundKind::Stochastic ? rand[phase + i] : 0u;
-      const double q = bit_cast<double>(round_bits<Kind, uint64_t, kSubExp>(quotient, c.p, rw, ev));
+      const double q = scaled_element<Kind, kPow2, kSubExp>(xv, s, inv, c.p, rw, ev);
       if constexpr (kParts) q_out[t0 + i] = float(q);
-      y[t0 + i] = store<In>(q * s, c.out);
+      y[t0 + i] = store_scaled<In>(q * s, c.out);
       if constexpr (kCount) {
         above += ev.above_max;
         under += ev.underflow;

@@ -29,8 +29,8 @@ struct ScaledCall {
                                  // of Philox block offset + i / 4 (offset: a block offset)
   double* scales;                // per block, row-major over the block grid: s (t included)
   float* q;                      // optional (nullptr): the elements q, row-major (E fits float32)
-  int64_t block_grid_cols() const { return (cols + block_cols - 1) / block_cols; }
-  int64_t block_grid_rows() const { return (rows + block_rows - 1) / block_rows; }
+  LOWFP_HD int64_t block_grid_cols() const { return (cols + block_cols - 1) / block_cols; }
+  LOWFP_HD int64_t block_grid_rows() const { return (rows + block_rows - 1) / block_rows; }
 };
 
 // Element formats of at most this many mantissa bits: with 32 random bits their stochastic

@@ -9,10 +9,10 @@
 """
 
 from .config import E8M0_RULES, Scaled, named, to_scaled
-from .quantize import ScaledParts, ScaledStats, encode, quantize_scaled
+from .quantize import ScaledParts, ScaledStats, encode, hadamard, hadamard_signs, quantize_scaled
 
-__all__ = ["Scaled", "ScaledStats", "ScaledParts", "encode", "quantize_scaled", "named",
-           "to_scaled", "E8M0_RULES"]
+__all__ = ["Scaled", "ScaledStats", "ScaledParts", "encode", "quantize_scaled", "hadamard",
+           "hadamard_signs", "named", "to_scaled", "E8M0_RULES"]
 
 globals().update(named())
 __all__ += list(named())

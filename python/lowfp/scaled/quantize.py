@@ -21,7 +21,7 @@ from ..formats import OVERFLOW_POLICIES, SPECIALS, Format
 from ..stats import Stats
 from .config import RULE_CODES, Scaled, to_scaled
 
-__all__ = ["ScaledStats", "ScaledParts", "quantize_scaled", "encode"]
+__all__ = ["ScaledStats", "ScaledParts", "quantize_scaled", "encode", "hadamard", "hadamard_signs"]
 
 _U64 = (1 << 64) - 1
 _OVERFLOW_CODES = {name: i for i, name in enumerate(OVERFLOW_POLICIES)}
@@ -106,8 +106,6 @@ def _impl(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, 
     counts = torch.zeros(6 if count else 0, dtype=torch.int64, device=x.device)
     if xm.numel():
         mod, device, stream = backends.native(xm, "x")
-        if device >= 0:
-            raise NotImplementedError("scaled formats run on the CPU for now")
         key = (int(drawn_seed[0]) | (int(drawn_seed[1]) << 32)) if drawn_seed is not None else seed & _U64
         sf = scaled.scale_format or Format(2, 1)  # (unused for e8m0)
         mod.scaled_quantize(xm.data_ptr(), DTYPE_CODES[xm.dtype], y.data_ptr(), rows, cols, brows, bcols,
@@ -181,16 +179,69 @@ def _call(x, fmt: Scaled, rounding, overflow, seed, generator, offset, sr_bits, 
                                            offset, count, parts)
 
 
+HADAMARD_SIZE = 16
+
+
+def hadamard_signs(seed: int, device=None) -> torch.Tensor:
+    """The 16 random signs (±1.0, float32) of the Hadamard transform seeded with ``seed``: torch's
+    CPU generator under that seed draws 16 bits."""
+    seed = check_uint64(seed, "hadamard_seed")
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 2, (HADAMARD_SIZE,), generator=g) * 2 - 1).float().to(device)
+
+
+def hadamard(t: torch.Tensor, signs: torch.Tensor, axis: int, inverse: bool = False) -> torch.Tensor:
+    """The random Hadamard transform of each group of 16 consecutive elements along ``axis``:
+    H16 · diag(signs) / 4 (orthonormal), or its inverse diag(signs) · H16 / 4. Butterflies of
+    elementwise additions in t's dtype (float32 for 16-bit t), so the result is the same on every
+    device."""
+    work = t.movedim(axis, -1)
+    n = work.shape[-1]
+    if n % HADAMARD_SIZE:
+        raise ValueError(f"the Hadamard transform takes groups of {HADAMARD_SIZE} along axis {axis}, "
+                         f"whose length {n} is not a multiple")
+    dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+    v = work.to(dtype).reshape(-1, HADAMARD_SIZE)
+    signs = signs.to(device=v.device, dtype=dtype)
+    if not inverse:
+        v = v * signs
+    h = 1
+    while h < HADAMARD_SIZE:
+        v = v.reshape(-1, HADAMARD_SIZE // (2 * h), 2, h)
+        a, b = v[:, :, 0], v[:, :, 1]
+        v = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    v = v.reshape(-1, HADAMARD_SIZE) * 0.25
+    if inverse:
+        v = v * signs
+    return v.reshape(work.shape).movedim(-1, axis)
+
+
 def quantize_scaled(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=None, seed=None,
                     generator=None, offset: int = 0, sr_bits: int = 32,
-                    stats: Optional[Stats] = None) -> torch.Tensor:
+                    stats: Optional[Stats] = None, hadamard_seed: Optional[int] = None) -> torch.Tensor:
     """s · q of every element of x under the scaled format ``fmt`` (lowfp.quantize's path for
     scaled formats; arguments as lowfp.quantize's, ``overflow`` the elements' policy, default
     ``"saturate"``). ``stats``: a lowfp.Stats (element counts) or a ScaledStats (block counts
-    too). Gradients pass straight through."""
+    too). Gradients pass straight through.
+
+    ``hadamard_seed``: quantize the random Hadamard transform of x instead (groups of 16 along
+    the format's axis, signs from :func:`hadamard_signs`, as the NVFP4 training recipe does for
+    gradients) and transform the result back; the transforms run in float32 (float64 for
+    float64 x) and the result is cast to x's dtype."""
     fmt = _checked(fmt)
     if stats is not None and not isinstance(stats, Stats):
         raise TypeError(f"stats must be a lowfp.Stats or None, got {type(stats).__name__}")
+    if hadamard_seed is not None:
+        if fmt.axis is None or isinstance(fmt.block, tuple):
+            raise ValueError(f"the Hadamard transform runs along a 1-D block axis; {fmt} has none")
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        signs = hadamard_signs(hadamard_seed, x.device)
+        z = hadamard(x, signs, fmt.axis)
+        zq = quantize_scaled(z, fmt, rounding, overflow=overflow, seed=seed, generator=generator,
+                             offset=offset, sr_bits=sr_bits, stats=stats)
+        return hadamard(zq, signs, fmt.axis, inverse=True).to(x.dtype)
     y, _, _, _, counts = _call(x, fmt, rounding, overflow, seed, generator, offset, sr_bits,
                                stats is not None, False)
     if stats is not None:

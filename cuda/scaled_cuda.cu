@@ -1,0 +1,155 @@
+// Scaled formats on the GPU (docs/design.md §9), with the element and scale math of
+// cpp/include/lowfp/scaled.hpp. Three launches on the stream: each block's largest finite
+// magnitude (into the scales buffer, and the tensor's by an atomic max on its bits), the scales
+// (in place), then the elements in a grid-stride loop. Every element takes the float64 carrier,
+// whose results the CPU's float32 carrier equals (tests/test_scaled.py), so CPU = GPU bit for bit.
+#include <type_traits>
+
+#include "common.cuh"
+#include "lowfp/philox.hpp"
+#include "lowfp/scaled.hpp"
+#include "scaled_cuda.hpp"
+
+namespace lowfp {
+namespace {
+
+template <class In>
+__global__ void __launch_bounds__(kThreads)
+amax_kernel(ScaledCall c, unsigned long long* tensor_max) {
+  using U = RawOf<In>;
+  const U* x = static_cast<const U*>(c.x);
+  const U magnitude = U(U(~U(0)) >> 1), exponent = U(exponent_mask(c.dtype));
+  const int64_t gc = c.block_grid_cols(), blocks = c.block_grid_rows() * gc;
+  for (int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; b < blocks;
+       b += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r0 = (b / gc) * c.block_rows, c0 = (b % gc) * c.block_cols;
+    const int64_t r1 = min_of(c.rows, r0 + c.block_rows), c1 = min_of(c.cols, c0 + c.block_cols);
+    U m = 0;
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t i = c0; i < c1; ++i) {
+        const U a = U(x[r * c.cols + i] & magnitude);
+        m = max_of(m, select(a < exponent, a, U(0)));
+      }
+    In v;
+    memcpy(&v, &m, sizeof(U));
+    const double a = bit_cast<double>(Widen<uint64_t>::from(v));
+    c.scales[b] = a;
+    if (tensor_max != nullptr) atomicMax(tensor_max, (unsigned long long)bit_cast<uint64_t>(a));
+  }
+}
+
+// The tensor scale from the tensor's largest magnitude (bits in *tensor_max), as scaled_cpu.
+__device__ double tensor_scale_of(const ScaledCall& c, const unsigned long long* tensor_max) {
+  if (tensor_max == nullptr) return 1.0;
+  const double a = bit_cast<double>(uint64_t(*tensor_max));
+  return a > 0.0 ? max_of(double(float(a / (c.scale.s_max * c.scale.max_e))), 0x1p-149) : 1.0;
+}
+
+__global__ void __launch_bounds__(kThreads)
+scales_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
+  const double t = tensor_scale_of(c, tensor_max);
+  const double empty = c.scale.rule == ScaleRule::Format ? c.scale.s_smallest * t : 0x1p-127;
+  const int64_t blocks = c.block_grid_rows() * c.block_grid_cols();
+  uint64_t saturated = 0;
+  for (int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; b < blocks;
+       b += int64_t(gridDim.x) * blockDim.x) {
+    bool sat = false;
+    const double a = c.scales[b];
+    c.scales[b] = a > 0.0 ? block_scale(c.scale, a, t, sat) : empty;
+    saturated += sat;
+  }
+  if (counts != nullptr) {
+    saturated = warp_sum(saturated);
+    if ((threadIdx.x & 31) == 0 && saturated) atomicAdd(counts + 4, (unsigned long long)saturated);
+    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(counts + 5, (unsigned long long)blocks);
+  }
+}
+
+// After scales_kernel: the tensor scale (1 without one, tensor_max null) replaces the largest
+// magnitude's bits in their buffer, out.
+__global__ void tensor_scale_kernel(ScaledCall c, const unsigned long long* tensor_max,
+                                    unsigned long long* out) {
+  const double t = tensor_scale_of(c, tensor_max);
+  *reinterpret_cast<double*>(out) = t;
+}
+
+template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp>
+__global__ void __launch_bounds__(kThreads)
+elements_kernel(ScaledCall c, unsigned long long* counts) {
+  const In* x = static_cast<const In*>(c.x);
+  In* y = static_cast<In*>(c.y);
+  const int64_t n = c.rows * c.cols, gc = c.block_grid_cols();
+  ThreadCounts tc;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / c.cols, col = i % c.cols;
+    const double s = c.scales[(r / c.block_rows) * gc + col / c.block_cols];
+    uint32_t rw = 0u;
+    if constexpr (K == RoundKind::Stochastic)
+      rw = philox_block(c.seed, c.offset + uint64_t(i) / 4).w[i % 4];
+    RoundEvents ev;
+    const double q = scaled_element<K, kPow2, kSubExp>(
+        bit_cast<double>(Widen<uint64_t>::from(x[i])), s, 1.0 / s, c.p, rw, ev);
+    if (c.q != nullptr) c.q[i] = float(q);
+    y[i] = store_scaled<In>(q * s, c.out);
+    if (kCount) tc.add(ev);
+  }
+  if constexpr (kCount) finish_counts(tc, counts, n);
+}
+
+template <class Fn>
+void with_dtype(DType t, Fn&& fn) {
+  switch (t) {
+    case DType::Float16: return fn(static_cast<const Half*>(nullptr));
+    case DType::BFloat16: return fn(static_cast<const BFloat*>(nullptr));
+    case DType::Float32: return fn(static_cast<const float*>(nullptr));
+    default: return fn(static_cast<const double*>(nullptr));
+  }
+}
+
+}  // namespace
+
+void scaled_cuda(const ScaledCall& c, double* tensor_scale, int64_t* counts, int device,
+                 uintptr_t stream_handle) {
+  const DeviceGuard guard(device);
+  const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const int64_t n = c.rows * c.cols, blocks = c.block_grid_rows() * c.block_grid_cols();
+  auto* tmax = reinterpret_cast<unsigned long long*>(tensor_scale);
+  auto* cnt = reinterpret_cast<unsigned long long*>(counts);
+  check(cudaMemsetAsync(tmax, 0, sizeof(double), stream), "cudaMemsetAsync");
+  if (n == 0) {
+    tensor_scale_kernel<<<1, 1, 0, stream>>>(c, nullptr, tmax);
+    check(cudaGetLastError(), "kernel launch");
+    return;
+  }
+  with_dtype(c.dtype, [&](auto p) {
+    using In = std::remove_const_t<std::remove_pointer_t<decltype(p)>>;
+    amax_kernel<In><<<grid_size(device, blocks), kThreads, 0, stream>>>(c, tmax);
+    scales_kernel<<<grid_size(device, blocks), kThreads, 0, stream>>>(c, c.tensor_scale ? tmax : nullptr, cnt);
+    tensor_scale_kernel<<<1, 1, 0, stream>>>(c, c.tensor_scale ? tmax : nullptr, tmax);
+    auto launch = [&](auto kind, auto count, auto pow2, auto sub) {
+      elements_kernel<In, decltype(kind)::value, decltype(count)::value, decltype(pow2)::value,
+                      decltype(sub)::value><<<grid_size(device, n), kThreads, 0, stream>>>(c, cnt);
+    };
+    using T = std::true_type;
+    using F = std::false_type;
+    auto by_flags = [&](auto kind) {
+      const bool pow2 = c.scale.rule != ScaleRule::Format, sub = c.p.subnormal_exponent;
+      if (c.count) {
+        if (pow2) sub ? launch(kind, T{}, T{}, T{}) : launch(kind, T{}, T{}, F{});
+        else sub ? launch(kind, T{}, F{}, T{}) : launch(kind, T{}, F{}, F{});
+      } else {
+        if (pow2) sub ? launch(kind, F{}, T{}, T{}) : launch(kind, F{}, T{}, F{});
+        else sub ? launch(kind, F{}, F{}, T{}) : launch(kind, F{}, F{}, F{});
+      }
+    };
+    switch (round_kind(c.mode)) {
+      case RoundKind::Nearest: by_flags(std::integral_constant<RoundKind, RoundKind::Nearest>{}); break;
+      case RoundKind::Directed: by_flags(std::integral_constant<RoundKind, RoundKind::Directed>{}); break;
+      default: by_flags(std::integral_constant<RoundKind, RoundKind::Stochastic>{}); break;
+    }
+  });
+  check(cudaGetLastError(), "kernel launch");
+}
+
+}  // namespace lowfp

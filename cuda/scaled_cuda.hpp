@@ -1,0 +1,15 @@
+// CUDA driver for scaled formats (built only with nvcc; see cuda/CMakeLists.txt).
+#pragma once
+#include <cstdint>
+
+#include "scaled_call.hpp"
+
+namespace lowfp {
+
+// Enqueues the whole call on `stream` of `device` (every pointer a device buffer; call.scales
+// holds one double per block, tensor_scale one double); nothing waits for it. counts (or null):
+// int64[6] += {overflow, underflow, nan, numel, saturated blocks, blocks}, as scaled_cpu.
+void scaled_cuda(const ScaledCall& call, double* tensor_scale, int64_t* counts, int device,
+                 uintptr_t stream);
+
+}  // namespace lowfp
