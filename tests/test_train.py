@@ -33,6 +33,18 @@ def test_train_extra_bits_in_backward(tmp_path):
     assert code == 0 and not res["diverged"] and res["ratio_lo"] <= res["initial_ratio_lo"]
 
 
+def test_train_with_a_gemm_recipe(tmp_path, capsys):
+    code, res = run_cli(tmp_path, "--epochs", "1", "--model", "transformer", "--assignment", "fp32",
+                        "--recipe", "nvfp4")
+    assert code == 0 and res["config"]["recipe"] == "nvfp4" and not res["diverged"]
+    assert "GEMM operands nvfp4" in capsys.readouterr().out
+    # the recipe changes the run: the same seed without it ends elsewhere
+    code, plain = run_cli(tmp_path, "--epochs", "1", "--model", "transformer", "--assignment", "fp32")
+    assert res["epochs"][0]["train_loss"] != plain["epochs"][0]["train_loss"]
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--recipe", "mxfp9"])
+
+
 def test_train_rejects_bad_options(tmp_path, capsys):
     code, res = run_cli(tmp_path, "--step-in-backward")
     assert code == 2 and res is None

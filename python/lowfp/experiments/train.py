@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from .. import assign
 from ..emulate import emulate
+from ..scaled import RECIPES, emulate_gemms
 from ..scaler import DynamicLossScaler
 from . import data as datasets
 from . import models
@@ -25,6 +26,7 @@ from . import models
 __all__ = ["TrainConfig", "check_config", "run", "add_arguments", "config_from_args", "main"]
 
 OPTIMIZERS = ("sgd", "adamw", "extrabits-sgd", "extrabits-adamw")
+GEMM_RECIPES = ("none",) + tuple(RECIPES)
 ASSIGNMENTS = tuple(assign.STRATEGIES)
 
 
@@ -42,6 +44,7 @@ class TrainConfig:
     hi: str = "fp(6,9,0)"
     lo_forward: str = "fp(4,3,4)"
     lo_backward: str = "fp(5,2,0)"
+    recipe: str = "none"
     optimizer: str = "sgd"
     lr: float = 0.05
     momentum: float = 0.9
@@ -63,6 +66,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"model must be one of {tuple(models.MODELS)}, got {cfg.model!r}")
     if cfg.assignment not in ASSIGNMENTS:
         raise ValueError(f"assignment must be one of {ASSIGNMENTS}, got {cfg.assignment!r}")
+    if cfg.recipe not in GEMM_RECIPES:
+        raise ValueError(f"recipe must be one of {GEMM_RECIPES}, got {cfg.recipe!r}")
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {cfg.optimizer!r}")
     if cfg.schedule not in ("cosine", "constant"):
@@ -154,12 +159,16 @@ def run(cfg: TrainConfig, log=None, progress=None) -> dict:
 
     log(f"lowfp train: {cfg.model} (width {cfg.width}) on {ds}, {assignment.name}: "
         f"ratio_lo {assignment.ratio_lo:.3f}, aggregate {assignment.aggregate_bits / 8 / 2**20:.2f} MiB, "
-        f"optimizer {cfg.optimizer}, {cfg.epochs} epochs of {steps_per_epoch} steps")
+        + ("" if cfg.recipe == "none" else f"GEMM operands {cfg.recipe}, ")
+        + f"optimizer {cfg.optimizer}, {cfg.epochs} epochs of {steps_per_epoch} steps")
     epochs: List[dict] = []
     gen = torch.Generator().manual_seed(cfg.seed)
     diverged = False
+    gemms = emulate_gemms(model, cfg.recipe) if cfg.recipe != "none" else None
     with emulate(model, assignment, promote=cfg.promote, threshold=cfg.threshold,
                  rounding="nearest") as em:
+        if gemms is not None:  # inside the assignment's interception: GEMM operands, then TS
+            gemms.install()
         scaler = None
         if cfg.loss_scale != "none":
             init = 2.0 ** 16 if cfg.loss_scale == "dynamic" else float(cfg.loss_scale)
@@ -218,6 +227,8 @@ def run(cfg: TrainConfig, log=None, progress=None) -> dict:
                 break
         if handle is not None:
             handle.remove()
+        if gemms is not None:
+            gemms.close()
     accs = [e["test_acc"] for e in epochs]
     return {"config": asdict(cfg), "assignment": assignment.name,
             "initial_ratio_lo": assignment.ratio_lo, "initial_aggregate_bits": assignment.aggregate_bits,
@@ -249,6 +260,9 @@ def add_arguments(p: argparse.ArgumentParser, skip: Tuple[str, ...] = ()) -> Non
     add("--hi", default=d.hi)
     add("--lo-forward", default=d.lo_forward)
     add("--lo-backward", default=d.lo_backward)
+    add("--recipe", default=d.recipe, choices=GEMM_RECIPES,
+        help="scaled formats for the operands of linear layers and matrix products "
+             "(lowfp.scaled.emulate_gemms)")
     add("--optimizer", default=d.optimizer, choices=OPTIMIZERS)
     add("--lr", type=float, default=d.lr)
     add("--momentum", type=float, default=d.momentum)
