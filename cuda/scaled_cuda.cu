@@ -97,16 +97,6 @@ elements_kernel(ScaledCall c, unsigned long long* counts) {
   if constexpr (kCount) finish_counts(tc, counts, n);
 }
 
-template <class Fn>
-void with_dtype(DType t, Fn&& fn) {
-  switch (t) {
-    case DType::Float16: return fn(static_cast<const Half*>(nullptr));
-    case DType::BFloat16: return fn(static_cast<const BFloat*>(nullptr));
-    case DType::Float32: return fn(static_cast<const float*>(nullptr));
-    default: return fn(static_cast<const double*>(nullptr));
-  }
-}
-
 }  // namespace
 
 void scaled_cuda(const ScaledCall& c, double* tensor_scale, int64_t* counts, int device,
@@ -122,7 +112,7 @@ void scaled_cuda(const ScaledCall& c, double* tensor_scale, int64_t* counts, int
     check(cudaGetLastError(), "kernel launch");
     return;
   }
-  with_dtype(c.dtype, [&](auto p) {
+  with_storage_type(c.dtype, [&](auto p) {
     using In = std::remove_const_t<std::remove_pointer_t<decltype(p)>>;
     amax_kernel<In><<<grid_size(device, blocks), kThreads, 0, stream>>>(c, tmax);
     scales_kernel<<<grid_size(device, blocks), kThreads, 0, stream>>>(c, c.tensor_scale ? tmax : nullptr, cnt);

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import lowfp
 from lowfp import assign as A
 from lowfp.experiments import models
+from training import optimizer_step
 
 
 def batch(n=16, c=1, hw=8, classes=10, seed=0):
@@ -78,14 +79,7 @@ def train(model, steps, x, y, emulation=None, lr=0.05, scaler=None):
     losses = []
     for _ in range(steps):
         loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
-        if scaler is None:
-            loss.backward()
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+        optimizer_step(loss, opt, scaler)
         if emulation is not None:
             emulation.record(loss=loss.item())
         losses.append(loss.item())

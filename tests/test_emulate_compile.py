@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import lowfp
 from lowfp import assign as A
 from lowfp.experiments import models
+from training import optimizer_step
 
 
 def _image_batch(n=8):
@@ -52,14 +53,8 @@ def _train(model, assignment, x, y, steps, compile_backend=None, scaler_scale=No
                                                                            emulator=em)
         for _ in range(steps):
             loss = _loss(run(x), y)
-            opt.zero_grad()
-            if scaler is None:
-                loss.backward()
-                opt.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
+            optimizer_step(loss, opt, scaler)
+            if scaler is not None:
                 scales.append(scaler.get_scale())
             em.record(loss=loss.item())
     return em.history, [p.detach().clone() for p in model.parameters()], scales

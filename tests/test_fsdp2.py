@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import lowfp
 from lowfp.optim import ExtraBitsAdamW, ExtraBitsSGD, step_in_backward
+from training import optimizer_step
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="this torch build has no gloo backend")
@@ -48,15 +49,7 @@ def _batch(step):
 def _train(model, opt, steps, first=0, scaler=None):
     for step in range(first, first + steps):
         x, y = _batch(step)
-        loss = F.cross_entropy(model(x).float(), y)
-        opt.zero_grad()
-        if scaler is None:
-            loss.backward()
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+        optimizer_step(F.cross_entropy(model(x).float(), y), opt, scaler)
 
 
 def _full(t):

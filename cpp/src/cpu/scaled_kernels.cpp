@@ -17,16 +17,6 @@ namespace lowfp {
 namespace LOWFP_ISA_NS {
 namespace {
 
-template <class T, class Fn>
-void with_dtype(DType t, Fn&& fn) {
-  switch (t) {
-    case DType::Float16: return fn(static_cast<const Half*>(nullptr));
-    case DType::BFloat16: return fn(static_cast<const BFloat*>(nullptr));
-    case DType::Float32: return fn(static_cast<const float*>(nullptr));
-    default: return fn(static_cast<const double*>(nullptr));
-  }
-}
-
 // The largest finite magnitude of each block in block rows [br0, br1), by the storage bits: the
 // order of non-negative floats is that of their bit patterns, and a finite one's are below the
 // exponent mask (NaN and ±inf drop out as 0), so an integer max over the sign-cleared bits
@@ -61,6 +51,19 @@ void amax_rows(const ScaledCall& c, int64_t br0, int64_t br1, double* amax) {
   }
 }
 
+// fn(t0, len, phase) for the tiles of a block's run of n elements from row-major index first;
+// stochastic rounding finds element t0 + i's Philox word at rand[phase + i].
+template <RoundKind Kind, class Fn>
+void for_tiles(const ScaledCall& c, int64_t first, int64_t n, uint32_t* rand, Fn&& fn) {
+  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+    const int64_t len = min_of(kTile, n - t0);
+    const int64_t phase = (first + t0) % 4;
+    if constexpr (Kind == RoundKind::Stochastic)
+      philox_fill(rand, c.seed, c.offset + uint64_t((first + t0) / 4), (phase + len + 3) / 4);
+    fn(t0, len, phase);
+  }
+}
+
 // One block's run of one row: n elements from index `first` (row-major) with scale s. kPow2: s is
 // a power of two, so x · (1 / s) is the exact quotient; else divide_nudged. kParts: write q too.
 template <class In, RoundKind Kind, bool kCount, bool kPow2, bool kSubExp, bool kParts>
@@ -70,11 +73,7 @@ void run_block(const ScaledCall& c, int64_t first, int64_t n, double s, uint32_t
   In* y = static_cast<In*>(c.y) + first;
   float* q_out = kParts ? c.q + first : nullptr;
   const double inv = 1.0 / s;
-  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
-    const int64_t len = min_of(kTile, n - t0);
-    const int64_t phase = (first + t0) % 4;
-    if constexpr (Kind == RoundKind::Stochastic)
-      philox_fill(rand, c.seed, c.offset + uint64_t((first + t0) / 4), (phase + len + 3) / 4);
+  for_tiles<Kind>(c, first, n, rand, [&](int64_t t0, int64_t len, int64_t phase) {
     int64_t above = 0, under = 0, nans = 0;
     for (int64_t i = 0; i < len; ++i) {
       const double xv = bit_cast<double>(Widen<uint64_t>::from(x[t0 + i]));
@@ -92,7 +91,7 @@ void run_block(const ScaledCall& c, int64_t first, int64_t n, double s, uint32_t
     overflow += above - nans;  // see RoundEvents
     underflow += under;
     nan += nans;
-  }
+  });
 }
 
 // run_block in the float32 carrier (ScaledCall::narrow): s = 2^k.
@@ -103,11 +102,7 @@ void run_block_narrow(const ScaledCall& c, int64_t first, int64_t n, double s, u
   In* y = static_cast<In*>(c.y) + first;
   float* q_out = kParts ? c.q + first : nullptr;
   const float sf = float(s), inv = float(1.0 / s);  // powers of two from 2^-127 to 2^127
-  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
-    const int64_t len = min_of(kTile, n - t0);
-    const int64_t phase = (first + t0) % 4;
-    if constexpr (Kind == RoundKind::Stochastic)
-      philox_fill(rand, c.seed, c.offset + uint64_t((first + t0) / 4), (phase + len + 3) / 4);
+  for_tiles<Kind>(c, first, n, rand, [&](int64_t t0, int64_t len, int64_t phase) {
     int32_t above = 0, under = 0, nans = 0;
     for (int64_t i = 0; i < len; ++i) {
       const uint32_t xb = Widen<uint32_t>::from(x[t0 + i]);
@@ -137,7 +132,7 @@ void run_block_narrow(const ScaledCall& c, int64_t first, int64_t n, double s, u
     overflow += int64_t(above) - int64_t(nans);
     underflow += under;
     nan += nans;
-  }
+  });
 }
 
 template <class In, RoundKind Kind, bool kCount, bool kPow2, bool kSubExp, bool kParts>
@@ -168,7 +163,7 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
 }  // namespace
 
 void scaled_amax_range(const ScaledCall& c, int64_t br0, int64_t br1, double* amax) {
-  with_dtype<void>(c.dtype, [&](auto p) {
+  with_storage_type(c.dtype, [&](auto p) {
     amax_rows<std::remove_const_t<std::remove_pointer_t<decltype(p)>>>(c, br0, br1, amax);
   });
 }
@@ -190,7 +185,7 @@ void scaled_elements_range(const ScaledCall& c, int64_t r0, int64_t r1, EventCou
   using B = std::true_type;
   using F = std::false_type;
   auto flag = [](bool v, auto fn) { return v ? fn(B{}) : fn(F{}); };
-  with_dtype<void>(c.dtype, [&](auto p) {
+  with_storage_type(c.dtype, [&](auto p) {
     using In = std::remove_const_t<std::remove_pointer_t<decltype(p)>>;
     auto go = [&](auto kind) {
       constexpr RoundKind K = decltype(kind)::value;

@@ -33,6 +33,17 @@ struct ScaledCall {
   LOWFP_HD int64_t block_grid_rows() const { return (rows + block_rows - 1) / block_rows; }
 };
 
+// fn(a null pointer to the storage type of dtype t): the drivers' dispatch on the input dtype.
+template <class Fn>
+void with_storage_type(DType t, Fn&& fn) {
+  switch (t) {
+    case DType::Float16: return fn(static_cast<const Half*>(nullptr));
+    case DType::BFloat16: return fn(static_cast<const BFloat*>(nullptr));
+    case DType::Float32: return fn(static_cast<const float*>(nullptr));
+    default: return fn(static_cast<const double*>(nullptr));
+  }
+}
+
 // Element formats of at most this many mantissa bits: with 32 random bits their stochastic
 // rounding of a float64 quotient is exact (docs/design.md §9).
 constexpr int32_t kScaledMaxElementMantissa = 19;
