@@ -120,3 +120,26 @@ def test_stochastic_gradients_follow_the_seed_and_bad_recipes_are_refused():
         emulate_gemms(layer, "mxfp9")
     with pytest.raises(TypeError, match="input"):
         GemmRecipe(input=lowfp.formats.float8_e4m3fn)
+
+
+def test_scaled_formats_as_assignment_candidates():
+    # Tensor-level: each tensor of the step rounded to a scaled format along its last axis.
+    from lowfp import assign as A
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    tr = A.trace(model, x, F.cross_entropy, y)
+    cand = A.Candidates(lo_forward="mxfp8_e4m3", lo_backward=lowfp.scaled.mxfp8_e5m2)
+    a = A.uniform(tr, candidates=cand)
+    assert a["v:0:linear"] == lowfp.scaled.mxfp8_e4m3
+    bits = {n: (32 if f is None else f.bits) for n, f in a.formats.items()}
+    assert a.aggregate_bits == round(sum(t.numel * bits[n] for n, t in tr.tensors.items()))
+    assert A.Assignment.from_dict(a.to_dict()).formats == a.formats
+    seen = {}
+    with lowfp.emulate(model, a) as em:
+        em.observer = lambda n, t: seen.setdefault(n, t.detach().clone())
+        F.cross_entropy(model(x), y).backward()
+    out = seen["v:0:linear"]
+    assert torch.equal(out, lowfp.quantize(out, "mxfp8_e4m3"))  # on the MXFP8 grid of its blocks
+    grad = seen["dv:0:linear"]
+    assert torch.equal(grad, lowfp.quantize(grad, "mxfp8_e5m2", overflow="inf"))

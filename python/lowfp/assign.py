@@ -38,6 +38,7 @@ import torch
 from ._checks import check_choice, check_int, is_real
 from ._intercept import ForwardSession
 from .formats import Precision, fp, to_precision
+from .scaled import to_scaled
 
 __all__ = ["Candidates", "TensorInfo", "OpInfo", "Trace", "Assignment", "trace", "fp32", "all_hi",
            "uniform", "op", "op_io", "ours", "make", "STRATEGIES", "ROLES"]
@@ -271,7 +272,8 @@ class Candidates:
     """The precision candidates C of docs/design.md §6: ``hi`` for every tensor; ``lo_forward`` for
     activations and parameters, ``lo_backward`` for gradients. ``weight_grads_lo`` lets
     ``uniform`` and ``ours`` demote weight gradients too (by default they stay hi). Any lowfp
-    format or :class:`lowfp.S2FP8` may be a candidate."""
+    format, :class:`lowfp.S2FP8` or :class:`lowfp.Scaled` (``"mxfp8_e4m3"``: tensor-level, its
+    blocks along each tensor's last axis) may be a candidate."""
 
     hi: Precision = field(default_factory=lambda: fp(6, 9, 0))
     lo_forward: Precision = field(default_factory=lambda: fp(4, 3, 4))
@@ -280,7 +282,7 @@ class Candidates:
 
     def __post_init__(self):
         for name in ("hi", "lo_forward", "lo_backward"):
-            object.__setattr__(self, name, to_precision(getattr(self, name), name))
+            object.__setattr__(self, name, to_candidate(getattr(self, name), name))
         if not isinstance(self.weight_grads_lo, bool):
             raise TypeError(f"weight_grads_lo must be a bool, got {self.weight_grads_lo!r}")
 
@@ -292,8 +294,14 @@ class Candidates:
                 "lo_backward": str(self.lo_backward), "weight_grads_lo": self.weight_grads_lo}
 
 
-def _bits(p: Optional[Precision]) -> int:
-    return 32 if p is None else p.bits
+def to_candidate(value, name: str):
+    """A candidate precision: a scaled format (or its name), else as lowfp.formats.to_precision."""
+    scaled = to_scaled(value)
+    return scaled if scaled is not None else to_precision(value, name)
+
+
+def _bits(p) -> float:
+    return 32 if p is None else p.bits  # (a scaled format's bits share its scales out)
 
 
 class Assignment:
@@ -315,7 +323,7 @@ class Assignment:
             raise ValueError(f"formats and lo may name only the trace's tensors; unknown: {unknown[:3]}")
         self.trace = trace
         self.formats: Dict[str, Optional[Precision]] = {
-            n: (None if f is None else to_precision(f, f"formats[{n!r}]")) for n, f in formats.items()}
+            n: (None if f is None else to_candidate(f, f"formats[{n!r}]")) for n, f in formats.items()}
         self.lo = set(lo)
         self.name = name
         self.candidates = candidates
@@ -328,7 +336,7 @@ class Assignment:
 
     @property
     def aggregate_bits(self) -> int:
-        return sum(t.numel * _bits(self.formats[n]) for n, t in self.trace.tensors.items())
+        return round(sum(t.numel * _bits(self.formats[n]) for n, t in self.trace.tensors.items()))
 
     def copy(self) -> "Assignment":
         return Assignment(self.trace, dict(self.formats), set(self.lo), self.name, self.candidates,

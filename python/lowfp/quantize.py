@@ -164,10 +164,14 @@ class Rounder:
     """
 
     def __init__(self, precision, rounding: str = "nearest", overflow: Optional[str] = None):
-        self.precision = to_precision(precision, "precision")
         check_choice(rounding, ROUNDING_MODES, "rounding")
         self.rounding = rounding
         self.overflow = overflow
+        self.scaled = to_scaled(precision)
+        if self.scaled is not None:  # a scaled format: lowfp::scaled_quantize does the checks
+            self.precision = self.scaled
+            return
+        self.precision = to_precision(precision, "precision")
         fmt = self.precision.fmt if isinstance(self.precision, S2FP8) else self.precision
         self._call = make_call(fmt, rounding, overflow, None, 0, None, 0, 32)
         self._args = self._call.args()
@@ -194,6 +198,10 @@ class Rounder:
             raise ValueError(reason)
 
     def __call__(self, x: torch.Tensor, stats: Optional[Stats] = None) -> torch.Tensor:
+        if self.scaled is not None:
+            with torch.no_grad():
+                return quantize_scaled(x, self.scaled, self.rounding, overflow=self.overflow,
+                                       stats=stats)
         self._check_dtype(x.dtype)
         if isinstance(self.precision, S2FP8):
             with torch.no_grad():
