@@ -3,9 +3,9 @@
 // magnitude a, and one element's rounding given its block's scale.
 //
 // All of it runs in float64: an input (float32, bfloat16, float16 or float64) divided by a scale
-// is exact or carries its remainder's sign (see divide_nudged), E's grid (at most 20 significand
-// bits, scaled_spec_error) lies far above float64's, and s · q is exact in float64 (s has at most
-// 28 significand bits, q at most 20).
+// is rounded to odd (divide_nudged), which E's rounding cannot tell from the exact quotient (E has
+// at most 20 significand bits: kScaledMaxElementMantissa), and s · q is exact in float64 (s has at
+// most 28 significand bits, q at most 20).
 #pragma once
 #include <cmath>
 
@@ -94,17 +94,20 @@ LOWFP_HD double block_scale(const ScaleSpec& sp, double a, double t, bool& satur
   return pow2(k);
 }
 
-// x / s, exact or moved one float64 unit toward the exact quotient's side (r: the remainder
-// x - qd · s, exact by the division remainder theorem), so that every rounding of it to a grid
-// coarser than float64's sees the exact quotient's neighbours and side. Bit patterns in uint64.
+// x / s rounded to odd: exact, or else whichever of the two float64 values around the exact
+// quotient has an odd last bit. Every point where a rounding of it to E (at most 20 significand
+// bits, and 32 random bits for stochastic rounding: at most 52 in all) decides differently is a
+// float64 with an even last bit, so the odd neighbour lies on the exact quotient's side of each
+// (the classic cure for double rounding). r = x - qd · s is exact (the division remainder
+// theorem) and says which side of qd = RN(x / s) the quotient lies on.
 LOWFP_HD uint64_t divide_nudged(double x, double s) {
   const double qd = x / s;
-  const double r = fma_rn(-qd, s, x);  // NaN for infinite or NaN x: nothing to nudge
+  const double r = fma_rn(-qd, s, x);  // NaN for infinite or NaN x: nothing to move
   const uint64_t b = bit_cast<uint64_t>(qd);
   // |exact| > |qd| when r has qd's sign; qd is finite and nonzero whenever r is nonzero.
   const bool away = (r > 0.0) == (qd > 0.0);
-  const bool nudge = (r != 0.0) & (r - r == 0.0);  // nonzero and finite (no branches:
-  return b + select(nudge, select(away, uint64_t(1), ~uint64_t(0)), uint64_t(0));  // vectorises)
+  const bool move = (r != 0.0) & (r - r == 0.0) & ((b & 1u) == 0u);  // (branch-free: vectorises)
+  return b + select(move, select(away, uint64_t(1), ~uint64_t(0)), uint64_t(0));
 }
 
 // One element in the float64 carrier: q = round_E(x / s) (kPow2: s is a power of two, whose
