@@ -89,6 +89,8 @@ CALLS = {  # name: (call, the argument the tensor is)
     "ExtraBitsAdamW": ("lowfp.optim.ExtraBitsAdamW([t])", "parameter"),
     "ExtraBitsSGD": ("lowfp.optim.ExtraBitsSGD([t], lr=0.1)", "parameter"),
     "any_non_finite": ("lowfp.scaler.any_non_finite(t)", "t"),
+    "quantize to a scaled format": ("lowfp.quantize(t, 'mxfp8_e4m3')", "x"),
+    "scaled.encode": ("lowfp.scaled.encode(t, 'nvfp4', 'stochastic')", "x"),
 }
 KINDS = ["sparse_coo", "sparse_csr", "nested", "quantized", "meta", "int64", "complex",
          "python subclass", "dispatch subclass", "fake outside its mode"]

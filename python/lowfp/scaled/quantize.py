@@ -173,6 +173,10 @@ def _call(x, fmt: Scaled, rounding, overflow, seed, generator, offset, sr_bits, 
     if isinstance(sr_bits, bool) or not isinstance(sr_bits, int) or not 1 <= sr_bits <= 32:
         raise ValueError(f"sr_bits must be an int between 1 and 32, got {sr_bits!r}")
     _layout(tuple(x.shape), fmt)  # shape errors before any drawing
+    mode = backends.fake_mode_of(x)
+    if mode is not None:  # a FakeTensor used outside its mode: its mode makes the drawn seed fake
+        with mode:
+            return _call(x, fmt, rounding, overflow, seed, generator, offset, sr_bits, count, parts)
     offset = as_int64(check_uint64(offset, "offset"))
     seed, drawn = call_seed(rounding, seed, generator)
     return torch.ops.lowfp.scaled_quantize(x, str(fmt), rounding, overflow, sr_bits, seed, drawn,
