@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import backends
 from .._checks import check_choice
@@ -173,7 +174,7 @@ def _call(x, fmt: Scaled, rounding, overflow, seed, generator, offset, sr_bits, 
     if isinstance(sr_bits, bool) or not isinstance(sr_bits, int) or not 1 <= sr_bits <= 32:
         raise ValueError(f"sr_bits must be an int between 1 and 32, got {sr_bits!r}")
     _layout(tuple(x.shape), fmt)  # shape errors before any drawing
-    mode = backends.fake_mode_of(x)
+    mode = backends.fake_mode_of(x) if type(x) is FakeTensor else None
     if mode is not None:  # a FakeTensor used outside its mode: its mode makes the drawn seed fake
         with mode:
             return _call(x, fmt, rounding, overflow, seed, generator, offset, sr_bits, count, parts)
