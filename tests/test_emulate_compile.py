@@ -60,6 +60,12 @@ def _train(model, assignment, x, y, steps, compile_backend=None, scaler_scale=No
     return em.history, [p.detach().clone() for p in model.parameters()], scales
 
 
+def _assert_equal(tensors, others):
+    assert len(tensors) == len(others)
+    for t, o in zip(tensors, others):
+        assert torch.equal(t, o)
+
+
 def _graphs_after(fn):
     """fn's result and the number of graphs Dynamo compiled while it ran."""
     torch._dynamo.reset()
@@ -85,8 +91,7 @@ def test_compiled_emulation_equals_eager_in_one_graph(name, rounding):
     assert graphs == 1
     assert history.steps == eager_history.steps
     assert any(s["top_underflow"] for s in history.steps)  # the counts compared are not all empty
-    for w, e in zip(weights, eager_weights):
-        assert torch.equal(w, e)
+    _assert_equal(weights, eager_weights)
 
 
 def test_inductor_compiled_emulation_equals_eager():
@@ -99,8 +104,7 @@ def test_inductor_compiled_emulation_equals_eager():
         lambda: _train(copy.deepcopy(base), a, x, y, 3, "inductor"))
     assert graphs == 1
     assert history.steps == eager[0].steps
-    for w, e in zip(weights, eager[1]):
-        assert torch.equal(w, e)
+    _assert_equal(weights, eager[1])
 
 
 def _overflowing_mlp():
@@ -122,8 +126,7 @@ def test_promotion_recompiles_once_and_steps_as_eager():
     # a promotion changes a format, a constant of the graph: one new graph per promoting step
     assert graphs == 1 + len(promoted_steps)
     assert history.steps == eager_history.steps and history.promotions == eager_history.promotions
-    for w, e in zip(weights, eager_weights):
-        assert torch.equal(w, e)
+    _assert_equal(weights, eager_weights)
 
 
 def test_loss_scaler_sees_the_compiled_backward_counts():
@@ -137,8 +140,7 @@ def test_loss_scaler_sees_the_compiled_backward_counts():
                       backward_overflow="saturate")
     assert compiled[2] == eager[2] and compiled[2][0] == 2.0 ** 23  # backed off after step 1
     assert compiled[0].steps == eager[0].steps
-    for w, e in zip(compiled[1], eager[1]):
-        assert torch.equal(w, e)
+    _assert_equal(compiled[1], eager[1])
 
 
 def test_compiled_eval_forward_rounds_without_counting():
@@ -201,5 +203,4 @@ def test_emulation_inside_a_compiled_training_step():
     # step and reused
     assert graphs[0] > 0 and graphs[-1] == graphs[0]
     assert results[0][0] == results[1][0]
-    for w, e in zip(results[0][1], results[1][1]):
-        assert torch.equal(w, e)
+    _assert_equal(results[0][1], results[1][1])

@@ -3,6 +3,7 @@ shards, and training equals a single-process run bit for bit (deterministic and 
 rounding); state_dict and torch.distributed.checkpoint round-trip exactly; lowfp.emulate and
 DynamicLossScaler work on the sharded model."""
 
+import contextlib
 import os
 import time
 import traceback
@@ -70,6 +71,20 @@ def _optimizers(rounding):
                                     rounding=rounding, generator=torch.Generator().manual_seed(7))]
 
 
+@contextlib.contextmanager
+def _reporting(rank, errors):
+    """A rank's body: its traceback, or None once it finished, goes to the parent through
+    ``errors``; the process group ends either way."""
+    try:
+        yield
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+    errors.put((rank, None))
+
+
 def _check_rank(rank, world, init_file, ckpt_dir, errors):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     import torch.distributed.checkpoint as dcp
@@ -77,7 +92,7 @@ def _check_rank(rank, world, init_file, ckpt_dir, errors):
     from torch.distributed.tensor import DTensor, Shard
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with _reporting(rank, errors):
         mesh = init_device_mesh("cpu", (world,))
         for rounding in ("nearest", "stochastic"):
             for make in _optimizers(rounding):
@@ -180,12 +195,6 @@ def _check_rank(rank, world, init_file, ckpt_dir, errors):
         assert results[0][0] == results[1][0] == 2.0 ** 12, [(r[0], r[1]) for r in results]  # backed off alike
         assert torch.equal(results[0][1], results[1][1])
         _assert_same(sharded, plain, results[1][2], results[0][2], "emulate")
-    except BaseException:
-        errors.put((rank, traceback.format_exc()))
-        raise
-    finally:
-        dist.destroy_process_group()
-    errors.put((rank, None))
     os._exit(0)  # see tests/test_dtensor.py: torch 2.13's gloo teardown may abort
 
 
@@ -195,7 +204,7 @@ def _reload_on_one_rank(rank, init_file, ckpt_dir, errors):
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
-    try:
+    with _reporting(rank, errors):
         mesh = init_device_mesh("cpu", (1,))
         for rounding in ("nearest", "stochastic"):
             for make in _optimizers(rounding):
@@ -212,12 +221,6 @@ def _reload_on_one_rank(rank, init_file, ckpt_dir, errors):
                     assert torch.equal(p.full_tensor().view(torch.int16), q.view(torch.int16))
                 for w, v in zip(opt.master_weights(), masters):
                     assert torch.equal(w.full_tensor(), v), (rounding, type(opt).__name__)
-    except BaseException:
-        errors.put((rank, traceback.format_exc()))
-        raise
-    finally:
-        dist.destroy_process_group()
-    errors.put((rank, None))
     os._exit(0)
 
 
