@@ -143,3 +143,174 @@ def test_scaled_formats_as_assignment_candidates():
     assert torch.equal(out, lowfp.quantize(out, "mxfp8_e4m3"))  # on the MXFP8 grid of its blocks
     grad = seen["dv:0:linear"]
     assert torch.equal(grad, lowfp.quantize(grad, "mxfp8_e5m2", overflow="inf"))
+
+
+def q_grouped(t, fmt, dim, groups):
+    """The reference rounding along a channel axis within each group."""
+    tg = t.unflatten(dim, (groups, t.shape[dim] // groups))
+    return q(tg, fmt, dim + 1).flatten(dim, dim + 1)
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same'")
+@pytest.mark.parametrize("groups,padding,stride,kernel", [(1, 1, 1, 3), (2, 0, 2, 3),
+                                                          (1, "same", 1, 4)])
+def test_conv_operands_are_rounded_along_channels_and_batch(groups, padding, stride, kernel):
+    r = lowfp.scaled.RECIPES["mxfp8-e5m2grad"]
+    torch.manual_seed(0)
+    conv = nn.Conv2d(64, 64, kernel, stride, padding, groups=groups)
+    x = torch.randn(32, 64, 9, 9, requires_grad=True)
+    with emulate_gemms(conv, r):
+        y = conv(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    w, b, xd = conv.weight.detach(), conv.bias.detach(), x.detach()
+
+    def ref(xx, ww):
+        return F.conv2d(xx, ww, b, stride, padding, 1, groups)
+    # forward: X along its input channels, W along its input channels (within a group)
+    assert torch.equal(y, ref(q_grouped(xd, r.input, 1, groups), q(w, r.weight, 1)))
+    # input gradient: dY and W along the output channels within a group
+    x0 = xd.clone().requires_grad_()
+    w_out = q_grouped(w, r.weight, 0, groups)
+    want_dx, = torch.autograd.grad(ref(x0, w_out), x0, q_grouped(g, r.grad, 1, groups))
+    assert torch.equal(x.grad, want_dx)
+    # weight gradient: dY and X along the batch
+    w0 = w.clone().requires_grad_()
+    want_dw, = torch.autograd.grad(ref(q(xd, r.input, 0), w0), w0, q(g, r.grad, 0))
+    assert torch.equal(conv.weight.grad, want_dw)
+    assert torch.allclose(conv.bias.grad, g.sum((0, 2, 3)))
+    # an unbatched input is one batch of one
+    with emulate_gemms(conv, r):
+        assert torch.equal(conv(xd[0]), ref(q_grouped(xd[:1], r.input, 1, groups), q(w, r.weight, 1))[0])
+
+
+def test_conv_weight_with_2d_blocks_rounds_each_kernel_position_as_a_matrix():
+    fmt = Scaled("float4_e2m1fn", block=(16, 16), scale="float8_e4m3fn", tensor_scale=True)
+    r = GemmRecipe(lowfp.scaled.mxfp8_e4m3, weight=fmt)
+    torch.manual_seed(0)
+    conv = nn.Conv2d(32, 32, 3, padding=1, bias=False)
+    x = torch.randn(4, 32, 6, 6)
+    with emulate_gemms(conv, r):
+        y = conv(x)
+    w = conv.weight.detach()
+    # the (kh, kw) stack of (out, in) matrices, one tensor scale for the whole weight
+    wq = lowfp.quantize(w.permute(2, 3, 0, 1), fmt).permute(2, 3, 0, 1)
+    assert torch.equal(y, F.conv2d(q(x, r.input, 1), wq, None, 1, 1))
+    # fewer output channels than a block's rows: each position's matrix has a short last block
+    conv = nn.Conv2d(32, 8, 2, bias=False)
+    with torch.no_grad():
+        conv.weight.mul_(torch.logspace(-2, 0, 32).view(1, 32, 1, 1))  # blocks of unlike amax
+    with emulate_gemms(conv, r):
+        y = conv(x)
+    w = conv.weight.detach()
+    # one tall matrix: each position's 8 rows then 8 zero rows, so 16-row blocks align with it
+    tall = torch.cat([w.permute(2, 3, 0, 1).reshape(4, 8, 32), torch.zeros(4, 8, 32)], 1)
+    wq = lowfp.quantize(tall.reshape(64, 32), fmt).reshape(4, 16, 32)[:, :8]
+    assert torch.equal(y, F.conv2d(q(x, r.input, 1), wq.reshape(2, 2, 8, 32).permute(2, 3, 0, 1)))
+
+
+def test_attention_products_are_emulated_as_matmuls():
+    r = lowfp.scaled.RECIPES["mxfp8"]
+    torch.manual_seed(0)
+    qq, k, v = (torch.randn(2, 3, 32, 32, requires_grad=True) for _ in range(3))
+    mask = torch.rand(32, 32) > 0.2
+    mask.fill_diagonal_(True)
+
+    class Attention(nn.Module):
+        def forward(self, a, b, c):
+            return (F.scaled_dot_product_attention(a, b, c, is_causal=True)
+                    + F.scaled_dot_product_attention(a, b, c, attn_mask=mask, scale=0.3))
+    with emulate_gemms(Attention(), r) as em:
+        out = em.model(qq, k, v)
+    g = torch.randn_like(out)
+    out.backward(g)
+    Q, K, V = (t.detach() for t in (qq, k, v))
+    causal = torch.ones(32, 32, dtype=torch.bool).tril()
+    want_dv = torch.zeros_like(V)
+    want_dq = torch.zeros_like(Q)
+    total = 0
+    for keep, scale in ((causal, 32 ** -0.5), (mask, 0.3)):
+        s0 = (q(Q, r.input, -1) @ q(K, r.input, -1).transpose(-1, -2)).requires_grad_()
+        p = (s0 * scale).masked_fill(~keep, float("-inf")).softmax(-1)
+        total = total + q(p.detach(), r.input, -1) @ q(V, r.input, -2)
+        # dV = Pᵀ dO along the queries; dQ = dS K along the keys, dS through softmax's backward
+        want_dv += q(p.detach(), r.input, -2).transpose(-1, -2) @ q(g, r.grad, -2)
+        dp = q(g, r.grad, -1) @ q(V, r.input, -1).transpose(-1, -2)
+        ds, = torch.autograd.grad(p, s0, dp)
+        want_dq += q(ds, r.grad, -1) @ q(K, r.input, -2)
+    assert torch.equal(out, total)
+    assert torch.equal(v.grad, want_dv)
+    assert torch.equal(qq.grad, want_dq)
+
+
+def test_recipe_ops_choose_the_gemms():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3), nn.Flatten(), nn.Linear(32 * 4 * 4, 10))
+    x = torch.randn(2, 3, 6, 6)
+    plain = model(x)
+    linear_only = GemmRecipe("mxfp4_e2m1", ops=("linear",))
+    with emulate_gemms(model[0], linear_only):
+        assert torch.equal(model[0](x), model[0].forward(x))
+        plain_conv = model[0](x)
+    with emulate_gemms(model, GemmRecipe("mxfp4_e2m1", ops="conv")) as em:
+        conv_only = em.model(x)
+    assert not torch.equal(conv_only, plain)
+    assert torch.equal(conv_only, model[2](model[1](
+        F.conv2d(q(x, linear_only.input, 1), q(model[0].weight, linear_only.input, 1),
+                 model[0].bias))))
+    assert plain_conv.shape == (2, 32, 4, 4)
+    with pytest.raises(ValueError, match="ops"):
+        GemmRecipe("mxfp8_e4m3", ops=("linear", "einsum"))
+
+
+@pytest.mark.parametrize("model_name", ["gpt", "resnet"])
+def test_recipes_cover_convolutions_and_attention_in_models(model_name):
+    from lowfp.experiments import models
+    torch.manual_seed(0)
+    if model_name == "gpt":
+        model = models.GPT(16, block_size=16, dim=32, depth=1, heads=2)
+        x = torch.randint(0, 16, (4, 16))
+        op = "attention"
+    else:
+        model = models.ResNet18(num_classes=10)
+        x = torch.randn(2, 3, 16, 16)
+        op = "conv"
+    model.eval()  # batch norm as a fixed map: runs compare
+
+    def run(ops):
+        model.zero_grad()
+        with emulate_gemms(model, GemmRecipe("mxfp8_e4m3", ops=ops)):
+            out = model(x)
+        out.float().square().mean().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters()]
+    out_all, grads = run(lowfp.scaled.gemm.GEMM_OPS)
+    out_without, _ = run(tuple(o for o in lowfp.scaled.gemm.GEMM_OPS if o != op))
+    assert not torch.equal(out_all, out_without)  # the model's convs / attention were emulated
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_emulate_takes_a_gemm_recipe():
+    from lowfp import assign as A
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    a = A.uniform(A.trace(model, x, F.cross_entropy, y))
+
+    def step(**kw):
+        model.zero_grad()
+        with lowfp.emulate(model, a, **kw) as em:
+            if not kw:  # the same by hand: GEMM operands inside the assignment's interception
+                emulate_gemms(model, "mxfp4").install()
+            out = model(x)
+            F.cross_entropy(out, y).backward()
+            counts = em.counts.clone()
+        assert "forward" not in model.__dict__
+        return out.detach(), model[0].weight.grad.clone(), counts
+    out, grad, counts = step(gemm_recipe="mxfp4")
+    out2, grad2, counts2 = step()
+    assert torch.equal(out, out2) and torch.equal(grad, grad2) and torch.equal(counts, counts2)
+    with lowfp.emulate(model, a):
+        plain = model(x).detach()
+    assert not torch.equal(out, plain)
+    with pytest.raises(ValueError, match="recipe"):
+        lowfp.emulate(model, a, gemm_recipe="mxfp5")

@@ -156,7 +156,7 @@ class Emulator(ForwardSession):
 
     def __init__(self, model: torch.nn.Module, assignment: Assignment, *, promote: bool = True,
                  threshold: float = 0.01, rounding: str = "nearest",
-                 backward_overflow: str = "inf", top: int = 5):
+                 backward_overflow: str = "inf", top: int = 5, gemm_recipe=None):
         super().__init__(model)
         if not isinstance(assignment, Assignment):
             raise TypeError(f"assignment must be a lowfp.assign.Assignment, got {type(assignment).__name__}")
@@ -175,6 +175,10 @@ class Emulator(ForwardSession):
         self.assignment = assignment.copy()   # promotions change this copy only
         self.promote, self.threshold, self.top = promote, float(threshold), int(top)
         self.rounding, self.backward_overflow = rounding, backward_overflow
+        self._gemms = None
+        if gemm_recipe is not None:
+            from .scaled.gemm import GemmEmulation
+            self._gemms = GemmEmulation(model, gemm_recipe)
         self.history = History()
         self.scaler = None                     # set by DynamicLossScaler(emulator=...)
         self.observer = None                   # observer(name, tensor): every rounded result;
@@ -352,6 +356,11 @@ class Emulator(ForwardSession):
                  self.step, name, old, a.candidates.hi, ratio)
 
     # -- context manager -------------------------------------------------------------------
+    def install(self) -> None:
+        super().install()
+        if self._gemms is not None:  # inside the interception: GEMM operands, then the tensors
+            self._gemms.install()
+
     def __enter__(self):
         self.install()
         return self
@@ -364,12 +373,14 @@ class Emulator(ForwardSession):
         """Close the last step and take the emulation off the model."""
         if self._installed:
             self.end_step()
+            if self._gemms is not None:
+                self._gemms.close()
             self.remove()
 
 
 def emulate(model: torch.nn.Module, assignment: Assignment, *, promote: bool = True,
             threshold: float = 0.01, rounding: str = "nearest",
-            backward_overflow: str = "inf") -> Emulator:
+            backward_overflow: str = "inf", gemm_recipe=None) -> Emulator:
     """Round every forward and backward tensor of ``model``'s training steps to the format
     ``assignment`` gives it (see the module docs). Use as a context manager (``with
     lowfp.emulate(model, a) as em:``), or call ``em.install()`` and ``em.close()``.
@@ -384,6 +395,10 @@ def emulate(model: torch.nn.Module, assignment: Assignment, *, promote: bool = T
         backward_overflow: what an overflowing gradient becomes: ``"inf"`` (default; a loss
             scaler's finiteness check sees it), ``"saturate"`` or ``"nan"``. The counts reach
             :class:`lowfp.DynamicLossScaler` either way.
+        gemm_recipe: also round the operands of the model's GEMMs to scaled formats, each along
+            its reduction axis (a :class:`lowfp.scaled.GemmRecipe` or a name such as
+            ``"mxfp8"``; see :func:`lowfp.scaled.emulate_gemms`). The assignment's formats then
+            apply to the GEMMs' outputs and every other tensor.
     """
     return Emulator(model, assignment, promote=promote, threshold=threshold, rounding=rounding,
-                    backward_overflow=backward_overflow)
+                    backward_overflow=backward_overflow, gemm_recipe=gemm_recipe)

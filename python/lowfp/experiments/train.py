@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .. import assign
 from ..emulate import emulate
-from ..scaled import RECIPES, emulate_gemms
+from ..scaled import RECIPES
 from ..scaler import DynamicLossScaler
 from . import data as datasets
 from . import models
@@ -164,11 +164,8 @@ def run(cfg: TrainConfig, log=None, progress=None) -> dict:
     epochs: List[dict] = []
     gen = torch.Generator().manual_seed(cfg.seed)
     diverged = False
-    gemms = emulate_gemms(model, cfg.recipe) if cfg.recipe != "none" else None
     with emulate(model, assignment, promote=cfg.promote, threshold=cfg.threshold,
-                 rounding="nearest") as em:
-        if gemms is not None:  # inside the assignment's interception: GEMM operands, then TS
-            gemms.install()
+                 rounding="nearest", gemm_recipe=None if cfg.recipe == "none" else cfg.recipe) as em:
         scaler = None
         if cfg.loss_scale != "none":
             init = 2.0 ** 16 if cfg.loss_scale == "dynamic" else float(cfg.loss_scale)
@@ -227,8 +224,6 @@ def run(cfg: TrainConfig, log=None, progress=None) -> dict:
                 break
         if handle is not None:
             handle.remove()
-        if gemms is not None:
-            gemms.close()
     accs = [e["test_acc"] for e in epochs]
     return {"config": asdict(cfg), "assignment": assignment.name,
             "initial_ratio_lo": assignment.ratio_lo, "initial_aggregate_bits": assignment.aggregate_bits,

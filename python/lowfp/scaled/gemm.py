@@ -15,14 +15,29 @@ For Y = X Wᵀ (``F.linear``; X of shape (..., K), W of shape (N, K)):
   axes).
 For C = A B (``matmul``, ``@``, ``mm``, ``bmm``; A (..., M, K), B (..., K, N)) likewise: forward
 along K; dA = Q(dC) Q(B)ᵀ along N; dB = Q(A)ᵀ Q(dC) along M. The backward GEMMs re-round the
-forward's unrounded operands (saved), as those recipes do. The bias and everything else stay as
-they are; convolutions and attention are not emulated yet.
+forward's unrounded operands (saved), as those recipes do.
+
+Convolutions (``F.conv1d/2d/3d``, as implicit GEMMs): the forward and the input gradient reduce
+over channels and kernel positions, and blocks run along the channels within a group — X and W
+along the input channels, dY and W along the output channels — so that each block pairs with one
+block of the other operand, as microxcaling does. The weight gradient reduces over the batch and
+positions: dY and X along the batch axis. A 2-D-blocked weight format takes its blocks over
+(output, input) channels at each kernel position, so that W and Wᵀ round alike.
+
+Attention (``F.scaled_dot_product_attention``) runs as its math: S = Q Kᵀ · scale, mask,
+softmax, dropout, O = P V, the two products emulated as matmuls (Q and K along the head dim, P
+and V along the keys, and their backward GEMMs as above); softmax stays in the input's dtype.
+
+The bias, transposed convolutions, ``nn.MultiheadAttention`` (whose composite function cannot be
+entered from a torch-function mode) and everything else stay as they are.
 """
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +47,8 @@ from .config import Scaled, named, to_scaled
 from .quantize import quantize_scaled
 
 __all__ = ["GemmRecipe", "RECIPES", "emulate_gemms", "GemmEmulation"]
+
+GEMM_OPS = ("linear", "conv", "matmul", "attention")
 
 
 def _scaled(value, name: str) -> Optional[Scaled]:
@@ -57,6 +74,9 @@ class GemmRecipe:
             nearest.
         hadamard_seed: the weight-gradient GEMM's operands go through the random Hadamard
             transform with these signs (the NVFP4 recipe), or not (None).
+        ops: which GEMMs to emulate, a subset of ``("linear", "conv", "matmul", "attention")``
+            (default all; ``("linear",)`` is torchao's MX/NVFP4 training, which swaps linear
+            layers only).
 
     Each format's blocks run along the operand's reduction axis whatever its ``axis`` says
     (2-D blocks stay 2-D, per-tensor scales per tensor).
@@ -68,6 +88,7 @@ class GemmRecipe:
     grad_operand: Optional[Union[Scaled, str]] = None
     grad_rounding: str = "nearest"
     hadamard_seed: Optional[int] = None
+    ops: Tuple[str, ...] = GEMM_OPS
 
     def __post_init__(self):
         get = object.__getattribute__
@@ -79,6 +100,10 @@ class GemmRecipe:
         if self.grad_rounding not in ("nearest", "stochastic", "toward_zero", "up", "down",
                                       "nearest_away"):
             raise ValueError(f"grad_rounding must be a rounding mode, got {self.grad_rounding!r}")
+        ops = (self.ops,) if isinstance(self.ops, str) else self.ops
+        if not isinstance(ops, (tuple, list, set, frozenset)) or not set(ops) <= set(GEMM_OPS):
+            raise ValueError(f"ops must be a subset of {GEMM_OPS}, got {self.ops!r}")
+        object.__setattr__(self, "ops", tuple(o for o in GEMM_OPS if o in ops))
 
 
 _N = named()
@@ -179,6 +204,107 @@ def _sum_to(t: torch.Tensor, shape) -> torch.Tensor:
     return t
 
 
+def _q_grouped(t: torch.Tensor, fmt, dim: int, groups: int, rounding: str = "nearest",
+               hadamard_seed: Optional[int] = None) -> torch.Tensor:
+    """t rounded along its channel axis ``dim`` within each of ``groups`` groups."""
+    if groups == 1:
+        return _q(t, fmt, dim, rounding, hadamard_seed)
+    tg = t.unflatten(dim, (groups, t.shape[dim] // groups))
+    return _q(tg, fmt, dim + 1, rounding, hadamard_seed).flatten(dim, dim + 1)
+
+
+def _q_conv_weight(w: torch.Tensor, fmt, dim: int, groups: int) -> torch.Tensor:
+    """A conv weight (O, C/groups, *kernel) rounded along ``dim`` (1: input channels, 0: output
+    channels within a group); 2-D blocks over (output, input) channels at each kernel position."""
+    if fmt is None or not isinstance(fmt.block, tuple):
+        return _q_grouped(w, fmt, dim, groups if dim == 0 else 1)
+    wg = w.unflatten(0, (groups, w.shape[0] // groups)).movedim((1, 2), (-2, -1))
+    rows, short = wg.shape[-2], -wg.shape[-2] % fmt.block[0]
+    if short:  # zero rows complete the last row of blocks without changing any block's amax
+        wg = F.pad(wg, (0, 0, 0, short))
+    wq = _q(wg, fmt, -1)[..., :rows, :]
+    return wq.movedim((-2, -1), (1, 2)).flatten(0, 1)
+
+
+def _conv_args(x, w, stride, padding, dilation):
+    """Integer stride, padding and dilation lists (and x padded explicitly for an asymmetric
+    ``padding="same"``, as torch does)."""
+    nd = w.dim() - 2
+
+    def ints(v):
+        return [int(v)] * nd if isinstance(v, int) else [int(i) for i in v]
+    stride, dilation = ints(stride), ints(dilation)
+    if padding == "valid":
+        padding = 0
+    elif padding == "same":
+        total = [d * (k - 1) for d, k in zip(dilation, w.shape[2:])]
+        padding = [t // 2 for t in total]
+        extra = [t - 2 * p for t, p in zip(total, padding)]
+        if any(extra):
+            pad = []
+            for e in reversed(extra):
+                pad += [0, e]
+            x = F.pad(x, pad)
+    return x, stride, ints(padding), dilation
+
+
+class _Conv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b, stride, padding, dilation, groups, recipe):
+        xp, stride, pad, dilation = _conv_args(x, w, stride, padding, dilation)
+        ctx.save_for_backward(xp, w)
+        ctx.args = (stride, pad, dilation, groups)
+        ctx.recipe, ctx.has_bias, ctx.x_shape = recipe, b is not None, x.shape
+        conv = (F.conv1d, F.conv2d, F.conv3d)[w.dim() - 3]
+        return conv(_q_grouped(xp, recipe.input, 1, groups), _q_conv_weight(w, recipe.weight, 1, groups),
+                    b, stride, pad, dilation, groups)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xp, w = ctx.saved_tensors
+        stride, pad, dilation, groups = ctx.args
+        r = ctx.recipe
+        out_pad = [0] * (w.dim() - 2)
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.ops.aten.convolution_backward(
+                _q_grouped(grad, r.grad, 1, groups, r.grad_rounding), xp,
+                _q_conv_weight(w, r.grad_operand or r.weight, 0, groups), None, stride, pad,
+                dilation, False, out_pad, groups, (True, False, False))[0]
+            gx = gx[tuple(slice(0, n) for n in ctx.x_shape)]  # drop an asymmetric "same" pad
+        if ctx.needs_input_grad[1]:
+            h = r.hadamard_seed
+            gw = torch.ops.aten.convolution_backward(
+                _q(grad, r.grad, 0, r.grad_rounding, h), _q(xp, r.grad_operand or r.input, 0, "nearest", h),
+                w, None, stride, pad, dilation, False, out_pad, groups, (False, True, False))[1]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = grad.sum([0] + list(range(2, grad.dim())))
+        return gx, gw, gb, None, None, None, None, None
+
+
+def _attention(recipe, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False):
+    """F.scaled_dot_product_attention as its math, with the two products emulated."""
+    L, S = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if enable_gqa and k.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    s = _Matmul.apply(q, k.transpose(-2, -1), recipe) * scale
+    if is_causal:
+        keep = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+    p = torch.softmax(s, dim=-1)
+    if dropout_p > 0.0:
+        p = F.dropout(p, dropout_p)
+    return _Matmul.apply(p, v, recipe)
+
+
+_CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
+
+
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm,
             torch.Tensor.mm, torch.Tensor.bmm}
 
@@ -190,12 +316,29 @@ class _Mode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear:
+        ops = self.recipe.ops
+        if func is F.linear and "linear" in ops:
             x, w = args[0], args[1]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
             if x.dim() >= 1 and x.is_floating_point():
                 return _Linear.apply(x, w, b, self.recipe)
-        elif func in _MATMULS and not kwargs and len(args) == 2:
+        elif func in _CONVS and "conv" in ops:
+            names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+            a = dict(zip(names, (None, None, None, 1, 0, 1, 1)))
+            a.update(zip(names, args))
+            a.update(kwargs)
+            x, w = a["input"], a["weight"]
+            nd = _CONVS[func]
+            if (isinstance(x, torch.Tensor) and x.is_floating_point() and w.dim() == nd + 2
+                    and x.dim() in (nd + 1, nd + 2)):
+                batched = x.dim() == nd + 2
+                y = _Conv.apply(x if batched else x.unsqueeze(0), w, a["bias"], a["stride"],
+                                a["padding"], a["dilation"], a["groups"], self.recipe)
+                return y if batched else y.squeeze(0)
+        elif func is F.scaled_dot_product_attention and "attention" in ops:
+            if args[0].is_floating_point():
+                return _attention(self.recipe, *args, **kwargs)
+        elif func in _MATMULS and "matmul" in ops and not kwargs and len(args) == 2:
             a, b = args
             if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 2
                     and b.dim() >= 2 and a.is_floating_point()):
@@ -246,7 +389,8 @@ class GemmEmulation:
 
 
 def emulate_gemms(model: torch.nn.Module, recipe: Union[GemmRecipe, str]) -> GemmEmulation:
-    """Round the operands of ``model``'s GEMMs (``F.linear``, ``matmul``/``@``, ``mm``, ``bmm``)
+    """Round the operands of ``model``'s GEMMs (``F.linear``, ``F.conv1d/2d/3d``, ``matmul``/``@``,
+    ``mm``, ``bmm``, the two products of ``F.scaled_dot_product_attention``)
     to the scaled formats of ``recipe`` (a :class:`GemmRecipe` or a name of ``RECIPES``: mxfp8,
     mxfp8-e5m2grad, mxfp4, nvfp4, fp8-tensorwise, fp8-rowwise) in forward and in both backward
     GEMMs, each along its reduction axis (see the module docs). Any optimizer trains the model.
