@@ -150,6 +150,18 @@ def test_scales_in_a_format_match_the_exact_reference(scale):
         assert torch.equal(parts.scales[1:], want_scales[1:])
 
 
+def test_a_quotient_below_float64s_range_rounds_by_its_sign():
+    # 1e-310 / s underflows float64 to ±0: directed roundings still see a nonzero quotient.
+    fmt = Scaled("float4_e2m1fn", block=4, scale="float32")
+    x = torch.tensor([1e300, 1e-310, -1e-310, 0.0], dtype=torch.float64)
+    s = float(torch.finfo(torch.float32).max)  # 1e300 / 6 saturates the float32 scale
+    for rounding, want in (("up", [s * 6, s * 0.5, -0.0, 0.0]), ("down", [s * 6, 0.0, -s * 0.5, 0.0]),
+                           ("nearest", [s * 6, 0.0, -0.0, 0.0])):
+        got = lowfp.quantize(x, fmt, rounding)
+        assert torch.equal(got, torch.tensor(want, dtype=torch.float64)), (rounding, got)
+        assert torch.equal(got.signbit(), torch.tensor(want).signbit()), rounding
+
+
 def _torchao_mx(x, elem, mode):
     scale, data = torchao_mx.to_mx(x, elem, 32, mode)
     return torchao_mx.to_dtype(data, scale, elem, 32, torch.float32)
@@ -328,6 +340,45 @@ def test_compiles_without_graph_breaks_and_traces_fake_and_meta_tensors():
                                     (torch.randn(6, 40, requires_grad=True), "nvfp4", "stochastic",
                                      "saturate", 32, 3, None, 0, True, True))
     assert set(results.values()) == {"SUCCESS"}, results
+
+
+def test_out_and_in_place():
+    torch.manual_seed(0)
+    x = blocks_of_many_magnitudes(8, 96, -6, 6, seed=3)
+    for fmt, rounding in (("mxfp8_e4m3", "nearest"), ("nvfp4", "stochastic"),
+                          (Scaled("float8_e4m3fn", block=4, axis=0), "nearest")):
+        want = lowfp.quantize(x, fmt, rounding, seed=7)
+        out = torch.full_like(x, float("nan"))
+        stats = lowfp.scaled.ScaledStats()
+        assert lowfp.quantize(x, fmt, rounding, seed=7, out=out, stats=stats) is out
+        assert torch.equal(out, want) and stats.numel == x.numel() and stats.blocks > 0
+        y = x.clone()
+        assert lowfp.quantize_(y, fmt, rounding, seed=7) is y and torch.equal(y, want)
+        t = torch.empty(96, 8).t()  # a non-contiguous out
+        lowfp.quantize(x, fmt, rounding, seed=7, out=t)
+        assert torch.equal(t, want)
+    # out overlapping x elsewhere in the same storage: the result is still x's rounding
+    buf = torch.cat([x.flatten(), torch.zeros(64)])
+    src, dst = buf[:x.numel()].view_as(x), buf[64:64 + x.numel()].view_as(x)
+    want = lowfp.quantize(src.clone(), "mxfp8_e4m3")
+    lowfp.quantize(src, "mxfp8_e4m3", out=dst)
+    assert torch.equal(dst, want)
+    with pytest.raises(ValueError, match="dtype"):
+        lowfp.quantize(x, "mxfp8_e4m3", out=torch.empty_like(x, dtype=torch.float64))
+    with pytest.raises(ValueError, match="shape"):
+        lowfp.quantize(x, "mxfp8_e4m3", out=torch.empty(3))
+    with pytest.raises(ValueError, match="out_dtype"):
+        lowfp.quantize(x, "mxfp8_e4m3", out_dtype=torch.float64)
+    results = torch.library.opcheck(torch.ops.lowfp.scaled_quantize_into.default,
+                                    (x, torch.empty_like(x), "nvfp4", "stochastic", "saturate",
+                                     32, 3, None, 0, True))
+    assert set(results.values()) == {"SUCCESS"}, results
+
+    def f(a, b):
+        lowfp.quantize_(b, "mxfp8_e4m3")
+        return a + b
+    b1, b2 = x.clone(), x.clone()
+    assert torch.equal(torch.compile(f, fullgraph=True)(x, b1), f(x, b2)) and torch.equal(b1, b2)
 
 
 def test_random_hadamard_transform():

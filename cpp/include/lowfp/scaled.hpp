@@ -64,19 +64,42 @@ LOWFP_HD double fma_rn(double a, double b, double c) {
 #endif
 }
 
+// x / s rounded to odd: exact, or else whichever of the two float64 values around the exact
+// quotient has an odd last bit. Every point where a rounding of it to E (at most 20 significand
+// bits, and 32 random bits for stochastic rounding: at most 52 in all) decides differently is a
+// float64 with an even last bit, so the odd neighbour lies on the exact quotient's side of each
+// (the classic cure for double rounding). r = x - qd · s is exact (the division remainder
+// theorem) and says which side of qd = RN(x / s) the quotient lies on: the exact quotient is
+// farther from zero than qd when r has qd's sign (qd keeps x's sign when it underflows to 0).
+// Integer masks only: a bool mixing float and integer compares stops GCC vectorising the loop.
+LOWFP_HD uint64_t divide_nudged(double x, double s) {
+  const double qd = x / s;
+  const uint64_t b = bit_cast<uint64_t>(qd);
+  const uint64_t r = bit_cast<uint64_t>(fma_rn(-qd, s, x));  // NaN for infinite or NaN x
+  using C = CarrierTraits<uint64_t>;
+  const uint64_t r_magnitude = r & ~C::kSign;
+  const uint64_t inexact =  // 0 < |r| < inf
+      r_magnitude - 1u < C::kInf - 1u ? ~uint64_t(0) : uint64_t(0);
+  const uint64_t even = (b & 1u) - 1u;                        // all ones when b's last bit is 0
+  const uint64_t step = uint64_t(1) - (((r ^ b) >> 63) << 1);  // +1 away from zero, else -1
+  return b + (step & inexact & even);
+}
+
+// ScaleRule::Format: s = round_S(a / (max_E · t)) (nearest, saturating; the quotient rounded to
+// odd first, so rounding it to S is rounding the exact quotient), held at S's smallest value.
+LOWFP_HD double format_block_scale(const ScaleSpec& sp, double a, double t, bool& saturated) {
+  RoundEvents ev;  // (true: carrier subnormals need their true exponent for any S)
+  const uint64_t want = divide_nudged(a, sp.max_e * t);  // max_E · t is exact: 3 + 24 bits
+  const double s = bit_cast<double>(round_bits<RoundKind::Nearest, uint64_t, true>(want, sp.s, 0u, ev));
+  saturated = ev.above_max | (s == 0.0);
+  return (s == 0.0 ? sp.s_smallest : s) * t;
+}
+
 // The scale of a block with largest finite magnitude a (a > 0 and finite) under a tensor scale t
 // (1 without one: stored block scales are then round_S(a / (max_E · t)) and the block's scale is
 // their product with t). saturated: the ideal scale lay outside the scale format's range.
 LOWFP_HD double block_scale(const ScaleSpec& sp, double a, double t, bool& saturated) {
-  if (sp.rule == ScaleRule::Format) {
-    RoundEvents ev;  // (true: carrier subnormals need their true exponent for any S)
-    const double want = a / (sp.max_e * t);  // max_E · t is exact: 3 + 24 significand bits
-    double s = bit_cast<double>(
-        round_bits<RoundKind::Nearest, uint64_t, true>(bit_cast<uint64_t>(want), sp.s, 0u, ev));
-    saturated = ev.above_max || s == 0.0;
-    s = s == 0.0 ? sp.s_smallest : s;
-    return s * t;
-  }
+  if (sp.rule == ScaleRule::Format) return format_block_scale(sp, a, t, saturated);
   int32_t k;
   if (sp.rule == ScaleRule::RCeil) {
     const double d = double(float(a / sp.max_e));  // the float32 quotient cuBLAS rounds up
@@ -92,22 +115,6 @@ LOWFP_HD double block_scale(const ScaleSpec& sp, double a, double t, bool& satur
   saturated = k > 127 || k < -127;
   k = k > 127 ? 127 : (k < -127 ? -127 : k);
   return pow2(k);
-}
-
-// x / s rounded to odd: exact, or else whichever of the two float64 values around the exact
-// quotient has an odd last bit. Every point where a rounding of it to E (at most 20 significand
-// bits, and 32 random bits for stochastic rounding: at most 52 in all) decides differently is a
-// float64 with an even last bit, so the odd neighbour lies on the exact quotient's side of each
-// (the classic cure for double rounding). r = x - qd · s is exact (the division remainder
-// theorem) and says which side of qd = RN(x / s) the quotient lies on.
-LOWFP_HD uint64_t divide_nudged(double x, double s) {
-  const double qd = x / s;
-  const double r = fma_rn(-qd, s, x);  // NaN for infinite or NaN x: nothing to move
-  const uint64_t b = bit_cast<uint64_t>(qd);
-  // |exact| > |qd| when r has qd's sign; qd is finite and nonzero whenever r is nonzero.
-  const bool away = (r > 0.0) == (qd > 0.0);
-  const bool move = (r != 0.0) & (r - r == 0.0) & ((b & 1u) == 0u);  // (branch-free: vectorises)
-  return b + select(move, select(away, uint64_t(1), ~uint64_t(0)), uint64_t(0));
 }
 
 // One element in the float64 carrier: q = round_E(x / s) (kPow2: s is a power of two, whose
