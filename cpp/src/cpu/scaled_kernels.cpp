@@ -21,138 +21,170 @@ namespace {
 // order of non-negative floats is that of their bit patterns, and a finite one's are below the
 // exponent mask (NaN and ±inf drop out as 0), so an integer max over the sign-cleared bits
 // vectorises whatever the storage type.
+template <class U>
+U finite_max(const U* v, int64_t n, U m, U exponent) {
+  const U magnitude = U(U(~U(0)) >> 1);
+  for (int64_t i = 0; i < n; ++i) {
+    const U a = U(v[i] & magnitude);
+    m = max_of(m, select(a < exponent, a, U(0)));
+  }
+  return m;
+}
+
+// Blocks of a fixed width kN (the MX and NVFP4 sizes): a fully unrolled loop per block.
+template <int64_t kN, class U>
+void row_block_max(const U* row, int64_t cols, U* top, U exponent) {
+  const int64_t whole = cols / kN;
+  for (int64_t j = 0; j < whole; ++j) top[j] = finite_max(row + j * kN, kN, top[j], exponent);
+  if (whole * kN < cols)
+    top[whole] = finite_max(row + whole * kN, cols - whole * kN, top[whole], exponent);
+}
+
 template <class In>
 void amax_rows(const ScaledCall& c, int64_t br0, int64_t br1, double* amax) {
   using U = RawOf<In>;
   const U* x = static_cast<const U*>(c.x);
-  const U magnitude = U(U(~U(0)) >> 1), exponent = U(exponent_mask(c.dtype));
-  const int64_t gc = c.block_grid_cols();
-  std::vector<U> top(static_cast<size_t>(gc));
+  const U exponent = U(exponent_mask(c.dtype));
+  const int64_t gc = c.block_grid_cols(), bc = c.block_cols;
+  constexpr int64_t kStack = 512;  // block columns kept on the stack (more: a heap buffer)
+  U stack_top[kStack];
+  std::vector<U> heap_top(static_cast<size_t>(gc > kStack ? gc : 0));
+  U* top = gc > kStack ? heap_top.data() : stack_top;
   for (int64_t br = br0; br < br1; ++br) {
-    for (int64_t j = 0; j < gc; ++j) top[size_t(j)] = 0;
+    for (int64_t j = 0; j < gc; ++j) top[j] = 0;
     const int64_t r1 = min_of(c.rows, (br + 1) * c.block_rows);
     for (int64_t r = br * c.block_rows; r < r1; ++r) {
       const U* row = x + r * c.cols;
-      for (int64_t j = 0, c0 = 0; c0 < c.cols; ++j, c0 += c.block_cols) {
-        const int64_t n = min_of(c.block_cols, c.cols - c0);
-        U m = top[size_t(j)];
-        for (int64_t i = 0; i < n; ++i) {
-          const U a = U(row[c0 + i] & magnitude);
-          m = max_of(m, select(a < exponent, a, U(0)));
-        }
-        top[size_t(j)] = m;
+      if (bc == 32) {
+        row_block_max<32>(row, c.cols, top, exponent);
+      } else if (bc == 16) {
+        row_block_max<16>(row, c.cols, top, exponent);
+      } else {
+        for (int64_t j = 0, c0 = 0; c0 < c.cols; ++j, c0 += bc)
+          top[j] = finite_max(row + c0, min_of(bc, c.cols - c0), top[j], exponent);
       }
     }
     for (int64_t j = 0; j < gc; ++j) {
       In v;
-      std::memcpy(&v, &top[size_t(j)], sizeof(U));
+      std::memcpy(&v, &top[j], sizeof(U));
       amax[br * gc + j] = bit_cast<double>(Widen<uint64_t>::from(v));
     }
   }
 }
 
-// fn(t0, len, phase) for the tiles of a block's run of n elements from row-major index first;
-// stochastic rounding finds element t0 + i's Philox word at rand[phase + i].
-template <RoundKind Kind, class Fn>
-void for_tiles(const ScaledCall& c, int64_t first, int64_t n, uint32_t* rand, Fn&& fn) {
-  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
-    const int64_t len = min_of(kTile, n - t0);
-    const int64_t phase = (first + t0) % 4;
-    if constexpr (Kind == RoundKind::Stochastic)
-      philox_fill(rand, c.seed, c.offset + uint64_t((first + t0) / 4), (phase + len + 3) / 4);
-    fn(t0, len, phase);
-  }
-}
+// The element pass walks each row in tiles of kTile elements that span many blocks (a block of
+// 16 or 32 is too short a loop to vectorise well): a tile's per-element scales (and their
+// inverses) are spread into buffers first, then one flat loop rounds the tile. Stochastic
+// rounding finds element i's Philox word at rand[phase + i] (words by row-major index).
+struct TileScales {
+  alignas(64) double s[kTile];
+  alignas(64) double inv[kTile];
+  alignas(64) float s32[kTile];
+  alignas(64) float inv32[kTile];
+  alignas(64) uint32_t rand[kTile + 4];
+};
 
-// One block's run of one row: n elements from index `first` (row-major) with scale s. kPow2: s is
-// a power of two, so x · (1 / s) is the exact quotient; else divide_nudged. kParts: write q too.
+// One tile in the float64 carrier: n elements from index `first` (row-major). kPow2: every scale
+// is a power of two, so x · (1 / s) is the exact quotient; else divide_nudged. kParts: write q.
 template <class In, RoundKind Kind, bool kCount, bool kPow2, bool kSubExp, bool kParts>
-void run_block(const ScaledCall& c, int64_t first, int64_t n, double s, uint32_t* rand,
-               int64_t& overflow, int64_t& underflow, int64_t& nan) {
+void run_tile(const ScaledCall& c, int64_t first, int64_t n, int64_t phase, const TileScales& t,
+              int64_t& overflow, int64_t& underflow, int64_t& nan) {
   const In* x = static_cast<const In*>(c.x) + first;
   In* y = static_cast<In*>(c.y) + first;
   float* q_out = kParts ? c.q + first : nullptr;
-  const double inv = 1.0 / s;
-  for_tiles<Kind>(c, first, n, rand, [&](int64_t t0, int64_t len, int64_t phase) {
-    int64_t above = 0, under = 0, nans = 0;
-    for (int64_t i = 0; i < len; ++i) {
-      const double xv = bit_cast<double>(Widen<uint64_t>::from(x[t0 + i]));
-      RoundEvents ev;
-      const uint32_t rw = Kind == RoundKind::Stochastic ? rand[phase + i] : 0u;
-      const double q = scaled_element<Kind, kPow2, kSubExp>(xv, s, inv, c.p, rw, ev);
-      if constexpr (kParts) q_out[t0 + i] = float(q);
-      y[t0 + i] = store_scaled<In>(q * s, c.out);
-      if constexpr (kCount) {
-        above += ev.above_max;
-        under += ev.underflow;
-        nans += ev.nan;
-      }
+  const RoundParams<uint64_t> p = c.p;
+  const RoundParams<uint64_t> out = c.out;
+  int64_t above = 0, under = 0, nans = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double xv = bit_cast<double>(Widen<uint64_t>::from(x[i]));
+    RoundEvents ev;
+    const uint32_t rw = Kind == RoundKind::Stochastic ? t.rand[phase + i] : 0u;
+    const double q = scaled_element<Kind, kPow2, kSubExp>(xv, t.s[i], t.inv[i], p, rw, ev);
+    if constexpr (kParts) q_out[i] = float(q);
+    y[i] = store_scaled<In>(q * t.s[i], out);
+    if constexpr (kCount) {
+      above += ev.above_max;
+      under += ev.underflow;
+      nans += ev.nan;
     }
-    overflow += above - nans;  // see RoundEvents
-    underflow += under;
-    nan += nans;
-  });
+  }
+  overflow += above - nans;  // see RoundEvents
+  underflow += under;
+  nan += nans;
 }
 
-// run_block in the float32 carrier (ScaledCall::narrow): s = 2^k.
+// run_tile in the float32 carrier (ScaledCall::narrow): every scale is 2^k.
 template <class In, RoundKind Kind, bool kCount, bool kParts>
-void run_block_narrow(const ScaledCall& c, int64_t first, int64_t n, double s, uint32_t* rand,
-                      int64_t& overflow, int64_t& underflow, int64_t& nan) {
+void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, int64_t phase,
+                     const TileScales& t, int64_t& overflow, int64_t& underflow, int64_t& nan) {
   const In* x = static_cast<const In*>(c.x) + first;
   In* y = static_cast<In*>(c.y) + first;
   float* q_out = kParts ? c.q + first : nullptr;
-  const float sf = float(s), inv = float(1.0 / s);  // powers of two from 2^-127 to 2^127
-  for_tiles<Kind>(c, first, n, rand, [&](int64_t t0, int64_t len, int64_t phase) {
-    int32_t above = 0, under = 0, nans = 0;
-    for (int64_t i = 0; i < len; ++i) {
-      const uint32_t xb = Widen<uint32_t>::from(x[t0 + i]);
-      const uint32_t qb = bit_cast<uint32_t>(bit_cast<float>(xb) * inv);
-      // A quotient that underflowed to 0 stays nonzero (its sign and nonzero-ness are all E's
-      // rounding sees below 2^-126).
-      const bool lost = ((qb << 1) == 0u) & ((xb << 1) != 0u);
-      const uint32_t quotient = select(lost, (xb & 0x80000000u) | 1u, qb);
-      RoundEvents ev;
-      const uint32_t rw = Kind == RoundKind::Stochastic ? rand[phase + i] : 0u;
-      const float q = bit_cast<float>(round_bits<Kind, uint32_t, false>(quotient, c.p32, rw, ev));
-      if constexpr (kParts) q_out[t0 + i] = q;
-      const float v = q * sf;  // exact (ScaledCall::narrow)
-      if constexpr (std::is_same_v<In, float>) {
-        y[t0 + i] = v;
-      } else {
-        RoundEvents store_ev;
-        y[t0 + i] = Store<In>::from(round_bits<RoundKind::Nearest, uint32_t, false>(
-            bit_cast<uint32_t>(v), c.out32, 0u, store_ev));
-      }
-      if constexpr (kCount) {
-        above += ev.above_max;
-        under += ev.underflow;
-        nans += ev.nan;
-      }
+  const RoundParams<uint32_t> p = c.p32;
+  const RoundParams<uint32_t> out = c.out32;
+  int32_t above = 0, under = 0, nans = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t xb = Widen<uint32_t>::from(x[i]);
+    const uint32_t qb = bit_cast<uint32_t>(bit_cast<float>(xb) * t.inv32[i]);
+    // A quotient that underflowed to 0 stays nonzero (its sign and nonzero-ness are all E's
+    // rounding sees below 2^-126).
+    const bool lost = ((qb << 1) == 0u) & ((xb << 1) != 0u);
+    const uint32_t quotient = select(lost, (xb & 0x80000000u) | 1u, qb);
+    RoundEvents ev;
+    const uint32_t rw = Kind == RoundKind::Stochastic ? t.rand[phase + i] : 0u;
+    const float q = bit_cast<float>(round_bits<Kind, uint32_t, false>(quotient, p, rw, ev));
+    if constexpr (kParts) q_out[i] = q;
+    const float v = q * t.s32[i];  // exact (ScaledCall::narrow)
+    if constexpr (std::is_same_v<In, float>) {
+      y[i] = v;
+    } else {
+      RoundEvents store_ev;
+      y[i] = Store<In>::from(
+          round_bits<RoundKind::Nearest, uint32_t, false>(bit_cast<uint32_t>(v), out, 0u, store_ev));
     }
-    overflow += int64_t(above) - int64_t(nans);
-    underflow += under;
-    nan += nans;
-  });
+    if constexpr (kCount) {
+      above += ev.above_max;
+      under += ev.underflow;
+      nans += ev.nan;
+    }
+  }
+  overflow += int64_t(above) - int64_t(nans);
+  underflow += under;
+  nan += nans;
 }
 
 template <class In, RoundKind Kind, bool kCount, bool kPow2, bool kSubExp, bool kParts>
 void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) {
-  const int64_t gc = c.block_grid_cols();
-  alignas(64) uint32_t rand[kTile + 4];
+  const int64_t gc = c.block_grid_cols(), bc = c.block_cols;
+  constexpr bool kMayNarrow = kPow2 && !std::is_same_v<In, double>;
+  const bool narrow = kMayNarrow && c.narrow;
+  TileScales t;
   int64_t overflow = 0, underflow = 0, nan = 0;
   for (int64_t r = r0; r < r1; ++r) {
     const double* scales = c.scales + (r / c.block_rows) * gc;
-    for (int64_t j = 0, c0 = 0; c0 < c.cols; ++j, c0 += c.block_cols) {
-      const int64_t first = r * c.cols + c0, n = min_of(c.block_cols, c.cols - c0);
-      if constexpr (kPow2 && !std::is_same_v<In, double>) {
-        if (c.narrow) {
-          run_block_narrow<In, Kind, kCount, kParts>(c, first, n, scales[j], rand, overflow,
-                                                     underflow, nan);
+    for (int64_t t0 = 0; t0 < c.cols; t0 += kTile) {
+      const int64_t len = min_of(kTile, c.cols - t0), first = r * c.cols + t0;
+      for (int64_t i = 0, j = t0 / bc; i < len; ++j) {  // spread each block's scale
+        const int64_t stop = min_of(len, (j + 1) * bc - t0);
+        const double s = scales[j], inv = 1.0 / s;
+        if (narrow) {
+          const float s32 = float(s), inv32 = float(inv);  // 2^±k: exact
+          for (; i < stop; ++i) t.s32[i] = s32, t.inv32[i] = inv32;
+        } else {
+          for (; i < stop; ++i) t.s[i] = s, t.inv[i] = inv;
+        }
+      }
+      const int64_t phase = first % 4;
+      if constexpr (Kind == RoundKind::Stochastic)
+        philox_fill(t.rand, c.seed, c.offset + uint64_t(first / 4), (phase + len + 3) / 4);
+      if constexpr (kMayNarrow) {
+        if (narrow) {
+          run_tile_narrow<In, Kind, kCount, kParts>(c, first, len, phase, t, overflow, underflow, nan);
           continue;
         }
       }
-      run_block<In, Kind, kCount, kPow2, kSubExp, kParts>(c, first, n, scales[j], rand, overflow,
-                                                          underflow, nan);
+      run_tile<In, Kind, kCount, kPow2, kSubExp, kParts>(c, first, len, phase, t, overflow,
+                                                         underflow, nan);
     }
   }
   counts.overflow += overflow;
@@ -173,10 +205,21 @@ void scaled_scales_range(const ScaledCall& c, const double* amax, double t, int6
   // A block without a finite nonzero element takes the smallest scale.
   const double empty = c.scale.rule == ScaleRule::Format ? c.scale.s_smallest * t : 0x1p-127;
   int64_t n = 0;
-  for (int64_t b = b0; b < b1; ++b) {
-    bool sat = false;
-    c.scales[b] = amax[b] > 0.0 ? block_scale(c.scale, amax[b], t, sat) : empty;
-    n += sat;
+  if (c.scale.rule == ScaleRule::Format) {  // a loop of its own: it vectorises
+    const ScaleSpec sp = c.scale;
+    for (int64_t b = b0; b < b1; ++b) {
+      const double a = amax[b];
+      bool sat;
+      const double s = format_block_scale(sp, a > 0.0 ? a : 1.0, t, sat);
+      c.scales[b] = a > 0.0 ? s : empty;
+      n += int64_t(sat & (a > 0.0));
+    }
+  } else {
+    for (int64_t b = b0; b < b1; ++b) {
+      bool sat = false;
+      c.scales[b] = amax[b] > 0.0 ? block_scale(c.scale, amax[b], t, sat) : empty;
+      n += sat;
+    }
   }
   saturated += n;
 }
