@@ -3,9 +3,11 @@ reference casts, in the same run.
 
     python bench/bench_scaled.py [--size N] [--repeats R] [--json FILE]
 
-Each case rounds a float32 (rows, 4096) tensor of N elements (one new result per call, as
-lowfp.quantize returns) and reports elements per second and the ratio to the copy's. Target on
-the CPU: MXFP8 and NVFP4 ≥ 0.5× the copy.
+Each case rounds a float32 (rows, 4096) tensor of N elements, into a new result (as
+lowfp.quantize returns it) and, for the "out=" cases, into an existing tensor as the copy does,
+and reports elements per second and the ratio to the copy's. Target on the CPU: MXFP8 and NVFP4
+≥ 0.5× the copy. A new result's fresh pages (the kernel clearing them on first touch) cost about
+as much as the copy itself on a 2-core VM: "x.clone()" shows that cost for torch.
 """
 
 import argparse
@@ -41,9 +43,12 @@ def torchao_cases(x):
 def run(size: int, repeats: int):
     x = torch.randn(size // 4096, 4096)
     y = torch.empty_like(x)
-    fns = {"y.copy_(x)": lambda: y.copy_(x)}
+    fns = {"y.copy_(x)": lambda: y.copy_(x), "x.clone()": lambda: x.clone()}
     for name, rounding in CASES:
         fns[f"{name} {rounding}"] = (lambda n=name, r=rounding: lowfp.quantize(x, n, r, seed=1))
+    for name, rounding in CASES[:5]:
+        fns[f"{name} {rounding} out="] = (
+            lambda n=name, r=rounding: lowfp.quantize(x, n, r, seed=1, out=y))
     fns.update(torchao_cases(x))
     best = time_interleaved(fns, repeats)
     copy = x.numel() / best["y.copy_(x)"]

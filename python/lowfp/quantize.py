@@ -130,12 +130,13 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
         raise TypeError(f"x must be a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
     scaled = to_scaled(fmt)
     if scaled is not None:
-        for name, value in (("subnormals", subnormals), ("out", out), ("out_dtype", out_dtype),
+        for name, value in (("subnormals", subnormals), ("out_dtype", out_dtype),
                             ("grad_fmt", grad_fmt)):
             if value is not None:
                 raise ValueError(f"{name}= does not apply to the scaled format {scaled}")
         return quantize_scaled(x, scaled, rounding, overflow=overflow, seed=seed,
-                               generator=generator, offset=offset, sr_bits=sr_bits, stats=stats)
+                               generator=generator, offset=offset, sr_bits=sr_bits, stats=stats,
+                               out=out)
     return round_tensor(x, fmt, rounding, overflow=overflow, subnormals=subnormals, seed=seed,
                         generator=generator, offset=offset, sr_bits=sr_bits, stats=stats, out=out,
                         out_dtype=out_dtype, grad_fmt=grad_fmt, grad_rounding=grad_rounding)[0]

@@ -31,6 +31,8 @@ lib = torch.library.Library("lowfp", "FRAGMENT")
 lib.define("scaled_quantize(Tensor x, str fmt, str rounding, str overflow, int sr_bits, int seed, "
            "Tensor? drawn_seed, int offset, bool count, bool parts) -> "
            "(Tensor, Tensor, Tensor, Tensor, Tensor)")
+lib.define("scaled_quantize_into(Tensor x, Tensor(a!) out, str fmt, str rounding, str overflow, "
+           "int sr_bits, int seed, Tensor? drawn_seed, int offset, bool count) -> Tensor")
 
 
 class ScaledStats(Stats):
@@ -95,11 +97,22 @@ def _spec(f: Format):
     return f.e, f.m, f.b, SPECIALS.index(f.specials), f.subnormals
 
 
-def _impl(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, parts):
+def _writes_directly(out: torch.Tensor, xm: torch.Tensor, move) -> bool:
+    """Whether the kernel can write into ``out`` itself: contiguous in the kernel's layout, and
+    either x itself (each element is read before it is written) or apart from x's memory."""
+    if move is not None or not out.is_contiguous():
+        return False
+    if out.data_ptr() == xm.data_ptr():
+        return True
+    return out.untyped_storage().data_ptr() != xm.untyped_storage().data_ptr()
+
+
+def _impl(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, parts, out=None):
     scaled = Scaled.parse(fmt)
     rows, cols, brows, bcols, move = _layout(tuple(x.shape), scaled)
     xm = (x if move is None else x.movedim(move, -1)).contiguous()
-    y = new_output(xm, xm.dtype)
+    direct = out is not None and _writes_directly(out, xm, move)
+    y = out if direct else new_output(xm, xm.dtype)
     q = torch.empty(xm.shape if parts else (0,), dtype=torch.float32, device=x.device)
     grid = (-(-rows // brows) if rows else 0, -(-cols // bcols) if cols else 0)
     scales = torch.empty(grid, dtype=torch.float64, device=x.device)
@@ -120,7 +133,14 @@ def _impl(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, 
         y = y.movedim(-1, move)
         if parts:
             q = q.movedim(-1, move)
+    if out is not None and not direct:
+        out.copy_(y)
     return y, q, scales, tensor_scale, counts
+
+
+def _into_impl(x, out, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count):
+    return _impl(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, False,
+                 out=out)[4]
 
 
 def _scales_shape(scales, moved_shape, fmt: Scaled, move):
@@ -153,7 +173,14 @@ def _fake(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, 
 
 for _key in ("CPU", "CUDA"):
     lib.impl("scaled_quantize", _impl, _key)
+    lib.impl("scaled_quantize_into", _into_impl, _key)
 torch.library.register_fake("lowfp::scaled_quantize", _fake, lib=lib)
+
+
+@torch.library.register_fake("lowfp::scaled_quantize_into", lib=lib)
+def _into_fake(x, out, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count):
+    _layout(tuple(x.shape), Scaled.parse(fmt))
+    return x.new_empty(6 if count else 0, dtype=torch.int64)
 
 
 def _backward(ctx, grad, *unused):
@@ -164,10 +191,15 @@ torch.library.register_autograd("lowfp::scaled_quantize", _backward,
                                 setup_context=lambda ctx, inputs, output: None, lib=lib)
 
 
-def _call(x, fmt: Scaled, rounding, overflow, seed, generator, offset, sr_bits, count, parts):
+def _call(x, fmt: Scaled, rounding, overflow, seed, generator, offset, sr_bits, count, parts,
+          out=None):
+    """(y, q, scales, tensor scale, counts); with ``out``: only the counts, y written into out."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    check_tensor_args(x, None, None)
+    check_tensor_args(x, out, None)
+    if out is not None and out.dtype != x.dtype:
+        raise ValueError(f"out must have x's dtype {x.dtype} for a scaled format (s · q is "
+                         f"rounded to x's dtype), got {out.dtype}")
     check_choice(rounding, ROUNDING_MODES, "rounding")
     overflow = "saturate" if overflow is None else overflow
     check_choice(overflow, OVERFLOW_POLICIES, "overflow")
@@ -177,9 +209,13 @@ def _call(x, fmt: Scaled, rounding, overflow, seed, generator, offset, sr_bits, 
     mode = backends.fake_mode_of(x) if type(x) is FakeTensor else None
     if mode is not None:  # a FakeTensor used outside its mode: its mode makes the drawn seed fake
         with mode:
-            return _call(x, fmt, rounding, overflow, seed, generator, offset, sr_bits, count, parts)
+            return _call(x, fmt, rounding, overflow, seed, generator, offset, sr_bits, count, parts,
+                         out)
     offset = as_int64(check_uint64(offset, "offset"))
     seed, drawn = call_seed(rounding, seed, generator)
+    if out is not None:
+        return torch.ops.lowfp.scaled_quantize_into(x, out, str(fmt), rounding, overflow, sr_bits,
+                                                    seed, drawn, offset, count)
     return torch.ops.lowfp.scaled_quantize(x, str(fmt), rounding, overflow, sr_bits, seed, drawn,
                                            offset, count, parts)
 
@@ -224,11 +260,13 @@ def hadamard(t: torch.Tensor, signs: torch.Tensor, axis: int, inverse: bool = Fa
 
 def quantize_scaled(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=None, seed=None,
                     generator=None, offset: int = 0, sr_bits: int = 32,
-                    stats: Optional[Stats] = None, hadamard_seed: Optional[int] = None) -> torch.Tensor:
+                    stats: Optional[Stats] = None, hadamard_seed: Optional[int] = None,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """s · q of every element of x under the scaled format ``fmt`` (lowfp.quantize's path for
     scaled formats; arguments as lowfp.quantize's, ``overflow`` the elements' policy, default
     ``"saturate"``). ``stats``: a lowfp.Stats (element counts) or a ScaledStats (block counts
-    too). Gradients pass straight through.
+    too). Gradients pass straight through. ``out``: write the result there instead (x's shape
+    and dtype; it may be x itself) and return it.
 
     ``hadamard_seed``: quantize the random Hadamard transform of x instead (groups of 16 along
     the format's axis, signs from :func:`hadamard_signs`, as the NVFP4 training recipe does for
@@ -244,11 +282,15 @@ def quantize_scaled(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         signs = hadamard_signs(hadamard_seed, x.device)
         z = hadamard(x, signs, fmt.axis)
+        if out is not None:
+            check_tensor_args(x, out, None)
         zq = quantize_scaled(z, fmt, rounding, overflow=overflow, seed=seed, generator=generator,
                              offset=offset, sr_bits=sr_bits, stats=stats)
-        return hadamard(zq, signs, fmt.axis, inverse=True).to(x.dtype)
-    y, _, _, _, counts = _call(x, fmt, rounding, overflow, seed, generator, offset, sr_bits,
-                               stats is not None, False)
+        y = hadamard(zq, signs, fmt.axis, inverse=True).to(x.dtype)
+        return y if out is None else out.copy_(y)
+    res = _call(x, fmt, rounding, overflow, seed, generator, offset, sr_bits, stats is not None,
+                False, out)
+    y, counts = (out, res) if out is not None else (res[0], res[4])
     if stats is not None:
         stats.counts.add_(counts[:stats.counts.numel()].to(stats.counts.device))
     return y
