@@ -90,7 +90,7 @@ __device__ ExtraBitsSlot slot_from(const ExtraBitsSlot& s, int64_t first, uint32
 // parameter's last). The warp first issues every load of the chunk (packed words, weights,
 // gradients, optimizer state), then the updates and stores, so that several blocks' bytes are in
 // flight per warp rather than one.
-template <bool kFull, class W16, RoundKind K, class Update>
+template <bool kFull, class W16, RoundKind K, bool kGrid, class Update>
 __device__ void step_chunk(const ExtraBitsSlot& at, const Update& update, const ExtraBitsParams& e,
                            uint64_t seed, const float* grad_scale, uint32_t lane,
                            uint32_t* scratch, ThreadCounts& tc) {
@@ -142,15 +142,17 @@ __device__ void step_chunk(const ExtraBitsSlot& at, const Update& update, const 
     const int32_t i = u * 32 + int32_t(lane);
     uint32_t out = 0;
     if (kFull || i < n) {
-      const uint32_t w = merge_bits<W16>(truncation_bits(w16_old[u], value[u] >> e.k),
-                                         value[u] & ((1u << e.k) - 1u), e);
+      const uint32_t w = merge_bits<W16, kGrid>(
+          grid_or_type_truncation_bits<W16, kGrid>(w16_old[u], value[u] >> e.k, e),
+          value[u] & ((1u << e.k) - 1u), e);
       float g = bit_cast<float>(Widen<uint32_t>::from(grad_u[u]));
       if (grad_scale != nullptr) g = unscale_gradient(g, __ldg(grad_scale));
       const float w_new = update.apply(bit_cast<float>(w), g, state[u]);
       update.store(i, state[u]);
       uint32_t extra, flag;
       RoundEvents ev;
-      w16[i] = Store<W16>::from(split_bits<W16, K>(bit_cast<uint32_t>(w_new), e, rand[u], extra, flag, ev));
+      w16[i] = Store<W16>::from(
+          split_bits<W16, K, kGrid>(bit_cast<uint32_t>(w_new), e, rand[u], extra, flag, ev));
       out = extra | (flag << e.k);
       tc.add(ev);
     }
@@ -172,7 +174,7 @@ template <class W16, class Maker> constexpr int step_min_blocks() {
 
 // A warp steps one chunk at a time: kBlocksPerChunk consecutive packed blocks of one parameter,
 // whose slot it reads once.
-template <class W16, RoundKind K, class Maker>
+template <class W16, RoundKind K, bool kGrid, class Maker>
 __global__ void __launch_bounds__(kThreads, (step_min_blocks<W16, Maker>()))
 step_kernel(const SlotTable table, ExtraBitsParams e, SgdHyper sgd, AdamHyper adam, uint64_t seed,
             int64_t numel, const bool* found_inf, const float* grad_scale,
@@ -191,13 +193,15 @@ step_kernel(const SlotTable table, ExtraBitsParams e, SgdHyper sgd, AdamHyper ad
     const ExtraBitsSlot at =
         slot_from<W16, Maker>(table.slots[which], (c - table.first_chunk[which]) * U * 32, e.q);
     const auto update = Maker::make(sgd, adam, at);
-    if (at.n >= U * 32) step_chunk<true, W16, K>(at, update, e, seed, grad_scale, lane, scratch, tc);
-    else step_chunk<false, W16, K>(at, update, e, seed, grad_scale, lane, scratch, tc);
+    if (at.n >= U * 32)
+      step_chunk<true, W16, K, kGrid>(at, update, e, seed, grad_scale, lane, scratch, tc);
+    else
+      step_chunk<false, W16, K, kGrid>(at, update, e, seed, grad_scale, lane, scratch, tc);
   }
   if (counts != nullptr) finish_counts(tc, counts, numel);
 }
 
-template <class W16, RoundKind K>
+template <class W16, RoundKind K, bool kGrid>
 __global__ void __launch_bounds__(kThreads)
 split_kernel(const float* w32, W16* w16, uint32_t* words, int64_t n, ExtraBitsParams e,
              uint64_t seed, uint64_t offset, unsigned long long* counts) {
@@ -212,7 +216,8 @@ split_kernel(const float* w32, W16* w16, uint32_t* words, int64_t n, ExtraBitsPa
       const uint32_t r = K == RoundKind::Stochastic ? philox_word(seed, offset, i) : 0u;
       uint32_t extra, flag;
       RoundEvents ev;
-      w16[i] = Store<W16>::from(split_bits<W16, K>(bit_cast<uint32_t>(w32[i]), e, r, extra, flag, ev));
+      w16[i] = Store<W16>::from(
+          split_bits<W16, K, kGrid>(bit_cast<uint32_t>(w32[i]), e, r, extra, flag, ev));
       out = extra | (flag << e.k);
       tc.add(ev);
     }
@@ -221,13 +226,15 @@ split_kernel(const float* w32, W16* w16, uint32_t* words, int64_t n, ExtraBitsPa
   if (counts != nullptr) finish_counts(tc, counts, n);
 }
 
-template <class W16>
+template <class W16, bool kGrid>
 __global__ void __launch_bounds__(kThreads)
 merge_kernel(const W16* w16, const uint32_t* words, float* w32, int64_t n, ExtraBitsParams e) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     const uint32_t value = unpack_one(words + (i / 32) * e.q, e.q, uint32_t(i % 32));
-    w32[i] = bit_cast<float>(merge_bits<W16>(truncation_bits(w16[i], value >> e.k), value & ((1u << e.k) - 1u), e));
+    w32[i] = bit_cast<float>(merge_bits<W16, kGrid>(
+        grid_or_type_truncation_bits<W16, kGrid>(w16[i], value >> e.k, e),
+        value & ((1u << e.k) - 1u), e));
   }
 }
 
@@ -252,7 +259,8 @@ void extra_bits_step_cuda(const ExtraBitsStep& s, int64_t* counts, int device, u
     if (table->first_chunk[n] == 0) continue;  // empty parameters only
     const int grid = grid_size(device, table->first_chunk[n] * 32);
     dispatch_extra_bits_step(s, [&](auto w16, auto kind, auto maker) {
-      step_kernel<typename decltype(w16)::type, decltype(kind)::value, typename decltype(maker)::type>
+      step_kernel<typename decltype(w16)::type, decltype(kind)::value, decltype(w16)::grid,
+                  typename decltype(maker)::type>
           <<<grid, kThreads, 0, stream>>>(*table, s.e, s.sgd, s.adam, s.seed, numel, s.found_inf,
                                           s.grad_scale, reinterpret_cast<unsigned long long*>(counts));
     });
@@ -267,7 +275,7 @@ void extra_bits_split_cuda(const ExtraBitsParams& e, Rounding mode, const ExtraB
   const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
   dispatch_extra_bits_kind(e, mode, [&](auto w16, auto kind) {
     using W16 = typename decltype(w16)::type;
-    split_kernel<W16, decltype(kind)::value><<<grid_size(device, a.n), kThreads, 0, stream>>>(
+    split_kernel<W16, decltype(kind)::value, decltype(w16)::grid><<<grid_size(device, a.n), kThreads, 0, stream>>>(
         a.w32, static_cast<W16*>(a.w16), a.words, a.n, e, a.seed, a.offset,
         reinterpret_cast<unsigned long long*>(counts));
   });
@@ -279,13 +287,11 @@ void extra_bits_merge_cuda(const ExtraBitsParams& e, const ExtraBitsMerge& a, in
   if (a.n == 0) return;
   const DeviceGuard guard(device);
   const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  auto run = [&](auto w16) {
+  dispatch_weights(e, [&](auto w16) {
     using W16 = typename decltype(w16)::type;
-    merge_kernel<W16><<<grid_size(device, a.n), kThreads, 0, stream>>>(
+    merge_kernel<W16, decltype(w16)::grid><<<grid_size(device, a.n), kThreads, 0, stream>>>(
         static_cast<const W16*>(a.w16), a.words, a.w32, a.n, e);
-  };
-  if (e.bf16) run(Type<BFloat>{});
-  else run(Type<Half>{});
+  });
   check(cudaGetLastError(), "kernel launch");
 }
 

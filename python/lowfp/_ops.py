@@ -45,9 +45,11 @@ lib.define(f"s2fp8(Tensor x, str fmt, float log_max, {_COMMON}, bool count, str?
 lib.define(f"s2fp8_into(Tensor x, Tensor(a!) out, str fmt, float log_max, {_COMMON}, "
            "Tensor(b!) sums, Tensor(c!) params, Tensor(d!)? counts) -> ()")
 
-lib.define(f"extra_bits_split(Tensor w32, ScalarType dtype, int k, {_COMMON}, bool count) "
-           "-> (Tensor, Tensor, Tensor)")
-lib.define("extra_bits_merge(Tensor w16, Tensor packed, int k, str rounding) -> Tensor")
+# weight_format: the weights' grid, a lowfp format's string (None: the 16-bit type's own).
+lib.define(f"extra_bits_split(Tensor w32, ScalarType dtype, int k, {_COMMON}, bool count, "
+           "str? weight_format=None) -> (Tensor, Tensor, Tensor)")
+lib.define("extra_bits_merge(Tensor w16, Tensor packed, int k, str rounding, "
+           "str? weight_format=None) -> Tensor")
 lib.define("any_non_finite(Tensor t) -> Tensor")
 # One fused ExtraBits optimizer step over parameters of one dtype (lowfp.optim): moments holds
 # each parameter's state tensors in turn (moments_per_param of them: SGD 0 or 1, Adam 2 or 3);
@@ -55,7 +57,7 @@ lib.define("any_non_finite(Tensor t) -> Tensor")
 lib.define("extra_bits_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] extras, "
            "Tensor(c!)[] moments, int moments_per_param, str optimizer, int k, str rounding, "
            "ScalarType state_dtype, float[] hyper, bool[] flags, int seed, int[] offsets, "
-           "Tensor? found_inf, Tensor? grad_scale, Tensor(d!) counts) -> ()")
+           "Tensor? found_inf, Tensor? grad_scale, Tensor(d!) counts, str? weight_format=None) -> ()")
 
 torch.library._register_effectful_op("lowfp::draw_seed", torch._library.effects.EffectType.ORDERED)
 
@@ -135,7 +137,18 @@ def _s2fp8_into_impl(x, out, fmt, log_max, rounding, sr_bits, seed, drawn_seed, 
               params, counts)
 
 
-def _extra_bits_split_impl(w32, dtype, k, rounding, sr_bits, seed, drawn_seed, offset, count):
+def weight_grid(weight_format: Optional[str]) -> tuple:
+    """The native kernels' grid argument: () or the weight format's (e, m, b, specials,
+    subnormals)."""
+    if weight_format is None:
+        return ()
+    from .formats import SPECIALS
+    f = Format.parse(weight_format)
+    return (f.e, f.m, f.b, SPECIALS.index(f.specials), f.subnormals)
+
+
+def _extra_bits_split_impl(w32, dtype, k, rounding, sr_bits, seed, drawn_seed, offset, count,
+                           weight_format=None):
     from .extra_bits import packed_words
     mod, device, stream = backends.native(w32, "w32")
     src = w32.contiguous()
@@ -146,20 +159,22 @@ def _extra_bits_split_impl(w32, dtype, k, rounding, sr_bits, seed, drawn_seed, o
     for t, name in ((src, "w32"), (w16, "the result buffer"), (packed, "the packed buffer")):
         backends.check_dense(t, name)
     mod.extra_bits_split(src.data_ptr(), w16.data_ptr(), DTYPE_CODES[dtype], packed.data_ptr(),
-                         src.numel(), k, ROUNDING_MODES.index(rounding), _key(seed, drawn_seed),
+                         src.numel(), k, weight_grid(weight_format), ROUNDING_MODES.index(rounding),
+                         _key(seed, drawn_seed),
                          offset & _U64,
                          counts.data_ptr() if count else 0, device, stream)
     return w16, packed, counts
 
 
-def _extra_bits_merge_impl(w16, packed, k, rounding):
+def _extra_bits_merge_impl(w16, packed, k, rounding, weight_format=None):
     mod, device, stream = backends.native(w16, "w16")
     src, words = w16.contiguous(), packed.contiguous()
     out = torch.empty(w16.shape, dtype=torch.float32, device=w16.device)
     for t, name in ((src, "w16"), (words, "packed"), (out, "the result buffer")):
         backends.check_dense(t, name)
     mod.extra_bits_merge(src.data_ptr(), DTYPE_CODES[w16.dtype], words.data_ptr(), out.data_ptr(),
-                         src.numel(), k, ROUNDING_MODES.index(rounding), device, stream)
+                         src.numel(), k, weight_grid(weight_format), ROUNDING_MODES.index(rounding),
+                         device, stream)
     return out
 
 
@@ -177,7 +192,7 @@ _UNUSED_STATE = (0, 0, 0)  # the pointers of a step's unused state slots (three 
 
 def _extra_bits_step_impl(params, grads, extras, moments, moments_per_param, optimizer, k,
                           rounding, state_dtype, hyper, flags, seed, offsets, found_inf,
-                          grad_scale, counts):
+                          grad_scale, counts, weight_format=None):
     """One native call (lowfp.optim's buffers are checked by the optimizer before it)."""
     mod, device, stream = backends.native(params[0], "parameter")
     cls, float_names, bool_names = HYPER_FIELDS[optimizer]
@@ -191,7 +206,7 @@ def _extra_bits_step_impl(params, grads, extras, moments, moments_per_param, opt
               p.numel(), offset)
              for i, (p, g, e, offset) in enumerate(zip(params, grads, extras, offsets))]
     mod.extra_bits_step(_OPTIMIZER_CODES[optimizer], DTYPE_CODES[params[0].dtype], k,
-                        ROUNDING_MODES.index(rounding), DTYPE_CODES[state_dtype],
+                        weight_grid(weight_format), ROUNDING_MODES.index(rounding), DTYPE_CODES[state_dtype],
                         getattr(mod, cls)(**values), seed & _U64, slots,
                         0 if found_inf is None else found_inf.data_ptr(),
                         0 if grad_scale is None else grad_scale.data_ptr(), counts.data_ptr(),
@@ -252,7 +267,8 @@ def _s2fp8_into_fake(x, out, fmt, log_max, rounding, sr_bits, seed, drawn_seed, 
 
 
 @torch.library.register_fake("lowfp::extra_bits_split", lib=lib)
-def _extra_bits_split_fake(w32, dtype, k, rounding, sr_bits, seed, drawn_seed, offset, count):
+def _extra_bits_split_fake(w32, dtype, k, rounding, sr_bits, seed, drawn_seed, offset, count,
+                           weight_format=None):
     from .extra_bits import packed_words
     return (w32.new_empty(w32.shape, dtype=dtype),
             w32.new_empty(packed_words(w32.numel(), k, rounding), dtype=torch.int32),
@@ -267,12 +283,12 @@ def _any_non_finite_fake(t):
 @torch.library.register_fake("lowfp::extra_bits_step", lib=lib)
 def _extra_bits_step_fake(params, grads, extras, moments, moments_per_param, optimizer, k,
                           rounding, state_dtype, hyper, flags, seed, offsets, found_inf,
-                          grad_scale, counts):
+                          grad_scale, counts, weight_format=None):
     return None
 
 
 @torch.library.register_fake("lowfp::extra_bits_merge", lib=lib)
-def _extra_bits_merge_fake(w16, packed, k, rounding):
+def _extra_bits_merge_fake(w16, packed, k, rounding, weight_format=None):
     return w16.new_empty(w16.shape, dtype=torch.float32)
 
 

@@ -23,6 +23,7 @@ from . import _C, backends
 from ._checks import check_choice, check_int, is_dtype_in, is_int
 from .backends import inverse_order
 from ._native import as_int64, call_seed, check_uint64
+from .formats import Format, to_format
 from .stats import Stats
 
 __all__ = ["split", "merge", "packed_words", "bits_per_element", "EXTRA_BITS_ROUNDING", "max_extra_bits",
@@ -49,6 +50,39 @@ def check_extra_bits(dtype: torch.dtype, k, rounding: str, name: str = "k",
     check_choice(rounding, EXTRA_BITS_ROUNDING, "rounding")
 
 
+_OWN_GRID = {torch.bfloat16: (8, 7, 0, "ieee", True), torch.float16: (5, 10, 0, "ieee", True)}
+_DTYPE_LIMITS = {torch.bfloat16: Format(8, 7, specials="ieee"), torch.float16: Format(5, 10, specials="ieee")}
+
+
+def check_weight_format(weight_format, dtype: torch.dtype, k, rounding: str,
+                        name: str = "weight_format", k_name: str = "k",
+                        dtype_name: str = "dtype") -> Optional[str]:
+    """The canonical string of a weight format F for weights of ``dtype`` with k extra bits, or
+    None for the 16-bit type's own grid (``weight_format`` None, or F equal to it). F's values
+    must all be ``dtype``'s; k at most 16 and 23 - F's mantissa bits, and F's smallest step over
+    2^k at least 2^-126 (the merged W' is a float32)."""
+    if weight_format is None:
+        check_extra_bits(dtype, k, rounding, k_name, dtype_name)
+        return None
+    f = to_format(weight_format, name)
+    max_extra_bits(dtype, dtype_name)
+    if (f.e, f.m, f.b, f.specials, f.subnormals) == _OWN_GRID[dtype]:
+        check_extra_bits(dtype, k, rounding, k_name, dtype_name)
+        return None
+    limits = _DTYPE_LIMITS[dtype]
+    if f.m > limits.m or f.max > limits.max or f.smallest < limits.smallest:
+        raise ValueError(f"{name} {f} does not fit {dtype}: its values must be {dtype} values "
+                         f"(at most {limits.m} mantissa bits, largest {limits.max:g}, smallest "
+                         f"{limits.smallest:g})")
+    check_int(k, k_name)
+    k_max = min(16, 23 - f.m, int(math.log2(f.smallest)) + 126)
+    if not 1 <= k <= k_max:
+        raise ValueError(f"{k_name} must be between 1 and {k_max} for weights on {f}'s grid, "
+                         f"got {k}")
+    check_choice(rounding, EXTRA_BITS_ROUNDING, "rounding")
+    return str(Format(f.e, f.m, f.b, specials=f.specials, subnormals=f.subnormals))
+
+
 def bits_per_element(k: int, rounding: str) -> int:
     """q: k extra bits, plus the flag bit that modes other than toward_zero need."""
     return k + (0 if rounding == "toward_zero" else 1)
@@ -62,15 +96,19 @@ def packed_words(numel: int, k: int, rounding: str) -> int:
 def split(w32: torch.Tensor, dtype: torch.dtype = torch.bfloat16, k: int = 16,
           rounding: str = "toward_zero", *, seed: Optional[int] = None,
           generator: Optional[torch.Generator] = None, offset: int = 0,
-          stats: Optional[Stats] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+          stats: Optional[Stats] = None, weight_format=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Split float32 ``w32`` into a ``dtype`` tensor of the same shape and its packed extra bits
     (int32, ``packed_words(numel, k, rounding)`` words, elements in row-major order). Stochastic
     rounding draws Philox words as :func:`lowfp.quantize` does (``seed``, ``generator``,
-    ``offset``); ``stats`` counts the 16-bit weights' overflows, underflows and NaNs."""
+    ``offset``); ``stats`` counts the 16-bit weights' overflows, underflows and NaNs.
+
+    ``weight_format``: a lowfp format F whose values ``dtype`` holds (``"float8_e5m2"``,
+    ``"fp(4,3,4)"``): the weights are W rounded to F (saturating at F's largest value) and the
+    extra bits are the k bits below F's last bit (docs/design.md §5)."""
     if not isinstance(w32, torch.Tensor) or w32.dtype != torch.float32:
         raise TypeError(f"w32 must be a float32 torch.Tensor, got "
                         f"{w32.dtype if isinstance(w32, torch.Tensor) else type(w32).__name__}")
-    check_extra_bits(dtype, k, rounding)
+    grid = check_weight_format(weight_format, dtype, k, rounding)
     backends.check_operand(w32, "w32")
     if stats is not None and (not isinstance(stats, Stats) or stats.device != w32.device):
         raise ValueError(f"stats must be a lowfp.Stats on {w32.device}")
@@ -79,18 +117,20 @@ def split(w32: torch.Tensor, dtype: torch.dtype = torch.bfloat16, k: int = 16,
     seed, drawn = call_seed(rounding, seed, generator)
     offset = as_int64(check_uint64(offset, "offset"))
     w16, packed, counts = torch.ops.lowfp.extra_bits_split(w32, dtype, k, rounding, 32, seed, drawn,
-                                                           offset, stats is not None)
+                                                           offset, stats is not None, grid)
     if stats is not None:
         stats.counts.add_(counts)
     return w16, packed
 
 
-def merge(w16: torch.Tensor, packed: torch.Tensor, k: int = 16, rounding: str = "toward_zero"
-          ) -> torch.Tensor:
-    """W' (float32, w16's shape) from a 16-bit tensor and its packed extra bits."""
+def merge(w16: torch.Tensor, packed: torch.Tensor, k: int = 16, rounding: str = "toward_zero",
+          *, weight_format=None) -> torch.Tensor:
+    """W' (float32, w16's shape) from a 16-bit tensor and its packed extra bits (split with the
+    same ``k``, ``rounding`` and ``weight_format``)."""
     if not isinstance(w16, torch.Tensor):
         raise TypeError(f"w16 must be a torch.Tensor, got {type(w16).__name__}")
-    check_extra_bits(w16.dtype, k, rounding, dtype_name="w16's dtype")
+    max_extra_bits(w16.dtype, "w16's dtype")
+    grid = check_weight_format(weight_format, w16.dtype, k, rounding)
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32:
         raise TypeError("packed must be an int32 torch.Tensor")
     backends.check_operand(w16, "w16")
@@ -101,7 +141,7 @@ def merge(w16: torch.Tensor, packed: torch.Tensor, k: int = 16, rounding: str = 
     if packed.numel() != want:
         raise ValueError(f"packed has {packed.numel()} words but {w16.numel()} elements with "
                          f"k={k}, rounding={rounding!r} need {want}")
-    return torch.ops.lowfp.extra_bits_merge(w16, packed, k, rounding)
+    return torch.ops.lowfp.extra_bits_merge(w16, packed, k, rounding, grid)
 
 
 def _bit_positions(numel: int, q: int, device) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -103,6 +103,26 @@ void truncations_through_f16c(const W16* w16, const uint32_t* values, uint32_t k
   half_tile_to_float(t, t_bits, len);
 }
 
+// t_bits[i] = the truncation t of weight i on the grid: on the 16-bit type's own, or a weight
+// format's (the weights widened first, then stepped on F's grid).
+template <class W16, bool kGrid>
+void truncations(const W16* w16, const uint32_t* values, const ExtraBitsParams& e, int64_t len,
+                 uint32_t* t_bits) {
+  if constexpr (kGrid) {
+    if constexpr (kF16cTiles<W16>) {
+      half_tile_to_float(w16, t_bits, len);
+    } else {
+      for (int64_t i = 0; i < len; ++i) t_bits[i] = Widen<uint32_t>::from(w16[i]);
+    }
+    for (int64_t i = 0; i < len; ++i)
+      t_bits[i] = grid_truncation_bits(t_bits[i], values[i] >> e.k, e);
+  } else if constexpr (kF16cTiles<W16>) {
+    truncations_through_f16c(w16, values, e.k, len, t_bits);
+  } else {
+    for (int64_t i = 0; i < len; ++i) t_bits[i] = truncation_bits(w16[i], values[i] >> e.k);
+  }
+}
+
 // w16[i] = w_bits[i], a value of the 16-bit type (or inf, NaN).
 template <class W16>
 void store_tile(const uint32_t* w_bits, int64_t len, W16* w16) {
@@ -114,13 +134,13 @@ void store_tile(const uint32_t* w_bits, int64_t len, W16* w16) {
 
 // One element of a split: the 16-bit weight's bits of float32 bits w32 into w_bits, its extra
 // bits and flag into value, its rounding events added to the tile's counters.
-template <class W16, RoundKind K>
+template <class W16, RoundKind K, bool kGrid>
 LOWFP_HD void split_element(uint32_t w32, const ExtraBitsParams& e, uint32_t r, uint32_t& w_bits,
                             uint32_t& value, uint32_t& above_max, uint32_t& underflow,
                             uint32_t& nan) {
   uint32_t extra, flag;
   RoundEvents ev;
-  w_bits = split_bits<W16, K>(w32, e, r, extra, flag, ev);
+  w_bits = split_bits<W16, K, kGrid>(w32, e, r, extra, flag, ev);
   value = extra | (flag << e.k);
   above_max += ev.above_max;
   underflow += ev.underflow;
@@ -148,7 +168,7 @@ void sqrt_tile(const CpuSqrt& root, const float* q, int64_t len, float* out) {
   }
 }
 
-template <class W16, RoundKind K, class Update>
+template <class W16, RoundKind K, bool kGrid, class Update>
 void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, int64_t b1,
                  EventCounts& counts, const Update update) {
   const ExtraBitsParams e = s.e;
@@ -172,14 +192,11 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
     unpack_tile(words, e.q, blocks, values);
     if constexpr (K == RoundKind::Stochastic)
       philox_fill(rand, s.seed, (slot.rand_element + uint64_t(i0)) / 4, (phase + len + 3) / 4);
+    truncations<W16, kGrid>(w16 + i0, values, e, len, w_bits);
     if constexpr (kF16cTiles<W16>) {
-      truncations_through_f16c(w16 + i0, values, e.k, len, w_bits);
       half_tile_to_float(grad + i0, g32, len);
     } else {
-      for (int64_t i = 0; i < len; ++i) {
-        w_bits[i] = truncation_bits(w16[i0 + i], values[i] >> e.k);
-        g32[i] = bit_cast<float>(Widen<uint32_t>::from(grad[i0 + i]));
-      }
+      for (int64_t i = 0; i < len; ++i) g32[i] = bit_cast<float>(Widen<uint32_t>::from(grad[i0 + i]));
     }
     if (grad_scale != nullptr) {  // a loop of its own: the update loop stays as it is without
       const GradUnscale unscale(*grad_scale);  // (-O3 unswitches its branch out of the loop)
@@ -192,7 +209,7 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
       float* w32 = reinterpret_cast<float*>(w_bits);
       alignas(64) float q[kTileElements];
       for (int64_t i = 0; i < len; ++i) {
-        float w = bit_cast<float>(merge_bits<W16>(w_bits[i], values[i] & k_mask, e));
+        float w = bit_cast<float>(merge_bits<W16, kGrid>(w_bits[i], values[i] & k_mask, e));
         q[i] = update.moments(i0 + i, w, g32[i], g32[i]);
         w32[i] = w;
       }
@@ -201,16 +218,16 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
       for (int64_t i = 0; i < len; ++i) {
         const float w_new = update.finish(w32[i], g32[i], q[i]);
         const uint32_t r = K == RoundKind::Stochastic ? rnd[i] : 0u;
-        split_element<W16, K>(bit_cast<uint32_t>(w_new), e, r, w_bits[i], values[i], above_max,
-                              underflow, nan);
+        split_element<W16, K, kGrid>(bit_cast<uint32_t>(w_new), e, r, w_bits[i], values[i],
+                                     above_max, underflow, nan);
       }
     } else {
       for (int64_t i = 0; i < len; ++i) {
-        const uint32_t w = merge_bits<W16>(w_bits[i], values[i] & k_mask, e);
+        const uint32_t w = merge_bits<W16, kGrid>(w_bits[i], values[i] & k_mask, e);
         const float w_new = update_element(update, bit_cast<float>(w), g32[i], i0 + i);
         const uint32_t r = K == RoundKind::Stochastic ? rnd[i] : 0u;
-        split_element<W16, K>(bit_cast<uint32_t>(w_new), e, r, w_bits[i], values[i], above_max,
-                              underflow, nan);
+        split_element<W16, K, kGrid>(bit_cast<uint32_t>(w_new), e, r, w_bits[i], values[i],
+                                     above_max, underflow, nan);
       }
     }
     finish_split_tile(w_bits, values, len, blocks, e.q, w16 + i0, words, counts, above_max,
@@ -225,7 +242,7 @@ void extra_bits_step_range(const ExtraBitsStep& s, int64_t slot, int64_t b0, int
   dispatch_extra_bits_step(s, [&](auto w16, auto kind, auto maker) {
     using Maker = typename decltype(maker)::type;
     const ExtraBitsSlot& sl = s.slots[slot];
-    step_blocks<typename decltype(w16)::type, decltype(kind)::value>(
+    step_blocks<typename decltype(w16)::type, decltype(kind)::value, decltype(w16)::grid>(
         s, sl, b0, b1, counts, Maker::make(s.sgd, s.adam, sl));
   });
 }
@@ -234,6 +251,7 @@ void extra_bits_split_range(const ExtraBitsParams& e, Rounding mode, const Extra
                             int64_t b0, int64_t b1, EventCounts& counts) {
   dispatch_extra_bits_kind(e, mode, [&](auto w16_type, auto kind) {
     using W16 = typename decltype(w16_type)::type;
+    constexpr bool G = decltype(w16_type)::grid;
     constexpr RoundKind K = decltype(kind)::value;
     W16* w16 = static_cast<W16*>(a.w16);
     alignas(64) uint32_t values[kTileElements];
@@ -247,8 +265,8 @@ void extra_bits_split_range(const ExtraBitsParams& e, Rounding mode, const Extra
       uint32_t above_max = 0, underflow = 0, nan = 0;
       for (int64_t i = 0; i < len; ++i) {
         const uint32_t r = K == RoundKind::Stochastic ? rand[i] : 0u;
-        split_element<W16, K>(bit_cast<uint32_t>(a.w32[i0 + i]), e, r, w_bits[i], values[i],
-                              above_max, underflow, nan);
+        split_element<W16, K, G>(bit_cast<uint32_t>(a.w32[i0 + i]), e, r, w_bits[i], values[i],
+                                 above_max, underflow, nan);
       }
       finish_split_tile(w_bits, values, len, blocks, e.q, w16 + i0, a.words + t * e.q, counts,
                         above_max, underflow, nan);
@@ -258,29 +276,22 @@ void extra_bits_split_range(const ExtraBitsParams& e, Rounding mode, const Extra
 
 void extra_bits_merge_range(const ExtraBitsParams& e, const ExtraBitsMerge& a, int64_t b0,
                             int64_t b1) {
-  auto run = [&](auto w16_type) {
+  dispatch_weights(e, [&](auto w16_type) {
     using W16 = typename decltype(w16_type)::type;
+    constexpr bool G = decltype(w16_type)::grid;
     const W16* w16 = static_cast<const W16*>(a.w16);
     const uint32_t k_mask = (1u << e.k) - 1u;
     alignas(64) uint32_t values[kTileElements];
-    alignas(64) uint32_t t_bits[kF16cTiles<W16> ? kTileElements : 1];
+    alignas(64) uint32_t t_bits[kTileElements];
     for (int64_t t = b0; t < b1; t += kTileBlocks) {
       const int64_t blocks = min_of(kTileBlocks, b1 - t);
       const int64_t i0 = t * 32, len = min_of(blocks * 32, a.n - i0);
       unpack_tile(a.words + t * e.q, e.q, blocks, values);
-      if constexpr (kF16cTiles<W16>) {
-        truncations_through_f16c(w16 + i0, values, e.k, len, t_bits);
-        for (int64_t i = 0; i < len; ++i)
-          a.w32[i0 + i] = bit_cast<float>(merge_bits<W16>(t_bits[i], values[i] & k_mask, e));
-      } else {
-        for (int64_t i = 0; i < len; ++i)
-          a.w32[i0 + i] = bit_cast<float>(merge_bits<W16>(
-              truncation_bits(w16[i0 + i], values[i] >> e.k), values[i] & k_mask, e));
-      }
+      truncations<W16, G>(w16 + i0, values, e, len, t_bits);
+      for (int64_t i = 0; i < len; ++i)
+        a.w32[i0 + i] = bit_cast<float>(merge_bits<W16, G>(t_bits[i], values[i] & k_mask, e));
     }
-  };
-  if (e.bf16) run(Type<BFloat>{});
-  else run(Type<Half>{});
+  });
 }
 
 }  // namespace LOWFP_ISA_NS

@@ -38,11 +38,12 @@ void set_cpu_sqrt(CpuSqrt root) {
 
 CpuSqrt cpu_sqrt() { return {g_sqrt_fn.load(), g_sqrt_mode.load()}; }
 
-ExtraBitsParams make_extra_bits_params(DType weights, int32_t k, Rounding mode) {
+ExtraBitsParams make_extra_bits_params(DType weights, int32_t k, Rounding mode,
+                                       const FormatSpec* grid) {
   if (weights != DType::Float16 && weights != DType::BFloat16)
     throw std::invalid_argument("extra bits need float16 or bfloat16 weights");
   const bool bf16 = weights == DType::BFloat16;
-  const int32_t k_max = bf16 ? 16 : 13;
+  const int32_t k_max = bf16 || grid != nullptr ? 16 : 13;  // (a weight format: checked below)
   if (k < 1 || k > k_max)
     throw std::invalid_argument("k must be between 1 and " + std::to_string(k_max) + " for " +
                                 (bf16 ? "bfloat16" : "float16") + ", got " + std::to_string(k));
@@ -56,12 +57,27 @@ ExtraBitsParams make_extra_bits_params(DType weights, int32_t k, Rounding mode) 
   if (bf16 ? !general.fixed_drop : !same_round_params(general, folded_float16_params(mode)))
     throw std::logic_error("extra bits: the folded rounding parameters disagree with the format's");
   ExtraBitsParams e{};
-  e.m16 = spec.m;
-  e.emin16 = min_exponent(spec);
-  e.emax16 = max_exponent(spec);
+  const FormatSpec& g = grid != nullptr ? *grid : spec;
+  e.m16 = g.m;
+  e.emin16 = min_exponent(g);
+  e.emax16 = max_exponent(g);
   e.k = uint32_t(k);
   e.q = uint32_t(k) + (mode == Rounding::TowardZero ? 0u : 1u);
   e.bf16 = bf16;
+  e.grid = grid != nullptr;
+  e.below_ulp_exp = smallest_exponent(g);
+  e.top_bits = bit_cast<uint32_t>(float(max_value(g))) + (1u << (23 - g.m));
+  if (e.grid) {
+    // F's values are the 16-bit type's (checked in Python); what the kernels assume of it:
+    if (g.m + k > 23)
+      throw std::invalid_argument("a weight format's fraction bits plus k must be at most 23");
+    if (e.below_ulp_exp - k < -126)
+      throw std::invalid_argument("a weight format's smallest step over 2^k must be at least "
+                                  "2^-126: use fewer extra bits");
+    e.f = make_round_params<uint32_t>(g, Overflow::Saturate, mode, 32);
+    if (e.f.subnormal_exponent)
+      throw std::invalid_argument("a weight format must have emin above float32's");
+  }
   return e;
 }
 

@@ -9,9 +9,11 @@
 
 namespace lowfp {
 
-// k, the 16-bit type (Float16 or BFloat16) and the rounding of w (toward_zero, nearest,
-// stochastic); throws std::invalid_argument otherwise.
-ExtraBitsParams make_extra_bits_params(DType weights, int32_t k, Rounding mode);
+// k, the 16-bit type (Float16 or BFloat16), the rounding of w (toward_zero, nearest,
+// stochastic) and the weight format (null: the 16-bit type's own grid); throws
+// std::invalid_argument otherwise.
+ExtraBitsParams make_extra_bits_params(DType weights, int32_t k, Rounding mode,
+                                       const FormatSpec* grid = nullptr);
 
 struct ExtraBitsSplit {       // W (float32) -> w (16-bit) + packed words
   const float* w32;

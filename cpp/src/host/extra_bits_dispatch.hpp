@@ -1,6 +1,6 @@
 // Maps an ExtraBitsStep's runtime choices (16-bit type, rounding kind, optimizer, momentum,
 // state dtype, amsgrad) to template arguments, for the CPU and CUDA drivers alike:
-// fn(Type<W16>{}, Kind<K>{}, Type<Maker>{}), where Maker::make(step, slot) builds the update
+// fn(Weights<W16, kGrid>{}, Kind<K>{}, Type<Maker>{}), where Maker::make(step, slot) builds the update
 // functor of cpp/include/lowfp/optim_math.hpp for one parameter.
 #pragma once
 #include "dispatch.hpp"
@@ -34,6 +34,23 @@ struct MakeAdam {
   }
 };
 
+// The weights' storage type W16 and whether a weight format F sets their grid.
+template <class W16, bool kGrid> struct Weights {
+  using type = W16;
+  static constexpr bool grid = kGrid;
+};
+
+template <class Fn>
+void dispatch_weights(const ExtraBitsParams& e, Fn&& fn) {
+  if (e.bf16) {
+    if (e.grid) fn(Weights<BFloat, true>{});
+    else fn(Weights<BFloat, false>{});
+  } else {
+    if (e.grid) fn(Weights<Half, true>{});
+    else fn(Weights<Half, false>{});
+  }
+}
+
 template <class Fn>
 void dispatch_extra_bits_kind(const ExtraBitsParams& e, Rounding mode, Fn&& fn) {
   auto kind = [&](auto w16) {
@@ -43,8 +60,7 @@ void dispatch_extra_bits_kind(const ExtraBitsParams& e, Rounding mode, Fn&& fn) 
       default: return fn(w16, Kind<RoundKind::Stochastic>{});
     }
   };
-  if (e.bf16) kind(Type<BFloat>{});
-  else kind(Type<Half>{});
+  dispatch_weights(e, kind);
 }
 
 template <class Fn>

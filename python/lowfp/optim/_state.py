@@ -13,8 +13,9 @@ from ..extra_bits import packed_words, reorder_packed
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _PARAM_DTYPES = (torch.float16, torch.bfloat16)
 _MOMENT_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-_LOWFP_GROUP_KEYS = ("extra_bits", "rounding", "state_dtype", "param_dtype")  # not torch.optim's
-_EXTRA_KEYS = ("extra", "extra_bits", "rounding", "param_dtype", "extra_dim_order")
+_LOWFP_GROUP_KEYS = ("extra_bits", "rounding", "state_dtype", "param_dtype",  # not torch.optim's
+                     "weight_format")
+_EXTRA_KEYS = ("extra", "extra_bits", "rounding", "param_dtype", "extra_dim_order", "weight_format")
 
 
 
@@ -72,6 +73,10 @@ def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
             raise ValueError(f"extra_bits/rounding of a parameter group changed from "
                              f"{state['extra_bits']}/{state['rounding']!r} to {k}/{rounding!r} after "
                              "its extra bits were created; build a new optimizer instead")
+        if state.get("weight_format") != group.get("weight_format"):
+            raise ValueError(f"weight_format of a parameter group changed from "
+                             f"{state.get('weight_format')!r} to {group.get('weight_format')!r} "
+                             "after its extra bits were created; build a new optimizer instead")
         if state.get("param_dtype", param_dtype) is not param_dtype:
             _check_param_dtype(p, state)
         want = packed_words(n, k, rounding)

@@ -27,7 +27,7 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
 
     @classmethod
     def _added_group_keys(cls) -> dict:
-        return {"decoupled_weight_decay": cls._decoupled}
+        return {**super()._added_group_keys(), "decoupled_weight_decay": cls._decoupled}
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False, *, foreach: Optional[bool] = None,
@@ -35,12 +35,13 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
                  fused: Optional[bool] = None, decoupled_weight_decay: bool = False,
                  extra_bits: int = 16, rounding: str = "toward_zero",
                  state_dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.bfloat16,
-                 generator: Optional[torch.Generator] = None):
+                 generator: Optional[torch.Generator] = None, weight_format=None):
         _check_torch_switches(foreach, fused, differentiable, capturable)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize,
                         decoupled_weight_decay=decoupled_weight_decay, extra_bits=extra_bits,
-                        rounding=rounding, state_dtype=state_dtype, param_dtype=param_dtype)
+                        rounding=rounding, state_dtype=state_dtype, param_dtype=param_dtype,
+                        weight_format=weight_format)
         super().__init__(params, defaults, generator)
 
     @staticmethod

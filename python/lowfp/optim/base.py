@@ -20,7 +20,8 @@ from .._dtensor import is_dtensor
 from .._native import as_int64, draw_seed
 from .._ops import HYPER_FIELDS, _extra_bits_step_impl
 from ..backends import inverse_order, memory_order
-from ..extra_bits import check_extra_bits, merge, pack, packed_words, reorder_packed, split, unpack
+from ..extra_bits import (check_weight_format, merge, pack, packed_words,
+                          reorder_packed, split, unpack)
 from ..stats import Stats
 from . import _sharded
 from ._ddp import _refuse_if_in_ddp
@@ -52,7 +53,9 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         param_dtype, state_dtype = defaults["param_dtype"], defaults["state_dtype"]
         if not is_dtype_in(param_dtype, _PARAM_DTYPES):
             raise TypeError(f"param_dtype must be torch.float16 or torch.bfloat16, got {param_dtype}")
-        check_extra_bits(param_dtype, k, rounding, "extra_bits", "param_dtype")
+        defaults["weight_format"] = check_weight_format(
+            defaults.get("weight_format"), param_dtype, k, rounding, k_name="extra_bits",
+            dtype_name="param_dtype")
         if not is_dtype_in(state_dtype, _STATE_DTYPES):
             raise TypeError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
         if generator is not None and not isinstance(generator, torch.Generator):
@@ -82,11 +85,13 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             if p.dtype == torch.float32:  # its cut-off bits become its initial extra bits
                 order = memory_order(p)  # packed in memory order; p keeps its layout
                 w16, packed = split(p.detach() if order is None else p.detach().permute(order),
-                                    group["param_dtype"], k, rounding, generator=self._generator)
+                                    group["param_dtype"], k, rounding, generator=self._generator,
+                                    weight_format=group["weight_format"])
                 p.data = w16 if order is None else w16.permute(inverse_order(order))
                 p.grad = None
                 self.state[p].update(extra=packed, extra_bits=k, rounding=rounding,
-                                     param_dtype=group["param_dtype"])
+                                     param_dtype=group["param_dtype"],
+                                     weight_format=group["weight_format"])
                 _record_order(self.state[p], order)
         self._set_philox_offsets(group)
         if self._step_in_backward is not None:  # a group added while stepping inside backward
@@ -97,6 +102,16 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         before any float32 parameter is converted."""
         k, rounding = group["extra_bits"], group["rounding"]
         self._check_hyperparameters(group)
+        group.setdefault("weight_format", None)
+        # k, rounding and the weight format for each dtype the group's weights will have
+        dtypes = {(group["param_dtype"], "param_dtype") if p.dtype == torch.float32
+                  else (p.dtype, "a parameter's dtype")
+                  for p in group["params"] if p.dtype == torch.float32 or p.dtype in _PARAM_DTYPES}
+        wf = group["weight_format"]
+        for dtype, name in sorted(dtypes or {(group["param_dtype"], "param_dtype")}, key=str):
+            wf = check_weight_format(group["weight_format"], dtype, k, rounding,
+                                     k_name="extra_bits", dtype_name=name)
+        group["weight_format"] = wf
         if not is_dtype_in(group["state_dtype"], _STATE_DTYPES):
             raise TypeError(f"state_dtype must be torch.float32 or torch.bfloat16, got {group['state_dtype']}")
         params = group["params"]
@@ -124,13 +139,12 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
             elif p.device != device:
                 raise ValueError(f"all parameters must be on one device: {device} and {p.device}")
             if p.dtype == torch.float32:
-                check_extra_bits(group["param_dtype"], k, rounding, "extra_bits", "param_dtype")
                 _refuse_if_in_ddp(
                     p, f"converting it to {group['param_dtype']} would disconnect that silently (DDP "
                     "would stop averaging its gradients), so build the optimizer before wrapping "
                     "the model in DDP (then model.to(param_dtype) for its buffers, then DDP)")
             elif p.dtype in _PARAM_DTYPES:
-                check_extra_bits(p.dtype, k, rounding, "extra_bits", "a parameter's dtype")
+                pass  # k, rounding and the weight format checked for its dtype above
             else:
                 raise TypeError(f"parameters must be float16 or bfloat16 (or float32, converted to "
                                 f"param_dtype), got {p.dtype}")
@@ -170,14 +184,15 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         """Param-group settings added after optimizers were first saved, with the value that
         reproduces the old behaviour: filled in when an older state_dict or pickle is loaded
         (as torch.optim's __setstate__ does)."""
-        return {}
+        return {"weight_format": None}
 
     @staticmethod
     def _new_extra(p: torch.Tensor, group: dict, state: dict) -> torch.Tensor:
         """Zero extra bits for a parameter that started in 16 bits, made at its first step."""
         k, rounding = group["extra_bits"], group["rounding"]
         extra = torch.zeros(packed_words(p.numel(), k, rounding), dtype=torch.int32, device=p.device)
-        state.update(extra=extra, extra_bits=k, rounding=rounding, param_dtype=p.dtype)
+        state.update(extra=extra, extra_bits=k, rounding=rounding, param_dtype=p.dtype,
+                     weight_format=group["weight_format"])
         _record_order(state, memory_order(p))
         return extra
 
@@ -352,7 +367,8 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         for params, grads_, extras, moments, offs in by_dtype.values():
             step(params, grads_, extras, moments, len(moments) // len(params), self._optimizer,
                  group["extra_bits"], group["rounding"], state_dtype, hyper, flags,
-                 as_int64(seed), offs, found_inf, grad_scale, self.weight_stats.counts)
+                 as_int64(seed), offs, found_inf, grad_scale, self.weight_stats.counts,
+                 group["weight_format"])
         if dtensors:
             torch.autograd.graph.increment_version(dtensors)
         if found_inf is not None and self._host_state_changed(key):
@@ -443,14 +459,15 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                 state = self.state.get(p, {})
                 if "extra" in state and is_dtensor(p):
                     w32 = merge(p._local_tensor.detach(), state["extra"], state["extra_bits"],
-                                state["rounding"])
+                                state["rounding"], weight_format=state.get("weight_format"))
                     out.append(type(p).from_local(w32, p.device_mesh, p.placements, run_check=False,
                                                   shape=p.shape, stride=p.stride()))
                 elif "extra" in state:  # packed in the recorded memory order of p
                     _check_param_dtype(p, state)
                     order = state.get("extra_dim_order")
                     w = p.detach() if order is None else p.detach().permute(order)
-                    w32 = merge(w, state["extra"], state["extra_bits"], state["rounding"])
+                    w32 = merge(w, state["extra"], state["extra_bits"], state["rounding"],
+                                weight_format=state.get("weight_format"))
                     out.append(w32 if order is None else w32.permute(inverse_order(order)))
                 else:
                     out.append(p.detach().float())
@@ -490,8 +507,8 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         added = self._added_group_keys()
         groups, from_torch = [], []
         for g, own in zip(state_dict["param_groups"], self.param_groups):
-            g = {**added, **g}
             foreign = not any(key in g for key in _LOWFP_GROUP_KEYS)  # saved by torch.optim
+            g = {**added, **g}
             if foreign:
                 g = {key: v for key, v in g.items() if key not in _TORCH_SWITCHES}
                 g.update((key, own[key]) for key in _LOWFP_GROUP_KEYS)

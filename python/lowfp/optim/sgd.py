@@ -16,7 +16,9 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
     nesterov=False, maximize=False``), plus ``extra_bits`` (k: 1-16 for bfloat16, 1-13 for
     float16), ``rounding`` of the 16-bit weights (``"toward_zero"``, ``"nearest"``,
     ``"stochastic"``), ``state_dtype`` of the momentum buffer (float32 or bfloat16) and
-    ``param_dtype`` (the 16-bit type float32 parameters are converted to). torch's ``foreach``
+    ``param_dtype`` (the 16-bit type float32 parameters are converted to) and ``weight_format``
+    (None, or a lowfp format whose values param_dtype holds, e.g. ``"float8_e5m2"``: the weights
+    are kept on its grid, the extra bits continue below its last bit). torch's ``foreach``
     and ``fused`` are accepted and change nothing (the step is always lowfp's fused kernel);
     ``differentiable=True`` is refused. ``lr`` may be a 1-element tensor, as in torch.optim
     (schedulers fill it in place); each step reads it as a float, as torch's default CPU step.
@@ -34,11 +36,12 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
                  foreach: Optional[bool] = None, differentiable: bool = False,
                  fused: Optional[bool] = None, extra_bits: int = 16, rounding: str = "toward_zero",
                  state_dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.bfloat16,
-                 generator: Optional[torch.Generator] = None):
+                 generator: Optional[torch.Generator] = None, weight_format=None):
         _check_torch_switches(foreach, fused, differentiable)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, extra_bits=extra_bits,
-                        rounding=rounding, state_dtype=state_dtype, param_dtype=param_dtype)
+                        rounding=rounding, state_dtype=state_dtype, param_dtype=param_dtype,
+                        weight_format=weight_format)
         super().__init__(params, defaults, generator)
 
     @staticmethod
