@@ -125,3 +125,23 @@ def test_optimizers_step_an_fp32_master_truncated_to_the_format_plus_k(opt_cls, 
         other.zero_grad()
         torch.nn.functional.cross_entropy(model2(x.bfloat16()).float(), y).backward()
         other.step()
+
+
+def test_step_in_backward_and_stochastic_rounding_with_a_weight_format():
+    def run(in_backward):
+        model = small_model()
+        opt = ExtraBitsSGD(model.parameters(), lr=0.05, momentum=0.9, extra_bits=6,
+                           rounding="stochastic", weight_format="float8_e5m2",
+                           generator=torch.Generator().manual_seed(3))
+        handle = lowfp.optim.step_in_backward(opt) if in_backward else None
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
+        for _ in range(5):
+            if handle is None:
+                opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x.bfloat16()).float(), y).backward()
+            if handle is None:
+                opt.step()
+        return opt.master_weights()
+    a, b = run(False), run(True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
