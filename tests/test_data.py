@@ -78,3 +78,24 @@ def test_digits_and_synthetic():
     assert not torch.equal(data.load("digits", seed=1).test_y, ds.test_y)
     syn = data.load("synthetic")
     assert syn.train_x.shape == (1024, 1, 8, 8) and syn.num_classes == 10
+
+
+def test_pysource_windows_are_the_next_characters(tmp_path):
+    for i, text in enumerate(["def f(x):\n\treturn x + 1\n", "é = 'naïve'\n" * 3]):
+        (tmp_path / f"m{i}.py").write_text(text, encoding="utf-8")
+    (tmp_path / "skip.txt").write_text("not a module")
+    text = data.pysource_text(40, str(tmp_path))
+    assert text == ("def f(x):\n\treturn x + 1\n\n" + "é = 'naïve'\n" * 3)[:40]
+    with pytest.raises(ValueError, match="fewer than"):
+        data.pysource_text(10 ** 6, str(tmp_path))
+    ds = data.load("pysource")
+    assert ds.tokens and ds.image_size == 64 and ds.num_classes == 98
+    assert "stdlib" in ds.name and "sha256" in ds.name
+    assert ds.train_x.dtype == torch.int64 and ds.train_x.shape[1] == 64
+    assert torch.equal(ds.train_x[:, 1:], ds.train_y[:, :-1])  # y is x shifted by one
+    assert torch.equal(ds.train_x[1:, 0], ds.train_y[:-1, -1])  # windows follow each other
+    assert int(ds.train_x.max()) < 98 and len(ds.test_y) > 0
+    # the text begins with the first module's source
+    first = data.pysource_text(64)
+    assert "".join(data._SYMBOLS[i] if i < 97 else "?" for i in ds.train_x[0].tolist()) == \
+        "".join(c if c in data._SYMBOLS else "?" for c in first)

@@ -69,3 +69,17 @@ def test_extra_bits_optimizers_keep_the_float32_initialisation(optimizer):
     assert all(torch.equal(a, b) for a, b in zip(opt.master_weights(), w32))
     model(torch.randn(2, 1, 8, 8, dtype=torch.bfloat16)).float().sum().backward()
     opt.step()
+
+
+def test_train_a_character_model_on_the_standard_library(tmp_path):
+    out = tmp_path / "r.json"
+    code = cli.main(["train", "--model", "gpt", "--data", "pysource", "--width", "0.25",
+                     "--epochs", "1", "--batch-size", "512", "--assignment", "uniform",
+                     "--optimizer", "adamw", "--lr", "3e-3", "--quiet", "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert code == 0 and not res["diverged"]
+    e = res["epochs"][0]
+    assert 0 < e["test_acc"] < 1 and 0 < e["test_loss"] < 5 and res["final_loss"] == e["test_loss"]
+    # a model and data of different kinds are refused
+    assert cli.main(["train", "--model", "gpt", "--data", "synthetic", "--quiet"]) == 2
+    assert cli.main(["train", "--model", "resnet", "--data", "pysource", "--quiet"]) == 2

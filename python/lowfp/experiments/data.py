@@ -1,15 +1,20 @@
 """Datasets for ``lowfp train`` / ``lowfp sweep``: scikit-learn's handwritten digits (default; it
 ships inside the package, so it works offline), CIFAR-10/100 from the standard python-version
-files on disk, and a synthetic set for quick runs.
+files on disk, a synthetic set for quick runs, and ``pysource``: next-character prediction on
+the source of Python's own standard library, text every Python installation carries.
 
-Every loader returns a :class:`Dataset` of float32 image tensors (N, C, H, W), standardised with
-the training split's per-channel mean and standard deviation, and int64 labels.
+The image loaders return a :class:`Dataset` of float32 image tensors (N, C, H, W), standardised
+with the training split's per-channel mean and standard deviation, and int64 labels; ``pysource``
+returns int64 windows of characters (N, T) and the next character at each position (N, T).
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import os
 import pickle
+import sysconfig
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -20,7 +25,7 @@ from .._optional import import_optional
 
 __all__ = ["Dataset", "load", "DATASETS", "read_cifar"]
 
-DATASETS = ("digits", "cifar10", "cifar100", "synthetic")
+DATASETS = ("digits", "cifar10", "cifar100", "synthetic", "pysource")
 
 
 @dataclass
@@ -31,16 +36,21 @@ class Dataset:
     test_x: torch.Tensor
     test_y: torch.Tensor
     num_classes: int
+    tokens: bool = False  # character windows (N, T) with next-character targets (N, T)
 
     @property
     def in_channels(self) -> int:
-        return self.train_x.shape[1]
+        return 1 if self.tokens else self.train_x.shape[1]
 
     @property
     def image_size(self) -> int:
+        """The images' side, or the windows' length for tokens."""
         return self.train_x.shape[-1]
 
     def __repr__(self) -> str:
+        if self.tokens:
+            return (f"Dataset({self.name!r}: {len(self.train_y)} train / {len(self.test_y)} test "
+                    f"windows of {self.image_size} characters, {self.num_classes} symbols)")
         return (f"Dataset({self.name!r}: {len(self.train_y)} train / {len(self.test_y)} test, "
                 f"{self.in_channels}x{self.image_size}x{self.image_size}, {self.num_classes} classes)")
 
@@ -75,6 +85,52 @@ def _synthetic(seed: int, n_train: int = 1024, n_test: int = 256, classes: int =
     vx, vy = sample(n_test)
     tx, vx = _standardise(x, vx)
     return Dataset("synthetic", tx, torch.from_numpy(y), vx, torch.from_numpy(vy), classes)
+
+
+# pysource: printable ASCII, newline and tab, and one symbol for every other character.
+_SYMBOLS = "\n\t" + "".join(chr(c) for c in range(32, 127))
+PYSOURCE_CHARS = 1 << 19  # 512 Ki characters: 460 Ki to train on, the rest to test
+
+
+def pysource_text(chars: int = PYSOURCE_CHARS, stdlib: Optional[str] = None) -> str:
+    """The first ``chars`` characters of the standard library's top-level modules (``*.py`` in
+    sysconfig's stdlib folder, by sorted name, each file whole and followed by a newline)."""
+    folder = stdlib or sysconfig.get_paths()["stdlib"]
+    parts, total = [], 0
+    for path in sorted(glob.glob(os.path.join(folder, "*.py"))):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read() + "\n"
+        parts.append(text)
+        total += len(text)
+        if total >= chars:
+            break
+    if total < chars:
+        raise ValueError(f"pysource: the standard library at {folder} holds {total} characters "
+                         f"of top-level modules, fewer than {chars}")
+    return "".join(parts)[:chars]
+
+
+def _pysource(block: int = 64, chars: int = PYSOURCE_CHARS) -> Dataset:
+    """Next-character prediction on Python's standard library source, in windows of ``block``
+    characters (train: the first 90 %, test: the rest). The text depends on the Python version;
+    the name records it and the text's hash."""
+    text = pysource_text(chars)
+    index = {c: i for i, c in enumerate(_SYMBOLS)}
+    other = len(_SYMBOLS)
+    ids = np.fromiter((index.get(c, other) for c in text), dtype=np.int64, count=len(text))
+    n_train = int(len(ids) * 0.9)
+
+    def windows(a):
+        n = (len(a) - 1) // block
+        x = a[:n * block].reshape(n, block)
+        y = a[1:n * block + 1].reshape(n, block)
+        return torch.from_numpy(x.copy()), torch.from_numpy(y.copy())
+    tx, ty = windows(ids[:n_train])
+    vx, vy = windows(ids[n_train:])
+    digest = hashlib.sha256(text.encode("utf-8", "replace")).hexdigest()[:8]
+    version = sysconfig.get_python_version()
+    return Dataset(f"pysource (Python {version} stdlib, {len(text)} chars, sha256 {digest})",
+                   tx, ty, vx, vy, other + 1, tokens=True)
 
 
 def _unpickle(path: str) -> dict:
@@ -130,4 +186,6 @@ def load(name: str = "digits", data_dir: Optional[str] = None, seed: int = 0) ->
         return _synthetic(seed)
     if name in ("cifar10", "cifar100"):
         return read_cifar(data_dir, 10 if name == "cifar10" else 100)
+    if name == "pysource":
+        return _pysource()
     raise ValueError(f"data must be one of {DATASETS}, got {name!r}")

@@ -234,7 +234,7 @@ class GPT(nn.Module):
 
 
 MODELS = {"resnet": ResidualCNN, "resnet18": ResNet18, "mobilenet": MobileNetCNN, "shufflenet": ShuffleNetCNN,
-          "transformer": TransformerClassifier}
+          "transformer": TransformerClassifier, "gpt": GPT}  # gpt: character windows (pysource)
 
 
 def build(name: str, in_channels: int, num_classes: int, width: float = 1.0, image_size: int = 8) -> nn.Module:
@@ -243,6 +243,9 @@ def build(name: str, in_channels: int, num_classes: int, width: float = 1.0, ima
         raise ValueError(f"model must be one of {tuple(MODELS)}, got {name!r}")
     if not (isinstance(width, (int, float)) and width > 0):
         raise ValueError(f"width must be a positive number, got {width!r}")
+    if name == "gpt":  # in_channels 1, num_classes the symbols, image_size the window
+        dim = max(4, int(round(128 * width / 4)) * 4)
+        return GPT(num_classes, block_size=image_size, dim=dim, depth=2, heads=4)
     if name == "transformer":
         patch = 2 if image_size <= 8 else 4
         return TransformerClassifier(in_channels, num_classes, width, image_size=image_size, patch=patch)

@@ -95,14 +95,21 @@ def _progress(label: str, done: int, total: int, extra: str, stream) -> None:
     stream.flush()
 
 
-def evaluate(model, x, y, batch_size: int) -> float:
+def evaluate(model, x, y, batch_size: int) -> Tuple[float, float]:
+    """(accuracy, mean cross-entropy in nats) over the test set: per image, or per character
+    for windows of tokens (logits (N, T, V) against targets (N, T))."""
     model.eval()
-    correct = 0
+    correct, loss, count = 0, 0.0, 0
     with torch.no_grad():
         for i in range(0, len(y), batch_size):
-            correct += int((model(x[i:i + batch_size]).argmax(1) == y[i:i + batch_size]).sum())
+            out = model(x[i:i + batch_size]).float()
+            target = y[i:i + batch_size]
+            out, target = out.reshape(-1, out.shape[-1]), target.reshape(-1)
+            correct += int((out.argmax(1) == target).sum())
+            loss += float(F.cross_entropy(out, target, reduction="sum"))
+            count += target.numel()
     model.train()
-    return correct / max(1, len(y))
+    return correct / max(1, count), loss / max(1, count)
 
 
 def make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -135,14 +142,18 @@ def run(cfg: TrainConfig, log=None, progress=None) -> dict:
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.device)
     ds = datasets.load(cfg.data, cfg.data_dir, seed=cfg.seed)
+    if ds.tokens != (cfg.model == "gpt"):
+        raise ValueError("model gpt trains on character windows (--data pysource), the others on "
+                         f"images; got model {cfg.model!r} with data {cfg.data!r}")
     model = models.build(cfg.model, ds.in_channels, ds.num_classes, cfg.width, ds.image_size).to(device)
     opt = make_optimizer(cfg, model)
     dtype = next(model.parameters()).dtype
-    tx, ty = ds.train_x.to(device, dtype), ds.train_y.to(device)
-    vx, vy = ds.test_x.to(device, dtype), ds.test_y.to(device)
+    x_dtype = torch.int64 if ds.tokens else dtype
+    tx, ty = ds.train_x.to(device, x_dtype), ds.train_y.to(device)
+    vx, vy = ds.test_x.to(device, x_dtype), ds.test_y.to(device)
 
     def loss_fn(out, target):
-        return F.cross_entropy(out.float(), target)
+        return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
 
     n = len(ty)
     bs = min(cfg.batch_size, n)
@@ -206,15 +217,15 @@ def run(cfg: TrainConfig, log=None, progress=None) -> dict:
                               f"loss {total_loss / seen:.4f}", progress)
             em.end_step()
             train_loss = total_loss / seen
-            acc = evaluate(model, vx, vy, 512)
+            acc, test_loss = evaluate(model, vx, vy, 512)
             last_step = epochs[-1]["step"] if epochs else 0
             promotions = [p for p in em.history.promotions if p["step"] > last_step]
-            rec = {"epoch": epoch, "train_loss": train_loss, "test_acc": acc,
+            rec = {"epoch": epoch, "train_loss": train_loss, "test_acc": acc, "test_loss": test_loss,
                    "ratio_lo": em.assignment.ratio_lo, "aggregate_bits": em.assignment.aggregate_bits,
                    "promotions": len(promotions), "loss_scale": None if scaler is None else scaler.get_scale(),
                    "seconds": time.perf_counter() - t0, "step": em.step}
             epochs.append(rec)
-            log(f"epoch {epoch}: train loss {train_loss:.4f}, test acc {acc:.4f}, ratio_lo "
+            log(f"epoch {epoch}: train loss {train_loss:.4f}, test loss {test_loss:.4f}, test acc {acc:.4f}, ratio_lo "
                 f"{rec['ratio_lo']:.3f}, aggregate {rec['aggregate_bits'] / 8 / 2**20:.2f} MiB, "
                 f"promotions {len(promotions)}" + ("" if scaler is None else f", loss scale {rec['loss_scale']:g}")
                 + f" ({rec['seconds']:.1f} s)")
@@ -229,6 +240,7 @@ def run(cfg: TrainConfig, log=None, progress=None) -> dict:
             "initial_ratio_lo": assignment.ratio_lo, "initial_aggregate_bits": assignment.aggregate_bits,
             "ratio_lo": em.assignment.ratio_lo, "aggregate_bits": em.assignment.aggregate_bits,
             "final_acc": accs[-1], "best_acc": max(accs), "diverged": diverged,
+            "final_loss": epochs[-1]["test_loss"],
             "promotions": em.history.promotions, "epochs": epochs,
             "history": em.history.to_dict()}
 
