@@ -82,6 +82,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    add_help=False)
     sub.add_parser("sweep", help="the memory-accuracy trade-off of the assignments (lowfp sweep --help)",
                    add_help=False)
+    sub.add_parser("reproduce", help="the papers' comparisons in miniature, with a report "
+                   "(lowfp reproduce --help)", add_help=False)
     if argv and argv[0] == "bench":  # the benchmark parses its own options
         from .experiments import bench
         return bench.main(argv[1:], default_size=1 << 22)
@@ -91,6 +93,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv and argv[0] == "sweep":
         from .experiments import sweep
         return sweep.main(argv[1:])
+    if argv and argv[0] == "reproduce":
+        from .experiments import reproduce
+        return reproduce.main(argv[1:])
     args = parser.parse_args(argv)
     return cmd_formats(args)
 

@@ -95,6 +95,7 @@ def _compact(result: dict, seconds: float) -> dict:
             "initial_aggregate_bits": result["initial_aggregate_bits"],
             "aggregate_bits": result["aggregate_bits"], "best_acc": result["best_acc"],
             "final_acc": result["final_acc"], "final_train_loss": epochs[-1]["train_loss"],
+            "final_loss": epochs[-1].get("test_loss"),
             "diverged": result["diverged"], "promotions": result["promotions"], "epochs": epochs,
             "seconds": seconds}
 
@@ -299,30 +300,24 @@ def plot_curves(runs: Sequence[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def run_sweep(base: train.TrainConfig, out: str, *, strategies: Sequence[str] = STRATEGIES,
-              rs: Sequence[float] = DEFAULT_R, promotions: Sequence[bool] = (True, False),
-              seeds: Sequence[int] = (0, 1, 2), jobs: int = 0, fresh: bool = False,
-              log=None) -> dict:
-    """Run (or resume) a sweep into ``out``; returns {"runs": runs of this grid in plan order,
-    "summary": summarise(runs), "ran": how many runs this call trained}. ``log``: called with
-    each message line (default: print, flushed)."""
+def run_configs(configs: Sequence[dict], path: str, *, jobs: int = 0, fresh: bool = False,
+                log=None, describe=None, name: str = "lowfp") -> Dict[str, dict]:
+    """Train every TrainConfig (as dicts) not yet in the results file ``path`` (resumable: each
+    finished run is saved at once), in ``jobs`` processes (0: one per CPU on the CPU); returns
+    all runs in the file by config key. ``describe(run)`` names a finished run in the log."""
     log = log or functools.partial(print, flush=True)
-    configs = plan(base, strategies, rs, promotions, seeds)
-    for cfg in configs:
-        train.check_config(cfg)
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, "results.json")
     done = {} if fresh else _load(path)
-    keys = [_key(asdict(c)) for c in configs]
-    todo = [asdict(c) for c, k in zip(configs, keys) if k not in done]
+    unique = {_key(cfg): cfg for cfg in configs}  # (experiments may share a run)
+    todo = [cfg for k, cfg in unique.items() if k not in done]
+    total = len(unique)
     cpus = os.cpu_count() or 1
+    on_cpu = all(c.get("device", "cpu") == "cpu" for c in configs)
     if jobs <= 0:
-        jobs = 1 if base.device != "cpu" else min(cpus, max(1, len(todo)))
+        jobs = min(cpus, max(1, len(todo))) if on_cpu else 1
     threads = max(1, cpus // jobs)
-    log(f"lowfp sweep: {len(configs)} runs ({len(configs) - len(todo)} already in {path}), "
+    log(f"{name}: {total} runs ({total - len(todo)} already in {path}), "
         f"{jobs} job(s) x {threads} thread(s)")
     t0 = time.perf_counter()
-
     trained = 0
 
     def finished(run: dict) -> None:
@@ -330,13 +325,11 @@ def run_sweep(base: train.TrainConfig, out: str, *, strategies: Sequence[str] = 
         done[_key(run["config"])] = run
         _save(path, done)
         trained += 1
-        n = len(configs) - len(todo) + trained
         eta = (time.perf_counter() - t0) / trained * (len(todo) - trained)
-        c = run["config"]
-        log(f"[{n}/{len(configs)}] {_cell_of(c).label}, seed {c['seed']}: best acc "
-            f"{run['best_acc']:.4f}, ratio_lo {run['ratio_lo']:.3f}"
-            + (f", {len(run['promotions'])} promotions" if run["promotions"] else "")
-            + (", DIVERGED" if run["diverged"] else "") + f" ({run['seconds']:.1f} s, ~{eta / 60:.1f} min left)")
+        text = describe(run) if describe else f"seed {run['config']['seed']}"
+        log(f"[{total - len(todo) + trained}/{total}] {text}"
+            + (", DIVERGED" if run["diverged"] else "")
+            + f" ({run['seconds']:.1f} s, ~{eta / 60:.1f} min left)")
 
     if todo and jobs == 1:
         for cfg in todo:
@@ -355,6 +348,33 @@ def run_sweep(base: train.TrainConfig, out: str, *, strategies: Sequence[str] = 
                 for fut in futures:
                     fut.cancel()
                 raise
+    return done
+
+
+def run_sweep(base: train.TrainConfig, out: str, *, strategies: Sequence[str] = STRATEGIES,
+              rs: Sequence[float] = DEFAULT_R, promotions: Sequence[bool] = (True, False),
+              seeds: Sequence[int] = (0, 1, 2), jobs: int = 0, fresh: bool = False,
+              log=None) -> dict:
+    """Run (or resume) a sweep into ``out``; returns {"runs": runs of this grid in plan order,
+    "summary": summarise(runs), "ran": how many runs this call trained}. ``log``: called with
+    each message line (default: print, flushed)."""
+    log = log or functools.partial(print, flush=True)
+    configs = plan(base, strategies, rs, promotions, seeds)
+    for cfg in configs:
+        train.check_config(cfg)
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "results.json")
+    before = 0 if fresh else len(_load(path))
+
+    def describe(run: dict) -> str:
+        c = run["config"]
+        return (f"{_cell_of(c).label}, seed {c['seed']}: best acc {run['best_acc']:.4f}, "
+                f"ratio_lo {run['ratio_lo']:.3f}"
+                + (f", {len(run['promotions'])} promotions" if run["promotions"] else ""))
+    done = run_configs([asdict(c) for c in configs], path, jobs=jobs, fresh=fresh, log=log,
+                       describe=describe, name="lowfp sweep")
+    ran = len(done) - before
+    keys = [_key(asdict(c)) for c in configs]
     runs = [done[k] for k in keys]
     summary = summarise(runs)
     _write_csv(os.path.join(out, "results.csv"), [_row(r) for r in runs], RUN_COLUMNS)
@@ -365,7 +385,7 @@ def run_sweep(base: train.TrainConfig, out: str, *, strategies: Sequence[str] = 
              f"{len(seeds)} seed(s)")
     plot_tradeoff(summary, os.path.join(out, "tradeoff.png"), title)
     plot_curves(runs, os.path.join(out, "curves.png"), title)
-    return {"runs": runs, "summary": summary, "ran": len(todo)}
+    return {"runs": runs, "summary": summary, "ran": ran}
 
 
 def _list(kind, text: str, name: str):

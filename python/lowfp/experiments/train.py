@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from .. import assign
 from ..emulate import emulate
+from ..formats import to_format
+from ..quantize import quantize_
 from ..scaled import RECIPES
 from ..scaler import DynamicLossScaler
 from . import data as datasets
@@ -51,6 +53,9 @@ class TrainConfig:
     weight_decay: float = 5e-4
     extra_bits: int = 8
     rounding: str = "nearest"
+    weight_format: Optional[str] = None
+    param_dtype: str = "bfloat16"  # the ExtraBits optimizers' 16-bit weights
+    round_weights: Optional[str] = None  # a format the weights are rounded to after each step
     step_in_backward: bool = False
     loss_scale: str = "dynamic"
     epochs: int = 5
@@ -64,6 +69,9 @@ def check_config(cfg: TrainConfig) -> None:
     """Raise ValueError naming the first option of ``cfg`` that is not allowed."""
     if cfg.model not in models.MODELS:
         raise ValueError(f"model must be one of {tuple(models.MODELS)}, got {cfg.model!r}")
+    if (cfg.data == "pysource") != (cfg.model == "gpt"):
+        raise ValueError("model gpt trains on character windows (--data pysource), the others on "
+                         f"images; got model {cfg.model!r} with data {cfg.data!r}")
     if cfg.assignment not in ASSIGNMENTS:
         raise ValueError(f"assignment must be one of {ASSIGNMENTS}, got {cfg.assignment!r}")
     if cfg.recipe not in GEMM_RECIPES:
@@ -74,6 +82,16 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"schedule must be 'cosine' or 'constant', got {cfg.schedule!r}")
     if cfg.epochs < 1 or cfg.batch_size < 1:
         raise ValueError("epochs and batch_size must be positive")
+    if cfg.round_weights is not None:
+        if cfg.optimizer.startswith("extrabits"):
+            raise ValueError("round_weights is for torch's optimizers (the ExtraBits ones keep "
+                             "their weights on a grid already: use weight_format)")
+        to_format(cfg.round_weights, "round_weights")
+    if cfg.param_dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"param_dtype must be 'bfloat16' or 'float16', got {cfg.param_dtype!r}")
+    if cfg.weight_format is not None and not cfg.optimizer.startswith("extrabits"):
+        raise ValueError("weight_format needs an extrabits optimizer (--optimizer extrabits-sgd "
+                         "or extrabits-adamw)")
     if cfg.step_in_backward and not cfg.optimizer.startswith("extrabits"):
         raise ValueError("step_in_backward needs an extrabits optimizer (--optimizer extrabits-sgd "
                          "or extrabits-adamw)")
@@ -122,14 +140,46 @@ def make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Opti
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     from ..optim import ExtraBitsAdamW, ExtraBitsSGD
+    dtype = getattr(torch, cfg.param_dtype)
     if cfg.optimizer == "extrabits-sgd":
         opt = ExtraBitsSGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                           weight_decay=cfg.weight_decay, extra_bits=cfg.extra_bits, rounding=cfg.rounding)
+                           weight_decay=cfg.weight_decay, extra_bits=cfg.extra_bits,
+                           rounding=cfg.rounding, weight_format=cfg.weight_format,
+                           param_dtype=dtype)
     else:
         opt = ExtraBitsAdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                             extra_bits=cfg.extra_bits, rounding=cfg.rounding)
-    model.to(torch.bfloat16)
+                             extra_bits=cfg.extra_bits, rounding=cfg.rounding,
+                             weight_format=cfg.weight_format, param_dtype=dtype)
+    model.to(dtype)
     return opt
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy per image, or per character of (N, T, V) logits."""
+    return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+def _setup(cfg: TrainConfig):
+    """(dataset, model, optimizer, (train x, y, test x, y) on the device, assignment)."""
+    torch.manual_seed(cfg.seed)
+    device = torch.device(cfg.device)
+    ds = datasets.load(cfg.data, cfg.data_dir, seed=cfg.seed)
+    model = models.build(cfg.model, ds.in_channels, ds.num_classes, cfg.width, ds.image_size).to(device)
+    opt = make_optimizer(cfg, model)
+    x_dtype = torch.int64 if ds.tokens else next(model.parameters()).dtype
+    tensors = (ds.train_x.to(device, x_dtype), ds.train_y.to(device),
+               ds.test_x.to(device, x_dtype), ds.test_y.to(device))
+    bs = min(cfg.batch_size, len(tensors[1]))
+    tr = assign.trace(model, tensors[0][:bs], loss_fn, tensors[1][:bs])
+    cand = assign.Candidates(cfg.hi, cfg.lo_forward, cfg.lo_backward)
+    kwargs = {"r": cfg.r, "order": cfg.order, "seed": cfg.seed} if cfg.assignment == "ours" else {}
+    return ds, model, opt, tensors, assign.make(tr, cfg.assignment, candidates=cand, **kwargs)
+
+
+def initial_assignment(cfg: TrainConfig) -> assign.Assignment:
+    """The assignment cfg's run starts with (its model traced on one batch; nothing trained)."""
+    check_config(cfg)
+    return _setup(cfg)[-1]
 
 
 def run(cfg: TrainConfig, log=None, progress=None) -> dict:
@@ -139,28 +189,10 @@ def run(cfg: TrainConfig, log=None, progress=None) -> dict:
     at once so that piped output keeps up)."""
     check_config(cfg)
     log = log or functools.partial(print, flush=True)
-    torch.manual_seed(cfg.seed)
+    ds, model, opt, (tx, ty, vx, vy), assignment = _setup(cfg)
     device = torch.device(cfg.device)
-    ds = datasets.load(cfg.data, cfg.data_dir, seed=cfg.seed)
-    if ds.tokens != (cfg.model == "gpt"):
-        raise ValueError("model gpt trains on character windows (--data pysource), the others on "
-                         f"images; got model {cfg.model!r} with data {cfg.data!r}")
-    model = models.build(cfg.model, ds.in_channels, ds.num_classes, cfg.width, ds.image_size).to(device)
-    opt = make_optimizer(cfg, model)
-    dtype = next(model.parameters()).dtype
-    x_dtype = torch.int64 if ds.tokens else dtype
-    tx, ty = ds.train_x.to(device, x_dtype), ds.train_y.to(device)
-    vx, vy = ds.test_x.to(device, x_dtype), ds.test_y.to(device)
-
-    def loss_fn(out, target):
-        return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
-
     n = len(ty)
     bs = min(cfg.batch_size, n)
-    tr = assign.trace(model, tx[:bs], loss_fn, ty[:bs])
-    cand = assign.Candidates(cfg.hi, cfg.lo_forward, cfg.lo_backward)
-    kwargs = {"r": cfg.r, "order": cfg.order, "seed": cfg.seed} if cfg.assignment == "ours" else {}
-    assignment = assign.make(tr, cfg.assignment, candidates=cand, **kwargs)
 
     steps_per_epoch = math.ceil(n / bs)
     total_steps = cfg.epochs * steps_per_epoch
@@ -204,6 +236,10 @@ def run(cfg: TrainConfig, log=None, progress=None) -> dict:
                         opt.step()
                 if scaler is not None:
                     scaler.update()
+                if cfg.round_weights is not None:  # no float32 master: the rounded weights stay
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            quantize_(p, cfg.round_weights)
                 if sched is not None:
                     with warnings.catch_warnings():  # skipped steps / step-in-backward never call opt.step
                         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
@@ -277,6 +313,13 @@ def add_arguments(p: argparse.ArgumentParser, skip: Tuple[str, ...] = ()) -> Non
     add("--extra-bits", type=int, default=d.extra_bits)
     add("--rounding", default=d.rounding, choices=("toward_zero", "nearest", "stochastic"),
         help="extra-bits rounding of the ExtraBits optimizers")
+    add("--weight-format", default=None,
+        help="keep the ExtraBits optimizers' weights on this format's grid (e.g. float8_e5m2)")
+    add("--param-dtype", default=d.param_dtype, choices=("bfloat16", "float16"),
+        help="the ExtraBits optimizers' 16-bit weights")
+    add("--round-weights", default=None,
+        help="round the weights to this format after every step of torch's optimizer: weights "
+             "without a float32 master (e.g. float16)")
     add("--step-in-backward", action="store_true")
     add("--loss-scale", default=d.loss_scale, help="'dynamic', 'none' or a fixed scale")
     add("--epochs", type=int, default=d.epochs)

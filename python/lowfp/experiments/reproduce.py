@@ -1,0 +1,379 @@
+"""``lowfp reproduce``: the comparison behind each paper lowfp implements, in miniature, on a task
+where precision matters (next-character prediction on Python's standard library, ``pysource``),
+with several seeds, and a report whose verdicts are computed from the runs.
+
+    lowfp reproduce [mpt|s2fp8|extrabits|assignment|all] [--out DIR] [--seeds N] [--epochs E]
+
+Each experiment is a few *arms* (TrainConfig changes on one base run) and the paper's claims as
+comparisons of two arms' final test loss (cross-entropy per character; lower is better):
+
+- ``better(a, b)``: a ends below b by more than the noise margin;
+- ``close(a, b)``: a ends no more than the tolerance above b (it "reaches" b);
+- ``fails(a, b)``: a diverges, or ends far above b.
+
+The noise margin is twice the larger seed spread (max − min) of the two arms, at least
+NOISE_FLOOR; the tolerance of ``close`` is the larger of the margin and CLOSE × b's loss; "far"
+for ``fails`` is the larger of the margin and FAIL × b's loss. A claim is *reproduced* when the
+data show it beyond the margin, *not reproduced* when they show the opposite, and *inconclusive*
+in between. Runs are keyed by their configuration in ``DIR/results.json``: an interrupted run
+resumes, and experiments share identical runs (the float32 baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .. import __version__
+from .._optional import import_optional
+from . import train
+from .sweep import _key, run_configs
+
+__all__ = ["Arm", "Claim", "Experiment", "EXPERIMENTS", "BASE", "verdict", "arm_stats",
+           "run_reproduce", "main"]
+
+NOISE_FLOOR = 0.005  # nats: the smallest margin (one seed has no spread)
+CLOSE = 0.02         # "reaches": within 2 % of the reference's loss
+FAIL = 0.10          # "fails": 10 % above the reference's loss, or diverged
+
+# The default task: a 2-block GPT (width 64) on 460 Ki characters of the standard library, 3
+# epochs of AdamW (a few seconds a run on 2 CPU cores).
+BASE = train.TrainConfig(model="gpt", data="pysource", width=0.5, epochs=3, batch_size=64,
+                         optimizer="adamw", lr=3e-3, weight_decay=0.01, assignment="fp32",
+                         loss_scale="dynamic", schedule="cosine")
+
+
+@dataclass(frozen=True)
+class Arm:
+    key: str
+    label: str
+    changes: Tuple[Tuple[str, object], ...] = ()
+
+    def config(self, base: train.TrainConfig, seed: int, resolved: Dict[str, float]) -> train.TrainConfig:
+        changes = {k: (resolved[v] if isinstance(v, str) and v in resolved else v)
+                   for k, v in self.changes}
+        return replace(base, seed=seed, **changes)
+
+
+def arm(key: str, label: str, **changes) -> Arm:
+    return Arm(key, label, tuple(sorted(changes.items())))
+
+
+@dataclass(frozen=True)
+class Claim:
+    text: str
+    kind: str  # "better", "close" or "fails"
+    a: str
+    b: str
+
+
+@dataclass(frozen=True)
+class Experiment:
+    key: str
+    title: str
+    claim: str                       # the paper's claim, in words
+    arms: Tuple[Arm, ...]
+    claims: Tuple[Claim, ...]
+    base_changes: Tuple[Tuple[str, object], ...] = ()
+    epochs_factor: int = 1           # epochs = this × the base's
+
+    def base(self, base: train.TrainConfig) -> train.TrainConfig:
+        return replace(base, epochs=base.epochs * self.epochs_factor, **dict(self.base_changes))
+
+
+FP32 = arm("fp32", "float32")
+_FP16 = dict(assignment="uniform", hi="float16", lo_forward="float16", lo_backward="float16")
+_LO8 = dict(lo_forward="fp(4,3,4)", lo_backward="fp(5,2,0)")
+
+EXPERIMENTS: Dict[str, Experiment] = {e.key: e for e in (
+    Experiment(
+        "mpt", "Mixed Precision Training (Micikevicius et al., ICLR 2018)",
+        "Storing activations and gradients in float16 loses small gradients to underflow and "
+        "trains worse; dynamic loss scaling recovers float32's result; float16 weights updated "
+        "without a float32 master copy train worse still.",
+        (FP32, arm("fp16", "float16, no loss scaling", loss_scale="none", **_FP16),
+         arm("fp16-scaled", "float16, dynamic loss scaling", **_FP16),
+         arm("fp16-no-master", "float16, dynamic loss scaling, weights rounded to float16 "
+             "after each step (no float32 master)", round_weights="float16", **_FP16)),
+        (Claim("without loss scaling float16 trains worse than with it", "better", "fp16-scaled", "fp16"),
+         Claim("dynamic loss scaling reaches float32", "close", "fp16-scaled", "fp32"),
+         Claim("float16 weights without a float32 master train worse", "better", "fp16-scaled",
+               "fp16-no-master")),
+        # large batches: the mean loss over 64 Ki characters makes gradients small enough to
+        # underflow float16, as in the paper's detection and speech models
+        base_changes=(("batch_size", 1024), ("lr", 1e-2)), epochs_factor=2),
+    Experiment(
+        "s2fp8", "Shifted and Squeezed 8-bit Floating Point (Cambier et al., ICLR 2020)",
+        "Rounding every tensor to float8_e5m2 without loss scaling fails to train; S2FP8's "
+        "per-tensor shift and squeeze reaches float32's result with no loss scaling and no layer "
+        "kept in high precision.",
+        (FP32, arm("e5m2", "float8_e5m2, no loss scaling", assignment="uniform",
+                   lo_forward="float8_e5m2", lo_backward="float8_e5m2", loss_scale="none"),
+         arm("s2fp8", "S2FP8, no loss scaling", assignment="uniform", lo_forward="s2fp8",
+             lo_backward="s2fp8", loss_scale="none")),
+        (Claim("float8_e5m2 without loss scaling fails", "fails", "e5m2", "fp32"),
+         Claim("S2FP8 reaches float32", "close", "s2fp8", "fp32"))),
+    Experiment(
+        "extrabits", "Memory Efficient Mixed-Precision Optimizers (Lewandowski et al., 2023)",
+        "16-bit weights with 8 extra bits match a float32 master; 8-bit weights with 8 extra bits "
+        "nearly do (ResNet-18/CIFAR-10: fp32 94.64, fp8+8 93.96), with 4 extra bits they fall "
+        "behind (65.53) and without extra bits they fail (8.78).",
+        (FP32, arm("bf16+8", "bfloat16 + 8 extra bits", optimizer="extrabits-adamw", extra_bits=8),
+         arm("fp8+8", "float8_e5m2 + 8 extra bits", optimizer="extrabits-adamw", extra_bits=8,
+             weight_format="float8_e5m2"),
+         arm("fp8+4", "float8_e5m2 + 4 extra bits", optimizer="extrabits-adamw", extra_bits=4,
+             weight_format="float8_e5m2"),
+         arm("fp8+1", "float8_e5m2 + 1 extra bit", optimizer="extrabits-adamw", extra_bits=1,
+             weight_format="float8_e5m2")),
+        (Claim("bfloat16 + 8 extra bits reaches float32", "close", "bf16+8", "fp32"),
+         Claim("float8 + 8 extra bits reaches float32", "close", "fp8+8", "fp32"),
+         Claim("float8 + 8 extra bits beats float8 + 4", "better", "fp8+8", "fp8+4"),
+         Claim("float8 weights with (almost) no extra bits fail", "fails", "fp8+1", "fp32"))),
+    Experiment(
+        "assignment", "Training with Mixed-Precision Floating-Point Assignments (Lee et al., TMLR 2023)",
+        "At an equal low-precision ratio the size-ordered assignment ours(r) trains better than "
+        "the operator-based op; the uniform 8-bit assignment loses accuracy; promoting "
+        "overflowing tensors prevents divergence at a few percent of memory.",
+        (FP32, arm("uniform", "uniform fp(4,3,4)/fp(5,2,0)", assignment="uniform", **_LO8),
+         arm("uniform-no-promotion", "uniform, no promotion", assignment="uniform", promote=False,
+             **_LO8),
+         arm("op", "op", assignment="op", **_LO8),
+         arm("ours", "ours(r = op's ratio)", assignment="ours", r="ratio_of_op", **_LO8)),
+        (Claim("ours(r) beats op at op's low-precision ratio", "better", "ours", "op"),
+         Claim("the uniform 8-bit assignment trains worse than float32", "better", "fp32", "uniform"),
+         Claim("promotion keeps uniform from diverging or degrading", "better", "uniform",
+               "uniform-no-promotion"))),
+)}
+
+
+# -- statistics and verdicts -----------------------------------------------------------------------
+
+@dataclass
+class ArmStats:
+    losses: List[float]      # final test loss per seed (inf: diverged)
+    accs: List[float]
+    ratio_lo: float
+    diverged: int
+
+    @property
+    def n(self) -> int:
+        return len(self.losses)
+
+    @property
+    def mean(self) -> float:
+        return sum(self.losses) / self.n if self.n else math.nan
+
+    @property
+    def spread(self) -> float:
+        finite = [v for v in self.losses if math.isfinite(v)]
+        return max(finite) - min(finite) if len(finite) > 1 else 0.0
+
+
+def arm_stats(runs: Sequence[dict]) -> ArmStats:
+    losses = []
+    for r in runs:
+        v = r.get("final_loss")
+        losses.append(math.inf if r["diverged"] or v is None or not math.isfinite(v) else float(v))
+    return ArmStats(losses, [float(r["final_acc"]) for r in runs],
+                    sum(r["ratio_lo"] for r in runs) / max(1, len(runs)),
+                    sum(bool(r["diverged"]) for r in runs))
+
+
+def verdict(claim: Claim, a: ArmStats, b: ArmStats) -> Tuple[str, str]:
+    """(verdict, the numbers behind it) of ``claim`` on the two arms' statistics."""
+    if a.n == 0 or b.n == 0:
+        return "inconclusive", "no runs"
+    margin = max(2 * max(a.spread, b.spread), NOISE_FLOOR)
+    d = a.mean - b.mean  # > 0: a ends above (worse than) b
+    fmt = lambda v: f"{v:.4f}" if math.isfinite(v) else "diverged"  # noqa: E731
+    said = f"{claim.a} {fmt(a.mean)} vs {claim.b} {fmt(b.mean)}"
+    if math.isinf(a.mean) and math.isinf(b.mean):
+        return "inconclusive", f"{said}: both diverged"
+    if claim.kind == "better":
+        detail = f"{said}, margin {margin:.4f}"
+        if d < -margin:
+            return "reproduced", detail
+        if d > margin:
+            return "not reproduced", detail
+        return "inconclusive", detail + " (within the noise)"
+    if claim.kind == "close":
+        tol = max(margin, CLOSE * b.mean)
+        detail = f"{said}, tolerance {tol:.4f}"
+        return ("reproduced", detail) if d <= tol else ("not reproduced", detail)
+    if claim.kind == "fails":
+        far = max(margin, FAIL * b.mean)
+        detail = f"{said}, far = {far:.4f} above"
+        if d > far:
+            return "reproduced", detail
+        if d <= margin:
+            return "not reproduced", detail
+        return "inconclusive", detail + " (worse, not failed)"
+    raise ValueError(f"claim kind must be better, close or fails, got {claim.kind!r}")
+
+
+# -- running ---------------------------------------------------------------------------------------
+
+def _ratio_of(cfg: train.TrainConfig) -> float:
+    """The low-precision ratio cfg's assignment gives its model (traced, not trained)."""
+    return float(train.initial_assignment(cfg).ratio_lo)
+
+
+def plan(experiments: Sequence[str], base: train.TrainConfig, seeds: Sequence[int]
+         ) -> Dict[str, Dict[str, List[train.TrainConfig]]]:
+    """Per experiment, per arm, one config per seed."""
+    out: Dict[str, Dict[str, List[train.TrainConfig]]] = {}
+    for key in experiments:
+        exp = EXPERIMENTS[key]
+        b = exp.base(base)
+        resolved = {}
+        if any(v == "ratio_of_op" for a in exp.arms for _, v in a.changes):
+            op = next(a for a in exp.arms if a.key == "op")
+            resolved["ratio_of_op"] = round(_ratio_of(op.config(b, seeds[0], {})), 4)
+        out[key] = {a.key: [a.config(b, s, resolved) for s in seeds] for a in exp.arms}
+    return out
+
+
+def run_reproduce(experiments: Sequence[str], base: train.TrainConfig, out: str, *,
+                  seeds: Sequence[int] = (0, 1, 2), jobs: int = 0, fresh: bool = False,
+                  log=None) -> dict:
+    """Run (or resume) the experiments into ``out`` and write ``out/report.md`` with its
+    figures; returns {"report": path, "verdicts": {experiment: [(claim, verdict, detail)]}}."""
+    log = log or functools.partial(print, flush=True)
+    t0 = time.perf_counter()
+    grid = plan(experiments, base, seeds)
+    configs = [c for arms in grid.values() for cs in arms.values() for c in cs]
+    for c in configs:
+        train.check_config(c)
+    os.makedirs(out, exist_ok=True)
+    labels = {_key(asdict(c)): (e, a) for e, arms in grid.items() for a, cs in arms.items() for c in cs}
+
+    def describe(run):
+        e, a = labels.get(_key(run["config"]), ("?", "?"))
+        return (f"{e}/{a}, seed {run['config']['seed']}: test loss "
+                f"{run['final_loss'] if run['final_loss'] is not None else math.nan:.4f}")
+    done = run_configs([asdict(c) for c in configs], os.path.join(out, "results.json"), jobs=jobs,
+                       fresh=fresh, log=log, describe=describe, name="lowfp reproduce")
+    runs = {e: {a: [done[_key(asdict(c))] for c in cs] for a, cs in arms.items()}
+            for e, arms in grid.items()}
+    verdicts = {}
+    for e, arms in runs.items():
+        stats = {a: arm_stats(rs) for a, rs in arms.items()}
+        verdicts[e] = [(c, *verdict(c, stats[c.a], stats[c.b])) for c in EXPERIMENTS[e].claims]
+    path = write_report(out, base, seeds, runs, verdicts, time.perf_counter() - t0)
+    for e, vs in verdicts.items():
+        for c, v, detail in vs:
+            log(f"{e}: {c.text}: {v.upper()} ({detail})")
+    log(f"report: {path}")
+    return {"report": path, "verdicts": verdicts, "runs": runs}
+
+
+# -- the report ------------------------------------------------------------------------------------
+
+def _plot(path: str, title: str, exp: Experiment, arms: Dict[str, List[dict]]) -> bool:
+    try:
+        plt = import_optional("matplotlib.pyplot", "the report's figures")
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for a in exp.arms:
+        rs = arms[a.key]
+        epochs = min(len(r["epochs"]) for r in rs)
+        xs = list(range(1, epochs + 1))
+        for i, r in enumerate(rs):
+            ys = [e.get("test_loss", math.nan) for e in r["epochs"][:epochs]]
+            ax.plot(xs, ys, color=f"C{exp.arms.index(a)}", alpha=0.8,
+                    label=a.label if i == 0 else None, marker="o", markersize=3)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("test loss (nats per character)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_report(out: str, base: train.TrainConfig, seeds: Sequence[int],
+                 runs: Dict[str, Dict[str, List[dict]]], verdicts, seconds: float) -> str:
+    lines = ["# lowfp reproduce", "",
+             f"lowfp {__version__}, Python {platform.python_version()}, {platform.machine()}, "
+             f"{os.cpu_count()} CPUs; seeds {list(seeds)}; this call took {seconds / 60:.1f} min. "
+             "Verdicts are computed from the runs (see `lowfp.experiments.reproduce`): a claim "
+             f"is *reproduced* when the runs show it beyond the noise margin (twice the larger "
+             f"seed spread, at least {NOISE_FLOOR}), *not reproduced* when they show the "
+             "opposite, *inconclusive* in between. Loss: final test cross-entropy (nats per "
+             "character; lower is better).", "",
+             f"Base run: {base.model} (width {base.width:g}) on {base.data}, {base.epochs} epochs "
+             f"of {base.optimizer} (lr {base.lr:g}, batch {base.batch_size}).", "",
+             "| paper | claim | verdict | numbers |", "|---|---|---|---|"]
+    for e, vs in verdicts.items():
+        for c, v, detail in vs:
+            lines.append(f"| {e} | {c.text} | **{v}** | {detail} |")
+    for e, arms in runs.items():
+        exp = EXPERIMENTS[e]
+        b = exp.base(base)
+        lines += ["", f"## {exp.title}", "", f"> {exp.claim}", "",
+                  f"{b.epochs} epochs, batch {b.batch_size}, lr {b.lr:g}.", "",
+                  "| arm | test loss per seed | mean | spread | test accuracy | low-precision ratio |",
+                  "|---|---|---|---|---|---|"]
+        for a in exp.arms:
+            s = arm_stats(arms[a.key])
+            per = ", ".join(f"{v:.4f}" if math.isfinite(v) else "diverged" for v in s.losses)
+            mean = f"{s.mean:.4f}" if math.isfinite(s.mean) else "diverged"
+            acc = sum(s.accs) / max(1, len(s.accs))
+            lines.append(f"| {a.label} (`{a.key}`) | {per} | {mean} | {s.spread:.4f} | {acc:.4f} | "
+                         f"{s.ratio_lo:.3f} |")
+        lines += ["", "Verdicts:", ""]
+        for c, v, detail in verdicts[e]:
+            lines.append(f"- {c.text}: **{v}** ({detail})")
+        if _plot(os.path.join(out, f"{e}.png"), exp.title, exp, arms):
+            lines += ["", f"![{e}]({e}.png)"]
+    path = os.path.join(out, "report.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+# -- command line ----------------------------------------------------------------------------------
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="lowfp reproduce", description=__doc__.split("\n")[0])
+    p.add_argument("experiments", nargs="*", default=["all"],
+                   help=f"which: {', '.join(EXPERIMENTS)} or all (default)")
+    p.add_argument("--out", default="lowfp-reproduce", help="results, report and figures")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=BASE.epochs)
+    p.add_argument("--width", type=float, default=BASE.width)
+    p.add_argument("--data", default=BASE.data, choices=train.datasets.DATASETS)
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--model", default=None, help="default: gpt for pysource, resnet18 otherwise")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--jobs", type=int, default=0, help="parallel runs (0: one per CPU)")
+    p.add_argument("--fresh", action="store_true", help="ignore the results already in --out")
+    args = p.parse_args(argv)
+    names = list(EXPERIMENTS) if args.experiments in (["all"], []) else args.experiments
+    bad = [n for n in names if n not in EXPERIMENTS]
+    if bad:
+        print(f"lowfp reproduce: unknown experiment {bad[0]!r}; choose from {', '.join(EXPERIMENTS)} "
+              "or all", file=sys.stderr)
+        return 2
+    if args.seeds < 1 or args.epochs < 1 or args.width <= 0:
+        print("lowfp reproduce: --seeds, --epochs and --width must be positive", file=sys.stderr)
+        return 2
+    model = args.model or ("gpt" if args.data == "pysource" else "resnet18")
+    base = replace(BASE, epochs=args.epochs, width=args.width, data=args.data,
+                   data_dir=args.data_dir, model=model, device=args.device)
+    try:
+        run_reproduce(names, base, args.out, seeds=list(range(args.seeds)), jobs=args.jobs,
+                      fresh=args.fresh)
+    except ValueError as err:
+        print(f"lowfp reproduce: {err}", file=sys.stderr)
+        return 2
+    return 0

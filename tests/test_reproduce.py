@@ -1,0 +1,79 @@
+"""``lowfp reproduce``: the verdict logic on synthetic results (it can say each of its three
+words), every experiment end to end on a tiny configuration, resuming, and bad options."""
+
+import math
+import os
+from dataclasses import replace
+
+import pytest
+
+from lowfp import cli
+from lowfp.experiments import reproduce as R
+
+
+def stats(*losses, diverged=0):
+    return R.ArmStats(list(losses), [0.5] * len(losses), 0.0, diverged)
+
+
+@pytest.mark.parametrize("kind,a,b,want", [
+    ("better", stats(2.00, 2.01), stats(2.10, 2.11), "reproduced"),
+    ("better", stats(2.10, 2.11), stats(2.00, 2.01), "not reproduced"),
+    ("better", stats(2.00, 2.04), stats(2.03, 2.05), "inconclusive"),  # within twice the spread
+    ("better", stats(2.0), stats(math.inf, diverged=1), "reproduced"),
+    ("close", stats(2.03, 2.04), stats(2.00, 2.01), "reproduced"),     # within 2 %
+    ("close", stats(2.20, 2.21), stats(2.00, 2.01), "not reproduced"),
+    ("close", stats(math.inf, diverged=1), stats(2.0), "not reproduced"),
+    ("fails", stats(3.00, 3.10), stats(2.00, 2.01), "reproduced"),
+    ("fails", stats(math.inf, 3.0, diverged=1), stats(2.00), "reproduced"),
+    ("fails", stats(2.00, 2.01), stats(2.00, 2.01), "not reproduced"),
+    ("fails", stats(2.10, 2.11), stats(2.00, 2.01), "inconclusive"),   # worse, not failed
+])
+def test_verdicts_on_synthetic_results(kind, a, b, want):
+    got, detail = R.verdict(R.Claim("claim", kind, "a", "b"), a, b)
+    assert got == want, detail
+    assert "a " in detail and "b " in detail
+
+
+def test_verdicts_of_nothing_and_of_a_bad_kind():
+    assert R.verdict(R.Claim("c", "better", "a", "b"), stats(), stats(1.0))[0] == "inconclusive"
+    assert R.verdict(R.Claim("c", "better", "a", "b"), stats(math.inf, diverged=1),
+                     stats(math.inf, diverged=1))[0] == "inconclusive"
+    with pytest.raises(ValueError, match="kind"):
+        R.verdict(R.Claim("c", "worse", "a", "b"), stats(1.0), stats(1.0))
+
+
+def test_every_experiment_end_to_end_and_resumed(tmp_path):
+    base = replace(R.BASE, width=0.25, epochs=1)
+    lines = []
+    out = str(tmp_path / "rep")
+    res = R.run_reproduce(list(R.EXPERIMENTS), base, out, seeds=[0], jobs=1, log=lines.append)
+    report = open(res["report"]).read()
+    for key, exp in R.EXPERIMENTS.items():
+        assert exp.title in report
+        assert len(res["verdicts"][key]) == len(exp.claims)
+        for claim, word, _ in res["verdicts"][key]:
+            assert word in ("reproduced", "not reproduced", "inconclusive")
+            assert f"{claim.text}: **{word}**" in report
+        assert os.path.exists(os.path.join(out, f"{key}.png"))
+    # the float32 baseline is one run shared by the experiments that use it
+    fp32 = [res["runs"][k]["fp32"][0]["config"] for k in ("s2fp8", "extrabits")]
+    assert fp32[0] == fp32[1]
+    # at op's ratio: ours's initial low-precision ratio is at least op's
+    runs = res["runs"]["assignment"]
+    assert runs["ours"][0]["initial_ratio_lo"] >= runs["op"][0]["initial_ratio_lo"] - 1e-3
+    # e5m2 without loss scaling trains far worse than float32 even in one epoch
+    e5m2 = dict((c.a, w) for c, w, _ in res["verdicts"]["s2fp8"])["e5m2"]
+    assert e5m2 == "reproduced"
+    lines.clear()
+    R.run_reproduce(["s2fp8"], base, out, seeds=[0], jobs=1, log=lines.append)
+    assert "3 runs (3 already in" in lines[0]  # resumed: nothing trained again
+    assert not any(line.startswith("[") for line in lines)
+
+
+def test_bad_options(tmp_path, capsys):
+    assert cli.main(["reproduce", "s2fp9", "--out", str(tmp_path)]) == 2
+    assert "unknown experiment 's2fp9'" in capsys.readouterr().err
+    assert cli.main(["reproduce", "--seeds", "0", "--out", str(tmp_path)]) == 2
+    assert cli.main(["reproduce", "--data", "synthetic", "--model", "gpt", "--epochs", "1",
+                     "--out", str(tmp_path)]) == 2
+    assert "model gpt trains on character windows" in capsys.readouterr().err
