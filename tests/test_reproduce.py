@@ -11,8 +11,20 @@ from lowfp import cli
 from lowfp.experiments import reproduce as R
 
 
-def stats(*losses, diverged=0):
+def stats(*losses, diverged=0):  # without seeds: compared by their means and spreads
     return R.ArmStats(list(losses), [0.5] * len(losses), 0.0, diverged)
+
+
+def test_arms_with_common_seeds_are_compared_seed_by_seed():
+    a = R.ArmStats([2.00, 2.10, 2.05], [0.5] * 3, 0.0, 0, [0, 1, 2])
+    b = R.ArmStats([2.02, 2.12, 2.07], [0.5] * 3, 0.0, 0, [0, 1, 2])
+    claim = R.Claim("a beats b", "better", "a", "b")
+    # spreads of 0.1 hide a difference of 0.02 between the means, but every seed shows it
+    assert R.verdict(claim, stats(*a.losses), stats(*b.losses))[0] == "inconclusive"
+    word, detail = R.verdict(claim, a, b)
+    assert word == "reproduced" and "per seed -0.0200" in detail
+    b.losses = [2.02, 2.08, 2.07]  # one seed the other way: the differences spread over 0.04
+    assert R.verdict(claim, a, b)[0] == "inconclusive"
 
 
 @pytest.mark.parametrize("kind,a,b,want", [

@@ -11,9 +11,12 @@ comparisons of two arms' final test loss (cross-entropy per character; lower is 
 - ``close(a, b)``: a ends no more than the tolerance above b (it "reaches" b);
 - ``fails(a, b)``: a diverges, or ends far above b.
 
-The noise margin is twice the larger seed spread (max − min) of the two arms, at least
-NOISE_FLOOR; the tolerance of ``close`` is the larger of the margin and CLOSE × b's loss; "far"
-for ``fails`` is the larger of the margin and FAIL × b's loss. A claim is *reproduced* when the
+Arms run with the same seeds (the same initial weights and batch order), so a claim is judged
+on the per-seed differences a − b: the difference is their mean, and the noise margin is their
+spread (max − min), at least NOISE_FLOOR (for arms without common seeds: the difference of the
+means and twice the larger spread of either arm). The tolerance of ``close`` is the larger of
+the margin and CLOSE × b's loss; "far" for ``fails`` is the larger of the margin and FAIL × b's
+loss. A claim is *reproduced* when the
 data show it beyond the margin, *not reproduced* when they show the opposite, and *inconclusive*
 in between. Runs are keyed by their configuration in ``DIR/results.json``: an interrupted run
 resumes, and experiments share identical runs (the float32 baseline).
@@ -161,6 +164,7 @@ class ArmStats:
     accs: List[float]
     ratio_lo: float
     diverged: int
+    seeds: Optional[List[int]] = None
 
     @property
     def n(self) -> int:
@@ -183,17 +187,28 @@ def arm_stats(runs: Sequence[dict]) -> ArmStats:
         losses.append(math.inf if r["diverged"] or v is None or not math.isfinite(v) else float(v))
     return ArmStats(losses, [float(r["final_acc"]) for r in runs],
                     sum(r["ratio_lo"] for r in runs) / max(1, len(runs)),
-                    sum(bool(r["diverged"]) for r in runs))
+                    sum(bool(r["diverged"]) for r in runs), [r["config"]["seed"] for r in runs])
+
+
+def _difference(a: ArmStats, b: ArmStats) -> Tuple[float, float, bool]:
+    """(a − b, noise margin, paired): per-seed differences where both arms ran the same seeds
+    and neither diverged; else the difference of the means."""
+    if a.seeds is not None and a.seeds == b.seeds and all(
+            math.isfinite(x) and math.isfinite(y) for x, y in zip(a.losses, b.losses)):
+        d = [x - y for x, y in zip(a.losses, b.losses)]
+        return sum(d) / len(d), max(max(d) - min(d), NOISE_FLOOR), True
+    return a.mean - b.mean, max(2 * max(a.spread, b.spread), NOISE_FLOOR), False
 
 
 def verdict(claim: Claim, a: ArmStats, b: ArmStats) -> Tuple[str, str]:
     """(verdict, the numbers behind it) of ``claim`` on the two arms' statistics."""
     if a.n == 0 or b.n == 0:
         return "inconclusive", "no runs"
-    margin = max(2 * max(a.spread, b.spread), NOISE_FLOOR)
-    d = a.mean - b.mean  # > 0: a ends above (worse than) b
+    d, margin, paired = _difference(a, b)  # d > 0: a ends above (worse than) b
     fmt = lambda v: f"{v:.4f}" if math.isfinite(v) else "diverged"  # noqa: E731
     said = f"{claim.a} {fmt(a.mean)} vs {claim.b} {fmt(b.mean)}"
+    if paired:
+        said += f" (per seed {d:+.4f} on average)"
     if math.isinf(a.mean) and math.isinf(b.mean):
         return "inconclusive", f"{said}: both diverged"
     if claim.kind == "better":
@@ -290,8 +305,10 @@ def _plot(path: str, title: str, exp: Experiment, arms: Dict[str, List[dict]]) -
             ys = [e.get("test_loss", math.nan) for e in r["epochs"][:epochs]]
             ax.plot(xs, ys, color=f"C{exp.arms.index(a)}", alpha=0.8,
                     label=a.label if i == 0 else None, marker="o", markersize=3)
+    ax.xaxis.set_major_locator(import_optional("matplotlib.ticker", "the report's figures")
+                               .MaxNLocator(integer=True))
     ax.set_xlabel("epoch")
-    ax.set_ylabel("test loss (nats per character)")
+    ax.set_ylabel("test loss (cross-entropy)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -302,12 +319,16 @@ def _plot(path: str, title: str, exp: Experiment, arms: Dict[str, List[dict]]) -
 
 def write_report(out: str, base: train.TrainConfig, seeds: Sequence[int],
                  runs: Dict[str, Dict[str, List[dict]]], verdicts, seconds: float) -> str:
+    every = {id(r): r for arms in runs.values() for rs in arms.values() for r in rs}.values()
+    run_minutes = sum(r["seconds"] for r in every) / 60
     lines = ["# lowfp reproduce", "",
              f"lowfp {__version__}, Python {platform.python_version()}, {platform.machine()}, "
-             f"{os.cpu_count()} CPUs; seeds {list(seeds)}; this call took {seconds / 60:.1f} min. "
-             "Verdicts are computed from the runs (see `lowfp.experiments.reproduce`): a claim "
-             f"is *reproduced* when the runs show it beyond the noise margin (twice the larger "
-             f"seed spread, at least {NOISE_FLOOR}), *not reproduced* when they show the "
+             f"{os.cpu_count()} CPUs; seeds {list(seeds)}; {len(every)} runs, "
+             f"{run_minutes:.1f} min of training in all (this call: {seconds / 60:.1f} min). "
+             "Verdicts are computed from the runs (see `lowfp.experiments.reproduce`): arms "
+             "share seeds (initial weights, batch order), and a claim is *reproduced* when the "
+             "mean per-seed difference shows it beyond the noise margin (the spread of those "
+             f"differences, at least {NOISE_FLOOR}), *not reproduced* when it shows the "
              "opposite, *inconclusive* in between. Loss: final test cross-entropy (nats per "
              "character; lower is better).", "",
              f"Base run: {base.model} (width {base.width:g}) on {base.data}, {base.epochs} epochs "
