@@ -269,3 +269,27 @@ def test_bfloat16_model_with_extra_bits_optimizer_and_scaler():
             losses.append(loss.item())
     assert losses[-1] < 0.8 * losses[0]
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_history_records_the_share_of_gradients_lost_to_underflow():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    x, y = torch.randn(256, 64), torch.randint(0, 10, (256,))
+    tr = A.trace(model, x, F.cross_entropy, y)
+
+    def share(lo_backward):
+        a = A.uniform(tr, candidates=A.Candidates("bfloat16", "bfloat16", lo_backward))
+        seen = []
+        with lowfp.emulate(model, a) as em:
+            em.observer = lambda n, t: seen.append((n, t.detach().clone()))
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            em.end_step()
+        grads = [t for n, t in seen if n.startswith(("dv:", "dtheta:"))]
+        return em.history.steps[-1]["backward_underflow"], grads
+    # fp(5,2,0) (float8_e5m2's range) keeps these gradients, fp(3,2,0) (smallest 2^-3) loses most
+    kept, _ = share("fp(5,2,0)")
+    lost, grads = share("fp(3,2,0)")
+    assert kept < 0.05 < lost <= 1
+    zeros = sum(int((g == 0).sum()) for g in grads) / sum(g.numel() for g in grads)
+    assert lost <= zeros  # every underflow became a zero (some were zero before rounding)

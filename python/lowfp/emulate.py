@@ -104,7 +104,8 @@ class _RoundInGraph(torch.autograd.Function):
 
 class History:
     """Per-step records of an emulated run: ``steps`` (dicts with step, loss_scale, ratio_lo,
-    aggregate_bits, promotions, top_overflow, top_underflow and anything given to
+    aggregate_bits, promotions, top_overflow, top_underflow, backward_underflow (the share of
+    all backward values, dv and dθ, that underflowed to zero) and anything given to
     ``Emulator.record``) and ``promotions`` (step, tensor, overflow ratio, from, to)."""
 
     def __init__(self):
@@ -320,10 +321,14 @@ class Emulator(ForwardSession):
         self.counts.zero_()
         over, under = [], []
         promoted = []
+        grad_underflow = grad_numel = 0
         for name, i in self._row.items():
             o, u, _, n = rows[i]
             if n == 0:
                 continue
+            if role_of(name) in ("dv", "dtheta"):
+                grad_underflow += u
+                grad_numel += n
             if o:
                 over.append((name, o / n))
             if u:
@@ -338,7 +343,8 @@ class Emulator(ForwardSession):
         a = self.assignment
         entry = {"step": self.step, "loss_scale": self._step_scale, "ratio_lo": a.ratio_lo,
                  "aggregate_bits": a.aggregate_bits, "promotions": [n for n, _ in promoted],
-                 "top_overflow": over[:self.top], "top_underflow": under[:self.top]}
+                 "top_overflow": over[:self.top], "top_underflow": under[:self.top],
+                 "backward_underflow": grad_underflow / grad_numel if grad_numel else 0.0}
         entry.update(self._scalars)
         self._scalars = {}
         self.history.steps.append(entry)

@@ -192,11 +192,18 @@ void step_blocks(const ExtraBitsStep& s, const ExtraBitsSlot& slot, int64_t b0, 
     unpack_tile(words, e.q, blocks, values);
     if constexpr (K == RoundKind::Stochastic)
       philox_fill(rand, s.seed, (slot.rand_element + uint64_t(i0)) / 4, (phase + len + 3) / 4);
-    truncations<W16, kGrid>(w16 + i0, values, e, len, w_bits);
-    if constexpr (kF16cTiles<W16>) {
-      half_tile_to_float(grad + i0, g32, len);
+    if constexpr (!kGrid && !kF16cTiles<W16>) {  // bfloat16: one loop widens both
+      for (int64_t i = 0; i < len; ++i) {
+        w_bits[i] = truncation_bits(w16[i0 + i], values[i] >> e.k);
+        g32[i] = bit_cast<float>(Widen<uint32_t>::from(grad[i0 + i]));
+      }
     } else {
-      for (int64_t i = 0; i < len; ++i) g32[i] = bit_cast<float>(Widen<uint32_t>::from(grad[i0 + i]));
+      truncations<W16, kGrid>(w16 + i0, values, e, len, w_bits);
+      if constexpr (kF16cTiles<W16>) {
+        half_tile_to_float(grad + i0, g32, len);
+      } else {
+        for (int64_t i = 0; i < len; ++i) g32[i] = bit_cast<float>(Widen<uint32_t>::from(grad[i0 + i]));
+      }
     }
     if (grad_scale != nullptr) {  // a loop of its own: the update loop stays as it is without
       const GradUnscale unscale(*grad_scale);  // (-O3 unswitches its branch out of the loop)
@@ -287,6 +294,12 @@ void extra_bits_merge_range(const ExtraBitsParams& e, const ExtraBitsMerge& a, i
       const int64_t blocks = min_of(kTileBlocks, b1 - t);
       const int64_t i0 = t * 32, len = min_of(blocks * 32, a.n - i0);
       unpack_tile(a.words + t * e.q, e.q, blocks, values);
+      if constexpr (!G && !kF16cTiles<W16>) {  // bfloat16: one loop
+        for (int64_t i = 0; i < len; ++i)
+          a.w32[i0 + i] = bit_cast<float>(merge_bits<W16>(
+              truncation_bits(w16[i0 + i], values[i] >> e.k), values[i] & k_mask, e));
+        continue;
+      }
       truncations<W16, G>(w16 + i0, values, e, len, t_bits);
       for (int64_t i = 0; i < len; ++i)
         a.w32[i0 + i] = bit_cast<float>(merge_bits<W16, G>(t_bits[i], values[i] & k_mask, e));

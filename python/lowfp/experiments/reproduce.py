@@ -317,6 +317,13 @@ def _plot(path: str, title: str, exp: Experiment, arms: Dict[str, List[dict]]) -
     return True
 
 
+def _underflow(runs: Sequence[dict]) -> str:
+    """The share of backward values (activation and weight gradients) that underflowed to zero,
+    averaged over the runs' epochs ("–" for runs from before it was recorded)."""
+    values = [e["backward_underflow"] for r in runs for e in r["epochs"] if "backward_underflow" in e]
+    return f"{100 * sum(values) / len(values):.3f} %" if values else "–"
+
+
 def write_report(out: str, base: train.TrainConfig, seeds: Sequence[int],
                  runs: Dict[str, Dict[str, List[dict]]], verdicts, seconds: float) -> str:
     every = {id(r): r for arms in runs.values() for rs in arms.values() for r in rs}.values()
@@ -342,15 +349,16 @@ def write_report(out: str, base: train.TrainConfig, seeds: Sequence[int],
         b = exp.base(base)
         lines += ["", f"## {exp.title}", "", f"> {exp.claim}", "",
                   f"{b.epochs} epochs, batch {b.batch_size}, lr {b.lr:g}.", "",
-                  "| arm | test loss per seed | mean | spread | test accuracy | low-precision ratio |",
-                  "|---|---|---|---|---|---|"]
+                  "| arm | test loss per seed | mean | spread | test accuracy | low-precision ratio "
+                  "| gradients lost to underflow |",
+                  "|---|---|---|---|---|---|---|"]
         for a in exp.arms:
             s = arm_stats(arms[a.key])
             per = ", ".join(f"{v:.4f}" if math.isfinite(v) else "diverged" for v in s.losses)
             mean = f"{s.mean:.4f}" if math.isfinite(s.mean) else "diverged"
             acc = sum(s.accs) / max(1, len(s.accs))
             lines.append(f"| {a.label} (`{a.key}`) | {per} | {mean} | {s.spread:.4f} | {acc:.4f} | "
-                         f"{s.ratio_lo:.3f} |")
+                         f"{s.ratio_lo:.3f} | {_underflow(arms[a.key])} |")
         lines += ["", "Verdicts:", ""]
         for c, v, detail in verdicts[e]:
             lines.append(f"- {c.text}: **{v}** ({detail})")

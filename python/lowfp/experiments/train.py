@@ -256,9 +256,11 @@ def run(cfg: TrainConfig, log=None, progress=None) -> dict:
             acc, test_loss = evaluate(model, vx, vy, 512)
             last_step = epochs[-1]["step"] if epochs else 0
             promotions = [p for p in em.history.promotions if p["step"] > last_step]
+            underflow = [h["backward_underflow"] for h in em.history.steps if h["step"] > last_step]
             rec = {"epoch": epoch, "train_loss": train_loss, "test_acc": acc, "test_loss": test_loss,
                    "ratio_lo": em.assignment.ratio_lo, "aggregate_bits": em.assignment.aggregate_bits,
                    "promotions": len(promotions), "loss_scale": None if scaler is None else scaler.get_scale(),
+                   "backward_underflow": sum(underflow) / max(1, len(underflow)),
                    "seconds": time.perf_counter() - t0, "step": em.step}
             epochs.append(rec)
             log(f"epoch {epoch}: train loss {train_loss:.4f}, test loss {test_loss:.4f}, test acc {acc:.4f}, ratio_lo "
