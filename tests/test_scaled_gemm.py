@@ -314,3 +314,35 @@ def test_emulate_takes_a_gemm_recipe():
     assert not torch.equal(out, plain)
     with pytest.raises(ValueError, match="recipe"):
         lowfp.emulate(model, a, gemm_recipe="mxfp5")
+
+
+def test_multihead_attention_is_entered():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 2, batch_first=True)
+    x = torch.randn(2, 16, 32)
+    pad = torch.zeros(2, 16, dtype=torch.bool)
+    pad[1, 12:] = True
+    causal = torch.ones(16, 16, dtype=torch.bool).triu(1)
+    # without formats it is torch's own computation: bit for bit where torch multiplies by bmm
+    # and baddbmm (need_weights), to float rounding where torch calls its fused attention kernel
+    for kw in (dict(), dict(need_weights=False), dict(key_padding_mask=pad, attn_mask=causal),
+               dict(key_padding_mask=pad, need_weights=False)):
+        want = mha(x, x, x, **kw)
+        with emulate_gemms(mha, GemmRecipe(None)):
+            got = mha(x, x, x, **kw)
+        if kw.get("need_weights", True):
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        else:
+            assert torch.allclose(got[0], want[0], rtol=0, atol=1e-6) and got[1] is None
+    # with MXFP8: the packed in-projection, both products and the out-projection are rounded
+    r = lowfp.scaled.RECIPES["mxfp8"]
+    with emulate_gemms(mha, r):
+        out, _ = mha(x, x, x, need_weights=False)
+    w_in, b_in = mha.in_proj_weight.detach(), mha.in_proj_bias.detach()
+    qkv = F.linear(q(x, r.input, -1), q(w_in, r.weight, -1), b_in)
+    Q, K, V = (t.unflatten(-1, (2, 16)).transpose(1, 2) for t in qkv.chunk(3, -1))
+    p = ((q(Q, r.input, -1) @ q(K, r.input, -1).transpose(-1, -2)) * 16 ** -0.5).softmax(-1)
+    o = (q(p, r.input, -1) @ q(V, r.input, -2)).transpose(1, 2).reshape(2, 16, 32)
+    want = F.linear(q(o, r.input, -1), q(mha.out_proj.weight.detach(), r.weight, -1),
+                    mha.out_proj.bias.detach())
+    assert torch.equal(out.detach(), want)

@@ -28,13 +28,17 @@ Attention (``F.scaled_dot_product_attention``) runs as its math: S = Q Kᵀ · s
 softmax, dropout, O = P V, the two products emulated as matmuls (Q and K along the head dim, P
 and V along the keys, and their backward GEMMs as above); softmax stays in the input's dtype.
 
-The bias, transposed convolutions, ``nn.MultiheadAttention`` (whose composite function cannot be
-entered from a torch-function mode) and everything else stay as they are.
+``nn.MultiheadAttention`` runs torch's own ``F.multi_head_attention_forward`` with this mode
+active inside it (the function otherwise hands itself to the mode whole), so its projections are
+emulated linears and its products emulated matmuls (``bmm``, ``baddbmm`` as mask + product) or
+attention. The bias, transposed convolutions and everything else stay as they are.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import types
 
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
@@ -305,6 +309,18 @@ def _attention(recipe, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, 
 _CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
 
 
+@functools.lru_cache(maxsize=None)
+def _entered(func):
+    """``func``, a composite of torch.nn.functional that hands itself whole to a torch-function
+    mode (``F.multi_head_attention_forward``), as a function that skips that hand-over: torch's
+    own body, whose products a mode pushed again around it then sees one by one."""
+    env = dict(func.__globals__, has_torch_function=lambda *args: False)
+    body = types.FunctionType(func.__code__, env, func.__name__, func.__defaults__, func.__closure__)
+    body.__kwdefaults__ = func.__kwdefaults__
+    return body
+
+
+_BADDBMMS = {torch.baddbmm, torch.Tensor.baddbmm}
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm,
             torch.Tensor.mm, torch.Tensor.bmm}
 
@@ -338,6 +354,13 @@ class _Mode(TorchFunctionMode):
         elif func is F.scaled_dot_product_attention and "attention" in ops:
             if args[0].is_floating_point():
                 return _attention(self.recipe, *args, **kwargs)
+        elif func is F.multi_head_attention_forward:
+            with self:  # torch's body, its projections and products seen by this mode
+                return _entered(func)(*args, **kwargs)
+        elif func in _BADDBMMS and "matmul" in ops and not kwargs and len(args) == 3:
+            c, a, b = args  # baddbmm(c, a, b) = c + a @ b (beta = alpha = 1)
+            if a.is_floating_point() and b.is_floating_point():
+                return c + _Matmul.apply(a, b, self.recipe)
         elif func in _MATMULS and "matmul" in ops and not kwargs and len(args) == 2:
             a, b = args
             if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 2
