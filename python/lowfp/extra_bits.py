@@ -50,8 +50,11 @@ def check_extra_bits(dtype: torch.dtype, k, rounding: str, name: str = "k",
     check_choice(rounding, EXTRA_BITS_ROUNDING, "rounding")
 
 
-_OWN_GRID = {torch.bfloat16: (8, 7, 0, "ieee", True), torch.float16: (5, 10, 0, "ieee", True)}
-_DTYPE_LIMITS = {torch.bfloat16: Format(8, 7, specials="ieee"), torch.float16: Format(5, 10, specials="ieee")}
+_OWN_FORMAT = {torch.bfloat16: Format(8, 7, specials="ieee"), torch.float16: Format(5, 10, specials="ieee")}
+
+
+def _grid_key(f: Format) -> tuple:
+    return f.e, f.m, f.b, f.specials, f.subnormals
 
 
 def check_weight_format(weight_format, dtype: torch.dtype, k, rounding: str,
@@ -66,10 +69,10 @@ def check_weight_format(weight_format, dtype: torch.dtype, k, rounding: str,
         return None
     f = to_format(weight_format, name)
     max_extra_bits(dtype, dtype_name)
-    if (f.e, f.m, f.b, f.specials, f.subnormals) == _OWN_GRID[dtype]:
+    limits = _OWN_FORMAT[dtype]
+    if _grid_key(f) == _grid_key(limits):
         check_extra_bits(dtype, k, rounding, k_name, dtype_name)
         return None
-    limits = _DTYPE_LIMITS[dtype]
     if f.m > limits.m or f.max > limits.max or f.smallest < limits.smallest:
         raise ValueError(f"{name} {f} does not fit {dtype}: its values must be {dtype} values "
                          f"(at most {limits.m} mantissa bits, largest {limits.max:g}, smallest "

@@ -84,6 +84,23 @@ struct TileScales {
   alignas(64) uint32_t rand[kTile + 4];
 };
 
+// A tile's rounding events, in counters of the loop's lane width (int32 beside 32-bit lanes keeps
+// the float32 loop at 16 lanes), added to the call's totals at its end.
+template <class T>
+struct TileEvents {
+  T above = 0, under = 0, nans = 0;
+  void add(const RoundEvents& ev) {
+    above += ev.above_max;
+    under += ev.underflow;
+    nans += ev.nan;
+  }
+  void into(int64_t& overflow, int64_t& underflow, int64_t& nan) const {
+    overflow += int64_t(above) - int64_t(nans);  // see RoundEvents
+    underflow += under;
+    nan += nans;
+  }
+};
+
 // One tile in the float64 carrier: n elements from index `first` (row-major). kPow2: every scale
 // is a power of two, so x · (1 / s) is the exact quotient; else divide_nudged. kParts: write q.
 template <class In, RoundKind Kind, bool kCount, bool kPow2, bool kSubExp, bool kParts>
@@ -94,7 +111,7 @@ void run_tile(const ScaledCall& c, int64_t first, int64_t n, int64_t phase, cons
   float* q_out = kParts ? c.q + first : nullptr;
   const RoundParams<uint64_t> p = c.p;
   const RoundParams<uint64_t> out = c.out;
-  int64_t above = 0, under = 0, nans = 0;
+  TileEvents<int64_t> events;
   for (int64_t i = 0; i < n; ++i) {
     const double xv = bit_cast<double>(Widen<uint64_t>::from(x[i]));
     RoundEvents ev;
@@ -102,15 +119,9 @@ void run_tile(const ScaledCall& c, int64_t first, int64_t n, int64_t phase, cons
     const double q = scaled_element<Kind, kPow2, kSubExp>(xv, t.s[i], t.inv[i], p, rw, ev);
     if constexpr (kParts) q_out[i] = float(q);
     y[i] = store_scaled<In>(q * t.s[i], out);
-    if constexpr (kCount) {
-      above += ev.above_max;
-      under += ev.underflow;
-      nans += ev.nan;
-    }
+    if constexpr (kCount) events.add(ev);
   }
-  overflow += above - nans;  // see RoundEvents
-  underflow += under;
-  nan += nans;
+  events.into(overflow, underflow, nan);
 }
 
 // run_tile in the float32 carrier (ScaledCall::narrow): every scale is 2^k.
@@ -122,7 +133,7 @@ void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, int64_t phas
   float* q_out = kParts ? c.q + first : nullptr;
   const RoundParams<uint32_t> p = c.p32;
   const RoundParams<uint32_t> out = c.out32;
-  int32_t above = 0, under = 0, nans = 0;
+  TileEvents<int32_t> events;
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t xb = Widen<uint32_t>::from(x[i]);
     const uint32_t qb = bit_cast<uint32_t>(bit_cast<float>(xb) * t.inv32[i]);
@@ -142,15 +153,9 @@ void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, int64_t phas
       y[i] = Store<In>::from(
           round_bits<RoundKind::Nearest, uint32_t, false>(bit_cast<uint32_t>(v), out, 0u, store_ev));
     }
-    if constexpr (kCount) {
-      above += ev.above_max;
-      under += ev.underflow;
-      nans += ev.nan;
-    }
+    if constexpr (kCount) events.add(ev);
   }
-  overflow += int64_t(above) - int64_t(nans);
-  underflow += under;
-  nan += nans;
+  events.into(overflow, underflow, nan);
 }
 
 template <class In, RoundKind Kind, bool kCount, bool kPow2, bool kSubExp, bool kParts>
