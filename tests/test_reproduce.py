@@ -76,6 +76,12 @@ def test_every_experiment_end_to_end_and_resumed(tmp_path):
     # e5m2 without loss scaling trains far worse than float32 even in one epoch
     e5m2 = dict((c.a, w) for c, w, _ in res["verdicts"]["s2fp8"])["e5m2"]
     assert e5m2 == "reproduced"
+    # the MPT section shows the float32 run's gradients against float16's range
+    assert os.path.exists(os.path.join(out, "mpt-gradients.png"))
+    hist = R.gradient_exponents(res["runs"]["mpt"]["fp32"])
+    share = R.share_below(hist, -25)
+    assert f"{100 * share:.1f} % lie below 2^-25, half float16's smallest subnormal" in report
+    assert 0 < sum(hist[1]) and 0 < share < 1
     lines.clear()
     R.run_reproduce(["s2fp8"], base, out, seeds=[0], jobs=1, log=lines.append)
     assert "3 runs (3 already in" in lines[0]  # resumed: nothing trained again
@@ -89,3 +95,23 @@ def test_bad_options(tmp_path, capsys):
     assert cli.main(["reproduce", "--data", "synthetic", "--model", "gpt", "--epochs", "1",
                      "--out", str(tmp_path)]) == 2
     assert "model gpt trains on character windows" in capsys.readouterr().err
+
+
+def test_gradient_exponents_against_frexp():
+    import torch
+    from lowfp.experiments.train import GradientExponents
+    g = torch.tensor([0.0, 1.0, -0.75, 2.0 ** -24, -(2.0 ** -25) * 1.5, 3e-30, 1e6, float("inf"),
+                      0.0, 2.0 ** -14])
+    h = GradientExponents()
+    h._add(g, 4.0)  # divided by the loss scale 4
+    low = h.LOW
+    want = [0] * len(h.counts)
+    for v in g.tolist():
+        if v != 0 and math.isfinite(v):
+            e = math.frexp(abs(v) / 4)[1] - 1  # 2^e <= |v|/4 < 2^(e+1)
+            want[min(max(e - low, 0), len(want) - 1)] += 1
+    assert h.counts == want and h.zeros == 2
+    hist = (low, h.counts, h.zeros)
+    # below 2^-24: 2^-26, 1.5·2^-27 and 3e-30/4 (of 7 finite nonzero values)
+    assert R.share_below(hist, -24) == pytest.approx(3 / 7)
+    assert R.share_below(hist, -24, shift=3) == pytest.approx(1 / 7)

@@ -86,6 +86,9 @@ class Experiment:
     claims: Tuple[Claim, ...]
     base_changes: Tuple[Tuple[str, object], ...] = ()
     epochs_factor: int = 1           # epochs = this × the base's
+    # (arm, loss-scaled arm): plot the first's activation-gradient exponents against float16's
+    # range, and shifted by the second's final loss scale
+    gradients: Tuple[str, ...] = ()
 
     def base(self, base: train.TrainConfig) -> train.TrainConfig:
         return replace(base, epochs=base.epochs * self.epochs_factor, **dict(self.base_changes))
@@ -111,7 +114,8 @@ EXPERIMENTS: Dict[str, Experiment] = {e.key: e for e in (
                "fp16-no-master")),
         # large batches: the mean loss over 64 Ki characters makes gradients small enough to
         # underflow float16, as in the paper's detection and speech models
-        base_changes=(("batch_size", 1024), ("lr", 1e-2)), epochs_factor=2),
+        base_changes=(("batch_size", 1024), ("lr", 1e-2)), epochs_factor=2,
+        gradients=("fp32", "fp16-scaled")),
     Experiment(
         "s2fp8", "Shifted and Squeezed 8-bit Floating Point (Cambier et al., ICLR 2020)",
         "Rounding every tensor to float8_e5m2 without loss scaling fails to train; S2FP8's "
@@ -317,6 +321,85 @@ def _plot(path: str, title: str, exp: Experiment, arms: Dict[str, List[dict]]) -
     return True
 
 
+# below 2^-25, half float16's smallest subnormal 2^-24, values round to zero; below its smallest
+# normal 2^-14 they keep fewer significant bits
+FLOAT16_ZERO, FLOAT16_NORMAL = -25, -14
+
+
+def gradient_exponents(runs: Sequence[dict]) -> Optional[Tuple[int, List[int], int]]:
+    """(lowest exponent, counts per binade, zeros) of the activation gradients the runs sampled
+    (the last step of each epoch), summed; None for runs from before they were recorded."""
+    hists = [e["gradient_exponents"] for r in runs for e in r["epochs"] if "gradient_exponents" in e]
+    if not hists:
+        return None
+    counts = [sum(c) for c in zip(*(h["counts"] for h in hists))]
+    return hists[0]["low"], counts, sum(h["zeros"] for h in hists)
+
+
+def share_below(hist: Tuple[int, List[int], int], exponent: int, shift: int = 0) -> float:
+    """The share of the nonzero gradients below 2^exponent once multiplied by 2^shift."""
+    low, counts, _ = hist
+    below = sum(c for i, c in enumerate(counts) if low + i + shift < exponent)
+    return below / max(1, sum(counts))
+
+
+def _final_scale_exponent(runs: Sequence[dict]) -> Optional[int]:
+    scales = [r["epochs"][-1].get("loss_scale") for r in runs]
+    if not scales or any(s is None or s <= 0 for s in scales):
+        return None
+    return min(int(math.log2(s)) for s in scales)
+
+
+def _gradients_section(out: str, exp: Experiment, arms: Dict[str, List[dict]]) -> List[str]:
+    """The report's paragraph and figure on the gradients of exp.gradients' arms."""
+    plain, scaled = exp.gradients
+    hist = gradient_exponents(arms[plain])
+    if hist is None:
+        return []
+    shift = _final_scale_exponent(arms[scaled])
+    labels = {a.key: a.label for a in exp.arms}
+    low, counts, zeros = hist
+    total = sum(counts) + zeros
+    text = (f"Activation gradients of the {labels[plain]} runs (the loss's gradient at every "
+            f"layer's output, last step of each epoch; {total} values, "
+            f"{100 * zeros / max(1, total):.1f} % exactly zero): of the nonzero ones "
+            f"{100 * share_below(hist, FLOAT16_ZERO):.1f} % lie below 2^{FLOAT16_ZERO}, half "
+            "float16's smallest subnormal, and round to zero in float16, and "
+            f"{100 * share_below(hist, FLOAT16_NORMAL):.1f} % below its smallest normal "
+            f"2^{FLOAT16_NORMAL} (fewer significant bits).")
+    if shift is not None:
+        text += (f" Multiplied by 2^{shift}, the smallest final loss scale of the "
+                 f"{labels[scaled]} runs, {100 * share_below(hist, FLOAT16_ZERO, shift):.2f} % "
+                 f"remain below 2^{FLOAT16_ZERO}.")
+    lines = ["", text]
+    try:
+        plt = import_optional("matplotlib.pyplot", "the report's figures")
+    except ImportError:
+        return lines
+    n = max(1, sum(counts))
+    xs = [low + i for i in range(len(counts))]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    ax.bar(xs, [c / n for c in counts], width=1.0, align="edge", color="C0", alpha=0.7,
+           label=labels[plain])
+    if shift is not None:
+        ax.step([x + shift for x in xs] + [xs[-1] + shift + 1], [c / n for c in counts] + [0],
+                where="post", color="C2", label=f"× 2^{shift} (loss scale)")
+    used = [x for x, c in zip(xs, counts) if c]
+    left, right = used[0] - 1, used[-1] + 2 + max(0, shift or 0)
+    ax.axvspan(left, FLOAT16_ZERO, color="C3", alpha=0.12, label="rounds to zero in float16")
+    ax.axvline(FLOAT16_ZERO, color="C3", lw=1)
+    ax.axvline(FLOAT16_NORMAL, color="C1", lw=1, ls="--", label="float16's smallest normal")
+    ax.set_xlim(left, right)
+    ax.set_xlabel("log2 |activation gradient|")
+    ax.set_ylabel("share of nonzero values")
+    ax.set_title(f"{exp.title}: gradients", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, f"{exp.key}-gradients.png"), dpi=110)
+    plt.close(fig)
+    return lines + ["", f"![{exp.key} gradients]({exp.key}-gradients.png)"]
+
+
 def _underflow(runs: Sequence[dict]) -> str:
     """The share of backward values (activation and weight gradients) that underflowed to zero,
     averaged over the runs' epochs ("–" for runs from before it was recorded)."""
@@ -350,20 +433,23 @@ def write_report(out: str, base: train.TrainConfig, seeds: Sequence[int],
         lines += ["", f"## {exp.title}", "", f"> {exp.claim}", "",
                   f"{b.epochs} epochs, batch {b.batch_size}, lr {b.lr:g}.", "",
                   "| arm | test loss per seed | mean | spread | test accuracy | low-precision ratio "
-                  "| gradients lost to underflow |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| gradients lost to underflow | promotions per run |",
+                  "|---|---|---|---|---|---|---|---|"]
         for a in exp.arms:
             s = arm_stats(arms[a.key])
             per = ", ".join(f"{v:.4f}" if math.isfinite(v) else "diverged" for v in s.losses)
             mean = f"{s.mean:.4f}" if math.isfinite(s.mean) else "diverged"
             acc = sum(s.accs) / max(1, len(s.accs))
             lines.append(f"| {a.label} (`{a.key}`) | {per} | {mean} | {s.spread:.4f} | {acc:.4f} | "
-                         f"{s.ratio_lo:.3f} | {_underflow(arms[a.key])} |")
+                         f"{s.ratio_lo:.3f} | {_underflow(arms[a.key])} | "
+                         f"{sum(len(r['promotions']) for r in arms[a.key]) / max(1, s.n):g} |")
         lines += ["", "Verdicts:", ""]
         for c, v, detail in verdicts[e]:
             lines.append(f"- {c.text}: **{v}** ({detail})")
         if _plot(os.path.join(out, f"{e}.png"), exp.title, exp, arms):
             lines += ["", f"![{e}]({e}.png)"]
+        if exp.gradients:
+            lines += _gradients_section(out, exp, arms)
     path = os.path.join(out, "report.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -159,6 +159,41 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
 
 
+class GradientExponents:
+    """A histogram of activation-gradient magnitudes by binary exponent, as in *Mixed Precision
+    Training*'s Figure 3: the gradient of the loss (divided by the loss scale) with respect to
+    every leaf module's output, on the steps run inside ``watch``. ``counts[i]`` holds the
+    values with 2^(LOW + i) ≤ |g| < 2^(LOW + i + 1), the first bin everything below, the last
+    everything above; ``zeros`` the exact zeros."""
+
+    LOW, HIGH = -48, 8
+
+    def __init__(self):
+        self.counts = [0] * (self.HIGH - self.LOW + 1)
+        self.zeros = 0
+
+    def as_dict(self) -> dict:
+        return {"low": self.LOW, "counts": list(self.counts), "zeros": self.zeros}
+
+    def _add(self, grad: torch.Tensor, scale: float) -> None:
+        g = grad.detach().double().abs().div_(scale)  # exact: float64 holds float32 / 2^k
+        nonzero = g[(g != 0) & torch.isfinite(g)]  # a skipped step's non-finite ones: neither
+        self.zeros += int((g == 0).sum())
+        exponent = torch.frexp(nonzero).exponent.sub_(1 + self.LOW).clamp_(0, self.HIGH - self.LOW)
+        for i, c in enumerate(torch.bincount(exponent.flatten(), minlength=len(self.counts)).tolist()):
+            self.counts[i] += c
+
+    def watch(self, model: torch.nn.Module, scale: float):
+        """Count the gradients of the next backward; returns the function that stops it."""
+        def on_output(module, args, out):
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
+                    t.register_hook(lambda g: self._add(g, scale))
+        hooks = [m.register_forward_hook(on_output) for m in model.modules()
+                 if next(m.children(), None) is None]
+        return lambda: [h.remove() for h in hooks]
+
+
 def _setup(cfg: TrainConfig):
     """(dataset, model, optimizer, (train x, y, test x, y) on the device, assignment)."""
     torch.manual_seed(cfg.seed)
@@ -220,15 +255,21 @@ def run(cfg: TrainConfig, log=None, progress=None) -> dict:
             handle = step_in_backward(opt, scaler=scaler)
         for epoch in range(1, cfg.epochs + 1):
             t0 = time.perf_counter()
+            grads = GradientExponents()
             perm = torch.randperm(n, generator=gen).to(device)
             total_loss, seen = 0.0, 0
             for i in range(steps_per_epoch):
                 idx = perm[i * bs:(i + 1) * bs]
+                # the last step of each epoch also counts its activation gradients
+                stop = (grads.watch(model, 1.0 if scaler is None else scaler.get_scale())
+                         if i == steps_per_epoch - 1 else None)
                 loss = loss_fn(model(tx[idx]), ty[idx])
                 if handle is None:
                     opt.zero_grad(set_to_none=True)
                 scaled = scaler.scale(loss) if scaler is not None else loss
                 scaled.backward()
+                if stop is not None:
+                    stop()
                 if handle is None:
                     if scaler is not None:
                         scaler.step(opt)
@@ -261,6 +302,7 @@ def run(cfg: TrainConfig, log=None, progress=None) -> dict:
                    "ratio_lo": em.assignment.ratio_lo, "aggregate_bits": em.assignment.aggregate_bits,
                    "promotions": len(promotions), "loss_scale": None if scaler is None else scaler.get_scale(),
                    "backward_underflow": sum(underflow) / max(1, len(underflow)),
+                   "gradient_exponents": grads.as_dict(),
                    "seconds": time.perf_counter() - t0, "step": em.step}
             epochs.append(rec)
             log(f"epoch {epoch}: train loss {train_loss:.4f}, test loss {test_loss:.4f}, test acc {acc:.4f}, ratio_lo "
