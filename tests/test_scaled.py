@@ -297,20 +297,24 @@ def test_gradients_pass_straight_through_and_inputs_are_untouched():
     assert torch.equal(x.detach(), before)
 
 
-@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1", "mxfp6_e2m3"])
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1", "mxfp6_e2m3", "nvfp4",
+                                  "fp8_e4m3_rowwise"])
 @pytest.mark.parametrize("rounding", ["nearest", "toward_zero", "up", "down", "stochastic"])
 def test_float32_and_float64_carriers_agree(name, rounding):
-    # E8M0 scales of 16/32-bit inputs run in a float32 carrier, float64 inputs in float64: the
-    # same values must come out, quotients that underflow float32 included (elements 2^-100 in
-    # blocks whose largest is 2^40).
+    # E8M0 scales of 16/32-bit inputs run in a float32 carrier, and so does E's rounding of their
+    # quotients by scales in a format (rounded to odd at 24 bits) except for stochastic rounding;
+    # float64 inputs run in float64, dividing: the same values must come out, quotients that
+    # underflow float32 included (elements 2^-100 in blocks whose largest is 2^40).
     x = blocks_of_many_magnitudes(16, 256, -20, 20, seed=6)
     x[0, 1:32] = torch.tensor(2.0 ** -100) * torch.randn(31).sign()
     x[0, 0] = 2.0 ** 40
     st32, st64 = lowfp.scaled.ScaledStats(), lowfp.scaled.ScaledStats()
     narrow = lowfp.quantize(x, name, rounding, seed=3, stats=st32)
     wide = lowfp.quantize(x.double(), name, rounding, seed=3, stats=st64)
-    assert torch.equal(narrow.double(), wide)
+    assert torch.equal(narrow, wide.float())  # s · q: exact in float64, rounded to float32
     assert torch.equal(st32.counts, st64.counts)
+    assert torch.equal(lowfp.scaled.encode(x, name, rounding, seed=3).q,
+                       lowfp.scaled.encode(x.double(), name, rounding, seed=3).q)
     if rounding in ("up", "down"):  # the underflowed quotients still round away on their side
         assert (narrow[0, 1:32] != 0).sum() > 0
     for dtype in (torch.bfloat16, torch.float16):
