@@ -115,3 +115,15 @@ def test_gradient_exponents_against_frexp():
     # below 2^-24: 2^-26, 1.5·2^-27 and 3e-30/4 (of 7 finite nonzero values)
     assert R.share_below(hist, -24) == pytest.approx(3 / 7)
     assert R.share_below(hist, -24, shift=3) == pytest.approx(1 / 7)
+
+
+def test_reproduce_on_cifar_files(tmp_path):
+    # the image path (the papers' ResNet-18 on CIFAR-10 from --data-dir), on generated files
+    from test_data import write_cifar
+    write_cifar(str(tmp_path / "cifar"), 10)
+    out = tmp_path / "rep"
+    assert cli.main(["reproduce", "s2fp8", "--data", "cifar10", "--data-dir", str(tmp_path / "cifar"),
+                     "--epochs", "1", "--seeds", "1", "--width", "0.125", "--out", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert "Base run: resnet18 (width 0.125) on cifar10" in report
+    assert "S2FP8 reaches float32: **" in report
