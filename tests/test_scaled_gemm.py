@@ -184,6 +184,41 @@ def test_conv_operands_are_rounded_along_channels_and_batch(groups, padding, str
         assert torch.equal(conv(xd[0]), ref(q_grouped(xd[:1], r.input, 1, groups), q(w, r.weight, 1))[0])
 
 
+@pytest.mark.parametrize("groups,stride,output_padding,dim", [(1, 1, 0, 2), (2, 2, 1, 2), (4, 2, 1, 1),
+                                                              (1, 2, 0, 3)])
+def test_transposed_conv_operands_are_rounded_along_channels_and_batch(groups, stride,
+                                                                        output_padding, dim):
+    r = lowfp.scaled.RECIPES["mxfp8-e5m2grad"]
+    torch.manual_seed(0)
+    kind = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}[dim]
+    func = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[dim]
+    conv = kind(64, 96, 3, stride, padding=1, output_padding=output_padding, groups=groups)
+    x = torch.randn((8, 64) + (5,) * dim, requires_grad=True)
+    with emulate_gemms(conv, r):
+        y = conv(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    w, b, xd = conv.weight.detach(), conv.bias.detach(), x.detach()  # w: (64, 96 / groups, ...)
+
+    def ref(xx, ww):
+        return func(xx, ww, b, stride, 1, output_padding, groups)
+    # forward: X along its channels, W along its first axis (input channels), within a group
+    assert torch.equal(y, ref(q_grouped(xd, r.input, 1, groups), q_grouped(w, r.weight, 0, groups)))
+    # input gradient: dY along its channels within a group, W along its second axis
+    x0 = xd.clone().requires_grad_()
+    want_dx, = torch.autograd.grad(ref(x0, q(w, r.weight, 1)), x0, q_grouped(g, r.grad, 1, groups))
+    assert torch.equal(x.grad, want_dx)
+    # weight gradient: dY and X along the batch
+    w0 = w.clone().requires_grad_()
+    want_dw, = torch.autograd.grad(ref(q(xd, r.input, 0), w0), w0, q(g, r.grad, 0))
+    assert torch.equal(conv.weight.grad, want_dw)
+    assert torch.allclose(conv.bias.grad, g.sum([0] + list(range(2, g.dim()))))
+    # an unbatched input is one batch of one (compared with the emulation's batch of one: torch
+    # may sum a batch of one in another order than its reference's layout leads it to)
+    with emulate_gemms(conv, r):
+        assert torch.equal(conv(xd[0]), conv(xd[:1])[0])
+
+
 def test_conv_weight_with_2d_blocks_rounds_each_kernel_position_as_a_matrix():
     fmt = Scaled("float4_e2m1fn", block=(16, 16), scale="float8_e4m3fn", tensor_scale=True)
     r = GemmRecipe(lowfp.scaled.mxfp8_e4m3, weight=fmt)

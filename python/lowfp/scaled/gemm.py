@@ -22,7 +22,11 @@ over channels and kernel positions, and blocks run along the channels within a g
 along the input channels, dY and W along the output channels — so that each block pairs with one
 block of the other operand, as microxcaling does. The weight gradient reduces over the batch and
 positions: dY and X along the batch axis. A 2-D-blocked weight format takes its blocks over
-(output, input) channels at each kernel position, so that W and Wᵀ round alike.
+(output, input) channels at each kernel position, so that W and Wᵀ round alike. Transposed
+convolutions (``F.conv_transpose1d/2d/3d``, weight (in, out / groups, *kernel)) are a
+convolution's input-gradient GEMM: the forward reduces over the input channels (X's, and W's
+first axis within a group), the input gradient over the output channels (dY's, W's second axis),
+the weight gradient over the batch.
 
 Attention (``F.scaled_dot_product_attention``) runs as its math: S = Q Kᵀ · scale, mask,
 softmax, dropout, O = P V, the two products emulated as matmuls (Q and K along the head dim, P
@@ -31,7 +35,7 @@ and V along the keys, and their backward GEMMs as above); softmax stays in the i
 ``nn.MultiheadAttention`` runs torch's own ``F.multi_head_attention_forward`` with this mode
 active inside it (the function otherwise hands itself to the mode whole), so its projections are
 emulated linears and its products emulated matmuls (``bmm``, ``baddbmm`` as mask + product) or
-attention. The bias, transposed convolutions and everything else stay as they are.
+attention. The bias and everything else stay as they are.
 """
 
 from __future__ import annotations
@@ -286,6 +290,44 @@ class _Conv(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None, None
 
 
+class _ConvTranspose(torch.autograd.Function):
+    """F.conv_transpose1d/2d/3d, the input-gradient GEMM of a convolution with the same weight
+    (in, out / groups, *kernel): its forward reduces over the input channels (X's, and W's first
+    axis within a group), its input gradient over the output channels (dY's, and W's second
+    axis), its weight gradient over the batch."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, stride, padding, output_padding, groups, dilation, recipe):
+        nd = w.dim() - 2
+
+        def ints(v):
+            return [int(v)] * nd if isinstance(v, int) else [int(i) for i in v]
+        args = (ints(stride), ints(padding), ints(dilation), True, ints(output_padding), groups)
+        ctx.save_for_backward(x, w)
+        ctx.args, ctx.recipe, ctx.has_bias = args, recipe, b is not None
+        return torch.ops.aten.convolution(_q_grouped(x, recipe.input, 1, groups),
+                                          _q_conv_weight(w, recipe.weight, 0, groups), b, *args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        r, args, groups = ctx.recipe, ctx.args, ctx.args[-1]
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.ops.aten.convolution_backward(
+                _q_grouped(grad, r.grad, 1, groups, r.grad_rounding), x,
+                _q_conv_weight(w, r.grad_operand or r.weight, 1, groups), None, *args,
+                (True, False, False))[0]
+        if ctx.needs_input_grad[1]:
+            h = r.hadamard_seed
+            gw = torch.ops.aten.convolution_backward(
+                _q(grad, r.grad, 0, r.grad_rounding, h), _q(x, r.grad_operand or r.input, 0, "nearest", h),
+                w, None, *args, (False, True, False))[1]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = grad.sum([0] + list(range(2, grad.dim())))
+        return gx, gw, gb, None, None, None, None, None, None
+
+
 def _attention(recipe, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                enable_gqa=False):
     """F.scaled_dot_product_attention as its math, with the two products emulated."""
@@ -307,6 +349,7 @@ def _attention(recipe, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, 
 
 
 _CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
+_CONV_TRANSPOSES = {F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3}
 
 
 @functools.lru_cache(maxsize=None)
@@ -350,6 +393,21 @@ class _Mode(TorchFunctionMode):
                 batched = x.dim() == nd + 2
                 y = _Conv.apply(x if batched else x.unsqueeze(0), w, a["bias"], a["stride"],
                                 a["padding"], a["dilation"], a["groups"], self.recipe)
+                return y if batched else y.squeeze(0)
+        elif func in _CONV_TRANSPOSES and "conv" in ops:
+            names = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups",
+                     "dilation")
+            a = dict(zip(names, (None, None, None, 1, 0, 0, 1, 1)))
+            a.update(zip(names, args))
+            a.update(kwargs)
+            x, w = a["input"], a["weight"]
+            nd = _CONV_TRANSPOSES[func]
+            if (isinstance(x, torch.Tensor) and x.is_floating_point() and w.dim() == nd + 2
+                    and x.dim() in (nd + 1, nd + 2)):
+                batched = x.dim() == nd + 2
+                y = _ConvTranspose.apply(x if batched else x.unsqueeze(0), w, a["bias"], a["stride"],
+                                         a["padding"], a["output_padding"], a["groups"],
+                                         a["dilation"], self.recipe)
                 return y if batched else y.squeeze(0)
         elif func is F.scaled_dot_product_attention and "attention" in ops:
             if args[0].is_floating_point():
@@ -412,8 +470,9 @@ class GemmEmulation:
 
 
 def emulate_gemms(model: torch.nn.Module, recipe: Union[GemmRecipe, str]) -> GemmEmulation:
-    """Round the operands of ``model``'s GEMMs (``F.linear``, ``F.conv1d/2d/3d``, ``matmul``/``@``,
-    ``mm``, ``bmm``, the two products of ``F.scaled_dot_product_attention``)
+    """Round the operands of ``model``'s GEMMs (``F.linear``, ``F.conv1d/2d/3d``,
+    ``F.conv_transpose1d/2d/3d``, ``matmul``/``@``, ``mm``, ``bmm``, the two products of
+    ``F.scaled_dot_product_attention``)
     to the scaled formats of ``recipe`` (a :class:`GemmRecipe` or a name of ``RECIPES``: mxfp8,
     mxfp8-e5m2grad, mxfp4, nvfp4, fp8-tensorwise, fp8-rowwise) in forward and in both backward
     GEMMs, each along its reduction axis (see the module docs). Any optimizer trains the model.
