@@ -151,10 +151,11 @@ EXPERIMENTS: Dict[str, Experiment] = {e.key: e for e in (
         (FP32, arm("uniform", "uniform fp(4,3,4)/fp(5,2,0)", assignment="uniform", **_LO8),
          arm("op", "op", assignment="op", **_LO8),
          arm("ours", "ours(r = op's ratio)", assignment="ours", r="ratio_of_op", **_LO8),
-         # at 10 × the learning rate the MLPs' outputs outgrow fp(4,3,4)'s largest value, 30
-         arm("uniform-hot", "uniform at lr 0.03", assignment="uniform", lr=3e-2, **_LO8),
-         arm("uniform-hot-no-promotion", "uniform at lr 0.03, no promotion", assignment="uniform",
-             lr=3e-2, promote=False, **_LO8)),
+         # at lr 0.05 the MLPs' outputs outgrow fp(4,3,4)'s largest value, 30
+         arm("fp32-hot", "float32 at lr 0.05", lr=5e-2),
+         arm("uniform-hot", "uniform at lr 0.05", assignment="uniform", lr=5e-2, **_LO8),
+         arm("uniform-hot-no-promotion", "uniform at lr 0.05, no promotion", assignment="uniform",
+             lr=5e-2, promote=False, **_LO8)),
         (Claim("ours(r) beats op at op's low-precision ratio", "better", "ours", "op"),
          Claim("the uniform 8-bit assignment trains worse than float32", "better", "fp32", "uniform"),
          Claim("promotion keeps uniform from diverging or degrading", "better", "uniform-hot",
