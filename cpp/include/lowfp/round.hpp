@@ -33,6 +33,28 @@ struct RoundEvents {
   LOWFP_HD bool overflow() const { return above_max & !nan; }
 };
 
+// x's result given the rounded magnitude mag of its finite magnitude: the events, the sign a
+// zero keeps, overflow by the policy, NaN as it came.
+template <class Bits>
+LOWFP_HD Bits rounded_result(Bits x, Bits mag, const RoundParams<Bits>& p, RoundEvents& ev) {
+  using C = CarrierTraits<Bits>;
+  const Bits sign = x & C::kSign;
+  const Bits a = x & ~C::kSign;
+  ev.nan = a > C::kInf;
+  ev.above_max = mag > p.max_bits;  // overflow (infinite inputs included), or NaN
+  // (a NaN never gets mag == 0: its exponent field keeps the stepped value above inf's bits)
+  ev.underflow = (a != 0) & (mag == 0);
+
+  // The sign a zero result keeps: none in fnuz formats. (A loop-invariant mask: combining the
+  // bool with the per-lane test would cost mask-register moves every vector.)
+  const Bits zero_keeps = p.no_negative_zero ? Bits(0) : C::kSign;
+  const Bits zero_sign = sign & select(mag == 0, zero_keeps, C::kSign);
+  const Bits rounded = zero_sign | mag;
+  const Bits overflowed = select((a == C::kInf) & p.inf_stays_inf, x,
+                                 select(sign != 0, p.overflow_neg, p.overflow_pos));
+  return select(ev.nan, x, select(ev.above_max, overflowed, rounded));
+}
+
 // rand: one 32-bit Philox word (ignored unless Kind is Stochastic).
 // kSubnormalExponent must equal p.subnormal_exponent (a template parameter so that the common
 // formats skip the work; drivers dispatch on it). kFixedDrop may be set when p.fixed_drop holds:
@@ -106,20 +128,31 @@ LOWFP_HD Bits round_bits(Bits x, const RoundParams<Bits>& p, uint32_t rand, Roun
   Bits mag = stepped;
   if constexpr (!kFixedDrop)  // (a select, not below_step * up: vector multiplies are slow)
     mag = select(d <= SInt(C::kMantBits), stepped, select(up != 0, p.below_step, Bits(0)));
+  return rounded_result(x, mag, p, ev);
+}
 
-  ev.nan = a > C::kInf;
-  ev.above_max = mag > p.max_bits;  // overflow (infinite inputs included), or NaN
-  // (a NaN never gets mag == 0: its exponent field keeps the stepped value above inf's bits)
-  ev.underflow = (a != 0) & (mag == 0);
+// round_bits for nearest, ties to even, in the float32 carrier, by the classic addition
+// (|x| + c) - c with c = 2^(e + 23 - m), e being |x|'s exponent held in [emin, e_cap]: float32's
+// own rounding of the sum drops exactly the bits below the format's step there (the sum stays
+// in c's binade when at least one bit is dropped). It gives round_bits' results and events when
+// nearest_by_addition(p, e_cap) holds: 0 < m < 23 with subnormals (the step below 2^emin is the
+// step at it) and c a normal float32 for every such e,
+// e_cap at least emax + 1 (a larger exponent's sum still lands above max_bits). About half the
+// vector operations.
+LOWFP_HD uint32_t round_nearest_by_addition(uint32_t x, const RoundParams<uint32_t>& p,
+                                            int32_t e_cap, RoundEvents& ev) {
+  const uint32_t a = x & 0x7fffffffu;
+  const int32_t e = min_of(max_of(int32_t(a >> 23) - 127, p.emin), e_cap);
+  const float c = bit_cast<float>(uint32_t(e + p.normal_drop + 127) << 23);
+  const uint32_t mag = bit_cast<uint32_t>((bit_cast<float>(a) + c) - c);  // inf, NaN stay
+  return rounded_result(x, mag, p, ev);
+}
 
-  // The sign a zero result keeps: none in fnuz formats. (A loop-invariant mask: combining the
-  // bool with the per-lane test would cost mask-register moves every vector.)
-  const Bits zero_keeps = p.no_negative_zero ? Bits(0) : C::kSign;
-  const Bits zero_sign = sign & select(mag == 0, zero_keeps, C::kSign);
-  const Bits rounded = zero_sign | mag;
-  const Bits overflowed = select((a == C::kInf) & p.inf_stays_inf, x,
-                                 select(sign != 0, p.overflow_neg, p.overflow_pos));
-  return select(ev.nan, x, select(ev.above_max, overflowed, rounded));
+inline bool nearest_by_addition(const RoundParams<uint32_t>& p, int32_t e_cap) {
+  auto normal = [&](int32_t e) { return e + p.normal_drop + 127 >= 1 && e + p.normal_drop + 127 <= 254; };
+  return !p.ties_away && p.parity_mask != 0 && p.normal_drop >= 1 && p.below_drop == p.normal_drop &&
+         !p.subnormal_exponent && !p.fixed_drop && p.emin <= e_cap && normal(p.emin) &&
+         normal(e_cap);
 }
 
 // round_bits for float32 to bfloat16 with IEEE overflow to inf and, for stochastic rounding, 32

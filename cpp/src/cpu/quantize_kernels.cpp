@@ -21,7 +21,8 @@ namespace {
 template <class T, class Bits>
 constexpr bool kViaFloat = kF16cTiles<T> && std::is_same_v<Bits, uint32_t>;
 
-template <class In, class Out, class Bits, RoundKind Kind, bool kCount, bool kSubExp>
+// kAdd: nearest by addition (QuantizeCall::nearest_by_addition).
+template <class In, class Out, class Bits, RoundKind Kind, bool kCount, bool kSubExp, bool kAdd>
 void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts) {
   constexpr bool kInViaFloat = kViaFloat<In, Bits>, kOutViaFloat = kViaFloat<Out, Bits>;
   using Src = std::conditional_t<kInViaFloat, float, In>;
@@ -49,7 +50,11 @@ void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts)
     for (int64_t i = 0; i < len; ++i) {
       RoundEvents ev;
       const uint32_t r = Kind == RoundKind::Stochastic ? rand[i] : 0u;
-      const Bits v = round_bits<Kind, Bits, kSubExp>(Widen<Bits>::from(xt[i]), p, r, ev);
+      Bits v;
+      if constexpr (kAdd)
+        v = round_nearest_by_addition(Widen<Bits>::from(xt[i]), p, c.addition_cap, ev);
+      else
+        v = round_bits<Kind, Bits, kSubExp>(Widen<Bits>::from(xt[i]), p, r, ev);
       yt[i] = Store<Dst>::from(v);
       if constexpr (kCount) {
         tile_above_max += Bits(ev.above_max);
@@ -73,8 +78,16 @@ void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts)
 
 void quantize_range(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts) {
   dispatch_quantize(c, [&](auto in, auto out, auto bits, auto kind, auto count, auto sub_exp) {
-    run<typename decltype(in)::type, typename decltype(out)::type, typename decltype(bits)::type,
-        decltype(kind)::value, decltype(count)::value, decltype(sub_exp)::value>(c, begin, end, counts);
+    using In = typename decltype(in)::type;
+    using Out = typename decltype(out)::type;
+    using Bits = typename decltype(bits)::type;
+    constexpr RoundKind K = decltype(kind)::value;
+    constexpr bool kCount = decltype(count)::value, kSubExp = decltype(sub_exp)::value;
+    if constexpr (std::is_same_v<Bits, uint32_t> && K == RoundKind::Nearest && !kSubExp) {
+      if (c.nearest_by_addition)
+        return run<In, Out, Bits, K, kCount, false, true>(c, begin, end, counts);
+    }
+    run<In, Out, Bits, K, kCount, kSubExp, false>(c, begin, end, counts);
   });
 }
 

@@ -124,8 +124,9 @@ void run_tile(const ScaledCall& c, int64_t first, int64_t n, int64_t phase, cons
   events.into(overflow, underflow, nan);
 }
 
-// run_tile in the float32 carrier (ScaledCall::narrow): every scale is 2^k.
-template <class In, RoundKind Kind, bool kCount, bool kParts>
+// run_tile in the float32 carrier (ScaledCall::narrow): every scale is 2^k. kAdd: nearest
+// rounding by addition (ScaledCall::nearest_by_addition).
+template <class In, RoundKind Kind, bool kCount, bool kParts, bool kAdd>
 void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, int64_t phase,
                      const TileScales& t, int64_t& overflow, int64_t& underflow, int64_t& nan) {
   const In* x = static_cast<const In*>(c.x) + first;
@@ -143,7 +144,9 @@ void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, int64_t phas
     const uint32_t quotient = select(lost, (xb & 0x80000000u) | 1u, qb);
     RoundEvents ev;
     const uint32_t rw = Kind == RoundKind::Stochastic ? t.rand[phase + i] : 0u;
-    const float q = bit_cast<float>(round_bits<Kind, uint32_t, false>(quotient, p, rw, ev));
+    const float q = bit_cast<float>(
+        kAdd ? round_nearest_by_addition(quotient, p, c.addition_cap, ev)
+             : round_bits<Kind, uint32_t, false>(quotient, p, rw, ev));
     if constexpr (kParts) q_out[i] = q;
     const float v = q * t.s32[i];  // exact (ScaledCall::narrow)
     if constexpr (std::is_same_v<In, float>) {
@@ -184,7 +187,15 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
         philox_fill(t.rand, c.seed, c.offset + uint64_t(first / 4), (phase + len + 3) / 4);
       if constexpr (kMayNarrow) {
         if (narrow) {
-          run_tile_narrow<In, Kind, kCount, kParts>(c, first, len, phase, t, overflow, underflow, nan);
+          if constexpr (Kind == RoundKind::Nearest) {
+            if (c.nearest_by_addition) {
+              run_tile_narrow<In, Kind, kCount, kParts, true>(c, first, len, phase, t, overflow,
+                                                              underflow, nan);
+              continue;
+            }
+          }
+          run_tile_narrow<In, Kind, kCount, kParts, false>(c, first, len, phase, t, overflow,
+                                                           underflow, nan);
           continue;
         }
       }

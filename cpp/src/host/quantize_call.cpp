@@ -1,5 +1,7 @@
 #include "quantize_call.hpp"
 
+#include "lowfp/round.hpp"
+
 #include <stdexcept>
 
 namespace lowfp {
@@ -34,6 +36,9 @@ QuantizeCall make_quantize_call(const QuantizeRequest& r, const void* x, void* y
     c.p64 = make_round_params<uint64_t>(r.spec, r.overflow, r.mode, r.sr_bits);
   else
     c.p32 = make_round_params<uint32_t>(r.spec, r.overflow, r.mode, r.sr_bits);
+  c.addition_cap = max_exponent(r.spec) + 1;
+  c.nearest_by_addition = !c.wide && r.mode == Rounding::Nearest &&
+                          nearest_by_addition(c.p32, c.addition_cap);
   c.mode = r.mode;
   c.seed = r.seed;
   c.offset = r.offset;

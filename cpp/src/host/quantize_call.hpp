@@ -16,6 +16,10 @@ struct QuantizeCall {
   bool wide;                     // carrier is float64 (else float32)
   RoundParams<uint32_t> p32;
   RoundParams<uint64_t> p64;
+  // float32 carrier, nearest with ties to even and nearest_by_addition(p32, addition_cap)
+  // (round.hpp): the loop rounds by addition
+  bool nearest_by_addition;
+  int32_t addition_cap;          // the format's largest exponent + 1
   Rounding mode;
   uint64_t seed, offset;
   bool count;                    // accumulate overflow/underflow/nan/numel counts

@@ -63,6 +63,8 @@ ScaledCall make_scaled_call(const ScaledRequest& r, const void* x, void* y, doub
                                                          : FormatSpec{8, 7, 0, Specials::IEEE, true};
       c.out32 = make_round_params<uint32_t>(store, Overflow::Inf, Rounding::Nearest, 32);
     }
+    c.addition_cap = max_exponent(r.element) + 1;
+    c.nearest_by_addition = r.mode == Rounding::Nearest && nearest_by_addition(c.p32, c.addition_cap);
   }
   c.mode = r.mode;
   c.count = count;
