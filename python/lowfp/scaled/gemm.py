@@ -350,6 +350,28 @@ def _attention(recipe, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, 
 
 _CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
 _CONV_TRANSPOSES = {F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3}
+# (name, default) of each argument, in order, after input, weight and bias
+_CONV_ARGS = (("stride", 1), ("padding", 0), ("dilation", 1), ("groups", 1))
+_CONV_TRANSPOSE_ARGS = (("stride", 1), ("padding", 0), ("output_padding", 0), ("groups", 1),
+                        ("dilation", 1))
+
+
+def _convolve(function, nd: int, rest, args, kwargs, recipe):
+    """An nd-dimensional convolution's call through ``function`` (_Conv or _ConvTranspose), an
+    unbatched input as a batch of one; None where the arguments are not a floating input and
+    weight of its dimensions (the call then runs as it is)."""
+    names = ("input", "weight", "bias") + tuple(n for n, _ in rest)
+    a = dict(zip(names, (None, None, None) + tuple(d for _, d in rest)))
+    a.update(zip(names, args))
+    a.update(kwargs)
+    x, w = a["input"], a["weight"]
+    if not (isinstance(x, torch.Tensor) and x.is_floating_point() and isinstance(w, torch.Tensor)
+            and w.dim() == nd + 2 and x.dim() in (nd + 1, nd + 2)):
+        return None
+    batched = x.dim() == nd + 2
+    y = function.apply(x if batched else x.unsqueeze(0), w, a["bias"],
+                       *(a[n] for n, _ in rest), recipe)
+    return y if batched else y.squeeze(0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -382,33 +404,14 @@ class _Mode(TorchFunctionMode):
             if x.dim() >= 1 and x.is_floating_point():
                 return _Linear.apply(x, w, b, self.recipe)
         elif func in _CONVS and "conv" in ops:
-            names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-            a = dict(zip(names, (None, None, None, 1, 0, 1, 1)))
-            a.update(zip(names, args))
-            a.update(kwargs)
-            x, w = a["input"], a["weight"]
-            nd = _CONVS[func]
-            if (isinstance(x, torch.Tensor) and x.is_floating_point() and w.dim() == nd + 2
-                    and x.dim() in (nd + 1, nd + 2)):
-                batched = x.dim() == nd + 2
-                y = _Conv.apply(x if batched else x.unsqueeze(0), w, a["bias"], a["stride"],
-                                a["padding"], a["dilation"], a["groups"], self.recipe)
-                return y if batched else y.squeeze(0)
+            y = _convolve(_Conv, _CONVS[func], _CONV_ARGS, args, kwargs, self.recipe)
+            if y is not None:
+                return y
         elif func in _CONV_TRANSPOSES and "conv" in ops:
-            names = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups",
-                     "dilation")
-            a = dict(zip(names, (None, None, None, 1, 0, 0, 1, 1)))
-            a.update(zip(names, args))
-            a.update(kwargs)
-            x, w = a["input"], a["weight"]
-            nd = _CONV_TRANSPOSES[func]
-            if (isinstance(x, torch.Tensor) and x.is_floating_point() and w.dim() == nd + 2
-                    and x.dim() in (nd + 1, nd + 2)):
-                batched = x.dim() == nd + 2
-                y = _ConvTranspose.apply(x if batched else x.unsqueeze(0), w, a["bias"], a["stride"],
-                                         a["padding"], a["output_padding"], a["groups"],
-                                         a["dilation"], self.recipe)
-                return y if batched else y.squeeze(0)
+            y = _convolve(_ConvTranspose, _CONV_TRANSPOSES[func], _CONV_TRANSPOSE_ARGS, args, kwargs,
+                          self.recipe)
+            if y is not None:
+                return y
         elif func is F.scaled_dot_product_attention and "attention" in ops:
             if args[0].is_floating_point():
                 return _attention(self.recipe, *args, **kwargs)
