@@ -223,6 +223,56 @@ def test_nvfp4_two_level_scales():
     assert torch.equal(parts.q.double(), q_ref)
 
 
+def decision_points(fmt: lowfp.Format):
+    """The positive points where nearest rounding to fmt decides: its grid's midpoints below max."""
+    grid = {Fraction(k, 2 ** fmt.m) * Fraction(2) ** fmt.emin for k in range(2 ** fmt.m)}
+    for e in range(fmt.emin, fmt.emax + 1):
+        grid |= {(1 + Fraction(k, 2 ** fmt.m)) * Fraction(2) ** e for k in range(2 ** fmt.m)}
+    grid = sorted(v for v in grid if v <= Fraction(fmt.max))
+    return [(a + b) / 2 for a, b in zip(grid, grid[1:])]
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "fp8_e4m3_tensorwise"])
+@pytest.mark.parametrize("amax", [2688.0 * 3.0, 1234.567])  # tensor scales of 2 and 24 bits
+def test_elements_at_and_beside_ties_match_the_exact_reference(name, amax):
+    # Quotients x / s at and within two float32 steps of E's midpoints, where a quotient rounded
+    # twice could decide wrongly: q must be E's nearest rounding of the exact quotient.
+    fmt = lowfp.scaled.named()[name]
+    rows, cols = 8, 64
+    base = blocks_of_many_magnitudes(rows, cols, -4, 4, seed=8)
+    base[0, 0] = amax
+    scales = lowfp.scaled.encode(base, fmt).scales
+    if fmt.block is None:  # one scale
+        s = scales.expand(rows, cols)
+    else:
+        block_max = base.abs().reshape(rows, -1, fmt.block).amax(-1)
+        s = scales.repeat_interleave(fmt.block, dim=-1)
+    g = torch.Generator().manual_seed(9)
+    mids = decision_points(fmt.element)
+    mu = torch.tensor([float(v) for v in mids], dtype=torch.float64)
+    x = (mu[torch.randint(len(mids), (rows, cols), generator=g)] * s).float()
+    step = torch.randint(-2, 3, (rows, cols), generator=g)
+    for _ in range(2):
+        x = torch.where(step > 0, torch.nextafter(x, torch.tensor(math.inf)), x)
+        x = torch.where(step < 0, torch.nextafter(x, torch.tensor(-math.inf)), x)
+        step = step - step.sign()
+    x = x * torch.where(torch.rand(rows, cols, generator=g) < 0.5, -1.0, 1.0)
+    if fmt.block is None:  # each block keeps its largest magnitude, so its scale
+        x[0, 0] = amax
+    else:
+        x[:, ::fmt.block] = block_max
+    parts = lowfp.scaled.encode(x, fmt)
+    assert torch.equal(parts.scales, scales)
+    ties = 0
+    for r in range(rows):
+        for c in range(cols):
+            q = Fraction(float(x[r, c])) / Fraction(float(s[r, c]))
+            ties += abs(q) in mids
+            want = grid_round(q, fmt.element, "nearest")
+            assert Fraction(float(parts.q[r, c])) == want, (r, c, q, want)
+    assert ties > 0 or amax == 1234.567  # a short tensor scale makes exact ties
+
+
 def test_stochastic_rounding_is_unbiased_and_seeded():
     fmt = lowfp.scaled.mxfp4_e2m1
     x = torch.full((64, 4096), 0.3)
@@ -301,10 +351,10 @@ def test_gradients_pass_straight_through_and_inputs_are_untouched():
                                   "fp8_e4m3_rowwise"])
 @pytest.mark.parametrize("rounding", ["nearest", "toward_zero", "up", "down", "stochastic"])
 def test_float32_and_float64_carriers_agree(name, rounding):
-    # E8M0 scales of 16/32-bit inputs run in a float32 carrier, and so does E's rounding of their
-    # quotients by scales in a format (rounded to odd at 24 bits) except for stochastic rounding;
-    # float64 inputs run in float64, dividing: the same values must come out, quotients that
-    # underflow float32 included (elements 2^-100 in blocks whose largest is 2^40).
+    # E8M0 scales of 16/32-bit inputs run in a float32 carrier, and their quotients by scales in
+    # a format are rounded once for nearest rounding (not to odd); float64 inputs run in float64,
+    # dividing to odd: the same values must come out, quotients that underflow float32 included
+    # (elements 2^-100 in blocks whose largest is 2^40).
     x = blocks_of_many_magnitudes(16, 256, -20, 20, seed=6)
     x[0, 1:32] = torch.tensor(2.0 ** -100) * torch.randn(31).sign()
     x[0, 0] = 2.0 ** 40

@@ -131,25 +131,34 @@ LOWFP_HD Bits round_bits(Bits x, const RoundParams<Bits>& p, uint32_t rand, Roun
   return rounded_result(x, mag, p, ev);
 }
 
-// round_bits for nearest, ties to even, in the float32 carrier, by the classic addition
-// (|x| + c) - c with c = 2^(e + 23 - m), e being |x|'s exponent held in [emin, e_cap]: float32's
-// own rounding of the sum drops exactly the bits below the format's step there (the sum stays
-// in c's binade when at least one bit is dropped). It gives round_bits' results and events when
-// nearest_by_addition(p, e_cap) holds: 0 < m < 23 with subnormals (the step below 2^emin is the
-// step at it) and c a normal float32 for every such e,
-// e_cap at least emax + 1 (a larger exponent's sum still lands above max_bits). About half the
-// vector operations.
-LOWFP_HD uint32_t round_nearest_by_addition(uint32_t x, const RoundParams<uint32_t>& p,
-                                            int32_t e_cap, RoundEvents& ev) {
-  const uint32_t a = x & 0x7fffffffu;
-  const int32_t e = min_of(max_of(int32_t(a >> 23) - 127, p.emin), e_cap);
-  const float c = bit_cast<float>(uint32_t(e + p.normal_drop + 127) << 23);
-  const uint32_t mag = bit_cast<uint32_t>((bit_cast<float>(a) + c) - c);  // inf, NaN stay
+// round_bits for nearest, ties to even, by the classic addition (|x| + c) - c with
+// c = 2^(e + MB - m), e being |x|'s exponent held in [emin, e_cap] (MB: the carrier's mantissa
+// bits): the carrier's own rounding of the sum drops exactly the bits below the format's step
+// there (the sum stays in c's binade when at least one bit is dropped). It gives round_bits'
+// results and events when nearest_by_addition(p, e_cap) holds: 0 < m < MB with subnormals (the
+// step below 2^emin is the step at it) and c a normal carrier value for every such e, e_cap at
+// least emax + 1 (a larger exponent's sum still lands above max_bits). About half the vector
+// operations.
+template <class Bits>
+LOWFP_HD Bits round_nearest_by_addition(Bits x, const RoundParams<Bits>& p, int32_t e_cap,
+                                        RoundEvents& ev) {
+  using C = CarrierTraits<Bits>;
+  using F = typename C::Float;
+  using SInt = std::make_signed_t<Bits>;  // exponent arithmetic in the carrier's lane width
+  const Bits a = x & ~C::kSign;
+  const SInt e = min_of(max_of(SInt(a >> C::kMantBits) - C::kExpBias, SInt(p.emin)), SInt(e_cap));
+  const F c = bit_cast<F>(Bits(e + p.normal_drop + C::kExpBias) << C::kMantBits);
+  const Bits mag = bit_cast<Bits>((bit_cast<F>(a) + c) - c);  // inf, NaN stay
   return rounded_result(x, mag, p, ev);
 }
 
-inline bool nearest_by_addition(const RoundParams<uint32_t>& p, int32_t e_cap) {
-  auto normal = [&](int32_t e) { return e + p.normal_drop + 127 >= 1 && e + p.normal_drop + 127 <= 254; };
+template <class Bits>
+inline bool nearest_by_addition(const RoundParams<Bits>& p, int32_t e_cap) {
+  using C = CarrierTraits<Bits>;
+  auto normal = [&](int32_t e) {
+    const int32_t field = e + p.normal_drop + C::kExpBias;
+    return field >= 1 && field <= 2 * C::kExpBias;
+  };
   return !p.ties_away && p.parity_mask != 0 && p.normal_drop >= 1 && p.below_drop == p.normal_drop &&
          !p.subnormal_exponent && !p.fixed_drop && p.emin <= e_cap && normal(p.emin) &&
          normal(e_cap);

@@ -4,7 +4,8 @@
 //
 // All of it runs in float64: an input (float32, bfloat16, float16 or float64) divided by a scale
 // is rounded to odd (divide_nudged), which E's rounding cannot tell from the exact quotient (E has
-// at most 20 significand bits: kScaledMaxElementMantissa), and s · q is exact in float64 (s has at
+// at most 20 significand bits: kScaledMaxElementMantissa), or, for nearest rounding where that
+// provably decides alike, to nearest (nearest_divides_once); s · q is exact in float64 (s has at
 // most 28 significand bits, q at most 20).
 #pragma once
 #include <cmath>
@@ -85,6 +86,19 @@ LOWFP_HD uint64_t divide_nudged(double x, double s) {
   return b + (step & inexact & even);
 }
 
+// Whether RN(x / s), the float64 quotient rounded once, decides E's nearest rounding as the exact
+// quotient does, so that nearest rounding can skip divide_nudged: x of at most 24 significand
+// bits (float32 and narrower), s of at most scale_bits, E of m mantissa bits. Each point where
+// that rounding decides (a midpoint of E's grid, or its overflow threshold) is mu = M · 2^c with
+// M below 2^(m + 2), and x = X · 2^a, s = S · 2^b. If x / s != mu, x - s · mu is a nonzero multiple
+// of 2^a or of 2^(b + c), so |x / s - mu| exceeds mu · 2^-max(25, scale_bits + m + 2) (beyond
+// mu / 2 when |x| < s · mu / 2). RN moves the quotient by at most 2^-53 of it and is monotone,
+// and mu is a float64, so RN(x / s) lies strictly on the exact quotient's side of mu while
+// scale_bits + m + 2 <= 51 (NVFP4: 28 + 3). (The float64 quotient of such operands is normal.)
+inline bool nearest_divides_once(int32_t m, int32_t scale_bits, DType input) {
+  return input != DType::Float64 && scale_bits + m + 2 <= 51;
+}
+
 // ScaleRule::Format: s = round_S(a / (max_E · t)) (nearest, saturating; the quotient rounded to
 // odd first, so rounding it to S is rounding the exact quotient), held at S's smallest value.
 LOWFP_HD double format_block_scale(const ScaleSpec& sp, double a, double t, bool& saturated) {
@@ -118,12 +132,18 @@ LOWFP_HD double block_scale(const ScaleSpec& sp, double a, double t, bool& satur
 }
 
 // One element in the float64 carrier: q = round_E(x / s) (kPow2: s is a power of two, whose
-// inverse multiplies exactly), its events in ev.
-template <RoundKind Kind, bool kPow2, bool kSubExp>
+// inverse multiplies exactly), its events in ev. kAdd: E's nearest rounding by addition
+// (round_nearest_by_addition, when nearest_by_addition(p, e_cap) holds; the same results).
+// kOnce: x / s rounded to nearest, not to odd (nearest rounding where nearest_divides_once holds).
+template <RoundKind Kind, bool kPow2, bool kSubExp, bool kAdd = false, bool kOnce = false>
 LOWFP_HD double scaled_element(double x, double s, double inv, const RoundParams<uint64_t>& p,
-                               uint32_t rand, RoundEvents& ev) {
-  const uint64_t quotient = kPow2 ? bit_cast<uint64_t>(x * inv) : divide_nudged(x, s);
-  return bit_cast<double>(round_bits<Kind, uint64_t, kSubExp>(quotient, p, rand, ev));
+                               uint32_t rand, RoundEvents& ev, int32_t e_cap = 0) {
+  static_assert(!kOnce || Kind == RoundKind::Nearest, "only nearest rounding divides once");
+  const uint64_t quotient = kPow2    ? bit_cast<uint64_t>(x * inv)
+                            : kOnce ? bit_cast<uint64_t>(x / s)
+                                    : divide_nudged(x, s);
+  if constexpr (kAdd) return bit_cast<double>(round_nearest_by_addition(quotient, p, e_cap, ev));
+  else return bit_cast<double>(round_bits<Kind, uint64_t, kSubExp>(quotient, p, rand, ev));
 }
 
 // s · q (exact in float64) in the storage type: float32 and float64 by conversion (nearest

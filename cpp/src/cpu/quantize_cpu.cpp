@@ -22,8 +22,8 @@ struct Kernel {
                            EventCounts&);
   void (*extra_bits_merge)(const ExtraBitsParams&, const ExtraBitsMerge&, int64_t, int64_t);
   bool (*any_non_finite)(DType, const void*, int64_t, int64_t);
-  void (*scaled_amax)(const ScaledCall&, int64_t, int64_t, double*);
-  void (*scaled_scales)(const ScaledCall&, const double*, double, int64_t, int64_t, int64_t&);
+  void (*scaled_amax)(const ScaledCall&, int64_t, int64_t);
+  void (*scaled_scales)(const ScaledCall&, double, int64_t, int64_t, int64_t&);
   void (*scaled_elements)(const ScaledCall&, int64_t, int64_t, EventCounts&);
   const char* name;
 };
@@ -269,7 +269,6 @@ void scaled_cpu(const ScaledCall& call, double* tensor_scale, int64_t* counts) {
   const int64_t n = call.rows * call.cols;
   const int64_t grid_rows = call.block_grid_rows(), gc = call.block_grid_cols();
   const int64_t blocks = grid_rows * gc;
-  std::vector<double> amax(size_t(max_of<int64_t>(blocks, 1)));
   if (!call.tensor_scale && grid_rows >= 4 * int64_t(threads_for(n))) {
     // Without a tensor scale each row of blocks is independent: its largest magnitudes, scales
     // and elements in one visit, while its inputs are still in cache (one read of x, not two).
@@ -277,8 +276,8 @@ void scaled_cpu(const ScaledCall& call, double* tensor_scale, int64_t* counts) {
     PerThread<int64_t> saturated(threads_for(n));
     parallel_items(grid_rows, n, [&](int th, int64_t b0, int64_t b1) {
       for (int64_t br = b0; br < b1; ++br) {
-        k.scaled_amax(call, br, br + 1, amax.data());
-        k.scaled_scales(call, amax.data(), 1.0, br * gc, (br + 1) * gc, saturated[th].v);
+        k.scaled_amax(call, br, br + 1);
+        k.scaled_scales(call, 1.0, br * gc, (br + 1) * gc, saturated[th].v);
         k.scaled_elements(call, br * call.block_rows,
                           min_of(call.rows, (br + 1) * call.block_rows), parts[th].v);
       }
@@ -292,12 +291,12 @@ void scaled_cpu(const ScaledCall& call, double* tensor_scale, int64_t* counts) {
     return;
   }
   parallel_items(grid_rows, n, [&](int, int64_t b0, int64_t b1) {
-    k.scaled_amax(call, b0, b1, amax.data());
+    k.scaled_amax(call, b0, b1);
   });
   double t = 1.0;
   if (call.tensor_scale) {
     double a = 0.0;
-    for (int64_t b = 0; b < blocks; ++b) a = max_of(a, amax[b]);
+    for (int64_t b = 0; b < blocks; ++b) a = max_of(a, call.scales[b]);
     // t = amax / (max_S · max_E) in float32 (the division's float64 result rounds to the
     // same float32 as the exact quotient), held at float32's smallest value.
     t = a > 0.0 ? max_of(double(float(a / (call.scale.s_max * call.scale.max_e))), 0x1p-149) : 1.0;
@@ -305,7 +304,7 @@ void scaled_cpu(const ScaledCall& call, double* tensor_scale, int64_t* counts) {
   *tensor_scale = t;
   PerThread<int64_t> saturated(threads_for(blocks * 64));  // (a block's scale: some 64 elements' work)
   parallel_items(blocks, blocks * 64, [&](int th, int64_t b0, int64_t b1) {
-    k.scaled_scales(call, amax.data(), t, b0, b1, saturated[th].v);
+    k.scaled_scales(call, t, b0, b1, saturated[th].v);
   });
   PerThread<EventCounts> parts(threads_for(n));
   parallel_items(call.rows, n, [&](int th, int64_t r0, int64_t r1) {

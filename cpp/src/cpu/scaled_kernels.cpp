@@ -40,8 +40,10 @@ void row_block_max(const U* row, int64_t cols, U* top, U exponent) {
     top[whole] = finite_max(row + whole * kN, cols - whole * kN, top[whole], exponent);
 }
 
+// Each block's largest finite magnitude into c.scales (scaled_scales_range turns them into the
+// scales in place), for block rows [br0, br1).
 template <class In>
-void amax_rows(const ScaledCall& c, int64_t br0, int64_t br1, double* amax) {
+void amax_rows(const ScaledCall& c, int64_t br0, int64_t br1) {
   using U = RawOf<In>;
   const U* x = static_cast<const U*>(c.x);
   const U exponent = U(exponent_mask(c.dtype));
@@ -67,21 +69,41 @@ void amax_rows(const ScaledCall& c, int64_t br0, int64_t br1, double* amax) {
     for (int64_t j = 0; j < gc; ++j) {
       In v;
       std::memcpy(&v, &top[j], sizeof(U));
-      amax[br * gc + j] = bit_cast<double>(Widen<uint64_t>::from(v));
+      c.scales[br * gc + j] = bit_cast<double>(Widen<uint64_t>::from(v));
     }
   }
+}
+
+// fn(std::true_type{}) or fn(std::false_type{}): a run-time flag as a template parameter.
+template <class Fn>
+void with_flag(bool v, Fn&& fn) {
+  if (v) fn(std::true_type{});
+  else fn(std::false_type{});
 }
 
 // The element pass walks each row in tiles of kTile elements that span many blocks (a block of
 // 16 or 32 is too short a loop to vectorise well): a tile's per-element scales (and their
 // inverses) are spread into buffers first, then one flat loop rounds the tile. Stochastic
 // rounding finds element i's Philox word at rand[phase + i] (words by row-major index).
+//
+// Loads from the scale buffers stall behind the loop's stores to y when their addresses agree
+// modulo 4 KB (4K aliasing: it slowed the MXFP8 pass by half, depending only on where the stack
+// and y happened to lie), so each tile's float32 scales start half a page from its first output,
+// modulo a page, inside buffers a page longer than a tile (place32).
 struct TileScales {
+  static constexpr int64_t kPage = 4096;
   alignas(64) double s[kTile];
   alignas(64) double inv[kTile];
-  alignas(64) float s32[kTile];
-  alignas(64) float inv32[kTile];
+  // The float32 carrier's: this tile's at s32_buf + at32 and inv32_buf + at32. (In the float64
+  // carrier, 8-byte scales beside 4-byte outputs pass every offset within a tile anyway.)
+  alignas(64) float s32_buf[kTile + kPage / 4];
+  alignas(64) float inv32_buf[kTile + kPage / 4];  // (a page longer than s32_buf: same offset)
   alignas(64) uint32_t rand[kTile + 4];
+  int64_t at32 = 0;
+  void place32(const void* y) {
+    const uintptr_t gap = (uintptr_t(y) + kPage / 2 - uintptr_t(s32_buf)) % kPage;
+    at32 = int64_t(gap & ~uintptr_t(63)) / int64_t(sizeof(float));  // (64-byte aligned)
+  }
 };
 
 // A tile's rounding events, in counters of the loop's lane width (int32 beside 32-bit lanes keeps
@@ -103,7 +125,10 @@ struct TileEvents {
 
 // One tile in the float64 carrier: n elements from index `first` (row-major). kPow2: every scale
 // is a power of two, so x · (1 / s) is the exact quotient; else divide_nudged. kParts: write q.
-template <class In, RoundKind Kind, bool kCount, bool kPow2, bool kSubExp, bool kParts>
+// kAdd: nearest rounding by addition (ScaledCall::nearest_by_addition). kOnce: x / s rounded
+// once (ScaledCall::divide_once).
+template <class In, RoundKind Kind, bool kCount, bool kPow2, bool kSubExp, bool kParts, bool kAdd,
+          bool kOnce>
 void run_tile(const ScaledCall& c, int64_t first, int64_t n, int64_t phase, const TileScales& t,
               int64_t& overflow, int64_t& underflow, int64_t& nan) {
   const In* x = static_cast<const In*>(c.x) + first;
@@ -116,7 +141,8 @@ void run_tile(const ScaledCall& c, int64_t first, int64_t n, int64_t phase, cons
     const double xv = bit_cast<double>(Widen<uint64_t>::from(x[i]));
     RoundEvents ev;
     const uint32_t rw = Kind == RoundKind::Stochastic ? t.rand[phase + i] : 0u;
-    const double q = scaled_element<Kind, kPow2, kSubExp>(xv, t.s[i], t.inv[i], p, rw, ev);
+    const double q = scaled_element<Kind, kPow2, kSubExp, kAdd, kOnce>(xv, t.s[i], t.inv[i], p, rw,
+                                                                      ev, c.addition_cap);
     if constexpr (kParts) q_out[i] = float(q);
     y[i] = store_scaled<In>(q * t.s[i], out);
     if constexpr (kCount) events.add(ev);
@@ -132,12 +158,14 @@ void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, int64_t phas
   const In* x = static_cast<const In*>(c.x) + first;
   In* y = static_cast<In*>(c.y) + first;
   float* q_out = kParts ? c.q + first : nullptr;
+  const float* s32 = t.s32_buf + t.at32;
+  const float* inv32 = t.inv32_buf + t.at32;
   const RoundParams<uint32_t> p = c.p32;
   const RoundParams<uint32_t> out = c.out32;
   TileEvents<int32_t> events;
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t xb = Widen<uint32_t>::from(x[i]);
-    const uint32_t qb = bit_cast<uint32_t>(bit_cast<float>(xb) * t.inv32[i]);
+    const uint32_t qb = bit_cast<uint32_t>(bit_cast<float>(xb) * inv32[i]);
     // A quotient that underflowed to 0 stays nonzero (its sign and nonzero-ness are all E's
     // rounding sees below 2^-126).
     const bool lost = ((qb << 1) == 0u) & ((xb << 1) != 0u);
@@ -148,7 +176,7 @@ void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, int64_t phas
         kAdd ? round_nearest_by_addition(quotient, p, c.addition_cap, ev)
              : round_bits<Kind, uint32_t, false>(quotient, p, rw, ev));
     if constexpr (kParts) q_out[i] = q;
-    const float v = q * t.s32[i];  // exact (ScaledCall::narrow)
+    const float v = q * s32[i];  // exact (ScaledCall::narrow)
     if constexpr (std::is_same_v<In, float>) {
       y[i] = v;
     } else {
@@ -165,6 +193,8 @@ template <class In, RoundKind Kind, bool kCount, bool kPow2, bool kSubExp, bool 
 void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) {
   const int64_t gc = c.block_grid_cols(), bc = c.block_cols;
   constexpr bool kMayNarrow = kPow2 && !std::is_same_v<In, double>;
+  constexpr bool kMayDivideOnce =
+      Kind == RoundKind::Nearest && !kPow2 && !std::is_same_v<In, double>;
   const bool narrow = kMayNarrow && c.narrow;
   TileScales t;
   int64_t overflow = 0, underflow = 0, nan = 0;
@@ -172,12 +202,14 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
     const double* scales = c.scales + (r / c.block_rows) * gc;
     for (int64_t t0 = 0; t0 < c.cols; t0 += kTile) {
       const int64_t len = min_of(kTile, c.cols - t0), first = r * c.cols + t0;
+      if (narrow) t.place32(static_cast<In*>(c.y) + first);
+      float* s32 = t.s32_buf + t.at32;
+      float* inv32 = t.inv32_buf + t.at32;
       for (int64_t i = 0, j = t0 / bc; i < len; ++j) {  // spread each block's scale
         const int64_t stop = min_of(len, (j + 1) * bc - t0);
         const double s = scales[j], inv = 1.0 / s;
         if (narrow) {
-          const float s32 = float(s), inv32 = float(inv);  // 2^±k: exact
-          for (; i < stop; ++i) t.s32[i] = s32, t.inv32[i] = inv32;
+          for (; i < stop; ++i) s32[i] = float(s), inv32[i] = float(inv);  // 2^±k: exact
         } else {
           for (; i < stop; ++i) t.s[i] = s, t.inv[i] = inv;
         }
@@ -199,8 +231,19 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
           continue;
         }
       }
-      run_tile<In, Kind, kCount, kPow2, kSubExp, kParts>(c, first, len, phase, t, overflow,
-                                                         underflow, nan);
+      bool add = false, once = false;  // (the float64 carrier's faster forms, where they hold)
+      if constexpr (Kind == RoundKind::Nearest) {
+        add = !kSubExp && c.nearest_by_addition;
+        once = kMayDivideOnce && c.divide_once;
+      }
+      with_flag(add, [&](auto add_c) {
+        with_flag(once, [&](auto once_c) {
+          constexpr bool kAdd = decltype(add_c)::value && Kind == RoundKind::Nearest && !kSubExp;
+          constexpr bool kOnce = decltype(once_c)::value && kMayDivideOnce;
+          run_tile<In, Kind, kCount, kPow2, kSubExp, kParts, kAdd, kOnce>(c, first, len, phase, t,
+                                                                        overflow, underflow, nan);
+        });
+      });
     }
   }
   counts.overflow += overflow;
@@ -210,30 +253,30 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
 
 }  // namespace
 
-void scaled_amax_range(const ScaledCall& c, int64_t br0, int64_t br1, double* amax) {
+void scaled_amax_range(const ScaledCall& c, int64_t br0, int64_t br1) {
   with_storage_type(c.dtype, [&](auto p) {
-    amax_rows<std::remove_const_t<std::remove_pointer_t<decltype(p)>>>(c, br0, br1, amax);
+    amax_rows<std::remove_const_t<std::remove_pointer_t<decltype(p)>>>(c, br0, br1);
   });
 }
 
-void scaled_scales_range(const ScaledCall& c, const double* amax, double t, int64_t b0, int64_t b1,
-                         int64_t& saturated) {
+void scaled_scales_range(const ScaledCall& c, double t, int64_t b0, int64_t b1, int64_t& saturated) {
+  double* v = c.scales;  // in place: each block's largest magnitude becomes its scale
   // A block without a finite nonzero element takes the smallest scale.
   const double empty = c.scale.rule == ScaleRule::Format ? c.scale.s_smallest * t : 0x1p-127;
   int64_t n = 0;
   if (c.scale.rule == ScaleRule::Format) {  // a loop of its own: it vectorises
     const ScaleSpec sp = c.scale;
     for (int64_t b = b0; b < b1; ++b) {
-      const double a = amax[b];
+      const double a = v[b];
       bool sat;
       const double s = format_block_scale(sp, a > 0.0 ? a : 1.0, t, sat);
-      c.scales[b] = a > 0.0 ? s : empty;
+      v[b] = a > 0.0 ? s : empty;
       n += int64_t(sat & (a > 0.0));
     }
   } else {
     for (int64_t b = b0; b < b1; ++b) {
       bool sat = false;
-      c.scales[b] = amax[b] > 0.0 ? block_scale(c.scale, amax[b], t, sat) : empty;
+      v[b] = v[b] > 0.0 ? block_scale(c.scale, v[b], t, sat) : empty;
       n += sat;
     }
   }
@@ -241,18 +284,15 @@ void scaled_scales_range(const ScaledCall& c, const double* amax, double t, int6
 }
 
 void scaled_elements_range(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) {
-  using B = std::true_type;
-  using F = std::false_type;
-  auto flag = [](bool v, auto fn) { return v ? fn(B{}) : fn(F{}); };
   with_storage_type(c.dtype, [&](auto p) {
     using In = std::remove_const_t<std::remove_pointer_t<decltype(p)>>;
     auto go = [&](auto kind) {
       constexpr RoundKind K = decltype(kind)::value;
       // x · (1 / s) is the exact quotient for E8M0's power-of-two scales.
-      flag(c.count, [&](auto count) {
-        flag(c.scale.rule != ScaleRule::Format, [&](auto pow2) {
-          flag(c.p.subnormal_exponent, [&](auto sub) {
-            flag(c.q != nullptr, [&](auto parts) {
+      with_flag(c.count, [&](auto count) {
+        with_flag(c.scale.rule != ScaleRule::Format, [&](auto pow2) {
+          with_flag(c.p.subnormal_exponent, [&](auto sub) {
+            with_flag(c.q != nullptr, [&](auto parts) {
               elements<In, K, decltype(count)::value, decltype(pow2)::value, decltype(sub)::value,
                        decltype(parts)::value>(c, r0, r1, counts);
             });

@@ -63,9 +63,15 @@ ScaledCall make_scaled_call(const ScaledRequest& r, const void* x, void* y, doub
                                                          : FormatSpec{8, 7, 0, Specials::IEEE, true};
       c.out32 = make_round_params<uint32_t>(store, Overflow::Inf, Rounding::Nearest, 32);
     }
-    c.addition_cap = max_exponent(r.element) + 1;
-    c.nearest_by_addition = r.mode == Rounding::Nearest && nearest_by_addition(c.p32, c.addition_cap);
   }
+  c.addition_cap = max_exponent(r.element) + 1;
+  c.nearest_by_addition =
+      r.mode == Rounding::Nearest && (c.narrow ? nearest_by_addition(c.p32, c.addition_cap)
+                                               : nearest_by_addition(c.p, c.addition_cap));
+  // s = S · t: S's significand bits, and the float32 tensor scale's 24
+  const int32_t scale_bits = r.scale_format.m + 1 + (r.tensor_scale ? 24 : 0);
+  c.divide_once = round_kind(r.mode) == RoundKind::Nearest && r.rule == ScaleRule::Format &&
+                  nearest_divides_once(r.element.m, scale_bits, r.dtype);
   c.mode = r.mode;
   c.count = count;
   c.seed = r.seed;

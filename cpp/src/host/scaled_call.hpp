@@ -23,10 +23,13 @@ struct ScaledCall {
   // s · q is exact in float32 (see scaled_kernels.cpp).
   bool narrow;
   RoundParams<uint32_t> p32, out32;
-  // narrow, nearest with ties to even, and nearest_by_addition(p32, addition_cap) (round.hpp):
-  // E's rounding by addition
+  // Nearest with ties to even, and nearest_by_addition(p32 or p, addition_cap) (round.hpp) in
+  // the call's carrier: E's rounding by addition
   bool nearest_by_addition;
   int32_t addition_cap;          // E's largest exponent + 1
+  // Nearest rounding, scales in a format, and nearest_divides_once (scaled.hpp): x / s need not
+  // be rounded to odd
+  bool divide_once;
   Rounding mode;
   bool count;
   uint64_t seed, offset;         // stochastic: element i = r·cols + c takes word (offset·4 + i) % 4
