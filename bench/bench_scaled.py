@@ -5,8 +5,9 @@ reference casts, in the same run.
 
 Each case rounds a float32 (rows, 4096) tensor of N elements, into a new result (as
 lowfp.quantize returns it) and, for the "out=" cases, into an existing tensor as the copy does,
-and reports elements per second and the ratio to the copy's. Target on the CPU: MXFP8 and NVFP4
-≥ 0.5× the copy. A new result's fresh pages (the kernel clearing them on first touch) cost about
+and reports the best time and its ratio to the copy's (the median over rounds of the ratio of
+two times measured moments apart: the copy's speed drifts by half on a shared VM). Target on the
+CPU: MXFP8 and NVFP4 ≥ 0.5× the copy. A new result's fresh pages (the kernel clearing them on first touch) cost about
 as much as the copy itself on a 2-core VM: "x.clone()" shows that cost for torch.
 """
 
@@ -17,7 +18,7 @@ import sys
 import torch
 
 import lowfp
-from lowfp.experiments.bench import machine_description, time_interleaved
+from lowfp.experiments.bench import machine_description, paired_ratio, time_rounds
 
 CASES = [("mxfp8_e4m3", "nearest"), ("mxfp8_e4m3", "stochastic"), ("mxfp4_e2m1", "nearest"),
          ("nvfp4", "nearest"), ("nvfp4", "stochastic"), ("fp8_e4m3_rowwise", "nearest"),
@@ -50,10 +51,10 @@ def run(size: int, repeats: int):
         fns[f"{name} {rounding} out="] = (
             lambda n=name, r=rounding: lowfp.quantize(x, n, r, seed=1, out=y))
     fns.update(torchao_cases(x))
-    best = time_interleaved(fns, repeats)
-    copy = x.numel() / best["y.copy_(x)"]
-    return [{"case": k, "ms": t * 1e3, "elements_per_s": x.numel() / t,
-             "vs_copy": x.numel() / t / copy} for k, t in best.items()]
+    rounds = time_rounds(fns, repeats)
+    copy = rounds["y.copy_(x)"]
+    return [{"case": k, "ms": min(t) * 1e3, "elements_per_s": x.numel() / min(t),
+             "vs_copy": 1.0 / paired_ratio(t, copy)} for k, t in rounds.items()]
 
 
 def main(argv=None):
@@ -68,8 +69,8 @@ def main(argv=None):
     print(f"{'case':<{width}}  {'ms':>8}  {'vs copy':>7}")
     for r in rows:
         print(f"{r['case']:<{width}}  {r['ms']:8.2f}  {r['vs_copy']:7.2f}")
-    print(f"({args.size} float32 elements, best of {args.repeats} interleaved rounds; "
-          "target: MXFP8 and NVFP4 >= 0.5x the copy)")
+    print(f"({args.size} float32 elements; ms: best of {args.repeats} interleaved rounds; vs copy: "
+          "median over rounds of the copy's time / the case's; target: MXFP8 and NVFP4 >= 0.5x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

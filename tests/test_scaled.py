@@ -263,6 +263,10 @@ def test_elements_at_and_beside_ties_match_the_exact_reference(name, amax):
         x[:, ::fmt.block] = block_max
     parts = lowfp.scaled.encode(x, fmt)
     assert torch.equal(parts.scales, scales)
+    st32, st64 = lowfp.scaled.ScaledStats(), lowfp.scaled.ScaledStats()  # (most tiles fall back)
+    assert torch.equal(lowfp.quantize(x, fmt, stats=st32),
+                       lowfp.quantize(x.double(), fmt, stats=st64).float())
+    assert torch.equal(st32.counts, st64.counts)
     ties = 0
     for r in range(rows):
         for c in range(cols):
@@ -367,6 +371,13 @@ def test_float32_and_float64_carriers_agree(name, rounding):
                        lowfp.scaled.encode(x.double(), name, rounding, seed=3).q)
     if rounding in ("up", "down"):  # the underflowed quotients still round away on their side
         assert (narrow[0, 1:32] != 0).sum() > 0
+    # A tensor near float32's smallest values: NVFP4's tensor scale and 1 / s beyond float32's
+    # range (float32 inputs then take the float64 path, tile by tile).
+    tiny = x * 2.0 ** -110
+    st32, st64 = lowfp.scaled.ScaledStats(), lowfp.scaled.ScaledStats()
+    assert torch.equal(lowfp.quantize(tiny, name, rounding, seed=3, stats=st32),
+                       lowfp.quantize(tiny.double(), name, rounding, seed=3, stats=st64).float())
+    assert torch.equal(st32.counts, st64.counts)
     for dtype in (torch.bfloat16, torch.float16):
         small = x.clamp(-6e4, 6e4).to(dtype)
         got = lowfp.quantize(small, name, rounding, seed=3)

@@ -139,16 +139,21 @@ LOWFP_HD Bits round_bits(Bits x, const RoundParams<Bits>& p, uint32_t rand, Roun
 // step below 2^emin is the step at it) and c a normal carrier value for every such e, e_cap at
 // least emax + 1 (a larger exponent's sum still lands above max_bits). About half the vector
 // operations.
+// The rounded magnitude of |x| = a, and c.
+template <class Bits, class F = typename CarrierTraits<Bits>::Float>
+LOWFP_HD F magnitude_by_addition(Bits a, const RoundParams<Bits>& p, int32_t e_cap, F& c) {
+  using C = CarrierTraits<Bits>;
+  using SInt = std::make_signed_t<Bits>;  // exponent arithmetic in the carrier's lane width
+  const SInt e = min_of(max_of(SInt(a >> C::kMantBits) - C::kExpBias, SInt(p.emin)), SInt(e_cap));
+  c = bit_cast<F>(Bits(e + p.normal_drop + C::kExpBias) << C::kMantBits);
+  return (bit_cast<F>(a) + c) - c;  // inf, NaN stay
+}
+
 template <class Bits>
 LOWFP_HD Bits round_nearest_by_addition(Bits x, const RoundParams<Bits>& p, int32_t e_cap,
                                         RoundEvents& ev) {
-  using C = CarrierTraits<Bits>;
-  using F = typename C::Float;
-  using SInt = std::make_signed_t<Bits>;  // exponent arithmetic in the carrier's lane width
-  const Bits a = x & ~C::kSign;
-  const SInt e = min_of(max_of(SInt(a >> C::kMantBits) - C::kExpBias, SInt(p.emin)), SInt(e_cap));
-  const F c = bit_cast<F>(Bits(e + p.normal_drop + C::kExpBias) << C::kMantBits);
-  const Bits mag = bit_cast<Bits>((bit_cast<F>(a) + c) - c);  // inf, NaN stay
+  typename CarrierTraits<Bits>::Float c;
+  const Bits mag = bit_cast<Bits>(magnitude_by_addition(x & ~CarrierTraits<Bits>::kSign, p, e_cap, c));
   return rounded_result(x, mag, p, ev);
 }
 

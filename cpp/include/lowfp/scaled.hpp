@@ -38,6 +38,10 @@ struct ScaleSpec {
   RoundParams<uint64_t> s;        // Format: nearest, saturating, to S
   double s_smallest;              // Format: S's smallest positive value
   double s_max;                   // Format: S's largest value
+  // Format, the CPU's faster forms where they give the same scales: a / (max_E · t) rounded
+  // once (nearest_divides_once), S's rounding by addition (nearest_by_addition(s, s_cap))
+  bool divide_once, by_addition;
+  int32_t s_cap;                  // S's largest exponent + 1
 };
 
 // floor(log2 a) and 2^k by the bits (no math library: the same on host and device, and cheap,
@@ -101,10 +105,15 @@ inline bool nearest_divides_once(int32_t m, int32_t scale_bits, DType input) {
 
 // ScaleRule::Format: s = round_S(a / (max_E · t)) (nearest, saturating; the quotient rounded to
 // odd first, so rounding it to S is rounding the exact quotient), held at S's smallest value.
+// kOnce, kAdd: sp.divide_once and sp.by_addition, which must hold.
+template <bool kOnce = false, bool kAdd = false>
 LOWFP_HD double format_block_scale(const ScaleSpec& sp, double a, double t, bool& saturated) {
   RoundEvents ev;  // (true: carrier subnormals need their true exponent for any S)
-  const uint64_t want = divide_nudged(a, sp.max_e * t);  // max_E · t is exact: 3 + 24 bits
-  const double s = bit_cast<double>(round_bits<RoundKind::Nearest, uint64_t, true>(want, sp.s, 0u, ev));
+  const double d = sp.max_e * t;  // exact: 3 + 24 bits
+  const uint64_t want = kOnce ? bit_cast<uint64_t>(a / d) : divide_nudged(a, d);
+  const double s = bit_cast<double>(
+      kAdd ? round_nearest_by_addition(want, sp.s, sp.s_cap, ev)
+           : round_bits<RoundKind::Nearest, uint64_t, true>(want, sp.s, 0u, ev));
   saturated = ev.above_max | (s == 0.0);
   return (s == 0.0 ? sp.s_smallest : s) * t;
 }

@@ -295,8 +295,10 @@ void scaled_cpu(const ScaledCall& call, double* tensor_scale, int64_t* counts) {
   });
   double t = 1.0;
   if (call.tensor_scale) {
-    double a = 0.0;
-    for (int64_t b = 0; b < blocks; ++b) a = max_of(a, call.scales[b]);
+    // (the block maxima are non-negative: their bits order them, and an integer max vectorises)
+    uint64_t top = 0;
+    for (int64_t b = 0; b < blocks; ++b) top = max_of(top, bit_cast<uint64_t>(call.scales[b]));
+    const double a = bit_cast<double>(top);
     // t = amax / (max_S · max_E) in float32 (the division's float64 result rounds to the
     // same float32 as the exact quotient), held at float32's smallest value.
     t = a > 0.0 ? max_of(double(float(a / (call.scale.s_max * call.scale.max_e))), 0x1p-149) : 1.0;
@@ -306,9 +308,11 @@ void scaled_cpu(const ScaledCall& call, double* tensor_scale, int64_t* counts) {
   parallel_items(blocks, blocks * 64, [&](int th, int64_t b0, int64_t b1) {
     k.scaled_scales(call, t, b0, b1, saturated[th].v);
   });
+  ScaledCall with_t = call;
+  with_t.t = t;
   PerThread<EventCounts> parts(threads_for(n));
   parallel_items(call.rows, n, [&](int th, int64_t r0, int64_t r1) {
-    k.scaled_elements(call, r0, r1, parts[th].v);
+    k.scaled_elements(with_t, r0, r1, parts[th].v);
   });
   if (counts != nullptr) {
     add_counts(sum(parts), n, counts);

@@ -31,11 +31,58 @@ U finite_max(const U* v, int64_t n, U m, U exponent) {
   return m;
 }
 
-// Blocks of a fixed width kN (the MX and NVFP4 sizes): a fully unrolled loop per block.
+// 16 lanes of 32 bits (GCC's vector extensions: whatever registers the target has).
+using Lanes16 = uint32_t __attribute__((vector_size(64)));
+
+inline Lanes16 lanes_max(Lanes16 a, Lanes16 b) { return a > b ? a : b; }
+
+// Lane j of the result: the largest lane of v[j], by a tree of half exchanges (each level pairs
+// the vectors and halves the lanes each keeps): 45 operations for 16 vectors, where reducing each
+// vector on its own takes about 8.
+inline Lanes16 lane_max_16(const Lanes16 (&v)[16]) {
+  Lanes16 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)  // [a8 | b8]
+    w[i] = lanes_max(
+        __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+        __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31));
+  for (int i = 0; i < 4; ++i)  // [a4 | b4 | c4 | d4]
+    x[i] = lanes_max(
+        __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
+        __builtin_shufflevector(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31));
+  for (int i = 0; i < 2; ++i)  // [a2 | b2 | ... | h2]
+    y[i] = lanes_max(
+        __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29),
+        __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31));
+  return lanes_max(
+      __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+      __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
+}
+
+// Blocks of a fixed width kN (the MX and NVFP4 sizes): a fully unrolled loop per block, except
+// 32-bit elements in blocks of 16, 16 blocks at a time (lane_max_16; for blocks of 32 the two
+// halves' maximum first made no gain).
 template <int64_t kN, class U>
 void row_block_max(const U* row, int64_t cols, U* top, U exponent) {
   const int64_t whole = cols / kN;
-  for (int64_t j = 0; j < whole; ++j) top[j] = finite_max(row + j * kN, kN, top[j], exponent);
+  int64_t j = 0;
+  if constexpr (sizeof(U) == 4 && kN == 16) {
+    const Lanes16 magnitude = Lanes16{} + 0x7fffffffu, exp_mask = Lanes16{} + uint32_t(exponent);
+    auto finite = [&](const U* p) {
+      Lanes16 v;
+      std::memcpy(&v, p, sizeof v);
+      v &= magnitude;
+      return v < exp_mask ? v : Lanes16{};
+    };
+    for (; j + 16 <= whole; j += 16) {
+      Lanes16 v[16];
+      for (int k = 0; k < 16; ++k) v[k] = finite(row + (j + k) * kN);
+      Lanes16 t;
+      std::memcpy(&t, top + j, sizeof t);
+      t = lanes_max(t, lane_max_16(v));
+      std::memcpy(top + j, &t, sizeof t);
+    }
+  }
+  for (; j < whole; ++j) top[j] = finite_max(row + j * kN, kN, top[j], exponent);
   if (whole * kN < cols)
     top[whole] = finite_max(row + whole * kN, cols - whole * kN, top[whole], exponent);
 }
@@ -99,6 +146,10 @@ struct TileScales {
   alignas(64) float s32_buf[kTile + kPage / 4];
   alignas(64) float inv32_buf[kTile + kPage / 4];  // (a page longer than s32_buf: same offset)
   alignas(64) uint32_t rand[kTile + 4];
+  // Per block of the tile (at most kTile + 1 blocks): 1 / s, and the float32 forms (checked).
+  alignas(64) double block_inv[kTile + 1];
+  alignas(64) float block_s32[kTile + 1];
+  alignas(64) float block_inv32[kTile + 1];
   int64_t at32 = 0;
   void place32(const void* y) {
     const uintptr_t gap = (uintptr_t(y) + kPage / 2 - uintptr_t(s32_buf)) % kPage;
@@ -167,9 +218,11 @@ void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, int64_t phas
     const uint32_t xb = Widen<uint32_t>::from(x[i]);
     const uint32_t qb = bit_cast<uint32_t>(bit_cast<float>(xb) * inv32[i]);
     // A quotient that underflowed to 0 stays nonzero (its sign and nonzero-ness are all E's
-    // rounding sees below 2^-126).
+    // rounding sees below 2^-126), except where only its rounding to nearest, a signed 0, is
+    // wanted (not its underflow count).
     const bool lost = ((qb << 1) == 0u) & ((xb << 1) != 0u);
-    const uint32_t quotient = select(lost, (xb & 0x80000000u) | 1u, qb);
+    constexpr bool kKeep = kCount || Kind != RoundKind::Nearest;
+    const uint32_t quotient = kKeep ? select(lost, (xb & 0x80000000u) | 1u, qb) : qb;
     RoundEvents ev;
     const uint32_t rw = Kind == RoundKind::Stochastic ? t.rand[phase + i] : 0u;
     const float q = bit_cast<float>(
@@ -189,31 +242,117 @@ void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, int64_t phas
   events.into(overflow, underflow, nan);
 }
 
+// A tile of float32 inputs with scales s = S · t in a format, nearest (ScaledCall::checked), in
+// the float32 carrier: the quotient approximated as x · fl(1 / s) (two roundings: within 2^-22.9
+// of x / s), rounded to E by addition, and s · q as (q · S) · t (q · S exact: the one rounding
+// of the float64 path's float(q · s)). Where the approximation lies within 2^-21 of one of E's
+// decision points (a midpoint of its grid; past E's range, of the grid continued, which may flag
+// overflowing elements needlessly) the exact quotient might round otherwise: then it returns
+// false, its outputs and counts not to be used, and the tile runs exactly in float64. Otherwise
+// the approximation and the exact quotient lie strictly on the same side of every decision
+// point: the same q and events. At random, about one element in 2^18 is that close (E2M1); a
+// tile of 2048 then runs twice about once in 100.
+template <bool kCount, bool kParts, int64_t kBlock>
+bool run_tile_checked(const ScaledCall& c, int64_t first, int64_t n, const TileScales& t,
+                      int64_t& overflow, int64_t& underflow, int64_t& nan) {
+  const float* x = static_cast<const float*>(c.x) + first;
+  float* y = static_cast<float*>(c.y) + first;
+  float* q_out = kParts ? c.q + first : nullptr;
+  const float ts = float(c.t);
+  const RoundParams<uint32_t> p = c.p32;
+  const int32_t e_cap = c.addition_cap;
+  // Per lane of a block, so that the block loop keeps them in vector registers
+  constexpr int64_t kLanes = kBlock > 0 ? kBlock : 1;
+  TileEvents<int32_t> events[kLanes];
+  uint32_t near[kLanes] = {};
+  // element i (lane l), given S and fl(1 / s)
+  auto element = [&](int64_t i, int64_t l, float big_s, float inv) {
+    const uint32_t xb = bit_cast<uint32_t>(x[i]);
+    const uint32_t qb = bit_cast<uint32_t>(x[i] * inv);
+    // (a product that underflowed to 0 stays nonzero when counting: see run_tile_narrow)
+    const bool lost = ((qb << 1) == 0u) & ((xb << 1) != 0u);
+    const uint32_t quotient = kCount ? select(lost, (xb & 0x80000000u) | 1u, qb) : qb;
+    const float a = bit_cast<float>(quotient & 0x7fffffffu);
+    float step_c;  // 2^23 times E's step at a
+    const float mag = magnitude_by_addition(bit_cast<uint32_t>(a), p, e_cap, step_c);
+    // distance to the nearer decision point: |a - mag| is exact and at most half a step
+    const float off = std::fabs(std::fabs(a - mag) - step_c * 0x1p-24f);
+    near[l] |= uint32_t(off <= a * 0x1p-21f);
+    RoundEvents ev;
+    const float q = bit_cast<float>(rounded_result(quotient, bit_cast<uint32_t>(mag), p, ev));
+    if constexpr (kParts) q_out[i] = q;
+    y[i] = (q * big_s) * ts;
+    if constexpr (kCount) events[l].add(ev);
+  };
+  if constexpr (kBlock > 0) {  // the tile starts a block: a fixed-length loop per block
+    const int64_t whole = n / kBlock;
+    for (int64_t b = 0; b < whole; ++b) {
+      const float big_s = t.block_s32[b], inv = t.block_inv32[b];
+      for (int64_t k = 0; k < kBlock; ++k) element(b * kBlock + k, k, big_s, inv);
+    }
+    for (int64_t i = whole * kBlock; i < n; ++i)
+      element(i, 0, t.block_s32[whole], t.block_inv32[whole]);
+  } else {  // scales spread per element
+    const float* big_s = t.s32_buf + t.at32;
+    const float* inv = t.inv32_buf + t.at32;
+    for (int64_t i = 0; i < n; ++i) element(i, 0, big_s[i], inv[i]);
+  }
+  uint32_t any_near = 0;
+  for (int64_t l = 0; l < kLanes; ++l) any_near |= near[l];
+  if (any_near != 0) return false;
+  for (int64_t l = 0; l < kLanes; ++l) events[l].into(overflow, underflow, nan);
+  return true;
+}
+
 template <class In, RoundKind Kind, bool kCount, bool kPow2, bool kSubExp, bool kParts>
 void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) {
   const int64_t gc = c.block_grid_cols(), bc = c.block_cols;
   constexpr bool kMayNarrow = kPow2 && !std::is_same_v<In, double>;
   constexpr bool kMayDivideOnce =
       Kind == RoundKind::Nearest && !kPow2 && !std::is_same_v<In, double>;
+  constexpr bool kMayCheck = Kind == RoundKind::Nearest && !kPow2 && std::is_same_v<In, float>;
   const bool narrow = kMayNarrow && c.narrow;
+  const bool checked = kMayCheck && c.checked;
   TileScales t;
   int64_t overflow = 0, underflow = 0, nan = 0;
   for (int64_t r = r0; r < r1; ++r) {
     const double* scales = c.scales + (r / c.block_rows) * gc;
     for (int64_t t0 = 0; t0 < c.cols; t0 += kTile) {
       const int64_t len = min_of(kTile, c.cols - t0), first = r * c.cols + t0;
-      if (narrow) t.place32(static_cast<In*>(c.y) + first);
+      if (narrow || checked) t.place32(static_cast<In*>(c.y) + first);
       float* s32 = t.s32_buf + t.at32;
       float* inv32 = t.inv32_buf + t.at32;
-      for (int64_t i = 0, j = t0 / bc; i < len; ++j) {  // spread each block's scale
-        const int64_t stop = min_of(len, (j + 1) * bc - t0);
-        const double s = scales[j], inv = 1.0 / s;
-        if (narrow) {
-          for (; i < stop; ++i) s32[i] = float(s), inv32[i] = float(inv);  // 2^±k: exact
-        } else {
-          for (; i < stop; ++i) t.s[i] = s, t.inv[i] = inv;
+      // Spread each block's scale: as float32 (narrow: 2^±k, exact; checked: S and fl(1 / s)),
+      // or as float64. (The divisions first, in a loop over the tile's blocks that vectorises.)
+      const int64_t j0 = t0 / bc, blocks = (t0 + len - 1) / bc + 1 - j0;
+      const double* bs = scales + j0;
+      for (int64_t k = 0; k < blocks; ++k) t.block_inv[k] = 1.0 / bs[k];
+      bool checkable = checked;  // every fl(1 / s) a normal float32
+      if (narrow || checked) {
+        const double over_t = narrow ? 1.0 : c.t;
+        uint32_t bad = 0;
+        for (int64_t k = 0; k < blocks; ++k) {
+          t.block_s32[k] = float(bs[k] / over_t);  // (s / t = S exactly)
+          t.block_inv32[k] = float(t.block_inv[k]);
         }
+        for (int64_t k = 0; k < blocks; ++k)  // fl(1 / s) in [2^-126, 2^127], by its bits
+          bad |= uint32_t(bit_cast<uint32_t>(t.block_inv32[k]) - 0x00800000u > 0x7e800000u);
+        checkable &= bad == 0;
       }
+      auto spread = [&](bool as_float32) {
+        for (int64_t i = 0, k = 0; i < len; ++k) {
+          const int64_t stop = min_of(len, (j0 + k + 1) * bc - t0);
+          if (as_float32) {
+            const float big_s = t.block_s32[k], inv_s = t.block_inv32[k];
+            for (; i < stop; ++i) s32[i] = big_s, inv32[i] = inv_s;
+          } else {
+            const double s = bs[k], inv = t.block_inv[k];
+            for (; i < stop; ++i) t.s[i] = s, t.inv[i] = inv;
+          }
+        }
+      };
+      if (narrow || (checked && bc != 16 && bc != 32)) spread(true);
+      else if (!checked) spread(false);
       const int64_t phase = first % 4;
       if constexpr (Kind == RoundKind::Stochastic)
         philox_fill(t.rand, c.seed, c.offset + uint64_t(first / 4), (phase + len + 3) / 4);
@@ -229,6 +368,21 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
           run_tile_narrow<In, Kind, kCount, kParts, false>(c, first, len, phase, t, overflow,
                                                            underflow, nan);
           continue;
+        }
+      }
+      if constexpr (kMayCheck) {
+        if (checked) {
+          bool done = false;
+          if (checkable) {
+            if (bc == 16)
+              done = run_tile_checked<kCount, kParts, 16>(c, first, len, t, overflow, underflow, nan);
+            else if (bc == 32)
+              done = run_tile_checked<kCount, kParts, 32>(c, first, len, t, overflow, underflow, nan);
+            else
+              done = run_tile_checked<kCount, kParts, 0>(c, first, len, t, overflow, underflow, nan);
+          }
+          if (done) continue;
+          spread(false);
         }
       }
       bool add = false, once = false;  // (the float64 carrier's faster forms, where they hold)
@@ -266,13 +420,18 @@ void scaled_scales_range(const ScaledCall& c, double t, int64_t b0, int64_t b1, 
   int64_t n = 0;
   if (c.scale.rule == ScaleRule::Format) {  // a loop of its own: it vectorises
     const ScaleSpec sp = c.scale;
-    for (int64_t b = b0; b < b1; ++b) {
-      const double a = v[b];
-      bool sat;
-      const double s = format_block_scale(sp, a > 0.0 ? a : 1.0, t, sat);
-      v[b] = a > 0.0 ? s : empty;
-      n += int64_t(sat & (a > 0.0));
-    }
+    with_flag(sp.divide_once, [&](auto once) {
+      with_flag(sp.by_addition, [&](auto add) {
+        for (int64_t b = b0; b < b1; ++b) {
+          const double a = v[b];
+          bool sat;
+          const double s = format_block_scale<decltype(once)::value, decltype(add)::value>(
+              sp, a > 0.0 ? a : 1.0, t, sat);
+          v[b] = a > 0.0 ? s : empty;
+          n += int64_t(sat & (a > 0.0));
+        }
+      });
+    });
   } else {
     for (int64_t b = b0; b < b1; ++b) {
       bool sat = false;

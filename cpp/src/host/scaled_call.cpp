@@ -44,6 +44,10 @@ ScaledCall make_scaled_call(const ScaledRequest& r, const void* x, void* y, doub
     c.scale.s = make_round_params<uint64_t>(r.scale_format, Overflow::Saturate, Rounding::Nearest, 32);
     c.scale.s_smallest = std::ldexp(1.0, smallest_exponent(r.scale_format));
     c.scale.s_max = max_value(r.scale_format);
+    c.scale.s_cap = max_exponent(r.scale_format) + 1;
+    c.scale.by_addition = nearest_by_addition(c.scale.s, c.scale.s_cap);
+    // a: the input's bits; max_E · t: E's significand bits, and t's 24
+    c.scale.divide_once = nearest_divides_once(r.scale_format.m, r.element.m + 1 + 24, r.dtype);
   }
   c.tensor_scale = r.tensor_scale;
   if (r.tensor_scale && r.rule != ScaleRule::Format)
@@ -56,7 +60,14 @@ ScaledCall make_scaled_call(const ScaledRequest& r, const void* x, void* y, doub
   }
   c.narrow = r.rule != ScaleRule::Format && r.dtype != DType::Float64 &&
              smallest_exponent(r.element) >= -22;
-  if (c.narrow) {
+  const FormatSpec& e = r.element;
+  const FormatSpec& sf = r.scale_format;
+  const bool exact_product =  // q · S: at most 24 significand bits, within float32's normal range
+      !r.tensor_scale || (e.m + sf.m + 2 <= 24 && smallest_exponent(e) + smallest_exponent(sf) >= -126 &&
+                          max_exponent(e) + max_exponent(sf) + 2 <= 127);
+  c.checked = r.rule == ScaleRule::Format && r.dtype == DType::Float32 && r.mode == Rounding::Nearest &&
+              smallest_exponent(e) >= -22 && e.m <= 18 && exact_product;
+  if (c.narrow || c.checked) {
     c.p32 = make_round_params<uint32_t>(r.element, r.overflow, r.mode, r.sr_bits);
     if (r.dtype == DType::Float16 || r.dtype == DType::BFloat16) {
       const FormatSpec store = r.dtype == DType::Float16 ? FormatSpec{5, 10, 0, Specials::IEEE, true}
@@ -68,6 +79,8 @@ ScaledCall make_scaled_call(const ScaledRequest& r, const void* x, void* y, doub
   c.nearest_by_addition =
       r.mode == Rounding::Nearest && (c.narrow ? nearest_by_addition(c.p32, c.addition_cap)
                                                : nearest_by_addition(c.p, c.addition_cap));
+  c.checked = c.checked && nearest_by_addition(c.p32, c.addition_cap);
+  c.t = 1.0;
   // s = S · t: S's significand bits, and the float32 tensor scale's 24
   const int32_t scale_bits = r.scale_format.m + 1 + (r.tensor_scale ? 24 : 0);
   c.divide_once = round_kind(r.mode) == RoundKind::Nearest && r.rule == ScaleRule::Format &&

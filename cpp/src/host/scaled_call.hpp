@@ -30,6 +30,11 @@ struct ScaledCall {
   // Nearest rounding, scales in a format, and nearest_divides_once (scaled.hpp): x / s need not
   // be rounded to odd
   bool divide_once;
+  // Float32 inputs, scales in a format, E's rounding by addition, E's finest step at least
+  // 2^-22 and m <= 18, and q · S exact in float32 when there is a tensor scale: the elements may
+  // be rounded in float32 with a quotient checked against E's midpoints (scaled_kernels.cpp)
+  bool checked;
+  double t;                      // the tensor scale (1 without one), known after the scales
   Rounding mode;
   bool count;
   uint64_t seed, offset;         // stochastic: element i = r·cols + c takes word (offset·4 + i) % 4
