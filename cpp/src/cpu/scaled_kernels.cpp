@@ -202,21 +202,20 @@ void run_tile(const ScaledCall& c, int64_t first, int64_t n, int64_t phase, cons
 }
 
 // run_tile in the float32 carrier (ScaledCall::narrow): every scale is 2^k. kAdd: nearest
-// rounding by addition (ScaledCall::nearest_by_addition).
-template <class In, RoundKind Kind, bool kCount, bool kParts, bool kAdd>
+// rounding by addition (ScaledCall::nearest_by_addition). kBlock: as run_tile_checked.
+template <class In, RoundKind Kind, bool kCount, bool kParts, bool kAdd, int64_t kBlock>
 void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, int64_t phase,
                      const TileScales& t, int64_t& overflow, int64_t& underflow, int64_t& nan) {
   const In* x = static_cast<const In*>(c.x) + first;
   In* y = static_cast<In*>(c.y) + first;
   float* q_out = kParts ? c.q + first : nullptr;
-  const float* s32 = t.s32_buf + t.at32;
-  const float* inv32 = t.inv32_buf + t.at32;
   const RoundParams<uint32_t> p = c.p32;
   const RoundParams<uint32_t> out = c.out32;
-  TileEvents<int32_t> events;
-  for (int64_t i = 0; i < n; ++i) {
+  constexpr int64_t kLanes = kBlock > 0 ? kBlock : 1;
+  TileEvents<int32_t> events[kLanes];
+  auto element = [&](int64_t i, int64_t l, float s32, float inv32) {
     const uint32_t xb = Widen<uint32_t>::from(x[i]);
-    const uint32_t qb = bit_cast<uint32_t>(bit_cast<float>(xb) * inv32[i]);
+    const uint32_t qb = bit_cast<uint32_t>(bit_cast<float>(xb) * inv32);
     // A quotient that underflowed to 0 stays nonzero (its sign and nonzero-ness are all E's
     // rounding sees below 2^-126), except where only its rounding to nearest, a signed 0, is
     // wanted (not its underflow count).
@@ -229,7 +228,7 @@ void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, int64_t phas
         kAdd ? round_nearest_by_addition(quotient, p, c.addition_cap, ev)
              : round_bits<Kind, uint32_t, false>(quotient, p, rw, ev));
     if constexpr (kParts) q_out[i] = q;
-    const float v = q * s32[i];  // exact (ScaledCall::narrow)
+    const float v = q * s32;  // exact (ScaledCall::narrow)
     if constexpr (std::is_same_v<In, float>) {
       y[i] = v;
     } else {
@@ -237,9 +236,22 @@ void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, int64_t phas
       y[i] = Store<In>::from(
           round_bits<RoundKind::Nearest, uint32_t, false>(bit_cast<uint32_t>(v), out, 0u, store_ev));
     }
-    if constexpr (kCount) events.add(ev);
+    if constexpr (kCount) events[l].add(ev);
+  };
+  if constexpr (kBlock > 0) {  // the tile starts a block: a fixed-length loop per block
+    const int64_t whole = n / kBlock;
+    for (int64_t b = 0; b < whole; ++b) {
+      const float s = t.block_s32[b], inv = t.block_inv32[b];
+      for (int64_t k = 0; k < kBlock; ++k) element(b * kBlock + k, k, s, inv);
+    }
+    for (int64_t i = whole * kBlock; i < n; ++i)
+      element(i, 0, t.block_s32[whole], t.block_inv32[whole]);
+  } else {
+    const float* s32 = t.s32_buf + t.at32;
+    const float* inv32 = t.inv32_buf + t.at32;
+    for (int64_t i = 0; i < n; ++i) element(i, 0, s32[i], inv32[i]);
   }
-  events.into(overflow, underflow, nan);
+  for (int64_t l = 0; l < kLanes; ++l) events[l].into(overflow, underflow, nan);
 }
 
 // A tile of float32 inputs with scales s = S · t in a format, nearest (ScaledCall::checked), in
@@ -351,22 +363,23 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
           }
         }
       };
-      if (narrow || (checked && bc != 16 && bc != 32)) spread(true);
-      else if (!checked) spread(false);
+      if ((narrow && bc != 32) || (checked && bc != 16 && bc != 32)) spread(true);
+      else if (!checked && !narrow) spread(false);
       const int64_t phase = first % 4;
       if constexpr (Kind == RoundKind::Stochastic)
         philox_fill(t.rand, c.seed, c.offset + uint64_t(first / 4), (phase + len + 3) / 4);
       if constexpr (kMayNarrow) {
         if (narrow) {
-          if constexpr (Kind == RoundKind::Nearest) {
-            if (c.nearest_by_addition) {
-              run_tile_narrow<In, Kind, kCount, kParts, true>(c, first, len, phase, t, overflow,
-                                                              underflow, nan);
-              continue;
-            }
-          }
-          run_tile_narrow<In, Kind, kCount, kParts, false>(c, first, len, phase, t, overflow,
-                                                           underflow, nan);
+          const bool add = Kind == RoundKind::Nearest && c.nearest_by_addition;
+          with_flag(add, [&](auto add_c) {
+            constexpr bool kAdd = decltype(add_c)::value && Kind == RoundKind::Nearest;
+            if (bc == 32)
+              run_tile_narrow<In, Kind, kCount, kParts, kAdd, 32>(c, first, len, phase, t,
+                                                                  overflow, underflow, nan);
+            else
+              run_tile_narrow<In, Kind, kCount, kParts, kAdd, 0>(c, first, len, phase, t,
+                                                                 overflow, underflow, nan);
+          });
           continue;
         }
       }
