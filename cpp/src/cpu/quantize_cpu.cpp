@@ -22,7 +22,7 @@ struct Kernel {
                            EventCounts&);
   void (*extra_bits_merge)(const ExtraBitsParams&, const ExtraBitsMerge&, int64_t, int64_t);
   bool (*any_non_finite)(DType, const void*, int64_t, int64_t);
-  void (*scaled_amax)(const ScaledCall&, int64_t, int64_t);
+  double (*scaled_amax)(const ScaledCall&, int64_t, int64_t);
   void (*scaled_scales)(const ScaledCall&, double, int64_t, int64_t, int64_t&);
   void (*scaled_elements)(const ScaledCall&, int64_t, int64_t, EventCounts&);
   const char* name;
@@ -290,15 +290,14 @@ void scaled_cpu(const ScaledCall& call, double* tensor_scale, int64_t* counts) {
     }
     return;
   }
-  parallel_items(grid_rows, n, [&](int, int64_t b0, int64_t b1) {
-    k.scaled_amax(call, b0, b1);
+  PerThread<double> largest(threads_for(n));
+  parallel_items(grid_rows, n, [&](int th, int64_t b0, int64_t b1) {
+    largest[th].v = k.scaled_amax(call, b0, b1);
   });
   double t = 1.0;
   if (call.tensor_scale) {
-    // (the block maxima are non-negative: their bits order them, and an integer max vectorises)
-    uint64_t top = 0;
-    for (int64_t b = 0; b < blocks; ++b) top = max_of(top, bit_cast<uint64_t>(call.scales[b]));
-    const double a = bit_cast<double>(top);
+    double a = 0.0;
+    for (const Slot<double>& s : largest) a = max_of(a, s.v);
     // t = amax / (max_S · max_E) in float32 (the division's float64 result rounds to the
     // same float32 as the exact quotient), held at float32's smallest value.
     t = a > 0.0 ? max_of(double(float(a / (call.scale.s_max * call.scale.max_e))), 0x1p-149) : 1.0;

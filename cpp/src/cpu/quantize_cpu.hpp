@@ -30,7 +30,7 @@ constexpr int64_t kTile = 2048;
                               int64_t, EventCounts&);                                         \
   void extra_bits_merge_range(const ExtraBitsParams&, const ExtraBitsMerge&, int64_t, int64_t); \
   bool any_non_finite_range(DType, const void*, int64_t, int64_t);                           \
-  void scaled_amax_range(const ScaledCall&, int64_t, int64_t);                               \
+  double scaled_amax_range(const ScaledCall&, int64_t, int64_t);                             \
   void scaled_scales_range(const ScaledCall&, double, int64_t, int64_t, int64_t&);            \
   void scaled_elements_range(const ScaledCall&, int64_t, int64_t, EventCounts&);              \
   }

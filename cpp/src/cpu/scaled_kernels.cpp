@@ -88,9 +88,9 @@ void row_block_max(const U* row, int64_t cols, U* top, U exponent) {
 }
 
 // Each block's largest finite magnitude into c.scales (scaled_scales_range turns them into the
-// scales in place), for block rows [br0, br1).
+// scales in place), for block rows [br0, br1); returns the largest of them.
 template <class In>
-void amax_rows(const ScaledCall& c, int64_t br0, int64_t br1) {
+double amax_rows(const ScaledCall& c, int64_t br0, int64_t br1) {
   using U = RawOf<In>;
   const U* x = static_cast<const U*>(c.x);
   const U exponent = U(exponent_mask(c.dtype));
@@ -99,6 +99,7 @@ void amax_rows(const ScaledCall& c, int64_t br0, int64_t br1) {
   U stack_top[kStack];
   std::vector<U> heap_top(static_cast<size_t>(gc > kStack ? gc : 0));
   U* top = gc > kStack ? heap_top.data() : stack_top;
+  U most = 0;
   for (int64_t br = br0; br < br1; ++br) {
     for (int64_t j = 0; j < gc; ++j) top[j] = 0;
     const int64_t r1 = min_of(c.rows, (br + 1) * c.block_rows);
@@ -117,8 +118,12 @@ void amax_rows(const ScaledCall& c, int64_t br0, int64_t br1) {
       In v;
       std::memcpy(&v, &top[j], sizeof(U));
       c.scales[br * gc + j] = bit_cast<double>(Widen<uint64_t>::from(v));
+      most = max_of(most, top[j]);  // (non-negative: the bits order them)
     }
   }
+  In v;
+  std::memcpy(&v, &most, sizeof(U));
+  return bit_cast<double>(Widen<uint64_t>::from(v));
 }
 
 // fn(std::true_type{}) or fn(std::false_type{}): a run-time flag as a template parameter.
@@ -420,10 +425,12 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
 
 }  // namespace
 
-void scaled_amax_range(const ScaledCall& c, int64_t br0, int64_t br1) {
+double scaled_amax_range(const ScaledCall& c, int64_t br0, int64_t br1) {
+  double most = 0.0;
   with_storage_type(c.dtype, [&](auto p) {
-    amax_rows<std::remove_const_t<std::remove_pointer_t<decltype(p)>>>(c, br0, br1);
+    most = amax_rows<std::remove_const_t<std::remove_pointer_t<decltype(p)>>>(c, br0, br1);
   });
+  return most;
 }
 
 void scaled_scales_range(const ScaledCall& c, double t, int64_t b0, int64_t b1, int64_t& saturated) {
