@@ -138,8 +138,8 @@ LOWFP_HD Bits round_bits(Bits x, const RoundParams<Bits>& p, uint32_t rand, Roun
 // results and events when nearest_by_addition(p, e_cap) holds: 0 < m < MB with subnormals (the
 // step below 2^emin is the step at it) and c a normal carrier value for every such e, e_cap at
 // least emax + 1 (a larger exponent's sum still lands above max_bits). About half the vector
-// operations.
-// The rounded magnitude of |x| = a, and c.
+// operations. magnitude_by_addition: the rounded magnitude of a = |x| as a carrier value, and c
+// (2^MB times the format's step at a).
 template <class Bits, class F = typename CarrierTraits<Bits>::Float>
 LOWFP_HD F magnitude_by_addition(Bits a, const RoundParams<Bits>& p, int32_t e_cap, F& c) {
   using C = CarrierTraits<Bits>;
