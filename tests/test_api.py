@@ -39,6 +39,41 @@ def test_layouts(make):
     assert torch.equal(x, before)  # input untouched
 
 
+_DENSE_AND_NOT = [
+    lambda: torch.randn(4, 6, 5, 7).to(memory_format=torch.channels_last),
+    lambda: torch.randn(3, 4, 5, 6, 7).to(memory_format=torch.channels_last_3d),
+    lambda: torch.randn(7, 9).t(),
+    lambda: torch.randn(5, 6, 7).permute(2, 0, 1),
+    lambda: torch.randn(5, 1, 7).transpose(0, 2),          # a size-1 dim with any stride
+    lambda: torch.randn(8, 9)[:, 1:7],                     # not dense
+    lambda: torch.randn(4, 1).expand(4, 6),                # overlapping
+]
+
+
+@pytest.mark.parametrize("make", _DENSE_AND_NOT)
+@pytest.mark.parametrize("rounding", ["nearest", "toward_zero", "stochastic"])
+def test_results_keep_the_inputs_layout(make, rounding):
+    """Like torch's element-wise operators, a result is laid out as torch.empty_like(x) (x's
+    strides when x is dense), and its values, counts and stochastic draws (by logical index)
+    are those of the contiguous input."""
+    x = make() * 40
+    before = x.clone()
+    stats, want_stats = lowfp.Stats(), lowfp.Stats()
+    y = lowfp.quantize(x, F, rounding, seed=7, stats=stats, out_dtype=torch.float64)
+    want = lowfp.quantize(x.contiguous(), F, rounding, seed=7, stats=want_stats,
+                          out_dtype=torch.float64)
+    assert y.stride() == torch.empty_like(x).stride()
+    assert torch.equal(y, want) and torch.equal(stats.counts, want_stats.counts)
+    z, st = lowfp.s2fp8_quantize(x, rounding=rounding, seed=7)
+    z_want, st_want = lowfp.s2fp8_quantize(x.contiguous(), rounding=rounding, seed=7)
+    assert z.stride() == torch.empty_like(x).stride()
+    assert torch.equal(z, z_want) and torch.equal(st.params, st_want.params)
+    assert torch.equal(x, before)
+    inplace = x.clone()
+    lowfp.quantize_(inplace, F, rounding, seed=7)
+    assert torch.equal(inplace, want.float())
+
+
 def test_out_and_inplace():
     x = torch.randn(64, 33) * 30
     want = ref(x)

@@ -101,7 +101,7 @@ def test_seed_arguments_are_constants_of_the_graph():
 def test_meta_and_fake_tensors_get_shapes_and_dtypes(mode):
     def run():
         x = torch.empty(3, 5, dtype=torch.bfloat16, device="meta" if mode == "meta" else "cpu")
-        xt = x.t()  # a non-contiguous input: the result is contiguous, as on real tensors
+        xt = x.t()  # a transposed input: so is the result, as on real tensors
         y = lowfp.quantize(xt, "fp(4,3,4)", "stochastic", out_dtype=torch.float32)
         z, st = lowfp.s2fp8_quantize(x.double())
         lowfp.quantize_(x, "float8_e5m2")
@@ -111,17 +111,39 @@ def test_meta_and_fake_tensors_get_shapes_and_dtypes(mode):
             y, z, st = run()
     else:
         y, z, st = run()
-    assert (y.shape, y.dtype, y.is_contiguous()) == ((5, 3), torch.float32, True)
+    assert (y.shape, y.dtype, y.stride()) == ((5, 3), torch.float32, (1, 5))
     assert (z.shape, z.dtype) == ((3, 5), torch.float64)
     assert st.params.shape == (4,) and st.params.dtype == torch.float64
 
 
-def test_fake_results_match_real_ones():
-    x = torch.randn(6, 7).t()
-    real = lowfp.quantize(x, F434, out_dtype=torch.float64)
+@pytest.mark.parametrize("make", [lambda: torch.randn(6, 7).t(), lambda: torch.randn(6, 7)[:, ::2],
+                                  lambda: torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_fake_results_match_real_ones(make, rounding):
+    x = make()
+    real = lowfp.quantize(x, F434, rounding, out_dtype=torch.float64)
+    real_s2fp8 = lowfp.s2fp8_quantize(x, rounding=rounding)[0]
     with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = lowfp.quantize(x, F434, out_dtype=torch.float64)
+        fake = lowfp.quantize(x, F434, rounding, out_dtype=torch.float64)
+        fake_s2fp8 = lowfp.s2fp8_quantize(x, rounding=rounding)[0]
     assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
+    assert (fake_s2fp8.shape, fake_s2fp8.stride()) == (real_s2fp8.shape, real_s2fp8.stride())
+
+
+def test_compiled_rounding_keeps_channels_last_and_matches_eager():
+    """The rounding operators are flexible_layout: Inductor hands them the channels-last tensors
+    it keeps around convolutions, and the results keep that layout."""
+    conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+
+    def f(x):
+        y = lowfp.quantize(torch.relu(conv(x)), F434, out_dtype=torch.float32)
+        return lowfp.quantize(y * 3, "fp(5,2,0)", "stochastic", seed=5)
+
+    x = torch.randn(2, 3, 9, 9).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        got, want = torch.compile(f, fullgraph=True)(x), f(x)
+    assert torch.equal(got, want)
+    assert got.is_contiguous(memory_format=torch.channels_last)
 
 
 def test_extra_bits_split_and_merge_compile_and_take_fake_tensors():
@@ -184,6 +206,18 @@ def test_torch_library_opcheck(name, args):
     op = getattr(torch.ops.lowfp, name).default
     results = torch.library.opcheck(op, args(x))
     assert set(results.values()) == {"SUCCESS"}, results
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_torch_library_opcheck_channels_last(rounding):
+    x = torch.randn(2, 5, 3, 4).to(memory_format=torch.channels_last).requires_grad_()
+    for op, args in ((torch.ops.lowfp.quantize.default,
+                      (x, "fp(4,3,4)", rounding, 32, 3, None, 0, torch.float32, True, "fp(5,2,0)",
+                       "nearest")),
+                     (torch.ops.lowfp.s2fp8.default,
+                      (x, "float8_e5m2", 15.0, rounding, 32, 3, None, 0, True, None, "nearest"))):
+        results = torch.library.opcheck(op, args)
+        assert set(results.values()) == {"SUCCESS"}, results
 
 
 def test_non_finite_check_compiles_and_traces():

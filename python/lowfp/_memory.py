@@ -29,11 +29,13 @@ if sys.platform.startswith("linux"):
         _madvise = None
 
 
-def new_output(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous uninitialised tensor of like's shape and device and of ``dtype``, backed by
-    huge pages where that helps. (empty_like: half the time of torch.empty(shape, ...) on a
-    small tensor, whose shape argument torch parses on each call.)"""
-    t = torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
+def new_output(like: torch.Tensor, dtype: torch.dtype,
+               memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+    """An uninitialised tensor of like's shape and device and of ``dtype`` (contiguous, or as
+    torch.empty_like's ``memory_format`` says), backed by huge pages where that helps.
+    (empty_like: half the time of torch.empty(shape, ...) on a small tensor, whose shape
+    argument torch parses on each call.)"""
+    t = torch.empty_like(like, dtype=dtype, memory_format=memory_format)
     if _madvise is not None and t.device.type == "cpu":
         nbytes = t.numel() * t.element_size()
         if nbytes >= _MIN_BYTES:

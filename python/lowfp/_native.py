@@ -39,6 +39,12 @@ class NativeCall:
         return (f.e, f.m, f.b, SPECIALS.index(f.specials), f.subnormals,
                 OVERFLOW_CODES[f.overflow], self.rounding, self.sr_bits, self.seed, self.offset)
 
+    @property
+    def index_free(self) -> bool:
+        """Whether an element's result does not depend on its index (all but stochastic
+        rounding, whose draws follow the logical index)."""
+        return ROUNDING_MODES[self.rounding] != "stochastic"
+
 
 def check_uint64(value, name: str) -> int:
     value = check_int(value, name)
@@ -217,19 +223,44 @@ def share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() < b.data_ptr() + b.nbytes and b.data_ptr() < a.data_ptr() + a.nbytes
 
 
-def run_contiguous(x: torch.Tensor, y: torch.Tensor, launch) -> torch.Tensor:
-    """launch(src, dst) on contiguous buffers for x and y (same shape, any layouts); returns y.
-    An out= that overlaps x without being x itself (say x[:-1] into x[1:]) reads a copy of x, so
-    the result is what it would be without the overlap (NumPy's rule for ufuncs)."""
-    src = x.contiguous()
-    dst = y if y.is_contiguous() else torch.empty(y.shape, dtype=y.dtype, device=y.device)
+def dense_layout(t: torch.Tensor) -> bool:
+    """Whether t's elements fill numel() consecutive slots from data_ptr() in some order
+    (contiguous, channels-last, any permutation of a contiguous tensor)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def same_dense_layout(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """x and y (same shape) are dense and keep each element at the same offset."""
+    return (all(a == b for a, b, n in zip(x.stride(), y.stride(), x.shape) if n != 1)
+            and dense_layout(x))
+
+
+def run_contiguous(x: torch.Tensor, y: torch.Tensor, launch, memory_order: bool = False) -> torch.Tensor:
+    """launch(src, dst) on buffers for x and y (same shape, any layouts) whose elements the
+    kernel walks in the same order; returns y. That order is x's logical (row-major) order, or
+    with ``memory_order`` (for element-wise work that does not depend on an element's index) the
+    order in memory when x and y share a dense layout, so that a channels-last tensor is rounded
+    where it lies. An out= that overlaps x without being x itself (say x[:-1] into x[1:]) reads
+    a copy of x, so the result is what it would be without the overlap (NumPy's rule for ufuncs)."""
+    if memory_order and same_dense_layout(x, y):
+        src, dst = x, y
+    else:
+        src = x.contiguous()
+        dst = y if y.is_contiguous() else torch.empty(y.shape, dtype=y.dtype, device=y.device)
     # A mode can make the buffers lowfp allocates tensor subclasses (FakeTensorMode with plain
     # inputs allowed): refuse before the kernel writes through their pointers.
     backends.check_dense(src, "x")
     backends.check_dense(dst, "the result buffer")
     if (dst is y and share_bytes(src, dst)
             and not (src.data_ptr() == dst.data_ptr() and src.dtype == dst.dtype)):
-        src = src.clone()
+        src = src.clone(memory_format=torch.preserve_format)
     launch(src, dst)
     if dst is not y:
         y.copy_(dst)  # a torch op: it marks y changed itself
@@ -248,7 +279,7 @@ def run_quantize(x: torch.Tensor, y: torch.Tensor, call: NativeCall,
     counts_ptr = counts.data_ptr() if counts is not None else 0
     return run_contiguous(x, y, lambda src, dst: mod.quantize(
         src.data_ptr(), DTYPE_CODES[src.dtype], dst.data_ptr(), DTYPE_CODES[dst.dtype], src.numel(),
-        *call.args(), counts_ptr, device, stream))
+        *call.args(), counts_ptr, device, stream), call.index_free)
 
 
 def check_writable(t: torch.Tensor, name: str) -> None:
@@ -320,7 +351,8 @@ def into_numpy_out(out, write) -> np.ndarray:
 def run_s2fp8(x: torch.Tensor, y: torch.Tensor, log_max: float, call: NativeCall,
               sums: torch.Tensor, params: torch.Tensor, counts: Optional[torch.Tensor]) -> torch.Tensor:
     """S2FP8 of x into y on x's device; its statistics go to ``sums`` and ``params``
-    (lowfp.S2FP8Stats's tensors), its event counts to ``counts`` when given."""
+    (lowfp.S2FP8Stats's tensors), its event counts to ``counts`` when given. Always in logical
+    order: the statistics' reduction groups consecutive elements."""
     mod, device, stream = backends.native(x, "x")
     counts_ptr = counts.data_ptr() if counts is not None else 0
     return run_contiguous(x, y, lambda src, dst: mod.s2fp8(

@@ -36,12 +36,17 @@ lib = torch.library.Library("lowfp", "DEF")
 
 _COMMON = "str rounding, int sr_bits, int seed, Tensor? drawn_seed, int offset"
 lib.define("draw_seed() -> Tensor")
+# Element-wise results take x's layout, as torch's own element-wise operators do
+# (torch.empty_like's preserve_format, in the implementations and the fake ones alike), so
+# flexible_layout: torch.compile may hand them a tensor in whatever layout it keeps (channels-last
+# around Inductor's convolutions) instead of copying it to the layout seen when tracing.
+_ELEMENTWISE = (torch.Tag.flexible_layout,)
 lib.define(f"quantize(Tensor x, str fmt, {_COMMON}, ScalarType dtype, bool count, str? grad_fmt, "
-           "str grad_rounding) -> (Tensor, Tensor)")
+           "str grad_rounding) -> (Tensor, Tensor)", tags=_ELEMENTWISE)
 lib.define(f"quantize_into(Tensor x, Tensor(a!) out, str fmt, {_COMMON}, "
            "Tensor(b!)? counts) -> ()")
 lib.define(f"s2fp8(Tensor x, str fmt, float log_max, {_COMMON}, bool count, str? grad_fmt, "
-           "str grad_rounding) -> (Tensor, Tensor, Tensor, Tensor)")
+           "str grad_rounding) -> (Tensor, Tensor, Tensor, Tensor)", tags=_ELEMENTWISE)
 lib.define(f"s2fp8_into(Tensor x, Tensor(a!) out, str fmt, float log_max, {_COMMON}, "
            "Tensor(b!) sums, Tensor(c!) params, Tensor(d!)? counts) -> ()")
 
@@ -106,8 +111,8 @@ def _counts(x: torch.Tensor, count: bool) -> torch.Tensor:
 def _quantize_impl(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype, count, grad_fmt,
                    grad_rounding):
     counts = _counts(x, count)
-    y = run_quantize(x, new_output(x, dtype), _call(fmt, rounding, sr_bits, seed, drawn_seed, offset),
-                     counts if count else None)
+    y = run_quantize(x, new_output(x, dtype, torch.preserve_format),
+                     _call(fmt, rounding, sr_bits, seed, drawn_seed, offset), counts if count else None)
     return y, counts
 
 
@@ -125,7 +130,7 @@ def _s2fp8_impl(x, fmt, log_max, rounding, sr_bits, seed, drawn_seed, offset, co
                 grad_rounding):
     sums, params = s2fp8_stat_buffers(x)
     counts = _counts(x, count)
-    y = run_s2fp8(x, new_output(x, x.dtype), log_max,
+    y = run_s2fp8(x, new_output(x, x.dtype, torch.preserve_format), log_max,
                   _call(fmt, rounding, sr_bits, seed, drawn_seed, offset), sums, params,
                   counts if count else None)
     return y, sums, params, counts
@@ -242,7 +247,7 @@ def _draw_seed_fake():
 @torch.library.register_fake("lowfp::quantize", lib=lib)
 def _quantize_fake(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype, count, grad_fmt,
                    grad_rounding):
-    return (torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format),
+    return (torch.empty_like(x, dtype=dtype, memory_format=torch.preserve_format),
             x.new_empty(4 if count else 0, dtype=torch.int64))
 
 
@@ -254,7 +259,7 @@ def _quantize_into_fake(x, out, fmt, rounding, sr_bits, seed, drawn_seed, offset
 @torch.library.register_fake("lowfp::s2fp8", lib=lib)
 def _s2fp8_fake(x, fmt, log_max, rounding, sr_bits, seed, drawn_seed, offset, count, grad_fmt,
                 grad_rounding):
-    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+    return (torch.empty_like(x, memory_format=torch.preserve_format),
             x.new_empty(S2FP8_SUM_SIZE, dtype=torch.int64),
             x.new_empty(4, dtype=torch.float64),
             x.new_empty(4 if count else 0, dtype=torch.int64))
