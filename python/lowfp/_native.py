@@ -242,7 +242,7 @@ def same_dense_layout(x: torch.Tensor, y: torch.Tensor) -> bool:
             and dense_layout(x))
 
 
-def run_contiguous(x: torch.Tensor, y: torch.Tensor, launch, memory_order: bool = False) -> torch.Tensor:
+def run_elementwise(x: torch.Tensor, y: torch.Tensor, launch, memory_order: bool = False) -> torch.Tensor:
     """launch(src, dst) on buffers for x and y (same shape, any layouts) whose elements the
     kernel walks in the same order; returns y. That order is x's logical (row-major) order, or
     with ``memory_order`` (for element-wise work that does not depend on an element's index) the
@@ -260,7 +260,7 @@ def run_contiguous(x: torch.Tensor, y: torch.Tensor, launch, memory_order: bool 
     backends.check_dense(dst, "the result buffer")
     if (dst is y and share_bytes(src, dst)
             and not (src.data_ptr() == dst.data_ptr() and src.dtype == dst.dtype)):
-        src = src.clone(memory_format=torch.preserve_format)
+        src = src.clone()
     launch(src, dst)
     if dst is not y:
         y.copy_(dst)  # a torch op: it marks y changed itself
@@ -277,7 +277,7 @@ def run_quantize(x: torch.Tensor, y: torch.Tensor, call: NativeCall,
     ``counts`` (lowfp.Stats's tensor) when given."""
     mod, device, stream = backends.native(x, "x")
     counts_ptr = counts.data_ptr() if counts is not None else 0
-    return run_contiguous(x, y, lambda src, dst: mod.quantize(
+    return run_elementwise(x, y, lambda src, dst: mod.quantize(
         src.data_ptr(), DTYPE_CODES[src.dtype], dst.data_ptr(), DTYPE_CODES[dst.dtype], src.numel(),
         *call.args(), counts_ptr, device, stream), call.index_free)
 
@@ -355,6 +355,6 @@ def run_s2fp8(x: torch.Tensor, y: torch.Tensor, log_max: float, call: NativeCall
     order: the statistics' reduction groups consecutive elements."""
     mod, device, stream = backends.native(x, "x")
     counts_ptr = counts.data_ptr() if counts is not None else 0
-    return run_contiguous(x, y, lambda src, dst: mod.s2fp8(
+    return run_elementwise(x, y, lambda src, dst: mod.s2fp8(
         src.data_ptr(), DTYPE_CODES[src.dtype], dst.data_ptr(), src.numel(), *call.args(),
         log_max, sums.data_ptr(), params.data_ptr(), counts_ptr, device, stream))
