@@ -164,6 +164,27 @@ def test_extra_bits_split_and_merge_compile_and_take_fake_tensors():
         assert lowfp.extra_bits.merge(w16, packed, 13, "nearest").dtype == torch.float32
 
 
+def test_formats_built_inside_the_compiled_code():
+    """lowfp.fp(...), Format(...), .replace, S2FP8(...) and Scaled(...) called in the traced code:
+    no graph break, and the results of eager code bit for bit."""
+    def f(x):
+        return (lowfp.quantize(x, lowfp.fp(4, 3, 4)),
+                lowfp.quantize(x, lowfp.Format(5, 2, 0, specials="ieee"), "stochastic", seed=3,
+                               grad_fmt=lowfp.fp(5, 2, 0)),
+                lowfp.quantize(x, lowfp.fp(4, 3, 4).replace(overflow="nan")),
+                lowfp.s2fp8_quantize(x, lowfp.S2FP8(lowfp.fp(5, 2, 0, specials="ieee"), 12.0))[0],
+                lowfp.s2fp8_quantize(x, lowfp.fp(4, 3, 0, specials="fn"), log_max=7.0)[0],
+                lowfp.quantize(x, lowfp.Scaled(lowfp.fp(2, 1, 0), block=16, scale=lowfp.fp(4, 3, 0, specials="fn"),
+                                               tensor_scale=True)))
+
+    x = torch.randn(4, 64) * 100
+    got, want = torch.compile(f, fullgraph=True)(x), f(x)
+    for g, w in zip(got, want):
+        assert torch.equal(g.view(torch.int32), w.view(torch.int32))  # (NaNs included)
+    with pytest.raises(Exception, match="invalid format"):
+        torch.compile(lambda t: lowfp.quantize(t, lowfp.fp(0, 3, 0)), fullgraph=True)(x)
+
+
 def test_argument_errors_are_raised_while_tracing():
     f = torch.compile(lambda t: lowfp.quantize(t, "fp(4,3,4)", "sideways"), fullgraph=True)
     with pytest.raises(Exception, match="rounding must be one of"):

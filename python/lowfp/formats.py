@@ -36,6 +36,16 @@ _TORCH_DTYPE_NAMES = {
 
 
 
+@torch.compiler.assume_constant_result  # under torch.compile: computed while tracing
+def _format_info(e: int, m: int, b: int, specials: str, subnormals: bool) -> dict:
+    """The native library's facts about a format (bias, emin, emax, smallest_exp, max,
+    fit_errors); a ValueError for parameters it cannot represent."""
+    try:
+        return _C.format_info(e, m, b, SPECIALS.index(specials), subnormals)
+    except ValueError as err:
+        raise ValueError(f"invalid format fp({e},{m},{b}, specials={specials!r}): {err}") from None
+
+
 class Format:
     """A binary floating-point format with ``e`` exponent bits, ``m`` mantissa bits and an extra
     exponent bias ``b`` (bias = 2^(e-1) - 1 + b).
@@ -58,12 +68,8 @@ class Format:
         if overflow is None:
             overflow = DEFAULT_OVERFLOW[specials]
         check_choice(overflow, OVERFLOW_POLICIES, "overflow")
-        try:
-            info = _C.format_info(e, m, b, SPECIALS.index(specials), subnormals)
-        except ValueError as err:
-            raise ValueError(f"invalid format fp({e},{m},{b}, specials={specials!r}): {err}") from None
         self._key = (e, m, b, specials, subnormals, overflow)
-        self._info = info
+        self._info = _format_info(e, m, b, specials, subnormals)
 
     # -- parameters -------------------------------------------------------------------------
     e = property(lambda self: self._key[0], doc="exponent bits")
@@ -205,6 +211,13 @@ def _parse_call(text: str, names: Tuple[str, ...]) -> Optional[Tuple[list, dict]
                 {k.arg: ast.literal_eval(k.value) for k in node.keywords})
     except ValueError:
         raise ValueError(f"cannot parse {text!r}: arguments must be literals") from None
+
+
+def as_text(fmt):
+    """A Format or S2FP8 as its string (which parses back to an equal one); anything else as it
+    is. Under torch.compile a format built inside the traced code is no constant that
+    assume_constant_result functions can take, but its string is."""
+    return str(fmt) if isinstance(fmt, (Format, S2FP8)) else fmt
 
 
 def fp(e: int, m: int, b: int = 0, *, specials: str = "none", subnormals: bool = True,

@@ -15,7 +15,7 @@ from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODE
                       draw_seed, into_numpy_out, make_call, numpy_as_tensor, plan_rounding)
 from ._dtensor import is_dtensor, round_dtensor
 from ._ops import s2fp8_stat_buffers
-from .formats import Format, S2FP8, to_precision
+from .formats import Format, S2FP8, as_text, to_precision
 from .scaled import quantize_scaled, to_scaled
 from .stats import S2FP8Stats, Stats
 
@@ -43,6 +43,8 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
                                     seed=seed, generator=generator, offset=offset,
                                     sr_bits=sr_bits, stats=stats, out=out, out_dtype=out_dtype,
                                     grad_fmt=grad_fmt, grad_rounding=grad_rounding)
+    if torch.compiler.is_compiling():  # a format built inside traced code reaches the plan as text
+        fmt, grad_fmt = as_text(fmt), as_text(grad_fmt)
     plan = Plan(*plan_rounding(fmt, rounding, overflow, subnormals, sr_bits, x.dtype,
                                None if out is None else out.dtype, out_dtype, grad_fmt,
                                grad_rounding))

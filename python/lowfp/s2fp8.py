@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ._native import into_numpy_out, numpy_as_tensor
-from .formats import Format, S2FP8, to_format
+from .formats import Format, S2FP8, as_text, to_format, to_precision
 from .quantize import round_tensor
 from .stats import S2FP8Stats, Stats
 
@@ -29,6 +29,8 @@ __all__ = ["S2FP8", "S2FP8Stats", "s2fp8_quantize"]
 @torch.compiler.assume_constant_result  # under torch.compile: a constant string
 def _spec(fmt, log_max) -> str:
     """The S2FP8 precision (as its string) that s2fp8_quantize's fmt and log_max describe."""
+    if isinstance(fmt, str):
+        fmt = to_precision(fmt, "fmt")
     if isinstance(fmt, S2FP8):
         if log_max is not None and float(log_max) != fmt.log_max:
             raise ValueError(f"log_max={log_max} conflicts with fmt={fmt}")
@@ -58,7 +60,8 @@ def s2fp8_quantize(x, fmt: Union[Format, S2FP8, str] = "float8_e5m2", *,
         truncate_grad: the gradient passes straight through (default) or, when True, is itself
             truncated by S2FP8 with its own statistics (round to nearest).
     """
-    spec = _spec(fmt, log_max)
+    # (a format built inside code torch.compile traces reaches _spec as text)
+    spec = _spec(as_text(fmt) if torch.compiler.is_compiling() else fmt, log_max)
     if not isinstance(truncate_grad, bool):
         raise TypeError(f"truncate_grad must be a bool, got {type(truncate_grad).__name__}")
     kwargs = dict(overflow=overflow, subnormals=subnormals, seed=seed, generator=generator,
