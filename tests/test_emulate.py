@@ -293,3 +293,129 @@ def test_history_records_the_share_of_gradients_lost_to_underflow():
     assert kept < 0.05 < lost <= 1
     zeros = sum(int((g == 0).sum()) for g in grads) / sum(g.numel() for g in grads)
     assert lost <= zeros  # every underflow became a zero (some were zero before rounding)
+
+
+class _Selecting(nn.Module):
+    """ReLU (in place and not) and max pooling, each reading a rounded tensor; ``write`` writes
+    into the tensor ReLU reads first (without using the returned value), in one of three ways."""
+
+    def __init__(self, write=None):
+        super().__init__()
+        self.write = write
+        self.conv1, self.bn = nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 4, 3)
+        self.fc = nn.Linear(4, 10)
+
+    def forward(self, x):
+        h = self.bn(self.conv1(x))
+        if self.write == "method":
+            h.mul_(3.0)
+        elif self.write == "view":
+            h[:, 0].mul_(3.0)
+        elif self.write == "setitem":
+            h[:, 1] = 0.1
+        h = F.max_pool2d(F.relu(h, inplace=True), 2)
+        h = F.adaptive_max_pool2d(torch.relu(self.conv2(h)), 1)
+        return self.fc(h.flatten(1))
+
+
+def _emulated_step(model, a, x, y, skip=True, **kw):
+    """Output, parameter gradients and the step's count table (with the backward counts) of one
+    emulated training step; skip=False rounds every selecting operator's output too."""
+    with lowfp.emulate(model, a, **kw) as em:
+        if not skip:
+            em._source_of = lambda t: None
+        seen = {}
+        em.observer = lambda n, t: seen.setdefault(n, t.detach().clone())
+        out = model(x)
+        F.cross_entropy(out, y).backward()
+        em._fold_grad_counts()
+        counts = em.counts.clone()
+    return out.detach(), [p.grad.clone() for p in model.parameters()], counts, seen
+
+
+def _rounder_calls(monkeypatch):
+    from lowfp.quantize import Rounder
+    calls = []
+    call = Rounder.__call__
+    monkeypatch.setattr(Rounder, "__call__", lambda self, t, stats=None: calls.append(1) or call(self, t, stats))
+    return calls
+
+
+@pytest.mark.parametrize("strategy", ["uniform", "ours"])
+def test_selecting_operators_skip_a_rounding_that_changes_nothing(strategy, monkeypatch):
+    """ReLU and max pooling of a tensor rounded to their output's format: the forward rounding
+    of their outputs is skipped, with the same values, gradients and counts (NaN included)."""
+    calls = _rounder_calls(monkeypatch)
+    torch.manual_seed(0)
+    base = _Selecting()
+    x, y = batch(hw=12)
+    x[0, 0, 0, 0] = float("nan")
+    tr = A.trace(base, x, F.cross_entropy, y)
+    a = A.make(tr, strategy, **({"r": 0.5} if strategy == "ours" else {}))
+    results = []
+    for skip in (True, False):
+        calls.clear()
+        results.append(_emulated_step(copy.deepcopy(base), a, x, y, skip) + (len(calls),))
+    (out, grads, counts, seen, n_skip), (out_ref, grads_ref, counts_ref, seen_ref, n_ref) = results
+    assert torch.equal(out.nan_to_num(), out_ref.nan_to_num())
+    for g, g_ref in zip(grads, grads_ref):
+        assert torch.equal(g.nan_to_num(), g_ref.nan_to_num())
+    assert torch.equal(counts, counts_ref)
+    assert counts[:, 2].sum() > 0  # NaNs were counted where the rounding was skipped too
+    assert seen.keys() == seen_ref.keys()
+    for n in seen:
+        assert torch.equal(seen[n].nan_to_num(), seen_ref[n].nan_to_num()), n
+    selecting = [op for op in tr.ops if op.func in ("relu", "max_pool2d", "adaptive_max_pool2d")]
+    # each selecting operator whose input has its output's format skips its forward rounding
+    skippable = sum(a.formats[op.inputs[0]] == a.formats[op.outputs[0]] for op in selecting)
+    assert len(selecting) == 4 and skippable >= (4 if strategy == "uniform" else 1)
+    assert n_ref - n_skip == skippable
+
+
+@pytest.mark.parametrize("write", ["method", "view", "setitem"])
+def test_a_write_in_place_makes_selecting_operators_round_again(write):
+    """A write into a tensor (whose returned value the model drops, or of a constant) leaves
+    values off the grid: ReLU of it must round again (the skip ends at any in-place write)."""
+    torch.manual_seed(1)
+    model = _Selecting(write)
+    x, y = batch(hw=12)
+    a = A.uniform(A.trace(model, x, F.cross_entropy, y))
+    out, grads, counts, seen = _emulated_step(model, a, x, y)
+    relu = next(n for n in seen if n.endswith(":relu"))
+    fmt = a.formats[relu]
+    assert on_grid(seen[relu], fmt, "saturate")
+    # (the values ReLU was given were off the grid: otherwise this test shows nothing)
+    _, _, _, seen_bn = _emulated_step(model, a, x, y)
+    bn = next(n for n in seen_bn if n.endswith(":batch_norm"))
+    written = seen_bn[bn].clone()
+    if write == "method":
+        written.mul_(3.0)
+    elif write == "view":
+        written[:, 0].mul_(3.0)
+    else:
+        written[:, 1] = 0.1
+    assert not on_grid(F.relu(written), fmt, "saturate")
+
+
+def test_selecting_operators_round_when_formats_differ_or_follow_the_tensor(monkeypatch):
+    """No skip where the input's format differs from the output's (hi in, lo out) or where the
+    format's grid follows each tensor (S2FP8)."""
+    calls = _rounder_calls(monkeypatch)
+    torch.manual_seed(2)
+    base = _Selecting()
+    x, y = batch(hw=12)
+    tr = A.trace(base, x, F.cross_entropy, y)
+    a = A.uniform(tr)
+    relu = next(op for op in tr.ops if op.func == "relu")
+    a.formats[relu.inputs[0]] = a.candidates.hi
+    _, _, _, seen = _emulated_step(copy.deepcopy(base), a, x, y)
+    assert not on_grid(seen[relu.inputs[0]], a.formats[relu.outputs[0]], "saturate")
+    assert on_grid(seen[relu.outputs[0]], a.formats[relu.outputs[0]], "saturate")
+    s2 = A.uniform(tr, candidates=A.Candidates(lo_forward=lowfp.S2FP8("float8_e5m2")))
+    results = []
+    for skip in (True, False):
+        calls.clear()
+        results.append(_emulated_step(copy.deepcopy(base), s2, x, y, skip) + (len(calls),))
+    assert results[0][4] == results[1][4]
+    assert torch.equal(results[0][0], results[1][0])

@@ -55,6 +55,15 @@ multi_dot scaled_dot_product_attention multi_head_attention_forward lstm gru rnn
 lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell
 """.split())
 
+# Operators whose floating output holds only values of their first argument and zeros (ReLU, max
+# pooling): where that argument already holds values of the output's format, rounding the output
+# changes nothing (see Emulator._round).
+SELECTING_NAMES = frozenset("""
+relu relu_ max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices
+max_pool3d_with_indices adaptive_max_pool1d adaptive_max_pool2d adaptive_max_pool3d
+adaptive_max_pool1d_with_indices adaptive_max_pool2d_with_indices adaptive_max_pool3d_with_indices
+""".split())
+
 _classes: Dict[object, Tuple[int, str]] = {}
 
 
@@ -91,6 +100,15 @@ _serials = itertools.count(1)
 
 def _floating(t) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def writes_in_place(fname: str, args, kwargs, out) -> bool:
+    """Whether an operator call wrote into a tensor it was given: it returned one of its arguments
+    (``add_``, ``x += y``, ``F.relu(x, inplace=True)``), or it is ``__setitem__`` or has ``out=``."""
+    if fname == "__setitem__" or kwargs.get("out") is not None:
+        return True
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return any(isinstance(o, torch.Tensor) and any(o is a for a in args) for o in outs)
 
 
 def floating_outputs(out) -> Tuple[List[torch.Tensor], object]:
@@ -151,6 +169,7 @@ class ForwardSession:
         self._traced: Dict[torch.Tensor, str] = {}  # the tags while Dynamo traces a forward
         self._repeats: Dict[str, int] = {}
         self.serial = 0
+        self.writes = 0  # operator calls of this forward that wrote into a tensor they were given
         self._hooks = []
         self._installed = False
         self._saved_forward = None
@@ -201,6 +220,7 @@ class ForwardSession:
     def _begin(self) -> None:
         """Called before each forward (subclasses reset their per-step state here)."""
         self.serial = next(_serials)
+        self.writes = 0
         self._module_stack.clear()
         self._repeats.clear()
 
@@ -288,12 +308,17 @@ class ForwardSession:
             return func(*args, **kwargs)
         inputs: List[str] = []
         args = self._map_args(args, inputs)
+        # (before the call, which may change it in place)
+        source = (self._source_of(args[0]) if fname in SELECTING_NAMES and args
+                  and isinstance(args[0], torch.Tensor) else None)
         if kwargs:
             values = list(kwargs.values())
             mapped = self._map_args(values, inputs)
             if mapped is not values:
                 kwargs = dict(zip(kwargs.keys(), mapped))
         out = func(*args, **kwargs)
+        if kind == OP and writes_in_place(fname, args, kwargs, out):
+            self.writes += 1
         if not inputs:  # constants: computed from nothing this step tracks
             return out
         tensors, rebuild = floating_outputs(out)
@@ -309,7 +334,8 @@ class ForwardSession:
         self._repeats[base] = n + 1
         key = base if n == 0 else f"{base}#{n}"
         names = ["v:" + key] if len(tensors) == 1 else [f"v:{key}[{j}]" for j in range(len(tensors))]
-        new = [self._tag(self._output(t, name), name) for t, name in zip(tensors, names)]
+        new = [self._tag(self._output(t, name, source if j == 0 else None), name)
+               for j, (t, name) in enumerate(zip(tensors, names))]
         self._operator(key, fname, module, fname in GEMM_NAMES, inputs, names, tensors)
         return rebuild(new)
 
@@ -325,8 +351,14 @@ class ForwardSession:
     def _input(self, t: torch.Tensor, name: str) -> torch.Tensor:
         return t
 
-    def _output(self, t: torch.Tensor, name: str) -> torch.Tensor:
+    def _output(self, t: torch.Tensor, name: str, source=None) -> torch.Tensor:
+        """source: what ``_source_of`` said of the first argument of a SELECTING_NAMES operator
+        (None otherwise)."""
         return t
+
+    def _source_of(self, t: torch.Tensor):
+        """What the session knows of the values of a selecting operator's argument t."""
+        return None
 
     def _operator(self, key, fname, module, is_gemm, inputs, outputs, tensors) -> None:
         pass

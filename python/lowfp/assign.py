@@ -168,7 +168,7 @@ class _Recorder(ForwardSession):
         self._watch_grad(t, name)
         return t
 
-    def _output(self, t, name):
+    def _output(self, t, name, source=None):
         self.numel[name] = t.numel()
         self._watch_grad(t, name)
         return t

@@ -22,6 +22,15 @@ What is rounded where:
   weight gradient dtheta before it is accumulated into ``.grad``; backward formats let overflow
   become inf (``backward_overflow="saturate"`` hides it from the values, not from the counts).
 
+ReLU and max pooling (``_intercept.SELECTING_NAMES``) only select among their input's values and
+zeros: when the input holds results of their output's forward format, rounded in this forward with
+no in-place write by any operator since, and that format's grid is fixed (an fp(e,m,b) format that
+saturates: not S2FP8 or a scaled format), rounding their output returns it unchanged. That
+rounding is skipped and counted as it would count (its NaNs and its elements); the output's
+gradient is rounded as usual. Eager and compiled forwards skip alike, so they draw the same
+stochastic-rounding seeds. (Under torch.compile this also lets the backward of ReLU read the
+output that the next operator saves, instead of a mask of its own.)
+
 One step is one training forward (grad enabled, ``model.training``) and the backward of its
 result. Each step's per-tensor overflow/underflow counts accumulate on the device in one int64
 table that is read once, when the step is closed: at the next training forward, at
@@ -57,6 +66,7 @@ __all__ = ["emulate", "Emulator", "History"]
 
 log = logging.getLogger("lowfp")
 _OVERFLOW = ("saturate", "inf", "nan")
+_MARK = "_lowfp_rounded"  # (forward serial, writes, rounder) on a tensor that holds its results
 
 
 class _Round(torch.autograd.Function):
@@ -75,6 +85,13 @@ class _Round(torch.autograd.Function):
             if observe is not None:
                 observe[0](grad_name(observe[1]), grad)
         return grad, None, None, None, None, None
+
+
+def _unchanged_counts(t: torch.Tensor) -> torch.Tensor:
+    """The counts of a rounding that returns t unchanged: its NaNs, and its elements."""
+    nan = torch.isnan(t).sum()
+    zero = torch.zeros_like(nan)
+    return torch.stack((zero, zero, nan, zero + t.numel()))
 
 
 class _RoundInGraph(torch.autograd.Function):
@@ -204,6 +221,7 @@ class Emulator(ForwardSession):
         self._scalars: Dict[str, float] = {}
         self._step_scale = None
         self._unknown_warned: set = set()
+        self._marks: dict = {}     # _mark's record while Dynamo traces a forward
 
     # -- formats ---------------------------------------------------------------------------
     def _rounder(self, fmt, forward: bool) -> Optional[Rounder]:
@@ -235,22 +253,49 @@ class Emulator(ForwardSession):
         return (plan[name], self._stats[name] if counting else None,
                 plan.get(gname), self._stats.get(gname) if counting else None)
 
-    def _round(self, t: torch.Tensor, name: str) -> torch.Tensor:
+    def _round(self, t: torch.Tensor, name: str, source=None) -> torch.Tensor:
+        """t rounded for tensor `name`. source: the rounder whose results a selecting operator's
+        argument holds (ForwardSession._source_of); when it is this tensor's forward rounder, the
+        forward rounding would return t unchanged, so it is skipped and only counted."""
         fwd, fs, bwd, bs = self._rounders_of(name)
         if fwd is None and bwd is None:
             return t
+        unchanged = fwd is not None and source is fwd and type(t) is torch.Tensor
+        kernel, kernel_stats = (None, None) if unchanged else (fwd, fs)
         if torch.compiler.is_compiling():
-            return self._round_in_graph(t, name, fwd, fs, bwd, bs)
-        observe = None if self.observer is None else (self.observer, name)
-        if t.requires_grad and torch.is_grad_enabled():
-            out = _Round.apply(t, fwd, fs, bwd, bs, observe)
-        elif fwd is None:
-            return t
+            out = self._round_in_graph(t, name, kernel, kernel_stats, bwd, bs)
         else:
-            out = fwd(t, fs)
-        if observe is not None and fwd is not None:
-            self.observer(name, out)
+            observe = None if self.observer is None else (self.observer, name)
+            if t.requires_grad and torch.is_grad_enabled():
+                out = _Round.apply(t, kernel, kernel_stats, bwd, bs, observe)
+            elif kernel is None:
+                out = t
+            else:
+                out = kernel(t, kernel_stats)
+            if observe is not None and fwd is not None:
+                self.observer(name, out)
+        if unchanged and fs is not None:
+            fs.counts.add_(_unchanged_counts(t))
+        if fwd is not None and fwd.idempotent:
+            self._mark(out, fwd)
         return out
+
+    def _mark(self, t: torch.Tensor, rounder: Rounder) -> None:
+        """t holds results of rounder, until an operator writes into a tensor in place (any
+        tensor: it may share t's memory). The same rule in eager and compiled forwards, so that
+        both skip the same roundings (and draw the same stochastic-rounding seeds)."""
+        if torch.compiler.is_compiling():  # Dynamo cannot set attributes on tensors
+            self._marks[t] = (self.writes, rounder)
+        else:
+            setattr(t, _MARK, (self.serial, self.writes, rounder))
+
+    def _source_of(self, t: torch.Tensor):
+        """The rounder whose results t holds (see _mark), or None."""
+        if torch.compiler.is_compiling():
+            mark = self._marks.get(t)
+            return mark[1] if mark is not None and mark[0] == self.writes else None
+        mark = getattr(t, _MARK, None)
+        return mark[2] if mark is not None and mark[:2] == (self.serial, self.writes) else None
 
     def _round_in_graph(self, t, name, fwd, fs, bwd, bs):
         """_round in a graph torch.compile records: lowfp's operators; the forward counts are
@@ -286,8 +331,14 @@ class Emulator(ForwardSession):
     def _input(self, t, name):
         return self._round(t, name)
 
-    def _output(self, t, name):
-        return self._round(t, name)
+    def _output(self, t, name, source=None):
+        return self._round(t, name, source)
+
+    def _forward(self, inner, args, kwargs):
+        try:
+            return super()._forward(inner, args, kwargs)
+        finally:
+            self._marks.clear()
 
     # -- steps -----------------------------------------------------------------------------
     def record(self, **scalars: float) -> None:

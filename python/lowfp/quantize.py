@@ -173,9 +173,13 @@ class Rounder:
         self.scaled = to_scaled(precision)
         if self.scaled is not None:  # a scaled format: lowfp::scaled_quantize does the checks
             self.precision = self.scaled
+            self.idempotent = False  # (its scales follow each tensor's blocks)
             return
         self.precision = to_precision(precision, "precision")
         fmt = self.precision.fmt if isinstance(self.precision, S2FP8) else self.precision
+        # Rounding a result again returns it unchanged, counting only its NaNs: a fixed value set
+        # (S2FP8 takes its grid from each tensor) and saturation (no infinite results).
+        self.idempotent = isinstance(self.precision, Format) and (overflow or fmt.overflow) == "saturate"
         self._call = make_call(fmt, rounding, overflow, None, 0, None, 0, 32)
         self._args = self._call.args()
         self._fmt = str(self._call.fmt)
