@@ -5,6 +5,7 @@ reference casts, in the same run.
 
 Each case rounds a float32 (rows, 4096) tensor of N elements, into a new result (as
 lowfp.quantize returns it) and, for the "out=" cases, into an existing tensor as the copy does,
+and, for the "counted" ones, with event counts (stats=), as emulation asks for them,
 and reports the best time, its ratio to the copy's best, and the median over rounds of the ratio
 of two times measured moments apart ("paired": the copy's speed drifts by half on a shared VM,
 and a ratio of bests can pair a fast copy with a slow case). Target on the CPU: MXFP8 and NVFP4
@@ -51,6 +52,9 @@ def run(size: int, repeats: int):
     for name, rounding in CASES[:5]:
         fns[f"{name} {rounding} out="] = (
             lambda n=name, r=rounding: lowfp.quantize(x, n, r, seed=1, out=y))
+    for name in ("mxfp8_e4m3", "nvfp4"):  # with counts, as emulation rounds every tensor
+        fns[f"{name} nearest out=, counted"] = (
+            lambda n=name: lowfp.quantize(x, n, out=y, stats=lowfp.scaled.ScaledStats()))
     fns.update(torchao_cases(x))
     rounds = time_rounds(fns, repeats)
     copy = rounds["y.copy_(x)"]

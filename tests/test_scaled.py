@@ -466,3 +466,40 @@ def test_random_hadamard_transform():
     assert torch.equal(y, hadamard(zq, signs, -1, inverse=True))
     with pytest.raises(ValueError, match="multiple"):
         lowfp.scaled.quantize_scaled(torch.randn(4, 40), "nvfp4", hadamard_seed=1)
+
+
+@pytest.mark.parametrize("fmt", [
+    "nvfp4",
+    Scaled("float4_e2m1fn", block=32, scale="float8_e4m3fn"),  # E4M3 scales, no tensor scale
+    Scaled("float4_e2m1fn", block=16, scale="float32", tensor_scale=False),
+    Scaled(lowfp.fp(2, 1, 0, subnormals=False), block=16, scale="float8_e4m3fn", tensor_scale=True),
+    Scaled(lowfp.fp(1, 2, 0), block=32, scale="float8_e4m3fn"),
+])
+def test_few_valued_elements_round_by_comparisons_as_the_float64_path_does(fmt):
+    # float32 FP4-like elements with scales in a format take the comparison path (scaled.hpp's
+    # FewMagnitudes); float64 inputs divide. Every decision point times its block's scale, the
+    # float32 values beside it, a ragged last block, zeros, subnormal inputs and non-finite ones:
+    # the same values and counts.
+    fmt = lowfp.scaled.named()[fmt] if isinstance(fmt, str) else fmt
+    rows, cols = 6, 200
+    x = blocks_of_many_magnitudes(rows, 224, -12, 12, seed=11)[:, :cols].contiguous()
+    scales = lowfp.scaled.encode(x, fmt).scales
+    s = scales.repeat_interleave(fmt.block, dim=-1)[:, :cols].double()
+    grid = sorted({abs(float(v)) for v in lowfp.quantize(torch.linspace(-8, 8, 4097), fmt.element)})
+    mids = torch.tensor([(a + b) / 2 for a, b in zip(grid, grid[1:])] + [1.5 * grid[-1]], dtype=torch.float64)
+    g = torch.Generator().manual_seed(12)
+    probe = (mids[torch.randint(len(mids), (rows, cols), generator=g)] * s).float()
+    side = torch.randint(-1, 2, (rows, cols), generator=g)
+    probe = torch.where(side > 0, torch.nextafter(probe, torch.tensor(math.inf)),
+                        torch.where(side < 0, torch.nextafter(probe, torch.tensor(0.0)), probe))
+    keep = x.abs() == x.abs().reshape(rows, -1).amax(-1, keepdim=True)  # (each block's largest: its scale)
+    keep |= torch.rand(rows, cols, generator=g) < 0.3
+    x = torch.where(keep, x, probe * torch.where(torch.rand(rows, cols, generator=g) < 0.5, -1.0, 1.0))
+    x[1, :8] = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-40, -1e-45, 2.0 ** -140])
+    st32, st64 = lowfp.scaled.ScaledStats(), lowfp.scaled.ScaledStats()
+    y32 = lowfp.quantize(x, fmt, stats=st32)
+    y64 = lowfp.quantize(x.double(), fmt, stats=st64)
+    assert torch.equal(y32.view(torch.int32), y64.float().view(torch.int32))  # (signed zeros too)
+    assert torch.equal(st32.counts, st64.counts)
+    assert st32.overflow > 0 and st32.underflow > 0 and st32.nan == 1
+    assert torch.equal(lowfp.quantize(x, fmt, out=torch.empty_like(x)).view(torch.int32), y32.view(torch.int32))

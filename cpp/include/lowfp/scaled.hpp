@@ -155,6 +155,31 @@ LOWFP_HD double scaled_element(double x, double s, double inv, const RoundParams
   else return bit_cast<double>(round_bits<Kind, uint64_t, kSubExp>(quotient, p, rand, ev));
 }
 
+// Element formats with few magnitudes (FP4 E2M1: 0, 0.5, 1, 1.5, 2, 3, 4, 6): nearest rounding of
+// x / s, saturating, is a step function of |x| with a step at mu · s for each decision point mu
+// (a midpoint of E's grid; past max_E, where overflow begins). Where every mu · s is exact in
+// float64, a float32 |x| compared with strict_threshold(mu · s, up) gives E's rounding of the exact
+// quotient with no division, and s · g (g a magnitude, rounded once to float32) its result.
+constexpr int32_t kFewMagnitudes = 8;
+struct FewMagnitudes {
+  int32_t n;                       // E's magnitudes g[0] = 0 < ... < g[n - 1] = max_E (0: too many)
+  double g[kFewMagnitudes];
+  double mu[kFewMagnitudes - 1];   // between g[k] and g[k + 1]; past n - 2, +inf (never passed)
+  bool up[kFewMagnitudes - 1];     // a tie at mu[k] rounds to g[k + 1]
+  double mu_over;                  // between max_E and the next value of E's grid continued ...
+  bool up_over;                    // ... and whether a tie there overflows
+};
+
+// The float32 c with a > c exactly when a > T (up: a >= T), for every float32 a >= 0 and an exact
+// T > 0: T itself when it is a float32 and a tie stays below, else the float32 just below T (with
+// no float32 strictly between c and T, a > c is a >= T). Branch-free, so that loops vectorise.
+LOWFP_HD float strict_threshold(double T, bool up) {
+  const float f = float(T);  // nearest; inf above float32's range
+  const double back = double(f);
+  const uint32_t lower = uint32_t(back > T) | (uint32_t(back == T) & uint32_t(up));
+  return bit_cast<float>(bit_cast<uint32_t>(f) - lower);  // (f > 0 whenever lower is 1)
+}
+
 // s · q (exact in float64) in the storage type: float32 and float64 by conversion (nearest
 // even), 16-bit types rounded to their grid by lowfp's nearest rounding (`out`) first.
 template <class Out>

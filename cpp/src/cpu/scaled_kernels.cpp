@@ -318,6 +318,96 @@ bool run_tile_checked(const ScaledCall& c, int64_t first, int64_t n, const TileS
   return true;
 }
 
+// A tile's decision thresholds and results per block (ScaledCall::few): for block b,
+// above[k][b] = strict_threshold(mu[k] · s, up[k]) and value[k][b] = s · g[k + 1] rounded once to
+// float32 (the float64 path's float(q · s)); above[kOver][b] the overflow threshold.
+struct FewTile {
+  static constexpr int32_t kSteps = kFewMagnitudes - 1, kOver = kSteps;
+  static constexpr int64_t kBlocks = kTile / 16 + 1;  // blocks of at least 16 in a tile
+  alignas(64) float above[kSteps + 1][kBlocks];
+  alignas(64) float value[kSteps][kBlocks];
+
+  void fill(const FewMagnitudes& f, const double* scales, int64_t blocks) {
+    for (int32_t k = 0; k < kSteps; ++k) {
+      const double mu = f.mu[k], g = f.g[k + 1];
+      const bool up = f.up[k];
+      for (int64_t b = 0; b < blocks; ++b) {
+        above[k][b] = strict_threshold(mu * scales[b], up);  // (mu · s exact: ScaledCall::few)
+        value[k][b] = float(g * scales[b]);
+      }
+    }
+    for (int64_t b = 0; b < blocks; ++b)
+      above[kOver][b] = strict_threshold(f.mu_over * scales[b], f.up_over);
+  }
+};
+
+// A tile of float32 inputs rounded by comparisons (ScaledCall::few), blocks of kBlock (a multiple
+// of 16): |x| against its block's thresholds, each one passed stepping the result to the next
+// magnitude's s · g (past the last, E saturates: only the count sees it). Inputs that pass none
+// round to a zero of x's sign; NaN stays NaN (quieted, as the float32 product of the other paths
+// leaves it). Whole blocks in GCC vectors of 16 lanes, the thresholds and values broadcast.
+template <bool kCount, int64_t kBlock>
+void run_tile_few(const ScaledCall& c, int64_t first, int64_t n, const FewTile& ft,
+                  int64_t& overflow, int64_t& underflow, int64_t& nan) {
+  static_assert(kBlock % 16 == 0, "whole vectors per block");
+  using Floats16 = float __attribute__((vector_size(64)));
+  constexpr int32_t kSteps = FewTile::kSteps, kOver = FewTile::kOver;
+  const float* x = static_cast<const float*>(c.x) + first;
+  float* y = static_cast<float*>(c.y) + first;
+  const Lanes16 magnitude = Lanes16{} + 0x7fffffffu, sign = Lanes16{} + 0x80000000u,
+                inf = Lanes16{} + 0x7f800000u, quiet = Lanes16{} + 0x00400000u;
+  Lanes16 over{}, under{}, nans{};  // (each compare's lanes are all ones where true: subtracted)
+  auto vector = [&](int64_t i, const float (&above)[kSteps + 1], const float (&value)[kSteps]) {
+    Lanes16 xb;
+    std::memcpy(&xb, x + i, sizeof xb);
+    const Lanes16 ab = xb & magnitude;
+    const Floats16 a = reinterpret_cast<const Floats16&>(ab);
+    Floats16 v{};
+    for (int32_t k = 0; k < kSteps; ++k) v = a > above[k] ? Floats16{} + value[k] : v;
+    const Lanes16 is_nan = Lanes16(ab > inf);
+    const Lanes16 out = is_nan ? xb | quiet : reinterpret_cast<const Lanes16&>(v) | (xb & sign);
+    std::memcpy(y + i, &out, sizeof out);
+    if constexpr (kCount) {
+      over -= Lanes16(a > above[kOver]);
+      under -= Lanes16(ab != 0u) & ~is_nan & ~Lanes16(a > above[0]);
+      nans -= is_nan;
+    }
+  };
+  int64_t tail_over = 0, tail_under = 0, tail_nan = 0;
+  auto element = [&](int64_t i, const float (&above)[kSteps + 1], const float (&value)[kSteps]) {
+    const uint32_t xb = bit_cast<uint32_t>(x[i]);
+    const uint32_t ab = xb & 0x7fffffffu;
+    const float a = bit_cast<float>(ab);
+    float v = 0.0f;
+    for (int32_t k = 0; k < kSteps; ++k) v = a > above[k] ? value[k] : v;
+    const bool is_nan = ab > 0x7f800000u;
+    y[i] = bit_cast<float>(is_nan ? xb | 0x00400000u : bit_cast<uint32_t>(v) | (xb & 0x80000000u));
+    tail_over += a > above[kOver];
+    tail_under += (ab != 0u) & !is_nan & !(a > above[0]);
+    tail_nan += is_nan;
+  };
+  for (int64_t b = 0, i0 = 0; i0 < n; ++b, i0 += kBlock) {
+    float above[kSteps + 1], value[kSteps];  // (copied out: y's stores might alias ft's floats)
+    for (int32_t k = 0; k <= kSteps; ++k) above[k] = ft.above[k][b];
+    for (int32_t k = 0; k < kSteps; ++k) value[k] = ft.value[k][b];
+    if (i0 + kBlock <= n) {
+      for (int64_t h = 0; h < kBlock; h += 16) vector(i0 + h, above, value);
+    } else {
+      for (int64_t i = i0; i < n; ++i) element(i, above, value);
+    }
+  }
+  if constexpr (kCount) {
+    for (int l = 0; l < 16; ++l) {
+      tail_over += over[l];
+      tail_under += under[l];
+      tail_nan += nans[l];
+    }
+    overflow += tail_over;
+    underflow += tail_under;
+    nan += tail_nan;
+  }
+}
+
 template <class In, RoundKind Kind, bool kCount, bool kPow2, bool kSubExp, bool kParts>
 void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) {
   const int64_t gc = c.block_grid_cols(), bc = c.block_cols;
@@ -328,18 +418,29 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
   const bool narrow = kMayNarrow && c.narrow;
   const bool checked = kMayCheck && c.checked;
   TileScales t;
+  FewTile few_tile;
   int64_t overflow = 0, underflow = 0, nan = 0;
   for (int64_t r = r0; r < r1; ++r) {
     const double* scales = c.scales + (r / c.block_rows) * gc;
     for (int64_t t0 = 0; t0 < c.cols; t0 += kTile) {
       const int64_t len = min_of(kTile, c.cols - t0), first = r * c.cols + t0;
+      const int64_t j0 = t0 / bc, blocks = (t0 + len - 1) / bc + 1 - j0;
+      const double* bs = scales + j0;
+      if constexpr (kMayCheck && !kParts) {
+        if (c.few && (bc == 16 || bc == 32)) {
+          few_tile.fill(c.magnitudes, bs, blocks);
+          if (bc == 16)
+            run_tile_few<kCount, 16>(c, first, len, few_tile, overflow, underflow, nan);
+          else
+            run_tile_few<kCount, 32>(c, first, len, few_tile, overflow, underflow, nan);
+          continue;
+        }
+      }
       if (narrow || checked) t.place32(static_cast<In*>(c.y) + first);
       float* s32 = t.s32_buf + t.at32;
       float* inv32 = t.inv32_buf + t.at32;
       // Spread each block's scale: as float32 (narrow: 2^±k, exact; checked: S and fl(1 / s)),
       // or as float64. (The divisions first, in a loop over the tile's blocks that vectorises.)
-      const int64_t j0 = t0 / bc, blocks = (t0 + len - 1) / bc + 1 - j0;
-      const double* bs = scales + j0;
       for (int64_t k = 0; k < blocks; ++k) t.block_inv[k] = 1.0 / bs[k];
       bool checkable = checked;  // every fl(1 / s) a normal float32
       if (narrow || checked) {

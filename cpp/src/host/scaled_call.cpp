@@ -1,9 +1,59 @@
 #include "scaled_call.hpp"
 
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
 namespace lowfp {
+
+namespace {
+
+// E's magnitudes and nearest rounding's decision points between them (p: E, nearest), each
+// checked against round_bits on both sides of it; n = 0 when E has more than kFewMagnitudes
+// magnitudes or a decision point is not where the midpoint rule puts it.
+FewMagnitudes few_magnitudes(const FormatSpec& e, const RoundParams<uint64_t>& p) {
+  FewMagnitudes f{};
+  if (e.e + e.m > 3) return f;  // (at most 8 codes of each sign)
+  const double top = max_value(e);
+  int32_t n = 0;
+  for (int32_t code = 0; code < (1 << (e.e + e.m)); ++code) {  // ascending values
+    const int32_t ec = code >> e.m, mc = code & ((1 << e.m) - 1);
+    double v;
+    if (ec == 0) {
+      if (!e.subnormals && mc != 0) continue;
+      v = std::ldexp(double(mc), min_exponent(e) - e.m);
+    } else {
+      v = std::ldexp(double((1 << e.m) + mc), ec - exponent_bias(e) - e.m);
+    }
+    if (v > top) break;
+    f.g[n++] = v;
+  }
+  auto rounds = [&](double v, RoundEvents& ev) {
+    return bit_cast<double>(round_bits<RoundKind::Nearest, uint64_t, true>(bit_cast<uint64_t>(v), p, 0u, ev));
+  };
+  RoundEvents ev;
+  for (int32_t k = 0; k + 1 < kFewMagnitudes; ++k) {
+    f.mu[k] = HUGE_VAL;
+    if (k + 1 >= n) continue;
+    const double mu = (f.g[k] + f.g[k + 1]) / 2;  // exact
+    if (rounds(std::nextafter(mu, 0.0), ev) != f.g[k] || rounds(std::nextafter(mu, HUGE_VAL), ev) != f.g[k + 1])
+      return FewMagnitudes{};
+    f.mu[k] = mu;
+    f.up[k] = rounds(mu, ev) == f.g[k + 1];
+  }
+  const double next = top + std::ldexp(1.0, floor_log2(top) - e.m);  // E's grid continued
+  f.mu_over = (top + next) / 2;
+  RoundEvents below, above, at;
+  rounds(std::nextafter(f.mu_over, 0.0), below);
+  rounds(std::nextafter(f.mu_over, HUGE_VAL), above);
+  rounds(f.mu_over, at);
+  if (below.above_max || !above.above_max) return FewMagnitudes{};
+  f.up_over = at.above_max;
+  f.n = n;
+  return f;
+}
+
+}  // namespace
 
 ScaledCall make_scaled_call(const ScaledRequest& r, const void* x, void* y, double* scales,
                             float* q, bool count) {
@@ -85,6 +135,13 @@ ScaledCall make_scaled_call(const ScaledRequest& r, const void* x, void* y, doub
   const int32_t scale_bits = r.scale_format.m + 1 + (r.tensor_scale ? 24 : 0);
   c.divide_once = round_kind(r.mode) == RoundKind::Nearest && r.rule == ScaleRule::Format &&
                   nearest_divides_once(r.element.m, scale_bits, r.dtype);
+  const bool saturates = !c.p.inf_stays_inf && c.p.overflow_pos == c.p.max_bits;
+  c.few = r.rule == ScaleRule::Format && r.dtype == DType::Float32 && r.mode == Rounding::Nearest &&
+          saturates && !c.p.no_negative_zero && e.m + 2 + scale_bits <= 53;  // (mu: m + 2 bits)
+  if (c.few) {
+    c.magnitudes = few_magnitudes(e, c.p);
+    c.few = c.magnitudes.n >= 2;
+  }
   c.mode = r.mode;
   c.count = count;
   c.seed = r.seed;

@@ -34,6 +34,11 @@ struct ScaledCall {
   // 2^-22 and m <= 18, and q · S exact in float32 when there is a tensor scale: the elements may
   // be rounded in float32 with a quotient checked against E's midpoints (scaled_kernels.cpp)
   bool checked;
+  // Float32 inputs, scales in a format, nearest rounding that saturates, E with at most
+  // kFewMagnitudes magnitudes and a signed zero, and every mu · s exact in float64 (scaled.hpp):
+  // the elements may be rounded by comparisons (scaled_kernels.cpp)
+  bool few;
+  FewMagnitudes magnitudes;      // E's, when few
   double t;                      // the tensor scale (1 without one), known after the scales
   Rounding mode;
   bool count;
