@@ -3,6 +3,9 @@ where the two agree on the definition, against an exact reference (Python fracti
 scale rule and rounding mode, and the format objects' behaviour."""
 
 import math
+import os
+import subprocess
+import sys
 from fractions import Fraction
 
 import pytest
@@ -503,3 +506,42 @@ def test_few_valued_elements_round_by_comparisons_as_the_float64_path_does(fmt):
     assert torch.equal(st32.counts, st64.counts)
     assert st32.overflow > 0 and st32.underflow > 0 and st32.nan == 1
     assert torch.equal(lowfp.quantize(x, fmt, out=torch.empty_like(x)).view(torch.int32), y32.view(torch.int32))
+
+
+def test_every_cpu_kernel_gives_the_same_bits(tmp_path):
+    # The scaled loops are compiled once per instruction-set level (baseline, AVX2, AVX-512) and
+    # picked at run time; each level, forced with LOWFP_CPU_KERNEL in a child process, must give
+    # the same values and counts: every rounding mode, 16/32/64-bit inputs, E8M0 scales and scales
+    # in a format (with a tensor scale), counted or not, and the elements' codes.
+    script = r"""
+import sys, torch, lowfp
+from lowfp.scaled import Scaled
+g = torch.Generator().manual_seed(4)
+x = torch.randn(24, 160, generator=g) * torch.exp2(torch.randint(-12, 12, (24, 1), generator=g).float())
+x[0, :4] = torch.tensor([float("nan"), float("inf"), 0.0, 1e-42])
+outs = [lowfp._C.cpu_kernel()]
+fmts = ["mxfp8_e4m3", "mxfp4_e2m1", "nvfp4", "fp8_e4m3_rowwise",
+        Scaled("float4_e2m1fn", block=32, scale="float8_e4m3fn")]
+for fmt in fmts:
+    for rounding in ("nearest", "toward_zero", "up", "stochastic"):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            xs = x.clamp(-6e4, 6e4).to(dtype)
+            st = lowfp.scaled.ScaledStats()
+            outs += [lowfp.quantize(xs, fmt, rounding, seed=5),
+                     lowfp.quantize(xs, fmt, rounding, seed=5, stats=st), st.counts.clone()]
+        outs.append(lowfp.scaled.encode(x, fmt, rounding, seed=5).q)
+torch.save(outs, sys.argv[1])
+"""
+    results = {}
+    for kernel in ("baseline", "avx2", "avx512"):
+        path = tmp_path / f"{kernel}.pt"
+        env = dict(os.environ, LOWFP_CPU_KERNEL=kernel)
+        subprocess.run([sys.executable, "-c", script, str(path)], env=env, check=True)
+        results[kernel] = torch.load(path)
+    assert "baseline" in {r[0] for r in results.values()}
+    ref = results["baseline"][1:]
+    for kernel, r in results.items():
+        assert len(r) - 1 == len(ref)
+        for i, (a, b) in enumerate(zip(r[1:], ref)):
+            assert torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
+                               b.view(torch.uint8) if b.is_floating_point() else b), (kernel, i)

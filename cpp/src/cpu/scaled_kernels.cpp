@@ -136,7 +136,7 @@ void with_flag(bool v, Fn&& fn) {
 // The element pass walks each row in tiles of kTile elements that span many blocks (a block of
 // 16 or 32 is too short a loop to vectorise well): a tile's per-element scales (and their
 // inverses) are spread into buffers first, then one flat loop rounds the tile. Stochastic
-// rounding finds element i's Philox word at rand[phase + i] (words by row-major index).
+// rounding finds element i's Philox word at rand[i] (words by row-major index).
 //
 // Loads from the scale buffers stall behind the loop's stores to y when their addresses agree
 // modulo 4 KB (4K aliasing: it slowed the MXFP8 pass by half, depending only on where the stack
@@ -162,20 +162,25 @@ struct TileScales {
   }
 };
 
-// A tile's rounding events, in counters of the loop's lane width (int32 beside 32-bit lanes keeps
-// the float32 loop at 16 lanes), added to the call's totals at its end.
-template <class T>
+// A tile's rounding events, per lane l of its loop (kLanes: the block width in the float32 loops,
+// so that the counters stay in vector registers: one array per event, which the vectoriser keeps
+// as registers, where an array of per-lane structs cost shuffles and stack round trips on every
+// vector), in counters of the loop's lane width (int32 beside 32-bit lanes keeps the float32
+// loop at 16 lanes), added to the call's totals at its end.
+template <class T, int64_t kLanes = 1>
 struct TileEvents {
-  T above = 0, under = 0, nans = 0;
-  void add(const RoundEvents& ev) {
-    above += ev.above_max;
-    under += ev.underflow;
-    nans += ev.nan;
+  T above[kLanes] = {}, under[kLanes] = {}, nans[kLanes] = {};
+  void add(int64_t l, const RoundEvents& ev) {
+    above[l] += ev.above_max;
+    under[l] += ev.underflow;
+    nans[l] += ev.nan;
   }
   void into(int64_t& overflow, int64_t& underflow, int64_t& nan) const {
-    overflow += int64_t(above) - int64_t(nans);  // see RoundEvents
-    underflow += under;
-    nan += nans;
+    for (int64_t l = 0; l < kLanes; ++l) {
+      overflow += int64_t(above[l]) - int64_t(nans[l]);  // see RoundEvents
+      underflow += under[l];
+      nan += nans[l];
+    }
   }
 };
 
@@ -185,7 +190,7 @@ struct TileEvents {
 // once (ScaledCall::divide_once).
 template <class In, RoundKind Kind, bool kCount, bool kPow2, bool kSubExp, bool kParts, bool kAdd,
           bool kOnce>
-void run_tile(const ScaledCall& c, int64_t first, int64_t n, int64_t phase, const TileScales& t,
+void run_tile(const ScaledCall& c, int64_t first, int64_t n, const TileScales& t,
               int64_t& overflow, int64_t& underflow, int64_t& nan) {
   const In* x = static_cast<const In*>(c.x) + first;
   In* y = static_cast<In*>(c.y) + first;
@@ -196,12 +201,12 @@ void run_tile(const ScaledCall& c, int64_t first, int64_t n, int64_t phase, cons
   for (int64_t i = 0; i < n; ++i) {
     const double xv = bit_cast<double>(Widen<uint64_t>::from(x[i]));
     RoundEvents ev;
-    const uint32_t rw = Kind == RoundKind::Stochastic ? t.rand[phase + i] : 0u;
+    const uint32_t rw = Kind == RoundKind::Stochastic ? t.rand[i] : 0u;
     const double q = scaled_element<Kind, kPow2, kSubExp, kAdd, kOnce>(xv, t.s[i], t.inv[i], p, rw,
                                                                       ev, c.addition_cap);
     if constexpr (kParts) q_out[i] = float(q);
     y[i] = store_scaled<In>(q * t.s[i], out);
-    if constexpr (kCount) events.add(ev);
+    if constexpr (kCount) events.add(0, ev);
   }
   events.into(overflow, underflow, nan);
 }
@@ -230,15 +235,15 @@ void for_tile_elements(int64_t n, const TileScales& t, Fn&& element) {
 // run_tile in the float32 carrier (ScaledCall::narrow): every scale is 2^k. kAdd: nearest
 // rounding by addition (ScaledCall::nearest_by_addition). kBlock: see for_tile_elements.
 template <class In, RoundKind Kind, bool kCount, bool kParts, bool kAdd, int64_t kBlock>
-void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, int64_t phase,
-                     const TileScales& t, int64_t& overflow, int64_t& underflow, int64_t& nan) {
+void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, const TileScales& t,
+                     int64_t& overflow, int64_t& underflow, int64_t& nan) {
   const In* x = static_cast<const In*>(c.x) + first;
   In* y = static_cast<In*>(c.y) + first;
   float* q_out = kParts ? c.q + first : nullptr;
   const RoundParams<uint32_t> p = c.p32;
   const RoundParams<uint32_t> out = c.out32;
   constexpr int64_t kLanes = kBlock > 0 ? kBlock : 1;
-  TileEvents<int32_t> events[kLanes];
+  TileEvents<int32_t, kLanes> events;
   auto element = [&](int64_t i, int64_t l, float s32, float inv32) {
     const uint32_t xb = Widen<uint32_t>::from(x[i]);
     const uint32_t qb = bit_cast<uint32_t>(bit_cast<float>(xb) * inv32);
@@ -249,7 +254,7 @@ void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, int64_t phas
     constexpr bool kKeep = kCount || Kind != RoundKind::Nearest;
     const uint32_t quotient = kKeep ? select(lost, (xb & 0x80000000u) | 1u, qb) : qb;
     RoundEvents ev;
-    const uint32_t rw = Kind == RoundKind::Stochastic ? t.rand[phase + i] : 0u;
+    const uint32_t rw = Kind == RoundKind::Stochastic ? t.rand[i] : 0u;
     const float q = bit_cast<float>(
         kAdd ? round_nearest_by_addition(quotient, p, c.addition_cap, ev)
              : round_bits<Kind, uint32_t, false>(quotient, p, rw, ev));
@@ -262,10 +267,10 @@ void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, int64_t phas
       y[i] = Store<In>::from(
           round_bits<RoundKind::Nearest, uint32_t, false>(bit_cast<uint32_t>(v), out, 0u, store_ev));
     }
-    if constexpr (kCount) events[l].add(ev);
+    if constexpr (kCount) events.add(l, ev);
   };
   for_tile_elements<kBlock>(n, t, element);
-  for (int64_t l = 0; l < kLanes; ++l) events[l].into(overflow, underflow, nan);
+  events.into(overflow, underflow, nan);
 }
 
 // A tile of float32 inputs with scales s = S · t in a format, nearest (ScaledCall::checked), in
@@ -289,7 +294,7 @@ bool run_tile_checked(const ScaledCall& c, int64_t first, int64_t n, const TileS
   const int32_t e_cap = c.addition_cap;
   // Per lane of a block, so that the block loop keeps them in vector registers
   constexpr int64_t kLanes = kBlock > 0 ? kBlock : 1;
-  TileEvents<int32_t> events[kLanes];
+  TileEvents<int32_t, kLanes> events;
   uint32_t near[kLanes] = {};
   // element i (lane l), given S and fl(1 / s)
   auto element = [&](int64_t i, int64_t l, float big_s, float inv) {
@@ -308,13 +313,13 @@ bool run_tile_checked(const ScaledCall& c, int64_t first, int64_t n, const TileS
     const float q = bit_cast<float>(rounded_result(quotient, bit_cast<uint32_t>(mag), p, ev));
     if constexpr (kParts) q_out[i] = q;
     y[i] = (q * big_s) * ts;
-    if constexpr (kCount) events[l].add(ev);
+    if constexpr (kCount) events.add(l, ev);
   };
   for_tile_elements<kBlock>(n, t, element);
   uint32_t any_near = 0;
   for (int64_t l = 0; l < kLanes; ++l) any_near |= near[l];
   if (any_near != 0) return false;
-  for (int64_t l = 0; l < kLanes; ++l) events[l].into(overflow, underflow, nan);
+  events.into(overflow, underflow, nan);
   return true;
 }
 
@@ -361,11 +366,11 @@ void run_tile_few(const ScaledCall& c, int64_t first, int64_t n, const FewTile& 
     Lanes16 xb;
     std::memcpy(&xb, x + i, sizeof xb);
     const Lanes16 ab = xb & magnitude;
-    const Floats16 a = reinterpret_cast<const Floats16&>(ab);
+    const Floats16 a = bit_cast<Floats16>(ab);
     Floats16 v{};
     for (int32_t k = 0; k < kSteps; ++k) v = a > above[k] ? Floats16{} + value[k] : v;
     const Lanes16 is_nan = Lanes16(ab > inf);
-    const Lanes16 out = is_nan ? xb | quiet : reinterpret_cast<const Lanes16&>(v) | (xb & sign);
+    const Lanes16 out = is_nan ? xb | quiet : bit_cast<Lanes16>(v) | (xb & sign);
     std::memcpy(y + i, &out, sizeof out);
     if constexpr (kCount) {
       over -= Lanes16(a > above[kOver]);
@@ -469,18 +474,23 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
       if ((narrow && bc != 32) || (checked && bc != 16 && bc != 32)) spread(true);
       else if (!checked && !narrow) spread(false);
       const int64_t phase = first % 4;
-      if constexpr (Kind == RoundKind::Stochastic)
+      if constexpr (Kind == RoundKind::Stochastic) {
         philox_fill(t.rand, c.seed, c.offset + uint64_t(first / 4), (phase + len + 3) / 4);
+        // element i's word to rand[i]: indexed rand[phase + i], GCC 12 at -O3 dropped the
+        // stores of the float64 loop that read it (baseline and AVX2 kernels; the test comparing
+        // the kernels in tests/test_scaled.py)
+        if (phase != 0) std::memmove(t.rand, t.rand + phase, sizeof(uint32_t) * size_t(len));
+      }
       if constexpr (kMayNarrow) {
         if (narrow) {
           const bool add = Kind == RoundKind::Nearest && c.nearest_by_addition;
           with_flag(add, [&](auto add_c) {
             constexpr bool kAdd = decltype(add_c)::value && Kind == RoundKind::Nearest;
             if (bc == 32)
-              run_tile_narrow<In, Kind, kCount, kParts, kAdd, 32>(c, first, len, phase, t,
+              run_tile_narrow<In, Kind, kCount, kParts, kAdd, 32>(c, first, len, t,
                                                                   overflow, underflow, nan);
             else
-              run_tile_narrow<In, Kind, kCount, kParts, kAdd, 0>(c, first, len, phase, t,
+              run_tile_narrow<In, Kind, kCount, kParts, kAdd, 0>(c, first, len, t,
                                                                  overflow, underflow, nan);
           });
           continue;
@@ -510,7 +520,7 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
         with_flag(once, [&](auto once_c) {
           constexpr bool kAdd = decltype(add_c)::value && Kind == RoundKind::Nearest && !kSubExp;
           constexpr bool kOnce = decltype(once_c)::value && kMayDivideOnce;
-          run_tile<In, Kind, kCount, kPow2, kSubExp, kParts, kAdd, kOnce>(c, first, len, phase, t,
+          run_tile<In, Kind, kCount, kPow2, kSubExp, kParts, kAdd, kOnce>(c, first, len, t,
                                                                         overflow, underflow, nan);
         });
       });
