@@ -1,7 +1,6 @@
 """The quantize API: layouts, dtypes, out=/in-place, numpy, autograd, errors (docs/design.md §3, §7)."""
 
 import math
-import os
 import subprocess
 import sys
 
@@ -10,6 +9,7 @@ import pytest
 import torch
 
 import lowfp
+from cpu_kernels import outputs_of_each_kernel
 
 F = "fp(4,3,4)"
 
@@ -376,14 +376,7 @@ for rounding, k in (("stochastic", 13), ("nearest", 8)):
              opt16.weight_stats.counts.clone()]
 torch.save([lowfp._C.cpu_kernel()] + outs, sys.argv[1])
 """
-    results = {}
-    for kernel in ("baseline", "avx2", "avx512"):
-        path = tmp_path / f"{kernel}.pt"
-        env = dict(os.environ, LOWFP_CPU_KERNEL=kernel)
-        subprocess.run([sys.executable, "-c", script, str(path)], env=env, check=True)
-        results[kernel] = torch.load(path)
-    ran = {r[0] for r in results.values()}
-    assert "baseline" in ran
+    results = outputs_of_each_kernel(script, tmp_path)
     ref_outs = results["baseline"][1:]
     for kernel, r in results.items():
         for a, b in zip(r[1:], ref_outs):

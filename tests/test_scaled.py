@@ -3,9 +3,6 @@ where the two agree on the definition, against an exact reference (Python fracti
 scale rule and rounding mode, and the format objects' behaviour."""
 
 import math
-import os
-import subprocess
-import sys
 from fractions import Fraction
 
 import pytest
@@ -13,6 +10,7 @@ import torch
 
 import lowfp
 from lowfp.scaled import Scaled
+from cpu_kernels import outputs_of_each_kernel
 
 # torchao (a test dependency) runs its MX and NVFP4 reference code on the CPU with our torch.
 import torchao.prototype.mx_formats.mx_tensor as torchao_mx
@@ -532,13 +530,7 @@ for fmt in fmts:
         outs.append(lowfp.scaled.encode(x, fmt, rounding, seed=5).q)
 torch.save(outs, sys.argv[1])
 """
-    results = {}
-    for kernel in ("baseline", "avx2", "avx512"):
-        path = tmp_path / f"{kernel}.pt"
-        env = dict(os.environ, LOWFP_CPU_KERNEL=kernel)
-        subprocess.run([sys.executable, "-c", script, str(path)], env=env, check=True)
-        results[kernel] = torch.load(path)
-    assert "baseline" in {r[0] for r in results.values()}
+    results = outputs_of_each_kernel(script, tmp_path)
     ref = results["baseline"][1:]
     for kernel, r in results.items():
         assert len(r) - 1 == len(ref)
