@@ -350,7 +350,8 @@ struct FewTile {
 // of 16): |x| against its block's thresholds, each one passed stepping the result to the next
 // magnitude's s · g (past the last, E saturates: only the count sees it). Inputs that pass none
 // round to a zero of x's sign; NaN stays NaN (quieted, as the float32 product of the other paths
-// leaves it). Whole blocks in GCC vectors of 16 lanes, the thresholds and values broadcast.
+// leaves it). In GCC vectors of 16 lanes, the thresholds and values broadcast; a ragged last
+// block is padded with zeros, which count nothing.
 template <bool kCount, int64_t kBlock>
 void run_tile_few(const ScaledCall& c, int64_t first, int64_t n, const FewTile& ft,
                   int64_t& overflow, int64_t& underflow, int64_t& nan) {
@@ -362,54 +363,43 @@ void run_tile_few(const ScaledCall& c, int64_t first, int64_t n, const FewTile& 
   const Lanes16 magnitude = Lanes16{} + 0x7fffffffu, sign = Lanes16{} + 0x80000000u,
                 inf = Lanes16{} + 0x7f800000u, quiet = Lanes16{} + 0x00400000u;
   Lanes16 over{}, under{}, nans{};  // (each compare's lanes are all ones where true: subtracted)
-  auto vector = [&](int64_t i, const float (&above)[kSteps + 1], const float (&value)[kSteps]) {
+  auto vector = [&](const float* src, float* dst, const float (&above)[kSteps + 1],
+                    const float (&value)[kSteps]) {
     Lanes16 xb;
-    std::memcpy(&xb, x + i, sizeof xb);
+    std::memcpy(&xb, src, sizeof xb);
     const Lanes16 ab = xb & magnitude;
     const Floats16 a = bit_cast<Floats16>(ab);
     Floats16 v{};
     for (int32_t k = 0; k < kSteps; ++k) v = a > above[k] ? Floats16{} + value[k] : v;
     const Lanes16 is_nan = Lanes16(ab > inf);
     const Lanes16 out = is_nan ? xb | quiet : bit_cast<Lanes16>(v) | (xb & sign);
-    std::memcpy(y + i, &out, sizeof out);
+    std::memcpy(dst, &out, sizeof out);
     if constexpr (kCount) {
       over -= Lanes16(a > above[kOver]);
       under -= Lanes16(ab != 0u) & ~is_nan & ~Lanes16(a > above[0]);
       nans -= is_nan;
     }
   };
-  int64_t tail_over = 0, tail_under = 0, tail_nan = 0;
-  auto element = [&](int64_t i, const float (&above)[kSteps + 1], const float (&value)[kSteps]) {
-    const uint32_t xb = bit_cast<uint32_t>(x[i]);
-    const uint32_t ab = xb & 0x7fffffffu;
-    const float a = bit_cast<float>(ab);
-    float v = 0.0f;
-    for (int32_t k = 0; k < kSteps; ++k) v = a > above[k] ? value[k] : v;
-    const bool is_nan = ab > 0x7f800000u;
-    y[i] = bit_cast<float>(is_nan ? xb | 0x00400000u : bit_cast<uint32_t>(v) | (xb & 0x80000000u));
-    tail_over += a > above[kOver];
-    tail_under += (ab != 0u) & !is_nan & !(a > above[0]);
-    tail_nan += is_nan;
-  };
   for (int64_t b = 0, i0 = 0; i0 < n; ++b, i0 += kBlock) {
     float above[kSteps + 1], value[kSteps];  // (copied out: y's stores might alias ft's floats)
     for (int32_t k = 0; k <= kSteps; ++k) above[k] = ft.above[k][b];
     for (int32_t k = 0; k < kSteps; ++k) value[k] = ft.value[k][b];
-    if (i0 + kBlock <= n) {
-      for (int64_t h = 0; h < kBlock; h += 16) vector(i0 + h, above, value);
-    } else {
-      for (int64_t i = i0; i < n; ++i) element(i, above, value);
+    const int64_t end = min_of(i0 + kBlock, n);
+    int64_t i = i0;
+    for (; i + 16 <= end; i += 16) vector(x + i, y + i, above, value);
+    if (i < end) {
+      alignas(64) float in[16] = {}, out[16];
+      std::memcpy(in, x + i, sizeof(float) * size_t(end - i));
+      vector(in, out, above, value);
+      std::memcpy(y + i, out, sizeof(float) * size_t(end - i));
     }
   }
   if constexpr (kCount) {
     for (int l = 0; l < 16; ++l) {
-      tail_over += over[l];
-      tail_under += under[l];
-      tail_nan += nans[l];
+      overflow += over[l];
+      underflow += under[l];
+      nan += nans[l];
     }
-    overflow += tail_over;
-    underflow += tail_under;
-    nan += tail_nan;
   }
 }
 
