@@ -3,6 +3,7 @@
 // blocks' scales. The element math is cpp/include/lowfp/scaled.hpp's, in a float64 carrier.
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -323,74 +324,90 @@ bool run_tile_checked(const ScaledCall& c, int64_t first, int64_t n, const TileS
   return true;
 }
 
-// A tile's decision thresholds and results per block (ScaledCall::few): for block b,
-// above[k][b] = strict_threshold(mu[k] · s, up[k]) and value[k][b] = s · g[k + 1] rounded once to
-// float32 (the float64 path's float(q · s)); above[kOver][b] the overflow threshold.
-struct FewTile {
-  static constexpr int32_t kSteps = kFewMagnitudes - 1, kOver = kSteps;
+// Each block's comparisons (FewThresholds) for ScaledCall::few, per thread: entries cached per
+// value of the scale format (few_keys of them), each filled when a block first needs it, so a
+// call computes each scale's thresholds once, not each block's; without keys (scale formats of
+// many values), each tile's blocks' own.
+struct FewTables {
   static constexpr int64_t kBlocks = kTile / 16 + 1;  // blocks of at least 16 in a tile
-  alignas(64) float above[kSteps + 1][kBlocks];
-  alignas(64) float value[kSteps][kBlocks];
+  std::vector<FewThresholds> by_key;
+  std::vector<double> key_scale;                       // the scale s of each entry (0: none yet)
+  alignas(64) FewThresholds tile[kBlocks];
+  int32_t at[kBlocks];                                 // block b's entry
 
-  void fill(const FewMagnitudes& f, const double* scales, int64_t blocks) {
-    for (int32_t k = 0; k < kSteps; ++k) {
-      const double mu = f.mu[k], g = f.g[k + 1];
-      const bool up = f.up[k];
-      for (int64_t b = 0; b < blocks; ++b) {
-        above[k][b] = strict_threshold(mu * scales[b], up);  // (mu · s exact: ScaledCall::few)
-        value[k][b] = float(g * scales[b]);
-      }
+  explicit FewTables(const ScaledCall& c)
+      : by_key(static_cast<size_t>(c.few_keys)), key_scale(static_cast<size_t>(c.few_keys), 0.0) {}
+
+  // The entries of a tile's blocks with scales bs[0, blocks): entries()[at[b]]
+  const FewThresholds* entries(const ScaledCall& c, const double* bs, int64_t blocks) {
+    if (by_key.empty()) {
+      for (int64_t b = 0; b < blocks; ++b) tile[b] = few_thresholds(c.magnitudes, bs[b]);
+      for (int64_t b = 0; b < blocks; ++b) at[b] = int32_t(b);
+      return tile;
     }
-    for (int64_t b = 0; b < blocks; ++b)
-      above[kOver][b] = strict_threshold(f.mu_over * scales[b], f.up_over);
+    // The key of S = s / t from s · fl(1 / t), within a few units of S's last float64 bit, so
+    // rounded to the key's bits (and clamped: a scale off S's range would be a bug, not a
+    // reason to read elsewhere). An entry is filled from the block's own s (not the key's S · t).
+    const double inv_t = 1.0 / c.t;
+    const uint64_t half = uint64_t(1) << (c.few_key_shift - 1);
+    const int64_t last = c.few_keys - 1;
+    for (int64_t b = 0; b < blocks; ++b) {
+      int64_t key =
+          int64_t((bit_cast<uint64_t>(bs[b] * inv_t) + half) >> c.few_key_shift) - c.few_key0;
+      key = key < 0 ? 0 : (key > last ? last : key);
+      if (key_scale[size_t(key)] != bs[b]) {
+        by_key[size_t(key)] = few_thresholds(c.magnitudes, bs[b]);
+        key_scale[size_t(key)] = bs[b];
+      }
+      at[b] = int32_t(key);
+    }
+    return by_key.data();
   }
 };
 
 // A tile of float32 inputs rounded by comparisons (ScaledCall::few), blocks of kBlock (a multiple
-// of 16): |x| against its block's thresholds, each one passed stepping the result to the next
-// magnitude's s · g (past the last, E saturates: only the count sees it). Inputs that pass none
-// round to a zero of x's sign; NaN stays NaN (quieted, as the float32 product of the other paths
-// leaves it). In GCC vectors of 16 lanes, the thresholds and values broadcast; a ragged last
-// block is padded with zeros, which count nothing.
+// of 16), block b's comparisons at entries[at[b]]: |x| against its block's thresholds, each one
+// passed stepping the result to the next magnitude's s · g (past the last, E saturates: only the
+// count sees it). Inputs that pass none round to a zero of x's sign; NaN stays NaN (quieted, as
+// the float32 product of the other paths leaves it). In GCC vectors of 16 lanes, each threshold
+// and value a broadcast from the entry (AVX-512: an operand of the compare or blend); a ragged
+// last block is padded with zeros, which count nothing.
 template <bool kCount, int64_t kBlock>
-void run_tile_few(const ScaledCall& c, int64_t first, int64_t n, const FewTile& ft,
-                  int64_t& overflow, int64_t& underflow, int64_t& nan) {
+void run_tile_few(const ScaledCall& c, int64_t first, int64_t n, const FewThresholds* entries,
+                  const int32_t* at, int64_t& overflow, int64_t& underflow, int64_t& nan) {
   static_assert(kBlock % 16 == 0, "whole vectors per block");
   using Floats16 = float __attribute__((vector_size(64)));
-  constexpr int32_t kSteps = FewTile::kSteps, kOver = FewTile::kOver;
+  constexpr int32_t kSteps = kFewMagnitudes - 1, kOver = kSteps;
   const float* x = static_cast<const float*>(c.x) + first;
   float* y = static_cast<float*>(c.y) + first;
   const Lanes16 magnitude = Lanes16{} + 0x7fffffffu, sign = Lanes16{} + 0x80000000u,
                 inf = Lanes16{} + 0x7f800000u, quiet = Lanes16{} + 0x00400000u;
   Lanes16 over{}, under{}, nans{};  // (each compare's lanes are all ones where true: subtracted)
-  auto vector = [&](const float* src, float* dst, const float (&above)[kSteps + 1],
-                    const float (&value)[kSteps]) {
+  auto vector = [&](const float* src, float* dst, const FewThresholds& e) {
     Lanes16 xb;
     std::memcpy(&xb, src, sizeof xb);
     const Lanes16 ab = xb & magnitude;
     const Floats16 a = bit_cast<Floats16>(ab);
     Floats16 v{};
-    for (int32_t k = 0; k < kSteps; ++k) v = a > above[k] ? Floats16{} + value[k] : v;
+    for (int32_t k = 0; k < kSteps; ++k) v = a > e.above[k] ? Floats16{} + e.value[k] : v;
     const Lanes16 is_nan = Lanes16(ab > inf);
     const Lanes16 out = is_nan ? xb | quiet : bit_cast<Lanes16>(v) | (xb & sign);
     std::memcpy(dst, &out, sizeof out);
     if constexpr (kCount) {
-      over -= Lanes16(a > above[kOver]);
-      under -= Lanes16(ab != 0u) & ~is_nan & ~Lanes16(a > above[0]);
+      over -= Lanes16(a > e.above[kOver]);
+      under -= Lanes16(ab != 0u) & ~is_nan & ~Lanes16(a > e.above[0]);
       nans -= is_nan;
     }
   };
   for (int64_t b = 0, i0 = 0; i0 < n; ++b, i0 += kBlock) {
-    float above[kSteps + 1], value[kSteps];  // (copied out: y's stores might alias ft's floats)
-    for (int32_t k = 0; k <= kSteps; ++k) above[k] = ft.above[k][b];
-    for (int32_t k = 0; k < kSteps; ++k) value[k] = ft.value[k][b];
+    const FewThresholds& e = entries[at[b]];
     const int64_t end = min_of(i0 + kBlock, n);
     int64_t i = i0;
-    for (; i + 16 <= end; i += 16) vector(x + i, y + i, above, value);
+    for (; i + 16 <= end; i += 16) vector(x + i, y + i, e);
     if (i < end) {
       alignas(64) float in[16] = {}, out[16];
       std::memcpy(in, x + i, sizeof(float) * size_t(end - i));
-      vector(in, out, above, value);
+      vector(in, out, e);
       std::memcpy(y + i, out, sizeof(float) * size_t(end - i));
     }
   }
@@ -413,7 +430,9 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
   const bool narrow = kMayNarrow && c.narrow;
   const bool checked = kMayCheck && c.checked;
   TileScales t;
-  FewTile few_tile;
+  std::optional<FewTables> few;
+  if constexpr (kMayCheck && !kParts)
+    if (c.few && (bc == 16 || bc == 32)) few.emplace(c);
   int64_t overflow = 0, underflow = 0, nan = 0;
   for (int64_t r = r0; r < r1; ++r) {
     const double* scales = c.scales + (r / c.block_rows) * gc;
@@ -421,15 +440,13 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
       const int64_t len = min_of(kTile, c.cols - t0), first = r * c.cols + t0;
       const int64_t j0 = t0 / bc, blocks = (t0 + len - 1) / bc + 1 - j0;
       const double* bs = scales + j0;
-      if constexpr (kMayCheck && !kParts) {
-        if (c.few && (bc == 16 || bc == 32)) {
-          few_tile.fill(c.magnitudes, bs, blocks);
-          if (bc == 16)
-            run_tile_few<kCount, 16>(c, first, len, few_tile, overflow, underflow, nan);
-          else
-            run_tile_few<kCount, 32>(c, first, len, few_tile, overflow, underflow, nan);
-          continue;
-        }
+      if (few) {
+        const FewThresholds* entries = few->entries(c, bs, blocks);
+        if (bc == 16)
+          run_tile_few<kCount, 16>(c, first, len, entries, few->at, overflow, underflow, nan);
+        else
+          run_tile_few<kCount, 32>(c, first, len, entries, few->at, overflow, underflow, nan);
+        continue;
       }
       if (narrow || checked) t.place32(static_cast<In*>(c.y) + first);
       float* s32 = t.s32_buf + t.at32;

@@ -142,6 +142,12 @@ ScaledCall make_scaled_call(const ScaledRequest& r, const void* x, void* y, doub
     c.magnitudes = few_magnitudes(e, c.p);
     c.few = c.magnitudes.n >= 2;
   }
+  if (c.few) {
+    c.few_key_shift = 52 - r.scale_format.m;
+    c.few_key0 = int64_t(bit_cast<uint64_t>(c.scale.s_smallest) >> c.few_key_shift);
+    c.few_keys = int64_t(bit_cast<uint64_t>(c.scale.s_max) >> c.few_key_shift) - c.few_key0 + 1;
+    if (c.few_keys > kFewKeys) c.few_keys = 0;
+  }
   c.mode = r.mode;
   c.count = count;
   c.seed = r.seed;

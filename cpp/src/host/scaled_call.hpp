@@ -39,6 +39,11 @@ struct ScaledCall {
   // the elements may be rounded by comparisons (scaled_kernels.cpp)
   bool few;
   FewMagnitudes magnitudes;      // E's, when few
+  // When few and S has at most kFewKeys values from its smallest to its largest positive one:
+  // S = s / t keyed by its float64 bits >> few_key_shift, less few_key0 (S's m mantissa bits and
+  // exponent; distinct for S's values, subnormals included), few_keys keys (else 0)
+  int32_t few_key_shift;
+  int64_t few_key0, few_keys;
   double t;                      // the tensor scale (1 without one), known after the scales
   Rounding mode;
   bool count;
@@ -60,6 +65,9 @@ void with_storage_type(DType t, Fn&& fn) {
     default: return fn(static_cast<const double*>(nullptr));
   }
 }
+
+// At most this many keys of scale values for the comparison path's cache of thresholds (E4M3: 144).
+constexpr int64_t kFewKeys = 1024;
 
 // Element formats of at most this many mantissa bits: with 32 random bits their stochastic
 // rounding of a float64 quotient is exact (docs/design.md §9).
