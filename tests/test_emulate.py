@@ -246,6 +246,17 @@ def test_emulate_errors():
         with pytest.raises(ValueError, match="does not fit torch.bfloat16"):
             half(torch.randn(3, 4, dtype=torch.bfloat16))
     assert "forward" not in half.__dict__
+    # a model lowfp cannot round is refused before anything is installed or allocated
+    meta = nn.Linear(4, 2).to("meta")
+    with pytest.raises(ValueError, match="model has parameters or buffers on device meta"):
+        lowfp.emulate(meta, A.uniform(tr))
+    assert "forward" not in meta.__dict__
+    # meta inputs to a CPU model: the rounding names them, and leaving the block still works
+    em = lowfp.emulate(model, A.uniform(tr))
+    with pytest.raises(ValueError, match="on device meta"):
+        with em:
+            model(torch.randn(3, 4, device="meta"))
+    assert "forward" not in model.__dict__ and int(em.counts.sum()) == 0
 
 
 def test_bfloat16_model_with_extra_bits_optimizer_and_scaler():

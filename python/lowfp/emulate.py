@@ -48,6 +48,7 @@ used without the returned value keeps the unrounded result.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import warnings
@@ -176,6 +177,10 @@ class Emulator(ForwardSession):
                  threshold: float = 0.01, rounding: str = "nearest",
                  backward_overflow: str = "inf", top: int = 5, gemm_recipe=None):
         super().__init__(model)
+        devices = {t.device.type for t in itertools.chain(model.parameters(), model.buffers())}
+        if not devices <= {"cpu", "cuda"}:
+            raise ValueError(f"model has parameters or buffers on device {sorted(devices - {'cpu', 'cuda'})[0]}: "
+                             f"lowfp.emulate runs models on the CPU or a CUDA device")
         if not isinstance(assignment, Assignment):
             raise TypeError(f"assignment must be a lowfp.assign.Assignment, got {type(assignment).__name__}")
         if not isinstance(promote, bool):
