@@ -506,6 +506,38 @@ def test_few_valued_elements_round_by_comparisons_as_the_float64_path_does(fmt):
     assert torch.equal(lowfp.quantize(x, fmt, out=torch.empty_like(x)).view(torch.int32), y32.view(torch.int32))
 
 
+@pytest.mark.parametrize("fmt", [
+    "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1", "nvfp4", "fp8_e4m3_rowwise", "fp8_e4m3_block128x128",
+    Scaled("float8_e4m3fn", block=16),                # E8M0 scales, blocks of 16
+    Scaled("float8_e4m3fn", block=20),                # blocks of 20: ragged vectors
+    Scaled(lowfp.fp(4, 3, 4, subnormals=False), block=32, scale="float8_e4m3fn", tensor_scale=True),
+])
+@pytest.mark.parametrize("rounding", ["nearest", "nearest_away"])
+def test_nearest_counts_by_comparison_match_each_elements_events(fmt, rounding):
+    # Float32 inputs rounded to nearest count their events by comparing |x| with each block's
+    # event points times its scale, before the rounding when it writes in place and after it
+    # otherwise; float64 inputs count each element's events as it rounds. Overflows (E8M0's
+    # floor rule lets a block's largest element pass max_E), underflows, NaN and infinities.
+    x = blocks_of_many_magnitudes(130, 160, -16, 16, seed=13)
+    g = torch.Generator().manual_seed(14)
+    tiny = torch.rand(x.shape, generator=g) < 0.1
+    x = torch.where(tiny, x * 2.0 ** -40, x)
+    x[3, 5], x[7, 9], x[9, 40], x[100, 150] = float("nan"), float("inf"), -float("inf"), float("nan")
+    st64 = lowfp.scaled.ScaledStats()
+    want = lowfp.quantize(x.double(), fmt, rounding, stats=st64).float()
+    assert st64.overflow > 0 and st64.underflow > 0 and st64.nan == 2
+    for how in ("new", "out", "in place"):
+        st = lowfp.scaled.ScaledStats()
+        if how == "new":
+            got = lowfp.quantize(x, fmt, rounding, stats=st)
+        elif how == "out":
+            got = lowfp.quantize(x, fmt, rounding, stats=st, out=torch.empty_like(x))
+        else:
+            got = lowfp.quantize_(x.clone(), fmt, rounding, stats=st)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), how
+        assert torch.equal(st.counts, st64.counts), (how, st.counts, st64.counts)
+
+
 def test_every_cpu_kernel_gives_the_same_bits(tmp_path):
     # The scaled loops are compiled once per instruction-set level (baseline, AVX2, AVX-512) and
     # picked at run time; each level, forced with LOWFP_CPU_KERNEL in a child process, must give

@@ -182,6 +182,15 @@ LOWFP_HD float strict_threshold(double T, bool up) {
   return bit_cast<float>(bit_cast<uint32_t>(f) - lower);  // (f > 0 whenever lower is 1)
 }
 
+// Where E's nearest rounding of x / s leaves zero (mu_zero: between 0 and E's smallest positive
+// value) and where it overflows (mu_over: past max_E), each with whether a tie there goes up.
+// The rounding events of nearest rounding are then comparisons of |x| with mu · s: overflow past
+// mu_over · s (infinite x too), underflow a nonzero x not past mu_zero · s, NaN.
+struct EventPoints {
+  double mu_zero, mu_over;
+  bool up_zero, up_over;
+};
+
 // One block scale's comparisons for a float32 |x| (FewMagnitudes, scale s, every mu · s exact):
 // |x| > above[k] passes E's decision point k (k < n - 1; past those, +inf), above[kFewMagnitudes
 // - 1] the overflow point, and value[k] = float(s · g[k + 1]), the float64 path's result float(q · s)

@@ -156,6 +156,9 @@ struct TileScales {
   alignas(64) double block_inv[kTile + 1];
   alignas(64) float block_s32[kTile + 1];
   alignas(64) float block_inv32[kTile + 1];
+  // Per block of the tile: its event points as float32 thresholds (count_tile)
+  alignas(64) float block_zero[kTile + 1];
+  alignas(64) float block_over[kTile + 1];
   int64_t at32 = 0;
   void place32(const void* y) {
     const uintptr_t gap = (uintptr_t(y) + kPage / 2 - uintptr_t(s32_buf)) % kPage;
@@ -367,11 +370,11 @@ struct FewTables {
 
 // A tile of float32 inputs rounded by comparisons (ScaledCall::few), blocks of kBlock (a multiple
 // of 16), block b's comparisons at entries[at[b]]: |x| against its block's thresholds, each one
-// passed stepping the result to the next magnitude's s · g (past the last, E saturates: only the
-// count sees it). Inputs that pass none round to a zero of x's sign; NaN stays NaN (quieted, as
-// the float32 product of the other paths leaves it). In GCC vectors of 16 lanes, each threshold
-// and value a broadcast from the entry (AVX-512: an operand of the compare or blend); a ragged
-// last block is padded with zeros, which count nothing.
+// passed stepping the result to the next magnitude's s · g (past the last, E saturates). Inputs
+// that pass none round to a zero of x's sign; NaN stays NaN (quieted, as the float32 product of
+// the other paths leaves it). In GCC vectors of 16 lanes, each threshold and value a broadcast
+// from the entry (AVX-512: an operand of the compare or blend); a ragged last block is padded.
+// kCount: the events too, from the same comparisons (the overflow threshold the last).
 template <bool kCount, int64_t kBlock>
 void run_tile_few(const ScaledCall& c, int64_t first, int64_t n, const FewThresholds* entries,
                   const int32_t* at, int64_t& overflow, int64_t& underflow, int64_t& nan) {
@@ -420,6 +423,62 @@ void run_tile_few(const ScaledCall& c, int64_t first, int64_t n, const FewThresh
   }
 }
 
+// The nearest-rounding events of a tile's n float32 inputs from index `first`, columns t0 on of
+// one row, blocks of bc columns from block j0 = t0 / bc with scales bs (ScaledCall::
+// count_by_comparison): |x| against each block's event points times its scale, in GCC vectors of
+// 16 lanes, each block's points broadcast (a block's ragged end padded with zeros, which count
+// nothing). Separate from the rounding loops, which then need no per-element events. kBlock:
+// bc when it is 16 or 32 (whole vectors per block), else 0.
+template <int64_t kBlock>
+void count_tile(const ScaledCall& c, int64_t first, int64_t n, int64_t t0, const double* bs,
+                int64_t blocks, TileScales& t, int64_t& overflow, int64_t& underflow, int64_t& nan) {
+  using Floats16 = float __attribute__((vector_size(64)));
+  const float* x = static_cast<const float*>(c.x) + first;
+  const int64_t bc = kBlock > 0 ? kBlock : c.block_cols, j0 = t0 / bc;
+  const EventPoints ep = c.events;
+  for (int64_t k = 0; k < blocks; ++k) {  // (a loop of its own: it vectorises)
+    t.block_zero[k] = strict_threshold(ep.mu_zero * bs[k], ep.up_zero);
+    t.block_over[k] = strict_threshold(ep.mu_over * bs[k], ep.up_over);
+  }
+  const Lanes16 magnitude = Lanes16{} + 0x7fffffffu, inf = Lanes16{} + 0x7f800000u,
+                one = Lanes16{} + 1u;
+  Lanes16 over{}, under{}, nans{};  // (each compare's lanes are all ones where true: subtracted)
+  auto vector = [&](const float* src, const float& zero_t, const float& over_t) {
+    Lanes16 xb;
+    std::memcpy(&xb, src, sizeof xb);
+    const Lanes16 ab = xb & magnitude;
+    over -= Lanes16(bit_cast<Floats16>(ab) > over_t);  // (NaN compares false; infinities pass)
+    // 0 < |x| <= the zero threshold, by the bits (which order non-negative floats; NaN's are
+    // above every threshold's)
+    under -= Lanes16(ab - one < bit_cast<uint32_t>(zero_t));
+    nans -= Lanes16(ab > inf);
+  };
+  auto padded = [&](int64_t i, int64_t stop, int64_t k) {
+    alignas(64) float in[16] = {};
+    std::memcpy(in, x + i, sizeof(float) * size_t(stop - i));
+    vector(in, t.block_zero[k], t.block_over[k]);
+  };
+  if constexpr (kBlock > 0) {
+    const int64_t whole = n / kBlock;
+    for (int64_t k = 0; k < whole; ++k)
+      for (int64_t v = 0; v < kBlock; v += 16)
+        vector(x + k * kBlock + v, t.block_zero[k], t.block_over[k]);
+    for (int64_t i = whole * kBlock; i < n; i += 16) padded(i, min_of(i + 16, n), whole);
+  } else {
+    for (int64_t i = 0, k = 0; i < n; ++k) {
+      const int64_t stop = min_of(n, (j0 + k + 1) * bc - t0);
+      for (; i + 16 <= stop; i += 16) vector(x + i, t.block_zero[k], t.block_over[k]);
+      if (i < stop) padded(i, stop, k);
+      i = stop;
+    }
+  }
+  for (int l = 0; l < 16; ++l) {
+    overflow += over[l];
+    underflow += under[l];
+    nan += nans[l];
+  }
+}
+
 template <class In, RoundKind Kind, bool kCount, bool kPow2, bool kSubExp, bool kParts>
 void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) {
   const int64_t gc = c.block_grid_cols(), bc = c.block_cols;
@@ -427,110 +486,136 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
   constexpr bool kMayDivideOnce =
       Kind == RoundKind::Nearest && !kPow2 && !std::is_same_v<In, double>;
   constexpr bool kMayCheck = Kind == RoundKind::Nearest && !kPow2 && std::is_same_v<In, float>;
+  // ScaledCall::count_by_comparison: the rounding loops count nothing (kCount false)
+  constexpr bool kMayCompareCounts =
+      !kCount && Kind == RoundKind::Nearest && std::is_same_v<In, float>;
   const bool narrow = kMayNarrow && c.narrow;
   const bool checked = kMayCheck && c.checked;
   TileScales t;
   std::optional<FewTables> few;
   if constexpr (kMayCheck && !kParts)
-    if (c.few && (bc == 16 || bc == 32)) few.emplace(c);
+    if (c.few && c.count_by_comparison && (bc == 16 || bc == 32)) few.emplace(c);
   int64_t overflow = 0, underflow = 0, nan = 0;
+  const uintptr_t bytes = uintptr_t(c.rows * c.cols) * sizeof(In);
+  const bool apart = uintptr_t(c.x) + bytes <= uintptr_t(c.y) || uintptr_t(c.y) + bytes <= uintptr_t(c.x);
   for (int64_t r = r0; r < r1; ++r) {
     const double* scales = c.scales + (r / c.block_rows) * gc;
     for (int64_t t0 = 0; t0 < c.cols; t0 += kTile) {
       const int64_t len = min_of(kTile, c.cols - t0), first = r * c.cols + t0;
       const int64_t j0 = t0 / bc, blocks = (t0 + len - 1) / bc + 1 - j0;
       const double* bs = scales + j0;
-      if (few) {
+      if (few) {  // (counting in the same comparisons: ScaledCall::few implies count_by_comparison)
         const FewThresholds* entries = few->entries(c, bs, blocks);
-        if (bc == 16)
-          run_tile_few<kCount, 16>(c, first, len, entries, few->at, overflow, underflow, nan);
-        else
-          run_tile_few<kCount, 32>(c, first, len, entries, few->at, overflow, underflow, nan);
+        with_flag(c.count, [&](auto count_c) {
+          constexpr bool kFewCount = decltype(count_c)::value;
+          if (bc == 16)
+            run_tile_few<kFewCount, 16>(c, first, len, entries, few->at, overflow, underflow, nan);
+          else
+            run_tile_few<kFewCount, 32>(c, first, len, entries, few->at, overflow, underflow, nan);
+        });
         continue;
       }
-      if (narrow || checked) t.place32(static_cast<In*>(c.y) + first);
-      float* s32 = t.s32_buf + t.at32;
-      float* inv32 = t.inv32_buf + t.at32;
-      // Spread each block's scale: as float32 (narrow: 2^±k, exact; checked: S and fl(1 / s)),
-      // or as float64. (The divisions first, in a loop over the tile's blocks that vectorises.)
-      for (int64_t k = 0; k < blocks; ++k) t.block_inv[k] = 1.0 / bs[k];
-      bool checkable = checked;  // every fl(1 / s) a normal float32
-      if (narrow || checked) {
-        const double over_t = narrow ? 1.0 : c.t;
-        uint32_t bad = 0;
-        for (int64_t k = 0; k < blocks; ++k) {
-          t.block_s32[k] = float(bs[k] / over_t);  // (s / t = S exactly)
-          t.block_inv32[k] = float(t.block_inv[k]);
-        }
-        for (int64_t k = 0; k < blocks; ++k)  // fl(1 / s) in [2^-126, 2^127], by its bits
-          bad |= uint32_t(bit_cast<uint32_t>(t.block_inv32[k]) - 0x00800000u > 0x7e800000u);
-        checkable &= bad == 0;
-      }
-      auto spread = [&](bool as_float32) {
-        for (int64_t i = 0, k = 0; i < len; ++k) {
-          const int64_t stop = min_of(len, (j0 + k + 1) * bc - t0);
-          if (as_float32) {
-            const float big_s = t.block_s32[k], inv_s = t.block_inv32[k];
-            for (; i < stop; ++i) s32[i] = big_s, inv32[i] = inv_s;
-          } else {
-            const double s = bs[k], inv = t.block_inv[k];
-            for (; i < stop; ++i) t.s[i] = s, t.inv[i] = inv;
-          }
-        }
+      // Counts by comparison (kMayCompareCounts): after the tile's rounding, while its inputs
+      // are in cache, unless the rounding overwrites them
+      auto count = [&] {
+        if (bc == 16) count_tile<16>(c, first, len, t0, bs, blocks, t, overflow, underflow, nan);
+        else if (bc == 32) count_tile<32>(c, first, len, t0, bs, blocks, t, overflow, underflow, nan);
+        else count_tile<0>(c, first, len, t0, bs, blocks, t, overflow, underflow, nan);
       };
-      if ((narrow && bc != 32) || (checked && bc != 16 && bc != 32)) spread(true);
-      else if (!checked && !narrow) spread(false);
-      const int64_t phase = first % 4;
-      if constexpr (Kind == RoundKind::Stochastic) {
-        philox_fill(t.rand, c.seed, c.offset + uint64_t(first / 4), (phase + len + 3) / 4);
-        // element i's word to rand[i]: indexed rand[phase + i], GCC 12 at -O3 dropped the
-        // stores of the float64 loop that read it (baseline and AVX2 kernels; the test comparing
-        // the kernels in tests/test_scaled.py)
-        if (phase != 0) std::memmove(t.rand, t.rand + phase, sizeof(uint32_t) * size_t(len));
+      const bool count_first = kMayCompareCounts && c.count && !apart;
+      const bool count_after = kMayCompareCounts && c.count && apart;
+      if constexpr (kMayCompareCounts) {
+        if (count_first) count();
       }
-      if constexpr (kMayNarrow) {
-        if (narrow) {
-          const bool add = Kind == RoundKind::Nearest && c.nearest_by_addition;
-          with_flag(add, [&](auto add_c) {
-            constexpr bool kAdd = decltype(add_c)::value && Kind == RoundKind::Nearest;
-            if (bc == 32)
-              run_tile_narrow<In, Kind, kCount, kParts, kAdd, 32>(c, first, len, t,
-                                                                  overflow, underflow, nan);
-            else
-              run_tile_narrow<In, Kind, kCount, kParts, kAdd, 0>(c, first, len, t,
-                                                                 overflow, underflow, nan);
-          });
-          continue;
-        }
-      }
-      if constexpr (kMayCheck) {
-        if (checked) {
-          bool done = false;
-          if (checkable) {
-            if (bc == 16)
-              done = run_tile_checked<kCount, kParts, 16>(c, first, len, t, overflow, underflow, nan);
-            else if (bc == 32)
-              done = run_tile_checked<kCount, kParts, 32>(c, first, len, t, overflow, underflow, nan);
-            else
-              done = run_tile_checked<kCount, kParts, 0>(c, first, len, t, overflow, underflow, nan);
+      auto round_tile = [&] {
+        if (narrow || checked) t.place32(static_cast<In*>(c.y) + first);
+        float* s32 = t.s32_buf + t.at32;
+        float* inv32 = t.inv32_buf + t.at32;
+        // Spread each block's scale: as float32 (narrow: 2^±k, exact; checked: S and fl(1 / s)),
+        // or as float64. (The divisions first, in a loop over the tile's blocks that vectorises.)
+        for (int64_t k = 0; k < blocks; ++k) t.block_inv[k] = 1.0 / bs[k];
+        bool checkable = checked;  // every fl(1 / s) a normal float32
+        if (narrow || checked) {
+          const double over_t = narrow ? 1.0 : c.t;
+          uint32_t bad = 0;
+          for (int64_t k = 0; k < blocks; ++k) {
+            t.block_s32[k] = float(bs[k] / over_t);  // (s / t = S exactly)
+            t.block_inv32[k] = float(t.block_inv[k]);
           }
-          if (done) continue;
-          spread(false);
+          for (int64_t k = 0; k < blocks; ++k)  // fl(1 / s) in [2^-126, 2^127], by its bits
+            bad |= uint32_t(bit_cast<uint32_t>(t.block_inv32[k]) - 0x00800000u > 0x7e800000u);
+          checkable &= bad == 0;
         }
-      }
-      bool add = false, once = false;  // (the float64 carrier's faster forms, where they hold)
-      if constexpr (Kind == RoundKind::Nearest) {
-        add = !kSubExp && c.nearest_by_addition;
-        once = kMayDivideOnce && c.divide_once;
-      }
-      with_flag(add, [&](auto add_c) {
-        with_flag(once, [&](auto once_c) {
-          constexpr bool kAdd = decltype(add_c)::value && Kind == RoundKind::Nearest && !kSubExp;
-          constexpr bool kOnce = decltype(once_c)::value && kMayDivideOnce;
-          run_tile<In, Kind, kCount, kPow2, kSubExp, kParts, kAdd, kOnce>(c, first, len, t,
-                                                                        overflow, underflow, nan);
+        auto spread = [&](bool as_float32) {
+          for (int64_t i = 0, k = 0; i < len; ++k) {
+            const int64_t stop = min_of(len, (j0 + k + 1) * bc - t0);
+            if (as_float32) {
+              const float big_s = t.block_s32[k], inv_s = t.block_inv32[k];
+              for (; i < stop; ++i) s32[i] = big_s, inv32[i] = inv_s;
+            } else {
+              const double s = bs[k], inv = t.block_inv[k];
+              for (; i < stop; ++i) t.s[i] = s, t.inv[i] = inv;
+            }
+          }
+        };
+        if ((narrow && bc != 32) || (checked && bc != 16 && bc != 32)) spread(true);
+        else if (!checked && !narrow) spread(false);
+        const int64_t phase = first % 4;
+        if constexpr (Kind == RoundKind::Stochastic) {
+          philox_fill(t.rand, c.seed, c.offset + uint64_t(first / 4), (phase + len + 3) / 4);
+          // element i's word to rand[i]: indexed rand[phase + i], GCC 12 at -O3 dropped the
+          // stores of the float64 loop that read it (baseline and AVX2 kernels; the test comparing
+          // the kernels in tests/test_scaled.py)
+          if (phase != 0) std::memmove(t.rand, t.rand + phase, sizeof(uint32_t) * size_t(len));
+        }
+        if constexpr (kMayNarrow) {
+          if (narrow) {
+            const bool add = Kind == RoundKind::Nearest && c.nearest_by_addition;
+            with_flag(add, [&](auto add_c) {
+              constexpr bool kAdd = decltype(add_c)::value && Kind == RoundKind::Nearest;
+              if (bc == 32)
+                run_tile_narrow<In, Kind, kCount, kParts, kAdd, 32>(c, first, len, t,
+                                                                    overflow, underflow, nan);
+              else
+                run_tile_narrow<In, Kind, kCount, kParts, kAdd, 0>(c, first, len, t,
+                                                                   overflow, underflow, nan);
+            });
+            return;
+          }
+        }
+        if constexpr (kMayCheck) {
+          if (checked) {
+            bool done = false;
+            if (checkable) {
+              if (bc == 16)
+                done = run_tile_checked<kCount, kParts, 16>(c, first, len, t, overflow, underflow, nan);
+              else if (bc == 32)
+                done = run_tile_checked<kCount, kParts, 32>(c, first, len, t, overflow, underflow, nan);
+              else
+                done = run_tile_checked<kCount, kParts, 0>(c, first, len, t, overflow, underflow, nan);
+            }
+            if (done) return;
+            spread(false);
+          }
+        }
+        bool add = false, once = false;  // (the float64 carrier's faster forms, where they hold)
+        if constexpr (Kind == RoundKind::Nearest) {
+          add = !kSubExp && c.nearest_by_addition;
+          once = kMayDivideOnce && c.divide_once;
+        }
+        with_flag(add, [&](auto add_c) {
+          with_flag(once, [&](auto once_c) {
+            constexpr bool kAdd = decltype(add_c)::value && Kind == RoundKind::Nearest && !kSubExp;
+            constexpr bool kOnce = decltype(once_c)::value && kMayDivideOnce;
+            run_tile<In, Kind, kCount, kPow2, kSubExp, kParts, kAdd, kOnce>(c, first, len, t,
+                                                                          overflow, underflow, nan);
+          });
         });
-      });
+      };
+      round_tile();
+      if constexpr (kMayCompareCounts) {
+        if (count_after) count();
+      }
     }
   }
   counts.overflow += overflow;
@@ -583,7 +668,7 @@ void scaled_elements_range(const ScaledCall& c, int64_t r0, int64_t r1, EventCou
     auto go = [&](auto kind) {
       constexpr RoundKind K = decltype(kind)::value;
       // x · (1 / s) is the exact quotient for E8M0's power-of-two scales.
-      with_flag(c.count, [&](auto count) {
+      with_flag(c.count && !c.count_by_comparison, [&](auto count) {
         with_flag(c.scale.rule != ScaleRule::Format, [&](auto pow2) {
           with_flag(c.p.subnormal_exponent, [&](auto sub) {
             with_flag(c.q != nullptr, [&](auto parts) {

@@ -8,6 +8,36 @@ namespace lowfp {
 
 namespace {
 
+// rounds(v, ev): E's nearest rounding of v (p: E, nearest), its events in ev.
+struct NearestOf {
+  const RoundParams<uint64_t>& p;
+  double operator()(double v, RoundEvents& ev) const {
+    return bit_cast<double>(round_bits<RoundKind::Nearest, uint64_t, true>(bit_cast<uint64_t>(v), p, 0u, ev));
+  }
+};
+
+// E's event points (EventPoints), each checked against round_bits on both sides of it; false
+// when one is not where the midpoint rule puts it.
+bool event_points(const FormatSpec& e, const RoundParams<uint64_t>& p, EventPoints& out) {
+  const NearestOf rounds{p};
+  RoundEvents below, above, at;
+  const double smallest = std::ldexp(1.0, smallest_exponent(e));
+  out.mu_zero = smallest / 2;
+  if (rounds(std::nextafter(out.mu_zero, 0.0), below) != 0.0 ||
+      rounds(std::nextafter(out.mu_zero, HUGE_VAL), above) != smallest)
+    return false;
+  out.up_zero = rounds(out.mu_zero, at) != 0.0;
+  const double top = max_value(e);
+  const double next = top + std::ldexp(1.0, floor_log2(top) - e.m);  // E's grid continued
+  out.mu_over = (top + next) / 2;
+  rounds(std::nextafter(out.mu_over, 0.0), below);
+  rounds(std::nextafter(out.mu_over, HUGE_VAL), above);
+  rounds(out.mu_over, at);
+  if (below.above_max || !above.above_max) return false;
+  out.up_over = at.above_max;
+  return true;
+}
+
 // E's magnitudes and nearest rounding's decision points between them (p: E, nearest), each
 // checked against round_bits on both sides of it; n = 0 when E has more than kFewMagnitudes
 // magnitudes or a decision point is not where the midpoint rule puts it.
@@ -28,9 +58,7 @@ FewMagnitudes few_magnitudes(const FormatSpec& e, const RoundParams<uint64_t>& p
     if (v > top) break;
     f.g[n++] = v;
   }
-  auto rounds = [&](double v, RoundEvents& ev) {
-    return bit_cast<double>(round_bits<RoundKind::Nearest, uint64_t, true>(bit_cast<uint64_t>(v), p, 0u, ev));
-  };
+  const NearestOf rounds{p};
   RoundEvents ev;
   for (int32_t k = 0; k + 1 < kFewMagnitudes; ++k) {
     f.mu[k] = HUGE_VAL;
@@ -41,14 +69,10 @@ FewMagnitudes few_magnitudes(const FormatSpec& e, const RoundParams<uint64_t>& p
     f.mu[k] = mu;
     f.up[k] = rounds(mu, ev) == f.g[k + 1];
   }
-  const double next = top + std::ldexp(1.0, floor_log2(top) - e.m);  // E's grid continued
-  f.mu_over = (top + next) / 2;
-  RoundEvents below, above, at;
-  rounds(std::nextafter(f.mu_over, 0.0), below);
-  rounds(std::nextafter(f.mu_over, HUGE_VAL), above);
-  rounds(f.mu_over, at);
-  if (below.above_max || !above.above_max) return FewMagnitudes{};
-  f.up_over = at.above_max;
+  EventPoints points;
+  if (!event_points(e, p, points)) return FewMagnitudes{};
+  f.mu_over = points.mu_over;
+  f.up_over = points.up_over;
   f.n = n;
   return f;
 }
@@ -148,6 +172,10 @@ ScaledCall make_scaled_call(const ScaledRequest& r, const void* x, void* y, doub
     c.few_keys = int64_t(bit_cast<uint64_t>(c.scale.s_max) >> c.few_key_shift) - c.few_key0 + 1;
     if (c.few_keys > kFewKeys) c.few_keys = 0;
   }
+  // (mu: at most m + 2 significant bits; power-of-two scales add none)
+  c.count_by_comparison = r.dtype == DType::Float32 && round_kind(r.mode) == RoundKind::Nearest &&
+                          (r.rule != ScaleRule::Format || e.m + 2 + scale_bits <= 53) &&
+                          event_points(e, c.p, c.events);
   c.mode = r.mode;
   c.count = count;
   c.seed = r.seed;

@@ -39,6 +39,11 @@ struct ScaledCall {
   // the elements may be rounded by comparisons (scaled_kernels.cpp)
   bool few;
   FewMagnitudes magnitudes;      // E's, when few
+  // Float32 inputs, nearest rounding, and every mu · s of E's event points exact in float64
+  // (power-of-two scales, or m + 2 + the scale's bits <= 53): the counts may come from
+  // comparisons of |x| with the event points times each block's scale (scaled_kernels.cpp)
+  bool count_by_comparison;
+  EventPoints events;
   // When few and S has at most kFewKeys values from its smallest to its largest positive one:
   // S = s / t keyed by its float64 bits >> few_key_shift, less few_key0 (S's m mantissa bits and
   // exponent; distinct for S's values, subnormals included), few_keys keys (else 0)
