@@ -82,6 +82,8 @@ def ref_e8m0_exponent(a: Fraction, fmt: Scaled) -> int:
             k += 1
     elif rule == "rceil":
         d = Fraction(float(torch.tensor(float(a / Fraction(e.max)), dtype=torch.float32)))
+        if d == 0:  # below float32's range: the smallest scale
+            return -127
         k = math.floor(math.log2(d))
         while Fraction(2) ** k > d:
             k -= 1
@@ -137,6 +139,13 @@ def test_e8m0_rules_match_the_exact_reference(rule, element):
         want, want_scales = reference(x, fmt, rounding)
         assert torch.equal(parts.scales, want_scales), (rounding, parts.scales, want_scales)
         assert torch.equal(parts.value, want), rounding
+    # float64 blocks whose largest magnitudes lie far below 2^-127 · max_E (float64 subnormals
+    # among them): every rule clamps at 2^-127, and counts the block as saturated
+    tiny = torch.tensor([[1e-310, 0.0] * 4 + [2.0 ** -1000] * 8 + [2.0 ** -130] * 8], dtype=torch.float64)
+    st = lowfp.scaled.ScaledStats()
+    parts = lowfp.scaled.encode(tiny, fmt, stats=st)
+    want_k = [ref_e8m0_exponent(Fraction(float(tiny[0, c0:c0 + 8].abs().max())), fmt) for c0 in (0, 8, 16)]
+    assert parts.scales.tolist() == [[2.0 ** k for k in want_k]] and st.saturated_blocks == want_k.count(-127)
 
 
 @pytest.mark.parametrize("scale", ["float8_e4m3fn", "float32", "fp(5,2,0)"])

@@ -45,14 +45,11 @@ struct ScaleSpec {
 };
 
 // floor(log2 a) and 2^k by the bits (no math library: the same on host and device, and cheap,
-// as they run once per block).
+// as they run once per block; branch-free, so that a loop over blocks vectorises).
 LOWFP_HD int32_t floor_log2(double a) {  // a > 0 and finite
-  const uint64_t b = bit_cast<uint64_t>(a);
-  const int32_t field = int32_t(b >> 52);
-  if (field != 0) return field - 1023;
-  int32_t e = -1022;  // a float64 subnormal: its leading bit's place
-  for (uint64_t m = b & 0x000fffffffffffffull; m < 0x0010000000000000ull; m <<= 1) --e;
-  return e;
+  const bool sub = a < 0x1p-1022;  // a float64 subnormal: 2^52 a is normal (and exact)
+  const uint64_t b = bit_cast<uint64_t>(sub ? a * 0x1p52 : a);
+  return int32_t(b >> 52) - 1023 - (sub ? 52 : 0);
 }
 LOWFP_HD double pow2(int32_t k) {  // k clamped to [-1022, 1023]
   k = k < -1022 ? -1022 : (k > 1023 ? 1023 : k);
@@ -118,26 +115,40 @@ LOWFP_HD double format_block_scale(const ScaleSpec& sp, double a, double t, bool
   return (s == 0.0 ? sp.s_smallest : s) * t;
 }
 
-// The scale of a block with largest finite magnitude a (a > 0 and finite) under a tensor scale t
-// (1 without one: stored block scales are then round_S(a / (max_E · t)) and the block's scale is
-// their product with t). saturated: the ideal scale lay outside the scale format's range.
-LOWFP_HD double block_scale(const ScaleSpec& sp, double a, double t, bool& saturated) {
-  if (sp.rule == ScaleRule::Format) return format_block_scale(sp, a, t, saturated);
+// A power-of-two (E8M0) block scale by rule R (not Format), for a block with largest finite
+// magnitude a > 0; saturated: k lay outside [-127, 127]. Branch-free for a loop over blocks.
+template <ScaleRule R>
+LOWFP_HD double pow2_block_scale(const ScaleSpec& sp, double a, bool& saturated) {
+  static_assert(R != ScaleRule::Format, "scales in a format: format_block_scale");
   int32_t k;
-  if (sp.rule == ScaleRule::RCeil) {
+  if constexpr (R == ScaleRule::RCeil) {
     const double d = double(float(a / sp.max_e));  // the float32 quotient cuBLAS rounds up
-    if (d == 0.0) k = -150;                            // below float32's range: clamped below
-    else if (!(d <= 3.4028234663852886e38)) k = 128;   // above it (float64 inputs): clamped above
-    else k = floor_log2(d) + (is_pow2(d) ? 0 : 1);
+    const double dn = d == 0.0 || !(d <= 3.4028234663852886e38) ? 1.0 : d;  // (a valid operand)
+    k = d == 0.0 ? -150                                   // below float32's range: clamped below
+        : !(d <= 3.4028234663852886e38) ? 128             // above it (float64 inputs): clamped above
+        : floor_log2(dn) + (is_pow2(dn) ? 0 : 1);
   } else {
     double v = a;
-    if (sp.rule == ScaleRule::Even) v = a + pow2(floor_log2(a) - sp.m_e - 1);
+    if constexpr (R == ScaleRule::Even) v = a + pow2(floor_log2(a) - sp.m_e - 1);
     k = floor_log2(v) - sp.emax_e;
-    if (sp.rule == ScaleRule::Ceil && k > -1000 && a > sp.max_e * pow2(k)) k += 1;
+    if constexpr (R == ScaleRule::Ceil) k += int32_t(k > -1000 && a > sp.max_e * pow2(k));
   }
   saturated = k > 127 || k < -127;
   k = k > 127 ? 127 : (k < -127 ? -127 : k);
   return pow2(k);
+}
+
+// The scale of a block with largest finite magnitude a (a > 0 and finite) under a tensor scale t
+// (1 without one: stored block scales are then round_S(a / (max_E · t)) and the block's scale is
+// their product with t). saturated: the ideal scale lay outside the scale format's range.
+LOWFP_HD double block_scale(const ScaleSpec& sp, double a, double t, bool& saturated) {
+  switch (sp.rule) {
+    case ScaleRule::Format: return format_block_scale(sp, a, t, saturated);
+    case ScaleRule::Floor: return pow2_block_scale<ScaleRule::Floor>(sp, a, saturated);
+    case ScaleRule::Ceil: return pow2_block_scale<ScaleRule::Ceil>(sp, a, saturated);
+    case ScaleRule::RCeil: return pow2_block_scale<ScaleRule::RCeil>(sp, a, saturated);
+    default: return pow2_block_scale<ScaleRule::Even>(sp, a, saturated);
+  }
 }
 
 // One element in the float64 carrier: q = round_E(x / s) (kPow2: s is a power of two, whose
