@@ -274,9 +274,13 @@ def test_elements_at_and_beside_ties_match_the_exact_reference(name, amax):
     parts = lowfp.scaled.encode(x, fmt)
     assert torch.equal(parts.scales, scales)
     st32, st64 = lowfp.scaled.ScaledStats(), lowfp.scaled.ScaledStats()  # (most tiles fall back)
-    assert torch.equal(lowfp.quantize(x, fmt, stats=st32),
-                       lowfp.quantize(x.double(), fmt, stats=st64).float())
+    want = lowfp.quantize(x.double(), fmt, stats=st64).float()
+    assert torch.equal(lowfp.quantize(x, fmt, stats=st32), want)
     assert torch.equal(st32.counts, st64.counts)
+    # in place, a tile that falls back must still read its inputs, not its first attempt's results
+    st_in = lowfp.scaled.ScaledStats()
+    assert torch.equal(lowfp.quantize_(x.clone(), fmt, stats=st_in), want)
+    assert torch.equal(st_in.counts, st64.counts)
     ties = 0
     for r in range(rows):
         for c in range(cols):

@@ -156,6 +156,7 @@ struct TileScales {
   alignas(64) double block_inv[kTile + 1];
   alignas(64) float block_s32[kTile + 1];
   alignas(64) float block_inv32[kTile + 1];
+  alignas(64) float checked_out[kTile];  // run_tile_checked's results, when rounding in place
   // Per block of the tile: its event points as float32 thresholds (count_tile)
   alignas(64) float block_zero[kTile + 1];
   alignas(64) float block_over[kTile + 1];
@@ -286,12 +287,12 @@ void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, const TileSc
 // false, its outputs and counts not to be used, and the tile runs exactly in float64. Otherwise
 // the approximation and the exact quotient lie strictly on the same side of every decision
 // point: the same q and events. On normal random data about one tile of 2048 in 300 runs twice.
-// kBlock: see for_tile_elements.
+// kBlock: see for_tile_elements. y: where the tile's results go (not x's memory: a tile that
+// runs twice must read its inputs again).
 template <bool kCount, bool kParts, int64_t kBlock>
 bool run_tile_checked(const ScaledCall& c, int64_t first, int64_t n, const TileScales& t,
-                      int64_t& overflow, int64_t& underflow, int64_t& nan) {
+                      float* y, int64_t& overflow, int64_t& underflow, int64_t& nan) {
   const float* x = static_cast<const float*>(c.x) + first;
-  float* y = static_cast<float*>(c.y) + first;
   float* q_out = kParts ? c.q + first : nullptr;
   const float ts = float(c.t);
   const RoundParams<uint32_t> p = c.p32;
@@ -587,14 +588,18 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
         if constexpr (kMayCheck) {
           if (checked) {
             bool done = false;
+            // (in place, the results wait in a buffer until the tile is done)
+            float* const y = static_cast<float*>(c.y) + first;
+            float* const dst = apart ? y : t.checked_out;
             if (checkable) {
               if (bc == 16)
-                done = run_tile_checked<kCount, kParts, 16>(c, first, len, t, overflow, underflow, nan);
+                done = run_tile_checked<kCount, kParts, 16>(c, first, len, t, dst, overflow, underflow, nan);
               else if (bc == 32)
-                done = run_tile_checked<kCount, kParts, 32>(c, first, len, t, overflow, underflow, nan);
+                done = run_tile_checked<kCount, kParts, 32>(c, first, len, t, dst, overflow, underflow, nan);
               else
-                done = run_tile_checked<kCount, kParts, 0>(c, first, len, t, overflow, underflow, nan);
+                done = run_tile_checked<kCount, kParts, 0>(c, first, len, t, dst, overflow, underflow, nan);
             }
+            if (done && dst != y) std::memcpy(y, dst, sizeof(float) * size_t(len));
             if (done) return;
             spread(false);
           }
