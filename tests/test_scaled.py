@@ -524,6 +524,8 @@ def test_few_valued_elements_round_by_comparisons_as_the_float64_path_does(fmt):
     Scaled("float8_e4m3fn", block=16),                # E8M0 scales, blocks of 16
     Scaled("float8_e4m3fn", block=20),                # blocks of 20: ragged vectors
     Scaled(lowfp.fp(4, 3, 4, subnormals=False), block=32, scale="float8_e4m3fn", tensor_scale=True),
+    Scaled("float8_e4m3fnuz", block=32),              # no -0: a zero result drops x's sign
+    ("mxfp8_e5m2", "inf"), ("mxfp8_e4m3", "nan"),     # overflow policies: inf stays inf; NaN
 ])
 @pytest.mark.parametrize("rounding", ["nearest", "nearest_away"])
 def test_nearest_counts_by_comparison_match_each_elements_events(fmt, rounding):
@@ -536,17 +538,18 @@ def test_nearest_counts_by_comparison_match_each_elements_events(fmt, rounding):
     tiny = torch.rand(x.shape, generator=g) < 0.1
     x = torch.where(tiny, x * 2.0 ** -40, x)
     x[3, 5], x[7, 9], x[9, 40], x[100, 150] = float("nan"), float("inf"), -float("inf"), float("nan")
+    fmt, overflow = fmt if isinstance(fmt, tuple) else (fmt, "saturate")
     st64 = lowfp.scaled.ScaledStats()
-    want = lowfp.quantize(x.double(), fmt, rounding, stats=st64).float()
+    want = lowfp.quantize(x.double(), fmt, rounding, overflow=overflow, stats=st64).float()
     assert st64.overflow > 0 and st64.underflow > 0 and st64.nan == 2
     for how in ("new", "out", "in place"):
         st = lowfp.scaled.ScaledStats()
         if how == "new":
-            got = lowfp.quantize(x, fmt, rounding, stats=st)
+            got = lowfp.quantize(x, fmt, rounding, overflow=overflow, stats=st)
         elif how == "out":
-            got = lowfp.quantize(x, fmt, rounding, stats=st, out=torch.empty_like(x))
+            got = lowfp.quantize(x, fmt, rounding, overflow=overflow, stats=st, out=torch.empty_like(x))
         else:
-            got = lowfp.quantize_(x.clone(), fmt, rounding, stats=st)
+            got = lowfp.quantize_(x.clone(), fmt, rounding, overflow=overflow, stats=st)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), how
         assert torch.equal(st.counts, st64.counts), (how, st.counts, st64.counts)
 

@@ -278,6 +278,101 @@ void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, const TileSc
   events.into(overflow, underflow, nan);
 }
 
+// run_tile_narrow for float32 inputs rounded to nearest by addition, written in GCC vectors of
+// 16 lanes: round.hpp's magnitude_by_addition and rounded_result lane by lane, so that kCount's
+// events come from the masks the rounding computes anyway (the vectoriser's form of run_tile_narrow
+// kept per-lane counters in memory, and a separate counting pass cost MXFP8 a sixth of its time).
+// kBlock 16 or 32: each block's 2^±k broadcast (the tile starts a block); 0: from the
+// per-element buffers (place32). A ragged end is padded with zeros, which count nothing.
+// kSignedZero: E has -0 (RoundParams::no_negative_zero false); kInfStays: inf_stays_inf.
+template <bool kCount, bool kSignedZero, bool kInfStays, int64_t kBlock>
+void run_tile_narrow_lanes(const ScaledCall& c, int64_t first, int64_t n, const TileScales& t,
+                           int64_t& overflow, int64_t& underflow, int64_t& nan) {
+  using Floats16 = float __attribute__((vector_size(64)));
+  using C = CarrierTraits<uint32_t>;
+  const float* x = static_cast<const float*>(c.x) + first;
+  float* y = static_cast<float*>(c.y) + first;
+  const RoundParams<uint32_t>& p = c.p32;
+  // magnitude_by_addition's exponent clamp and step, on biased exponent fields
+  const Lanes16 magnitude = Lanes16{} + ~C::kSign, sign_bit = Lanes16{} + C::kSign,
+                inf = Lanes16{} + C::kInf, one = Lanes16{} + 1u,
+                e_low = Lanes16{} + uint32_t(p.emin + C::kExpBias),
+                e_high = Lanes16{} + uint32_t(c.addition_cap + C::kExpBias),
+                drop = Lanes16{} + uint32_t(p.normal_drop), max_bits = Lanes16{} + p.max_bits,
+                over_pos = Lanes16{} + p.overflow_pos, over_neg = Lanes16{} + p.overflow_neg;
+  Lanes16 above{}, under{}, nans{};
+  auto vector = [&](const float* src, float* dst, const Floats16& s, const Floats16& inv) {
+    Floats16 xv;
+    std::memcpy(&xv, src, sizeof xv);
+    const Lanes16 q = bit_cast<Lanes16>(xv * inv);  // exact, or below 2^-126 (ScaledCall::narrow)
+    const Lanes16 a = q & magnitude, sign = q & sign_bit;
+    Lanes16 e = a >> C::kMantBits;
+    e = e < e_low ? e_low : e;
+    e = e > e_high ? e_high : e;
+    const Floats16 step = bit_cast<Floats16>((e + drop) << C::kMantBits);
+    const Lanes16 mag = bit_cast<Lanes16>((bit_cast<Floats16>(a) + step) - step);
+    // (each mask written where it is used: GCC then keeps it in a mask register, where a named
+    // vector of it made a vector and compared it again at every use)
+    Lanes16 rounded = mag | sign;
+    if constexpr (!kSignedZero) rounded = mag == 0u ? mag : rounded;
+    Lanes16 overflowed = sign != 0u ? over_neg : over_pos;
+    if constexpr (kInfStays) overflowed = a == inf ? q : overflowed;
+    // (mag > max_bits: overflow, or NaN)
+    const Lanes16 r = a > inf ? q : (mag > max_bits ? overflowed : rounded);
+    const Floats16 out = bit_cast<Floats16>(r) * s;  // exact (ScaledCall::narrow)
+    std::memcpy(dst, &out, sizeof out);
+    if constexpr (kCount) {  // (as selects of an increment: AVX-512 adds under a mask)
+      above = mag > max_bits ? above + one : above;
+      nans = a > inf ? nans + one : nans;
+      // a nonzero x whose result is 0 (its quotient may have underflowed to 0 already)
+      under = mag == 0u ? ((bit_cast<Lanes16>(xv) & magnitude) != 0u ? under + one : under) : under;
+    }
+  };
+  auto padded = [&](int64_t i, int64_t stop, const Floats16& s, const Floats16& inv) {
+    alignas(64) float in[16] = {}, out[16];
+    std::memcpy(in, x + i, sizeof(float) * size_t(stop - i));
+    vector(in, out, s, inv);
+    std::memcpy(y + i, out, sizeof(float) * size_t(stop - i));
+  };
+  if constexpr (kBlock > 0) {
+    static_assert(kBlock % 16 == 0, "whole vectors per block");
+    const int64_t whole = n / kBlock;
+    for (int64_t b = 0; b < whole; ++b) {
+      const Floats16 s = Floats16{} + t.block_s32[b], inv = Floats16{} + t.block_inv32[b];
+      for (int64_t v = 0; v < kBlock; v += 16) vector(x + b * kBlock + v, y + b * kBlock + v, s, inv);
+    }
+    if (whole * kBlock < n) {  // a ragged last block
+      const Floats16 s = Floats16{} + t.block_s32[whole], inv = Floats16{} + t.block_inv32[whole];
+      for (int64_t i = whole * kBlock; i < n; i += 16) padded(i, min_of(i + 16, n), s, inv);
+    }
+  } else {
+    const float* s32 = t.s32_buf + t.at32;
+    const float* inv32 = t.inv32_buf + t.at32;
+    auto at = [](const float* v, int64_t i, int64_t stop) {
+      alignas(64) float lanes[16] = {};
+      std::memcpy(lanes, v + i, sizeof(float) * size_t(stop - i));
+      Floats16 f;
+      std::memcpy(&f, lanes, sizeof f);
+      return f;
+    };
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      Floats16 s, inv;
+      std::memcpy(&s, s32 + i, sizeof s);
+      std::memcpy(&inv, inv32 + i, sizeof inv);
+      vector(x + i, y + i, s, inv);
+    }
+    if (i < n) padded(i, n, at(s32, i, n), at(inv32, i, n));
+  }
+  if constexpr (kCount) {
+    for (int l = 0; l < 16; ++l) {
+      overflow += int64_t(above[l]) - int64_t(nans[l]);  // (see RoundEvents)
+      underflow += under[l];
+      nan += nans[l];
+    }
+  }
+}
+
 // A tile of float32 inputs with scales s = S · t in a format, nearest (ScaledCall::checked), in
 // the float32 carrier: the quotient approximated as x · fl(1 / s) (two roundings: within 2^-22.9
 // of x / s), rounded to E by addition, and s · q as (q · S) · t (q · S exact: the one rounding
@@ -385,8 +480,10 @@ void run_tile_few(const ScaledCall& c, int64_t first, int64_t n, const FewThresh
   const float* x = static_cast<const float*>(c.x) + first;
   float* y = static_cast<float*>(c.y) + first;
   const Lanes16 magnitude = Lanes16{} + 0x7fffffffu, sign = Lanes16{} + 0x80000000u,
-                inf = Lanes16{} + 0x7f800000u, quiet = Lanes16{} + 0x00400000u;
-  Lanes16 over{}, under{}, nans{};  // (each compare's lanes are all ones where true: subtracted)
+                inf = Lanes16{} + 0x7f800000u, quiet = Lanes16{} + 0x00400000u,
+                one = Lanes16{} + 1u;
+  Lanes16 over{}, under{}, nans{};
+  // (masks written where they are used, increments as selects: see run_tile_narrow_lanes)
   auto vector = [&](const float* src, float* dst, const FewThresholds& e) {
     Lanes16 xb;
     std::memcpy(&xb, src, sizeof xb);
@@ -394,26 +491,28 @@ void run_tile_few(const ScaledCall& c, int64_t first, int64_t n, const FewThresh
     const Floats16 a = bit_cast<Floats16>(ab);
     Floats16 v{};
     for (int32_t k = 0; k < kSteps; ++k) v = a > e.above[k] ? Floats16{} + e.value[k] : v;
-    const Lanes16 is_nan = Lanes16(ab > inf);
-    const Lanes16 out = is_nan ? xb | quiet : bit_cast<Lanes16>(v) | (xb & sign);
+    const Lanes16 out = ab > inf ? xb | quiet : bit_cast<Lanes16>(v) | (xb & sign);
     std::memcpy(dst, &out, sizeof out);
     if constexpr (kCount) {
-      over -= Lanes16(a > e.above[kOver]);
-      under -= Lanes16(ab != 0u) & ~is_nan & ~Lanes16(a > e.above[0]);
-      nans -= is_nan;
+      over = a > e.above[kOver] ? over + one : over;  // (NaN compares false; inf passes)
+      // 0 < |x| <= above[0], by the bits (which order non-negative floats; NaN's lie above)
+      under = ab - one < bit_cast<uint32_t>(e.above[0]) ? under + one : under;
+      nans = ab > inf ? nans + one : nans;
     }
   };
-  for (int64_t b = 0, i0 = 0; i0 < n; ++b, i0 += kBlock) {
+  // (whole blocks in a loop of their own: a constant count of vectors per block, where a
+  // block's end found at run time cost a loop's setup, constants included, every block)
+  const int64_t whole = n / kBlock;
+  for (int64_t b = 0; b < whole; ++b) {
     const FewThresholds& e = entries[at[b]];
-    const int64_t end = min_of(i0 + kBlock, n);
-    int64_t i = i0;
-    for (; i + 16 <= end; i += 16) vector(x + i, y + i, e);
-    if (i < end) {
-      alignas(64) float in[16] = {}, out[16];
-      std::memcpy(in, x + i, sizeof(float) * size_t(end - i));
-      vector(in, out, e);
-      std::memcpy(y + i, out, sizeof(float) * size_t(end - i));
-    }
+    for (int64_t v = 0; v < kBlock; v += 16) vector(x + b * kBlock + v, y + b * kBlock + v, e);
+  }
+  for (int64_t i = whole * kBlock; i < n; i += 16) {  // a ragged last block, padded
+    const int64_t stop = min_of(i + 16, n);
+    alignas(64) float in[16] = {}, out[16];
+    std::memcpy(in, x + i, sizeof(float) * size_t(stop - i));
+    vector(in, out, entries[at[whole]]);
+    std::memcpy(y + i, out, sizeof(float) * size_t(stop - i));
   }
   if constexpr (kCount) {
     for (int l = 0; l < 16; ++l) {
@@ -491,6 +590,8 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
   // ScaledCall::count_by_comparison: the rounding loops count nothing (kCount false)
   constexpr bool kMayCompareCounts =
       !kCount && Kind == RoundKind::Nearest && std::is_same_v<In, float>;
+  constexpr bool kLanesNarrow =
+      kMayNarrow && Kind == RoundKind::Nearest && std::is_same_v<In, float> && !kParts;
   const bool narrow = kMayNarrow && c.narrow;
   const bool checked = kMayCheck && c.checked;
   TileScales t;
@@ -524,8 +625,10 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
         else if (bc == 32) count_tile<32>(c, first, len, t0, bs, blocks, t, overflow, underflow, nan);
         else count_tile<0>(c, first, len, t0, bs, blocks, t, overflow, underflow, nan);
       };
-      const bool count_first = kMayCompareCounts && c.count && !apart;
-      const bool count_after = kMayCompareCounts && c.count && apart;
+      // The float32 nearest loop in lanes counts as it rounds (run_tile_narrow_lanes)
+      const bool lanes = kLanesNarrow && narrow && c.nearest_by_addition;
+      const bool count_first = kMayCompareCounts && c.count && !apart && !lanes;
+      const bool count_after = kMayCompareCounts && c.count && apart && !lanes;
       if constexpr (kMayCompareCounts) {
         if (count_first) count();
       }
@@ -560,7 +663,8 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
             }
           }
         };
-        if ((narrow && bc != 32) || (checked && bc != 16 && bc != 32)) spread(true);
+        if ((narrow && bc != 32 && !(lanes && bc == 16)) || (checked && bc != 16 && bc != 32))
+          spread(true);
         else if (!checked && !narrow) spread(false);
         const int64_t phase = first % 4;
         if constexpr (Kind == RoundKind::Stochastic) {
@@ -569,6 +673,26 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
           // stores of the float64 loop that read it (baseline and AVX2 kernels; the test comparing
           // the kernels in tests/test_scaled.py)
           if (phase != 0) std::memmove(t.rand, t.rand + phase, sizeof(uint32_t) * size_t(len));
+        }
+        if constexpr (kLanesNarrow) {
+          if (lanes) {
+            const RoundParams<uint32_t>& p = c.p32;
+            with_flag(c.count, [&](auto count_c) {
+              with_flag(!p.no_negative_zero, [&](auto signed_zero) {
+                with_flag(p.inf_stays_inf, [&](auto stays) {
+                  constexpr bool kC = decltype(count_c)::value, kZ = decltype(signed_zero)::value,
+                                 kS = decltype(stays)::value;
+                  if (bc == 32)
+                    run_tile_narrow_lanes<kC, kZ, kS, 32>(c, first, len, t, overflow, underflow, nan);
+                  else if (bc == 16)
+                    run_tile_narrow_lanes<kC, kZ, kS, 16>(c, first, len, t, overflow, underflow, nan);
+                  else
+                    run_tile_narrow_lanes<kC, kZ, kS, 0>(c, first, len, t, overflow, underflow, nan);
+                });
+              });
+            });
+            return;
+          }
         }
         if constexpr (kMayNarrow) {
           if (narrow) {
