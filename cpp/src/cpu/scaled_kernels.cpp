@@ -10,6 +10,10 @@
 #include "philox_lanes.hpp"
 #include "quantize_cpu.hpp"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #ifndef LOWFP_ISA_NS
 #error "compile with -DLOWFP_ISA_NS=<namespace>"
 #endif
@@ -36,6 +40,43 @@ U finite_max(const U* v, int64_t n, U m, U exponent) {
 using Lanes16 = uint32_t __attribute__((vector_size(64)));
 
 inline Lanes16 lanes_max(Lanes16 a, Lanes16 b) { return a > b ? a : b; }
+
+using Floats16 = float __attribute__((vector_size(64)));
+
+// How many lanes met a condition, over the vectors of a tile (at most 2^31 of them). With
+// AVX-512 each compare's mask is counted by popcnt on the scalar ports, which the lane loops
+// leave idle; elsewhere (and without the mask intrinsics, where GCC turned a compare into a
+// vector and back into a mask) each lane keeps its own counter, incremented as a select.
+// Conditions: a > b (unsigned, or float32 ordered: NaN never), and "r is 0 where x is not" on
+// the sign-cleared bits.
+struct LaneTally {
+#if defined(__AVX512F__)
+  int64_t n = 0;
+  void greater(Lanes16 a, Lanes16 b) { add(_mm512_cmpgt_epu32_mask(__m512i(a), __m512i(b))); }
+  void greater(Floats16 a, Floats16 b) { add(_mm512_cmp_ps_mask(__m512(a), __m512(b), _CMP_GT_OQ)); }
+  void zero_where_nonzero(Lanes16 r, Lanes16 x) {
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+    add(_mm512_mask_test_epi32_mask(_mm512_testn_epi32_mask(__m512i(r), __m512i(r)), __m512i(x),
+                                    magnitude));
+  }
+  int64_t total() const { return n; }
+
+ private:
+  void add(__mmask16 m) { n += __builtin_popcount(uint32_t(m)); }
+#else
+  Lanes16 n{};
+  void greater(Lanes16 a, Lanes16 b) { n = a > b ? n + 1u : n; }
+  void greater(Floats16 a, Floats16 b) { n = a > b ? n + 1u : n; }
+  void zero_where_nonzero(Lanes16 r, Lanes16 x) {
+    n = r == 0u ? ((x & 0x7fffffffu) != 0u ? n + 1u : n) : n;
+  }
+  int64_t total() const {
+    int64_t sum = 0;
+    for (int l = 0; l < 16; ++l) sum += n[l];
+    return sum;
+  }
+#endif
+};
 
 // Lane j of the result: the largest lane of v[j], by a tree of half exchanges (each level pairs
 // the vectors and halves the lanes each keeps): 45 operations for 16 vectors, where reducing each
@@ -288,19 +329,18 @@ void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, const TileSc
 template <bool kCount, bool kSignedZero, bool kInfStays, int64_t kBlock>
 void run_tile_narrow_lanes(const ScaledCall& c, int64_t first, int64_t n, const TileScales& t,
                            int64_t& overflow, int64_t& underflow, int64_t& nan) {
-  using Floats16 = float __attribute__((vector_size(64)));
   using C = CarrierTraits<uint32_t>;
   const float* x = static_cast<const float*>(c.x) + first;
   float* y = static_cast<float*>(c.y) + first;
   const RoundParams<uint32_t>& p = c.p32;
   // magnitude_by_addition's exponent clamp and step, on biased exponent fields
   const Lanes16 magnitude = Lanes16{} + ~C::kSign, sign_bit = Lanes16{} + C::kSign,
-                inf = Lanes16{} + C::kInf, one = Lanes16{} + 1u,
+                inf = Lanes16{} + C::kInf,
                 e_low = Lanes16{} + uint32_t(p.emin + C::kExpBias),
                 e_high = Lanes16{} + uint32_t(c.addition_cap + C::kExpBias),
                 drop = Lanes16{} + uint32_t(p.normal_drop), max_bits = Lanes16{} + p.max_bits,
                 over_pos = Lanes16{} + p.overflow_pos, over_neg = Lanes16{} + p.overflow_neg;
-  Lanes16 above{}, under{}, nans{};
+  LaneTally above, under, nans;
   auto vector = [&](const float* src, float* dst, const Floats16& s, const Floats16& inv) {
     Floats16 xv;
     std::memcpy(&xv, src, sizeof xv);
@@ -321,11 +361,11 @@ void run_tile_narrow_lanes(const ScaledCall& c, int64_t first, int64_t n, const 
     const Lanes16 r = a > inf ? q : (mag > max_bits ? overflowed : rounded);
     const Floats16 out = bit_cast<Floats16>(r) * s;  // exact (ScaledCall::narrow)
     std::memcpy(dst, &out, sizeof out);
-    if constexpr (kCount) {  // (as selects of an increment: AVX-512 adds under a mask)
-      above = mag > max_bits ? above + one : above;
-      nans = a > inf ? nans + one : nans;
+    if constexpr (kCount) {
+      above.greater(mag, max_bits);
+      nans.greater(a, inf);
       // a nonzero x whose result is 0 (its quotient may have underflowed to 0 already)
-      under = mag == 0u ? ((bit_cast<Lanes16>(xv) & magnitude) != 0u ? under + one : under) : under;
+      under.zero_where_nonzero(mag, bit_cast<Lanes16>(xv));
     }
   };
   auto padded = [&](int64_t i, int64_t stop, const Floats16& s, const Floats16& inv) {
@@ -365,11 +405,9 @@ void run_tile_narrow_lanes(const ScaledCall& c, int64_t first, int64_t n, const 
     if (i < n) padded(i, n, at(s32, i, n), at(inv32, i, n));
   }
   if constexpr (kCount) {
-    for (int l = 0; l < 16; ++l) {
-      overflow += int64_t(above[l]) - int64_t(nans[l]);  // (see RoundEvents)
-      underflow += under[l];
-      nan += nans[l];
-    }
+    overflow += above.total() - nans.total();  // (see RoundEvents)
+    underflow += under.total();
+    nan += nans.total();
   }
 }
 
@@ -475,15 +513,14 @@ template <bool kCount, int64_t kBlock>
 void run_tile_few(const ScaledCall& c, int64_t first, int64_t n, const FewThresholds* entries,
                   const int32_t* at, int64_t& overflow, int64_t& underflow, int64_t& nan) {
   static_assert(kBlock % 16 == 0, "whole vectors per block");
-  using Floats16 = float __attribute__((vector_size(64)));
   constexpr int32_t kSteps = kFewMagnitudes - 1, kOver = kSteps;
   const float* x = static_cast<const float*>(c.x) + first;
   float* y = static_cast<float*>(c.y) + first;
   const Lanes16 magnitude = Lanes16{} + 0x7fffffffu, sign = Lanes16{} + 0x80000000u,
                 inf = Lanes16{} + 0x7f800000u, quiet = Lanes16{} + 0x00400000u,
                 one = Lanes16{} + 1u;
-  Lanes16 over{}, under{}, nans{};
-  // (masks written where they are used, increments as selects: see run_tile_narrow_lanes)
+  LaneTally over, under, nans;
+  // (masks written where they are used: see run_tile_narrow_lanes)
   auto vector = [&](const float* src, float* dst, const FewThresholds& e) {
     Lanes16 xb;
     std::memcpy(&xb, src, sizeof xb);
@@ -494,10 +531,10 @@ void run_tile_few(const ScaledCall& c, int64_t first, int64_t n, const FewThresh
     const Lanes16 out = ab > inf ? xb | quiet : bit_cast<Lanes16>(v) | (xb & sign);
     std::memcpy(dst, &out, sizeof out);
     if constexpr (kCount) {
-      over = a > e.above[kOver] ? over + one : over;  // (NaN compares false; inf passes)
+      over.greater(a, Floats16{} + e.above[kOver]);  // (NaN compares false; inf passes)
       // 0 < |x| <= above[0], by the bits (which order non-negative floats; NaN's lie above)
-      under = ab - one < bit_cast<uint32_t>(e.above[0]) ? under + one : under;
-      nans = ab > inf ? nans + one : nans;
+      under.greater(Lanes16{} + bit_cast<uint32_t>(e.above[0]), ab - one);
+      nans.greater(ab, inf);
     }
   };
   // (whole blocks in a loop of their own: a constant count of vectors per block, where a
@@ -515,11 +552,9 @@ void run_tile_few(const ScaledCall& c, int64_t first, int64_t n, const FewThresh
     std::memcpy(y + i, out, sizeof(float) * size_t(stop - i));
   }
   if constexpr (kCount) {
-    for (int l = 0; l < 16; ++l) {
-      overflow += over[l];
-      underflow += under[l];
-      nan += nans[l];
-    }
+    overflow += over.total();
+    underflow += under.total();
+    nan += nans.total();
   }
 }
 
@@ -532,7 +567,6 @@ void run_tile_few(const ScaledCall& c, int64_t first, int64_t n, const FewThresh
 template <int64_t kBlock>
 void count_tile(const ScaledCall& c, int64_t first, int64_t n, int64_t t0, const double* bs,
                 int64_t blocks, TileScales& t, int64_t& overflow, int64_t& underflow, int64_t& nan) {
-  using Floats16 = float __attribute__((vector_size(64)));
   const float* x = static_cast<const float*>(c.x) + first;
   const int64_t bc = kBlock > 0 ? kBlock : c.block_cols, j0 = t0 / bc;
   const EventPoints ep = c.events;
@@ -542,17 +576,16 @@ void count_tile(const ScaledCall& c, int64_t first, int64_t n, int64_t t0, const
   }
   const Lanes16 magnitude = Lanes16{} + 0x7fffffffu, inf = Lanes16{} + 0x7f800000u,
                 one = Lanes16{} + 1u;
-  Lanes16 over{}, under{}, nans{};
+  LaneTally over, under, nans;
   auto vector = [&](const float* src, const float& zero_t, const float& over_t) {
     Lanes16 xb;
     std::memcpy(&xb, src, sizeof xb);
     const Lanes16 ab = xb & magnitude;
-    // (as selects of an increment: AVX-512 adds under a mask, one instruction each)
-    over = bit_cast<Floats16>(ab) > over_t ? over + one : over;  // (NaN compares false; inf passes)
+    over.greater(bit_cast<Floats16>(ab), Floats16{} + over_t);  // (NaN compares false; inf passes)
     // 0 < |x| <= the zero threshold, by the bits (which order non-negative floats; NaN's are
     // above every threshold's)
-    under = ab - one < bit_cast<uint32_t>(zero_t) ? under + one : under;
-    nans = ab > inf ? nans + one : nans;
+    under.greater(Lanes16{} + bit_cast<uint32_t>(zero_t), ab - one);
+    nans.greater(ab, inf);
   };
   auto padded = [&](int64_t i, int64_t stop, int64_t k) {
     alignas(64) float in[16] = {};
@@ -573,11 +606,9 @@ void count_tile(const ScaledCall& c, int64_t first, int64_t n, int64_t t0, const
       i = stop;
     }
   }
-  for (int l = 0; l < 16; ++l) {
-    overflow += over[l];
-    underflow += under[l];
-    nan += nans[l];
-  }
+  overflow += over.total();
+  underflow += under.total();
+  nan += nans.total();
 }
 
 template <class In, RoundKind Kind, bool kCount, bool kPow2, bool kSubExp, bool kParts>
