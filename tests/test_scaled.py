@@ -343,6 +343,10 @@ def test_granularities_and_shapes():
 def test_formats_print_parse_and_compare():
     for name, fmt in lowfp.scaled.named().items():
         assert str(fmt) == name and Scaled.parse(name) == fmt
+        # (lowfp.formats names them too, beside the element formats)
+        assert getattr(lowfp.formats, name) is fmt and name in dir(lowfp.formats)
+    with pytest.raises(AttributeError, match="mxfp9"):
+        _ = lowfp.formats.mxfp9
     f = Scaled("fp(4,3,4)", block=(2, 8), scale="float32")
     assert Scaled.parse(str(f)) == f and hash(Scaled.parse(str(f))) == hash(f)
     assert Scaled("float8_e4m3fn", block=32) == lowfp.scaled.mxfp8_e4m3
