@@ -558,6 +558,37 @@ def test_nearest_counts_by_comparison_match_each_elements_events(fmt, rounding):
         assert torch.equal(st.counts, st64.counts), (how, st.counts, st64.counts)
 
 
+@pytest.mark.parametrize("fmt", [
+    "mxfp8_e4m3", "mxfp4_e2m1", Scaled("float8_e4m3fn", block=16), Scaled("float8_e4m3fn", block=20),
+    Scaled("float8_e4m3fnuz", block=32), ("mxfp8_e5m2", "inf"),
+])
+@pytest.mark.parametrize("sr_bits", [32, 13, 3])
+def test_stochastic_float32_inputs_match_the_float64_path(fmt, sr_bits):
+    # Float32 inputs under E8M0 scales round stochastically in the float32 carrier, a loop written
+    # lane by lane that counts from its own masks; float64 inputs take the float64 carrier. Same
+    # seed, same values and counts, whether the result is new, in out= or x itself.
+    x = blocks_of_many_magnitudes(70, 160, -16, 16, seed=15)[:, :150].contiguous()  # (ragged blocks)
+    g = torch.Generator().manual_seed(16)
+    tiny = torch.rand(x.shape, generator=g) < 0.1
+    x = torch.where(tiny, x * 2.0 ** -40, x)
+    x[3, 5], x[7, 9], x[9, 40], x[60, 149] = float("nan"), float("inf"), -float("inf"), 0.0
+    fmt, overflow = fmt if isinstance(fmt, tuple) else (fmt, "saturate")
+    kw = dict(seed=17, sr_bits=sr_bits, overflow=overflow)
+    st64 = lowfp.scaled.ScaledStats()
+    want = lowfp.quantize(x.double(), fmt, "stochastic", stats=st64, **kw).float()
+    assert st64.overflow > 0 and st64.underflow > 0 and st64.nan == 1
+    for how in ("new", "out", "in place"):
+        st = lowfp.scaled.ScaledStats()
+        if how == "new":
+            got = lowfp.quantize(x, fmt, "stochastic", stats=st, **kw)
+        elif how == "out":
+            got = lowfp.quantize(x, fmt, "stochastic", stats=st, out=torch.empty_like(x), **kw)
+        else:
+            got = lowfp.quantize_(x.clone(), fmt, "stochastic", stats=st, **kw)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), how
+        assert torch.equal(st.counts, st64.counts), (how, st.counts, st64.counts)
+
+
 def test_every_cpu_kernel_gives_the_same_bits(tmp_path):
     # The scaled loops are compiled once per instruction-set level (baseline, AVX2, AVX-512) and
     # picked at run time; each level, forced with LOWFP_CPU_KERNEL in a child process, must give

@@ -319,40 +319,76 @@ void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, const TileSc
   events.into(overflow, underflow, nan);
 }
 
-// run_tile_narrow for float32 inputs rounded to nearest by addition, written in GCC vectors of
-// 16 lanes: round.hpp's magnitude_by_addition and rounded_result lane by lane, so that kCount's
-// events come from the masks the rounding computes anyway (the vectoriser's form of run_tile_narrow
-// kept per-lane counters in memory, and a separate counting pass cost MXFP8 a sixth of its time).
-// kBlock 16 or 32: each block's 2^±k broadcast (the tile starts a block); 0: from the
-// per-element buffers (place32). A ragged end is padded with zeros, which count nothing.
+// run_tile_narrow for float32 inputs rounded to nearest by addition or stochastically, written in
+// GCC vectors of 16 lanes: round.hpp's magnitude_by_addition (nearest) or round_bits (stochastic,
+// with no subnormal exponent, as ScaledCall::narrow implies) and rounded_result, lane by lane, so
+// that kCount's events come from the masks the rounding computes anyway (the vectoriser's form of
+// run_tile_narrow kept per-lane counters in memory, and a separate counting pass cost MXFP8 a
+// sixth of its time). kBlock 16 or 32: each block's 2^±k broadcast (the tile starts a block); 0:
+// from the per-element buffers (place32). A ragged end is padded with zeros, which count nothing.
 // kSignedZero: E has -0 (RoundParams::no_negative_zero false); kInfStays: inf_stays_inf.
-template <bool kCount, bool kSignedZero, bool kInfStays, int64_t kBlock>
+template <RoundKind Kind, bool kCount, bool kSignedZero, bool kInfStays, int64_t kBlock>
 void run_tile_narrow_lanes(const ScaledCall& c, int64_t first, int64_t n, const TileScales& t,
                            int64_t& overflow, int64_t& underflow, int64_t& nan) {
+  static_assert(Kind == RoundKind::Nearest || Kind == RoundKind::Stochastic, "nearest or stochastic");
   using C = CarrierTraits<uint32_t>;
+  using Ints16 = int32_t __attribute__((vector_size(64)));
   const float* x = static_cast<const float*>(c.x) + first;
   float* y = static_cast<float*>(c.y) + first;
   const RoundParams<uint32_t>& p = c.p32;
-  // magnitude_by_addition's exponent clamp and step, on biased exponent fields
   const Lanes16 magnitude = Lanes16{} + ~C::kSign, sign_bit = Lanes16{} + C::kSign,
-                inf = Lanes16{} + C::kInf,
-                e_low = Lanes16{} + uint32_t(p.emin + C::kExpBias),
+                inf = Lanes16{} + C::kInf, one = Lanes16{} + 1u,
+                max_bits = Lanes16{} + p.max_bits, over_pos = Lanes16{} + p.overflow_pos,
+                over_neg = Lanes16{} + p.overflow_neg;
+  // magnitude_by_addition's exponent clamp and step, on biased exponent fields
+  const Lanes16 e_low = Lanes16{} + uint32_t(p.emin + C::kExpBias),
                 e_high = Lanes16{} + uint32_t(c.addition_cap + C::kExpBias),
-                drop = Lanes16{} + uint32_t(p.normal_drop), max_bits = Lanes16{} + p.max_bits,
-                over_pos = Lanes16{} + p.overflow_pos, over_neg = Lanes16{} + p.overflow_neg;
+                drop = Lanes16{} + uint32_t(p.normal_drop);
+  // round_bits' (stochastic), exponents biased: emin + 127 >= 1 (ScaledCall::narrow)
+  const Ints16 emin_b = Ints16{} + (p.emin + C::kExpBias), normal_drop = Ints16{} + p.normal_drop,
+               below_drop = Ints16{} + p.below_drop, r_bits = Ints16{} + (32 - int32_t(p.sr_shift)),
+               max_shift = Ints16{} + C::kMaxShift, mant_bits = Ints16{} + C::kMantBits;
+  const Lanes16 below_step = Lanes16{} + p.below_step;
   LaneTally above, under, nans;
-  auto vector = [&](const float* src, float* dst, const Floats16& s, const Floats16& inv) {
+  auto vector = [&](const float* src, float* dst, const uint32_t* rand, const Floats16& s,
+                    const Floats16& inv) {
     Floats16 xv;
     std::memcpy(&xv, src, sizeof xv);
-    const Lanes16 q = bit_cast<Lanes16>(xv * inv);  // exact, or below 2^-126 (ScaledCall::narrow)
+    const Lanes16 xb = bit_cast<Lanes16>(xv);
+    Lanes16 q = bit_cast<Lanes16>(xv * inv);  // exact, or below 2^-126 (ScaledCall::narrow)
+    Lanes16 mag;
+    if constexpr (Kind == RoundKind::Nearest) {
+      const Lanes16 a = q & magnitude;
+      Lanes16 e = a >> C::kMantBits;
+      e = e < e_low ? e_low : e;
+      e = e > e_high ? e_high : e;
+      const Floats16 step = bit_cast<Floats16>((e + drop) << C::kMantBits);
+      mag = bit_cast<Lanes16>((bit_cast<Floats16>(a) + step) - step);
+    } else {
+      // A quotient that underflowed to 0 stays nonzero (see run_tile_narrow)
+      q = (q << 1) == 0u ? ((xb << 1) != 0u ? (xb & sign_bit) | 1u : q) : q;
+      const Lanes16 a = q & magnitude;
+      Lanes16 rw;
+      std::memcpy(&rw, rand, sizeof rw);
+      const Ints16 ex = Ints16(a >> C::kMantBits);
+      const Ints16 e_eff = ex < 1 ? Ints16{} + 1 : ex;  // carrier subnormals share 2^(1 - bias)
+      const Lanes16 sig = (a & C::kMantMask) | (ex != 0 ? Lanes16{} + C::kImplicit : Lanes16{});
+      const Ints16 d = e_eff < emin_b ? below_drop + (emin_b - e_eff) : normal_drop;
+      const Lanes16 dm = Lanes16(d < max_shift ? d : max_shift);
+      const Lanes16 unit = one << dm;
+      const Lanes16 rem = sig & (unit - 1u);
+      // up with probability floor(f · 2^R) / 2^R: R random bits against the top R of rem / 2^d
+      const Ints16 wide = r_bits - d, tight = d - r_bits;
+      const Lanes16 widened = rem << Lanes16(wide < 0 ? Ints16{} : (wide > max_shift ? max_shift : wide));
+      const Lanes16 narrowed = rem >> Lanes16(tight < 0 ? Ints16{} : (tight > max_shift ? max_shift : tight));
+      const Lanes16 threshold = d <= r_bits ? widened : narrowed;
+      const Lanes16 drawn = rw >> p.sr_shift;
+      const Lanes16 stepped = (a & ~(unit - 1u)) + (drawn < threshold ? unit : Lanes16{});
+      mag = d <= mant_bits ? stepped : (drawn < threshold ? below_step : Lanes16{});
+    }
+    // rounded_result. (Each mask written where it is used: GCC then keeps it in a mask register,
+    // where a named vector of it made a vector and compared it again at every use.)
     const Lanes16 a = q & magnitude, sign = q & sign_bit;
-    Lanes16 e = a >> C::kMantBits;
-    e = e < e_low ? e_low : e;
-    e = e > e_high ? e_high : e;
-    const Floats16 step = bit_cast<Floats16>((e + drop) << C::kMantBits);
-    const Lanes16 mag = bit_cast<Lanes16>((bit_cast<Floats16>(a) + step) - step);
-    // (each mask written where it is used: GCC then keeps it in a mask register, where a named
-    // vector of it made a vector and compared it again at every use)
     Lanes16 rounded = mag | sign;
     if constexpr (!kSignedZero) rounded = mag == 0u ? mag : rounded;
     Lanes16 overflowed = sign != 0u ? over_neg : over_pos;
@@ -365,13 +401,16 @@ void run_tile_narrow_lanes(const ScaledCall& c, int64_t first, int64_t n, const 
       above.greater(mag, max_bits);
       nans.greater(a, inf);
       // a nonzero x whose result is 0 (its quotient may have underflowed to 0 already)
-      under.zero_where_nonzero(mag, bit_cast<Lanes16>(xv));
+      under.zero_where_nonzero(mag, xb);
     }
   };
   auto padded = [&](int64_t i, int64_t stop, const Floats16& s, const Floats16& inv) {
     alignas(64) float in[16] = {}, out[16];
+    alignas(64) uint32_t rand[16] = {};
     std::memcpy(in, x + i, sizeof(float) * size_t(stop - i));
-    vector(in, out, s, inv);
+    if constexpr (Kind == RoundKind::Stochastic)
+      std::memcpy(rand, t.rand + i, sizeof(uint32_t) * size_t(stop - i));
+    vector(in, out, rand, s, inv);
     std::memcpy(y + i, out, sizeof(float) * size_t(stop - i));
   };
   if constexpr (kBlock > 0) {
@@ -379,7 +418,7 @@ void run_tile_narrow_lanes(const ScaledCall& c, int64_t first, int64_t n, const 
     const int64_t whole = n / kBlock;
     for (int64_t b = 0; b < whole; ++b) {
       const Floats16 s = Floats16{} + t.block_s32[b], inv = Floats16{} + t.block_inv32[b];
-      for (int64_t v = 0; v < kBlock; v += 16) vector(x + b * kBlock + v, y + b * kBlock + v, s, inv);
+      for (int64_t i = b * kBlock; i < (b + 1) * kBlock; i += 16) vector(x + i, y + i, t.rand + i, s, inv);
     }
     if (whole * kBlock < n) {  // a ragged last block
       const Floats16 s = Floats16{} + t.block_s32[whole], inv = Floats16{} + t.block_inv32[whole];
@@ -400,7 +439,7 @@ void run_tile_narrow_lanes(const ScaledCall& c, int64_t first, int64_t n, const 
       Floats16 s, inv;
       std::memcpy(&s, s32 + i, sizeof s);
       std::memcpy(&inv, inv32 + i, sizeof inv);
-      vector(x + i, y + i, s, inv);
+      vector(x + i, y + i, t.rand + i, s, inv);
     }
     if (i < n) padded(i, n, at(s32, i, n), at(inv32, i, n));
   }
@@ -621,8 +660,8 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
   // ScaledCall::count_by_comparison: the rounding loops count nothing (kCount false)
   constexpr bool kMayCompareCounts =
       !kCount && Kind == RoundKind::Nearest && std::is_same_v<In, float>;
-  constexpr bool kLanesNarrow =
-      kMayNarrow && Kind == RoundKind::Nearest && std::is_same_v<In, float> && !kParts;
+  constexpr bool kLanesNarrow = kMayNarrow && std::is_same_v<In, float> && !kParts &&
+                                (Kind == RoundKind::Nearest || Kind == RoundKind::Stochastic);
   const bool narrow = kMayNarrow && c.narrow;
   const bool checked = kMayCheck && c.checked;
   TileScales t;
@@ -656,8 +695,9 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
         else if (bc == 32) count_tile<32>(c, first, len, t0, bs, blocks, t, overflow, underflow, nan);
         else count_tile<0>(c, first, len, t0, bs, blocks, t, overflow, underflow, nan);
       };
-      // The float32 nearest loop in lanes counts as it rounds (run_tile_narrow_lanes)
-      const bool lanes = kLanesNarrow && narrow && c.nearest_by_addition;
+      // The float32 loop in lanes counts as it rounds (run_tile_narrow_lanes)
+      const bool lanes =
+          kLanesNarrow && narrow && (Kind == RoundKind::Stochastic || c.nearest_by_addition);
       const bool count_first = kMayCompareCounts && c.count && !apart && !lanes;
       const bool count_after = kMayCompareCounts && c.count && apart && !lanes;
       if constexpr (kMayCompareCounts) {
@@ -714,11 +754,11 @@ void elements(const ScaledCall& c, int64_t r0, int64_t r1, EventCounts& counts) 
                   constexpr bool kC = decltype(count_c)::value, kZ = decltype(signed_zero)::value,
                                  kS = decltype(stays)::value;
                   if (bc == 32)
-                    run_tile_narrow_lanes<kC, kZ, kS, 32>(c, first, len, t, overflow, underflow, nan);
+                    run_tile_narrow_lanes<Kind, kC, kZ, kS, 32>(c, first, len, t, overflow, underflow, nan);
                   else if (bc == 16)
-                    run_tile_narrow_lanes<kC, kZ, kS, 16>(c, first, len, t, overflow, underflow, nan);
+                    run_tile_narrow_lanes<Kind, kC, kZ, kS, 16>(c, first, len, t, overflow, underflow, nan);
                   else
-                    run_tile_narrow_lanes<kC, kZ, kS, 0>(c, first, len, t, overflow, underflow, nan);
+                    run_tile_narrow_lanes<Kind, kC, kZ, kS, 0>(c, first, len, t, overflow, underflow, nan);
                 });
               });
             });
