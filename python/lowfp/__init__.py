@@ -22,6 +22,13 @@ from .stats import Stats
 from .emulate import Emulator, History, emulate
 from .scaler import DynamicLossScaler
 
+# lowfp.formats names the scaled formats too (mxfp8_e4m3, nvfp4, ...), beside the element formats
+# lowfp.scaled builds them from (so set here, where both modules exist, not imported there)
+for _name, _fmt in scaled.named().items():
+    setattr(formats, _name, _fmt)
+formats.__all__ += list(scaled.named())
+del _name, _fmt
+
 __version__ = "0.1.0"
 
 __all__ = ["Format", "fp", "formats", "extra_bits", "optim", "quantize", "quantize_", "Stats", "ROUNDING_MODES",

@@ -253,23 +253,6 @@ def named() -> Dict[str, Format]:
     return dict(_NAMED)
 
 
-def __getattr__(name: str):
-    # The named scaled formats (lowfp.scaled's: mxfp8_e4m3, nvfp4, fp8_e4m3_rowwise, ...) are
-    # this module's attributes too, looked up when asked for: lowfp.scaled builds them from the
-    # formats above.
-    if not name.startswith("__"):
-        from .scaled.config import named as scaled_named
-        scaled = scaled_named()
-        if name in scaled:
-            return scaled[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    from .scaled.config import named as scaled_named
-    return sorted(set(globals()) | set(scaled_named()))
-
-
 class S2FP8:
     """S2FP8 as a precision (docs/design.md §4): each tensor is squeezed and shifted by its own statistics
     α, β so that log2|Y| has mean 0 and maximum ``log_max``, Y is rounded to ``fmt``, and the
