@@ -41,8 +41,7 @@ amax_kernel(ScaledCall c, unsigned long long* tensor_max) {
 // The tensor scale from the tensor's largest magnitude (bits in *tensor_max), as scaled_cpu.
 __device__ double tensor_scale_of(const ScaledCall& c, const unsigned long long* tensor_max) {
   if (tensor_max == nullptr) return 1.0;
-  const double a = bit_cast<double>(uint64_t(*tensor_max));
-  return a > 0.0 ? max_of(double(float(a / (c.scale.s_max * c.scale.max_e))), 0x1p-149) : 1.0;
+  return tensor_scale(c.scale, bit_cast<double>(uint64_t(*tensor_max)));
 }
 
 __global__ void __launch_bounds__(kThreads)

@@ -11,6 +11,7 @@ import torch
 import lowfp
 from lowfp.scaled import Scaled
 from cpu_kernels import outputs_of_each_kernel
+from reference import philox_word
 
 # torchao (a test dependency) runs its MX and NVFP4 reference code on the CPU with our torch.
 import torchao.prototype.mx_formats.mx_tensor as torchao_mx
@@ -43,8 +44,9 @@ def grid_round(v: Fraction, fmt: lowfp.Format, rounding: str) -> Fraction:
     if v == 0:
         return Fraction(0)
     a = abs(v)
-    e = max(math.floor(math.log2(a)), fmt.emin)
-    while Fraction(2) ** e > a:  # (log2 of a Fraction may be off by one near powers of two)
+    # (from the bit lengths, which may be off by one: a Fraction below float64's range has no log2)
+    e = max(a.numerator.bit_length() - a.denominator.bit_length(), fmt.emin)
+    while Fraction(2) ** e > a:
         e -= 1
     while Fraction(2) ** (e + 1) <= a:
         e += 1
@@ -172,6 +174,62 @@ def test_a_quotient_below_float64s_range_rounds_by_its_sign():
         assert torch.equal(got.signbit(), torch.tensor(want).signbit()), rounding
 
 
+def exact_round(v: Fraction, fmt: lowfp.Format, rounding: str, word: int = 0) -> Fraction:
+    """v rounded to fmt's grid (saturating) by any mode of §3; ``word``: stochastic rounding's
+    random word (32 bits: up when word < floor(f · 2^32))."""
+    if rounding in ("nearest", "toward_zero", "up", "down"):
+        return grid_round(v, fmt, rounding)
+    toward = grid_round(v, fmt, "toward_zero")
+    if v == toward:
+        return toward
+    a, lo = abs(v), abs(toward)
+    e = max(math.floor(math.log2(lo)) if lo else fmt.emin, fmt.emin)
+    while Fraction(2) ** (e + 1) <= a and e + 1 > fmt.emin:
+        e += 1
+    step = Fraction(2) ** (e - fmt.m)
+    f = (a - lo) / step
+    up = f >= Fraction(1, 2) if rounding == "nearest_away" else word < math.floor(f * 2 ** 32)
+    r = min(lo + step if up else lo, Fraction(fmt.max))
+    return -r if v < 0 else r
+
+
+@pytest.mark.parametrize("scale", ["e8m0", "float32"])
+@pytest.mark.parametrize("rounding", ["nearest", "nearest_away", "toward_zero", "up", "down", "stochastic"])
+def test_float64_quotients_at_and_beyond_float64s_subnormal_range(scale, rounding):
+    # Blocks of two: a large element sets the scale (2^112 and 2^119 for e8m0), the other's
+    # quotient lies in float64's subnormal range or below it, where x · (1 / s) rounds (to 0 for
+    # the smallest): the exact quotient is rounded once, and counted.
+    fmt = Scaled("float8_e4m3fn", block=2, scale=scale)
+    tiny = [2.0 ** -1000, 2.0 ** -1074, 5 * 2.0 ** -1074, 2.0 ** -1022, 2.0 ** -950, 3 * 2.0 ** -960,
+            (1 + 2.0 ** -52) * 2.0 ** -950, 2.0 ** -1022 - 2.0 ** -1074, 1e-300]
+    vals = []
+    for big in (2.0 ** 120, 2.0 ** 127 * 1.75):
+        for t in tiny:
+            vals += [big, t, -big, -t]
+    x = torch.tensor([vals], dtype=torch.float64)
+    st = lowfp.Stats()
+    got = lowfp.quantize(x, fmt, rounding, seed=5, stats=st)
+    e = fmt.element
+    underflow = 0
+    for c0 in range(0, x.shape[1], 2):
+        block = [Fraction(float(v)) for v in x[0, c0:c0 + 2]]
+        a = max(abs(v) for v in block)
+        if scale == "e8m0":
+            s = Fraction(2) ** ref_e8m0_exponent(a, fmt)
+        else:
+            s = grid_round(a / Fraction(e.max), fmt.scale_format, "nearest")
+        for j, v in enumerate(block):
+            i = c0 + j
+            word = philox_word(5, 0, i) if rounding == "stochastic" else 0
+            q = exact_round(v / s, e, rounding, word)
+            underflow += q == 0 and v != 0
+            want = float(q * s)
+            assert got[0, i].item() == want and math.copysign(1, got[0, i].item()) == math.copysign(1, v), \
+                (i, float(v), float(s), got[0, i].item(), want)
+    assert st.underflow == underflow and underflow > 0
+    assert st.numel == x.numel()
+
+
 def _torchao_mx(x, elem, mode):
     scale, data = torchao_mx.to_mx(x, elem, 32, mode)
     return torchao_mx.to_dtype(data, scale, elem, 32, torch.float32)
@@ -231,6 +289,41 @@ def test_nvfp4_two_level_scales():
     # elements: q = round_E2M1(x / s) exactly
     q_ref = lowfp.quantize((x.double() / parts.scales.repeat_interleave(16, dim=-1)), "float4_e2m1fn")
     assert torch.equal(parts.q.double(), q_ref)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "up", "down"])
+def test_tensor_scales_beyond_float32s_range_are_held_within_it(rounding):
+    # float64 tensors whose amax / (448 · 6) overflows float32, or rounds to 0 there: t is held at
+    # float32's largest or smallest positive value, the blocks whose scale then leaves E4M3's range
+    # saturate (and are counted), and every element stays finite, exactly rounded.
+    f32 = torch.finfo(torch.float32)
+    e, sf = lowfp.formats.float4_e2m1fn, lowfp.formats.float8_e4m3fn
+    for x, t in ((torch.tensor([1e300, 1.0, 3e299, -2.5e297] * 4 + [5e40] * 16, dtype=torch.float64), f32.max),
+                 (torch.tensor([1e-300, -1e-310] * 8 + [1e-280] * 16, dtype=torch.float64), 2.0 ** -149)):
+        st = lowfp.scaled.ScaledStats()
+        parts = lowfp.scaled.encode(x, "nvfp4", rounding, stats=st)
+        assert parts.tensor_scale.item() == t
+        assert torch.equal(lowfp.quantize(x, "nvfp4", rounding), parts.value)
+        saturated = 0
+        for b0 in range(0, x.numel(), 16):
+            block = [Fraction(float(v)) for v in x[b0:b0 + 16]]
+            ideal = max(abs(v) for v in block) / (Fraction(e.max) * Fraction(t))
+            stored = grid_round(ideal, sf, "nearest")
+            saturated += ideal > sf.max or stored == 0
+            s = (stored or Fraction(2) ** -9) * Fraction(t)
+            for j, v in enumerate(block):
+                assert parts.value[b0 + j].item() == float(grid_round(v / s, e, rounding) * s), (b0 + j, rounding)
+        assert parts.value.isfinite().all() and st.saturated_blocks == saturated and saturated > 0
+
+    # E8M0 `rceil`: a / max_E rounded to float32 overflows or vanishes, and k is clamped
+    fmt = Scaled("float8_e4m3fn", block=2, scale_rule="rceil")
+    x = torch.tensor([1e300, 1.0, 1e-300, 0.0], dtype=torch.float64)
+    st = lowfp.scaled.ScaledStats()
+    parts = lowfp.scaled.encode(x, fmt, rounding, stats=st)
+    assert parts.scales.tolist() == [2.0 ** 127, 2.0 ** -127] and st.saturated_blocks == 2
+    for i, v in enumerate(x.tolist()):
+        scale = Fraction(2) ** (127 if i < 2 else -127)
+        assert parts.value[i].item() == float(grid_round(Fraction(v) / scale, sf, rounding) * scale), i
 
 
 def decision_points(fmt: lowfp.Format):

@@ -87,6 +87,20 @@ LOWFP_HD uint64_t divide_nudged(double x, double s) {
   return b + (step & inexact & even);
 }
 
+// A quotient q = x · (1 / s) (s a power of two) as E's rounding needs it: the product is exact
+// unless it falls below the carrier's normal range, where it may round, even to 0 (a tiny element
+// in a block of large ones; for float64 inputs, below 2^-1022). Every point where E's rounding
+// decides lies above that range (E's smallest step is at least 2^-149, times 2^-32 for stochastic
+// rounding, and the float32 carrier is only taken for steps of at least 2^-22), so there only q's
+// sign and its being nonzero matter: a product that lost a nonzero x keeps x's sign and the
+// smallest magnitude.
+template <class Bits>
+LOWFP_HD Bits nonzero_quotient(Bits q, Bits x) {
+  using C = CarrierTraits<Bits>;
+  const bool lost = ((q & ~C::kSign) == 0) & ((x & ~C::kSign) != 0);
+  return select(lost, (x & C::kSign) | Bits(1), q);
+}
+
 // Whether RN(x / s), the float64 quotient rounded once, decides E's nearest rounding as the exact
 // quotient does, so that nearest rounding can skip divide_nudged: x of at most 24 significand
 // bits (float32 and narrower), s of at most scale_bits, E of m mantissa bits. Each point where
@@ -113,6 +127,18 @@ LOWFP_HD double format_block_scale(const ScaleSpec& sp, double a, double t, bool
            : round_bits<RoundKind::Nearest, uint64_t, true>(want, sp.s, 0u, ev));
   saturated = ev.above_max | (s == 0.0);
   return (s == 0.0 ? sp.s_smallest : s) * t;
+}
+
+// The tensor scale of a tensor whose largest finite magnitude is a: t = a / (max_S · max_E)
+// rounded to float32 (the float64 quotient rounds to the same float32 as the exact one), held
+// within float32's positive range [2^-149, max] so that s · t and x / (s · t) stay finite (a
+// block whose scale then lies outside S's range saturates, and is counted); 1 for a tensor
+// without a finite nonzero value.
+LOWFP_HD double tensor_scale(const ScaleSpec& sp, double a) {
+  constexpr double kFloat32Max = 3.4028234663852886e38;
+  if (!(a > 0.0)) return 1.0;
+  const double d = a / (sp.s_max * sp.max_e);
+  return d >= kFloat32Max ? kFloat32Max : max_of(double(float(d)), 0x1p-149);
 }
 
 // A power-of-two (E8M0) block scale by rule R (not Format), for a block with largest finite
@@ -159,7 +185,7 @@ template <RoundKind Kind, bool kPow2, bool kSubExp, bool kAdd = false, bool kOnc
 LOWFP_HD double scaled_element(double x, double s, double inv, const RoundParams<uint64_t>& p,
                                uint32_t rand, RoundEvents& ev, int32_t e_cap = 0) {
   static_assert(!kOnce || Kind == RoundKind::Nearest, "only nearest rounding divides once");
-  const uint64_t quotient = kPow2    ? bit_cast<uint64_t>(x * inv)
+  const uint64_t quotient = kPow2    ? nonzero_quotient(bit_cast<uint64_t>(x * inv), bit_cast<uint64_t>(x))
                             : kOnce ? bit_cast<uint64_t>(x / s)
                                     : divide_nudged(x, s);
   if constexpr (kAdd) return bit_cast<double>(round_nearest_by_addition(quotient, p, e_cap, ev));

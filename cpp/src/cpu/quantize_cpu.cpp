@@ -298,9 +298,7 @@ void scaled_cpu(const ScaledCall& call, double* tensor_scale, int64_t* counts) {
   if (call.tensor_scale) {
     double a = 0.0;
     for (const Slot<double>& s : largest) a = max_of(a, s.v);
-    // t = amax / (max_S · max_E) in float32 (the division's float64 result rounds to the
-    // same float32 as the exact quotient), held at float32's smallest value.
-    t = a > 0.0 ? max_of(double(float(a / (call.scale.s_max * call.scale.max_e))), 0x1p-149) : 1.0;
+    t = lowfp::tensor_scale(call.scale, a);  // (the parameter tensor_scale hides it)
   }
   *tensor_scale = t;
   PerThread<int64_t> saturated(threads_for(blocks * 64));  // (a block's scale: some 64 elements' work)

@@ -293,12 +293,10 @@ void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, const TileSc
   auto element = [&](int64_t i, int64_t l, float s32, float inv32) {
     const uint32_t xb = Widen<uint32_t>::from(x[i]);
     const uint32_t qb = bit_cast<uint32_t>(bit_cast<float>(xb) * inv32);
-    // A quotient that underflowed to 0 stays nonzero (its sign and nonzero-ness are all E's
-    // rounding sees below 2^-126), except where only its rounding to nearest, a signed 0, is
-    // wanted (not its underflow count).
-    const bool lost = ((qb << 1) == 0u) & ((xb << 1) != 0u);
+    // A quotient that underflowed to 0 stays nonzero (nonzero_quotient), except where only its
+    // rounding to nearest, a signed 0, is wanted (not its underflow count).
     constexpr bool kKeep = kCount || Kind != RoundKind::Nearest;
-    const uint32_t quotient = kKeep ? select(lost, (xb & 0x80000000u) | 1u, qb) : qb;
+    const uint32_t quotient = kKeep ? nonzero_quotient(qb, xb) : qb;
     RoundEvents ev;
     const uint32_t rw = Kind == RoundKind::Stochastic ? t.rand[i] : 0u;
     const float q = bit_cast<float>(
@@ -365,7 +363,7 @@ void run_tile_narrow_lanes(const ScaledCall& c, int64_t first, int64_t n, const 
       const Floats16 step = bit_cast<Floats16>((e + drop) << C::kMantBits);
       mag = bit_cast<Lanes16>((bit_cast<Floats16>(a) + step) - step);
     } else {
-      // A quotient that underflowed to 0 stays nonzero (see run_tile_narrow)
+      // A quotient that underflowed to 0 stays nonzero (nonzero_quotient, in lanes)
       q = (q << 1) == 0u ? ((xb << 1) != 0u ? (xb & sign_bit) | 1u : q) : q;
       const Lanes16 a = q & magnitude;
       Lanes16 rw;
@@ -477,9 +475,8 @@ bool run_tile_checked(const ScaledCall& c, int64_t first, int64_t n, const TileS
   auto element = [&](int64_t i, int64_t l, float big_s, float inv) {
     const uint32_t xb = bit_cast<uint32_t>(x[i]);
     const uint32_t qb = bit_cast<uint32_t>(x[i] * inv);
-    // (a product that underflowed to 0 stays nonzero when counting: see run_tile_narrow)
-    const bool lost = ((qb << 1) == 0u) & ((xb << 1) != 0u);
-    const uint32_t quotient = kCount ? select(lost, (xb & 0x80000000u) | 1u, qb) : qb;
+    // (a product that underflowed to 0 stays nonzero when counting: nonzero_quotient)
+    const uint32_t quotient = kCount ? nonzero_quotient(qb, xb) : qb;
     const float a = bit_cast<float>(quotient & 0x7fffffffu);
     float step_c;  // 2^23 times E's step at a
     const float mag = magnitude_by_addition(bit_cast<uint32_t>(a), p, e_cap, step_c);
