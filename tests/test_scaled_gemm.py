@@ -265,17 +265,84 @@ def test_attention_products_are_emulated_as_matmuls():
     want_dq = torch.zeros_like(Q)
     total = 0
     for keep, scale in ((causal, 32 ** -0.5), (mask, 0.3)):
-        s0 = (q(Q, r.input, -1) @ q(K, r.input, -1).transpose(-1, -2)).requires_grad_()
-        p = (s0 * scale).masked_fill(~keep, float("-inf")).softmax(-1)
+        # as torch's math backend: √scale multiplies each (rounded) operand of Q Kᵀ
+        root = scale ** 0.5
+        s0 = ((q(Q, r.input, -1) * root) @ (q(K, r.input, -1) * root).transpose(-1, -2)).requires_grad_()
+        p = s0.masked_fill(~keep, float("-inf")).softmax(-1)
         total = total + q(p.detach(), r.input, -1) @ q(V, r.input, -2)
         # dV = Pᵀ dO along the queries; dQ = dS K along the keys, dS through softmax's backward
         want_dv += q(p.detach(), r.input, -2).transpose(-1, -2) @ q(g, r.grad, -2)
         dp = q(g, r.grad, -1) @ q(V, r.input, -1).transpose(-1, -2)
         ds, = torch.autograd.grad(p, s0, dp)
-        want_dq += q(ds, r.grad, -1) @ q(K, r.input, -2)
+        want_dq += (q(ds, r.grad, -1) @ (q(K, r.input, -2) * root)) * root
     assert torch.equal(out, total)
     assert torch.equal(v.grad, want_dv)
     assert torch.equal(qq.grad, want_dq)
+
+
+def _blank_rows(n, seed):
+    """A boolean (n, n) mask that keeps a random 70 % and blanks query rows 1 and 5."""
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(n, n, generator=g) > 0.3
+    keep[1] = keep[5] = False
+    return keep
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mask_form", ["bool", "additive", "causal", "causal_wide", "none"])
+def test_attention_without_formats_is_torchs_math_backend_bit_for_bit(mask_form, dtype):
+    # Fully masked query rows (padding) give 0 and pass no gradient, as torch's SDPA does; the
+    # rest equals torch's math backend (forward and every gradient) bit for bit.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    torch.manual_seed(1)
+    n, d = 12, 16
+    qq, k, v = (torch.randn(2, 3, n, d, dtype=dtype, requires_grad=True) for _ in range(3))
+    keep = _blank_rows(n, 3)
+    additive = torch.zeros(n, n, dtype=dtype).masked_fill(~keep, float("-inf"))
+    additive[0, :4] = -1.5  # finite entries too
+    kwargs = {"bool": dict(attn_mask=keep), "additive": dict(attn_mask=additive, scale=0.2),
+              "causal": dict(is_causal=True), "causal_wide": dict(is_causal=True, scale=-0.7),
+              "none": dict()}[mask_form]
+
+    class Attention(nn.Module):
+        def forward(self, a, b, c):
+            return F.scaled_dot_product_attention(a, b, c, **kwargs)
+    g = torch.randn(2, 3, n, d, dtype=dtype)
+    results = []
+    for recipe in (GemmRecipe(None), None):  # emulated without formats, then torch's own
+        for t in (qq, k, v):
+            t.grad = None
+        if recipe is None:
+            with sdpa_kernel(SDPBackend.MATH):
+                out = Attention()(qq, k, v)
+        else:
+            with emulate_gemms(Attention(), recipe) as em:
+                out = em.model(qq, k, v)
+        out.backward(g)
+        results.append([out.detach()] + [t.grad.clone() for t in (qq, k, v)])
+    for got, want, name in zip(*results, ("out", "dq", "dk", "dv")):
+        assert torch.equal(got, want), (name, (got - want).abs().max())
+    assert all(r.isfinite().all() for r in results[0])
+    if mask_form in ("bool", "additive"):
+        assert (results[0][0][..., [1, 5], :] == 0).all() and (results[0][1][..., [1, 5], :] == 0).all()
+        default = F.scaled_dot_product_attention(qq, k, v, **kwargs)  # torch's default backend agrees
+        assert (default[..., [1, 5], :] == 0).all()
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_fully_masked_attention_rows_stay_finite_under_formats(recipe):
+    torch.manual_seed(2)
+    qq, k, v = (torch.randn(2, 4, 32, 32, requires_grad=True) for _ in range(3))
+    keep = _blank_rows(32, 4)
+
+    class Attention(nn.Module):
+        def forward(self, a, b, c):
+            return F.scaled_dot_product_attention(a, b, c, attn_mask=keep)
+    with emulate_gemms(Attention(), recipe) as em:
+        out = em.model(qq, k, v)
+    out.backward(torch.randn_like(out))
+    assert out.isfinite().all() and (out[..., [1, 5], :] == 0).all()
+    assert all(t.grad.isfinite().all() for t in (qq, k, v)) and (qq.grad[..., [1, 5], :] == 0).all()
 
 
 def test_recipe_ops_choose_the_gemms():

@@ -28,9 +28,12 @@ convolution's input-gradient GEMM: the forward reduces over the input channels (
 first axis within a group), the input gradient over the output channels (dY's, W's second axis),
 the weight gradient over the batch.
 
-Attention (``F.scaled_dot_product_attention``) runs as its math: S = Q Kᵀ · scale, mask,
-softmax, dropout, O = P V, the two products emulated as matmuls (Q and K along the head dim, P
-and V along the keys, and their backward GEMMs as above); softmax stays in the input's dtype.
+Attention (``F.scaled_dot_product_attention``) runs as torch's math backend computes it:
+S = (Q √scale)(K √scale)ᵀ, plus the mask (a boolean one as 0 / -inf), softmax (0 for a row whose
+scores are all -inf, as torch's), dropout, O = P V, the two products emulated as matmuls (Q and
+K along the head dim, rounded before √scale multiplies them; P and V along the keys; their
+backward GEMMs as above); softmax stays in the input's dtype. Without formats the result is
+torch's math backend's, bit for bit.
 
 ``nn.MultiheadAttention`` runs torch's own ``F.multi_head_attention_forward`` with this mode
 active inside it (the function otherwise hands itself to the mode whole), so its projections are
@@ -179,27 +182,35 @@ class _Linear(torch.autograd.Function):
 
 
 class _Matmul(torch.autograd.Function):
+    """C = (Q(a) · fa) (Q(b) · fb): the operands rounded along the reduction axis, then multiplied
+    by the factors (1.0: none; attention's √scale, as torch's math computes it)."""
+
     @staticmethod
-    def forward(ctx, a, b, recipe):
+    def forward(ctx, a, b, recipe, fa=1.0, fb=1.0):
         ctx.save_for_backward(a, b)
-        ctx.recipe = recipe
-        return torch.matmul(_q(a, recipe.input, -1), _q(b, recipe.input, -2))
+        ctx.recipe, ctx.factors = recipe, (fa, fb)
+        return torch.matmul(_times(_q(a, recipe.input, -1), fa), _times(_q(b, recipe.input, -2), fb))
 
     @staticmethod
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
         r = ctx.recipe
+        fa, fb = ctx.factors
         op = r.grad_operand or r.input
         ga = gb = None
         if ctx.needs_input_grad[0]:
-            ga = torch.matmul(_q(grad, r.grad, -1, r.grad_rounding), _q(b, op, -1).transpose(-1, -2))
-            ga = _sum_to(ga, a.shape)
+            ga = torch.matmul(_q(grad, r.grad, -1, r.grad_rounding), _times(_q(b, op, -1), fb).transpose(-1, -2))
+            ga = _sum_to(_times(ga, fa), a.shape)
         if ctx.needs_input_grad[1]:
             h = r.hadamard_seed
-            gb = torch.matmul(_q(a, op, -2, "nearest", h).transpose(-1, -2),
+            gb = torch.matmul(_times(_q(a, op, -2, "nearest", h), fa).transpose(-1, -2),
                               _q(grad, r.grad, -2, r.grad_rounding, h))
-            gb = _sum_to(gb, b.shape)
-        return ga, gb, None
+            gb = _sum_to(_times(gb, fb), b.shape)
+        return ga, gb, None, None, None
+
+
+def _times(t: torch.Tensor, factor: float) -> torch.Tensor:
+    return t if factor == 1.0 else t * factor
 
 
 def _sum_to(t: torch.Tensor, shape) -> torch.Tensor:
@@ -330,22 +341,37 @@ class _ConvTranspose(torch.autograd.Function):
 
 def _attention(recipe, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                enable_gqa=False):
-    """F.scaled_dot_product_attention as its math, with the two products emulated."""
+    """F.scaled_dot_product_attention as torch's math backend computes it, with the two products
+    emulated: the scale's square root multiplies each rounded operand of Q Kᵀ, a boolean or causal
+    mask becomes an additive one (0 or -inf), and a row of scores that are all -inf softmaxes to 0
+    (torch's _safe_softmax: a fully masked query gives 0, not NaN, and passes no gradient)."""
     L, S = q.shape[-2], k.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    root = math.sqrt(abs(scale))
     if enable_gqa and k.dim() >= 3 and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
-    s = _Matmul.apply(q, k.transpose(-2, -1), recipe) * scale
     if is_causal:
-        keep = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
-        s = s.masked_fill(~keep, float("-inf"))
+        attn_mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(
+            ~attn_mask, float("-inf"))
+    s = _Matmul.apply(q, k.transpose(-2, -1), recipe, -root if scale < 0 else root, root)
     if attn_mask is not None:
-        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
-    p = torch.softmax(s, dim=-1)
+        s = s + attn_mask
+    p = _safe_softmax(s)
     if dropout_p > 0.0:
         p = F.dropout(p, dropout_p)
     return _Matmul.apply(p, v, recipe)
+
+
+def _safe_softmax(s: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim, 0 in rows whose entries are all -inf."""
+    safe = getattr(torch.ops.aten, "_safe_softmax", None)  # (torch 2.5 on)
+    if safe is not None:
+        return safe(s, -1)
+    dead = (s == float("-inf")).all(-1, keepdim=True)
+    return torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
 
 
 _CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
