@@ -134,6 +134,31 @@ def test_inference_tensors_are_written_only_in_inference_mode():
     assert torch.equal(lowfp.quantize(z, F), ref(z))  # reading one is fine
 
 
+@pytest.mark.parametrize("fmt", [F, "mxfp8_e4m3", "nvfp4", "s2fp8"])
+def test_expanded_tensors_are_refused_as_out_or_in_place(fmt):
+    """An expanded tensor (stride 0) cannot hold one result per element: a named ValueError
+    before any native code, as torch's own out= and in-place ops refuse it."""
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="out has elements that share memory"):
+        lowfp.quantize(x, fmt, out=torch.zeros(1, 64).expand(4, 64))
+    with pytest.raises(ValueError, match="x has elements that share memory"):
+        lowfp.quantize_(torch.zeros(1, 64).expand(4, 64), fmt)
+    if fmt == "nvfp4":
+        with pytest.raises(ValueError, match="out has elements that share memory"):
+            lowfp.scaled.quantize_scaled(x, fmt, hadamard_seed=0, out=torch.zeros(1, 64).expand(4, 64))
+    out = torch.zeros(4, 64)
+    lowfp.quantize(x, fmt, out=out.expand(4, 64))  # an expand that repeats nothing is fine
+    assert torch.equal(out, lowfp.quantize(x, fmt))
+
+
+def test_a_hadamard_transform_of_a_0d_tensor_is_refused_by_name():
+    with pytest.raises(ValueError, match="x is a 0-d tensor"):
+        lowfp.scaled.quantize_scaled(torch.tensor(1.0), "nvfp4", hadamard_seed=0)
+    with pytest.raises(ValueError, match="x has 1 dim"):
+        lowfp.scaled.quantize_scaled(torch.ones(32), lowfp.Scaled("float4_e2m1fn", block=16, axis=-2),
+                                     hadamard_seed=0)
+
+
 @pytest.mark.parametrize("shift", [1, -1, 700])
 def test_out_overlapping_the_input_reads_it_first(shift):
     """out= that overlaps x without being x (NumPy's rule): as if x were copied first. The

@@ -283,13 +283,18 @@ def run_quantize(x: torch.Tensor, y: torch.Tensor, call: NativeCall,
 
 
 def check_writable(t: torch.Tensor, name: str) -> None:
-    """torch's own in-place ops refuse to write an inference tensor outside inference mode (it
-    has no version counter to tell autograd about the write)."""
+    """What torch's own in-place ops refuse to write: an inference tensor outside inference mode
+    (it has no version counter to tell autograd about the write), and a tensor whose elements
+    overlap in memory."""
     if torch.compiler.is_compiling():  # (Dynamo cannot ask; compiled code has no inference tensors)
         return
     if t.is_inference() and not torch.is_inference_mode_enabled():
         raise ValueError(f"{name} is an inference tensor, which cannot be written in place outside "
                          "torch.inference_mode(); write into a clone of it")
+    if t.layout == torch.strided and any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+        raise ValueError(f"{name} has elements that share memory (an expanded tensor, stride 0), "
+                         f"so it cannot be written element by element; write into {name}.clone() "
+                         "or a contiguous tensor")
 
 
 def check_tensor_args(x: torch.Tensor, out, stats):

@@ -280,10 +280,10 @@ def quantize_scaled(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow
             raise ValueError(f"the Hadamard transform runs along a 1-D block axis; {fmt} has none")
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        check_tensor_args(x, out, None)
+        _layout(tuple(x.shape), fmt)  # (a 0-d x has no axis to transform along)
         signs = hadamard_signs(hadamard_seed, x.device)
         z = hadamard(x, signs, fmt.axis)
-        if out is not None:
-            check_tensor_args(x, out, None)
         zq = quantize_scaled(z, fmt, rounding, overflow=overflow, seed=seed, generator=generator,
                              offset=offset, sr_bits=sr_bits, stats=stats)
         y = hadamard(zq, signs, fmt.axis, inverse=True).to(x.dtype)
