@@ -117,6 +117,40 @@ def test_models_trace_and_train_under_ours(name):
     assert len(em.history.steps) == 15 and em.history.steps[3]["loss"] == losses[3]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_models_train_under_the_default_candidates(dtype):
+    """hi=None: fp(6,9,0) does not fit a 16-bit tensor, which keeps its own format (shown in the
+    table); an explicit hi that does not fit is refused when emulate() is entered, naming the
+    tensor and the fix; a 16-bit model's promotions go to its own format too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).to(dtype)
+    x, y = torch.randn(6, 8, dtype=dtype), torch.randint(0, 4, (6,))
+    loss_fn = lambda out, t: F.cross_entropy(out.float(), t)  # noqa: E731
+    tr = A.trace(model, x, loss_fn, y)
+    assert {t.dtype for t in tr.tensors.values()} == {str(dtype).split(".")[1]}
+    cand = A.Candidates()
+    if dtype == torch.float16:  # fp(5,2,0) reaches 114688, past float16's range: lo must change
+        with pytest.raises(ValueError, match=r"dv:.* fp\(5,2,0\).*Candidates\(lo_forward=\.\.\., lo_backward"):
+            lowfp.emulate(model, A.ours(tr, 0.5))
+        cand = A.Candidates(lo_backward="float8_e5m2")
+    a = A.ours(tr, 0.5, candidates=cand)
+    own = lowfp.formats.named()[str(dtype).split(".")[1]]
+    assert {a[n] for n in tr.tensors if n not in a.lo} == {own}
+    assert str(own) in a.table()
+    with lowfp.emulate(model, a, threshold=0.0) as em:
+        loss_fn(model(x * 1e3), y).backward()  # overflows fp(4,3,4): promotions to own
+    assert em.history.promotions and all(p["to"] == str(own) for p in em.history.promotions)
+    for t in model.parameters():
+        assert t.grad is not None and t.grad.isfinite().all()
+    bad = A.ours(tr, 0.5, candidates=A.Candidates("fp(6,9,0)", lo_backward="float8_e5m2"))
+    with pytest.raises(ValueError, match=r"tensor v:input\[0\] .* fp\(6,9,0\).*Candidates\(hi=\.\.\.\)"):
+        lowfp.emulate(model, bad)
+    # the float32 model keeps the paper's hi, and a saved assignment keeps each tensor's dtype
+    tr32 = A.trace(model.float(), x.float(), loss_fn, y)
+    assert {A.ours(tr32, 0.5)[n] for n in tr32.tensors if n not in A.ours(tr32, 0.5).lo} == {lowfp.fp(6, 9, 0)}
+    assert A.Trace.from_dict(tr.to_dict()).tensors == tr.tensors
+
+
 def test_transformer_attention_is_one_gemm_operator():
     model = MODELS["transformer"]()
     x, y = batch(4)
@@ -239,12 +273,14 @@ def test_emulate_errors():
     with lowfp.emulate(model, A.uniform(tr)):
         with pytest.raises(ValueError, match="already"):
             lowfp.emulate(model, A.uniform(tr)).install()
-    # a format that cannot hold the activations' dtype is named in the error
-    half = nn.Linear(4, 2).to(torch.bfloat16)
-    tr16 = A.trace(half, torch.randn(3, 4, dtype=torch.bfloat16))
-    with lowfp.emulate(half, A.all_hi(tr16)):
-        with pytest.raises(ValueError, match="does not fit torch.bfloat16"):
-            half(torch.randn(3, 4, dtype=torch.bfloat16))
+    # a format that cannot hold a tensor's dtype is named when emulate() is entered: here the
+    # parameters, made bfloat16 after a float32 trace
+    half = nn.Linear(4, 2)
+    tr32 = A.trace(half, torch.randn(3, 4))
+    half.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"theta:weight \(torch.bfloat16\) is assigned fp\(6,9,0\).*"
+                                         r"does not fit torch.bfloat16.*Candidates\(hi=\.\.\.\)"):
+        lowfp.emulate(half, A.all_hi(tr32))
     assert "forward" not in half.__dict__
     # a model lowfp cannot round is refused before anything is installed or allocated
     meta = nn.Linear(4, 2).to("meta")
@@ -419,7 +455,7 @@ def test_selecting_operators_round_when_formats_differ_or_follow_the_tensor(monk
     tr = A.trace(base, x, F.cross_entropy, y)
     a = A.uniform(tr)
     relu = next(op for op in tr.ops if op.func == "relu")
-    a.formats[relu.inputs[0]] = a.candidates.hi
+    a.formats[relu.inputs[0]] = a.candidates.hi_for(torch.float32)
     _, _, _, seen = _emulated_step(copy.deepcopy(base), a, x, y)
     assert not on_grid(seen[relu.inputs[0]], a.formats[relu.outputs[0]], "saturate")
     assert on_grid(seen[relu.outputs[0]], a.formats[relu.outputs[0]], "saturate")

@@ -61,13 +61,15 @@ def grad_name(name: str) -> str:
 @dataclass(frozen=True)
 class TensorInfo:
     """One tensor of TS: its name, role (v, dv, theta, dtheta), element count on the recorded
-    step, the operator that produced it (v, dv) or first used it (theta, dtheta), and its group."""
+    step, the operator that produced it (v, dv) or first used it (theta, dtheta), its group, and
+    its dtype on the recorded step (a gradient's: its tensor's)."""
 
     name: str
     role: str
     numel: int
     op: str
     group: int
+    dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -117,16 +119,16 @@ class Trace:
         return {"ops": [dict(index=o.index, key=o.key, func=o.func, module=o.module,
                              is_gemm=o.is_gemm, inputs=list(o.inputs), outputs=list(o.outputs))
                         for o in self.ops],
-                "tensors": [dict(name=t.name, role=t.role, numel=t.numel, op=t.op, group=t.group)
-                            for t in self.tensors.values()]}
+                "tensors": [dict(name=t.name, role=t.role, numel=t.numel, op=t.op, group=t.group,
+                                 dtype=t.dtype) for t in self.tensors.values()]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Trace":
         with _reading("Trace.to_dict()"):
             ops = [OpInfo(o["index"], o["key"], o["func"], o["module"], bool(o["is_gemm"]),
                           tuple(o["inputs"]), tuple(o["outputs"])) for o in d["ops"]]
-            tensors = [TensorInfo(t["name"], t["role"], int(t["numel"]), t["op"], int(t["group"]))
-                       for t in d["tensors"]]
+            tensors = [TensorInfo(t["name"], t["role"], int(t["numel"]), t["op"], int(t["group"]),
+                                  str(t.get("dtype", "float32"))) for t in d["tensors"]]
         return cls(ops, tensors)
 
     def __repr__(self) -> str:
@@ -139,6 +141,7 @@ class _Recorder(ForwardSession):
         super().__init__(model)
         self.ops: List[OpInfo] = []
         self.numel: Dict[str, int] = {}
+        self.dtype: Dict[str, str] = {}
         self.first_op: Dict[str, str] = {}
         self.group: Dict[str, int] = {}
         self.has_grad: set = set()
@@ -148,6 +151,7 @@ class _Recorder(ForwardSession):
         super()._begin()
         self.ops.clear()
         self.numel.clear()
+        self.dtype.clear()
         self.first_op.clear()
         self.group.clear()
         self.has_grad.clear()
@@ -157,19 +161,23 @@ class _Recorder(ForwardSession):
         if t.requires_grad:
             t.register_hook(lambda g, name=name: self.has_grad.add(name))
 
+    def _count(self, t, name):
+        self.numel[name] = t.numel()
+        self.dtype[name] = str(t.dtype).replace("torch.", "")
+
     def _param(self, p, name):
-        self.numel[name] = p.numel()
+        self._count(p, name)
         return p
 
     def _input(self, t, name):
-        self.numel[name] = t.numel()
+        self._count(t, name)
         self.first_op[name] = "input"
         self.group[name] = 0
         self._watch_grad(t, name)
         return t
 
     def _output(self, t, name, source=None):
-        self.numel[name] = t.numel()
+        self._count(t, name)
         self._watch_grad(t, name)
         return t
 
@@ -257,12 +265,13 @@ def trace(model: torch.nn.Module, example_inputs, loss_fn: Optional[Callable] = 
     order = list(rec.first_op)  # inputs, then per operator its new parameters and outputs
     for name in order:
         role = role_of(name)
-        tensors.append(TensorInfo(name, role, rec.numel[name], rec.first_op[name], rec.group[name]))
+        tensors.append(TensorInfo(name, role, rec.numel[name], rec.first_op[name], rec.group[name],
+                                  rec.dtype[name]))
         gname = grad_name(name)
         has = (name in rec.has_grad) if role == "v" else (name[len("theta:"):] in param_grads)
         if has:
             tensors.append(TensorInfo(gname, _GRAD_OF[role], tensors[-1].numel,
-                                      rec.first_op[name], rec.group[name]))
+                                      rec.first_op[name], rec.group[name], rec.dtype[name]))
     return Trace(rec.ops, tensors)
 
 
@@ -273,25 +282,42 @@ class Candidates:
     activations and parameters, ``lo_backward`` for gradients. ``weight_grads_lo`` lets
     ``uniform`` and ``ours`` demote weight gradients too (by default they stay hi). Any lowfp
     format, :class:`lowfp.S2FP8` or :class:`lowfp.Scaled` (``"mxfp8_e4m3"``: tensor-level, its
-    blocks along each tensor's last axis) may be a candidate."""
+    blocks along each tensor's last axis) may be a candidate.
 
-    hi: Precision = field(default_factory=lambda: fp(6, 9, 0))
+    ``hi=None`` (the default) is the paper's fp(6,9,0) for float32 and float64 tensors, and a
+    16-bit tensor's own format (``bfloat16``, ``float16``: not rounded further) for those, which
+    fp(6,9,0) does not fit: see :meth:`hi_for`."""
+
+    hi: Optional[Precision] = None
     lo_forward: Precision = field(default_factory=lambda: fp(4, 3, 4))
     lo_backward: Precision = field(default_factory=lambda: fp(5, 2, 0))
     weight_grads_lo: bool = False
 
     def __post_init__(self):
         for name in ("hi", "lo_forward", "lo_backward"):
-            object.__setattr__(self, name, to_candidate(getattr(self, name), name))
+            value = getattr(self, name)
+            if value is not None or name != "hi":
+                object.__setattr__(self, name, to_candidate(value, name))
         if not isinstance(self.weight_grads_lo, bool):
             raise TypeError(f"weight_grads_lo must be a bool, got {self.weight_grads_lo!r}")
+
+    def hi_for(self, dtype) -> Precision:
+        """The hi format of a tensor of ``dtype`` (a torch.dtype or its name)."""
+        if self.hi is not None:
+            return self.hi
+        name = str(dtype).replace("torch.", "")
+        return to_precision(name, "dtype") if name in _OWN_HI else DEFAULT_HI
 
     def lo(self, role: str) -> Precision:
         return self.lo_forward if role in FORWARD_ROLES else self.lo_backward
 
     def to_dict(self) -> dict:
-        return {"hi": str(self.hi), "lo_forward": str(self.lo_forward),
+        return {"hi": None if self.hi is None else str(self.hi), "lo_forward": str(self.lo_forward),
                 "lo_backward": str(self.lo_backward), "weight_grads_lo": self.weight_grads_lo}
+
+
+DEFAULT_HI = fp(6, 9, 0)  # the assignment paper's hi (16 bits)
+_OWN_HI = ("bfloat16", "float16")  # dtypes whose tensors keep their own format under hi=None
 
 
 def to_candidate(value, name: str):
@@ -411,7 +437,7 @@ def _check(trace: Trace, candidates: Optional[Candidates]) -> Candidates:
 def _with_lo(trace: Trace, c: Candidates, lo: Iterable[str], name: str, groups=()) -> Assignment:
     # Weight gradients stay hi in every strategy unless the candidates say otherwise (§6).
     lo = {n for n in lo if c.weight_grads_lo or trace.tensors[n].role != "dtheta"}
-    formats = {n: (c.lo(t.role) if n in lo else c.hi) for n, t in trace.tensors.items()}
+    formats = {n: (c.lo(t.role) if n in lo else c.hi_for(t.dtype)) for n, t in trace.tensors.items()}
     return Assignment(trace, formats, lo, name, c, groups)
 
 

@@ -60,6 +60,7 @@ from ._checks import check_choice, is_real
 from ._optional import pyplot
 from ._intercept import ForwardSession
 from .assign import FORWARD_ROLES, Assignment, grad_name, role_of
+from .formats import Precision
 from .quantize import Rounder
 from .stats import Stats
 
@@ -220,6 +221,7 @@ class Emulator(ForwardSession):
                                            dtype=torch.int64, device=device)
         self._rounders: Dict[tuple, Rounder] = {}
         self._plan: Dict[str, Optional[Rounder]] = {n: self._rounder_for(n) for n in names}
+        self._check_fits(params)
         self._params: Dict[int, torch.Tensor] = {}
         self._pending = False      # a training step whose counts are not yet read
         self._counting = False     # the current forward is a training step
@@ -239,10 +241,33 @@ class Emulator(ForwardSession):
             self._rounders[key] = Rounder(fmt, self.rounding, overflow)
         return self._rounders[key]
 
+    def _check_fits(self, params: Dict[str, torch.Tensor]) -> None:
+        """Every tensor's format fits its dtype (a parameter's as it is now, the others' as
+        recorded), so that a 16-bit model fails here, naming the tensor and the fix, not at its
+        first forward."""
+        for name, rounder in self._plan.items():
+            if rounder is None:
+                continue
+            t = self.assignment.trace.tensors[name]
+            base = name.split(":", 1)[1]
+            dtype = params[base].dtype if t.role in ("theta", "dtheta") else getattr(torch, t.dtype)
+            reason = rounder.fit_error(dtype)
+            if reason:
+                fix = ("pass a hi format that fits it: Candidates(hi=...) (lowfp train --hi), or "
+                       "hi=None for each 16-bit tensor's own format"
+                       if name not in self.assignment.lo else
+                       "pass lo candidates that fit it (Candidates(lo_forward=..., lo_backward=...))")
+                raise ValueError(f"lowfp.emulate: tensor {name} ({dtype}) is assigned "
+                                 f"{self.assignment.formats[name]}, which it cannot hold: {reason}; {fix}")
+
     def _rounder_for(self, name: str) -> Optional[Rounder]:
         return self._rounder(self.assignment.formats[name], role_of(name) in FORWARD_ROLES)
 
-    def _rounders_of(self, name: str):
+    def _hi(self, dtype) -> Optional[Precision]:
+        c = self.assignment.candidates
+        return None if c is None else c.hi_for(dtype)
+
+    def _rounders_of(self, name: str, dtype: torch.dtype):
         """(forward rounder, its stats, backward rounder, its stats) for a v or theta name."""
         plan = self._plan
         if name not in plan:  # not in the recorded step: keep it at hi, say so once
@@ -251,7 +276,7 @@ class Emulator(ForwardSession):
                 warnings.warn(f"lowfp.emulate: {name} was not in the recorded step; it is rounded "
                               "to the hi candidate. Trace the model again if its structure changed.",
                               stacklevel=2)
-            hi = None if self.assignment.candidates is None else self.assignment.candidates.hi
+            hi = self._hi(dtype)
             return self._rounder(hi, True), None, self._rounder(hi, False), None
         gname = grad_name(name)
         counting = self._counting
@@ -262,7 +287,7 @@ class Emulator(ForwardSession):
         """t rounded for tensor `name`. source: the rounder whose results a selecting operator's
         argument holds (ForwardSession._source_of); when it is this tensor's forward rounder, the
         forward rounding would return t unchanged, so it is skipped and only counted."""
-        fwd, fs, bwd, bs = self._rounders_of(name)
+        fwd, fs, bwd, bs = self._rounders_of(name, t.dtype)
         if fwd is None and bwd is None:
             return t
         unchanged = fwd is not None and source is fwd and type(t) is torch.Tensor
@@ -409,13 +434,13 @@ class Emulator(ForwardSession):
     def _promote(self, name: str, ratio: float) -> None:
         a = self.assignment
         old = a.formats[name]
-        a.formats[name] = a.candidates.hi
+        hi = a.formats[name] = self._hi(a.trace.tensors[name].dtype)
         a.lo.discard(name)
         self._plan[name] = self._rounder_for(name)
         self.history.promotions.append({"step": self.step, "tensor": name, "overflow_ratio": ratio,
-                                        "from": str(old), "to": str(a.candidates.hi)})
+                                        "from": str(old), "to": str(hi)})
         log.info("lowfp: step %d: promoted %s from %s to %s (overflow ratio %.4g)",
-                 self.step, name, old, a.candidates.hi, ratio)
+                 self.step, name, old, hi, ratio)
 
     # -- context manager -------------------------------------------------------------------
     def install(self) -> None:

@@ -185,7 +185,8 @@ class Rounder:
         self._fmt = str(self._call.fmt)
         self._fits: dict = {}
 
-    def _fit_error(self, dtype: torch.dtype) -> Optional[str]:
+    def fit_error(self, dtype: torch.dtype) -> Optional[str]:
+        """Why tensors of ``dtype`` cannot be rounded by this rounder in their own dtype, or None."""
         if not is_dtype_in(dtype, DTYPE_CODES):
             return f"tensors of dtype {dtype} cannot be rounded (allowed: {ALLOWED_DTYPES})"
         if isinstance(self.precision, Format):
@@ -196,10 +197,10 @@ class Rounder:
 
     def _check_dtype(self, dtype: torch.dtype) -> None:
         if torch.compiler.is_compiling():  # checked once per graph, and no cache to mutate
-            reason = self._fit_error(dtype)
+            reason = self.fit_error(dtype)
         else:
             if dtype not in self._fits:  # (None: it fits)
-                self._fits[dtype] = self._fit_error(dtype)
+                self._fits[dtype] = self.fit_error(dtype)
             reason = self._fits[dtype]
         if reason:
             raise ValueError(reason)

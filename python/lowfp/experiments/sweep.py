@@ -381,7 +381,8 @@ def run_sweep(base: train.TrainConfig, out: str, *, strategies: Sequence[str] = 
     _write_csv(os.path.join(out, "summary.csv"), summary,
                [k for k in summary[0] if k != "label"] if summary else [])
     title = (f"{base.model} (width {base.width:g}) on {base.data}, {base.epochs} epochs, {base.optimizer}; "
-             f"hi {base.hi}, lo {base.lo_forward} (forward) / {base.lo_backward} (backward); "
+             f"hi {base.hi or 'fp(6,9,0) (16-bit tensors: their own)'}, "
+             f"lo {base.lo_forward} (forward) / {base.lo_backward} (backward); "
              f"{len(seeds)} seed(s)")
     plot_tradeoff(summary, os.path.join(out, "tradeoff.png"), title)
     plot_curves(runs, os.path.join(out, "curves.png"), title)

@@ -43,7 +43,7 @@ class TrainConfig:
     order: str = "decreasing"
     promote: bool = True
     threshold: float = 0.01
-    hi: str = "fp(6,9,0)"
+    hi: Optional[str] = None  # None: fp(6,9,0), or a 16-bit model's own dtype (Candidates)
     lo_forward: str = "fp(4,3,4)"
     lo_backward: str = "fp(5,2,0)"
     recipe: str = "none"
@@ -344,7 +344,8 @@ def add_arguments(p: argparse.ArgumentParser, skip: Tuple[str, ...] = ()) -> Non
     add("--order", default=d.order, choices=assign.ORDERS)
     add("--no-promotion", dest="promote", action="store_false")
     add("--threshold", type=float, default=d.threshold, help="promotion threshold Θ")
-    add("--hi", default=d.hi)
+    add("--hi", default=d.hi,
+        help="the hi candidate (default: fp(6,9,0), or a bfloat16/float16 model's own format)")
     add("--lo-forward", default=d.lo_forward)
     add("--lo-backward", default=d.lo_backward)
     add("--recipe", default=d.recipe, choices=GEMM_RECIPES,
