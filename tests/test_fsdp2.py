@@ -138,11 +138,14 @@ def _check_rank(rank, world, init_file, ckpt_dir, errors):
                 if rank == 0:  # for the reload on one rank (test_checkpoint_reshards_to_one_rank)
                     torch.save([[q.detach() for q in plain.parameters()],
                                 plain_opt.master_weights()], path + ".want")
-                # the same generator state as the run it continues (DCP saves none)
-                restored_opt._generator.set_state(plain_opt._generator.get_state())
+                # two more steps as the uninterrupted run: the generator's state came back with
+                # the optimizer's (the fresh one's had drawn nothing, or once for DCP's state init)
                 _train(plain, plain_opt, 2, first=3)
                 _train(restored, restored_opt, 2, first=3)
                 _assert_same(restored, plain, restored_opt, plain_opt, what + ("after dcp",))
+                if rank == 0:
+                    torch.save([[q.detach() for q in plain.parameters()],
+                                plain_opt.master_weights()], path + ".want-after")
 
         # Other placements (tensor parallel's Shard(1)) step with deterministic rounding; their
         # shards are not runs of the global order, so stochastic rounding is refused.
@@ -216,11 +219,14 @@ def _reload_on_one_rank(rank, init_file, ckpt_dir, errors):
                 dcp.load(state, checkpoint_id=path)
                 set_state_dict(model, opt, model_state_dict=state["model"],
                                optim_state_dict=state["optim"])
-                params, masters = torch.load(path + ".want")
-                for p, q in zip(model.parameters(), params):
-                    assert torch.equal(p.full_tensor().view(torch.int16), q.view(torch.int16))
-                for w, v in zip(opt.master_weights(), masters):
-                    assert torch.equal(w.full_tensor(), v), (rounding, type(opt).__name__)
+                for steps, want in ((0, ".want"), (2, ".want-after")):
+                    # two more steps continue the two ranks' run (its generator state included)
+                    _train(model, opt, steps, first=3)
+                    params, masters = torch.load(path + want)
+                    for p, q in zip(model.parameters(), params):
+                        assert torch.equal(p.full_tensor().view(torch.int16), q.view(torch.int16))
+                    for w, v in zip(opt.master_weights(), masters):
+                        assert torch.equal(w.full_tensor(), v), (rounding, type(opt).__name__, steps)
     os._exit(0)
 
 

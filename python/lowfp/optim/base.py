@@ -10,6 +10,7 @@ _step_in_backward attribute only."""
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from .step_in_backward import StepInBackward
 
 _TORCH_SWITCHES = ("foreach", "fused", "capturable", "differentiable")  # torch.optim's, not here
+GENERATOR_STATE = "generator_state"  # state_dict: the generator='s state, in the first group
 
 
 class _ExtraBitsOptimizer(torch.optim.Optimizer):
@@ -432,6 +434,11 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                 state["extra_values"] = _sharded.extra_values(p, state.pop("extra"),
                                                               state["extra_bits"], state["rounding"])
                 saved["state"][i] = state
+        if self._generator is not None:
+            # So that a loaded optimizer draws the seeds this one would. It rides in the first
+            # group, as torch.distributed.checkpoint keeps only "state" and "param_groups".
+            first = saved["param_groups"][0]
+            saved["param_groups"][0] = {**first, GENERATOR_STATE: self._generator.get_state()}
         return saved
 
     # Subclasses: _batch_key, _hyper, _moments, _after_step, _host_state_changed, _undo_host_state.
@@ -505,6 +512,10 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
         capturable, differentiable) are dropped."""
         self._settle_host_state()  # before the state it would change is replaced
         added = self._added_group_keys()
+        generator_state = next((g[GENERATOR_STATE] for g in state_dict["param_groups"]
+                                if GENERATOR_STATE in g), None)
+        state_dict = {**state_dict, "param_groups": [
+            {key: v for key, v in g.items() if key != GENERATOR_STATE} for g in state_dict["param_groups"]]}
         groups, from_torch = [], []
         for g, own in zip(state_dict["param_groups"], self.param_groups):
             foreign = not any(key in g for key in _LOWFP_GROUP_KEYS)  # saved by torch.optim
@@ -562,6 +573,14 @@ class _ExtraBitsOptimizer(torch.optim.Optimizer):
                 _check_buffers(p, state, group, index)
                 if "extra" in state:  # saved before the dtype was recorded: p's from now on
                     state.setdefault("param_dtype", p.dtype)
+        if generator_state is not None:
+            if self._generator is None:
+                warnings.warn("state_dict holds the state of the generator= that drew the saved "
+                              "optimizer's stochastic-rounding seeds; this optimizer has none and "
+                              "draws from torch's default generator: pass generator= to continue "
+                              "the saved run", stacklevel=2)
+            else:
+                self._generator.set_state(generator_state.cpu())
 
 
     @staticmethod
