@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import backends
 from .._checks import check_choice
+from .._dtensor import is_dtensor
 from .._memory import new_output
 from .._native import (DTYPE_CODES, ROUNDING_MODES, as_int64, call_seed, check_tensor_args,
                        check_uint64)
@@ -275,6 +276,16 @@ def quantize_scaled(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow
     fmt = _checked(fmt)
     if stats is not None and not isinstance(stats, Stats):
         raise TypeError(f"stats must be a lowfp.Stats or None, got {type(stats).__name__}")
+    if is_dtensor(x):
+        from . import dtensor
+        check_choice(rounding, ROUNDING_MODES, "rounding")
+        offset = check_uint64(offset, "offset")
+        return dtensor.round_dtensor(
+            x, fmt, rounding, hadamard_seed is not None, out, offset,
+            lambda local, out_local, local_offset: quantize_scaled(
+                local, fmt, rounding, overflow=overflow, seed=seed, generator=generator,
+                offset=local_offset, sr_bits=sr_bits, stats=stats, hadamard_seed=hadamard_seed,
+                out=out_local))
     if hadamard_seed is not None:
         if fmt.axis is None or isinstance(fmt.block, tuple):
             raise ValueError(f"the Hadamard transform runs along a 1-D block axis; {fmt} has none")
@@ -303,6 +314,9 @@ def encode(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=None, se
     tensor scale, with the dequantized value (see :class:`ScaledParts`); arguments as
     :func:`quantize_scaled`."""
     fmt = _checked(fmt)
+    if is_dtensor(x):
+        raise TypeError("encode takes a plain tensor; a DTensor's parts: encode(x.full_tensor()) or "
+                        "encode(x.to_local()) per shard (lowfp.quantize rounds the DTensor itself)")
     y, q, scales, tensor_scale, counts = _call(x, fmt, rounding, overflow, seed, generator, offset,
                                                sr_bits, stats is not None, True)
     if stats is not None:
