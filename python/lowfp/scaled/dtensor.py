@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from typing import Callable, List
 
-import torch
 
 from .config import Scaled
 
