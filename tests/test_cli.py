@@ -52,3 +52,41 @@ def test_bench_writes_json(tmp_path):
     assert all(row["elements_per_s"] > 0 for row in data["rows"])
     assert len(data["summary"]) == 5
     assert run("bench", "--size", "0").returncode == 2
+
+
+def test_formats_lists_the_gemm_recipes_and_names_one():
+    r = run("formats")
+    lines = r.stdout.splitlines()
+    for name in lowfp.scaled.RECIPES:
+        assert any(line.startswith(name + " ") for line in lines), name
+    r = run("formats", "mxfp8", "nvfp4")  # nvfp4: a scaled format and a recipe, both shown
+    assert r.returncode == 0
+    rows = [line.split() for line in r.stdout.splitlines()]
+    assert ["mxfp8", "mxfp8_e4m3", "mxfp8_e4m3", "mxfp8_e4m3", "nearest", "-"] in [row[:6] for row in rows]
+    assert sum(row[:1] == ["nvfp4"] for row in rows) == 2
+
+
+def test_an_unknown_name_points_at_the_scaled_formats_and_recipes():
+    import pytest
+    import torch
+    with pytest.raises(ValueError, match=r"'mxfp8_e4m3'.*'mxfp8' is a GEMM recipe.*emulate_gemms"):
+        lowfp.quantize(torch.ones(4), "mxfp8")
+    r = run("formats", "mxfp9")
+    assert r.returncode == 2 and "mxfp8_e4m3" in r.stderr and "GEMM recipe" not in r.stderr
+
+
+def test_a_closed_pipe_ends_quietly():
+    # `lowfp formats | head`: the reader leaves before the table is written
+    p = subprocess.Popen([sys.executable, "-m", "lowfp", "formats"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    p.wait()
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_help_describes_each_command_in_full():
+    for command, tail in (("train", "promotions per epoch."), ("reproduce", "computed from the runs."),
+                          ("sweep", "memory–accuracy trade-off.")):
+        r = run(command, "--help")
+        assert r.returncode == 0 and tail in " ".join(r.stdout.split()), (command, r.stdout[:600])

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
 from .formats import ASSIGNMENT_PAPER_FORMATS, Format, named
-from .scaled import Scaled
+from .scaled import RECIPES, Scaled
 from .scaled import named as named_scaled
 
 
@@ -49,14 +50,32 @@ def scaled_table(items) -> str:
     return "\n".join(out) + "\n(bits: per element, a block's scale shared out; docs/design.md §9)"
 
 
+def recipes_table(items) -> str:
+    head = ("GEMM recipe", "input", "weight", "grad", "grad rounding", "Hadamard", "GEMMs")
+    rows = [head] + [(label, str(r.input), str(r.weight), str(r.grad), r.grad_rounding,
+                      "-" if r.hadamard_seed is None else f"seed {r.hadamard_seed}", ",".join(r.ops))
+                     for label, r in items]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    out = []
+    for n, r in enumerate(rows):
+        out.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out) + ("\n(the operand formats of each GEMM: lowfp.scaled.emulate_gemms(model, "
+                             "recipe), lowfp train --recipe; docs/design.md §9)")
+
+
 def cmd_formats(args) -> int:
     if args.format:
-        items, scaled = [], []
+        items, scaled, recipes = [], [], []
         for text in args.format:
             try:
-                if text.strip() in named_scaled() or text.strip().startswith("Scaled("):
+                name = text.strip()
+                if name in RECIPES:  # (nvfp4 names a scaled format and a recipe)
+                    recipes.append((name, RECIPES[name]))
+                if name in named_scaled() or name.startswith("Scaled("):
                     scaled.append((text, Scaled.parse(text)))
-                else:
+                elif name not in RECIPES:
                     items.append((text, Format.parse(text)))
             except (ValueError, TypeError) as err:
                 print(f"lowfp formats: {err}", file=sys.stderr)
@@ -64,19 +83,29 @@ def cmd_formats(args) -> int:
     else:
         items = list(named().items()) + list(ASSIGNMENT_PAPER_FORMATS.items())
         scaled = list(named_scaled().items())
-    if items:
-        print(formats_table(items))
-    if scaled:
-        print(("\n" if items else "") + scaled_table(scaled))
+        recipes = list(RECIPES.items())
+    tables = ([formats_table(items)] if items else []) + ([scaled_table(scaled)] if scaled else []) + \
+        ([recipes_table(recipes)] if recipes else [])
+    print("\n\n".join(tables))
     return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # the reader went away (lowfp formats | head): no traceback
+        # Python flushes stdout again at exit; point it at /dev/null so that flush is silent.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="lowfp", description="Emulated low-precision floating point.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_formats = sub.add_parser("formats", help="print the named formats, or the ones given")
-    p_formats.add_argument("format", nargs="*", help="e.g. 'fp(4,3,4)', float8_e4m3fn or mxfp8_e4m3")
+    p_formats = sub.add_parser("formats", help="print the named formats and GEMM recipes, or the ones given")
+    p_formats.add_argument("format", nargs="*",
+                           help="e.g. 'fp(4,3,4)', float8_e4m3fn, mxfp8_e4m3 or a GEMM recipe (mxfp8)")
     sub.add_parser("bench", help="benchmark quantize (lowfp bench --help)", add_help=False)
     sub.add_parser("train", help="train a model under a precision assignment (lowfp train --help)",
                    add_help=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ast
 import math
-from typing import Dict, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -192,7 +192,7 @@ class Format:
         call = _parse_call(s, ("fp",))
         if call is None:
             raise ValueError(f"cannot parse format {text!r}: expected one of {sorted(_NAMED)} "
-                             "or 'fp(e,m,b)' such as 'fp(4,3,4)'")
+                             "or 'fp(e,m,b)' such as 'fp(4,3,4)'" + "".join(h(s) for h in _PARSE_HINTS))
         return fp(*call[0], **call[1])
 
 
@@ -224,6 +224,15 @@ def fp(e: int, m: int, b: int = 0, *, specials: str = "none", subnormals: bool =
        overflow: Optional[str] = None) -> Format:
     """The format fp(e, m, b): ``specials="none"``, subnormals and saturation by default."""
     return Format(e, m, b, specials=specials, subnormals=subnormals, overflow=overflow)
+
+
+# What the layers above add to a parse error: each hint maps the text to a clause ("" for none).
+# (lowfp.scaled names its formats and GEMM recipes, which this module does not import.)
+_PARSE_HINTS: List[Callable[[str], str]] = []
+
+
+def add_parse_hint(hint: Callable[[str], str]) -> None:
+    _PARSE_HINTS.append(hint)
 
 
 _NAMED: Dict[str, Format] = {

@@ -6,3 +6,8 @@ single training runs (``train``, ``lowfp train``), strategy sweeps with plots (`
 The library (``import lowfp``) never imports this package. Its extra dependencies, matplotlib
 for the plots and scikit-learn for the digits data, come with ``pip install 'lowfp[experiments]'``.
 """
+
+
+def description(doc: str) -> str:
+    """A command's ``--help`` description: its module docstring's first paragraph, one line."""
+    return " ".join(doc.split("\n\n")[0].split())

@@ -22,6 +22,7 @@ import torch
 from .. import _C
 from ..quantize import quantize
 from ..stats import Stats
+from . import description
 
 FORMATS = ["float8_e4m3fn", "float8_e5m2", "fp(4,3,4)", "bfloat16"]
 HALF_FORMATS = FORMATS[:3]  # those float16 holds (rounded in float32, returned in float16)
@@ -220,7 +221,7 @@ def format_table(rows: List[dict]) -> str:
 
 
 def main(argv: Optional[List[str]] = None, default_size: int = 1 << 24) -> int:
-    p = argparse.ArgumentParser(prog="lowfp bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="lowfp bench", description=description(__doc__))
     p.add_argument("--size", type=int, default=default_size, help="float32 elements on the CPU (default %(default)s)")
     p.add_argument("--gpu-size", type=int, default=1 << 28, help="float32 elements on the GPU (default %(default)s)")
     p.add_argument("--device", choices=("cpu", "cuda", "all"), default="all",

@@ -37,6 +37,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .. import __version__
 from .._optional import import_optional
 from . import train
+from . import description
 from .sweep import _key, run_configs
 
 __all__ = ["Arm", "Claim", "Experiment", "EXPERIMENTS", "BASE", "verdict", "arm_stats",
@@ -462,7 +463,7 @@ def write_report(out: str, base: train.TrainConfig, seeds: Sequence[int],
 # -- command line ----------------------------------------------------------------------------------
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="lowfp reproduce", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="lowfp reproduce", description=description(__doc__))
     p.add_argument("experiments", nargs="*", default=["all"],
                    help=f"which: {', '.join(EXPERIMENTS)} or all (default)")
     p.add_argument("--out", default="lowfp-reproduce", help="results, report and figures")

@@ -33,6 +33,7 @@ from typing import Dict, List, Optional, Sequence
 
 from .._optional import pyplot
 from . import train
+from . import description
 
 __all__ = ["Cell", "plan", "run_sweep", "summarise", "main", "STRATEGIES", "DEFAULT_R"]
 
@@ -417,7 +418,7 @@ def _strategy_list(text: str) -> List[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="lowfp sweep", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="lowfp sweep", description=description(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("--out", default="lowfp-sweep", help="folder for results and plots (default: %(default)s)")

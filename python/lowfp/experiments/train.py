@@ -24,6 +24,7 @@ from ..scaled import RECIPES
 from ..scaler import DynamicLossScaler
 from . import data as datasets
 from . import models
+from . import description
 
 __all__ = ["TrainConfig", "check_config", "run", "add_arguments", "config_from_args", "main"]
 
@@ -381,7 +382,7 @@ def config_from_args(args, **fixed) -> TrainConfig:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="lowfp train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="lowfp train", description=description(__doc__))
     add_arguments(p)
     p.add_argument("--json", help="write the result here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

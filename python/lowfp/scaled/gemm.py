@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..formats import add_parse_hint
 from .config import Scaled, named, to_scaled
 from .quantize import quantize_scaled
 
@@ -132,6 +133,19 @@ RECIPES = {
     "fp8-tensorwise": GemmRecipe(_N["fp8_e4m3_tensorwise"], grad=_N["fp8_e5m2_tensorwise"]),
     "fp8-rowwise": GemmRecipe(_N["fp8_e4m3_rowwise"]),
 }
+
+
+def _parse_hint(text: str) -> str:
+    """What a format's parse error adds: the scaled formats, and what a GEMM recipe's name is."""
+    hint = f"; where scaled formats are taken, also {sorted(named())}"
+    if text in RECIPES:
+        hint += (f"; {text!r} is a GEMM recipe (the formats of a GEMM's operands, lowfp formats "
+                 f"{text}): lowfp.scaled.emulate_gemms(model, {text!r}), or "
+                 f"lowfp.emulate(..., gemm_recipe={text!r})")
+    return hint
+
+
+add_parse_hint(_parse_hint)
 
 
 def to_recipe(value) -> GemmRecipe:
