@@ -276,6 +276,55 @@ def test_nvfp4_single_level_matches_torchao_where_the_definitions_agree():
     assert bool(near_tie[differ].all())
 
 
+def test_mx_blocks_holding_inf_differ_from_torchao_as_stated():
+    # torchao keeps ±inf in a block's amax: its scale is infinite, the block's other elements
+    # become 0 and inf stays inf. lowfp leaves inf out (docs/design.md §9): the block scales as
+    # its finite elements say, and inf saturates. Blocks without inf agree bit for bit.
+    x = blocks_of_many_magnitudes(8, 256, -10, 10, seed=9)
+    with_inf = torch.zeros(8, 8, dtype=torch.bool)
+    with_inf[::3, 1::2] = True
+    x.view(8, 8, 32)[with_inf] = x.view(8, 8, 32)[with_inf].index_fill(-1, torch.tensor([5]), float("-inf"))
+    want = _torchao_mx(x, torch.float8_e4m3fn, ScaleCalculationMode.FLOOR).view(8, 8, 32)
+    got = lowfp.quantize(x, "mxfp8_e4m3").view(8, 8, 32)
+    assert torch.equal(got[~with_inf], want[~with_inf])
+    finite = x.view(8, 8, 32)[with_inf].clone()
+    finite[:, 5] = 0.0  # lowfp's block: as if the inf were not there, the inf itself saturating
+    expect = lowfp.quantize(finite, "mxfp8_e4m3")
+    expect[:, 5] = -448.0 * lowfp.scaled.encode(finite, "mxfp8_e4m3").scales[:, 0]
+    assert torch.equal(got[with_inf], expect)
+    assert bool((want[with_inf][:, 5] == float("-inf")).all()) and bool((want[with_inf][:, :5] == 0).all())
+
+
+def test_nvfp4_block_scales_differ_from_torchao_only_at_near_ties():
+    # torchao rounds the stored block scale as fl32(fl32(a / 6) / t), two float32 roundings
+    # before E4M3's; lowfp rounds a / (6 t) once (docs/design.md §9). Near an E4M3 midpoint the
+    # two can pick neighbouring values. Blocks built with a / (6 t) at every midpoint of E4M3's
+    # normal range (to ±2 float32 steps) show how many; ordinary data shows none.
+    t = float(torch.tensor(1234.567 / 2688, dtype=torch.float32))
+    values = [(1 + m / 8) * 2.0 ** e for e in range(-6, 9) for m in range(8)][:-1]  # E4M3, normal
+    mids = [(a + b) / 2 for a, b in zip(values, values[1:])]
+    near = torch.tensor([mu * 6 * t for mu in mids], dtype=torch.float32).view(torch.int32)
+    a = torch.cat([(near + k).view(torch.float32) for k in range(-2, 3)])
+    x = torch.zeros(a.numel(), 16)
+    x[:, 0], x[:, 1] = a, -0.3 * a
+    x[0, 5] = 1234.567  # the tensor's amax: t as above
+    parts = lowfp.scaled.encode(x.reshape(1, -1), "nvfp4")
+    assert parts.tensor_scale.item() == t
+    stored, _ = nvfp4_quantize(x.reshape(1, -1), 16, parts.tensor_scale.float())
+    ours, theirs = parts.scales.view(-1) / t, stored.view(-1).double()
+    differ = ours != theirs
+    exact = [Fraction(float(v)) / (6 * Fraction(t)) for v in a[differ]]
+    for q, ours_q, theirs_q in zip(exact, ours[differ].tolist(), theirs[differ].tolist()):
+        mu = (Fraction(ours_q) + Fraction(theirs_q)) / 2  # neighbours: their midpoint is the tie
+        assert values.index(max(ours_q, theirs_q)) - values.index(min(ours_q, theirs_q)) == 1
+        assert abs(q - mu) <= mu * Fraction(2) ** -22, (float(q), float(mu))
+    assert 0 < int(differ.sum()) < a.numel() // 4  # 74 of 590 blocks with torchao 0.18
+    x = torch.randn(256, 1024, generator=torch.Generator().manual_seed(0))
+    parts = lowfp.scaled.encode(x, "nvfp4")
+    _, s = _torchao_nvfp4(x, parts.tensor_scale.float())
+    assert torch.equal(parts.scales.float().repeat_interleave(16, dim=-1), s)
+
+
 def test_nvfp4_two_level_scales():
     x = blocks_of_many_magnitudes(8, 64, -6, 6, seed=5)
     parts = lowfp.scaled.encode(x, "nvfp4")
