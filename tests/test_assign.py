@@ -133,7 +133,7 @@ def test_functional_graph_residual_cat_matmul():
             h = self.a(x)
             h = h + x                       # residual through an operator on the model input
             z = torch.cat([h, x], dim=1)    # (n, 12)
-            y = torch.matmul(z[:, :6], self.w.t())  # the parameter through a view
+            y = torch.matmul(z[:, :6], self.w.t())  # a part of z (a partition); w through a view
             return F.linear(y, self.w).sum(1)
 
     torch.manual_seed(0)
@@ -142,12 +142,13 @@ def test_functional_graph_residual_cat_matmul():
     assert keys == [("a:linear", True, ("v:input[0]", "theta:a.weight", "theta:a.bias")),
                     ("add", False, ("v:a:linear", "v:input[0]")),
                     ("cat", False, ("v:add", "v:input[0]")),
-                    ("matmul", True, ("v:cat", "theta:w")),
+                    ("__getitem__", False, ("v:cat",)),
+                    ("matmul", True, ("v:__getitem__", "theta:w")),
                     ("linear", True, ("v:matmul", "theta:w")),
                     ("sum", False, ("v:linear",))]
     assert tr.tensors["v:cat"].numel == 60 and tr.tensors["theta:w"].numel == 36
     assert "dv:input[0]" not in tr.tensors and "dtheta:w" in tr.tensors
-    # w is first used by the second GEMM, which reads cat's output (group 1): its group is 1
+    # w is first used by the second GEMM, which reads a part of cat's output (group 1): group 1
     assert tr.tensors["theta:w"].group == 1 and tr.tensors["v:sum"].group == 3
 
 
@@ -260,8 +261,9 @@ def test_errors():
 # -- partitioning calls (docs/design.md §6) -------------------------------------------------------
 class _ShuffleV2Unit(nn.Module):
     """ShuffleNet-v2's basic unit: half the channels bypass the three convolutions to the
-    concatenation. ``split`` picks chunk, split, tensor_split, narrow, or explicit slices
-    multiplied by 1.0 (an operator of one output each)."""
+    concatenation. ``split`` picks chunk, split, tensor_split, narrow, or slices of a strict part
+    of the channels, cloned as the assignment paper's ``SplitHalf`` does (an operator of one
+    output each)."""
 
     def __init__(self, c, split):
         super().__init__()
@@ -282,7 +284,7 @@ class _ShuffleV2Unit(nn.Module):
         elif self.split == "narrow":
             x1, x2 = x.narrow(1, 0, c), torch.narrow(x, 1, c, c)
         else:
-            x1, x2 = x[:, :c] * 1.0, x[:, c:] * 1.0
+            x1, x2 = x[:, :c].clone(), x[:, c:].clone()
         out = F.relu(self.bn1(self.conv1(x2)))
         out = self.bn2(self.conv2(out))
         out = F.relu(self.bn3(self.conv3(out)))
@@ -307,29 +309,32 @@ def _shufflenet_trace(split):
     return A.trace(_ShuffleNet(split), torch.randn(2, 1, 4, 4), F.cross_entropy, torch.tensor([0, 2]))
 
 
-def test_shufflenet_unit_op_ratio_counted_by_hand():
+@pytest.mark.parametrize("split, halves", [("chunk", ("v:unit:chunk[0]", "v:unit:chunk[1]")),
+                                           ("slices", ("v:unit:__getitem__", "v:unit:__getitem__#1"))])
+def test_shufflenet_unit_op_ratio_counted_by_hand(split, halves):
     """N=2, 8 channels of 4x4 after the stem; the unit's halves are 2x4x4x4 = 128 elements.
     op demotes the inputs, weights and output gradients of the three inner convolutions: the
     split's second half (128, not the whole 256-element stem output), conv1/2/3's weights
-    (16 + 36 + 16), relu's and bn2's outputs (128 each), three output gradients (128 each)."""
-    tr = _shufflenet_trace("chunk")
+    (16 + 36 + 16), relu's and bn2's outputs (128 each), three output gradients (128 each).
+    Slicing a strict part of the channels (and cloning it) is a partition as chunk is."""
+    tr = _shufflenet_trace(split)
     v = 32 + 256 + 2 * 128 + 8 * 128 + 256 + 16 + 6  # input, stem, halves, unit, cat, mean, fc
     dv = v - 32                                       # the model input has no gradient
     theta = 72 + 16 + 8 + 36 + 8 + 16 + 8 + 24 + 3    # stem, conv1, bn1, conv2, bn2, conv3, bn3, fc
     assert tr.total_numel == v + dv + 2 * theta == 4042
     a = A.op(tr)
-    assert a.lo == {"v:unit:chunk[1]", "theta:unit.conv1.weight", "dv:unit.conv1:conv2d",
+    assert a.lo == {halves[1], "theta:unit.conv1.weight", "dv:unit.conv1:conv2d",
                     "v:unit:relu", "theta:unit.conv2.weight", "dv:unit.conv2:conv2d",
                     "v:unit.bn2:batch_norm", "theta:unit.conv3.weight", "dv:unit.conv3:conv2d"}
     assert a.ratio_lo == (6 * 128 + 16 + 36 + 16) / 4042
     # the bypassing half is an operator output of its own, in the stem's group, and stays hi
-    assert tr.tensors["v:unit:chunk[0]"].numel == 128 and a["v:unit:chunk[0]"] == lowfp.fp(6, 9, 0)
+    assert tr.tensors[halves[0]].numel == 128 and a[halves[0]] == lowfp.fp(6, 9, 0)
 
 
 @pytest.mark.parametrize("split", ["chunk", "split", "tensor_split", "narrow"])
 def test_partitioning_calls_count_as_explicit_slices(split):
-    """Splitting with a partitioning call or with slices multiplied by 1.0 gives the same tensors
-    of TS, so every strategy gives the same ratio and aggregate."""
+    """Splitting with a partitioning call or with slices gives the same tensors of TS, so every
+    strategy gives the same ratio and aggregate."""
     tr, ref = _shufflenet_trace(split), _shufflenet_trace("slices")
     assert len(tr.tensors) == len(ref.tensors) and tr.total_numel == ref.total_numel
     strategies = {"fp32": A.fp32, "all_hi": A.all_hi, "uniform": A.uniform, "op": A.op,
@@ -363,3 +368,23 @@ def test_partitioned_parts_are_rounded_on_their_own_in_emulation():
         results.append([p.detach().clone() for p in model.parameters()] + [loss.detach()])
     for p, q in zip(*results):
         assert torch.equal(p, q)
+
+
+def test_slices_of_a_strict_part_are_partitions_and_the_rest_views():
+    """x[:, :c] and x[..., a:b] make tensors of their own; a full-range slice, an integer index,
+    view, transpose, contiguous and clone of the whole tensor are the tensor they come from."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 6)
+
+        def forward(self, x):
+            h = self.fc(x)                                    # v:fc:linear, 4 x 6
+            same = h[:, :].contiguous().t().t().view(4, 6).clone()
+            part = h[..., 1:4]                                # 4 x 3: a tensor of its own
+            first = h[:, 0]                                   # an integer index: a view
+            return same.sum() + part.sum() + first.sum()
+    tr = A.trace(M(), torch.randn(4, 6))
+    getitems = [n for n in tr.tensors if "__getitem__" in n]
+    assert getitems == ["v:__getitem__", "dv:__getitem__"]
+    assert tr.tensors["v:__getitem__"].numel == 12

@@ -8,13 +8,14 @@ a ``torch.nn.functional`` function or a Tensor method — from nn.Modules and fr
 - **pass**: metadata (``size``, ``dtype``, ``requires_grad``), factories (``zeros_like``) and
   anything that returns no floating tensor: not part of the training step's tensors.
 - **view**: calls that move or reinterpret values without changing any (``view``, ``transpose``,
-  ``flatten``, ``__getitem__``, ``contiguous``, ``clone``, dtype casts, ``repeat``, channel
-  shuffles): their result is the same tensor of TS as their input, so it is not recorded or
-  rounded again.
+  ``flatten``, ``__getitem__`` but for partitions, ``contiguous``, ``clone``, dtype casts,
+  ``repeat``, channel shuffles): their result is the same tensor of TS as their input, so it is
+  not recorded or rounded again.
 - **partition**: ``chunk``, ``split``, ``tensor_split``, ``unbind``, ``narrow`` (and their
-  variants) are operators: each part is a tensor of its own, as in the precision-assignment
-  paper's code, so a part that bypasses a GEMM (ShuffleNet-v2's identity half) keeps its own
-  precision and is counted on its own.
+  variants), and basic slicing that keeps a strict part of a dim (``x[:, :c]``, see ``cuts``), are
+  operators: each part is a tensor of its own, as in the precision-assignment paper's code, so a
+  part that bypasses a GEMM (ShuffleNet-v2's identity half) keeps its own precision and is
+  counted on its own.
 - **operator**: everything else that takes a tracked tensor (an activation of this step, a model
   input or a parameter) and returns floating tensors. Its floating outputs are new activations v.
 
@@ -100,6 +101,31 @@ _serials = itertools.count(1)
 
 def _floating(t) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def cuts(t, index) -> bool:
+    """Whether ``t[index]`` is basic slicing that keeps a strict part of some dim (``x[:, :c]``,
+    ``x[..., a:b]``, ``x[::2]``), which makes it a partition; integer indices (``x[:, 0]``, a
+    token picked to read), full-range slices and advanced indexing stay views."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    items = index if isinstance(index, tuple) else (index,)
+    if not all(i is None or i is Ellipsis or type(i) in (slice, int) for i in items):
+        return False
+    dim = 0
+    for k, i in enumerate(items):
+        if i is Ellipsis:  # the dims the items after it do not index
+            dim = t.dim() - sum(1 for j in items[k + 1:] if j is not None and j is not Ellipsis)
+        elif type(i) is slice:
+            if dim >= t.dim():
+                return False  # (torch raises the IndexError)
+            size = int(t.shape[dim])
+            if len(range(*i.indices(size))) < size:
+                return True
+            dim += 1
+        elif i is not None:
+            dim += 1
+    return False
 
 
 def writes_in_place(fname: str, args, kwargs, out) -> bool:
@@ -306,6 +332,8 @@ class ForwardSession:
         kind, fname = classify(func)
         if kind == PASS:
             return func(*args, **kwargs)
+        if fname == "__getitem__" and len(args) == 2 and cuts(args[0], args[1]):
+            kind = OP  # a strict part of a dim: a partition, as narrow (docs/design.md §6)
         inputs: List[str] = []
         args = self._map_args(args, inputs)
         # (before the call, which may change it in place)
