@@ -109,6 +109,8 @@ def cuts(t, index) -> bool:
     token picked to read), full-range slices and advanced indexing stay views."""
     if not isinstance(t, torch.Tensor):
         return False
+    if isinstance(index, list) and any(i is None or i is Ellipsis or type(i) is slice for i in index):
+        index = tuple(index)  # (torch's legacy reading of a list holding slices: a tuple)
     items = index if isinstance(index, tuple) else (index,)
     if not all(i is None or i is Ellipsis or type(i) in (slice, int) for i in items):
         return False
