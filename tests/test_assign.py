@@ -388,3 +388,11 @@ def test_slices_of_a_strict_part_are_partitions_and_the_rest_views():
     getitems = [n for n in tr.tensors if "__getitem__" in n]
     assert getitems == ["v:__getitem__", "dv:__getitem__"]
     assert tr.tensors["v:__getitem__"].numel == 12
+
+
+def test_a_list_of_slices_cuts_as_a_tuple_does():
+    # the assignment paper's SplitHalf indexes with a list of slices (torch reads it as a tuple)
+    from lowfp._intercept import cuts
+    x = torch.zeros(2, 8, 3)
+    assert cuts(x, [slice(None), slice(None, 4), slice(None)]) and cuts(x, (slice(None), slice(4, None)))
+    assert not cuts(x, [slice(None), slice(None), slice(None)]) and not cuts(x, [0, 1])
