@@ -1,5 +1,6 @@
 """The quantize API: layouts, dtypes, out=/in-place, numpy, autograd, errors (docs/design.md §3, §7)."""
 
+import contextlib
 import math
 import subprocess
 import sys
@@ -97,6 +98,8 @@ def test_out_and_inplace():
     lambda y: lowfp.quantize(y.detach().clone(), F, out=y),
     lambda y: lowfp.quantize(y.detach().clone(), F, out=y.t()),  # non-contiguous: a copy_ back
     lambda y: lowfp.s2fp8_quantize(y.detach().clone(), out=y),
+    lambda y: lowfp.quantize_(y, "mxfp8_e4m3"),
+    lambda y: lowfp.quantize(y.detach().clone(), "nvfp4", out=y),
 ])
 def test_writing_a_tensor_saved_for_backward_is_seen_by_autograd(write):
     """quantize_ / out= write through the tensor's pointer; like torch's in-place ops they must
@@ -543,3 +546,72 @@ def test_lowfp_starts_no_openmp_runtime_of_its_own():
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.strip() == "1", (first, out.stdout)
+
+
+class _SeesOperators:
+    """A dispatch mode that records the operators it sees (and runs them)."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Mode(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.seen = set()
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.seen.add(str(func))
+                return func(*args, **(kwargs or {}))
+        return Mode()
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "nvfp4", "fp8_e4m3_rowwise"])
+def test_eager_scaled_calls_skip_the_dispatcher_with_the_operators_bits(fmt):
+    x = torch.randn(6, 64) * torch.logspace(-3, 3, 64)
+    for kwargs in (dict(), dict(rounding="up"), dict(rounding="stochastic", seed=9),
+                   dict(rounding="stochastic")):
+        results = []
+        for mode in (None, _SeesOperators()):
+            torch.manual_seed(5)
+            stats = lowfp.scaled.ScaledStats()
+            with mode if mode is not None else contextlib.nullcontext():
+                y = lowfp.quantize(x, fmt, stats=stats, **kwargs)
+                out = torch.zeros_like(x)
+                version = out._version
+                lowfp.quantize(x, fmt, stats=stats, out=out, **kwargs)
+                assert out._version > version  # autograd sees the write either way
+                parts = lowfp.scaled.encode(x, fmt, **kwargs)
+            results.append((y, out, stats.counts.clone(), parts.q, parts.scales, torch.rand(1)))
+            if mode is not None:
+                assert "lowfp.scaled_quantize.default" in mode.seen
+        for a, b in zip(*results):
+            assert torch.equal(a, b), (fmt, kwargs)
+
+
+def test_eager_calls_skip_the_dispatcher_with_the_operators_bits():
+    """An eager call on plain tensors with nothing to record runs lowfp::quantize's own
+    implementation directly; under a dispatch mode (which must see the operator) it goes through
+    the operator. Both give the same bits, counts and draws from the default generator."""
+    x = torch.randn(3, 50, dtype=torch.float64) * 30
+    x[0, :3] = torch.tensor([float("nan"), 1e9, 1e-9])
+    cases = [dict(), dict(rounding="toward_zero", overflow="inf"), dict(rounding="stochastic", seed=2**64 - 3),
+             dict(rounding="stochastic", generator=torch.Generator().manual_seed(4), offset=2**63 + 5),
+             dict(rounding="stochastic"), dict(out_dtype=torch.float32), dict(subnormals=False)]
+    for kwargs in cases:
+        results = []
+        for mode in (None, _SeesOperators()):
+            kw = {k: (v.clone_state() if isinstance(v, torch.Generator) else v) for k, v in kwargs.items()}
+            torch.manual_seed(11)
+            stats = lowfp.Stats()
+            with mode if mode is not None else contextlib.nullcontext():
+                y = lowfp.quantize(x, "fp(4,3,4)", stats=stats, **kw)
+                out = torch.empty_like(y)
+                lowfp.quantize(x, "fp(4,3,4)", stats=stats, out=out, **kw)
+            results.append((y, out, stats.counts.clone(), torch.rand(1)))
+            if mode is not None:
+                assert "lowfp.quantize.default" in mode.seen and "lowfp.quantize_into.default" in mode.seen
+        (y1, o1, c1, r1), (y2, o2, c2, r2) = results
+        def bits(t):  # (NaN equals NaN here)
+            return t.view(torch.int64 if t.dtype == torch.float64 else torch.int32)
+        assert y1.dtype == y2.dtype and torch.equal(bits(y1), bits(y2)) and torch.equal(bits(o1), bits(o2)), kwargs
+        assert torch.equal(c1, c2) and torch.equal(r1, r2), kwargs  # (r: the generator after)

@@ -35,15 +35,19 @@ class NativeCall:
     offset: int
 
     def args(self):
-        f = self.fmt
-        return (f.e, f.m, f.b, SPECIALS.index(f.specials), f.subnormals,
-                OVERFLOW_CODES[f.overflow], self.rounding, self.sr_bits, self.seed, self.offset)
+        return format_args(self.fmt, self.rounding, self.sr_bits) + (self.seed, self.offset)
 
     @property
     def index_free(self) -> bool:
         """Whether an element's result does not depend on its index (all but stochastic
         rounding, whose draws follow the logical index)."""
         return ROUNDING_MODES[self.rounding] != "stochastic"
+
+
+def format_args(fmt: Format, rounding: int, sr_bits: int) -> tuple:
+    """The native kernels' arguments that say the format and the rounding (before seed, offset)."""
+    return (fmt.e, fmt.m, fmt.b, SPECIALS.index(fmt.specials), fmt.subnormals,
+            OVERFLOW_CODES[fmt.overflow], rounding, sr_bits)
 
 
 def check_uint64(value, name: str) -> int:
@@ -118,6 +122,7 @@ class Plan(NamedTuple):
     dtype: torch.dtype     # the result's
     grad_fmt: Optional[str]
     grad_rounding: str
+    native: tuple          # format_args of fmt and the rounding, for the kernels
 
 
 _PLANS: dict = {}
@@ -146,12 +151,14 @@ def plan_rounding(fmt, rounding, overflow, subnormals, sr_bits, x_dtype, out_dty
         reason = inner.fit_error(torch.float64)
         if reason:
             raise ValueError(f"fmt {inner} cannot be used by S2FP8: {reason}")
-        plan = Plan(True, str(inner), precision.log_max, rounding, sr_bits, x_dtype, None, "nearest")
+        plan = Plan(True, str(inner), precision.log_max, rounding, sr_bits, x_dtype, None, "nearest",
+                    format_args(inner, ROUNDING_MODES.index(rounding), sr_bits))
     else:
         precision, rounding, sr_bits = _checked_rounding(precision, rounding, overflow, subnormals,
                                                          sr_bits)
         dtype = result_dtype(x_dtype, precision, out_dtype_given, out_dtype)
-        plan = Plan(False, str(precision), 0.0, rounding, sr_bits, dtype, None, "nearest")
+        plan = Plan(False, str(precision), 0.0, rounding, sr_bits, dtype, None, "nearest",
+                    format_args(precision, ROUNDING_MODES.index(rounding), sr_bits))
     if grad_fmt is not None:
         plan = plan._replace(grad_fmt=str(_checked_grad_precision(grad_fmt, plan.dtype)),
                              grad_rounding=grad_rounding)
@@ -275,11 +282,34 @@ def run_quantize(x: torch.Tensor, y: torch.Tensor, call: NativeCall,
                  counts: Optional[torch.Tensor]) -> torch.Tensor:
     """Round x into y (same shape, any layout) on x's device, adding the event counts to
     ``counts`` (lowfp.Stats's tensor) when given."""
+    return run_rounding(x, y, call.args(), call.index_free, counts)
+
+
+def run_rounding(x: torch.Tensor, y: torch.Tensor, args: tuple, index_free: bool,
+                 counts: Optional[torch.Tensor]) -> torch.Tensor:
+    """run_quantize with the kernel's format, rounding, seed and offset arguments given."""
     mod, device, stream = backends.native(x, "x")
     counts_ptr = counts.data_ptr() if counts is not None else 0
     return run_elementwise(x, y, lambda src, dst: mod.quantize(
         src.data_ptr(), DTYPE_CODES[src.dtype], dst.data_ptr(), DTYPE_CODES[dst.dtype], src.numel(),
-        *call.args(), counts_ptr, device, stream), call.index_free)
+        *args, counts_ptr, device, stream), index_free)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_NATIVE_DEVICES = ("cpu", "cuda")  # (meta tensors take the operators' fake implementations)
+
+
+def runs_natively(x: torch.Tensor, out: Optional[torch.Tensor]) -> bool:
+    """Whether a call may skip lowfp's operator for its implementation (the same kernel, bits
+    and counts, without the dispatcher's round trip): eager (not traced, no torch-function or
+    dispatch mode that would want to see the operator), plain CPU or CUDA tensors, and no
+    autograd graph to record."""
+    return (not torch.compiler.is_compiling()
+            and type(x) in _PLAIN and (out is None or type(out) in _PLAIN)
+            and x.device.type in _NATIVE_DEVICES
+            and not (x.requires_grad and torch.is_grad_enabled())
+            and not torch._C._is_torch_function_mode_enabled()
+            and torch._C._len_torch_dispatch_stack() == 0)
 
 
 def check_writable(t: torch.Tensor, name: str) -> None:
@@ -291,7 +321,8 @@ def check_writable(t: torch.Tensor, name: str) -> None:
     if t.is_inference() and not torch.is_inference_mode_enabled():
         raise ValueError(f"{name} is an inference tensor, which cannot be written in place outside "
                          "torch.inference_mode(); write into a clone of it")
-    if t.layout == torch.strided and any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+    if (t.layout == torch.strided and not t.is_nested
+            and any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride()))):
         raise ValueError(f"{name} has elements that share memory (an expanded tensor, stride 0), "
                          f"so it cannot be written element by element; write into {name}.clone() "
                          "or a contiguous tensor")

@@ -10,9 +10,11 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from . import backends
 from ._checks import check_choice, is_dtype_in
+from ._memory import new_output
 from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODES, NativeCall, Plan,
                       as_int64, call_seed, check_tensor_args, check_uint64, check_writable,
-                      draw_seed, into_numpy_out, make_call, numpy_as_tensor, plan_rounding)
+                      draw_seed, into_numpy_out, make_call, numpy_as_tensor, plan_rounding,
+                      run_rounding, runs_natively, stochastic_seed)
 from ._dtensor import is_dtensor, round_dtensor
 from ._ops import s2fp8_stat_buffers
 from .formats import Format, S2FP8, as_text, to_precision
@@ -22,6 +24,7 @@ from .stats import S2FP8Stats, Stats
 __all__ = ["quantize", "quantize_", "ROUNDING_MODES"]
 
 Tensorish = Union[torch.Tensor, np.ndarray]
+_U64 = (1 << 64) - 1
 
 
 def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=None,
@@ -49,8 +52,18 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
                                None if out is None else out.dtype, out_dtype, grad_fmt,
                                grad_rounding))
     offset = as_int64(check_uint64(offset, "offset"))
-    seed, drawn = call_seed(plan.rounding, seed, generator)
     counts = stats.counts if stats is not None else None
+    if not plan.s2fp8 and runs_natively(x, out):
+        # Eager, plain tensors, nothing to record: the operator's own implementation, called
+        # without the dispatcher's round trip (the same kernel, bits and counts).
+        if plan.rounding == "stochastic":
+            seed = stochastic_seed(seed, generator)  # (the words lowfp::draw_seed would draw)
+        else:
+            seed = 0 if seed is None else check_uint64(seed, "seed")
+        y = out if out is not None else new_output(x, plan.dtype, torch.preserve_format)
+        run_rounding(x, y, plan.native + (seed, offset & _U64), plan.rounding != "stochastic", counts)
+        return y, None
+    seed, drawn = call_seed(plan.rounding, seed, generator)
     common = (plan.rounding, plan.sr_bits, seed, drawn, offset)
     if not plan.s2fp8:
         if out is not None:

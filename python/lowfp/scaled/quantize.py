@@ -18,7 +18,7 @@ from .._checks import check_choice
 from .._dtensor import is_dtensor
 from .._memory import new_output
 from .._native import (DTYPE_CODES, ROUNDING_MODES, as_int64, call_seed, check_tensor_args,
-                       check_uint64)
+                       check_uint64, runs_natively, stochastic_seed)
 from ..formats import OVERFLOW_POLICIES, SPECIALS, Format
 from ..stats import Stats
 from .config import RULE_CODES, Scaled, to_scaled
@@ -135,7 +135,11 @@ def _impl(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, 
         if parts:
             q = q.movedim(-1, move)
     if out is not None and not direct:
-        out.copy_(y)
+        out.copy_(y)  # (a torch op: it marks out changed itself)
+    elif direct:
+        # Written through its pointer: tell autograd, as torch's in-place ops do, so that a
+        # backward that saved out raises instead of reading the new values.
+        torch.autograd.graph.increment_version(out)
     return y, q, scales, tensor_scale, counts
 
 
@@ -213,6 +217,14 @@ def _call(x, fmt: Scaled, rounding, overflow, seed, generator, offset, sr_bits, 
             return _call(x, fmt, rounding, overflow, seed, generator, offset, sr_bits, count, parts,
                          out)
     offset = as_int64(check_uint64(offset, "offset"))
+    if runs_natively(x, out):  # the operator's implementation, without the dispatcher
+        if rounding == "stochastic":
+            seed = as_int64(stochastic_seed(seed, generator))  # (the words lowfp::draw_seed draws)
+        else:
+            seed = 0 if seed is None else as_int64(check_uint64(seed, "seed"))
+        res = _impl(x, str(fmt), rounding, overflow, sr_bits, seed, None, offset, count,
+                    parts and out is None, out=out)
+        return res[4] if out is not None else res
     seed, drawn = call_seed(rounding, seed, generator)
     if out is not None:
         return torch.ops.lowfp.scaled_quantize_into(x, out, str(fmt), rounding, overflow, sr_bits,

@@ -1,0 +1,70 @@
+"""Host cost per call: lowfp.quantize on a small tensor (1024 elements by default), where the
+kernel is negligible and the Python and dispatch around it is what a training step pays per
+rounding, against torch's own element-wise calls on the same tensor, measured in the same run.
+
+    python bench/bench_host.py [--device cpu|cuda] [--numel N]
+
+Each case runs in rounds of calls (best round reported, µs per call); on CUDA the host time is
+what this measures (calls are queued, the GPU synchronised only at the end of a round). Ratios
+are against ``x.to(torch.bfloat16)`` (issue 55's yardstick: a Format at most 2x, scaled formats
+at most 3x)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import lowfp
+
+
+def per_call_us(fn, device: str, calls: int = 2000, rounds: int = 5) -> float:
+    for _ in range(200):
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best * 1e6
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--numel", type=int, default=1024)
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    x = torch.randn(args.numel, device=args.device)
+    out = torch.empty_like(x)
+    f = lowfp.formats.float8_e4m3fn
+    g = torch.Generator().manual_seed(0)
+    cases = [
+        ("x.to(torch.bfloat16)", lambda: x.to(torch.bfloat16)),
+        ("torch.relu(x)", lambda: torch.relu(x)),
+        ("quantize(x, 'float8_e4m3fn')", lambda: lowfp.quantize(x, "float8_e4m3fn")),
+        ("quantize(x, Format)", lambda: lowfp.quantize(x, f)),
+        ("quantize(x, Format, out=)", lambda: lowfp.quantize(x, f, out=out)),
+        ("quantize(x, Format, 'stochastic')", lambda: lowfp.quantize(x, f, "stochastic")),
+        ("quantize(x, Format, 'stochastic', generator=)", lambda: lowfp.quantize(x, f, "stochastic", generator=g)),
+        ("quantize(x, 'mxfp8_e4m3')", lambda: lowfp.quantize(x, "mxfp8_e4m3")),
+        ("quantize(x, 'nvfp4')", lambda: lowfp.quantize(x, "nvfp4")),
+    ]
+    base = None
+    print(f"| call ({args.numel} float32 elements, {args.device}) | µs per call | vs x.to(bfloat16) |")
+    print("|---|---:|---:|")
+    for name, fn in cases:
+        us = per_call_us(fn, args.device)
+        base = us if base is None else base
+        print(f"| `{name}` | {us:.1f} | {us / base:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
