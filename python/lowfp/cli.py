@@ -36,33 +36,33 @@ def formats_table(items) -> str:
     return "\n".join(out) + "\n(range: log2(max / smallest positive value), in binades)"
 
 
-def scaled_table(items) -> str:
-    head = ("scaled format", "element", "block", "axis", "scale", "rule", "tensor scale", "bits")
-    rows = [head] + [(label, str(f.element), "-" if f.block is None else str(f.block),
-                      "tensor" if f.axis is None else str(f.axis), str(f.scale), f.scale_rule,
-                      "yes" if f.tensor_scale else "no", f"{f.bits:.4g}") for label, f in items]
+def _left_table(head, rows, note: str) -> str:
+    """A table of left-justified columns under ``head``, a rule, and ``note`` below."""
+    rows = [head] + rows
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     out = []
     for n, r in enumerate(rows):
         out.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
         if n == 0:
             out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out) + "\n(bits: per element, a block's scale shared out; docs/design.md §9)"
+    return "\n".join(out) + "\n" + note
+
+
+def scaled_table(items) -> str:
+    head = ("scaled format", "element", "block", "axis", "scale", "rule", "tensor scale", "bits")
+    rows = [(label, str(f.element), "-" if f.block is None else str(f.block),
+             "tensor" if f.axis is None else str(f.axis), str(f.scale), f.scale_rule,
+             "yes" if f.tensor_scale else "no", f"{f.bits:.4g}") for label, f in items]
+    return _left_table(head, rows, "(bits: per element, a block's scale shared out; docs/design.md §9)")
 
 
 def recipes_table(items) -> str:
     head = ("GEMM recipe", "input", "weight", "grad", "grad rounding", "Hadamard", "GEMMs")
-    rows = [head] + [(label, str(r.input), str(r.weight), str(r.grad), r.grad_rounding,
-                      "-" if r.hadamard_seed is None else f"seed {r.hadamard_seed}", ",".join(r.ops))
-                     for label, r in items]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    out = []
-    for n, r in enumerate(rows):
-        out.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-        if n == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out) + ("\n(the operand formats of each GEMM: lowfp.scaled.emulate_gemms(model, "
-                             "recipe), lowfp train --recipe; docs/design.md §9)")
+    rows = [(label, str(r.input), str(r.weight), str(r.grad), r.grad_rounding,
+             "-" if r.hadamard_seed is None else f"seed {r.hadamard_seed}", ",".join(r.ops))
+            for label, r in items]
+    return _left_table(head, rows, "(the operand formats of each GEMM: lowfp.scaled.emulate_gemms("
+                                   "model, recipe), lowfp train --recipe; docs/design.md §9)")
 
 
 def cmd_formats(args) -> int:
