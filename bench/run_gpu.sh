@@ -31,7 +31,8 @@ for step in $steps; do
     bench)
       $PY bench/bench_s2fp8.py --device cuda --json "$OUT/s2fp8.json" 2>&1 | tee "$OUT/bench_s2fp8.log"
       $PY bench/bench_optim.py --device cuda --repeats 11 --json "$OUT/optim.json" 2>&1 \
-        | tee "$OUT/bench_optim.log" ;;
+        | tee "$OUT/bench_optim.log"
+      $PY bench/bench_host.py --device cuda 2>&1 | tee "$OUT/bench_host.log" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
