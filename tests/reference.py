@@ -25,19 +25,29 @@ class Spec(NamedTuple):
         return 1 - self.bias
 
     @property
+    def top_code_reserved(self) -> bool:
+        """The all-ones code is NaN ("fn") or ±inf ("p3109"), not a number of the grid."""
+        return self.specials in ("fn", "p3109")
+
+    @property
     def emax(self):
         top = 2**self.e - 1 - self.bias
-        return top - 1 if self.specials == "ieee" else top
+        # (with m = 0 the reserved all-ones code is the top exponent's only code)
+        return top - 1 if self.specials == "ieee" or (self.top_code_reserved and self.m == 0) else top
 
     @property
     def max(self) -> Fraction:
-        drop = 1 - self.m if self.specials == "fn" else -self.m
+        drop = 1 - self.m if self.top_code_reserved and self.m > 0 else -self.m
         return Fraction(2) ** self.emax * (2 - Fraction(2) ** drop)
 
     @property
     def max_significand(self) -> int:
         """max = max_significand * 2^(emax - m)."""
-        return 2 ** (self.m + 1) - (2 if self.specials == "fn" else 1)
+        return 2 ** (self.m + 1) - (2 if self.top_code_reserved and self.m > 0 else 1)
+
+    @property
+    def unsigned_zero(self) -> bool:
+        return self.specials in ("fnuz", "p3109")
 
     @property
     def smallest_exp(self):
@@ -115,7 +125,7 @@ def round_exact(x: float, spec: Spec, mode: str, policy: str):
     if math.isinf(x):
         return overflow_result(x, spec, mode, policy), "overflow"
     if x == 0:
-        return (0.0 if spec.specials == "fnuz" else x), None
+        return (0.0 if spec.unsigned_zero else x), None
     neg = x < 0
     k, rem, unit, qe = split_at_grid(abs(x), spec)
     if mode == "nearest":
@@ -133,7 +143,7 @@ def round_exact(x: float, spec: Spec, mode: str, policy: str):
     if exceeds_max(k + up, qe, spec):
         return overflow_result(x, spec, mode, policy), "overflow"
     if k + up == 0:
-        return (0.0 if spec.specials == "fnuz" else math.copysign(0.0, x)), "underflow"
+        return (0.0 if spec.unsigned_zero else math.copysign(0.0, x)), "underflow"
     val = math.ldexp(k + up, qe)
     return (-val if neg else val), None
 
@@ -145,7 +155,7 @@ def positive_values(spec: Spec) -> List[Fraction]:
         for mc in range(2**spec.m):
             if spec.specials == "ieee" and ec == 2**spec.e - 1:
                 continue
-            if spec.specials == "fn" and ec == 2**spec.e - 1 and mc == 2**spec.m - 1:
+            if spec.top_code_reserved and ec == 2**spec.e - 1 and mc == 2**spec.m - 1:
                 continue
             if ec == 0:
                 if mc and not spec.subnormals:

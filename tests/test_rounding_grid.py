@@ -23,8 +23,8 @@ POLICIES = ("saturate", "inf", "nan")
 def specs_for_e(e):
     for m in range(0, 11):
         for b in range(-3, 7):
-            for specials in ("none", "ieee", "fn", "fnuz"):
-                if specials == "fn" and m == 0:
+            for specials in ("none", "ieee", "fn", "fnuz", "p3109"):
+                if (specials == "fn" and m == 0) or (specials == "p3109" and e + m < 2):
                     continue
                 for sub in (True, False):
                     s = Spec(e, m, b, specials, sub)

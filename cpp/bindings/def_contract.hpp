@@ -16,7 +16,9 @@ inline void def_contract(pybind11::module_& mod) {
       .value("none", Specials::None, "every code is a finite number")
       .value("ieee", Specials::IEEE, "the top exponent code holds infinities and NaNs")
       .value("fn", Specials::FN, "only the all-ones code (both signs) is NaN, as OCP E4M3")
-      .value("fnuz", Specials::FNUZ, "the values of 'none' without negative zero; -0's code is NaN");
+      .value("fnuz", Specials::FNUZ, "the values of 'none' without negative zero; -0's code is NaN")
+      .value("p3109", Specials::P3109,
+             "IEEE P3109's extended domain: the all-ones code is +-inf, -0's code NaN, no -0");
   py::enum_<Overflow>(mod, "Overflow", py::module_local(), "overflow policies (§3)")
       .value("saturate", Overflow::Saturate, "an overflow becomes +-max")
       .value("inf", Overflow::Inf,

@@ -14,7 +14,7 @@ using namespace lowfp;
 namespace {
 
 py::dict format_info(int32_t e, int32_t m, int32_t b, int32_t specials, bool subnormals) {
-  if (specials < 0 || specials > 3) throw std::invalid_argument("bad specials code");
+  if (specials < 0 || specials >= kSpecialsCodes) throw std::invalid_argument("bad specials code");
   const FormatSpec f{e, m, b, Specials(specials), subnormals};
   const std::string bad = spec_error(f);
   if (!bad.empty()) throw std::invalid_argument(bad);

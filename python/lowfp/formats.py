@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import math
+import re
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -22,10 +23,10 @@ from ._checks import check_choice, check_int, is_dtype_in, is_real
 __all__ = ["Format", "fp", "named", "to_format", "S2FP8", "to_precision", "SPECIALS",
            "OVERFLOW_POLICIES"]
 
-SPECIALS = ("none", "ieee", "fn", "fnuz")
+SPECIALS = ("none", "ieee", "fn", "fnuz", "p3109")
 OVERFLOW_POLICIES = ("saturate", "inf", "nan")
 # docs/design.md §3: the overflow policy a format uses unless a call overrides it.
-DEFAULT_OVERFLOW = {"none": "saturate", "ieee": "inf", "fn": "saturate", "fnuz": "nan"}
+DEFAULT_OVERFLOW = {"none": "saturate", "ieee": "inf", "fn": "saturate", "fnuz": "nan", "p3109": "inf"}
 
 _TORCH_DTYPE_NAMES = {
     torch.float16: "float16",
@@ -52,9 +53,10 @@ class Format:
 
     ``specials`` picks the special-value convention: ``"none"`` (every code finite),
     ``"ieee"`` (top exponent code is inf/NaN), ``"fn"`` (only the all-ones code is NaN, as OCP
-    E4M3) or ``"fnuz"`` (the value set of ``"none"`` without negative zero). ``overflow`` is the
+    E4M3), ``"fnuz"`` (the value set of ``"none"`` without negative zero) or ``"p3109"`` (IEEE
+    P3109's extended domain: the all-ones code is ±inf, no negative zero). ``overflow`` is the
     default overflow policy (``"saturate"``, ``"inf"`` or ``"nan"``; None picks the convention's
-    default: saturate for none/fn, inf for ieee, nan for fnuz).
+    default: saturate for none/fn, inf for ieee and p3109, nan for fnuz).
     """
 
     __slots__ = ("_key", "_info")
@@ -189,6 +191,9 @@ class Format:
         s = text.strip()
         if s in _NAMED:
             return _NAMED[s]
+        k_p = _P3109_NAME.fullmatch(s)
+        if k_p:
+            return p3109(int(k_p[1]), int(k_p[2]), "extended" if k_p[3] == "e" else "finite")
         call = _parse_call(s, ("fp",))
         if call is None:
             raise ValueError(f"cannot parse format {text!r}: expected one of {sorted(_NAMED)} "
@@ -226,6 +231,24 @@ def fp(e: int, m: int, b: int = 0, *, specials: str = "none", subnormals: bool =
     return Format(e, m, b, specials=specials, subnormals=subnormals, overflow=overflow)
 
 
+def p3109(k: int, p: int, domain: str = "extended") -> Format:
+    """IEEE P3109's signed format binaryKpP: K bits, precision P (1 <= P < K: e = K - P exponent
+    bits, m = P - 1), exponent bias 2^(K-P-1) (b = 1), no negative zero (its code is NaN), and in
+    the ``"extended"`` domain the all-ones code is ±inf (specials ``"p3109"``, overflow to inf by
+    default), in the ``"finite"`` one every other code is finite (specials ``"fnuz"``, overflow
+    saturating by default). Named ``p3109_k{K}p{P}se`` / ``sf`` as gfloat names them."""
+    k, p = check_int(k, "k"), check_int(p, "p")
+    check_choice(domain, ("extended", "finite"), "domain")
+    if not (2 <= k <= 16 and 1 <= p < k):
+        raise ValueError(f"p3109 takes 2 <= k <= 16 and 1 <= p < k, got k={k}, p={p}")
+    fmt = fp(k - p, p - 1, 1, specials="p3109" if domain == "extended" else "fnuz",
+             overflow="inf" if domain == "extended" else "saturate")
+    return fmt
+
+
+_P3109_NAME = re.compile(r"p3109_k(\d+)p(\d+)s([ef])")
+
+
 # What the layers above add to a parse error: each hint maps the text to a clause ("" for none).
 # (lowfp.scaled names its formats and GEMM recipes, which this module does not import.)
 _PARSE_HINTS: List[Callable[[str], str]] = []
@@ -249,6 +272,8 @@ _NAMED: Dict[str, Format] = {
     "float6_e2m3fn": fp(2, 3, 0),
     "float4_e2m1fn": fp(2, 1, 0),
 }
+# P3109's binary8pP formats (smaller K parse by name too: p3109_k6p3se, ...)
+_NAMED.update({f"p3109_k8p{p}s{d[0]}": p3109(8, p, d) for p in range(1, 8) for d in ("extended", "finite")})
 _NAME_OF_KEY = {f.key: name for name, f in _NAMED.items()}
 globals().update(_NAMED)
 __all__ += list(_NAMED)

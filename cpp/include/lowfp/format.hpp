@@ -7,7 +7,12 @@
 
 namespace lowfp {
 
-enum class Specials : int32_t { None = 0, IEEE = 1, FN = 2, FNUZ = 3 };
+// The special-value conventions (docs/design.md §2): None, every code finite; IEEE, the top
+// exponent code holds infinities and NaNs; FN, the all-ones code (both signs) is NaN (OCP E4M3);
+// FNUZ, the values of None without negative zero (-0's code is NaN); P3109, IEEE P3109's
+// extended domain: the all-ones code is +-inf and -0's code NaN, no negative zero.
+enum class Specials : int32_t { None = 0, IEEE = 1, FN = 2, FNUZ = 3, P3109 = 4 };
+constexpr int32_t kSpecialsCodes = 5;  // the codes a caller may pass: 0 to 4
 enum class Overflow : int32_t { Saturate = 0, Inf = 1, NaN = 2 };
 enum class Rounding : int32_t {
   Nearest = 0, NearestAway = 1, TowardZero = 2, Up = 3, Down = 4, Stochastic = 5
@@ -26,13 +31,20 @@ struct FormatSpec {
 // Derived exponents. B = 2^(e-1) - 1 + b, emin = 1 - B.
 LOWFP_HD int32_t exponent_bias(const FormatSpec& f) { return (1 << (f.e - 1)) - 1 + f.b; }
 LOWFP_HD int32_t min_exponent(const FormatSpec& f) { return 1 - exponent_bias(f); }
+// Whether the all-ones code (both signs) is not a finite number: NaN ("fn") or inf ("p3109").
+LOWFP_HD bool reserves_top_code(const FormatSpec& f) {
+  return f.specials == Specials::FN || f.specials == Specials::P3109;
+}
 LOWFP_HD int32_t max_exponent(const FormatSpec& f) {
   const int32_t top = (1 << f.e) - 1 - exponent_bias(f);
-  return f.specials == Specials::IEEE ? top - 1 : top;  // IEEE reserves the top code for inf/NaN
+  // IEEE reserves the top exponent code for inf/NaN; with m = 0 the all-ones code is that
+  // exponent's only code
+  return f.specials == Specials::IEEE || (reserves_top_code(f) && f.m == 0) ? top - 1 : top;
 }
-// Largest finite value is 2^emax * max_significand; "fn" gives its all-ones code to NaN.
+// Largest finite value is 2^emax * max_significand; the all-ones code may be reserved.
 inline double max_significand(const FormatSpec& f) {
-  return 2.0 - std::ldexp(1.0, (f.specials == Specials::FN ? 1 : 0) - f.m);
+  if (reserves_top_code(f) && f.m == 0) return 1.0;
+  return 2.0 - std::ldexp(1.0, (reserves_top_code(f) ? 1 : 0) - f.m);
 }
 inline double max_value(const FormatSpec& f) {
   return std::ldexp(max_significand(f), max_exponent(f));
@@ -101,6 +113,8 @@ inline std::string spec_error(const FormatSpec& f) {
            std::to_string(f.e);
   if (f.specials == Specials::FN && f.m < 1)
     return "specials='fn' needs m >= 1 (the all-ones code is NaN), got m=" + std::to_string(f.m);
+  if (f.specials == Specials::P3109 && f.e + f.m < 2)
+    return "specials='p3109' needs e + m >= 2 (the all-ones code is inf: fp(1,0) would hold only 0)";
   return fit_error(f, DType::Float64);
 }
 
@@ -133,7 +147,7 @@ struct RoundParams {
   Bits overflow_pos;      // what a positive overflow becomes (full bit pattern)
   Bits overflow_neg;      // what a negative overflow becomes
   bool inf_stays_inf;     // policy "inf": infinite inputs stay infinite whatever the mode
-  bool no_negative_zero;  // "fnuz": zero is +0
+  bool no_negative_zero;  // "fnuz", "p3109": zero is +0
   bool ties_away;         // nearest_away
   // Which neighbour a nearest tie keeps: the one whose encoding is even. With m > 0 that is the
   // kept significand's last bit (parity_mask all ones); with m = 0 there is none and it is the
@@ -173,7 +187,7 @@ RoundParams<Bits> make_round_params(const FormatSpec& f, Overflow overflow, Roun
       break;
   }
   p.inf_stays_inf = overflow == Overflow::Inf;
-  p.no_negative_zero = f.specials == Specials::FNUZ;
+  p.no_negative_zero = f.specials == Specials::FNUZ || f.specials == Specials::P3109;
   p.ties_away = mode == Rounding::NearestAway;
   p.parity_bias = f.m == 0 ? exponent_bias(f) : 0;
   p.parity_mask = f.m == 0 ? Bits(0) : ~Bits(0);

@@ -9,7 +9,7 @@ namespace lowfp {
 QuantizeCall make_quantize_call(const QuantizeRequest& r, const void* x, void* y, int64_t n,
                                 bool count) {
   auto in_range = [](int32_t v, int32_t lo, int32_t hi) { return v >= lo && v <= hi; };
-  if (!in_range(int32_t(r.spec.specials), 0, 3)) throw std::invalid_argument("bad specials code");
+  if (!in_range(int32_t(r.spec.specials), 0, kSpecialsCodes - 1)) throw std::invalid_argument("bad specials code");
   if (!in_range(int32_t(r.overflow), 0, 2)) throw std::invalid_argument("bad overflow code");
   if (!in_range(int32_t(r.mode), 0, 5)) throw std::invalid_argument("bad rounding code");
   if (!in_range(int32_t(r.x_dtype), 0, 3) || !in_range(int32_t(r.y_dtype), 0, 3))

@@ -82,7 +82,8 @@ FewMagnitudes few_magnitudes(const FormatSpec& e, const RoundParams<uint64_t>& p
 ScaledCall make_scaled_call(const ScaledRequest& r, const void* x, void* y, double* scales,
                             float* q, bool count) {
   auto in_range = [](int32_t v, int32_t lo, int32_t hi) { return v >= lo && v <= hi; };
-  if (!in_range(int32_t(r.element.specials), 0, 3) || !in_range(int32_t(r.scale_format.specials), 0, 3))
+  if (!in_range(int32_t(r.element.specials), 0, kSpecialsCodes - 1) ||
+      !in_range(int32_t(r.scale_format.specials), 0, kSpecialsCodes - 1))
     throw std::invalid_argument("bad specials code");
   if (!in_range(int32_t(r.overflow), 0, 2)) throw std::invalid_argument("bad overflow code");
   if (!in_range(int32_t(r.mode), 0, 5)) throw std::invalid_argument("bad rounding code");
