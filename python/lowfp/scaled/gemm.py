@@ -33,7 +33,8 @@ S = (Q √scale)(K √scale)ᵀ, plus the mask (a boolean one as 0 / -inf), soft
 scores are all -inf, as torch's), dropout, O = P V, the two products emulated as matmuls (Q and
 K along the head dim, rounded before √scale multiplies them; P and V along the keys; their
 backward GEMMs as above); softmax stays in the input's dtype. Without formats the result is
-torch's math backend's, bit for bit.
+torch's math backend's, bit for bit, for float32 and float64 inputs (torch computes 16-bit ones
+in float32).
 
 ``nn.MultiheadAttention`` runs torch's own ``F.multi_head_attention_forward`` with this mode
 active inside it (the function otherwise hands itself to the mode whole), so its projections are
