@@ -51,7 +51,8 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
     plan = Plan(*plan_rounding(fmt, rounding, overflow, subnormals, sr_bits, x.dtype,
                                None if out is None else out.dtype, out_dtype, grad_fmt,
                                grad_rounding))
-    offset = as_int64(check_uint64(offset, "offset"))
+    if not (type(offset) is int and 0 <= offset < 2**63):  # (the common case needs no conversion)
+        offset = as_int64(check_uint64(offset, "offset"))
     counts = stats.counts if stats is not None else None
     if not plan.s2fp8 and runs_natively(x, out):
         # Eager, plain tensors, nothing to record: the operator's own implementation, called
@@ -60,8 +61,15 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
             seed = stochastic_seed(seed, generator)  # (the words lowfp::draw_seed would draw)
         else:
             seed = 0 if seed is None else check_uint64(seed, "seed")
+        args = plan.native + (seed, offset & _U64)
+        if out is None and x.is_contiguous():  # the common case: one pointer call, no layout work
+            y = new_output(x, plan.dtype)
+            mod, device, stream = backends.native(x, "x")
+            mod.quantize(x.data_ptr(), DTYPE_CODES[x.dtype], y.data_ptr(), DTYPE_CODES[y.dtype],
+                         x.numel(), *args, 0 if counts is None else counts.data_ptr(), device, stream)
+            return y, None
         y = out if out is not None else new_output(x, plan.dtype, torch.preserve_format)
-        run_rounding(x, y, plan.native + (seed, offset & _U64), plan.rounding != "stochastic", counts)
+        run_rounding(x, y, args, plan.rounding != "stochastic", counts)
         return y, None
     seed, drawn = call_seed(plan.rounding, seed, generator)
     common = (plan.rounding, plan.sr_bits, seed, drawn, offset)
