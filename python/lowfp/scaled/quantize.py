@@ -8,6 +8,7 @@ by element index in that layout (the tensor's own row-major order when the block
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -26,6 +27,7 @@ from .config import RULE_CODES, Scaled, to_scaled
 __all__ = ["ScaledStats", "ScaledParts", "quantize_scaled", "encode", "hadamard", "hadamard_signs"]
 
 _U64 = (1 << 64) - 1
+_NO_SCALE_FORMAT = Format(2, 1)  # what the kernel is passed for E8M0 scales, which have no format
 _OVERFLOW_CODES = {name: i for i, name in enumerate(OVERFLOW_POLICIES)}
 
 lib = torch.library.Library("lowfp", "FRAGMENT")
@@ -98,6 +100,20 @@ def _spec(f: Format):
     return f.e, f.m, f.b, SPECIALS.index(f.specials), f.subnormals
 
 
+@functools.lru_cache(maxsize=256)
+def _parsed(fmt: str) -> Scaled:
+    """An operator call's format string, parsed once."""
+    return Scaled.parse(fmt)
+
+
+@functools.lru_cache(maxsize=256)
+def _format_args(scaled: Scaled) -> tuple:
+    """The kernel's arguments for the element format, the scale rule, the scale format and the
+    tensor scale (spread around the rounding arguments in its signature)."""
+    return (_spec(scaled.element), RULE_CODES[scaled.scale_rule],
+            _spec(scaled.scale_format or _NO_SCALE_FORMAT), scaled.tensor_scale)
+
+
 def _writes_directly(out: torch.Tensor, xm: torch.Tensor, move) -> bool:
     """Whether the kernel can write into ``out`` itself: contiguous in the kernel's layout, and
     either x itself (each element is read before it is written) or apart from x's memory."""
@@ -109,7 +125,7 @@ def _writes_directly(out: torch.Tensor, xm: torch.Tensor, move) -> bool:
 
 
 def _impl(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, parts, out=None):
-    scaled = Scaled.parse(fmt)
+    scaled = _parsed(fmt)
     rows, cols, brows, bcols, move = _layout(tuple(x.shape), scaled)
     xm = (x if move is None else x.movedim(move, -1)).contiguous()
     direct = out is not None and _writes_directly(out, xm, move)
@@ -122,11 +138,11 @@ def _impl(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, 
     if xm.numel():
         mod, device, stream = backends.native(xm, "x")
         key = (int(drawn_seed[0]) | (int(drawn_seed[1]) << 32)) if drawn_seed is not None else seed & _U64
-        sf = scaled.scale_format or Format(2, 1)  # (unused for e8m0)
+        element, rule, scale_format, with_tensor_scale = _format_args(scaled)
         mod.scaled_quantize(xm.data_ptr(), DTYPE_CODES[xm.dtype], y.data_ptr(), rows, cols, brows, bcols,
-                            *_spec(scaled.element), _OVERFLOW_CODES[overflow],
+                            *element, _OVERFLOW_CODES[overflow],
                             ROUNDING_MODES.index(rounding), sr_bits, key, offset & _U64,
-                            RULE_CODES[scaled.scale_rule], *_spec(sf), scaled.tensor_scale,
+                            rule, *scale_format, with_tensor_scale,
                             scales.data_ptr(), q.data_ptr() if parts else 0, tensor_scale.data_ptr(),
                             counts.data_ptr() if count else 0, device, stream)
     scales = _scales_shape(scales, xm.shape, scaled, move)
