@@ -192,6 +192,14 @@ def call_seed(rounding: str, seed, generator) -> Tuple[int, Optional[torch.Tenso
     return as_int64(stochastic_seed(seed, generator)), None
 
 
+def eager_seed(rounding: str, seed, generator) -> int:
+    """The uint64 Philox key of a call that runs natively (runs_natively): call_seed's key, with
+    a stochastic call's draw made here (the words lowfp::draw_seed would draw)."""
+    if rounding == "stochastic":
+        return stochastic_seed(seed, generator)
+    return 0 if seed is None else check_uint64(seed, "seed")
+
+
 def as_int64(value: int) -> int:
     """The int64 with the bits of a uint64 (operator schemas carry int64)."""
     return value - (1 << 64) if value >= 1 << 63 else value
@@ -293,6 +301,17 @@ def run_rounding(x: torch.Tensor, y: torch.Tensor, args: tuple, index_free: bool
     return run_elementwise(x, y, lambda src, dst: mod.quantize(
         src.data_ptr(), DTYPE_CODES[src.dtype], dst.data_ptr(), DTYPE_CODES[dst.dtype], src.numel(),
         *args, counts_ptr, device, stream), index_free)
+
+
+def round_dense(x: torch.Tensor, y: torch.Tensor, args: tuple,
+                counts: Optional[torch.Tensor]) -> torch.Tensor:
+    """One pointer call rounding x into y, which share a dense layout and no memory (a new y):
+    element i of both buffers is the same element. args: format_args, seed, offset."""
+    mod, device, stream = backends.native(x, "x")
+    code = DTYPE_CODES[x.dtype]
+    mod.quantize(x.data_ptr(), code, y.data_ptr(), DTYPE_CODES[y.dtype], x.numel(), *args,
+                 0 if counts is None else counts.data_ptr(), device, stream)
+    return y
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

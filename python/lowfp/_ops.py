@@ -92,7 +92,7 @@ def _key(seed: int, drawn_seed: Optional[torch.Tensor]) -> int:
     return seed & _U64
 
 
-def call_for(fmt: str, rounding: str, sr_bits: int, seed: int, drawn_seed, offset: int) -> NativeCall:
+def _call(fmt: str, rounding: str, sr_bits: int, seed: int, drawn_seed, offset: int) -> NativeCall:
     """The native request of an operator call's arguments."""
     return NativeCall(_precision(fmt), ROUNDING_MODES.index(rounding), sr_bits,
                       _key(seed, drawn_seed), offset & _U64)
@@ -113,12 +113,12 @@ def _quantize_impl(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype, c
                    grad_rounding):
     counts = _counts(x, count)
     y = run_quantize(x, new_output(x, dtype, torch.preserve_format),
-                     call_for(fmt, rounding, sr_bits, seed, drawn_seed, offset), counts if count else None)
+                     _call(fmt, rounding, sr_bits, seed, drawn_seed, offset), counts if count else None)
     return y, counts
 
 
 def _quantize_into_impl(x, out, fmt, rounding, sr_bits, seed, drawn_seed, offset, counts):
-    run_quantize(x, out, call_for(fmt, rounding, sr_bits, seed, drawn_seed, offset), counts)
+    run_quantize(x, out, _call(fmt, rounding, sr_bits, seed, drawn_seed, offset), counts)
 
 
 def s2fp8_stat_buffers(x: torch.Tensor):
@@ -132,14 +132,14 @@ def _s2fp8_impl(x, fmt, log_max, rounding, sr_bits, seed, drawn_seed, offset, co
     sums, params = s2fp8_stat_buffers(x)
     counts = _counts(x, count)
     y = run_s2fp8(x, new_output(x, x.dtype, torch.preserve_format), log_max,
-                  call_for(fmt, rounding, sr_bits, seed, drawn_seed, offset), sums, params,
+                  _call(fmt, rounding, sr_bits, seed, drawn_seed, offset), sums, params,
                   counts if count else None)
     return y, sums, params, counts
 
 
 def _s2fp8_into_impl(x, out, fmt, log_max, rounding, sr_bits, seed, drawn_seed, offset, sums,
                      params, counts):
-    run_s2fp8(x, out, log_max, call_for(fmt, rounding, sr_bits, seed, drawn_seed, offset), sums,
+    run_s2fp8(x, out, log_max, _call(fmt, rounding, sr_bits, seed, drawn_seed, offset), sums,
               params, counts)
 
 

@@ -241,9 +241,8 @@ def p3109(k: int, p: int, domain: str = "extended") -> Format:
     check_choice(domain, ("extended", "finite"), "domain")
     if not (2 <= k <= 16 and 1 <= p < k):
         raise ValueError(f"p3109 takes 2 <= k <= 16 and 1 <= p < k, got k={k}, p={p}")
-    fmt = fp(k - p, p - 1, 1, specials="p3109" if domain == "extended" else "fnuz",
-             overflow="inf" if domain == "extended" else "saturate")
-    return fmt
+    return fp(k - p, p - 1, 1, specials="p3109" if domain == "extended" else "fnuz",
+              overflow="inf" if domain == "extended" else "saturate")
 
 
 _P3109_NAME = re.compile(r"p3109_k(\d+)p(\d+)s([ef])")

@@ -14,7 +14,7 @@ from ._memory import new_output
 from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODES, NativeCall, Plan,
                       as_int64, call_seed, check_tensor_args, check_uint64, check_writable,
                       draw_seed, into_numpy_out, make_call, numpy_as_tensor, plan_rounding,
-                      run_rounding, runs_natively, stochastic_seed)
+                      eager_seed, round_dense, run_rounding, runs_natively)
 from ._dtensor import is_dtensor, round_dtensor
 from ._ops import s2fp8_stat_buffers
 from .formats import Format, S2FP8, as_text, to_precision
@@ -57,17 +57,9 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
     if not plan.s2fp8 and runs_natively(x, out):
         # Eager, plain tensors, nothing to record: the operator's own implementation, called
         # without the dispatcher's round trip (the same kernel, bits and counts).
-        if plan.rounding == "stochastic":
-            seed = stochastic_seed(seed, generator)  # (the words lowfp::draw_seed would draw)
-        else:
-            seed = 0 if seed is None else check_uint64(seed, "seed")
-        args = plan.native + (seed, offset & _U64)
+        args = plan.native + (eager_seed(plan.rounding, seed, generator), offset & _U64)
         if out is None and x.is_contiguous():  # the common case: one pointer call, no layout work
-            y = new_output(x, plan.dtype)
-            mod, device, stream = backends.native(x, "x")
-            mod.quantize(x.data_ptr(), DTYPE_CODES[x.dtype], y.data_ptr(), DTYPE_CODES[y.dtype],
-                         x.numel(), *args, 0 if counts is None else counts.data_ptr(), device, stream)
-            return y, None
+            return round_dense(x, new_output(x, plan.dtype), args, counts), None
         y = out if out is not None else new_output(x, plan.dtype, torch.preserve_format)
         run_rounding(x, y, args, plan.rounding != "stochastic", counts)
         return y, None
@@ -245,15 +237,11 @@ class Rounder:
             return y
         if not (x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))):
             x = x.contiguous()
-        y = torch.empty_like(x)  # same dense strides: element i of both buffers is the same element
         args = self._args
         if self.rounding == "stochastic":
             args = NativeCall(self._call.fmt, self._call.rounding, 32, draw_seed(), 0).args()
-        code = DTYPE_CODES[x.dtype]
-        counts = stats.counts.data_ptr() if stats is not None else 0
-        mod, device, stream = backends.native(x, "x")
-        mod.quantize(x.data_ptr(), code, y.data_ptr(), code, x.numel(), *args, counts, device, stream)
-        return y
+        # (empty_like: the same dense strides as x)
+        return round_dense(x, torch.empty_like(x), args, None if stats is None else stats.counts)
 
     def __repr__(self) -> str:
         return f"Rounder({self.precision}, {self.rounding!r}, overflow={self.overflow!r})"

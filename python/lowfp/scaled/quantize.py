@@ -19,7 +19,7 @@ from .._checks import check_choice
 from .._dtensor import is_dtensor
 from .._memory import new_output
 from .._native import (DTYPE_CODES, ROUNDING_MODES, as_int64, call_seed, check_tensor_args,
-                       check_uint64, runs_natively, stochastic_seed)
+                       check_uint64, eager_seed, runs_natively)
 from ..formats import OVERFLOW_POLICIES, SPECIALS, Format
 from ..stats import Stats
 from .config import RULE_CODES, Scaled, to_scaled
@@ -234,10 +234,7 @@ def _call(x, fmt: Scaled, rounding, overflow, seed, generator, offset, sr_bits, 
                          out)
     offset = as_int64(check_uint64(offset, "offset"))
     if runs_natively(x, out):  # the operator's implementation, without the dispatcher
-        if rounding == "stochastic":
-            seed = as_int64(stochastic_seed(seed, generator))  # (the words lowfp::draw_seed draws)
-        else:
-            seed = 0 if seed is None else as_int64(check_uint64(seed, "seed"))
+        seed = as_int64(eager_seed(rounding, seed, generator))
         res = _impl(x, str(fmt), rounding, overflow, sr_bits, seed, None, offset, count,
                     parts and out is None, out=out)
         return res[4] if out is not None else res
