@@ -25,6 +25,42 @@ void def_quantize(pybind11::module_& mod, Run run) {
     pybind11::gil_scoped_release release;
     run(call, reinterpret_cast<int64_t*>(counts), device, stream);
   });
+  // The element kernel's RoundParams of a request (same arguments as quantize, without the
+  // buffers), for lowfp's torch form of the rounding (python/lowfp/_torch_round.py), which
+  // must compute what round_bits computes from the same constants. Bit patterns are unsigned.
+  mod.def("round_params", [](int32_t x_dtype, int32_t y_dtype, int32_t e, int32_t m, int32_t b,
+                             int32_t specials, bool subnormals, int32_t overflow, int32_t rounding,
+                             int32_t sr_bits) {
+    const QuantizeRequest r{{e, m, b, Specials(specials), subnormals}, Overflow(overflow),
+                            Rounding(rounding), sr_bits, DType(x_dtype), DType(y_dtype), 0, 0};
+    const QuantizeCall call = make_quantize_call(r, nullptr, nullptr, 0, false);
+    pybind11::dict d;
+    auto fill = [&](const auto& p) {
+      d["normal_drop"] = p.normal_drop;
+      d["below_drop"] = p.below_drop;
+      d["emin"] = p.emin;
+      d["below_step"] = p.below_step;
+      d["max_bits"] = p.max_bits;
+      d["overflow_pos"] = p.overflow_pos;
+      d["overflow_neg"] = p.overflow_neg;
+      d["inf_stays_inf"] = p.inf_stays_inf;
+      d["no_negative_zero"] = p.no_negative_zero;
+      d["ties_away"] = p.ties_away;
+      d["parity_bias"] = p.parity_bias;
+      d["parity_mask"] = p.parity_mask;
+      d["away_pos"] = p.away_pos;
+      d["away_neg"] = p.away_neg;
+      d["sr_shift"] = p.sr_shift;
+      d["subnormal_exponent"] = p.subnormal_exponent;
+      d["fixed_drop"] = p.fixed_drop;
+    };
+    if (call.wide)
+      fill(call.p64);
+    else
+      fill(call.p32);
+    d["carrier_bits"] = call.wide ? 64 : 32;
+    return d;
+  });
 }
 
 // s2fp8(x_ptr, dtype, y_ptr, n, e, m, b, specials, subnormals, overflow, rounding, sr_bits, seed,

@@ -17,6 +17,7 @@ from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODE
                       eager_seed, round_dense, run_rounding, runs_natively)
 from ._dtensor import is_dtensor, round_dtensor
 from ._ops import s2fp8_stat_buffers
+from ._torch_round import register_inductor_decompositions
 from .formats import Format, S2FP8, as_text, to_precision
 from .scaled import quantize_scaled, to_scaled
 from .stats import S2FP8Stats, Stats
@@ -46,8 +47,10 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
                                     seed=seed, generator=generator, offset=offset,
                                     sr_bits=sr_bits, stats=stats, out=out, out_dtype=out_dtype,
                                     grad_fmt=grad_fmt, grad_rounding=grad_rounding)
-    if torch.compiler.is_compiling():  # a format built inside traced code reaches the plan as text
+    compiling = torch.compiler.is_compiling()
+    if compiling:  # a format built inside traced code reaches the plan as text
         fmt, grad_fmt = as_text(fmt), as_text(grad_fmt)
+        register_inductor_decompositions()
     plan = Plan(*plan_rounding(fmt, rounding, overflow, subnormals, sr_bits, x.dtype,
                                None if out is None else out.dtype, out_dtype, grad_fmt,
                                grad_rounding))
@@ -66,7 +69,7 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
     seed, drawn = call_seed(plan.rounding, seed, generator)
     common = (plan.rounding, plan.sr_bits, seed, drawn, offset)
     if not plan.s2fp8:
-        if out is not None:
+        if out is not None and not compiling:
             torch.ops.lowfp.quantize_into(x, out, plan.fmt, *common, counts)
             return out, None
         y, new_counts = torch.ops.lowfp.quantize(x, plan.fmt, *common, plan.dtype, counts is not None,
@@ -81,6 +84,8 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
             plan.grad_rounding)
     if counts is not None:
         counts.add_(new_counts)
+    if out is not None:  # compiled: the functional operator (which Inductor fuses), then a copy
+        return out.copy_(y), None
     return y, (S2FP8Stats(sums, params, x.numel()) if plan.s2fp8 else None)
 
 
@@ -229,6 +234,7 @@ class Rounder:
                 return round_tensor(x, self.precision, self.rounding, overflow=self.overflow,
                                     stats=stats)[0]
         if torch.compiler.is_compiling():  # the operator: a graph node instead of a pointer call
+            register_inductor_decompositions()
             drawn = torch.ops.lowfp.draw_seed() if self.rounding == "stochastic" else None
             y, counts = torch.ops.lowfp.quantize(x, self._fmt, self.rounding, 32, 0, drawn, 0, x.dtype,
                                                  stats is not None, None, "nearest")

@@ -1,0 +1,252 @@
+"""lowfp's rounding to a format written in torch operations, so that torch.compile fuses it.
+
+Under ``torch.compile`` with Inductor, ``lowfp::quantize`` is decomposed into the functions here
+(docs/design.md §3.1): Inductor then generates the rounding inside its own kernels, fused with
+the operations that produce and consume the tensor, instead of calling lowfp's native kernel
+from Python. Eager code, ``torch.export`` and other backends keep the operator.
+
+Bit for bit the native kernels' results and counts: the functions compute, operation for
+operation, what ``round_bits`` (cpp/include/lowfp/round.hpp) and Philox4x32-10
+(cpp/include/lowfp/philox.hpp) compute, from the same constants (``lowfp._C.round_params``, the
+kernel's own RoundParams). The carrier's bits travel in int64 lanes as their signed value (the
+float32 carrier's int32 sign-extended); every intermediate stays below 2^63, so no operation
+depends on how a backend wraps.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Tuple
+
+import torch
+
+from ._native import DTYPE_CODES, ROUNDING_MODES, format_args
+from .formats import Format
+
+__all__ = ["quantize", "philox_block_words", "philox_words", "register_inductor_decompositions"]
+
+_MASK32 = 0xFFFFFFFF
+_PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+_PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+
+
+class _Carrier:
+    """A binary floating-point carrier as round.hpp's CarrierTraits states it."""
+
+    def __init__(self, float_dtype, int_dtype, mant_bits, exp_bias, max_shift):
+        self.float_dtype, self.int_dtype = float_dtype, int_dtype
+        self.bits = torch.finfo(float_dtype).bits
+        self.mant_bits, self.exp_bias = mant_bits, exp_bias
+        # round_bits clamps shifts at the lane width minus one; int64 lanes hold 1 << 62 at most.
+        # Every shift past the significand (53 bits at most) behaves alike, so 62 is the same.
+        self.max_shift = min(max_shift, 62)
+        self.sign = 1 << (self.bits - 1)
+        self.inf = ((1 << (self.bits - 1 - mant_bits)) - 1) << mant_bits
+        self.mant_mask = (1 << mant_bits) - 1
+
+    def signed(self, pattern: int) -> int:
+        """An unsigned bit pattern as the lane's signed value."""
+        return pattern - (1 << self.bits) if pattern >= self.sign else pattern
+
+
+_FLOAT32 = _Carrier(torch.float32, torch.int32, 23, 127, 31)
+_FLOAT64 = _Carrier(torch.float64, torch.int64, 52, 1023, 63)
+
+
+@functools.lru_cache(maxsize=None)
+def _round_params(fmt: str, rounding: str, sr_bits: int, x_dtype: torch.dtype,
+                  y_dtype: torch.dtype) -> dict:
+    from . import _C
+    args = format_args(Format.parse(fmt), ROUNDING_MODES.index(rounding), sr_bits)
+    return _C.round_params(DTYPE_CODES[x_dtype], DTYPE_CODES[y_dtype], *args)
+
+
+def philox_block_words(block: torch.Tensor, key, offset: int):
+    """The four words of Philox4x32-10 block ``offset + block`` under ``key`` (a uint64 int,
+    or a pair of int64 tensors [lo, hi]): four int64 tensors holding uint32 values."""
+    low = (offset & _MASK32) + (block & _MASK32)
+    c0 = low & _MASK32
+    c1 = ((offset >> 32) + (block >> 32) + (low >> 32)) & _MASK32
+    if isinstance(key, int):
+        k0, k1 = key & _MASK32, key >> 32
+    else:
+        k0, k1 = key
+    # Round 1 by hand: the counter's upper words are 0, so the second product is 0.
+    hi0, lo0 = _mulhilo(_PHILOX_M0, c0)
+    c0, c1, c2, c3 = c1 ^ k0, torch.zeros_like(c0), hi0 ^ k1, lo0
+    for r in range(9):
+        if r % 3 == 2:
+            c0, c1, c2, c3 = (_stored(c) for c in (c0, c1, c2, c3))
+        k0, k1 = (k0 + _PHILOX_W0) & _MASK32, (k1 + _PHILOX_W1) & _MASK32
+        hi0, lo0 = _mulhilo(_PHILOX_M0, c0)
+        hi1, lo1 = _mulhilo(_PHILOX_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def _stored(t: torch.Tensor) -> torch.Tensor:
+    """t, which Inductor computes into a buffer (as_strided needs one) instead of inlining its
+    expression into each use; a buffer used only inside one generated kernel stays in it."""
+    return torch.as_strided(t, t.shape, t.stride())
+
+
+def philox_words(shape: torch.Size, device, key, offset: int) -> torch.Tensor:
+    """The random word of each element of a tensor of ``shape`` (int64 holding a uint32):
+    element i (row-major) takes word ``i mod 4`` of block ``offset + i div 4``."""
+    n = 1
+    for size in shape:
+        n *= size
+    blocks = (n + 3) // 4
+    words = torch.stack(philox_block_words(
+        torch.arange(blocks, device=device, dtype=torch.int64), key, offset), dim=-1)
+    # Stored as int32 (each block's four words computed once, not once per element): as_strided
+    # makes Inductor write them to a buffer. Inlined into the rounding instead, the ten rounds'
+    # shared terms would be expanded as a tree while Inductor lowers the graph, which takes
+    # minutes.
+    words = (words - ((words >> 31) << 32)).to(torch.int32)
+    words = torch.as_strided(words, (blocks * 4,), (1,))
+    return (words[:n].to(torch.int64) & _MASK32).view(shape)
+
+
+def _mulhilo(m: int, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """hi, lo of the 64-bit product of the constant m and 32-bit words x. An int64 lane cannot
+    hold m x, but holds p = x (m - 2^32) (|p| < 2^62 for lowfp's two multipliers), and
+    m x = p + x 2^32: the low word is p's, the high word p's arithmetic upper half plus x."""
+    p = x * (m - (1 << 32))
+    return (p >> 32) + x, p & _MASK32
+
+
+def _round_magnitude(a: torch.Tensor, negative: torch.Tensor, p: dict, c: _Carrier, kind: str,
+                     rand: Optional[torch.Tensor]) -> torch.Tensor:
+    """round_bits' rounded magnitude of the carrier magnitudes a (int64, sign cleared)."""
+    ex = a >> c.mant_bits
+    e_eff = torch.clamp_min(ex, 1) - c.exp_bias
+    normal = ex != 0
+    sig = (a & c.mant_mask) | (normal.to(torch.int64) << c.mant_bits)
+    e_true = e_eff
+    if p["subnormal_exponent"]:  # the leading bit of a carrier subnormal, by exact conversion
+        lead = (sig.to(c.float_dtype).view(c.int_dtype).to(torch.int64) >> c.mant_bits) - c.exp_bias
+        e_true = torch.where(normal, e_eff, e_eff - c.mant_bits + lead)
+    if p["fixed_drop"]:
+        d = dm = p["normal_drop"]
+        unit = 1 << dm
+    else:
+        emin = p["emin"]
+        d = torch.where(e_true < emin, p["below_drop"] + (emin - e_eff),
+                        p["normal_drop"] + (e_true - e_eff))
+        dm = torch.clamp_max(d, c.max_shift)
+        unit = torch.ones_like(dm) << dm
+    trunc = sig >> dm
+    rem = sig & (unit - 1)
+
+    if kind == "nearest":
+        if p["parity_mask"] != 0:
+            odd = trunc
+        else:  # m = 0: the even neighbour is the one with an even exponent code
+            odd = trunc & (e_true + p["parity_bias"])
+        tie_up = (odd | int(p["ties_away"])) & 1
+        up = ((rem << 1) + tie_up > unit).to(torch.int64)
+    elif kind == "directed":
+        if p["away_pos"] == p["away_neg"]:
+            up = (rem != 0).to(torch.int64) * int(p["away_pos"])
+        else:
+            away = torch.where(negative, int(p["away_neg"]), int(p["away_pos"]))
+            up = (rem != 0).to(torch.int64) & away
+    else:
+        r_bits = 32 - p["sr_shift"]
+        if p["fixed_drop"]:
+            threshold = rem << (r_bits - d) if d <= r_bits else rem >> (d - r_bits)
+        else:
+            widened = rem << torch.clamp(r_bits - d, 0, c.max_shift)
+            narrowed = rem >> torch.clamp(d - r_bits, 0, c.max_shift)
+            threshold = torch.where(d <= r_bits, widened, narrowed)
+        up = ((rand >> p["sr_shift"]) < threshold).to(torch.int64)
+
+    stepped = (a & ~(unit - 1)) + (up << dm)
+    if p["fixed_drop"]:
+        return stepped
+    return torch.where(d <= c.mant_bits, stepped, up * p["below_step"])
+
+
+def _round_bits(bits: torch.Tensor, p: dict, c: _Carrier, kind: str, rand):
+    """round_bits and rounded_result: the result's bits and the (above_max, underflow, nan)
+    events of the carrier values ``bits`` (int64 lanes, signed)."""
+    negative = bits < 0
+    a = bits & (c.sign - 1)
+    mag = _round_magnitude(a, negative, p, c, kind, rand)
+    nan = a > c.inf
+    above_max = mag > p["max_bits"]
+    underflow = (a != 0) & (mag == 0)
+    sign = negative.to(torch.int64) * c.signed(c.sign)  # the sign bit as a signed lane value
+    if p["no_negative_zero"]:
+        sign = torch.where(mag == 0, 0, sign)
+    rounded = sign | mag
+    overflowed = torch.where(negative, c.signed(p["overflow_neg"]), c.signed(p["overflow_pos"]))
+    if p["inf_stays_inf"]:
+        overflowed = torch.where(a == c.inf, bits, overflowed)
+    result = torch.where(nan, bits, torch.where(above_max, overflowed, rounded))
+    return result, above_max, underflow, nan
+
+
+def _to_storage(result: torch.Tensor, c: _Carrier, dtype: torch.dtype) -> torch.Tensor:
+    """The carrier bits ``result`` as a tensor of ``dtype``, as the kernels store them
+    (half.hpp): values convert exactly; a NaN keeps its sign, and bfloat16 its upper payload,
+    quieted (torch's own float32-to-bfloat16 conversion makes every NaN +NaN)."""
+    if c.bits == 32 and dtype in (torch.float16, torch.bfloat16):
+        nan = (result & 0x7FFFFFFF) > c.inf
+        upper = (result >> 16) & 0xFFFF
+        if dtype == torch.bfloat16:  # truncation is exact for the values the rounding gives
+            bits = torch.where(nan, upper | 0x0040, upper)
+        else:
+            y = result.to(torch.int32).view(torch.float32).to(dtype)
+            bits = torch.where(nan, (upper & 0x8000) | 0x7E00, y.view(torch.int16).to(torch.int64))
+        return (bits - ((bits >> 15) << 16)).to(torch.int16).view(dtype)
+    return result.to(c.int_dtype).view(c.float_dtype).to(dtype)
+
+
+def quantize(x: torch.Tensor, fmt: str, rounding: str, sr_bits: int, seed: int,
+             drawn_seed: Optional[torch.Tensor], offset: int, dtype: torch.dtype,
+             count: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``lowfp::quantize``'s result and counts in torch operations (the arguments are the
+    operator's; docs/design.md §3)."""
+    p = _round_params(fmt, rounding, sr_bits, x.dtype, dtype)
+    c = _FLOAT64 if p["carrier_bits"] == 64 else _FLOAT32
+    bits = x.to(c.float_dtype).view(c.int_dtype).to(torch.int64)
+    rand = None
+    kind = {"nearest": "nearest", "nearest_away": "nearest", "stochastic": "stochastic"}.get(
+        rounding, "directed")
+    if kind == "stochastic":
+        key = seed & ((1 << 64) - 1) if drawn_seed is None else (drawn_seed[0], drawn_seed[1])
+        rand = philox_words(x.shape, x.device, key, offset & ((1 << 64) - 1))
+    result, above_max, underflow, nan = _round_bits(bits, p, c, kind, rand)
+    y = _to_storage(result, c, dtype)
+    if not count:
+        return y, x.new_empty(0, dtype=torch.int64)
+    counts = torch.stack([(above_max & ~nan).sum(), underflow.sum(), nan.sum(),
+                          torch.full((), x.numel(), dtype=torch.int64, device=x.device)])
+    return y, counts
+
+
+_registered = False
+
+
+@torch.compiler.assume_constant_result  # runs at trace time, outside the traced code
+def register_inductor_decompositions() -> bool:
+    """Make Inductor decompose ``lowfp::quantize`` into :func:`quantize` (once per process).
+
+    Called while tracing, by the functions that put the operator in a graph: importing Inductor
+    costs seconds, which eager users should not pay."""
+    global _registered
+    if not _registered:
+        from torch._inductor import decomposition
+
+        def quantize_decomposition(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype,
+                                   count, grad_fmt, grad_rounding):
+            return quantize(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype, count)
+
+        decomposition.register_decomposition(torch.ops.lowfp.quantize.default)(
+            quantize_decomposition)
+        # Inductor caches its table merged with its random-op decompositions: rebuild it.
+        decomposition.fast_random_decomps.cache_clear()
+        _registered = True
+    return True

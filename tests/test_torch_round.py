@@ -1,0 +1,203 @@
+"""The torch form of the rounding (lowfp._torch_round), which Inductor compiles in place of
+lowfp::quantize: the same bits and counts as the native kernels for every format family, mode,
+carrier and boundary, the same Philox words, and compiled code that holds no lowfp operator."""
+
+import itertools
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import lowfp
+from lowfp import _C
+from lowfp._torch_round import philox_block_words, philox_words, quantize as torch_quantize
+
+FORMATS = ["fp(4,3,4)", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "fp(5,0,3)",
+           "fp(2,1,0)", "fp(8,3,1)", "fp(6,5,-20)", "bfloat16", "float16", "p3109_k8p3se",
+           "p3109_k8p1sf", "fp(3,2,0,subnormals=False)", "fp(5,2,0,overflow='nan')",
+           "fp(4,3,4,overflow='inf')", "fp(11,40,0,specials='ieee')", "fp(10,30,-100)"]
+MODES = ["nearest", "nearest_away", "toward_zero", "up", "down", "stochastic"]
+U64 = (1 << 64) - 1
+
+
+def boundary_values(fmt: lowfp.Format, dtype: torch.dtype) -> torch.Tensor:
+    """Values around every interesting point of the format: grid points, midpoints and their
+    carrier neighbours, max and beyond, the subnormal range, zeros, infinities and NaN."""
+    g = torch.Generator().manual_seed(0)
+    wide = torch.float64
+    pts = [0.0, fmt.max, fmt.max * 1.0625, fmt.max * 2, 2.0 ** fmt.emin,
+           2.0 ** (fmt.emin - fmt.m), 2.0 ** (fmt.emin - fmt.m - 1), 1.0, 1.5, 3.0,
+           float("inf"), float("nan")]
+    for e in range(max(fmt.emin - fmt.m - 3, -1070), min(fmt.emax + 2, 1020)):
+        step = 2.0 ** (e - fmt.m)
+        for k in range(0, 2 ** min(fmt.m, 3) + 1):
+            pts += [2.0 ** e + k * step, 2.0 ** e + (k + 0.5) * step]
+    base = torch.tensor(pts, dtype=wide)
+    base = base[torch.isnan(base) | (base.abs() <= torch.finfo(dtype).max) | torch.isinf(base)]
+    base = base.to(dtype)
+    finite = base.isfinite()
+    bits_dtype = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
+                  torch.float32: torch.int32, torch.float64: torch.int64}[dtype]
+    b = base.view(bits_dtype)
+    neighbours = [b, (b + 1).view(dtype)[finite], (b - 1).view(dtype)[finite & (base != 0)]]
+    vals = torch.cat([neighbours[0].view(dtype)] + neighbours[1:])
+    rand = torch.randn(2000, generator=g, dtype=wide) * torch.exp2(
+        torch.randint(fmt.emin - fmt.m - 4, fmt.emax + 3, (2000,), generator=g).to(wide))
+    rand = rand[rand.abs() <= torch.finfo(dtype).max].to(dtype)
+    vals = torch.cat([vals, rand])
+    return torch.cat([vals, -vals])
+
+
+def native(x, fmt, rounding, seed, offset, dtype, sr_bits=32):
+    stats = lowfp.Stats()
+    y = lowfp.quantize(x, fmt, rounding, seed=seed if rounding == "stochastic" else None,
+                       offset=offset, sr_bits=sr_bits, stats=stats, out_dtype=dtype)
+    return y, stats.counts
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.view(ints), b.view(ints))
+
+
+def fits(fmt: lowfp.Format, dtype) -> bool:
+    return not fmt.fit_error(dtype)
+
+
+@pytest.mark.parametrize("fmt_text", FORMATS)
+def test_every_mode_and_carrier_equals_the_native_kernel(fmt_text):
+    fmt = lowfp.Format.parse(fmt_text)
+    checked = 0
+    for dtype, mode in itertools.product(
+            (torch.float16, torch.bfloat16, torch.float32, torch.float64), MODES):
+        out_dtype = dtype if fits(fmt, dtype) else torch.float64
+        if not fits(fmt, out_dtype):
+            continue
+        x = boundary_values(fmt, dtype)
+        seed, offset = 0x0123456789ABCDEF, 2**64 - 7  # block indices wrap past 2^64
+        for sr_bits in ((32, 5) if mode == "stochastic" else (32,)):
+            want, want_counts = native(x, fmt, mode, seed, offset, out_dtype, sr_bits)
+            have, have_counts = torch_quantize(x, str(fmt), mode, sr_bits, seed, None, offset,
+                                               out_dtype, True)
+            assert same_bits(have, want), (dtype, mode, sr_bits)
+            assert torch.equal(have_counts, want_counts), (dtype, mode, sr_bits)
+            checked += 1
+    assert checked >= 6
+
+
+def test_stochastic_words_follow_the_drawn_seed_tensor():
+    x = torch.randn(1000, dtype=torch.float32)
+    key = 0xFEDCBA9876543210
+    drawn = torch.tensor([key & 0xFFFFFFFF, key >> 32], dtype=torch.int64)
+    have, _ = torch_quantize(x, "fp(3,2,0)", "stochastic", 32, 0, drawn, 12, x.dtype, False)
+    want = lowfp.quantize(x, "fp(3,2,0)", "stochastic", seed=key, offset=12)
+    assert same_bits(have, want)
+
+
+def test_philox_words_equal_the_known_answer_function():
+    blocks = torch.tensor([0, 1, 2, 2**32 - 1, 2**32, 2**40 + 5, 2**62 - 1], dtype=torch.int64)
+    for key, offset in ((0, 0), (U64, U64), (0x243F6A8885A308D3, 2**63 + 11)):
+        words = torch.stack(philox_block_words(blocks, key, offset), dim=-1).tolist()
+        for b, got in zip(blocks.tolist(), words):
+            block = (offset + b) & U64
+            want = _C.philox4x32_10(block & 0xFFFFFFFF, block >> 32, 0, 0, key & 0xFFFFFFFF,
+                                    key >> 32)
+            assert tuple(got) == want, (key, offset, b)
+    # Element i takes word i mod 4 of block offset + i div 4, whatever the shape.
+    flat = philox_words(torch.Size([23]), "cpu", 5, 9).tolist()
+    shaped = philox_words(torch.Size([23, 1]), "cpu", 5, 9)
+    assert shaped.flatten().tolist() == flat
+    for i, w in enumerate(flat):
+        assert w == _C.philox4x32_10(9 + i // 4, 0, 0, 0, 5, 0)[i % 4]
+
+
+def test_non_contiguous_inputs_draw_by_the_logical_index():
+    x = torch.randn(64, 48).t()[::2]
+    y, _ = torch_quantize(x, "fp(4,3,4)", "stochastic", 32, 99, None, 5, x.dtype, False)
+    assert same_bits(y, lowfp.quantize(x, "fp(4,3,4)", "stochastic", seed=99, offset=5))
+
+
+def _compiled_code(fn, *args):
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="inductor")
+    result, code = run_and_get_code(compiled, *args)
+    return result, "\n".join(code)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_compiled_rounding_is_fused_into_inductors_kernel(mode):
+    """No lowfp operator in the generated code, the rounding inside the kernel that also
+    computes its producer and consumer, and the native result."""
+    x = torch.randn(3, 1000) * 50
+
+    def f(t, stats):
+        return lowfp.quantize(torch.sin(t) * 300, "float8_e4m3fn", mode, seed=7,
+                              stats=stats).relu()
+
+    stats = lowfp.Stats()
+    got, code = _compiled_code(f, x, stats)
+    assert "lowfp" not in code
+    # One generated kernel: the sine, the rounding, its counts and the relu.
+    assert code.count("async_compile.cpp_pybinding") == 1 and "cpp_fused" in code
+    assert ".sin()" in code
+    want_stats = lowfp.Stats()
+    want = f(x, want_stats)
+    assert same_bits(got, want)
+    assert torch.equal(stats.counts, want_stats.counts) and want_stats.numel == x.numel()
+
+
+def test_compiled_out_and_in_place_forms_equal_eager():
+    x = torch.randn(513) * 100
+
+    def f(t, out, stats):
+        lowfp.quantize(t, "fp(5,2,0)", "up", out=out, stats=stats)
+        u = t.clone()
+        lowfp.quantize_(u, "fp(4,3,4)", "stochastic", seed=3, stats=stats)
+        return u
+
+    outs, stats = [torch.empty(513), torch.empty(513)], [lowfp.Stats(), lowfp.Stats()]
+    want = f(x, outs[0], stats[0])
+    got, code = _compiled_code(f, x, outs[1], stats[1])
+    assert "lowfp" not in code
+    assert same_bits(got, want) and same_bits(outs[1], outs[0])
+    assert torch.equal(stats[0].counts, stats[1].counts)
+
+
+def test_compiled_gradient_rounding_is_fused_too():
+    x = torch.randn(300, requires_grad=True)
+
+    def f(t):
+        y = lowfp.quantize(t * 2, "fp(4,3,4)", grad_fmt="float8_e5m2", grad_rounding="down")
+        return (y * torch.linspace(-1e4, 1e4, 300)).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    (loss, code) = run_and_get_code(lambda t: compiled(t).backward(), x)
+    got = x.grad.clone()
+    x.grad = None
+    f(x).backward()
+    assert "lowfp" not in "\n".join(code)
+    assert same_bits(got, x.grad)
+
+
+@pytest.mark.slow
+def test_all_float32_patterns_compiled_equal_native():
+    """Every float32 bit pattern through the Inductor-compiled rounding (CPU backend), nearest,
+    with counts, for fp(4,3,4), float8_e4m3fn and float8_e5m2, against the native kernel."""
+    names = ("fp(4,3,4)", "float8_e4m3fn", "float8_e5m2")
+    chunk = 1 << 26
+
+    def round_all(t, stats):
+        return [lowfp.quantize(t, name, stats=s) for name, s in zip(names, stats)]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(round_all, fullgraph=True, dynamic=False)
+    base = torch.arange(chunk, dtype=torch.int32)
+    for lo in range(-(1 << 31), 1 << 31, chunk):
+        x = (base + lo).view(torch.float32)
+        native_stats = [lowfp.Stats() for _ in names]
+        fused_stats = [lowfp.Stats() for _ in names]
+        for name, want, have in zip(names, round_all(x, native_stats), compiled(x, fused_stats)):
+            assert torch.equal(want.view(torch.int32), have.view(torch.int32)), (name, lo)
+        for name, s_native, s_fused in zip(names, native_stats, fused_stats):
+            assert torch.equal(s_native.counts, s_fused.counts), (name, lo)
