@@ -8,13 +8,14 @@ A step is forward, cross-entropy, backward and an SGD step.
 Strategies: a residual CNN and a small Transformer (nn.MultiheadAttention) on 8×8 one-channel
 images (the digits data of `lowfp train`) and on 32×32 three-channel images (CIFAR-sized), each
 under the `uniform` and `ours(r=0.5)` assignments and, as a floor for the interception itself,
-`fp32` (every operator seen, nothing rounded). Target: emulated step ≤ 3× the plain step on the
-CPU.
+`fp32` (every operator seen, nothing rounded). Target: emulated step ≤ 1.5× the plain step on
+the CPU, ≤ 1.3× on a GPU.
 
 torch.compile: ResNet-18 on 32×32 images and a small GPT (4 blocks, width 128, 64 tokens), each
 plain, compiled plain, emulated (ours(r=0.5)) and compiled inside the emulation, the pairs compared
-timed in interleaved rounds. Targets: compiled emulated ≤ eager emulated, and ≤ 1.5× compiled
-plain.
+timed in interleaved rounds. Targets: compiled emulated ≤ eager emulated, and ≤ 1.2× compiled
+plain on the CPU (≤ 1.1× on a GPU): under Inductor the roundings are generated inside its own
+kernels (docs/design.md §3.1).
 """
 
 import argparse
@@ -179,13 +180,13 @@ def main(argv=None):
     if not args.compile_only:
         result["rows"] = rows = run(device, args.repeats)
         print(table(rows))
-        print("(×: emulated step time / plain step time, best of", args.repeats, "; target ≤ 3× on CPU)")
+        print("(×: emulated step time / plain step time, best of", args.repeats, "; target ≤ 1.5× on CPU, 1.3× on GPU)")
     if not args.no_compile:
         result["compile_rows"] = rows = run_compile(device, args.repeats)
         print(compile_table(rows))
         print("(best of", args.repeats, "interleaved rounds; c.em/em: compiled emulated / emulated, target ≤ 1,",
               "of the best steps and, paired, the median over rounds; c.em/compiled: compiled emulated /",
-              "compiled plain, target ≤ 1.5; graphs: Dynamo graphs of the compiled emulated model)")
+              "compiled plain, target ≤ 1.2 on CPU, 1.1 on GPU; graphs: Dynamo graphs of the compiled emulated model)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
