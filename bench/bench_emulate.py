@@ -84,7 +84,7 @@ def run(device: torch.device, repeats: int):
     return rows
 
 
-def run_compile(device: torch.device, repeats: int):
+def run_compile(device: torch.device, repeats: int, cases=COMPILE_CASES):
     """Plain, compiled plain, emulated and compiled emulated steps of COMPILE_CASES. Each pair that
     is compared is timed in interleaved rounds (time_rounds: plain with compiled plain, then
     emulated with compiled emulated), so that both sides of a ratio meet the same interference;
@@ -92,7 +92,7 @@ def run_compile(device: torch.device, repeats: int):
     import torch._dynamo
     once = _once_cuda if device.type == "cuda" else _once_cpu
     rows = []
-    for name, make, n, inputs in COMPILE_CASES:
+    for name, make, n, inputs in cases:
         torch.manual_seed(0)
         model = make().to(device)
         x, y = inputs(n, device)
@@ -173,6 +173,9 @@ def main(argv=None):
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--no-compile", action="store_true", help="skip the torch.compile table")
     which.add_argument("--compile-only", action="store_true", help="only the torch.compile table")
+    ap.add_argument("--compile-case", action="append",
+                    help="run only this torch.compile case (repeatable): " +
+                    ", ".join(name for name, *_ in COMPILE_CASES))
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     print(machine_description() if device.type == "cpu" else torch.cuda.get_device_name(device))
@@ -182,7 +185,10 @@ def main(argv=None):
         print(table(rows))
         print("(×: emulated step time / plain step time, best of", args.repeats, "; target ≤ 1.5× on CPU, 1.3× on GPU)")
     if not args.no_compile:
-        result["compile_rows"] = rows = run_compile(device, args.repeats)
+        cases = [c for c in COMPILE_CASES if not args.compile_case or c[0] in args.compile_case]
+        if not cases:
+            ap.error(f"--compile-case must name one of: {', '.join(n for n, *_ in COMPILE_CASES)}")
+        result["compile_rows"] = rows = run_compile(device, args.repeats, cases)
         print(compile_table(rows))
         print("(best of", args.repeats, "interleaved rounds; c.em/em: compiled emulated / emulated, target ≤ 1,",
               "of the best steps and, paired, the median over rounds; c.em/compiled: compiled emulated /",

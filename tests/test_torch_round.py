@@ -201,3 +201,20 @@ def test_all_float32_patterns_compiled_equal_native():
             assert torch.equal(want.view(torch.int32), have.view(torch.int32)), (name, lo)
         for name, s_native, s_fused in zip(names, native_stats, fused_stats):
             assert torch.equal(s_native.counts, s_fused.counts), (name, lo)
+
+
+def test_the_environment_switch_keeps_the_operator(tmp_path):
+    """LOWFP_INDUCTOR_FUSION=0: the compiled code calls lowfp::quantize, with the same bits."""
+    import os
+    import subprocess
+    import sys
+    script = (
+        "import torch, lowfp\n"
+        "from torch._inductor.utils import run_and_get_code\n"
+        "x = torch.randn(100) * 40\n"
+        "f = torch.compile(lambda t: lowfp.quantize(t, 'fp(4,3,4)').relu(), fullgraph=True)\n"
+        "y, code = run_and_get_code(f, x)\n"
+        "assert 'lowfp.quantize' in ''.join(code)\n"
+        "assert torch.equal(y, lowfp.quantize(x, 'fp(4,3,4)').relu())\n")
+    env = dict(os.environ, LOWFP_INDUCTOR_FUSION="0", TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=600)

@@ -16,6 +16,7 @@ depends on how a backend wraps.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -235,9 +236,11 @@ def register_inductor_decompositions() -> bool:
     """Make Inductor decompose ``lowfp::quantize`` into :func:`quantize` (once per process).
 
     Called while tracing, by the functions that put the operator in a graph: importing Inductor
-    costs seconds, which eager users should not pay."""
+    costs seconds, which eager users should not pay. ``LOWFP_INDUCTOR_FUSION=0`` in the
+    environment keeps the operator instead: Inductor then compiles a graph with many roundings
+    much sooner (each fused rounding is a few dozen operations for it to lower and compile)."""
     global _registered
-    if not _registered:
+    if not _registered and os.environ.get("LOWFP_INDUCTOR_FUSION", "1") != "0":
         from torch._inductor import decomposition
 
         def quantize_decomposition(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype,
