@@ -32,7 +32,8 @@ for step in $steps; do
       $PY bench/bench_s2fp8.py --device cuda --json "$OUT/s2fp8.json" 2>&1 | tee "$OUT/bench_s2fp8.log"
       $PY bench/bench_optim.py --device cuda --repeats 11 --json "$OUT/optim.json" 2>&1 \
         | tee "$OUT/bench_optim.log"
-      $PY bench/bench_host.py --device cuda 2>&1 | tee "$OUT/bench_host.log" ;;
+      $PY bench/bench_host.py --device cuda 2>&1 | tee "$OUT/bench_host.log"
+      $PY bench/bench_fused.py --device cuda --numel 67108864 2>&1 | tee "$OUT/bench_fused.log" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
