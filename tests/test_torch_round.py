@@ -124,26 +124,29 @@ def _compiled_code(fn, *args):
     return result, "\n".join(code)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_compiled_rounding_is_fused_into_inductors_kernel(mode):
-    """No lowfp operator in the generated code, the rounding inside the kernel that also
-    computes its producer and consumer, and the native result."""
+def test_compiled_rounding_is_fused_into_inductors_kernel():
+    """For every mode: no lowfp operator in the generated code, the rounding inside the kernel
+    that also computes its producer, its counts and its consumer, and the native result (one
+    graph holds the six, one compile)."""
     x = torch.randn(3, 1000) * 50
 
     def f(t, stats):
-        return lowfp.quantize(torch.sin(t) * 300, "float8_e4m3fn", mode, seed=7,
-                              stats=stats).relu()
+        return [lowfp.quantize(torch.sin(t) * (300 + 50 * i), "float8_e4m3fn", mode, seed=7,
+                               stats=s).relu()
+                for i, (mode, s) in enumerate(zip(MODES, stats))]
 
-    stats = lowfp.Stats()
+    stats = [lowfp.Stats() for _ in MODES]
     got, code = _compiled_code(f, x, stats)
     assert "lowfp" not in code
-    # One generated kernel: the sine, the rounding, its counts and the relu.
+    # One generated kernel: the sines, the roundings, their counts and the relus.
     assert code.count("async_compile.cpp_pybinding") == 1 and "cpp_fused" in code
     assert ".sin()" in code
-    want_stats = lowfp.Stats()
+    want_stats = [lowfp.Stats() for _ in MODES]
     want = f(x, want_stats)
-    assert same_bits(got, want)
-    assert torch.equal(stats.counts, want_stats.counts) and want_stats.numel == x.numel()
+    for mode, w, h, ws, hs in zip(MODES, want, got, want_stats, stats):
+        assert same_bits(h, w), mode
+        assert torch.equal(hs.counts, ws.counts) and ws.numel == x.numel(), mode
+    assert sum(s.overflow for s in want_stats) > 0
 
 
 def test_compiled_out_and_in_place_forms_equal_eager():
