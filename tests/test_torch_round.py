@@ -111,6 +111,16 @@ def test_philox_words_equal_the_known_answer_function():
         assert w == _C.philox4x32_10(9 + i // 4, 0, 0, 0, 5, 0)[i % 4]
 
 
+@pytest.mark.parametrize("mode", ["nearest", "stochastic"])
+@pytest.mark.parametrize("shape", [(0,), (), (3, 0, 2), (5,)])
+def test_empty_and_zero_dim_tensors(shape, mode):
+    x = torch.randn(shape) * 30
+    want, want_counts = native(x, lowfp.Format.parse("fp(4,3,4)"), mode, 11, 3, x.dtype)
+    have, have_counts = torch_quantize(x, "fp(4,3,4)", mode, 32, 11, None, 3, x.dtype, True)
+    assert have.shape == x.shape and same_bits(have, want)
+    assert torch.equal(have_counts, want_counts)
+
+
 def test_non_contiguous_inputs_draw_by_the_logical_index():
     x = torch.randn(64, 48).t()[::2]
     y, _ = torch_quantize(x, "fp(4,3,4)", "stochastic", 32, 99, None, 5, x.dtype, False)

@@ -100,12 +100,8 @@ def philox_words(shape: torch.Size, device, key, offset: int) -> torch.Tensor:
     blocks = (n + 3) // 4
     words = torch.stack(philox_block_words(
         torch.arange(blocks, device=device, dtype=torch.int64), key, offset), dim=-1)
-    # Stored as int32 (each block's four words computed once, not once per element): as_strided
-    # makes Inductor write them to a buffer. Inlined into the rounding instead, the ten rounds'
-    # shared terms would be expanded as a tree while Inductor lowers the graph, which takes
-    # minutes.
-    words = (words - ((words >> 31) << 32)).to(torch.int32)
-    words = torch.as_strided(words, (blocks * 4,), (1,))
+    # Stored as int32, each block's four words computed once rather than once per element.
+    words = _stored((words - ((words >> 31) << 32)).to(torch.int32).reshape(-1))
     return (words[:n].to(torch.int64) & _MASK32).view(shape)
 
 
