@@ -630,6 +630,42 @@ def test_emulated_training_on_cuda():
     assert losses[-1] < losses[0] and len(em.history.steps) == 10
 
 
+@pytest.mark.parametrize("case", ["nearest", "stochastic", "promotion", "scaler", "compiled"])
+def test_emulated_forward_and_backward_never_wait_for_the_gpu(case):
+    """torch.cuda.set_sync_debug_mode("error") around each emulated forward and backward (the
+    counts are read a step later, from a host copy; docs/design.md §6); tests/test_emulate.py
+    runs the CPU stand-in."""
+    import torch.nn.functional as F
+    from lowfp import assign as A
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).cuda()
+    if case == "promotion":
+        with torch.no_grad():
+            model[0].weight.mul_(200.0)
+    x, y = torch.randn(64, 8, device="cuda"), torch.randint(0, 4, (64,), device="cuda")
+    a = A.uniform(A.trace(model, x, F.cross_entropy, y))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with lowfp.emulate(model, a, rounding="stochastic" if case == "stochastic" else "nearest") as em:
+        scaler = lowfp.DynamicLossScaler("cuda", init_scale=2.0 ** 10, emulator=em) if case == "scaler" else None
+        run = torch.compile(model) if case == "compiled" else model
+        for step in range(5):
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if step >= 2 else "default")  # compiled by then
+            try:
+                loss = F.cross_entropy(run(x), y)
+                (loss if scaler is None else scaler.scale(loss)).backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+    assert [s["step"] for s in em.history.steps] == [1, 2, 3, 4, 5]
+    assert bool(em.history.promotions) == (case == "promotion")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_any_non_finite_on_gpu(dtype):
     """The GPU's paths against isfinite, with count_into and out= (one element of a larger

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import lowfp
 from lowfp import assign as A
 from lowfp.experiments import models
+from sync_mock import DeviceSync, device_reads_forbidden
 from training import optimizer_step
 
 
@@ -174,14 +175,15 @@ def test_promotion_fires_on_a_model_driven_to_overflow():
         promoted = em.assignment
     events = em.history.promotions
     names = [e["tensor"] for e in events]
-    s1, s2 = em.history.steps[0], em.history.steps[1]
+    s1, s2, s3 = em.history.steps
     assert "v:0:linear" in s1["promotions"] and len(set(names)) == len(names)
     assert [e["step"] for e in events] == sorted(e["step"] for e in events)
     assert all(e["overflow_ratio"] > 0.01 and e["to"] == "fp(6,9,0)" for e in events)
-    assert s1["ratio_lo"] < a.ratio_lo and s2["ratio_lo"] <= s1["ratio_lo"]
+    assert s1["ratio_lo"] < a.ratio_lo and s3["ratio_lo"] <= s1["ratio_lo"]
     assert promoted["v:0:linear"] == lowfp.fp(6, 9, 0) and "v:0:linear" not in promoted.lo
-    # after promotion it is no longer among the overflowing tensors
-    assert "v:0:linear" not in [n for n, _ in s2["top_overflow"]]
+    # step 1's counts are read when step 3 begins: step 2 still ran at fp(4,3,4), step 3 not
+    assert "v:0:linear" in [n for n, _ in s2["top_overflow"]]
+    assert "v:0:linear" not in [n for n, _ in s3["top_overflow"]]
     assert a["v:0:linear"] == lowfp.fp(4, 3, 4)  # the caller's assignment is untouched
     # without promotion the overflow goes on
     torch.manual_seed(3)
@@ -466,3 +468,63 @@ def test_selecting_operators_round_when_formats_differ_or_follow_the_tensor(monk
         results.append(_emulated_step(copy.deepcopy(base), s2, x, y, skip) + (len(calls),))
     assert results[0][4] == results[1][4]
     assert torch.equal(results[0][0], results[1][0])
+
+
+@pytest.mark.parametrize("case", ["nearest", "stochastic", "promotion", "scaler"])
+def test_a_training_step_never_waits_for_the_device(case):
+    """The forwards and backwards of emulated steps read nothing of the device on the host: the
+    CPU stand-in for torch.cuda.set_sync_debug_mode("error") (tests/sync_mock.py) around each;
+    tests/test_cuda.py runs the real mode on a GPU. The counts are read a step later (when the
+    forward after next begins, from a host copy) or by end_step(), which does wait."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    if case == "promotion":
+        with torch.no_grad():
+            model[0].weight.mul_(200.0)  # beyond fp(4,3,4)'s max: promotions
+    x, y = torch.randn(64, 8), torch.randint(0, 4, (64,))
+    a = A.uniform(A.trace(model, x, F.cross_entropy, y))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    rounding = "stochastic" if case == "stochastic" else "nearest"
+    with lowfp.emulate(model, a, rounding=rounding) as em:
+        scaler = lowfp.DynamicLossScaler(init_scale=2.0 ** 10, emulator=em) if case == "scaler" else None
+        for _ in range(4):
+            with device_reads_forbidden(model.parameters(), (x, y, em.counts, em._grad_counts)):
+                loss = F.cross_entropy(model(x), y)
+                (loss if scaler is None else scaler.scale(loss)).backward()
+            if scaler is None:
+                opt.step()
+            else:  # reads the step's overflows once, where the caller asks
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+        with device_reads_forbidden(model.parameters(), (x, y, em.counts, em._grad_counts)):
+            with pytest.raises(DeviceSync):  # the mock sees a read: loss.item() would wait
+                F.cross_entropy(model(x), y).item()
+    assert [s["step"] for s in em.history.steps] == [1, 2, 3, 4, 5]
+    assert bool(em.history.promotions) == (case == "promotion")
+
+
+def test_end_step_reads_the_counts_at_once():
+    """end_step() closes the step and reads its counts now: a promotion applies from the next
+    step; without it, from the step after (see the test above)."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    with torch.no_grad():
+        model[0].weight.mul_(200.0)
+    x, y = torch.randn(64, 8), torch.randint(0, 4, (64,))
+    a = A.uniform(A.trace(model, x, F.cross_entropy, y))
+    with lowfp.emulate(model, a) as em:
+        F.cross_entropy(model(x), y).backward()
+        with device_reads_forbidden(em.counts):
+            with pytest.raises(DeviceSync):  # it waits for the device, as documented
+                em.end_step()
+    with lowfp.emulate(model, a) as em:
+        entries = []
+        for _ in range(2):
+            F.cross_entropy(model(x), y).backward()
+            em.record(loss=1.0)
+            entries.append(em.end_step())
+        assert em.end_step() is None  # nothing left to read
+    assert entries == em.history.steps and entries[0]["step"] == 1 and entries[0]["loss"] == 1.0
+    assert "v:0:linear" in entries[0]["promotions"]
+    assert "v:0:linear" not in [n for n, _ in entries[1]["top_overflow"]]

@@ -125,7 +125,8 @@ def test_promotion_recompiles_once_and_steps_as_eager():
     promoted_steps = {e["step"] for e in history.promotions}
     assert promoted_steps and "v:0:linear" in history.steps[0]["promotions"]
     # a promotion changes a format, a constant of the graph: one new graph per promoting step
-    assert graphs == 1 + len(promoted_steps)
+    # read before the last forward (step s's counts are read when step s + 2 begins)
+    assert graphs == 1 + len({s for s in promoted_steps if s + 2 <= 4})
     assert history.steps == eager_history.steps and history.promotions == eager_history.promotions
     _assert_equal(weights, eager_weights)
 

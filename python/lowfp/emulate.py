@@ -33,9 +33,13 @@ output that the next operator saves, instead of a mask of its own.)
 
 One step is one training forward (grad enabled, ``model.training``) and the backward of its
 result. Each step's per-tensor overflow/underflow counts accumulate on the device in one int64
-table that is read once, when the step is closed: at the next training forward, at
-``end_step()`` or when the emulation ends. Forwards under ``torch.no_grad()`` or in eval mode
-are rounded but not counted.
+table. The next training forward closes the step without waiting for the device: it starts a
+copy of the table to the host, and the step's counts are read (its promotions made, its history
+entry written) when the training forward after that begins, a lag of one step, by when the copy
+has long finished. ``end_step()`` and the end of the emulation close and read at once (one
+synchronisation, where the caller asks for it). So on a GPU neither the forward nor the backward
+waits for the device (docs/design.md §6). Forwards under ``torch.no_grad()`` or in eval mode are
+rounded but not counted.
 
 ``torch.compile(model)`` inside the emulation (or a compiled training step) traces the
 roundings into the model's graph, made once and reused from step to step; a step that promotes
@@ -52,7 +56,7 @@ import itertools
 import json
 import logging
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -119,6 +123,15 @@ class _RoundInGraph(torch.autograd.Function):
         stats = Stats(grad.device) if ctx.count else None
         grad = bwd(grad, stats)
         return grad, (stats.counts.to(torch.float64) if ctx.count else None), None, None, None
+
+
+class _ClosedStep(NamedTuple):
+    """A closed training step whose counts are being copied to the host."""
+    step: int
+    table: torch.Tensor                  # the host copy of the count table
+    copied: Optional[torch.cuda.Event]   # recorded after the copy (CUDA), else None
+    loss_scale: Optional[float]
+    scalars: Dict[str, float]
 
 
 class History:
@@ -223,7 +236,9 @@ class Emulator(ForwardSession):
         self._plan: Dict[str, Optional[Rounder]] = {n: self._rounder_for(n) for n in names}
         self._check_fits(params)
         self._params: Dict[int, torch.Tensor] = {}
-        self._pending = False      # a training step whose counts are not yet read
+        self._pending = False      # a training step is open (its forward ran, it is not closed)
+        self._closed: List[_ClosedStep] = []  # closed steps whose counts are not yet read
+        self._host_tables: List[torch.Tensor] = []  # free host copies of the count table
         self._counting = False     # the current forward is a training step
         self._scalars: Dict[str, float] = {}
         self._step_scale = None
@@ -343,7 +358,8 @@ class Emulator(ForwardSession):
         super()._begin()
         training = self.model.training and torch.is_grad_enabled()
         if training:
-            self.end_step()
+            self._read_closed_steps()  # closed when this forward's previous step began
+            self._close_step()
             self._pending = True
             self._step_scale = None if self.scaler is None else self.scaler.get_scale()
         self._counting = training
@@ -390,16 +406,46 @@ class Emulator(ForwardSession):
             self._grad_counts.grad = None
 
     def end_step(self) -> Optional[dict]:
-        """Close the current training step: read its counts (one synchronisation), promote
-        forward tensors whose overflow ratio exceeds the threshold, and append to ``history``.
-        Called automatically by the next training forward; returns the history entry."""
+        """Close the current training step and read its counts now (one synchronisation with the
+        device; the next training forward would close it without one and read it a step later):
+        promote forward tensors whose overflow ratio exceeds the threshold and append to
+        ``history``. Returns the history entry of the last step read (None if there was none)."""
+        self._close_step()
+        return self._read_closed_steps()
+
+    def _close_step(self) -> None:
+        """Close the open training step, if any: start copying its counts to the host (not
+        waited for) and zero the table for the next step."""
         if not self._pending:
-            return None
+            return
         self._pending = False
         self.step += 1
         self._fold_grad_counts()
-        rows = self.counts.tolist()
-        self.counts.zero_()
+        table = self._host_tables.pop() if self._host_tables else torch.empty(
+            self.counts.shape, dtype=torch.int64, pin_memory=self.counts.is_cuda)
+        table.copy_(self.counts, non_blocking=True)
+        copied = None
+        if self.counts.is_cuda:
+            copied = torch.cuda.Event()
+            copied.record()
+        self.counts.zero_()  # after the copy, on the same stream
+        self._closed.append(_ClosedStep(self.step, table, copied, self._step_scale, self._scalars))
+        self._scalars = {}
+
+    def _read_closed_steps(self) -> Optional[dict]:
+        """Read every closed step's counts, oldest first (waiting for their copies only)."""
+        entry = None
+        while self._closed:
+            closed = self._closed.pop(0)
+            if closed.copied is not None:
+                closed.copied.synchronize()
+            rows = closed.table.tolist()
+            self._host_tables.append(closed.table)
+            entry = self._read_step(closed, rows)
+        return entry
+
+    def _read_step(self, closed: "_ClosedStep", rows: List[List[int]]) -> dict:
+        """Promotions and the history entry of one closed step from its count rows."""
         over, under = [], []
         promoted = []
         grad_underflow = grad_numel = 0
@@ -418,29 +464,28 @@ class Emulator(ForwardSession):
                     and name in self.assignment.lo):
                 promoted.append((name, o / n))
         for name, ratio in promoted:
-            self._promote(name, ratio)
+            self._promote(name, ratio, closed.step)
         over.sort(key=lambda x: -x[1])
         under.sort(key=lambda x: -x[1])
         a = self.assignment
-        entry = {"step": self.step, "loss_scale": self._step_scale, "ratio_lo": a.ratio_lo,
+        entry = {"step": closed.step, "loss_scale": closed.loss_scale, "ratio_lo": a.ratio_lo,
                  "aggregate_bits": a.aggregate_bits, "promotions": [n for n, _ in promoted],
                  "top_overflow": over[:self.top], "top_underflow": under[:self.top],
                  "backward_underflow": grad_underflow / grad_numel if grad_numel else 0.0}
-        entry.update(self._scalars)
-        self._scalars = {}
+        entry.update(closed.scalars)
         self.history.steps.append(entry)
         return entry
 
-    def _promote(self, name: str, ratio: float) -> None:
+    def _promote(self, name: str, ratio: float, step: int) -> None:
         a = self.assignment
         old = a.formats[name]
         hi = a.formats[name] = self._hi(a.trace.tensors[name].dtype)
         a.lo.discard(name)
         self._plan[name] = self._rounder_for(name)
-        self.history.promotions.append({"step": self.step, "tensor": name, "overflow_ratio": ratio,
+        self.history.promotions.append({"step": step, "tensor": name, "overflow_ratio": ratio,
                                         "from": str(old), "to": str(hi)})
         log.info("lowfp: step %d: promoted %s from %s to %s (overflow ratio %.4g)",
-                 self.step, name, old, hi, ratio)
+                 step, name, old, hi, ratio)
 
     # -- context manager -------------------------------------------------------------------
     def install(self) -> None:

@@ -264,7 +264,8 @@ class DynamicLossScaler:
         if state["stage"] == _READY:
             self.unscale_(optimizer)
         result = None
-        if not bool(state["found_inf"]):
+        state["found_inf"] = bool(state["found_inf"])  # the step's one wait for the device
+        if not state["found_inf"]:
             result = optimizer.step(*args, **kwargs)
         state["stage"] = _STEPPED
         return result

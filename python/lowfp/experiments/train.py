@@ -288,12 +288,12 @@ def run(cfg: TrainConfig, log=None, progress=None) -> dict:
                         sched.step()
                 value = loss.item()
                 em.record(loss=value)
+                em.end_step()  # loss.item() waited for the device: read the counts now, no lag
                 total_loss += value * len(idx)
                 seen += len(idx)
                 if progress is not None:
                     _progress(f"epoch {epoch}/{cfg.epochs}", i + 1, steps_per_epoch,
                               f"loss {total_loss / seen:.4f}", progress)
-            em.end_step()
             train_loss = total_loss / seen
             acc, test_loss = evaluate(model, vx, vy, 512)
             last_step = epochs[-1]["step"] if epochs else 0
