@@ -95,7 +95,9 @@ def test_compiled_emulation_equals_eager_in_one_graph(name, rounding):
     _assert_equal(weights, eager_weights)
 
 
-def test_inductor_compiled_emulation_equals_eager():
+@pytest.mark.parametrize("fusion", ["auto", "1"])  # on the CPU: lowfp's kernel, then fused
+def test_inductor_compiled_emulation_equals_eager(monkeypatch, fusion):
+    monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", fusion)
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))

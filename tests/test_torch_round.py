@@ -9,7 +9,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import lowfp
-from lowfp import _C
+from lowfp import _C, _torch_round
 from lowfp._torch_round import philox_block_words, philox_words, quantize as torch_quantize
 
 FORMATS = ["fp(4,3,4)", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "fp(5,0,3)",
@@ -127,14 +127,21 @@ def test_non_contiguous_inputs_draw_by_the_logical_index():
     assert same_bits(y, lowfp.quantize(x, "fp(4,3,4)", "stochastic", seed=99, offset=5))
 
 
+@pytest.fixture
+def fused(monkeypatch):
+    """Fusion on the CPU too (where LOWFP_INDUCTOR_FUSION=auto keeps lowfp's kernel)."""
+    monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", "1")
+
+
 def _compiled_code(fn, *args):
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, backend="inductor")
-    result, code = run_and_get_code(compiled, *args)
+    with torch._inductor.config.patch(force_disable_caches=True):  # code made under this setting
+        result, code = run_and_get_code(compiled, *args)
     return result, "\n".join(code)
 
 
-def test_compiled_rounding_is_fused_into_inductors_kernel():
+def test_compiled_rounding_is_fused_into_inductors_kernel(fused):
     """For every mode: no lowfp operator in the generated code, the rounding inside the kernel
     that also computes its producer, its counts and its consumer, and the native result (one
     graph holds the six, one compile)."""
@@ -159,7 +166,7 @@ def test_compiled_rounding_is_fused_into_inductors_kernel():
     assert sum(s.overflow for s in want_stats) > 0
 
 
-def test_compiled_out_and_in_place_forms_equal_eager():
+def test_compiled_out_and_in_place_forms_equal_eager(fused):
     x = torch.randn(513) * 100
 
     def f(t, out, stats):
@@ -176,7 +183,7 @@ def test_compiled_out_and_in_place_forms_equal_eager():
     assert torch.equal(stats[0].counts, stats[1].counts)
 
 
-def test_compiled_gradient_rounding_is_fused_too():
+def test_compiled_gradient_rounding_is_fused_too(fused):
     x = torch.randn(300, requires_grad=True)
 
     def f(t):
@@ -194,7 +201,7 @@ def test_compiled_gradient_rounding_is_fused_too():
 
 
 @pytest.mark.slow
-def test_all_float32_patterns_compiled_equal_native():
+def test_all_float32_patterns_compiled_equal_native(fused):
     """Every float32 bit pattern through the Inductor-compiled rounding (CPU backend), nearest,
     with counts, for fp(4,3,4), float8_e4m3fn and float8_e5m2, against the native kernel."""
     names = ("fp(4,3,4)", "float8_e4m3fn", "float8_e5m2")
@@ -216,18 +223,20 @@ def test_all_float32_patterns_compiled_equal_native():
             assert torch.equal(s_native.counts, s_fused.counts), (name, lo)
 
 
-def test_the_environment_switch_keeps_the_operator(tmp_path):
-    """LOWFP_INDUCTOR_FUSION=0: the compiled code calls lowfp::quantize, with the same bits."""
-    import os
-    import subprocess
-    import sys
-    script = (
-        "import torch, lowfp\n"
-        "from torch._inductor.utils import run_and_get_code\n"
-        "x = torch.randn(100) * 40\n"
-        "f = torch.compile(lambda t: lowfp.quantize(t, 'fp(4,3,4)').relu(), fullgraph=True)\n"
-        "y, code = run_and_get_code(f, x)\n"
-        "assert 'lowfp.quantize' in ''.join(code)\n"
-        "assert torch.equal(y, lowfp.quantize(x, 'fp(4,3,4)').relu())\n")
-    env = dict(os.environ, LOWFP_INDUCTOR_FUSION="0", TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
-    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=600)
+@pytest.mark.parametrize("setting,fused_here", [(None, False), ("auto", False), ("0", False),
+                                                ("1", True)])
+def test_the_setting_chooses_fusion_or_the_operator(monkeypatch, setting, fused_here):
+    """LOWFP_INDUCTOR_FUSION, read when a graph is traced: the CPU keeps lowfp's kernel unless it
+    is 1 (auto fuses on CUDA devices: tests/test_cuda.py); the bits are the same either way."""
+    if setting is None:
+        monkeypatch.delenv("LOWFP_INDUCTOR_FUSION", raising=False)
+    else:
+        monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", setting)
+    x = torch.randn(100) * 40
+    y, code = _compiled_code(lambda t: lowfp.quantize(t, "fp(4,3,4)").relu(), x)
+    assert ("lowfp.quantize" not in code) == fused_here
+    assert same_bits(y, lowfp.quantize(x, "fp(4,3,4)").relu())
+    assert _torch_round.fuses(torch.device("cuda")) == (setting != "0")
+    monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", "yes")
+    with pytest.raises(ValueError, match="LOWFP_INDUCTOR_FUSION must be one of auto, 1, 0"):
+        _torch_round.fuses(x.device)

@@ -8,23 +8,29 @@ from Python. Eager code, ``torch.export`` and other backends keep the operator.
 Bit for bit the native kernels' results and counts: the functions compute, operation for
 operation, what ``round_bits`` (cpp/include/lowfp/round.hpp) and Philox4x32-10
 (cpp/include/lowfp/philox.hpp) compute, from the same constants (``lowfp._C.round_params``, the
-kernel's own RoundParams). The carrier's bits travel in int64 lanes as their signed value (the
-float32 carrier's int32 sign-extended); every intermediate stays below 2^63, so no operation
-depends on how a backend wraps.
+kernel's own RoundParams). The carrier's bits travel as their signed value in integer lanes:
+int32 for the float32 carrier's deterministic modes, int64 for the float64 carrier and for
+stochastic rounding (whose thresholds reach 2^32). Every intermediate stays inside its lane, so
+no operation depends on how a backend wraps.
+
+Inductor inlines an operation into each of its uses; the rounded magnitude and the carrier bits,
+used by the result and by every count, are therefore stored (``_stored``), so that each is
+generated once per kernel and a chain of roundings is not regenerated inside each later one.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
 from ._native import DTYPE_CODES, ROUNDING_MODES, format_args
 from .formats import Format
 
-__all__ = ["quantize", "philox_block_words", "philox_words", "register_inductor_decompositions"]
+__all__ = ["quantize", "philox_block_words", "philox_words", "fuses",
+           "register_inductor_decompositions"]
 
 _MASK32 = 0xFFFFFFFF
 _PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
@@ -34,13 +40,10 @@ _PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
 class _Carrier:
     """A binary floating-point carrier as round.hpp's CarrierTraits states it."""
 
-    def __init__(self, float_dtype, int_dtype, mant_bits, exp_bias, max_shift):
+    def __init__(self, float_dtype, int_dtype, mant_bits, exp_bias):
         self.float_dtype, self.int_dtype = float_dtype, int_dtype
         self.bits = torch.finfo(float_dtype).bits
         self.mant_bits, self.exp_bias = mant_bits, exp_bias
-        # round_bits clamps shifts at the lane width minus one; int64 lanes hold 1 << 62 at most.
-        # Every shift past the significand (53 bits at most) behaves alike, so 62 is the same.
-        self.max_shift = min(max_shift, 62)
         self.sign = 1 << (self.bits - 1)
         self.inf = ((1 << (self.bits - 1 - mant_bits)) - 1) << mant_bits
         self.mant_mask = (1 << mant_bits) - 1
@@ -50,8 +53,26 @@ class _Carrier:
         return pattern - (1 << self.bits) if pattern >= self.sign else pattern
 
 
-_FLOAT32 = _Carrier(torch.float32, torch.int32, 23, 127, 31)
-_FLOAT64 = _Carrier(torch.float64, torch.int64, 52, 1023, 63)
+_FLOAT32 = _Carrier(torch.float32, torch.int32, 23, 127)
+_FLOAT64 = _Carrier(torch.float64, torch.int64, 52, 1023)
+
+
+class _Lanes(NamedTuple):
+    """The integer lanes a rounding computes in, and the largest shift it makes: round_bits
+    clamps shifts at the carrier's width minus one, but every shift at or past
+    ``max_shift`` gives the same result here (one past the significand's top bit for the
+    modes that compare the remainder with the unit; 62, the most an int64 lane shifts safely,
+    for stochastic rounding, whose threshold shifts by up to the full difference)."""
+    dtype: torch.dtype
+    max_shift: int
+
+
+def _lanes(c: _Carrier, kind: str) -> _Lanes:
+    if kind == "stochastic" or c.bits == 64:
+        return _Lanes(torch.int64, 62)
+    # A float32 significand has 24 bits: a shift of 25 already leaves no bit of it in the
+    # truncation, and (rem << 1) + 1 < 2^25 = unit: the same decisions as any larger shift.
+    return _Lanes(torch.int32, 25)
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,24 +135,25 @@ def _mulhilo(m: int, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def _round_magnitude(a: torch.Tensor, negative: torch.Tensor, p: dict, c: _Carrier, kind: str,
-                     rand: Optional[torch.Tensor]) -> torch.Tensor:
-    """round_bits' rounded magnitude of the carrier magnitudes a (int64, sign cleared)."""
+                     rand: Optional[torch.Tensor], lanes: _Lanes) -> torch.Tensor:
+    """round_bits' rounded magnitude of the carrier magnitudes a (sign cleared, at most
+    infinity's bits: a NaN's rounding is discarded, and so cannot overflow a lane)."""
     ex = a >> c.mant_bits
     e_eff = torch.clamp_min(ex, 1) - c.exp_bias
     normal = ex != 0
-    sig = (a & c.mant_mask) | (normal.to(torch.int64) << c.mant_bits)
+    sig = (a & c.mant_mask) | (normal.to(lanes.dtype) << c.mant_bits)
     e_true = e_eff
     if p["subnormal_exponent"]:  # the leading bit of a carrier subnormal, by exact conversion
-        lead = (sig.to(c.float_dtype).view(c.int_dtype).to(torch.int64) >> c.mant_bits) - c.exp_bias
+        lead = (sig.to(c.float_dtype).view(c.int_dtype).to(lanes.dtype) >> c.mant_bits) - c.exp_bias
         e_true = torch.where(normal, e_eff, e_eff - c.mant_bits + lead)
     if p["fixed_drop"]:
         d = dm = p["normal_drop"]
         unit = 1 << dm
     else:
         emin = p["emin"]
-        d = torch.where(e_true < emin, p["below_drop"] + (emin - e_eff),
-                        p["normal_drop"] + (e_true - e_eff))
-        dm = torch.clamp_max(d, c.max_shift)
+        normal_d = p["normal_drop"] if e_true is e_eff else p["normal_drop"] + (e_true - e_eff)
+        d = torch.where(e_true < emin, p["below_drop"] + (emin - e_eff), normal_d)
+        dm = torch.clamp_max(d, lanes.max_shift)
         unit = torch.ones_like(dm) << dm
     trunc = sig >> dm
     rem = sig & (unit - 1)
@@ -142,43 +164,45 @@ def _round_magnitude(a: torch.Tensor, negative: torch.Tensor, p: dict, c: _Carri
         else:  # m = 0: the even neighbour is the one with an even exponent code
             odd = trunc & (e_true + p["parity_bias"])
         tie_up = (odd | int(p["ties_away"])) & 1
-        up = ((rem << 1) + tie_up > unit).to(torch.int64)
+        up = ((rem << 1) + tie_up > unit).to(lanes.dtype)
     elif kind == "directed":
+        rounds_away = (rem != 0).to(lanes.dtype)
         if p["away_pos"] == p["away_neg"]:
-            up = (rem != 0).to(torch.int64) * int(p["away_pos"])
-        else:
-            away = torch.where(negative, int(p["away_neg"]), int(p["away_pos"]))
-            up = (rem != 0).to(torch.int64) & away
+            up = rounds_away if p["away_pos"] else torch.zeros_like(rounds_away)
+        else:  # away from zero on one side only: up is 1 on that side
+            up = rounds_away & (negative if p["away_neg"] else ~negative).to(lanes.dtype)
     else:
         r_bits = 32 - p["sr_shift"]
         if p["fixed_drop"]:
             threshold = rem << (r_bits - d) if d <= r_bits else rem >> (d - r_bits)
         else:
-            widened = rem << torch.clamp(r_bits - d, 0, c.max_shift)
-            narrowed = rem >> torch.clamp(d - r_bits, 0, c.max_shift)
+            widened = rem << torch.clamp(r_bits - d, 0, lanes.max_shift)
+            narrowed = rem >> torch.clamp(d - r_bits, 0, lanes.max_shift)
             threshold = torch.where(d <= r_bits, widened, narrowed)
-        up = ((rand >> p["sr_shift"]) < threshold).to(torch.int64)
+        up = ((rand >> p["sr_shift"]) < threshold).to(lanes.dtype)
 
     stepped = (a & ~(unit - 1)) + (up << dm)
     if p["fixed_drop"]:
         return stepped
-    return torch.where(d <= c.mant_bits, stepped, up * p["below_step"])
+    # -up is all ones where up is 1: below_step or 0 without a (slow vector) multiply
+    return torch.where(d <= c.mant_bits, stepped, (-up) & p["below_step"])
 
 
-def _round_bits(bits: torch.Tensor, p: dict, c: _Carrier, kind: str, rand):
+def _round_bits(bits: torch.Tensor, p: dict, c: _Carrier, kind: str, rand, lanes: _Lanes):
     """round_bits and rounded_result: the result's bits and the (above_max, underflow, nan)
-    events of the carrier values ``bits`` (int64 lanes, signed)."""
+    events of the carrier values ``bits`` (signed, in ``lanes``)."""
     negative = bits < 0
     a = bits & (c.sign - 1)
-    mag = _round_magnitude(a, negative, p, c, kind, rand)
     nan = a > c.inf
+    mag = _stored(_round_magnitude(torch.clamp_max(a, c.inf), negative, p, c, kind, rand, lanes))
     above_max = mag > p["max_bits"]
     underflow = (a != 0) & (mag == 0)
-    sign = negative.to(torch.int64) * c.signed(c.sign)  # the sign bit as a signed lane value
+    sign = bits & c.signed(c.sign)  # the sign bit alone
     if p["no_negative_zero"]:
         sign = torch.where(mag == 0, 0, sign)
     rounded = sign | mag
-    overflowed = torch.where(negative, c.signed(p["overflow_neg"]), c.signed(p["overflow_pos"]))
+    overflowed = torch.where(negative, c.signed(p["overflow_neg"]),
+                             torch.full_like(bits, c.signed(p["overflow_pos"])))
     if p["inf_stays_inf"]:
         overflowed = torch.where(a == c.inf, bits, overflowed)
     result = torch.where(nan, bits, torch.where(above_max, overflowed, rounded))
@@ -196,7 +220,7 @@ def _to_storage(result: torch.Tensor, c: _Carrier, dtype: torch.dtype) -> torch.
             bits = torch.where(nan, upper | 0x0040, upper)
         else:
             y = result.to(torch.int32).view(torch.float32).to(dtype)
-            bits = torch.where(nan, (upper & 0x8000) | 0x7E00, y.view(torch.int16).to(torch.int64))
+            bits = torch.where(nan, (upper & 0x8000) | 0x7E00, y.view(torch.int16).to(result.dtype))
         return (bits - ((bits >> 15) << 16)).to(torch.int16).view(dtype)
     return result.to(c.int_dtype).view(c.float_dtype).to(dtype)
 
@@ -208,20 +232,43 @@ def quantize(x: torch.Tensor, fmt: str, rounding: str, sr_bits: int, seed: int,
     operator's; docs/design.md §3)."""
     p = _round_params(fmt, rounding, sr_bits, x.dtype, dtype)
     c = _FLOAT64 if p["carrier_bits"] == 64 else _FLOAT32
-    bits = x.to(c.float_dtype).view(c.int_dtype).to(torch.int64)
     rand = None
     kind = {"nearest": "nearest", "nearest_away": "nearest", "stochastic": "stochastic"}.get(
         rounding, "directed")
+    lanes = _lanes(c, kind)
+    bits = _stored(x.to(c.float_dtype).view(c.int_dtype).to(lanes.dtype))
     if kind == "stochastic":
         key = seed & ((1 << 64) - 1) if drawn_seed is None else (drawn_seed[0], drawn_seed[1])
         rand = philox_words(x.shape, x.device, key, offset & ((1 << 64) - 1))
-    result, above_max, underflow, nan = _round_bits(bits, p, c, kind, rand)
+    result, above_max, underflow, nan = _round_bits(bits, p, c, kind, rand, lanes)
     y = _to_storage(result, c, dtype)
     if not count:
         return y, x.new_empty(0, dtype=torch.int64)
-    counts = torch.stack([(above_max & ~nan).sum(), underflow.sum(), nan.sum(),
-                          torch.full((), x.numel(), dtype=torch.int64, device=x.device)])
+    # Summed in int32 lanes where no count can pass them (half the vector work of int64).
+    acc = torch.int32 if x.numel() < 2**31 else torch.int64
+    counts = torch.stack([flag.to(acc).sum(dtype=acc).to(torch.int64)
+                          for flag in (above_max & ~nan, underflow, nan)] +
+                         [torch.full((), x.numel(), dtype=torch.int64, device=x.device)])
     return y, counts
+
+
+_FUSION_CHOICES = ("auto", "1", "0")
+
+
+def fuses(device: torch.device) -> bool:
+    """Whether Inductor generates lowfp's roundings of tensors on ``device`` inside its kernels
+    (``LOWFP_INDUCTOR_FUSION``, read when a graph is traced): ``1`` always, ``0`` never (the
+    compiled code calls lowfp's native kernel), ``auto`` (the default) on CUDA devices only.
+
+    Why auto: on a GPU each call of the operator from compiled code costs host time that the
+    GPU waits for, which fusion removes. On a CPU lowfp's own vectorised kernel rounds faster
+    than the code Inductor generates from integer operations, and each fused rounding adds
+    compile time (docs/design.md §3.1 and bench/RESULTS.md have the figures)."""
+    choice = os.environ.get("LOWFP_INDUCTOR_FUSION", "auto")
+    if choice not in _FUSION_CHOICES:
+        raise ValueError(f"LOWFP_INDUCTOR_FUSION must be one of {', '.join(_FUSION_CHOICES)}, "
+                         f"got {choice!r}")
+    return choice == "1" or (choice == "auto" and device.type == "cuda")
 
 
 _registered = False
@@ -229,22 +276,31 @@ _registered = False
 
 @torch.compiler.assume_constant_result  # runs at trace time, outside the traced code
 def register_inductor_decompositions() -> bool:
-    """Make Inductor decompose ``lowfp::quantize`` into :func:`quantize` (once per process).
+    """Let Inductor decompose ``lowfp::quantize`` into :func:`quantize` (once per process) where
+    :func:`fuses` says so; elsewhere the decomposition declines and the operator stays.
 
     Called while tracing, by the functions that put the operator in a graph: importing Inductor
-    costs seconds, which eager users should not pay. ``LOWFP_INDUCTOR_FUSION=0`` in the
-    environment keeps the operator instead: Inductor then compiles a graph with many roundings
-    much sooner (each fused rounding is a few dozen operations for it to lower and compile)."""
+    costs seconds, which eager users should not pay."""
     global _registered
-    if not _registered and os.environ.get("LOWFP_INDUCTOR_FUSION", "1") != "0":
-        from torch._inductor import decomposition
+    if not _registered:
+        from torch._inductor import decomposition, lowering
+        from torch._library.utils import get_layout_constraint_tag
+
+        op = torch.ops.lowfp.quantize.default
+        if op not in lowering.lowerings:
+            # Where the decomposition declines, the operator reaches Inductor's lowering: give
+            # it the fallback Inductor would make for a custom operator, allowed beside the
+            # decomposition (Inductor refuses to make one for an operator that has both).
+            lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(
+                get_layout_constraint_tag(op, with_default=True)), override_decomp=True)
 
         def quantize_decomposition(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype,
                                    count, grad_fmt, grad_rounding):
+            if not fuses(x.device):
+                return NotImplemented
             return quantize(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype, count)
 
-        decomposition.register_decomposition(torch.ops.lowfp.quantize.default)(
-            quantize_decomposition)
+        decomposition.register_decomposition(op)(quantize_decomposition)
         # Inductor caches its table merged with its random-op decompositions: rebuild it.
         decomposition.fast_random_decomps.cache_clear()
         _registered = True
