@@ -615,3 +615,62 @@ def test_eager_calls_skip_the_dispatcher_with_the_operators_bits():
             return t.view(torch.int64 if t.dtype == torch.float64 else torch.int32)
         assert y1.dtype == y2.dtype and torch.equal(bits(y1), bits(y2)) and torch.equal(bits(o1), bits(o2)), kwargs
         assert torch.equal(c1, c2) and torch.equal(r1, r2), kwargs  # (r: the generator after)
+
+
+def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_checks(monkeypatch):
+    """A call whose arguments passed every check once is one prepared kernel call the next time
+    (lowfp.quantize's _EAGER): the bits, counts and generator draws of the operator, and every
+    argument error and special tensor still handled as on the first call."""
+    import sys
+    module = sys.modules["lowfp.quantize"]
+    taken = []
+    original = module._round_eager
+    def spy(*args):
+        y = original(*args)
+        if y is not None:  # (None: this call needs the full path)
+            taken.append(1)
+        return y
+    monkeypatch.setattr(module, "_round_eager", spy)
+    x = torch.randn(4, 300) * 30
+    x[0, :3] = torch.tensor([float("nan"), 1e9, 1e-9])
+    cases = [("fp(4,3,4)", dict()), (lowfp.formats.float8_e4m3fn, dict(rounding="toward_zero")),
+             ("fp(4,3,4)", dict(rounding="stochastic")), ("fp(5,2,0)", dict(overflow="inf")),
+             ("fp(4,3,4)", dict(subnormals=False)), ("fp(4,3,4)", dict(out_dtype=torch.float64)),
+             ("bfloat16", dict(rounding="nearest_away"))]
+    for dtype in (torch.float32, torch.bfloat16):
+        for fmt, kwargs in cases:
+            got = []
+            for mode in (None, None, _SeesOperators()):  # cold, remembered, through the operator
+                taken.clear()
+                torch.manual_seed(5)
+                stats = lowfp.Stats()
+                with mode if mode is not None else contextlib.nullcontext():
+                    y = lowfp.quantize(x.to(dtype), fmt, stats=stats, **kwargs)
+                got.append((y, stats.counts.clone(), torch.rand(1), bool(taken)))
+            (y0, c0, r0, fast0), (y1, c1, r1, fast1), (y2, c2, r2, fast2) = got
+            assert (fast0, fast1, fast2) == (False, True, False), (fmt, kwargs)
+            for y, c, r in ((y1, c1, r1), (y2, c2, r2)):
+                assert y.dtype == y0.dtype and torch.equal(y.view(torch.int8), y0.view(torch.int8))
+                assert torch.equal(c, c0) and torch.equal(r, r0), (fmt, kwargs)
+    # Warm now: what the first call would refuse is refused, what it would route elsewhere goes there
+    lowfp.quantize(x, "fp(4,3,4)", sr_bits=1)
+    with pytest.raises(TypeError, match="sr_bits must be an int"):
+        lowfp.quantize(x, "fp(4,3,4)", sr_bits=True)
+    lowfp.quantize(x, "fp(4,3,4)", subnormals=True)
+    with pytest.raises(TypeError, match="subnormals must be a bool"):
+        lowfp.quantize(x, "fp(4,3,4)", subnormals=1)
+    with pytest.raises(TypeError, match="offset must be an int"):
+        lowfp.quantize(x, "fp(4,3,4)", offset=0.0)
+    with pytest.raises(TypeError, match="stats must be a lowfp.Stats"):
+        lowfp.quantize(x, "fp(4,3,4)", stats=torch.zeros(4, dtype=torch.int64))
+    taken.clear()
+    t = x.t()  # not contiguous: the layout path, same values
+    assert torch.equal(lowfp.quantize(t, "fp(4,3,4)").view(torch.int32),
+                       lowfp.quantize(x, "fp(4,3,4)").t().view(torch.int32))
+    w = x.clone().requires_grad_(True)  # autograd: through the operator, with a gradient
+    lowfp.quantize(w, "fp(4,3,4)").sum().backward()
+    assert torch.equal(w.grad, torch.ones_like(x))
+    sparse = x.to_sparse()
+    with pytest.raises(TypeError, match="dense"):
+        lowfp.quantize(sparse, "fp(4,3,4)")
+    assert len(taken) == 1  # only the contiguous call

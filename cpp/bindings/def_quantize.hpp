@@ -11,8 +11,41 @@
 
 namespace lowfp {
 
+// A request made into the kernels' call once (checked, its RoundParams computed): lowfp's eager
+// plans keep one per rounding, and each call passes only its buffers, count, seed and offset.
+struct PreparedQuantize {
+  QuantizeCall call;
+};
+
 template <class Run>
 void def_quantize(pybind11::module_& mod, Run run) {
+  // PreparedQuantize(x_dtype, y_dtype, e, m, b, specials, subnormals, overflow, rounding, sr_bits)
+  // (quantize's arguments without the buffers, seed and offset); called as
+  // p(x_ptr, y_ptr, n, seed, offset, counts_ptr, device, stream). Each module has its own class
+  // (module_local): a request runs on the backend that made it.
+  pybind11::class_<PreparedQuantize>(mod, "PreparedQuantize", pybind11::module_local())
+      .def(pybind11::init([](int32_t x_dtype, int32_t y_dtype, int32_t e, int32_t m, int32_t b,
+                             int32_t specials, bool subnormals, int32_t overflow, int32_t rounding,
+                             int32_t sr_bits) {
+        const QuantizeRequest r{{e, m, b, Specials(specials), subnormals}, Overflow(overflow),
+                                Rounding(rounding), sr_bits, DType(x_dtype), DType(y_dtype), 0, 0};
+        return PreparedQuantize{make_quantize_call(r, nullptr, nullptr, 0, false)};
+      }))
+      .def("__call__", [run](const PreparedQuantize& p, uintptr_t x, uintptr_t y, int64_t n,
+                             uint64_t seed, uint64_t offset, uintptr_t counts, int32_t device,
+                             uintptr_t stream) {
+        if (n < 0) throw std::invalid_argument("negative element count");
+        QuantizeCall call = p.call;
+        call.x = reinterpret_cast<const void*>(x);
+        call.y = reinterpret_cast<void*>(y);
+        call.n = n;
+        call.seed = seed;
+        call.offset = offset;
+        call.count = counts != 0;
+        pybind11::gil_scoped_release release;
+        run(call, reinterpret_cast<int64_t*>(counts), device, stream);
+      });
+
   mod.def("quantize", [run](uintptr_t x, int32_t x_dtype, uintptr_t y, int32_t y_dtype, int64_t n,
                             int32_t e, int32_t m, int32_t b, int32_t specials, bool subnormals,
                             int32_t overflow, int32_t rounding, int32_t sr_bits, uint64_t seed,

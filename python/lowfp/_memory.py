@@ -36,11 +36,10 @@ def new_output(like: torch.Tensor, dtype: torch.dtype,
     (empty_like: half the time of torch.empty(shape, ...) on a small tensor, whose shape
     argument torch parses on each call.)"""
     t = torch.empty_like(like, dtype=dtype, memory_format=memory_format)
-    if _madvise is not None and t.device.type == "cpu":
-        nbytes = t.numel() * t.element_size()
-        if nbytes >= _MIN_BYTES:
-            start = (t.data_ptr() + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
-            end = (t.data_ptr() + nbytes) & ~(_HUGE_PAGE - 1)
-            if end > start:
-                _madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: failure changes nothing
+    nbytes = like.numel() * dtype.itemsize  # (the size first: most outputs are small)
+    if nbytes >= _MIN_BYTES and _madvise is not None and t.is_cpu:
+        start = (t.data_ptr() + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
+        end = (t.data_ptr() + nbytes) & ~(_HUGE_PAGE - 1)
+        if end > start:
+            _madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: failure changes nothing
     return t

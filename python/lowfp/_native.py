@@ -134,8 +134,9 @@ def plan_rounding(fmt, rounding, overflow, subnormals, sr_bits, x_dtype, out_dty
     """The checked Plan (as a tuple) of a rounding of an ``x_dtype`` tensor into an out= of
     dtype ``out_dtype_given`` (None: no out=) or a new tensor of ``out_dtype``. Every argument
     error is raised here, naming the argument."""
-    key = (fmt, rounding, overflow, subnormals, sr_bits, x_dtype, out_dtype_given, out_dtype,
-           grad_fmt, grad_rounding)
+    # With the types: True == 1 == 1.0 as keys, but only some of them pass the checks.
+    key = (fmt, rounding, overflow, subnormals, type(subnormals), sr_bits, type(sr_bits), x_dtype,
+           out_dtype_given, out_dtype, grad_fmt, grad_rounding)
     try:
         return _PLANS[key]
     except (KeyError, TypeError):  # (TypeError: an unhashable argument, refused below)
@@ -315,7 +316,6 @@ def round_dense(x: torch.Tensor, y: torch.Tensor, args: tuple,
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_NATIVE_DEVICES = ("cpu", "cuda")  # (meta tensors take the operators' fake implementations)
 
 
 def runs_natively(x: torch.Tensor, out: Optional[torch.Tensor]) -> bool:
@@ -325,7 +325,7 @@ def runs_natively(x: torch.Tensor, out: Optional[torch.Tensor]) -> bool:
     autograd graph to record."""
     return (not torch.compiler.is_compiling()
             and type(x) in _PLAIN and (out is None or type(out) in _PLAIN)
-            and x.device.type in _NATIVE_DEVICES
+            and (x.is_cpu or x.is_cuda)  # (not x.device.type: it builds a torch.device)
             and not (x.requires_grad and torch.is_grad_enabled())
             and not torch._C._is_torch_function_mode_enabled()
             and torch._C._len_torch_dispatch_stack() == 0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -62,6 +62,9 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
         # without the dispatcher's round trip (the same kernel, bits and counts).
         args = plan.native + (eager_seed(plan.rounding, seed, generator), offset & _U64)
         if out is None and x.is_contiguous():  # the common case: one pointer call, no layout work
+            if (seed is None and generator is None and type(offset) is int and offset == 0
+                    and grad_fmt is None):
+                _remember_eager(fmt, rounding, overflow, subnormals, sr_bits, x, out_dtype, plan)
             return round_dense(x, new_output(x, plan.dtype), args, counts), None
         y = out if out is not None else new_output(x, plan.dtype, torch.preserve_format)
         run_rounding(x, y, args, plan.rounding != "stochastic", counts)
@@ -87,6 +90,59 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
     if out is not None:  # compiled: the functional operator (which Inductor fuses), then a copy
         return out.copy_(y), None
     return y, (S2FP8Stats(sums, params, x.numel()) if plan.s2fp8 else None)
+
+
+class _EagerPlan(NamedTuple):
+    """A plain-format rounding whose arguments passed every check once: the kernel's prepared
+    request (lowfp._C.PreparedQuantize, or lowfp._C_cuda's), the result's dtype, and whether it
+    draws a stochastic seed."""
+    request: object
+    dtype: torch.dtype
+    stochastic: bool
+
+
+# The eager calls that are one pointer call (a contiguous plain tensor, no out=, seed, generator,
+# offset or grad_fmt), by the arguments as the caller passed them (_eager_key): such a call skips
+# the argument checks and the plan lookup.
+_EAGER: Dict[tuple, _EagerPlan] = {}
+
+
+def _eager_key(fmt, rounding, overflow, subnormals, sr_bits, x: torch.Tensor, out_dtype) -> tuple:
+    # The types too: True == 1 == 1.0 as keys, but only some of them pass the checks.
+    return (fmt, rounding, overflow, subnormals, type(subnormals), sr_bits, type(sr_bits), x.dtype,
+            x.is_cuda, out_dtype)
+
+
+def _remember_eager(fmt, rounding, overflow, subnormals, sr_bits, x, out_dtype, plan) -> None:
+    key = _eager_key(fmt, rounding, overflow, subnormals, sr_bits, x, out_dtype)
+    try:
+        if key in _EAGER:
+            return
+    except TypeError:  # an unhashable argument (a list for sr_bits...): checked each call
+        return
+    if len(_EAGER) > 1024:
+        _EAGER.clear()
+    module = backends.native(x, "x")[0]
+    request = module.PreparedQuantize(DTYPE_CODES[x.dtype], DTYPE_CODES[plan.dtype], *plan.native)
+    _EAGER[key] = _EagerPlan(request, plan.dtype, plan.rounding == "stochastic")
+
+
+def _round_eager(x: torch.Tensor, entry: _EagerPlan, stats) -> Optional[torch.Tensor]:
+    """The rounding of a remembered call, or None when this call needs the full path (a layout,
+    mode, autograd or stats that the one pointer call does not cover, or an error to raise)."""
+    if not (x.layout is torch.strided and not x.is_nested and x.is_contiguous()
+            and runs_natively(x, None)):
+        return None
+    counts = None
+    if stats is not None:
+        if type(stats) is not Stats or stats.counts.get_device() != x.get_device():
+            return None
+        counts = stats.counts
+    _, device, stream = backends.native(x, "x")
+    y = new_output(x, entry.dtype)
+    entry.request(x.data_ptr(), y.data_ptr(), x.numel(), draw_seed() if entry.stochastic else 0, 0,
+                  0 if counts is None else counts.data_ptr(), device, stream)
+    return y
 
 
 def _quantize_numpy(x: np.ndarray, fmt, rounding, out, out_dtype, kwargs):
@@ -134,6 +190,17 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
         grad_fmt, grad_rounding: the gradient passes straight through, or is rounded to
             ``grad_fmt`` with ``grad_rounding`` when given.
     """
+    if (type(x) is torch.Tensor and out is None and seed is None and generator is None
+            and type(offset) is int and offset == 0 and grad_fmt is None):  # see _EAGER
+        try:
+            entry = _EAGER.get(_eager_key(fmt, rounding, overflow, subnormals, sr_bits, x,
+                                          out_dtype))
+        except TypeError:  # an unhashable argument
+            entry = None
+        if entry is not None:
+            y = _round_eager(x, entry, stats)
+            if y is not None:
+                return y
     if isinstance(x, np.floating):  # numpy scalar in, numpy scalar out (as numpy ufuncs do)
         if out is not None:
             raise TypeError("out= is not supported for numpy scalar x")
