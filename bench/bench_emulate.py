@@ -16,6 +16,9 @@ plain, compiled plain, emulated (ours(r=0.5)) and compiled inside the emulation,
 timed in interleaved rounds. Targets: compiled emulated ≤ eager emulated, and ≤ 1.2× compiled
 plain on the CPU (≤ 1.1× on a GPU): under Inductor the roundings are generated inside its own
 kernels (docs/design.md §3.1).
+
+Host cost: roundings per emulated step and the CPU µs of each (torch.profiler), printed after
+the first table.
 """
 
 import argparse
@@ -137,6 +140,42 @@ def run_compile(device: torch.device, repeats: int, cases=COMPILE_CASES):
     return rows
 
 
+def host_per_rounding(device: torch.device, steps: int = 5):
+    """Roundings per step and the CPU time of each (torch.profiler's ``_Round`` and
+    ``_RoundBackward`` events, which hold the rounding call from Python down to the kernel: on
+    a GPU the host's time, which the GPU waits for when the step is host-bound; on the CPU the
+    kernel's too) for the first CASES model under ours(r=0.5). Skipped roundings (ReLU's output,
+    docs/design.md §6) are not events."""
+    from torch.profiler import ProfilerActivity, profile
+    name, make, n, c, hw = CASES[0]
+    torch.manual_seed(0)
+    model = make().to(device)
+    x = torch.randn(n, c, hw, hw, device=device)
+    y = torch.randint(0, 10, (n,), device=device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step():
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    with lowfp.emulate(model, A.ours(A.trace(model, x, F.cross_entropy, y), 0.5)):
+        for _ in range(3):
+            step()
+        sync(device)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step()
+            sync(device)
+    row = {"case": name}
+    for key, label in (("_Round", "forward"), ("_RoundBackward", "backward")):
+        events = [e for e in prof.key_averages() if e.key == key]
+        row[f"{label}_per_step"] = events[0].count / steps if events else 0
+        row[f"{label}_cpu_us"] = events[0].cpu_time_total / events[0].count if events else 0.0
+    return row
+
+
 def compile_table(rows):
     head = ["case", "plain ms", "compiled ms", "emulated ms", "compiled emulated ms",
             "c.em/em", "paired", "c.em/compiled", "graphs", "first step s (plain / emulated)"]
@@ -184,6 +223,11 @@ def main(argv=None):
         result["rows"] = rows = run(device, args.repeats)
         print(table(rows))
         print("(×: emulated step time / plain step time, best of", args.repeats, "; target ≤ 1.5× on CPU, 1.3× on GPU)")
+        result["host"] = h = host_per_rounding(device)
+        print(f"{h['case']}, ours(r=0.5): {h['forward_per_step']:.0f} forward and "
+              f"{h['backward_per_step']:.0f} backward roundings per step; CPU µs per rounding "
+              f"(torch.profiler, with its overhead): forward {h['forward_cpu_us']:.1f}, backward "
+              f"{h['backward_cpu_us']:.1f} ({'host time' if device.type == 'cuda' else 'host and kernel'})")
     if not args.no_compile:
         cases = [c for c in COMPILE_CASES if not args.compile_case or c[0] in args.compile_case]
         if not cases:

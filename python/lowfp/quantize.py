@@ -11,10 +11,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 from . import backends
 from ._checks import check_choice, is_dtype_in
 from ._memory import new_output
-from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODES, NativeCall, Plan,
+from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODES, Plan,
                       as_int64, call_seed, check_tensor_args, check_uint64, check_writable,
                       draw_seed, into_numpy_out, make_call, numpy_as_tensor, plan_rounding,
-                      eager_seed, round_dense, run_rounding, runs_natively)
+                      eager_seed, format_args, round_dense, run_rounding, runs_natively)
 from ._dtensor import is_dtensor, round_dtensor
 from ._ops import s2fp8_stat_buffers
 from ._torch_round import register_inductor_decompositions
@@ -135,9 +135,11 @@ def _round_eager(x: torch.Tensor, entry: _EagerPlan, stats) -> Optional[torch.Te
         return None
     counts = None
     if stats is not None:
-        if type(stats) is not Stats or stats.counts.get_device() != x.get_device():
+        counts = stats.counts if type(stats) is Stats else None
+        # (is_cpu, get_device: comparing torch.device objects costs more than the rest)
+        if counts is None or not (counts.is_cpu if x.is_cpu else
+                                  counts.is_cuda and counts.get_device() == x.get_device()):
             return None
-        counts = stats.counts
     _, device, stream = backends.native(x, "x")
     y = new_output(x, entry.dtype)
     entry.request(x.data_ptr(), y.data_ptr(), x.numel(), draw_seed() if entry.stochastic else 0, 0,
@@ -266,9 +268,10 @@ class Rounder:
         # (S2FP8 takes its grid from each tensor) and saturation (no infinite results).
         self.idempotent = isinstance(self.precision, Format) and (overflow or fmt.overflow) == "saturate"
         self._call = make_call(fmt, rounding, overflow, None, 0, None, 0, 32)
-        self._args = self._call.args()
         self._fmt = str(self._call.fmt)
         self._fits: dict = {}
+        # The kernel's prepared request per (dtype, on CUDA): eager calls pass only buffers.
+        self._requests: dict = {}
 
     def fit_error(self, dtype: torch.dtype) -> Optional[str]:
         """Why tensors of ``dtype`` cannot be rounded by this rounder in their own dtype, or None."""
@@ -310,11 +313,24 @@ class Rounder:
             return y
         if not (x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))):
             x = x.contiguous()
-        args = self._args
-        if self.rounding == "stochastic":
-            args = NativeCall(self._call.fmt, self._call.rounding, 32, draw_seed(), 0).args()
-        # (empty_like: the same dense strides as x)
-        return round_dense(x, torch.empty_like(x), args, None if stats is None else stats.counts)
+        request = self._requests.get((x.dtype, x.is_cuda))
+        if request is None:
+            request = self._prepare(x)
+        _, device, stream = backends.native(x, "x")
+        y = torch.empty_like(x)  # (the same dense strides as x)
+        request(x.data_ptr(), y.data_ptr(), x.numel(),
+                draw_seed() if self.rounding == "stochastic" else 0, 0,
+                0 if stats is None else stats.counts.data_ptr(), device, stream)
+        return y
+
+    def _prepare(self, x: torch.Tensor):
+        """The kernel's request for rounding x's dtype into itself on x's backend."""
+        module = backends.native(x, "x")[0]
+        code = DTYPE_CODES[x.dtype]
+        request = module.PreparedQuantize(code, code, *format_args(
+            self._call.fmt, self._call.rounding, self._call.sr_bits))
+        self._requests[(x.dtype, x.is_cuda)] = request
+        return request
 
     def __repr__(self) -> str:
         return f"Rounder({self.precision}, {self.rounding!r}, overflow={self.overflow!r})"
