@@ -675,3 +675,28 @@ def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_ch
     with pytest.raises(TypeError, match="dense"):
         lowfp.quantize(sparse, "fp(4,3,4)")
     assert len(taken) == 1  # only the contiguous call
+    # out=: remembered by out's dtype; taken for a contiguous out apart from x or x itself
+    want = lowfp.quantize(x, "fp(4,3,4)").view(torch.int32)
+    for _ in range(2):
+        out = torch.empty_like(x)
+        assert lowfp.quantize(x, "fp(4,3,4)", out=out) is out
+        assert torch.equal(out.view(torch.int32), want)
+    taken.clear()
+    u = x.clone()
+    lowfp.quantize_(u, "fp(4,3,4)")
+    assert torch.equal(u.view(torch.int32), want) and len(taken) == 1
+    flat = x.flatten().clone()  # overlapping, not x itself: the full path reads a copy of x
+    lowfp.quantize(flat[:-1], "fp(4,3,4)", out=flat[1:])
+    assert torch.equal(flat[1:].view(torch.int32), want.flatten()[:-1])
+    strided = torch.empty(300, 4).t()  # not contiguous: the layout path
+    lowfp.quantize(x, "fp(4,3,4)", out=strided)
+    assert torch.equal(strided.view(torch.int32), want) and len(taken) == 1
+    with pytest.raises(ValueError, match="out has shape"):
+        lowfp.quantize(x, "fp(4,3,4)", out=torch.empty(4, 299))
+    with pytest.raises(ValueError, match="out= does not support automatic differentiation"):
+        lowfp.quantize(x, "fp(4,3,4)", out=torch.empty_like(x).requires_grad_(True))
+    with torch.inference_mode():
+        frozen = torch.empty_like(x)
+    with pytest.raises(ValueError, match="out is an inference tensor"):
+        lowfp.quantize(x, "fp(4,3,4)", out=frozen)
+    assert len(taken) == 1

@@ -4,6 +4,7 @@ rounding and S2FP8 kernels on contiguous buffers. Nothing here is public API."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Tuple
@@ -73,6 +74,20 @@ def draw_seed(generator: Optional[torch.Generator] = None) -> int:
     if type(words) in backends.TRACING_TYPES:
         return 0
     lo, hi = words.tolist()
+    return lo | (hi << 32)
+
+
+_draws = threading.local()  # each thread's two-word buffer for draw_seed_eager
+
+
+def draw_seed_eager() -> int:
+    """draw_seed() from torch's default generator for an eager call with no mode active (the
+    same words: torch.randint fills a new tensor with random_), into a buffer kept per thread
+    instead of a new tensor per draw."""
+    words = getattr(_draws, "words", None)
+    if words is None:
+        words = _draws.words = torch.empty(2, dtype=torch.int64)
+    lo, hi = words.random_(0, 2**32).tolist()
     return lo | (hi << 32)
 
 

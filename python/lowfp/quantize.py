@@ -13,7 +13,7 @@ from ._checks import check_choice, is_dtype_in
 from ._memory import new_output
 from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODES, Plan,
                       as_int64, call_seed, check_tensor_args, check_uint64, check_writable,
-                      draw_seed, into_numpy_out, make_call, numpy_as_tensor, plan_rounding,
+                      draw_seed_eager, into_numpy_out, make_call, numpy_as_tensor, plan_rounding,
                       eager_seed, format_args, round_dense, run_rounding, runs_natively)
 from ._dtensor import is_dtensor, round_dtensor
 from ._ops import s2fp8_stat_buffers
@@ -61,10 +61,10 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
         # Eager, plain tensors, nothing to record: the operator's own implementation, called
         # without the dispatcher's round trip (the same kernel, bits and counts).
         args = plan.native + (eager_seed(plan.rounding, seed, generator), offset & _U64)
+        if (seed is None and generator is None and type(offset) is int and offset == 0
+                and grad_fmt is None and x.is_contiguous()):
+            _remember_eager(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dtype, plan)
         if out is None and x.is_contiguous():  # the common case: one pointer call, no layout work
-            if (seed is None and generator is None and type(offset) is int and offset == 0
-                    and grad_fmt is None):
-                _remember_eager(fmt, rounding, overflow, subnormals, sr_bits, x, out_dtype, plan)
             return round_dense(x, new_output(x, plan.dtype), args, counts), None
         y = out if out is not None else new_output(x, plan.dtype, torch.preserve_format)
         run_rounding(x, y, args, plan.rounding != "stochastic", counts)
@@ -101,20 +101,21 @@ class _EagerPlan(NamedTuple):
     stochastic: bool
 
 
-# The eager calls that are one pointer call (a contiguous plain tensor, no out=, seed, generator,
-# offset or grad_fmt), by the arguments as the caller passed them (_eager_key): such a call skips
-# the argument checks and the plan lookup.
+# The eager calls that are one pointer call (a contiguous plain tensor, a contiguous out= or none,
+# no seed, generator, offset or grad_fmt), by the arguments as the caller passed them
+# (_eager_key): such a call skips the argument checks and the plan lookup.
 _EAGER: Dict[tuple, _EagerPlan] = {}
 
 
-def _eager_key(fmt, rounding, overflow, subnormals, sr_bits, x: torch.Tensor, out_dtype) -> tuple:
+def _eager_key(fmt, rounding, overflow, subnormals, sr_bits, x: torch.Tensor, out,
+               out_dtype) -> tuple:
     # The types too: True == 1 == 1.0 as keys, but only some of them pass the checks.
     return (fmt, rounding, overflow, subnormals, type(subnormals), sr_bits, type(sr_bits), x.dtype,
-            x.is_cuda, out_dtype)
+            x.is_cuda, None if out is None else out.dtype, out_dtype)
 
 
-def _remember_eager(fmt, rounding, overflow, subnormals, sr_bits, x, out_dtype, plan) -> None:
-    key = _eager_key(fmt, rounding, overflow, subnormals, sr_bits, x, out_dtype)
+def _remember_eager(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dtype, plan) -> None:
+    key = _eager_key(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dtype)
     try:
         if key in _EAGER:
             return
@@ -127,24 +128,49 @@ def _remember_eager(fmt, rounding, overflow, subnormals, sr_bits, x, out_dtype, 
     _EAGER[key] = _EagerPlan(request, plan.dtype, plan.rounding == "stochastic")
 
 
-def _round_eager(x: torch.Tensor, entry: _EagerPlan, stats) -> Optional[torch.Tensor]:
+def _round_eager(x: torch.Tensor, entry: _EagerPlan, stats, out) -> Optional[torch.Tensor]:
     """The rounding of a remembered call, or None when this call needs the full path (a layout,
-    mode, autograd or stats that the one pointer call does not cover, or an error to raise)."""
+    mode, autograd, out= or stats that the one pointer call does not cover, or an error to
+    raise)."""
     if not (x.layout is torch.strided and not x.is_nested and x.is_contiguous()
-            and runs_natively(x, None)):
+            and runs_natively(x, out)):
+        return None
+    if out is not None and not _writable_in_one_call(x, out):
         return None
     counts = None
     if stats is not None:
         counts = stats.counts if type(stats) is Stats else None
-        # (is_cpu, get_device: comparing torch.device objects costs more than the rest)
-        if counts is None or not (counts.is_cpu if x.is_cpu else
-                                  counts.is_cuda and counts.get_device() == x.get_device()):
+        if counts is None or not _same_device(counts, x):
             return None
     _, device, stream = backends.native(x, "x")
-    y = new_output(x, entry.dtype)
-    entry.request(x.data_ptr(), y.data_ptr(), x.numel(), draw_seed() if entry.stochastic else 0, 0,
+    y = new_output(x, entry.dtype) if out is None else out
+    seed = draw_seed_eager() if entry.stochastic else 0
+    entry.request(x.data_ptr(), y.data_ptr(), x.numel(), seed, 0,
                   0 if counts is None else counts.data_ptr(), device, stream)
+    if out is not None:  # written through its pointer: tell autograd, as torch's out= ops do
+        torch.autograd.graph.increment_version(out)
     return y
+
+
+def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # (is_cpu, get_device: comparing torch.device objects costs more than the rest of a call)
+    return a.is_cpu if b.is_cpu else a.is_cuda and a.get_device() == b.get_device()
+
+
+def _writable_in_one_call(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether out= (of the remembered dtype) takes x's rounding by one pointer call: a plain
+    contiguous tensor of x's shape and device, writable (not an inference tensor outside
+    inference mode, no autograd to record), either x itself or apart from it in memory."""
+    if not (type(out) is torch.Tensor and out.is_contiguous() and out.shape == x.shape
+            and _same_device(out, x) and not out.requires_grad
+            and not (out.is_inference() and not torch.is_inference_mode_enabled())):
+        return False
+    if x.numel() == 0:
+        return True
+    x0, o0 = x.data_ptr(), out.data_ptr()
+    if x0 == o0 and x.dtype == out.dtype:  # in place
+        return True
+    return x0 + x.numel() * x.element_size() <= o0 or o0 + out.numel() * out.element_size() <= x0
 
 
 def _quantize_numpy(x: np.ndarray, fmt, rounding, out, out_dtype, kwargs):
@@ -192,15 +218,16 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
         grad_fmt, grad_rounding: the gradient passes straight through, or is rounded to
             ``grad_fmt`` with ``grad_rounding`` when given.
     """
-    if (type(x) is torch.Tensor and out is None and seed is None and generator is None
-            and type(offset) is int and offset == 0 and grad_fmt is None):  # see _EAGER
+    if (type(x) is torch.Tensor and (out is None or type(out) is torch.Tensor) and seed is None
+            and generator is None and type(offset) is int and offset == 0
+            and grad_fmt is None):  # see _EAGER
         try:
-            entry = _EAGER.get(_eager_key(fmt, rounding, overflow, subnormals, sr_bits, x,
+            entry = _EAGER.get(_eager_key(fmt, rounding, overflow, subnormals, sr_bits, x, out,
                                           out_dtype))
         except TypeError:  # an unhashable argument
             entry = None
         if entry is not None:
-            y = _round_eager(x, entry, stats)
+            y = _round_eager(x, entry, stats, out)
             if y is not None:
                 return y
     if isinstance(x, np.floating):  # numpy scalar in, numpy scalar out (as numpy ufuncs do)
@@ -319,7 +346,7 @@ class Rounder:
         _, device, stream = backends.native(x, "x")
         y = torch.empty_like(x)  # (the same dense strides as x)
         request(x.data_ptr(), y.data_ptr(), x.numel(),
-                draw_seed() if self.rounding == "stochastic" else 0, 0,
+                draw_seed_eager() if self.rounding == "stochastic" else 0, 0,
                 0 if stats is None else stats.counts.data_ptr(), device, stream)
         return y
 
