@@ -4,7 +4,7 @@ rounding, against torch's own element-wise calls on the same tensor, measured in
 
     python bench/bench_host.py [--device cpu|cuda] [--numel N]
 
-Each case runs in rounds of calls (best round reported, µs per call); on CUDA the host time is
+The cases take turns in rounds of calls (best round reported, µs per call); on CUDA the host time is
 what this measures (calls are queued, the GPU synchronised only at the end of a round). Ratios
 are against ``x.to(torch.bfloat16)`` (issue 55's yardstick: a Format at most 2x, scaled formats
 at most 3x)."""
@@ -19,20 +19,24 @@ import torch
 import lowfp
 
 
-def per_call_us(fn, device: str, calls: int = 2000, rounds: int = 5) -> float:
-    for _ in range(200):
-        fn()
-    best = float("inf")
-    for _ in range(rounds):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
+def per_call_us(cases, device: str, calls: int = 2000, rounds: int = 7) -> dict:
+    """Best µs per call of each case, the cases timed in turn within each round (so that a
+    slower or faster spell of the machine meets all of them, the yardstick included)."""
+    for _, fn in cases:
+        for _ in range(200):
             fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best * 1e6
+    best = {name: float("inf") for name, _ in cases}
+    for _ in range(rounds):
+        for name, fn in cases:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best[name] = min(best[name], (time.perf_counter() - t0) / calls)
+    return {name: t * 1e6 for name, t in best.items()}
 
 
 def main(argv=None) -> int:
@@ -56,13 +60,12 @@ def main(argv=None) -> int:
         ("quantize(x, 'mxfp8_e4m3')", lambda: lowfp.quantize(x, "mxfp8_e4m3")),
         ("quantize(x, 'nvfp4')", lambda: lowfp.quantize(x, "nvfp4")),
     ]
-    base = None
+    times = per_call_us(cases, args.device)
+    base = times[cases[0][0]]
     print(f"| call ({args.numel} float32 elements, {args.device}) | µs per call | vs x.to(bfloat16) |")
     print("|---|---:|---:|")
-    for name, fn in cases:
-        us = per_call_us(fn, args.device)
-        base = us if base is None else base
-        print(f"| `{name}` | {us:.1f} | {us / base:.2f} |", flush=True)
+    for name, _ in cases:
+        print(f"| `{name}` | {times[name]:.1f} | {times[name] / base:.2f} |")
     return 0
 
 
