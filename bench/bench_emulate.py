@@ -59,22 +59,30 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def training_step(case, device: torch.device):
+    """(model, x, y, step) for one of CASES: step() runs forward, cross-entropy, backward and an
+    SGD step, and waits for the device."""
+    _, make, n, c, hw = case
+    torch.manual_seed(0)
+    model = make().to(device)
+    x = torch.randn(n, c, hw, hw, device=device)
+    y = torch.randint(0, 10, (n,), device=device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step():
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sync(device)
+    return model, x, y, step
+
+
 def run(device: torch.device, repeats: int):
     rows = []
-    for name, make, n, c, hw in CASES:
-        torch.manual_seed(0)
-        model = make().to(device)
-        x = torch.randn(n, c, hw, hw, device=device)
-        y = torch.randint(0, 10, (n,), device=device)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-        def step():
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sync(device)
-
+    for case in CASES:
+        name, n = case[0], case[2]
+        model, x, y, step = training_step(case, device)
         plain = best(step, repeats)
         tr = A.trace(model, x, F.cross_entropy, y)
         row = {"case": name, "batch": n, "operators": len(tr.ops), "tensors": len(tr.tensors),
@@ -147,28 +155,14 @@ def host_per_rounding(device: torch.device, steps: int = 5):
     kernel's too) for the first CASES model under ours(r=0.5). Skipped roundings (ReLU's output,
     docs/design.md §6) are not events."""
     from torch.profiler import ProfilerActivity, profile
-    name, make, n, c, hw = CASES[0]
-    torch.manual_seed(0)
-    model = make().to(device)
-    x = torch.randn(n, c, hw, hw, device=device)
-    y = torch.randint(0, 10, (n,), device=device)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-    def step():
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
+    model, x, y, step = training_step(CASES[0], device)
     with lowfp.emulate(model, A.ours(A.trace(model, x, F.cross_entropy, y), 0.5)):
         for _ in range(3):
             step()
-        sync(device)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 step()
-            sync(device)
-    row = {"case": name}
+    row = {"case": CASES[0][0]}
     for key, label in (("_Round", "forward"), ("_RoundBackward", "backward")):
         events = [e for e in prof.key_averages() if e.key == key]
         row[f"{label}_per_step"] = events[0].count / steps if events else 0
