@@ -282,6 +282,9 @@ class Rounder:
 
     def __init__(self, precision, rounding: str = "nearest", overflow: Optional[str] = None):
         check_choice(rounding, ROUNDING_MODES, "rounding")
+        # The kernel's prepared request per (dtype, on CUDA) of a plain format: eager calls pass
+        # only buffers (empty for scaled formats and S2FP8).
+        self._requests: dict = {}
         self.rounding = rounding
         self.overflow = overflow
         self.scaled = to_scaled(precision)
@@ -297,8 +300,6 @@ class Rounder:
         self._call = make_call(fmt, rounding, overflow, None, 0, None, 0, 32)
         self._fmt = str(self._call.fmt)
         self._fits: dict = {}
-        # The kernel's prepared request per (dtype, on CUDA): eager calls pass only buffers.
-        self._requests: dict = {}
 
     def fit_error(self, dtype: torch.dtype) -> Optional[str]:
         """Why tensors of ``dtype`` cannot be rounded by this rounder in their own dtype, or None."""
@@ -321,6 +322,11 @@ class Rounder:
             raise ValueError(reason)
 
     def __call__(self, x: torch.Tensor, stats: Optional[Stats] = None) -> torch.Tensor:
+        if not torch.compiler.is_compiling():  # (first: Dynamo would guard on the table below)
+            # A dtype this rounder has rounded (checked then) on a backend it has used.
+            request = self._requests.get((x.dtype, x.is_cuda))
+            if request is not None:
+                return self._round_eager(x, stats, request)
         if self.scaled is not None:
             with torch.no_grad():
                 return quantize_scaled(x, self.scaled, self.rounding, overflow=self.overflow,
@@ -338,11 +344,11 @@ class Rounder:
             if stats is not None:
                 stats.counts.add_(counts)
             return y
+        return self._round_eager(x, stats, self._prepare(x))
+
+    def _round_eager(self, x: torch.Tensor, stats: Optional[Stats], request) -> torch.Tensor:
         if not (x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))):
             x = x.contiguous()
-        request = self._requests.get((x.dtype, x.is_cuda))
-        if request is None:
-            request = self._prepare(x)
         _, device, stream = backends.native(x, "x")
         y = torch.empty_like(x)  # (the same dense strides as x)
         request(x.data_ptr(), y.data_ptr(), x.numel(),
