@@ -38,10 +38,18 @@ _READ_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonze
              torch.ops.aten.nonzero.default, torch.ops.aten.equal.default}
 
 
+class _Window:
+    """What one window knows: the tensors on the device, and the host copies still in flight."""
+
+    def __init__(self):
+        self.on_device = WeakTensorKeyDictionary()
+        self.in_flight = WeakTensorKeyDictionary()
+
+
 class _Tracker(TorchDispatchMode):
-    def __init__(self, on_device: WeakTensorKeyDictionary, in_flight: WeakTensorKeyDictionary):
+    def __init__(self, window: _Window):
         super().__init__()
-        self.on_device, self.in_flight = on_device, in_flight
+        self.on_device, self.in_flight = window.on_device, window.in_flight
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -64,9 +72,9 @@ class _Tracker(TorchDispatchMode):
 
 
 class _Reads(TorchFunctionMode):
-    def __init__(self, on_device: WeakTensorKeyDictionary, in_flight: WeakTensorKeyDictionary):
+    def __init__(self, window: _Window):
         super().__init__()
-        self.on_device, self.in_flight = on_device, in_flight
+        self.on_device, self.in_flight = window.on_device, window.in_flight
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -86,9 +94,9 @@ class _Reads(TorchFunctionMode):
 def device_reads_forbidden(*device_tensors):
     """Inside: reading any of ``device_tensors`` (tensors or iterables of them), or anything
     computed from them, on the host raises DeviceSync."""
-    on_device, in_flight = WeakTensorKeyDictionary(), WeakTensorKeyDictionary()
+    window = _Window()
     for item in device_tensors:
         for t in ([item] if isinstance(item, torch.Tensor) else item):
-            on_device[t] = True
-    with _Tracker(on_device, in_flight), _Reads(on_device, in_flight):
-        yield on_device
+            window.on_device[t] = True
+    with _Tracker(window), _Reads(window):
+        yield window.on_device
