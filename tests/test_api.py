@@ -653,6 +653,16 @@ def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_ch
             for y, c, r in ((y1, c1, r1), (y2, c2, r2)):
                 assert y.dtype == y0.dtype and torch.equal(y.view(torch.int8), y0.view(torch.int8))
                 assert torch.equal(c, c0) and torch.equal(r, r0), (fmt, kwargs)
+    # a CPU generator: its draws, remembered or not (the operator's: the test above)
+    draws = []
+    for _ in range(2):
+        g = torch.Generator().manual_seed(9)
+        draws.append((lowfp.quantize(x, "fp(4,3,4)", "stochastic", generator=g), g.get_state()))
+    bits = [d[0].view(torch.int32) for d in draws]
+    assert torch.equal(bits[0], bits[1]) and torch.equal(draws[0][1], draws[1][1])
+    g = torch.Generator().manual_seed(9)
+    want_g = lowfp.quantize(x, "fp(4,3,4)", "stochastic", seed=lowfp.draw_seed(g))
+    assert torch.equal(bits[0], want_g.view(torch.int32)) and torch.equal(g.get_state(), draws[0][1])
     # Warm now: what the first call would refuse is refused, what it would route elsewhere goes there
     lowfp.quantize(x, "fp(4,3,4)", sr_bits=1)
     with pytest.raises(TypeError, match="sr_bits must be an int"):

@@ -80,14 +80,14 @@ def draw_seed(generator: Optional[torch.Generator] = None) -> int:
 _draws = threading.local()  # each thread's two-word buffer for draw_seed_eager
 
 
-def draw_seed_eager() -> int:
-    """draw_seed() from torch's default generator for an eager call with no mode active (the
-    same words: torch.randint fills a new tensor with random_), into a buffer kept per thread
-    instead of a new tensor per draw."""
+def draw_seed_eager(generator: Optional[torch.Generator] = None) -> int:
+    """draw_seed(generator) for a CPU generator (default: torch's) in an eager call with no mode
+    active (the same words: torch.randint fills a new tensor with random_), into a buffer kept
+    per thread instead of a new tensor per draw."""
     words = getattr(_draws, "words", None)
     if words is None:
         words = _draws.words = torch.empty(2, dtype=torch.int64)
-    lo, hi = words.random_(0, 2**32).tolist()
+    lo, hi = words.random_(0, 2**32, generator=generator).tolist()
     return lo | (hi << 32)
 
 

@@ -61,8 +61,8 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
         # Eager, plain tensors, nothing to record: the operator's own implementation, called
         # without the dispatcher's round trip (the same kernel, bits and counts).
         args = plan.native + (eager_seed(plan.rounding, seed, generator), offset & _U64)
-        if (seed is None and generator is None and type(offset) is int and offset == 0
-                and grad_fmt is None and x.is_contiguous()):
+        if (seed is None and type(offset) is int and offset == 0 and grad_fmt is None
+                and x.is_contiguous()):  # (a generator is an argument of the draw alone)
             _remember_eager(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dtype, plan)
         if out is None and x.is_contiguous():  # the common case: one pointer call, no layout work
             return round_dense(x, new_output(x, plan.dtype), args, counts), None
@@ -102,8 +102,8 @@ class _EagerPlan(NamedTuple):
 
 
 # The eager calls that are one pointer call (a contiguous plain tensor, a contiguous out= or none,
-# no seed, generator, offset or grad_fmt), by the arguments as the caller passed them
-# (_eager_key): such a call skips the argument checks and the plan lookup.
+# no seed, offset or grad_fmt, a CPU generator or none), by the arguments as the caller passed
+# them (_eager_key): such a call skips the argument checks and the plan lookup.
 _EAGER: Dict[tuple, _EagerPlan] = {}
 
 
@@ -128,10 +128,11 @@ def _remember_eager(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dt
     _EAGER[key] = _EagerPlan(request, plan.dtype, plan.rounding == "stochastic")
 
 
-def _round_eager(x: torch.Tensor, entry: _EagerPlan, stats, out) -> Optional[torch.Tensor]:
+def _round_eager(x: torch.Tensor, entry: _EagerPlan, stats, out,
+                 generator: Optional[torch.Generator]) -> Optional[torch.Tensor]:
     """The rounding of a remembered call, or None when this call needs the full path (a layout,
-    mode, autograd, out= or stats that the one pointer call does not cover, or an error to
-    raise)."""
+    mode, autograd, out=, stats or generator that the one pointer call does not cover, or an
+    error to raise)."""
     if not (x.layout is torch.strided and not x.is_nested and x.is_contiguous()
             and runs_natively(x, out)):
         return None
@@ -142,9 +143,13 @@ def _round_eager(x: torch.Tensor, entry: _EagerPlan, stats, out) -> Optional[tor
         counts = stats.counts if type(stats) is Stats else None
         if counts is None or not _same_device(counts, x):
             return None
+    seed = 0
+    if entry.stochastic:
+        if generator is not None and generator.device.type != "cpu":
+            return None
+        seed = draw_seed_eager(generator)
     _, device, stream = backends.native(x, "x")
     y = new_output(x, entry.dtype) if out is None else out
-    seed = draw_seed_eager() if entry.stochastic else 0
     entry.request(x.data_ptr(), y.data_ptr(), x.numel(), seed, 0,
                   0 if counts is None else counts.data_ptr(), device, stream)
     if out is not None:  # written through its pointer: tell autograd, as torch's out= ops do
@@ -219,15 +224,15 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
             ``grad_fmt`` with ``grad_rounding`` when given.
     """
     if (type(x) is torch.Tensor and (out is None or type(out) is torch.Tensor) and seed is None
-            and generator is None and type(offset) is int and offset == 0
-            and grad_fmt is None):  # see _EAGER
+            and (generator is None or type(generator) is torch.Generator)
+            and type(offset) is int and offset == 0 and grad_fmt is None):  # see _EAGER
         try:
             entry = _EAGER.get(_eager_key(fmt, rounding, overflow, subnormals, sr_bits, x, out,
                                           out_dtype))
         except TypeError:  # an unhashable argument
             entry = None
         if entry is not None:
-            y = _round_eager(x, entry, stats, out)
+            y = _round_eager(x, entry, stats, out, generator)
             if y is not None:
                 return y
     if isinstance(x, np.floating):  # numpy scalar in, numpy scalar out (as numpy ufuncs do)
