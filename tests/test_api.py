@@ -684,7 +684,17 @@ def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_ch
     sparse = x.to_sparse()
     with pytest.raises(TypeError, match="dense"):
         lowfp.quantize(sparse, "fp(4,3,4)")
+    meta = lowfp.quantize(x.to("meta"), "fp(4,3,4)")  # the operator's fake implementation
+    assert meta.device.type == "meta" and meta.shape == x.shape
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as fake_mode:
+        fake = lowfp.quantize(fake_mode.from_tensor(x), "fp(4,3,4)")
+    assert fake.shape == x.shape
+    with pytest.raises(ValueError, match="stats lives on"):
+        lowfp.quantize(x, "fp(4,3,4)", stats=lowfp.Stats("meta"))
     assert len(taken) == 1  # only the contiguous call
+    empty = torch.empty(0, 3)
+    assert lowfp.quantize(empty, "fp(4,3,4)").shape == (0, 3) and len(taken) == 2
     # out=: remembered by out's dtype; taken for a contiguous out apart from x or x itself
     want = lowfp.quantize(x, "fp(4,3,4)").view(torch.int32)
     for _ in range(2):

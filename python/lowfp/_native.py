@@ -319,6 +319,13 @@ def run_rounding(x: torch.Tensor, y: torch.Tensor, args: tuple, index_free: bool
         *args, counts_ptr, device, stream), index_free)
 
 
+def prepared_request(x: torch.Tensor, y_dtype: torch.dtype, native: tuple):
+    """The kernel's prepared request (lowfp._C.PreparedQuantize, or lowfp._C_cuda's) for rounding
+    tensors of x's dtype on x's backend into ``y_dtype`` with ``native`` (format_args)."""
+    module = backends.native(x, "x")[0]
+    return module.PreparedQuantize(DTYPE_CODES[x.dtype], DTYPE_CODES[y_dtype], *native)
+
+
 def round_dense(x: torch.Tensor, y: torch.Tensor, args: tuple,
                 counts: Optional[torch.Tensor]) -> torch.Tensor:
     """One pointer call rounding x into y, which share a dense layout and no memory (a new y):

@@ -18,8 +18,8 @@ try:  # present only when lowfp was built with nvcc (LOWFP_CUDA=AUTO/ON)
 except ImportError:
     _C_cuda = None
 
-__all__ = ["check_dense", "check_operand", "cuda_built", "native", "memory_order", "inverse_order",
-           "is_dense"]
+__all__ = ["check_dense", "check_operand", "cuda_built", "native", "same_device", "memory_order",
+           "inverse_order", "is_dense"]
 
 
 def cuda_built() -> bool:
@@ -111,6 +111,16 @@ def follow_torch_threads() -> None:
     if n != _torch_threads:
         _C.set_default_threads(n)
         _torch_threads = n
+
+
+def same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a.device == b.device, from is_cpu / is_cuda and the device index where it can: comparing
+    torch.device objects costs several times more than the rest of a small call."""
+    if b.is_cpu:
+        return a.is_cpu
+    if b.is_cuda:
+        return a.is_cuda and a.get_device() == b.get_device()
+    return a.device == b.device
 
 
 def native(t: torch.Tensor, argname: str):

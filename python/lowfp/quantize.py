@@ -14,7 +14,8 @@ from ._memory import new_output
 from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODES, Plan,
                       as_int64, call_seed, check_tensor_args, check_uint64, check_writable,
                       draw_seed_eager, into_numpy_out, make_call, numpy_as_tensor, plan_rounding,
-                      eager_seed, format_args, round_dense, run_rounding, runs_natively)
+                      eager_seed, format_args, prepared_request, round_dense, run_rounding,
+                      runs_natively, share_bytes)
 from ._dtensor import is_dtensor, round_dtensor
 from ._ops import s2fp8_stat_buffers
 from ._torch_round import register_inductor_decompositions
@@ -123,9 +124,8 @@ def _remember_eager(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dt
         return
     if len(_EAGER) > 1024:
         _EAGER.clear()
-    module = backends.native(x, "x")[0]
-    request = module.PreparedQuantize(DTYPE_CODES[x.dtype], DTYPE_CODES[plan.dtype], *plan.native)
-    _EAGER[key] = _EagerPlan(request, plan.dtype, plan.rounding == "stochastic")
+    _EAGER[key] = _EagerPlan(prepared_request(x, plan.dtype, plan.native), plan.dtype,
+                             plan.rounding == "stochastic")
 
 
 def _round_eager(x: torch.Tensor, entry: _EagerPlan, stats, out,
@@ -141,7 +141,7 @@ def _round_eager(x: torch.Tensor, entry: _EagerPlan, stats, out,
     counts = None
     if stats is not None:
         counts = stats.counts if type(stats) is Stats else None
-        if counts is None or not _same_device(counts, x):
+        if counts is None or not backends.same_device(counts, x):
             return None
     seed = 0
     if entry.stochastic:
@@ -157,25 +157,15 @@ def _round_eager(x: torch.Tensor, entry: _EagerPlan, stats, out,
     return y
 
 
-def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # (is_cpu, get_device: comparing torch.device objects costs more than the rest of a call)
-    return a.is_cpu if b.is_cpu else a.is_cuda and a.get_device() == b.get_device()
-
-
 def _writable_in_one_call(x: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether out= (of the remembered dtype) takes x's rounding by one pointer call: a plain
     contiguous tensor of x's shape and device, writable (not an inference tensor outside
     inference mode, no autograd to record), either x itself or apart from it in memory."""
     if not (type(out) is torch.Tensor and out.is_contiguous() and out.shape == x.shape
-            and _same_device(out, x) and not out.requires_grad
+            and backends.same_device(out, x) and not out.requires_grad
             and not (out.is_inference() and not torch.is_inference_mode_enabled())):
         return False
-    if x.numel() == 0:
-        return True
-    x0, o0 = x.data_ptr(), out.data_ptr()
-    if x0 == o0 and x.dtype == out.dtype:  # in place
-        return True
-    return x0 + x.numel() * x.element_size() <= o0 or o0 + out.numel() * out.element_size() <= x0
+    return (x.data_ptr() == out.data_ptr() and x.dtype == out.dtype) or not share_bytes(x, out)
 
 
 def _quantize_numpy(x: np.ndarray, fmt, rounding, out, out_dtype, kwargs):
@@ -363,9 +353,7 @@ class Rounder:
 
     def _prepare(self, x: torch.Tensor):
         """The kernel's request for rounding x's dtype into itself on x's backend."""
-        module = backends.native(x, "x")[0]
-        code = DTYPE_CODES[x.dtype]
-        request = module.PreparedQuantize(code, code, *format_args(
+        request = prepared_request(x, x.dtype, format_args(
             self._call.fmt, self._call.rounding, self._call.sr_bits))
         self._requests[(x.dtype, x.is_cuda)] = request
         return request

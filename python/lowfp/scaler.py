@@ -30,16 +30,13 @@ def any_non_finite(t: torch.Tensor, count_into: Optional[torch.Tensor] = None, *
     if t.is_nested or t.is_quantized or t.layout != torch.strided:
         raise TypeError(f"t must be a dense (torch.strided) tensor, not nested or quantized; got "
                         f"layout {t.layout}")
-    # Device index and is_cpu: comparing torch.device objects costs several times more a call.
-    on, cpu = t.get_device(), t.is_cpu
     if count_into is not None and (not isinstance(count_into, torch.Tensor)
-                                   or count_into.dtype is not torch.int64 or count_into.get_device() != on
-                                   or count_into.is_cpu != cpu
+                                   or count_into.dtype is not torch.int64
+                                   or not backends.same_device(count_into, t)
                                    or not count_into.is_contiguous()):
         raise ValueError(f"count_into must be a contiguous int64 tensor on {t.device}")
     if out is not None and (not isinstance(out, torch.Tensor) or out.dtype is not torch.bool
-                            or out.numel() != 1 or out.get_device() != on
-                            or out.is_cpu != cpu):
+                            or out.numel() != 1 or not backends.same_device(out, t)):
         raise ValueError(f"out must be a one-element bool tensor on {t.device}")
     found = any_non_finite_into(t, out, count_into)
     written = [x for x in (out, count_into) if x is not None]
