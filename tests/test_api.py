@@ -617,6 +617,71 @@ def test_eager_calls_skip_the_dispatcher_with_the_operators_bits():
         assert torch.equal(c1, c2) and torch.equal(r1, r2), kwargs  # (r: the generator after)
 
 
+def test_repeated_scaled_calls_take_the_remembered_request_with_the_same_bits(monkeypatch):
+    """A scaled-format call whose arguments passed every check once is one prepared kernel call
+    the next time: the bits, block counts and generator draws of the operator, for every kind of
+    block; layouts and stats it does not cover take the full path."""
+    import sys
+    from lowfp.scaled import Scaled, ScaledStats
+    module = sys.modules["lowfp.quantize"]
+    taken = []
+    original = module._round_scaled_eager
+    def spy(*args):
+        y = original(*args)
+        if y is not None:
+            taken.append(1)
+        return y
+    monkeypatch.setattr(module, "_round_scaled_eager", spy)
+    monkeypatch.setattr(module, "_EAGER", {})
+    x = torch.randn(6, 64) * torch.logspace(-3, 3, 64)
+    x[0, :3] = torch.tensor([float("nan"), float("inf"), 0.0])
+    cases = [("mxfp8_e4m3", dict()), ("nvfp4", dict()), ("mxfp4_e2m1", dict(rounding="stochastic")),
+             (Scaled("fp(4,3,4)", axis=-1), dict(rounding="toward_zero")),  # one scale per row
+             (Scaled("fp(4,3,4)", axis=None), dict()),                      # one per tensor
+             (Scaled("float8_e4m3fn", block=(2, 16)), dict()),              # 2-D blocks
+             ("mxfp8_e5m2", dict(overflow="inf"))]
+    for dtype in (torch.float32, torch.bfloat16):
+        for fmt, kwargs in cases:
+            got = []
+            for mode in (None, None, _SeesOperators()):  # cold, remembered, through the operator
+                taken.clear()
+                torch.manual_seed(5)
+                stats = ScaledStats()
+                with mode if mode is not None else contextlib.nullcontext():
+                    y = lowfp.quantize(x.to(dtype), fmt, stats=stats, **kwargs)
+                    out = torch.empty_like(y)
+                    lowfp.quantize(x.to(dtype), fmt, stats=stats, out=out, **kwargs)
+                got.append((y, out, stats.counts.clone(), torch.rand(1), len(taken)))
+            (y0, o0, c0, r0, n0), (y1, o1, c1, r1, n1), (y2, o2, c2, r2, n2) = got
+            assert (n0, n1, n2) == (0, 2, 0), (fmt, kwargs)
+            if kwargs.get("rounding") != "stochastic":  # (two draws otherwise)
+                assert torch.equal(o0.view(torch.int16), y0.view(torch.int16)), (fmt, kwargs)
+            for y, o, c, r in ((y1, o1, c1, r1), (y2, o2, c2, r2)):
+                assert torch.equal(y.view(torch.int16), y0.view(torch.int16)), (fmt, kwargs)
+                assert torch.equal(o.view(torch.int16), o0.view(torch.int16)), (fmt, kwargs)
+                assert torch.equal(c, c0) and torch.equal(r, r0), (fmt, kwargs)
+    # an axis that is last for 1-D tensors only: remembered there, the full path for 2-D ones
+    along0 = Scaled("fp(4,3,4)", block=4, axis=0)
+    v = x[0, 3:].contiguous()
+    lowfp.quantize(v, along0)
+    taken.clear()
+    assert torch.equal(lowfp.quantize(v, along0), lowfp.quantize(v[:, None], along0)[:, 0])
+    want = lowfp.quantize(x.t().contiguous(), Scaled("fp(4,3,4)", block=4)).t()
+    assert torch.equal(lowfp.quantize(x, along0).view(torch.int32), want.view(torch.int32))
+    assert len(taken) == 1  # (the first 1-D call only)
+    # a plain Stats (no room for block counts), a non-contiguous x, a 0-d x: the full path
+    taken.clear()
+    stats = lowfp.Stats()
+    lowfp.quantize(x, "mxfp8_e4m3", stats=stats)
+    assert stats.numel == x.numel() and stats.nan == 1
+    t = x.t()
+    lowfp.quantize(t, "mxfp8_e4m3")
+    with pytest.raises(ValueError, match="0-d"):
+        lowfp.quantize(torch.tensor(1.0), "mxfp8_e4m3")
+    assert taken == []
+    assert lowfp.quantize(torch.empty(0, 32), "mxfp8_e4m3").shape == (0, 32) and len(taken) == 1
+
+
 def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_checks(monkeypatch):
     """A call whose arguments passed every check once is one prepared kernel call the next time
     (lowfp.quantize's _EAGER): the bits, counts and generator draws of the operator, and every

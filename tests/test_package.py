@@ -1,11 +1,14 @@
-"""The package's shape: the library never loads the experiments or their dependencies, and its
+"""The package's shape: the library never loads the experiments or their dependencies, its
 modules import each other without cycles (lazy imports inside functions included; imports for
-type checkers alone are not imports)."""
+type checkers alone are not imports), and the named contract with the extension modules holds."""
 
 import ast
 import os
 import subprocess
 import sys
+
+import pytest
+import torch
 
 import lowfp
 
@@ -106,6 +109,7 @@ def test_python_codes_equal_the_extensions():
     enum values of the same names."""
     from lowfp import _C, _native, backends
     from lowfp.formats import SPECIALS
+    from lowfp.scaled.config import E8M0_RULES
     modules = [_C] + ([backends._C_cuda] if lowfp.cuda_built() else [])
     for mod in modules:
         def codes(enum):
@@ -114,7 +118,44 @@ def test_python_codes_equal_the_extensions():
         assert codes(mod.Specials) == {n: i for i, n in enumerate(SPECIALS)}
         assert codes(mod.Overflow) == _native.OVERFLOW_CODES
         assert codes(mod.DType) == {str(d).removeprefix("torch."): c for d, c in _native.DTYPE_CODES.items()}
+        # the scale rules by name only: Python passes the member (lowfp.scaled.quantize.prepared)
+        assert set(mod.ScaleRule.__members__) == set(E8M0_RULES) | {"nearest"}
         # every member documents its semantics
-        for enum in (mod.Rounding, mod.Specials, mod.Overflow, mod.DType):
+        for enum in (mod.Rounding, mod.Specials, mod.Overflow, mod.DType, mod.ScaleRule):
             for name in enum.__members__:
                 assert f"{name} : " in enum.__doc__, (enum, name)
+
+
+def test_the_scaled_request_is_built_by_keyword():
+    """The native scaled request takes named members of the contract's enums by keyword only,
+    refuses an inconsistent scale rule and format, and rounds as lowfp.quantize does."""
+    from lowfp import _C
+    e4m3 = _C.FormatSpec(e=4, m=3, b=0, specials=_C.Specials.fn, subnormals=True)
+    with pytest.raises(TypeError):
+        _C.FormatSpec(4, 3, 0, _C.Specials.fn, True)
+    kw = dict(element=e4m3, overflow=_C.Overflow.saturate, rounding=_C.Rounding.nearest,
+              sr_bits=32, scale_rule=_C.ScaleRule.floor, scale_format=None, tensor_scale=False,
+              dtype=_C.DType.float32)
+    request = _C.PreparedScaled(**kw)
+    with pytest.raises(TypeError):
+        _C.PreparedScaled(*kw.values())
+    with pytest.raises(ValueError, match="scale_format"):
+        _C.PreparedScaled(**{**kw, "scale_format": e4m3})
+    with pytest.raises(ValueError, match="scale_format"):
+        _C.PreparedScaled(**{**kw, "scale_rule": _C.ScaleRule.nearest})
+    with pytest.raises(ValueError, match="sr_bits"):
+        _C.PreparedScaled(**{**kw, "sr_bits": 0})
+    with pytest.raises(ValueError, match="tensor scale"):
+        _C.PreparedScaled(**{**kw, "tensor_scale": True})
+    x = torch.randn(2, 64) * 100
+    y = torch.empty_like(x)
+    scales = torch.empty(5, dtype=torch.float64)  # 2 x 2 blocks, then the tensor scale
+    request(x.data_ptr(), y.data_ptr(), 2, 64, 1, 32, 0, 0, scales.data_ptr(), 0,
+            scales.data_ptr() + 32, 0, -1, 0)
+    parts = lowfp.scaled.encode(x, "mxfp8_e4m3")
+    assert torch.equal(y, parts.value) and torch.equal(scales[:4], parts.scales.flatten())
+    with pytest.raises(ValueError, match="scales buffer"):
+        request(x.data_ptr(), y.data_ptr(), 2, 64, 1, 32, 0, 0, 0, 0, scales.data_ptr(), 0, -1, 0)
+    with pytest.raises(ValueError, match="block"):
+        request(x.data_ptr(), y.data_ptr(), 2, 64, 1, 0, 0, 0, scales.data_ptr(), 0,
+                scales.data_ptr() + 32, 0, -1, 0)

@@ -7,6 +7,7 @@
 
 #include "lowfp/format.hpp"
 #include "lowfp/optim_math.hpp"
+#include "lowfp/scaled.hpp"
 
 namespace lowfp {
 
@@ -41,6 +42,28 @@ inline void def_contract(pybind11::module_& mod) {
       .value("bfloat16", DType::BFloat16, "bfloat16 (float32's top 16 bits)")
       .value("float32", DType::Float32, "IEEE binary32")
       .value("float64", DType::Float64, "IEEE binary64");
+  py::enum_<ScaleRule>(mod, "ScaleRule", py::module_local(),
+                       "how a block's scale follows from its largest finite magnitude a (§9)")
+      .value("floor", ScaleRule::Floor, "e8m0 scale 2^k, k = floor(log2 a) - emax_E (OCP MX v1.0)")
+      .value("ceil", ScaleRule::Ceil, "e8m0 scale 2^k, k = ceil(log2(a / max_E))")
+      .value("rceil", ScaleRule::RCeil,
+             "e8m0 scale 2^k, k = the exponent of float32(a / max_E) rounded up (cuBLAS)")
+      .value("even", ScaleRule::Even,
+             "e8m0 scale by floor after a is rounded to E's mantissa bits, ties away (torchao EVEN)")
+      .value("nearest", ScaleRule::Format,
+             "a scale in a format S: round_S(a / max_E) to nearest, saturating, never 0");
+  py::class_<FormatSpec>(mod, "FormatSpec", py::module_local(),
+                         "a format's encoding (§2): e exponent bits, m mantissa bits, extra bias b")
+      .def(py::init([](int32_t e, int32_t m, int32_t b, Specials specials, bool subnormals) {
+             return FormatSpec{e, m, b, specials, subnormals};
+           }),
+           py::kw_only(), py::arg("e"), py::arg("m"), py::arg("b"), py::arg("specials"),
+           py::arg("subnormals"))
+      .def_readonly("e", &FormatSpec::e)
+      .def_readonly("m", &FormatSpec::m)
+      .def_readonly("b", &FormatSpec::b)
+      .def_readonly("specials", &FormatSpec::specials)
+      .def_readonly("subnormals", &FormatSpec::subnormals);
   py::class_<SgdHyper>(mod, "SgdHyper", py::module_local(),
                        "one SGD step's scalars, each rounded to float32 as torch's kernels do")
       .def(py::init([](float neg_lr, float momentum, float one_minus_dampening, float weight_decay,

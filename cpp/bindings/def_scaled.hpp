@@ -1,44 +1,60 @@
-// scaled_quantize(x_ptr, dtype, y_ptr, rows, cols, block_rows, block_cols,
-//                 e, m, b, specials, subnormals, overflow, rounding, sr_bits, seed, offset,
-//                 rule, se, sm, sb, sspecials, ssubnormals, tensor_scale,
-//                 scales_ptr, q_ptr, tensor_scale_ptr, counts_ptr, device, stream):
-// one scaled-format rounding (docs/design.md §9). scales_ptr: float64 per block; q_ptr (or 0):
-// float32 per element; tensor_scale_ptr: one float64; counts_ptr (or 0): int64[6].
-// `run(call, tensor_scale, counts, device, stream)` executes the checked call without the GIL.
+// The scaled-format rounding (docs/design.md §9) shared by lowfp._C and lowfp._C_cuda: a request
+// prepared once by keyword, then called on buffers,
+//   PreparedScaled(element=, overflow=, rounding=, sr_bits=, scale_rule=, scale_format=,
+//                  tensor_scale=, dtype=)
+//   p(x_ptr, y_ptr, rows, cols, block_rows, block_cols, seed, offset, scales_ptr, q_ptr, tensor_scale_ptr, counts_ptr,
+//     device, stream)
+// scales_ptr: float64 per block; q_ptr (or 0): float32 per element; tensor_scale_ptr: one float64;
+// counts_ptr (or 0): int64[6]. `run(call, tensor_scale, counts, device, stream)` executes the
+// call with the GIL released.
 #pragma once
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+#include <stdexcept>
 
 #include "scaled_call.hpp"
 
 namespace lowfp {
 
+struct PreparedScaled {
+  ScaledCall call;
+};
+
 template <class Run>
 void def_scaled(pybind11::module_& mod, Run run) {
-  mod.def("scaled_quantize",
-          [run](uintptr_t x, int32_t dtype, uintptr_t y, int64_t rows, int64_t cols,
-                int64_t block_rows, int64_t block_cols, int32_t e, int32_t m, int32_t b,
-                int32_t specials, bool subnormals, int32_t overflow, int32_t rounding,
-                int32_t sr_bits, uint64_t seed, uint64_t offset, int32_t rule, int32_t se,
-                int32_t sm, int32_t sb, int32_t sspecials, bool ssubnormals, bool tensor_scale,
-                uintptr_t scales, uintptr_t q, uintptr_t tensor_scale_out, uintptr_t counts,
-                int32_t device, uintptr_t stream) {
-            const ScaledRequest r{{e, m, b, Specials(specials), subnormals},
-                                  Overflow(overflow),
-                                  Rounding(rounding),
-                                  sr_bits,
-                                  ScaleRule(rule),
-                                  {se, sm, sb, Specials(sspecials), ssubnormals},
-                                  tensor_scale,
-                                  DType(dtype),
-                                  rows, cols, block_rows, block_cols, seed, offset};
-            const ScaledCall call = make_scaled_call(
-                r, reinterpret_cast<const void*>(x), reinterpret_cast<void*>(y),
-                reinterpret_cast<double*>(scales), reinterpret_cast<float*>(q), counts != 0);
-            if (tensor_scale_out == 0) throw std::invalid_argument("scaled_quantize needs a tensor scale buffer");
-            pybind11::gil_scoped_release release;
-            run(call, reinterpret_cast<double*>(tensor_scale_out), reinterpret_cast<int64_t*>(counts),
-                device, stream);
-          });
+  namespace py = pybind11;
+  // module_local: a request runs on the backend that made it.
+  py::class_<PreparedScaled>(mod, "PreparedScaled", py::module_local())
+      .def(py::init([](FormatSpec element, Overflow overflow, Rounding rounding, int32_t sr_bits,
+                       ScaleRule scale_rule, std::optional<FormatSpec> scale_format,
+                       bool tensor_scale, DType dtype) {
+             if ((scale_rule == ScaleRule::Format) != scale_format.has_value())
+               throw std::invalid_argument(
+                   "scale_format goes with the 'nearest' scale rule, and only with it");
+             const ScaledRequest r{element, overflow, rounding, sr_bits, scale_rule,
+                                   scale_format.value_or(element), tensor_scale, dtype};
+             return PreparedScaled{prepare_scaled_call(r)};
+           }),
+           py::kw_only(), py::arg("element"), py::arg("overflow"), py::arg("rounding"),
+           py::arg("sr_bits"), py::arg("scale_rule"), py::arg("scale_format"),
+           py::arg("tensor_scale"), py::arg("dtype"))
+      .def("__call__", [run](const PreparedScaled& p, uintptr_t x, uintptr_t y, int64_t rows,
+                             int64_t cols, int64_t block_rows, int64_t block_cols, uint64_t seed,
+                             uint64_t offset, uintptr_t scales, uintptr_t q,
+                             uintptr_t tensor_scale, uintptr_t counts, int32_t device,
+                             uintptr_t stream) {
+        if (tensor_scale == 0)
+          throw std::invalid_argument("scaled_quantize needs a tensor scale buffer");
+        const ScaledCall call = with_buffers(
+            p.call, reinterpret_cast<const void*>(x), reinterpret_cast<void*>(y), rows, cols,
+            block_rows, block_cols, seed, offset, reinterpret_cast<double*>(scales),
+            reinterpret_cast<float*>(q), counts != 0);
+        py::gil_scoped_release release;
+        run(call, reinterpret_cast<double*>(tensor_scale), reinterpret_cast<int64_t*>(counts),
+            device, stream);
+      });
 }
 
 }  // namespace lowfp

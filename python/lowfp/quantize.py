@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
@@ -21,6 +22,7 @@ from ._ops import s2fp8_stat_buffers
 from ._torch_round import register_inductor_decompositions
 from .formats import Format, S2FP8, as_text, to_precision
 from .scaled import quantize_scaled, to_scaled
+from .scaled.quantize import ScaledStats, layout as scaled_layout, prepared as prepared_scaled
 from .stats import S2FP8Stats, Stats
 
 __all__ = ["quantize", "quantize_", "ROUNDING_MODES"]
@@ -102,10 +104,20 @@ class _EagerPlan(NamedTuple):
     stochastic: bool
 
 
+class _EagerScaled(NamedTuple):
+    """A scaled-format rounding whose arguments passed every check once: the format, the
+    kernel's prepared request (lowfp.scaled.quantize.prepared), and for 1-D blocks along the
+    last axis their length (0: one block per row), else None."""
+    fmt: object
+    request: object
+    stochastic: bool
+    last_axis_block: Optional[int]
+
+
 # The eager calls that are one pointer call (a contiguous plain tensor, a contiguous out= or none,
 # no seed, offset or grad_fmt, a CPU generator or none), by the arguments as the caller passed
 # them (_eager_key): such a call skips the argument checks and the plan lookup.
-_EAGER: Dict[tuple, _EagerPlan] = {}
+_EAGER: Dict[tuple, Union[_EagerPlan, _EagerScaled]] = {}
 
 
 def _eager_key(fmt, rounding, overflow, subnormals, sr_bits, x: torch.Tensor, out,
@@ -116,7 +128,29 @@ def _eager_key(fmt, rounding, overflow, subnormals, sr_bits, x: torch.Tensor, ou
 
 
 def _remember_eager(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dtype, plan) -> None:
-    key = _eager_key(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dtype)
+    _remember(_eager_key(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dtype),
+              lambda: _EagerPlan(prepared_request(x, plan.dtype, plan.native), plan.dtype,
+                                 plan.rounding == "stochastic"))
+
+
+def _remember_scaled(fmt, scaled, rounding, overflow, sr_bits, x, out) -> None:
+    """Remember a scaled call that passed the full path: eager, a plain contiguous x and out=
+    (or none), blocks along the last axis or per tensor (no copy to another layout)."""
+    if not (type(x) is torch.Tensor and x.is_contiguous() and runs_natively(x, out)
+            and (out is None or type(out) is torch.Tensor)
+            and scaled_layout(tuple(x.shape), scaled)[4] is None):
+        return
+    last_axis_block = None
+    if scaled.axis == -1 and not isinstance(scaled.block, tuple):
+        last_axis_block = scaled.block or 0
+    _remember(_eager_key(fmt, rounding, overflow, None, sr_bits, x, out, None),
+              lambda: _EagerScaled(scaled, prepared_scaled(
+                  backends.native(x, "x")[0], scaled, rounding,
+                  "saturate" if overflow is None else overflow, sr_bits, x.dtype),
+                  rounding == "stochastic", last_axis_block))
+
+
+def _remember(key: tuple, entry) -> None:
     try:
         if key in _EAGER:
             return
@@ -124,8 +158,7 @@ def _remember_eager(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dt
         return
     if len(_EAGER) > 1024:
         _EAGER.clear()
-    _EAGER[key] = _EagerPlan(prepared_request(x, plan.dtype, plan.native), plan.dtype,
-                             plan.rounding == "stochastic")
+    _EAGER[key] = entry()
 
 
 def _round_eager(x: torch.Tensor, entry: _EagerPlan, stats, out,
@@ -153,6 +186,58 @@ def _round_eager(x: torch.Tensor, entry: _EagerPlan, stats, out,
     entry.request(x.data_ptr(), y.data_ptr(), x.numel(), seed, 0,
                   0 if counts is None else counts.data_ptr(), device, stream)
     if out is not None:  # written through its pointer: tell autograd, as torch's out= ops do
+        torch.autograd.graph.increment_version(out)
+    return y
+
+
+_scratch = threading.local()  # each thread's float64 buffer for the scales quantize discards
+
+
+def _round_scaled_eager(x: torch.Tensor, entry: _EagerScaled, stats, out,
+                        generator: Optional[torch.Generator]) -> Optional[torch.Tensor]:
+    """As _round_eager, for a remembered scaled format: the scales and the tensor scale (last),
+    which quantize does not return, go to one scratch buffer (on the CPU the same one each call
+    of a thread: the kernel has finished with it when the call returns); a ScaledStats takes the
+    counts directly (a Stats has no room for the block counts: the full path)."""
+    if not (x.layout is torch.strided and not x.is_nested and x.is_contiguous()
+            and runs_natively(x, out)):
+        return None
+    if out is not None and not _writable_in_one_call(x, out):
+        return None
+    counts = None
+    if stats is not None:
+        counts = stats.counts if type(stats) is ScaledStats else None
+        if counts is None or not backends.same_device(counts, x):
+            return None
+    block = entry.last_axis_block
+    if block is not None and x.dim():
+        cols = x.shape[-1]
+        rows = x.numel() // cols if cols else 0
+        block_rows, block_cols = 1, (block or cols)
+    else:
+        rows, cols, block_rows, block_cols, move = scaled_layout(tuple(x.shape), entry.fmt)
+        if move is not None:  # (an axis that is last for some shapes only)
+            return None
+    y = new_output(x, x.dtype) if out is None else out
+    if rows and cols:
+        seed = 0
+        if entry.stochastic:
+            if generator is not None and generator.device.type != "cpu":
+                return None
+            seed = draw_seed_eager(generator)
+        _, device, stream = backends.native(x, "x")
+        blocks = -(-rows // block_rows) * -(-cols // block_cols)
+        if x.is_cpu:
+            scratch = getattr(_scratch, "buffer", None)
+            if scratch is None or scratch.numel() <= blocks:
+                scratch = _scratch.buffer = torch.empty(max(blocks + 1, 1024), dtype=torch.float64)
+        else:
+            scratch = torch.empty(blocks + 1, dtype=torch.float64, device=x.device)
+        scratch_ptr = scratch.data_ptr()
+        entry.request(x.data_ptr(), y.data_ptr(), rows, cols, block_rows, block_cols, seed, 0,
+                      scratch_ptr, 0, scratch_ptr + 8 * blocks,
+                      0 if counts is None else counts.data_ptr(), device, stream)
+    if out is not None:
         torch.autograd.graph.increment_version(out)
     return y
 
@@ -222,7 +307,8 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
         except TypeError:  # an unhashable argument
             entry = None
         if entry is not None:
-            y = _round_eager(x, entry, stats, out, generator)
+            y = (_round_eager if type(entry) is _EagerPlan else _round_scaled_eager)(
+                x, entry, stats, out, generator)
             if y is not None:
                 return y
     if isinstance(x, np.floating):  # numpy scalar in, numpy scalar out (as numpy ufuncs do)
@@ -245,9 +331,13 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
                             ("grad_fmt", grad_fmt)):
             if value is not None:
                 raise ValueError(f"{name}= does not apply to the scaled format {scaled}")
-        return quantize_scaled(x, scaled, rounding, overflow=overflow, seed=seed,
-                               generator=generator, offset=offset, sr_bits=sr_bits, stats=stats,
-                               out=out)
+        y = quantize_scaled(x, scaled, rounding, overflow=overflow, seed=seed,
+                            generator=generator, offset=offset, sr_bits=sr_bits, stats=stats,
+                            out=out)
+        if (seed is None and type(offset) is int and offset == 0
+                and (generator is None or type(generator) is torch.Generator)):  # see _EAGER
+            _remember_scaled(fmt, scaled, rounding, overflow, sr_bits, x, out)
+        return y
     return round_tensor(x, fmt, rounding, overflow=overflow, subnormals=subnormals, seed=seed,
                         generator=generator, offset=offset, sr_bits=sr_bits, stats=stats, out=out,
                         out_dtype=out_dtype, grad_fmt=grad_fmt, grad_rounding=grad_rounding)[0]

@@ -79,8 +79,7 @@ FewMagnitudes few_magnitudes(const FormatSpec& e, const RoundParams<uint64_t>& p
 
 }  // namespace
 
-ScaledCall make_scaled_call(const ScaledRequest& r, const void* x, void* y, double* scales,
-                            float* q, bool count) {
+ScaledCall prepare_scaled_call(const ScaledRequest& r) {
   auto in_range = [](int32_t v, int32_t lo, int32_t hi) { return v >= lo && v <= hi; };
   if (!in_range(int32_t(r.element.specials), 0, kSpecialsCodes - 1) ||
       !in_range(int32_t(r.scale_format.specials), 0, kSpecialsCodes - 1))
@@ -91,8 +90,6 @@ ScaledCall make_scaled_call(const ScaledRequest& r, const void* x, void* y, doub
   if (!in_range(int32_t(r.rule), 0, 4)) throw std::invalid_argument("bad scale rule code");
   if (!in_range(r.sr_bits, 1, 32))
     throw std::invalid_argument("sr_bits must be between 1 and 32, got " + std::to_string(r.sr_bits));
-  if (r.rows < 0 || r.cols < 0 || r.block_rows < 1 || r.block_cols < 1)
-    throw std::invalid_argument("bad shape or block");
   for (const FormatSpec* f : {&r.element, &r.scale_format}) {
     if (f == &r.scale_format && r.rule != ScaleRule::Format) continue;
     const std::string bad = spec_error(*f);
@@ -104,13 +101,7 @@ ScaledCall make_scaled_call(const ScaledRequest& r, const void* x, void* y, doub
     throw std::invalid_argument("scaled formats take elements of at most " +
                                 std::to_string(kScaledMaxElementMantissa) + " mantissa bits");
   ScaledCall c{};
-  c.x = x;
-  c.y = y;
   c.dtype = r.dtype;
-  c.rows = r.rows;
-  c.cols = r.cols;
-  c.block_rows = r.block_rows;
-  c.block_cols = r.block_cols;
   c.scale.rule = r.rule;
   c.scale.emax_e = max_exponent(r.element);
   c.scale.max_e = max_value(r.element);
@@ -178,12 +169,26 @@ ScaledCall make_scaled_call(const ScaledRequest& r, const void* x, void* y, doub
                           (r.rule != ScaleRule::Format || e.m + 2 + scale_bits <= 53) &&
                           event_points(e, c.p, c.events);
   c.mode = r.mode;
-  c.count = count;
-  c.seed = r.seed;
-  c.offset = r.offset;
+  return c;
+}
+
+ScaledCall with_buffers(ScaledCall c, const void* x, void* y, int64_t rows, int64_t cols,
+                        int64_t block_rows, int64_t block_cols, uint64_t seed, uint64_t offset,
+                        double* scales, float* q, bool count) {
+  if (rows < 0 || cols < 0 || block_rows < 1 || block_cols < 1)
+    throw std::invalid_argument("bad shape or block");
+  if (scales == nullptr) throw std::invalid_argument("scaled_quantize needs a scales buffer");
+  c.x = x;
+  c.y = y;
+  c.rows = rows;
+  c.cols = cols;
+  c.block_rows = block_rows;
+  c.block_cols = block_cols;
+  c.seed = seed;
+  c.offset = offset;
   c.scales = scales;
   c.q = q;
-  if (scales == nullptr) throw std::invalid_argument("scaled_quantize needs a scales buffer");
+  c.count = count;
   return c;
 }
 

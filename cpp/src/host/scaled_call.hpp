@@ -78,22 +78,29 @@ constexpr int64_t kFewKeys = 1024;
 // rounding of a float64 quotient is exact (docs/design.md §9).
 constexpr int32_t kScaledMaxElementMantissa = 19;
 
+// A scaled rounding as the caller asks for it, without its buffers: lowfp prepares one per
+// (format, rounding, overflow, sr_bits, dtype) and reuses it for every tensor.
 struct ScaledRequest {
   FormatSpec element;
   Overflow overflow;
   Rounding mode;
   int32_t sr_bits;
   ScaleRule rule;
-  FormatSpec scale_format;  // rule Format: S (float32 scales: fp(8,23,0,ieee))
+  FormatSpec scale_format;  // rule Format: S (float32 scales: fp(8,23,0,ieee)); else unused
   bool tensor_scale;
   DType dtype;
-  int64_t rows, cols, block_rows, block_cols;
-  uint64_t seed, offset;
 };
 
-// Checks r (std::invalid_argument: pybind11's ValueError) and builds the call; scales: one double
-// per block (written), q: the elements (written when not null).
-ScaledCall make_scaled_call(const ScaledRequest& r, const void* x, void* y, double* scales,
-                            float* q, bool count);
+// Checks r (std::invalid_argument: pybind11's ValueError) and builds the call, its buffers,
+// shape, blocks, seed and offset left for with_buffers.
+ScaledCall prepare_scaled_call(const ScaledRequest& r);
+
+// A prepared call on x (rows × cols, row-major, in blocks of block_rows × block_cols) into y,
+// writing one scale per block into scales (required), the elements into q when not null,
+// counting when count; seed and offset as ScaledCall's. Throws std::invalid_argument on a
+// negative shape, an empty block or a missing scales buffer.
+ScaledCall with_buffers(ScaledCall c, const void* x, void* y, int64_t rows, int64_t cols,
+                        int64_t block_rows, int64_t block_cols, uint64_t seed, uint64_t offset,
+                        double* scales, float* q, bool count);
 
 }  // namespace lowfp

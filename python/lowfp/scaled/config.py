@@ -39,8 +39,6 @@ from ..formats import Format, _parse_call, named as _named_formats, to_format
 __all__ = ["Scaled", "E8M0_RULES", "named", "to_scaled"]
 
 E8M0_RULES = ("floor", "ceil", "rceil", "even")
-# The native scale-rule codes (cpp/include/lowfp/scaled.hpp, ScaleRule).
-RULE_CODES = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3, "nearest": 4}
 FLOAT32 = Format(8, 23, 0, specials="ieee")  # float32 as a scale format
 MAX_ELEMENT_MANTISSA = 19                    # exact stochastic rounding of the quotient (§9)
 

@@ -18,17 +18,15 @@ from .. import backends
 from .._checks import check_choice
 from .._dtensor import is_dtensor
 from .._memory import new_output
-from .._native import (DTYPE_CODES, ROUNDING_MODES, as_int64, call_seed, check_tensor_args,
-                       check_uint64, eager_seed, runs_natively)
+from .._native import (ROUNDING_MODES, as_int64, call_seed, check_tensor_args, check_uint64,
+                       eager_seed, runs_natively)
 from ..formats import OVERFLOW_POLICIES, SPECIALS, Format
 from ..stats import Stats
-from .config import RULE_CODES, Scaled, to_scaled
+from .config import Scaled, to_scaled
 
 __all__ = ["ScaledStats", "ScaledParts", "quantize_scaled", "encode", "hadamard", "hadamard_signs"]
 
 _U64 = (1 << 64) - 1
-_NO_SCALE_FORMAT = Format(2, 1)  # what the kernel is passed for E8M0 scales, which have no format
-_OVERFLOW_CODES = {name: i for i, name in enumerate(OVERFLOW_POLICIES)}
 
 lib = torch.library.Library("lowfp", "FRAGMENT")
 lib.define("scaled_quantize(Tensor x, str fmt, str rounding, str overflow, int sr_bits, int seed, "
@@ -68,7 +66,7 @@ class ScaledParts(NamedTuple):
     tensor_scale: torch.Tensor
 
 
-def _layout(shape, fmt: Scaled):
+def layout(shape, fmt: Scaled):
     """(rows, cols, block_rows, block_cols, axis to move last or None) of a tensor of ``shape``."""
     numel = 1
     for n in shape:
@@ -96,22 +94,28 @@ def _layout(shape, fmt: Scaled):
     return rows, cols, 1, max(cols if block is None else block, 1), (axis if axis != dim - 1 else None)
 
 
-def _spec(f: Format):
-    return f.e, f.m, f.b, SPECIALS.index(f.specials), f.subnormals
-
-
 @functools.lru_cache(maxsize=256)
 def _parsed(fmt: str) -> Scaled:
     """An operator call's format string, parsed once."""
     return Scaled.parse(fmt)
 
 
-@functools.lru_cache(maxsize=256)
-def _format_args(scaled: Scaled) -> tuple:
-    """The kernel's arguments for the element format, the scale rule, the scale format and the
-    tensor scale (spread around the rounding arguments in its signature)."""
-    return (_spec(scaled.element), RULE_CODES[scaled.scale_rule],
-            _spec(scaled.scale_format or _NO_SCALE_FORMAT), scaled.tensor_scale)
+def _spec(mod, f: Format):
+    return mod.FormatSpec(e=f.e, m=f.m, b=f.b, specials=mod.Specials.__members__[f.specials],
+                          subnormals=f.subnormals)
+
+
+@functools.lru_cache(maxsize=1024)
+def prepared(mod, fmt: Scaled, rounding: str, overflow: str, sr_bits: int, dtype: torch.dtype):
+    """The native request (``mod.PreparedScaled``: lowfp._C's or lowfp._C_cuda's) of rounding
+    ``dtype`` tensors to ``fmt``, built once by keyword and called with the buffers."""
+    scale_format = fmt.scale_format
+    return mod.PreparedScaled(
+        element=_spec(mod, fmt.element), overflow=mod.Overflow.__members__[overflow],
+        rounding=mod.Rounding.__members__[rounding], sr_bits=sr_bits,
+        scale_rule=mod.ScaleRule.__members__[fmt.scale_rule],
+        scale_format=None if scale_format is None else _spec(mod, scale_format),
+        tensor_scale=fmt.tensor_scale, dtype=mod.DType.__members__[str(dtype)[6:]])
 
 
 def _writes_directly(out: torch.Tensor, xm: torch.Tensor, move) -> bool:
@@ -126,7 +130,7 @@ def _writes_directly(out: torch.Tensor, xm: torch.Tensor, move) -> bool:
 
 def _impl(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, parts, out=None):
     scaled = _parsed(fmt)
-    rows, cols, brows, bcols, move = _layout(tuple(x.shape), scaled)
+    rows, cols, brows, bcols, move = layout(tuple(x.shape), scaled)
     xm = (x if move is None else x.movedim(move, -1)).contiguous()
     direct = out is not None and _writes_directly(out, xm, move)
     y = out if direct else new_output(xm, xm.dtype)
@@ -138,13 +142,10 @@ def _impl(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, 
     if xm.numel():
         mod, device, stream = backends.native(xm, "x")
         key = (int(drawn_seed[0]) | (int(drawn_seed[1]) << 32)) if drawn_seed is not None else seed & _U64
-        element, rule, scale_format, with_tensor_scale = _format_args(scaled)
-        mod.scaled_quantize(xm.data_ptr(), DTYPE_CODES[xm.dtype], y.data_ptr(), rows, cols, brows, bcols,
-                            *element, _OVERFLOW_CODES[overflow],
-                            ROUNDING_MODES.index(rounding), sr_bits, key, offset & _U64,
-                            rule, *scale_format, with_tensor_scale,
-                            scales.data_ptr(), q.data_ptr() if parts else 0, tensor_scale.data_ptr(),
-                            counts.data_ptr() if count else 0, device, stream)
+        prepared(mod, scaled, rounding, overflow, sr_bits, xm.dtype)(
+            xm.data_ptr(), y.data_ptr(), rows, cols, brows, bcols, key, offset & _U64,
+            scales.data_ptr(), q.data_ptr() if parts else 0, tensor_scale.data_ptr(),
+            counts.data_ptr() if count else 0, device, stream)
     scales = _scales_shape(scales, xm.shape, scaled, move)
     if move is not None:
         y = y.movedim(-1, move)
@@ -179,7 +180,7 @@ def _scales_shape(scales, moved_shape, fmt: Scaled, move):
 
 def _fake(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, parts):
     scaled = Scaled.parse(fmt)
-    rows, cols, brows, bcols, move = _layout(tuple(x.shape), scaled)
+    rows, cols, brows, bcols, move = layout(tuple(x.shape), scaled)
     moved = x if move is None else x.movedim(move, -1)
     grid = (-(-rows // brows) if rows else 0, -(-cols // bcols) if cols else 0)
     scales = _scales_shape(x.new_empty(grid, dtype=torch.float64), moved.shape, scaled, move)
@@ -200,7 +201,7 @@ torch.library.register_fake("lowfp::scaled_quantize", _fake, lib=lib)
 
 @torch.library.register_fake("lowfp::scaled_quantize_into", lib=lib)
 def _into_fake(x, out, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count):
-    _layout(tuple(x.shape), Scaled.parse(fmt))
+    layout(tuple(x.shape), Scaled.parse(fmt))
     return x.new_empty(6 if count else 0, dtype=torch.int64)
 
 
@@ -226,7 +227,7 @@ def _call(x, fmt: Scaled, rounding, overflow, seed, generator, offset, sr_bits, 
     check_choice(overflow, OVERFLOW_POLICIES, "overflow")
     if isinstance(sr_bits, bool) or not isinstance(sr_bits, int) or not 1 <= sr_bits <= 32:
         raise ValueError(f"sr_bits must be an int between 1 and 32, got {sr_bits!r}")
-    _layout(tuple(x.shape), fmt)  # shape errors before any drawing
+    layout(tuple(x.shape), fmt)  # shape errors before any drawing
     mode = backends.fake_mode_of(x) if type(x) is FakeTensor else None
     if mode is not None:  # a FakeTensor used outside its mode: its mode makes the drawn seed fake
         with mode:
@@ -317,7 +318,7 @@ def quantize_scaled(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         check_tensor_args(x, out, None)
-        _layout(tuple(x.shape), fmt)  # (a 0-d x has no axis to transform along)
+        layout(tuple(x.shape), fmt)  # (a 0-d x has no axis to transform along)
         signs = hadamard_signs(hadamard_seed, x.device)
         z = hadamard(x, signs, fmt.axis)
         zq = quantize_scaled(z, fmt, rounding, overflow=overflow, seed=seed, generator=generator,
