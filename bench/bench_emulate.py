@@ -19,6 +19,12 @@ kernels (docs/design.md §3.1).
 
 Host cost: roundings per emulated step and the CPU µs of each (torch.profiler), printed after
 the first table.
+
+GEMM recipes (``--gemms-only``): the torch.compile cases eager under
+``lowfp.scaled.emulate_gemms`` with the mxfp8 and nvfp4 recipes against the plain step, timed in
+interleaved rounds, with the operand roundings per step and the µs of each (the time inside
+lowfp's operand rounding: on a GPU the host's, kernels being asynchronous; on the CPU the
+kernel's too). Targets on a GPU: mxfp8 ≤ 1.5×, nvfp4 ≤ 2× the plain step.
 """
 
 import argparse
@@ -170,6 +176,72 @@ def host_per_rounding(device: torch.device, steps: int = 5):
     return row
 
 
+GEMM_RECIPES = ("mxfp8", "nvfp4")
+
+
+def run_gemms(device: torch.device, repeats: int, cases=COMPILE_CASES, steps: int = 3):
+    """Plain steps and steps under emulate_gemms(model, recipe) of COMPILE_CASES, eager, timed in
+    interleaved rounds; then, per recipe, the operand roundings per step and the µs of each."""
+    from lowfp.scaled import gemm
+    once = _once_cuda if device.type == "cuda" else _once_cpu
+    rows = []
+    for name, make, n, inputs in cases:
+        torch.manual_seed(0)
+        model = make().to(device)
+        x, y = inputs(n, device)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def step():
+            loss = _loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sync(device)
+
+        def under(recipe):
+            def emulated():
+                with lowfp.scaled.emulate_gemms(model, recipe):
+                    step()
+            return emulated
+        t = time_rounds({"plain": step, **{r: under(r) for r in GEMM_RECIPES}}, repeats, once)
+        row = {"case": name, "batch": n, "plain_s": min(t["plain"])}
+        original = gemm._q
+        for recipe in GEMM_RECIPES:
+            row[f"{recipe}_s"] = min(t[recipe])
+            row[f"{recipe}/plain paired"] = paired_ratio(t[recipe], t["plain"])
+            spent = []
+
+            def timed(*args, **kwargs):
+                t0 = time.perf_counter()
+                result = original(*args, **kwargs)
+                spent.append(time.perf_counter() - t0)
+                return result
+            with lowfp.scaled.emulate_gemms(model, recipe):
+                step()
+                gemm._q = timed
+                try:
+                    for _ in range(steps):
+                        step()
+                finally:
+                    gemm._q = original
+            row[f"{recipe}_roundings"] = len(spent) / steps
+            row[f"{recipe}_us"] = 1e6 * sum(spent) / max(len(spent), 1)
+        rows.append(row)
+    return rows
+
+
+def gemm_table(rows):
+    head = ["case", "plain ms"] + [f"{r} ms (×, paired)" for r in GEMM_RECIPES] + \
+        [f"{r} roundings/step, µs each" for r in GEMM_RECIPES]
+    lines = [head]
+    for r in rows:
+        lines.append([r["case"], f"{r['plain_s'] * 1e3:.1f}"] +
+                     [f"{r[g + '_s'] * 1e3:.1f} ({r[g + '_s'] / r['plain_s']:.2f}×, {r[g + '/plain paired']:.2f}×)"
+                      for g in GEMM_RECIPES] +
+                     [f"{r[g + '_roundings']:.0f}, {r[g + '_us']:.0f}" for g in GEMM_RECIPES])
+    return _format(lines)
+
+
 def compile_table(rows):
     head = ["case", "plain ms", "compiled ms", "emulated ms", "compiled emulated ms",
             "c.em/em", "paired", "c.em/compiled", "graphs", "first step s (plain / emulated)"]
@@ -206,6 +278,7 @@ def main(argv=None):
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--no-compile", action="store_true", help="skip the torch.compile table")
     which.add_argument("--compile-only", action="store_true", help="only the torch.compile table")
+    which.add_argument("--gemms-only", action="store_true", help="only the GEMM recipes table")
     ap.add_argument("--compile-case", action="append",
                     help="run only this torch.compile case (repeatable): " +
                     ", ".join(name for name, *_ in COMPILE_CASES))
@@ -213,6 +286,17 @@ def main(argv=None):
     device = torch.device(args.device)
     print(machine_description() if device.type == "cpu" else torch.cuda.get_device_name(device))
     result = {"device": str(device)}
+    if args.gemms_only:
+        result["gemm_rows"] = rows = run_gemms(device, args.repeats)
+        print(gemm_table(rows))
+        print("(best of", args.repeats, "interleaved rounds, and the median of per-round ratios; roundings:",
+              "operand roundings per step, µs each: host time inside them",
+              f"({'kernels asynchronous' if device.type == 'cuda' else 'kernels included'});",
+              "targets on a GPU: mxfp8 ≤ 1.5×, nvfp4 ≤ 2×)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return 0
     if not args.compile_only:
         result["rows"] = rows = run(device, args.repeats)
         print(table(rows))

@@ -141,4 +141,29 @@ void scaled_cuda(const ScaledCall& c, double* tensor_scale, int64_t* counts, int
   check(cudaGetLastError(), "kernel launch");
 }
 
+namespace {
+
+template <class In, class T>
+__global__ void __launch_bounds__(kThreads) hadamard_kernel(HadamardCall c) {
+  T signs[kHadamardSize];
+  for (int i = 0; i < kHadamardSize; ++i) signs[i] = T(c.signs[i]);
+  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < c.groups;
+       g += int64_t(gridDim.x) * blockDim.x)
+    hadamard_group<In>(c, signs, g);
+}
+
+}  // namespace
+
+void hadamard_cuda(const HadamardCall& c, int device, uintptr_t stream_handle) {
+  if (c.groups == 0) return;
+  const DeviceGuard guard(device);
+  const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  with_storage_type(c.dtype, [&](auto p) {
+    using In = std::remove_const_t<std::remove_pointer_t<decltype(p)>>;
+    using T = std::conditional_t<std::is_same_v<In, double>, double, float>;
+    hadamard_kernel<In, T><<<grid_size(device, c.groups), kThreads, 0, stream>>>(c);
+  });
+  check(cudaGetLastError(), "kernel launch");
+}
+
 }  // namespace lowfp

@@ -12,4 +12,7 @@ namespace lowfp {
 void scaled_cuda(const ScaledCall& call, double* tensor_scale, int64_t* counts, int device,
                  uintptr_t stream);
 
+// Enqueues the Hadamard transform of call's groups (device buffers) on `stream` of `device`.
+void hadamard_cuda(const HadamardCall& call, int device, uintptr_t stream);
+
 }  // namespace lowfp

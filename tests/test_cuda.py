@@ -798,3 +798,20 @@ def test_scaled_formats_match_cpu(name, mode, dtype):
     for a, b in zip(cpu, gpu):  # value, q, scales, tensor scale
         assert same_bits(a, b.cpu())
     assert torch.equal(cpu_stats.counts, gpu_stats.counts.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_hadamard_kernel_on_gpu_equals_cpu_and_the_torch_form(dtype):
+    from lowfp.scaled.quantize import _hadamard_native, _sign_values, hadamard, hadamard_signs
+    x = random_patterns(64 * 48, dtype, seed=3).reshape(64, 48)
+    for axis in (-1, 0):
+        for inverse in (False, True):
+            cpu = _hadamard_native(x, _sign_values(5), axis, inverse)
+            gpu = _hadamard_native(x.cuda(), _sign_values(5), axis, inverse).cpu()
+            ref = hadamard(x.cuda(), hadamard_signs(5, "cuda"), axis, inverse).cpu()
+            for got in (gpu, ref):
+                assert torch.equal(got.isnan(), cpu.isnan())
+                assert same_bits(got.nan_to_num(0.0), cpu.nan_to_num(0.0)), (axis, inverse)
+    y = lowfp.scaled.quantize_scaled(x.cuda(), "nvfp4", "stochastic", seed=1, hadamard_seed=4)
+    assert same_bits(y.cpu().nan_to_num(0.0), lowfp.scaled.quantize_scaled(
+        x, "nvfp4", "stochastic", seed=1, hadamard_seed=4).nan_to_num(0.0))

@@ -628,6 +628,40 @@ def test_random_hadamard_transform():
         lowfp.scaled.quantize_scaled(torch.randn(4, 40), "nvfp4", hadamard_seed=1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_the_native_hadamard_transform_gives_the_bits_of_the_torch_form(dtype):
+    """The one-pass kernel (eager roundings) and the butterflies in torch operators (compiled
+    code, other devices) perform the same operations in the same order: the same bits, specials,
+    subnormals and sums that overflow included, along either axis, forward and inverse."""
+    from lowfp.scaled.quantize import _hadamard_native, _sign_values, hadamard, hadamard_signs
+    g = torch.Generator().manual_seed(4)
+    info = torch.finfo(dtype)
+    x = torch.randn(48, 32, generator=g, dtype=torch.float64) * torch.logspace(-40, 30, 32, dtype=torch.float64)
+    x = x.clamp(-info.max, info.max).to(dtype)
+    x[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), info.tiny / 4, -0.0]).to(dtype)
+    x[1, :16] = info.max  # sums overflow to inf
+    for seed in (0, 7):
+        for axis in (-1, 0):
+            for inverse in (False, True):
+                want = hadamard(x, hadamard_signs(seed), axis, inverse)
+                got = _hadamard_native(x, _sign_values(seed), axis, inverse)
+                assert got.dtype == want.dtype and got.shape == want.shape
+                assert torch.equal(got.isnan(), want.isnan())
+                assert torch.equal(got.nan_to_num(0.0).view(torch.int64 if dtype == torch.float64 else torch.int32),
+                                   want.nan_to_num(0.0).view(torch.int64 if dtype == torch.float64 else torch.int32)), (seed, axis, inverse)
+    # quantize_scaled takes the kernel eagerly and the torch form under a dispatch mode: same bits
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+    x = (torch.randn(32, 64, generator=g) * 100).to(dtype)
+    eager = lowfp.scaled.quantize_scaled(x, "nvfp4", "stochastic", seed=5, hadamard_seed=2)
+    with Passthrough():
+        moded = lowfp.scaled.quantize_scaled(x, "nvfp4", "stochastic", seed=5, hadamard_seed=2)
+    assert torch.equal(eager, moded)
+
+
 @pytest.mark.parametrize("fmt", [
     "nvfp4",
     Scaled("float4_e2m1fn", block=32, scale="float8_e4m3fn"),  # E4M3 scales, no tensor scale

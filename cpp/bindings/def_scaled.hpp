@@ -11,6 +11,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <array>
 #include <optional>
 #include <stdexcept>
 
@@ -55,6 +56,24 @@ void def_scaled(pybind11::module_& mod, Run run) {
         run(call, reinterpret_cast<double*>(tensor_scale), reinterpret_cast<int64_t*>(counts),
             device, stream);
       });
+}
+
+// hadamard16(x_ptr, dtype, y_ptr, groups, signs, inverse, device, stream): the random Hadamard
+// transform (HadamardCall) of `groups` groups of 16; signs: 16 floats. `run(call, device,
+// stream)` executes it with the GIL released.
+template <class Run>
+void def_hadamard(pybind11::module_& mod, Run run) {
+  mod.def("hadamard16", [run](uintptr_t x, int32_t dtype, uintptr_t y, int64_t groups,
+                              const std::array<double, kHadamardSize>& signs, bool inverse,
+                              int32_t device, uintptr_t stream) {
+    if (dtype < 0 || dtype > 3) throw std::invalid_argument("bad dtype code");
+    if (groups < 0) throw std::invalid_argument("negative group count");
+    HadamardCall call{reinterpret_cast<const void*>(x), DType(dtype), reinterpret_cast<void*>(y),
+                      groups, {}, inverse};
+    for (int i = 0; i < kHadamardSize; ++i) call.signs[i] = signs[i];
+    pybind11::gil_scoped_release release;
+    run(call, device, stream);
+  });
 }
 
 }  // namespace lowfp

@@ -50,6 +50,7 @@ PYBIND11_MODULE(_C, mod) {
                     int32_t, uintptr_t) { s2fp8_cpu(call, sums, params, counts); });
   def_scaled(mod, [](const ScaledCall& call, double* tensor_scale, int64_t* counts, int32_t,
                      uintptr_t) { scaled_cpu(call, tensor_scale, counts); });
+  def_hadamard(mod, [](const HadamardCall& call, int32_t, uintptr_t) { hadamard_cpu(call); });
   def_extra_bits(
       mod,
       [](const ExtraBitsParams& e, Rounding mode, const ExtraBitsSplit& a, int64_t* counts, int32_t,

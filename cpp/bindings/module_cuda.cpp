@@ -16,6 +16,7 @@ PYBIND11_MODULE(_C_cuda, mod) {
   lowfp::def_quantize(mod, &lowfp::quantize_cuda);
   lowfp::def_s2fp8(mod, &lowfp::s2fp8_cuda);
   lowfp::def_scaled(mod, &lowfp::scaled_cuda);
+  lowfp::def_hadamard(mod, &lowfp::hadamard_cuda);
   lowfp::def_extra_bits(mod, &lowfp::extra_bits_split_cuda, &lowfp::extra_bits_merge_cuda,
                         &lowfp::extra_bits_step_cuda);
   // lowfp._C's any_non_finite on the device, with the zeroed scratch words it keeps zero

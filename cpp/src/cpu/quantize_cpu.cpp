@@ -264,6 +264,18 @@ int parallel_items(int64_t n, int64_t elements, Fn&& fn) {
 
 }  // namespace
 
+void hadamard_cpu(const HadamardCall& c) {
+  with_storage_type(c.dtype, [&](auto p) {
+    using In = std::remove_const_t<std::remove_pointer_t<decltype(p)>>;
+    using T = std::conditional_t<std::is_same_v<In, double>, double, float>;
+    T signs[kHadamardSize];
+    for (int i = 0; i < kHadamardSize; ++i) signs[i] = T(c.signs[i]);
+    parallel_items(c.groups, c.groups * kHadamardSize, [&](int, int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) hadamard_group<In>(c, signs, g);
+    });
+  });
+}
+
 void scaled_cpu(const ScaledCall& call, double* tensor_scale, int64_t* counts) {
   const Kernel& k = kernel();
   const int64_t n = call.rows * call.cols;

@@ -73,6 +73,9 @@ bool any_non_finite_cpu(DType t, const void* x, int64_t n);
 // when counts is not null.
 void scaled_cpu(const ScaledCall& call, double* tensor_scale, int64_t* counts);
 
+// The Hadamard transform of the call's groups on the CPU threads.
+void hadamard_cpu(const HadamardCall& call);
+
 const char* cpu_kernel_name();
 void set_num_threads(int n);
 // The thread count when set_num_threads has none (torch's, from the Python layer; 0: every core).

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 
+#include "lowfp/hadamard.hpp"
 #include "lowfp/scaled.hpp"
 
 namespace lowfp {
@@ -59,6 +60,34 @@ struct ScaledCall {
   LOWFP_HD int64_t block_grid_cols() const { return (cols + block_cols - 1) / block_cols; }
   LOWFP_HD int64_t block_grid_rows() const { return (rows + block_rows - 1) / block_rows; }
 };
+
+// The random Hadamard transform (lowfp/hadamard.hpp) of each group of 16 consecutive elements of
+// x, a contiguous buffer of `groups` groups of dtype, into y: float64 for float64 x, float32 for
+// the others (16-bit inputs widened exactly).
+struct HadamardCall {
+  const void* x;
+  DType dtype;
+  void* y;
+  int64_t groups;
+  double signs[kHadamardSize];  // (each converted to y's type)
+  bool inverse;
+};
+
+// The transform of group g of c, T the type of c.y, In the storage type of c.dtype.
+template <class In, class T>
+LOWFP_HD void hadamard_group(const HadamardCall& c, const T (&signs)[kHadamardSize], int64_t g) {
+  const In* x = static_cast<const In*>(c.x) + g * kHadamardSize;
+  T v[kHadamardSize];
+  for (int i = 0; i < kHadamardSize; ++i) {
+    if constexpr (sizeof(T) == 8)
+      v[i] = x[i];
+    else
+      v[i] = bit_cast<float>(Widen<uint32_t>::from(x[i]));
+  }
+  hadamard16(v, signs, c.inverse);
+  T* y = static_cast<T*>(c.y) + g * kHadamardSize;
+  for (int i = 0; i < kHadamardSize; ++i) y[i] = v[i];
+}
 
 // fn(a null pointer to the storage type of dtype t): the drivers' dispatch on the input dtype.
 template <class Fn>

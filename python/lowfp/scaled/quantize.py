@@ -18,7 +18,7 @@ from .. import backends
 from .._checks import check_choice
 from .._dtensor import is_dtensor
 from .._memory import new_output
-from .._native import (ROUNDING_MODES, as_int64, call_seed, check_tensor_args, check_uint64,
+from .._native import (DTYPE_CODES, ROUNDING_MODES, as_int64, call_seed, check_tensor_args, check_uint64,
                        eager_seed, runs_natively)
 from ..formats import OVERFLOW_POLICIES, SPECIALS, Format
 from ..stats import Stats
@@ -258,16 +258,28 @@ def hadamard_signs(seed: int, device=None) -> torch.Tensor:
     return (torch.randint(0, 2, (HADAMARD_SIZE,), generator=g) * 2 - 1).float().to(device)
 
 
+@functools.lru_cache(maxsize=64)
+def _sign_values(seed: int) -> tuple:
+    """hadamard_signs(seed) as Python floats (the native kernel's argument), drawn once."""
+    return tuple(hadamard_signs(seed).tolist())
+
+
+def _transform_axis(t: torch.Tensor, axis: int) -> torch.Tensor:
+    """t with ``axis`` moved last, its length checked to hold whole groups."""
+    work = t.movedim(axis, -1)
+    if work.shape[-1] % HADAMARD_SIZE:
+        raise ValueError(f"the Hadamard transform takes groups of {HADAMARD_SIZE} along axis {axis}, "
+                         f"whose length {work.shape[-1]} is not a multiple")
+    return work
+
+
 def hadamard(t: torch.Tensor, signs: torch.Tensor, axis: int, inverse: bool = False) -> torch.Tensor:
     """The random Hadamard transform of each group of 16 consecutive elements along ``axis``:
     H16 · diag(signs) / 4 (orthonormal), or its inverse diag(signs) · H16 / 4. Butterflies of
-    elementwise additions in t's dtype (float32 for 16-bit t), so the result is the same on every
-    device."""
-    work = t.movedim(axis, -1)
-    n = work.shape[-1]
-    if n % HADAMARD_SIZE:
-        raise ValueError(f"the Hadamard transform takes groups of {HADAMARD_SIZE} along axis {axis}, "
-                         f"whose length {n} is not a multiple")
+    elementwise additions in t's dtype (float32 for 16-bit t) in the order of
+    cpp/include/lowfp/hadamard.hpp, whose native kernel (eager NVFP4 roundings) gives the same
+    bits, so the result is the same on every device, compiled or not."""
+    work = _transform_axis(t, axis)
     dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
     v = work.to(dtype).reshape(-1, HADAMARD_SIZE)
     signs = signs.to(device=v.device, dtype=dtype)
@@ -283,6 +295,18 @@ def hadamard(t: torch.Tensor, signs: torch.Tensor, axis: int, inverse: bool = Fa
     if inverse:
         v = v * signs
     return v.reshape(work.shape).movedim(-1, axis)
+
+
+def _hadamard_native(t: torch.Tensor, signs: tuple, axis: int, inverse: bool = False) -> torch.Tensor:
+    """hadamard(t, signs, axis, inverse) by the native kernel, one pass (eager, a plain CPU or
+    CUDA tensor); ``signs``: _sign_values."""
+    work = _transform_axis(t, axis).contiguous()
+    y = torch.empty(work.shape, dtype=torch.float64 if t.dtype == torch.float64 else torch.float32,
+                    device=t.device)
+    mod, device, stream = backends.native(work, "x")
+    mod.hadamard16(work.data_ptr(), DTYPE_CODES[work.dtype], y.data_ptr(),
+                   work.numel() // HADAMARD_SIZE, signs, inverse, device, stream)
+    return y.movedim(-1, axis)
 
 
 def quantize_scaled(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=None, seed=None,
@@ -319,11 +343,17 @@ def quantize_scaled(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         check_tensor_args(x, out, None)
         layout(tuple(x.shape), fmt)  # (a 0-d x has no axis to transform along)
-        signs = hadamard_signs(hadamard_seed, x.device)
-        z = hadamard(x, signs, fmt.axis)
+        hadamard_seed = check_uint64(hadamard_seed, "hadamard_seed")
+        if runs_natively(x, out) and x.layout is torch.strided:  # one kernel per transform
+            signs = _sign_values(hadamard_seed)
+            transform = _hadamard_native
+        else:  # torch's operators (under torch.compile: part of Inductor's kernels)
+            signs = hadamard_signs(hadamard_seed, x.device)
+            transform = hadamard
+        z = transform(x, signs, fmt.axis)
         zq = quantize_scaled(z, fmt, rounding, overflow=overflow, seed=seed, generator=generator,
                              offset=offset, sr_bits=sr_bits, stats=stats)
-        y = hadamard(zq, signs, fmt.axis, inverse=True).to(x.dtype)
+        y = transform(zq, signs, fmt.axis, inverse=True).to(x.dtype)
         return y if out is None else out.copy_(y)
     res = _call(x, fmt, rounding, overflow, seed, generator, offset, sr_bits, stats is not None,
                 False, out)
