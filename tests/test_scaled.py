@@ -636,19 +636,23 @@ def test_the_native_hadamard_transform_gives_the_bits_of_the_torch_form(dtype):
     from lowfp.scaled.quantize import _hadamard_native, _sign_values, hadamard, hadamard_signs
     g = torch.Generator().manual_seed(4)
     info = torch.finfo(dtype)
-    x = torch.randn(48, 32, generator=g, dtype=torch.float64) * torch.logspace(-40, 30, 32, dtype=torch.float64)
+    # 50 groups: the CPU kernel's chunks of 16 groups and a tail
+    x = torch.randn(25, 32, generator=g, dtype=torch.float64) * torch.logspace(-40, 30, 32, dtype=torch.float64)
     x = x.clamp(-info.max, info.max).to(dtype)
     x[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), info.tiny / 4, -0.0]).to(dtype)
     x[1, :16] = info.max  # sums overflow to inf
+    x[24, 16:] = -info.max
     for seed in (0, 7):
-        for axis in (-1, 0):
+        for t, axis in ((x, -1), (x.t().contiguous(), 0), (x.t(), 0)):
             for inverse in (False, True):
-                want = hadamard(x, hadamard_signs(seed), axis, inverse)
-                got = _hadamard_native(x, _sign_values(seed), axis, inverse)
+                want = hadamard(t, hadamard_signs(seed), axis, inverse)
+                got = _hadamard_native(t, _sign_values(seed), axis, inverse)
                 assert got.dtype == want.dtype and got.shape == want.shape
                 assert torch.equal(got.isnan(), want.isnan())
                 assert torch.equal(got.nan_to_num(0.0).view(torch.int64 if dtype == torch.float64 else torch.int32),
                                    want.nan_to_num(0.0).view(torch.int64 if dtype == torch.float64 else torch.int32)), (seed, axis, inverse)
+    if dtype in (torch.float32, torch.float64):  # (16-bit inputs are transformed in float32)
+        assert torch.isinf(hadamard(x, hadamard_signs(0), -1)[1]).any()  # the overflow case is there
     # quantize_scaled takes the kernel eagerly and the torch form under a dispatch mode: same bits
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -15,20 +15,22 @@ namespace lowfp {
 
 constexpr int kHadamardSize = 16;
 
-template <class T>
-LOWFP_HD void hadamard16(T (&v)[kHadamardSize], const T (&signs)[kHadamardSize], bool inverse) {
+// V: the element type (T), or a type holding several groups' elements that applies each
+// operation to every one of them (the CPU driver's lanes).
+template <class V, class T>
+LOWFP_HD void hadamard16(V (&v)[kHadamardSize], const T (&signs)[kHadamardSize], bool inverse) {
   if (!inverse)
-    for (int i = 0; i < kHadamardSize; ++i) v[i] *= signs[i];
+    for (int i = 0; i < kHadamardSize; ++i) v[i] = v[i] * signs[i];
   for (int h = 1; h < kHadamardSize; h *= 2)
     for (int i = 0; i < kHadamardSize; i += 2 * h)
       for (int j = i; j < i + h; ++j) {
-        const T a = v[j], b = v[j + h];
+        const V a = v[j], b = v[j + h];
         v[j] = a + b;
         v[j + h] = a - b;
       }
-  for (int i = 0; i < kHadamardSize; ++i) v[i] *= T(0.25);
+  for (int i = 0; i < kHadamardSize; ++i) v[i] = v[i] * T(0.25);
   if (inverse)
-    for (int i = 0; i < kHadamardSize; ++i) v[i] *= signs[i];
+    for (int i = 0; i < kHadamardSize; ++i) v[i] = v[i] * signs[i];
 }
 
 }  // namespace lowfp

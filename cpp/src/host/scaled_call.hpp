@@ -73,17 +73,22 @@ struct HadamardCall {
   bool inverse;
 };
 
+// An input element in the transform's type T (float64 for float64 inputs, float32 for the
+// others; exact).
+template <class T, class In>
+LOWFP_HD T widen_to(In x) {
+  if constexpr (sizeof(T) == 8)
+    return x;
+  else
+    return bit_cast<float>(Widen<uint32_t>::from(x));
+}
+
 // The transform of group g of c, T the type of c.y, In the storage type of c.dtype.
 template <class In, class T>
 LOWFP_HD void hadamard_group(const HadamardCall& c, const T (&signs)[kHadamardSize], int64_t g) {
   const In* x = static_cast<const In*>(c.x) + g * kHadamardSize;
   T v[kHadamardSize];
-  for (int i = 0; i < kHadamardSize; ++i) {
-    if constexpr (sizeof(T) == 8)
-      v[i] = x[i];
-    else
-      v[i] = bit_cast<float>(Widen<uint32_t>::from(x[i]));
-  }
+  for (int i = 0; i < kHadamardSize; ++i) v[i] = widen_to<T>(x[i]);
   hadamard16(v, signs, c.inverse);
   T* y = static_cast<T*>(c.y) + g * kHadamardSize;
   for (int i = 0; i < kHadamardSize; ++i) y[i] = v[i];
