@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One device-machine session: build lowfp with the CUDA backend for the GPU at hand, run the GPU
 # tests and the GPU benchmarks. Logs go to $OUT (default bench/out/gpu). Usage, from the repo root:
-#   bash bench/run_gpu.sh [build] [test] [all-tests] [bench] [profile]
-# (build test bench when none is named; all-tests runs the whole suite with the CUDA build)
+#   bash bench/run_gpu.sh [build] [test] [all-tests] [bench] [emulate] [emulate-compile] [profile]
+# (build test bench emulate when none is named; all-tests runs the whole suite with the CUDA
+# build; emulate-compile, the torch.compile table, compiles for minutes)
 set -uo pipefail
 OUT=${OUT:-bench/out/gpu}
 mkdir -p "$OUT"
-steps=${*:-build test bench}
+steps=${*:-build test bench emulate}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 for step in $steps; do
@@ -34,6 +35,14 @@ for step in $steps; do
         | tee "$OUT/bench_optim.log"
       $PY bench/bench_host.py --device cuda 2>&1 | tee "$OUT/bench_host.log"
       $PY bench/bench_fused.py --device cuda --numel 67108864 2>&1 | tee "$OUT/bench_fused.log" ;;
+    emulate)
+      $PY bench/bench_emulate.py --device cuda --no-compile --repeats 10 --json "$OUT/emulate.json" \
+        2>&1 | tee "$OUT/bench_emulate.log"
+      $PY bench/bench_emulate.py --device cuda --gemms-only --repeats 10 \
+        --json "$OUT/emulate_gemms.json" 2>&1 | tee "$OUT/bench_emulate_gemms.log" ;;
+    emulate-compile)
+      $PY bench/bench_emulate.py --device cuda --compile-only --repeats 10 \
+        --json "$OUT/emulate_compile.json" 2>&1 | tee "$OUT/bench_emulate_compile.log" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
