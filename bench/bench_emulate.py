@@ -101,6 +101,26 @@ def run(device: torch.device, repeats: int):
     return rows
 
 
+def compile_case_model(make, n, inputs, device: torch.device):
+    """(model, x, y, step_of) for one of COMPILE_CASES: step_of(forward) is a training step (forward
+    by ``forward``, the model or its compiled form; loss, backward, SGD) that waits for the
+    device."""
+    torch.manual_seed(0)
+    model = make().to(device)
+    x, y = inputs(n, device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step_of(forward):
+        def step():
+            loss = _loss(forward(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sync(device)
+        return step
+    return model, x, y, step_of
+
+
 def run_compile(device: torch.device, repeats: int, cases=COMPILE_CASES):
     """Plain, compiled plain, emulated and compiled emulated steps of COMPILE_CASES. Each pair that
     is compared is timed in interleaved rounds (time_rounds: plain with compiled plain, then
@@ -110,19 +130,7 @@ def run_compile(device: torch.device, repeats: int, cases=COMPILE_CASES):
     once = _once_cuda if device.type == "cuda" else _once_cpu
     rows = []
     for name, make, n, inputs in cases:
-        torch.manual_seed(0)
-        model = make().to(device)
-        x, y = inputs(n, device)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-        def step_of(forward):
-            def step():
-                loss = _loss(forward(x), y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                sync(device)
-            return step
+        model, x, y, step_of = compile_case_model(make, n, inputs, device)
 
         def first(step):
             t0 = time.perf_counter()
@@ -186,17 +194,8 @@ def run_gemms(device: torch.device, repeats: int, cases=COMPILE_CASES, steps: in
     once = _once_cuda if device.type == "cuda" else _once_cpu
     rows = []
     for name, make, n, inputs in cases:
-        torch.manual_seed(0)
-        model = make().to(device)
-        x, y = inputs(n, device)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-        def step():
-            loss = _loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sync(device)
+        model, x, y, step_of = compile_case_model(make, n, inputs, device)
+        step = step_of(model)
 
         def under(recipe):
             def emulated():

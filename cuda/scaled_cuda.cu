@@ -57,7 +57,7 @@ scales_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long 
     c.scales[b] = a > 0.0 ? block_scale(c.scale, a, t, sat) : empty;
     saturated += sat;
   }
-  if (counts != nullptr) {
+  if (counts != nullptr && c.count_blocks) {
     saturated = warp_sum(saturated);
     if ((threadIdx.x & 31) == 0 && saturated) atomicAdd(counts + 4, (unsigned long long)saturated);
     if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(counts + 5, (unsigned long long)blocks);

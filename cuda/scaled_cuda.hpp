@@ -8,7 +8,8 @@ namespace lowfp {
 
 // Enqueues the whole call on `stream` of `device` (every pointer a device buffer; call.scales
 // holds one double per block, tensor_scale one double); nothing waits for it. counts (or null):
-// int64[6] += {overflow, underflow, nan, numel, saturated blocks, blocks}, as scaled_cpu.
+// += {overflow, underflow, nan, numel}, then {saturated blocks, blocks} when call.count_blocks,
+// as scaled_cpu.
 void scaled_cuda(const ScaledCall& call, double* tensor_scale, int64_t* counts, int device,
                  uintptr_t stream);
 

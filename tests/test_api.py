@@ -617,22 +617,43 @@ def test_eager_calls_skip_the_dispatcher_with_the_operators_bits():
         assert torch.equal(c1, c2) and torch.equal(r1, r2), kwargs  # (r: the generator after)
 
 
+def _spy_remembered(monkeypatch, name: str) -> list:
+    """Empties lowfp.quantize's table of remembered calls and returns a list that gets an entry
+    each time its function ``name`` rounds a remembered call (rather than handing it back)."""
+    import sys
+    module = sys.modules["lowfp.quantize"]
+    taken = []
+    original = getattr(module, name)
+    def spy(*args):
+        y = original(*args)
+        if y is not None:  # (None: this call needs the full path)
+            taken.append(1)
+        return y
+    monkeypatch.setattr(module, name, spy)
+    monkeypatch.setattr(module, "_EAGER", {})  # cold: nothing remembered from other tests
+    return taken
+
+
+def _cold_remembered_and_operator(call, taken: list) -> list:
+    """call() three times, each after torch.manual_seed(5): cold, remembered, and under a mode
+    (through the operator); per time (its result, the next draw of torch's generator, how many
+    calls were rounded as remembered)."""
+    got = []
+    for mode in (None, None, _SeesOperators()):
+        taken.clear()
+        torch.manual_seed(5)
+        with mode if mode is not None else contextlib.nullcontext():
+            result = call()
+        got.append((result, torch.rand(1), len(taken)))
+    return got
+
+
 def test_repeated_scaled_calls_take_the_remembered_request_with_the_same_bits(monkeypatch):
     """A scaled-format call whose arguments passed every check once is one prepared kernel call
     the next time: the bits, block counts and generator draws of the operator, for every kind of
     block; layouts and stats it does not cover take the full path."""
-    import sys
     from lowfp.scaled import Scaled, ScaledStats
-    module = sys.modules["lowfp.quantize"]
-    taken = []
-    original = module._round_scaled_eager
-    def spy(*args):
-        y = original(*args)
-        if y is not None:
-            taken.append(1)
-        return y
-    monkeypatch.setattr(module, "_round_scaled_eager", spy)
-    monkeypatch.setattr(module, "_EAGER", {})
+    taken = _spy_remembered(monkeypatch, "_round_scaled_eager")
     x = torch.randn(6, 64) * torch.logspace(-3, 3, 64)
     x[0, :3] = torch.tensor([float("nan"), float("inf"), 0.0])
     cases = [("mxfp8_e4m3", dict()), ("nvfp4", dict()), ("mxfp4_e2m1", dict(rounding="stochastic")),
@@ -642,17 +663,14 @@ def test_repeated_scaled_calls_take_the_remembered_request_with_the_same_bits(mo
              ("mxfp8_e5m2", dict(overflow="inf"))]
     for dtype in (torch.float32, torch.bfloat16):
         for fmt, kwargs in cases:
-            got = []
-            for mode in (None, None, _SeesOperators()):  # cold, remembered, through the operator
-                taken.clear()
-                torch.manual_seed(5)
+            def call():
                 stats = ScaledStats()
-                with mode if mode is not None else contextlib.nullcontext():
-                    y = lowfp.quantize(x.to(dtype), fmt, stats=stats, **kwargs)
-                    out = torch.empty_like(y)
-                    lowfp.quantize(x.to(dtype), fmt, stats=stats, out=out, **kwargs)
-                got.append((y, out, stats.counts.clone(), torch.rand(1), len(taken)))
-            (y0, o0, c0, r0, n0), (y1, o1, c1, r1, n1), (y2, o2, c2, r2, n2) = got
+                y = lowfp.quantize(x.to(dtype), fmt, stats=stats, **kwargs)
+                out = torch.empty_like(y)
+                lowfp.quantize(x.to(dtype), fmt, stats=stats, out=out, **kwargs)
+                return y, out, stats.counts
+            got = _cold_remembered_and_operator(call, taken)
+            ((y0, o0, c0), r0, n0), ((y1, o1, c1), r1, n1), ((y2, o2, c2), r2, n2) = got
             assert (n0, n1, n2) == (0, 2, 0), (fmt, kwargs)
             if kwargs.get("rounding") != "stochastic":  # (two draws otherwise)
                 assert torch.equal(o0.view(torch.int16), y0.view(torch.int16)), (fmt, kwargs)
@@ -669,11 +687,16 @@ def test_repeated_scaled_calls_take_the_remembered_request_with_the_same_bits(mo
     want = lowfp.quantize(x.t().contiguous(), Scaled("fp(4,3,4)", block=4)).t()
     assert torch.equal(lowfp.quantize(x, along0).view(torch.int32), want.view(torch.int32))
     assert len(taken) == 1  # (the first 1-D call only)
-    # a plain Stats (no room for block counts), a non-contiguous x, a 0-d x: the full path
+    # a plain Stats takes the element counts alone
     taken.clear()
-    stats = lowfp.Stats()
+    stats, scaled_stats = lowfp.Stats(), ScaledStats()
     lowfp.quantize(x, "mxfp8_e4m3", stats=stats)
+    assert len(taken) == 1
+    lowfp.scaled.quantize_scaled(x, "mxfp8_e4m3", stats=scaled_stats)  # (the full path)
     assert stats.numel == x.numel() and stats.nan == 1
+    assert torch.equal(stats.counts, scaled_stats.counts[:4]) and scaled_stats.blocks == 12
+    # a non-contiguous x, a 0-d x: the full path
+    taken.clear()
     t = x.t()
     lowfp.quantize(t, "mxfp8_e4m3")
     with pytest.raises(ValueError, match="0-d"):
@@ -686,17 +709,7 @@ def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_ch
     """A call whose arguments passed every check once is one prepared kernel call the next time
     (lowfp.quantize's _EAGER): the bits, counts and generator draws of the operator, and every
     argument error and special tensor still handled as on the first call."""
-    import sys
-    module = sys.modules["lowfp.quantize"]
-    taken = []
-    original = module._round_eager
-    def spy(*args):
-        y = original(*args)
-        if y is not None:  # (None: this call needs the full path)
-            taken.append(1)
-        return y
-    monkeypatch.setattr(module, "_round_eager", spy)
-    monkeypatch.setattr(module, "_EAGER", {})  # cold: nothing remembered from other tests
+    taken = _spy_remembered(monkeypatch, "_round_eager")
     x = torch.randn(4, 300) * 30
     x[0, :3] = torch.tensor([float("nan"), 1e9, 1e-9])
     cases = [("fp(4,3,4)", dict()), (lowfp.formats.float8_e4m3fn, dict(rounding="toward_zero")),
@@ -705,16 +718,12 @@ def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_ch
              ("bfloat16", dict(rounding="nearest_away"))]
     for dtype in (torch.float32, torch.bfloat16):
         for fmt, kwargs in cases:
-            got = []
-            for mode in (None, None, _SeesOperators()):  # cold, remembered, through the operator
-                taken.clear()
-                torch.manual_seed(5)
+            def call():
                 stats = lowfp.Stats()
-                with mode if mode is not None else contextlib.nullcontext():
-                    y = lowfp.quantize(x.to(dtype), fmt, stats=stats, **kwargs)
-                got.append((y, stats.counts.clone(), torch.rand(1), bool(taken)))
-            (y0, c0, r0, fast0), (y1, c1, r1, fast1), (y2, c2, r2, fast2) = got
-            assert (fast0, fast1, fast2) == (False, True, False), (fmt, kwargs)
+                return lowfp.quantize(x.to(dtype), fmt, stats=stats, **kwargs), stats.counts
+            got = _cold_remembered_and_operator(call, taken)
+            ((y0, c0), r0, n0), ((y1, c1), r1, n1), ((y2, c2), r2, n2) = got
+            assert (n0, n1, n2) == (0, 1, 0), (fmt, kwargs)
             for y, c, r in ((y1, c1, r1), (y2, c2, r2)):
                 assert y.dtype == y0.dtype and torch.equal(y.view(torch.int8), y0.view(torch.int8))
                 assert torch.equal(c, c0) and torch.equal(r, r0), (fmt, kwargs)

@@ -628,6 +628,31 @@ def test_random_hadamard_transform():
         lowfp.scaled.quantize_scaled(torch.randn(4, 40), "nvfp4", hadamard_seed=1)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "nvfp4", Scaled("fp(4,3,4)", axis=None),
+                                 Scaled("float8_e4m3fn", block=(2, 16)),
+                                 Scaled("fp(4,3,4)", block=8, axis=0)])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_a_rounder_of_a_scaled_format_rounds_as_quantize(fmt, rounding):
+    """The emulation's Rounder takes a scaled format's prepared request once it has rounded a
+    tensor of the dtype: the bits, counts (a Stats or a ScaledStats) and seed draws of
+    quantize_scaled, for contiguous and other layouts."""
+    from lowfp.quantize import Rounder
+    rounder = Rounder(fmt, rounding)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 64, generator=g) * torch.logspace(-4, 4, 64)
+    x[2, 5] = float("nan")
+    for t in (x, x, x.t().contiguous().t(), x[:, :32]):
+        for stats_type in (lowfp.Stats, lowfp.scaled.ScaledStats):
+            s_got, s_want = stats_type(), stats_type()
+            torch.manual_seed(3)
+            got = rounder(t, s_got)
+            torch.manual_seed(3)
+            want = lowfp.scaled.quantize_scaled(t, fmt, rounding, stats=s_want)
+            assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)) and got.shape == t.shape
+            assert torch.equal(s_got.counts, s_want.counts), (s_got, s_want)
+    assert rounder._requests  # (remembered)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_the_native_hadamard_transform_gives_the_bits_of_the_torch_form(dtype):
     """The one-pass kernel (eager roundings) and the butterflies in torch operators (compiled

@@ -2,11 +2,12 @@
 // prepared once by keyword, then called on buffers,
 //   PreparedScaled(element=, overflow=, rounding=, sr_bits=, scale_rule=, scale_format=,
 //                  tensor_scale=, dtype=)
-//   p(x_ptr, y_ptr, rows, cols, block_rows, block_cols, seed, offset, scales_ptr, q_ptr, tensor_scale_ptr, counts_ptr,
-//     device, stream)
+//   p(x_ptr, y_ptr, rows, cols, block_rows, block_cols, seed, offset, scales_ptr, q_ptr,
+//     tensor_scale_ptr, counts_ptr, counts_size, device, stream)
 // scales_ptr: float64 per block; q_ptr (or 0): float32 per element; tensor_scale_ptr: one float64;
-// counts_ptr (or 0): int64[6]. `run(call, tensor_scale, counts, device, stream)` executes the
-// call with the GIL released.
+// counts_ptr (or 0): int64[counts_size], 4 (overflow, underflow, nan, numel: a lowfp.Stats) or 6
+// (saturated blocks and blocks too: a ScaledStats), added to. `run(call, tensor_scale, counts,
+// device, stream)` executes the call with the GIL released.
 #pragma once
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -44,14 +45,14 @@ void def_scaled(pybind11::module_& mod, Run run) {
       .def("__call__", [run](const PreparedScaled& p, uintptr_t x, uintptr_t y, int64_t rows,
                              int64_t cols, int64_t block_rows, int64_t block_cols, uint64_t seed,
                              uint64_t offset, uintptr_t scales, uintptr_t q,
-                             uintptr_t tensor_scale, uintptr_t counts, int32_t device,
-                             uintptr_t stream) {
+                             uintptr_t tensor_scale, uintptr_t counts, int32_t counts_size,
+                             int32_t device, uintptr_t stream) {
         if (tensor_scale == 0)
           throw std::invalid_argument("scaled_quantize needs a tensor scale buffer");
         const ScaledCall call = with_buffers(
             p.call, reinterpret_cast<const void*>(x), reinterpret_cast<void*>(y), rows, cols,
             block_rows, block_cols, seed, offset, reinterpret_cast<double*>(scales),
-            reinterpret_cast<float*>(q), counts != 0);
+            reinterpret_cast<float*>(q), counts != 0 ? counts_size : 0);
         py::gil_scoped_release release;
         run(call, reinterpret_cast<double*>(tensor_scale), reinterpret_cast<int64_t*>(counts),
             device, stream);

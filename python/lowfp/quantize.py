@@ -140,14 +140,19 @@ def _remember_scaled(fmt, scaled, rounding, overflow, sr_bits, x, out) -> None:
             and (out is None or type(out) is torch.Tensor)
             and scaled_layout(tuple(x.shape), scaled)[4] is None):
         return
+    _remember(_eager_key(fmt, rounding, overflow, None, sr_bits, x, out, None),
+              lambda: _eager_scaled(scaled, rounding, overflow, sr_bits, x))
+
+
+def _eager_scaled(scaled, rounding: str, overflow: Optional[str], sr_bits: int,
+                  x: torch.Tensor) -> _EagerScaled:
+    """The remembered form of a checked scaled rounding of tensors like x (dtype, backend)."""
     last_axis_block = None
     if scaled.axis == -1 and not isinstance(scaled.block, tuple):
         last_axis_block = scaled.block or 0
-    _remember(_eager_key(fmt, rounding, overflow, None, sr_bits, x, out, None),
-              lambda: _EagerScaled(scaled, prepared_scaled(
-                  backends.native(x, "x")[0], scaled, rounding,
-                  "saturate" if overflow is None else overflow, sr_bits, x.dtype),
-                  rounding == "stochastic", last_axis_block))
+    request = prepared_scaled(backends.native(x, "x")[0], scaled, rounding,
+                              "saturate" if overflow is None else overflow, sr_bits, x.dtype)
+    return _EagerScaled(scaled, request, rounding == "stochastic", last_axis_block)
 
 
 def _remember(key: tuple, entry) -> None:
@@ -161,26 +166,46 @@ def _remember(key: tuple, entry) -> None:
     _EAGER[key] = entry()
 
 
+_FULL_PATH = object()  # (_one_call_counts: this call cannot be one pointer call)
+
+
+def _one_call_counts(x: torch.Tensor, out, stats, stats_types: tuple):
+    """The counts buffer of a remembered call (None without stats), or _FULL_PATH when the call
+    needs the full path: a layout, mode, autograd or out= that one pointer call does not cover,
+    stats of another type than ``stats_types`` or on another device."""
+    if not (x.layout is torch.strided and not x.is_nested and x.is_contiguous()
+            and runs_natively(x, out)):
+        return _FULL_PATH
+    if out is not None and not _writable_in_one_call(x, out):
+        return _FULL_PATH
+    if stats is None:
+        return None
+    if type(stats) not in stats_types or not backends.same_device(stats.counts, x):
+        return _FULL_PATH
+    return stats.counts
+
+
+def _remembered_seed(stochastic: bool, generator: Optional[torch.Generator]) -> Optional[int]:
+    """A remembered call's seed: 0 for a deterministic rounding, else drawn from a CPU generator
+    (default: torch's) into the per-thread buffer; None for another generator (the full path)."""
+    if not stochastic:
+        return 0
+    if generator is not None and generator.device.type != "cpu":
+        return None
+    return draw_seed_eager(generator)
+
+
 def _round_eager(x: torch.Tensor, entry: _EagerPlan, stats, out,
                  generator: Optional[torch.Generator]) -> Optional[torch.Tensor]:
     """The rounding of a remembered call, or None when this call needs the full path (a layout,
     mode, autograd, out=, stats or generator that the one pointer call does not cover, or an
     error to raise)."""
-    if not (x.layout is torch.strided and not x.is_nested and x.is_contiguous()
-            and runs_natively(x, out)):
+    counts = _one_call_counts(x, out, stats, (Stats,))
+    if counts is _FULL_PATH:
         return None
-    if out is not None and not _writable_in_one_call(x, out):
+    seed = _remembered_seed(entry.stochastic, generator)
+    if seed is None:
         return None
-    counts = None
-    if stats is not None:
-        counts = stats.counts if type(stats) is Stats else None
-        if counts is None or not backends.same_device(counts, x):
-            return None
-    seed = 0
-    if entry.stochastic:
-        if generator is not None and generator.device.type != "cpu":
-            return None
-        seed = draw_seed_eager(generator)
     _, device, stream = backends.native(x, "x")
     y = new_output(x, entry.dtype) if out is None else out
     entry.request(x.data_ptr(), y.data_ptr(), x.numel(), seed, 0,
@@ -195,20 +220,27 @@ _scratch = threading.local()  # each thread's float64 buffer for the scales quan
 
 def _round_scaled_eager(x: torch.Tensor, entry: _EagerScaled, stats, out,
                         generator: Optional[torch.Generator]) -> Optional[torch.Tensor]:
-    """As _round_eager, for a remembered scaled format: the scales and the tensor scale (last),
-    which quantize does not return, go to one scratch buffer (on the CPU the same one each call
-    of a thread: the kernel has finished with it when the call returns); a ScaledStats takes the
-    counts directly (a Stats has no room for the block counts: the full path)."""
-    if not (x.layout is torch.strided and not x.is_nested and x.is_contiguous()
-            and runs_natively(x, out)):
+    """As _round_eager, for a remembered scaled format (a Stats or a ScaledStats takes its counts
+    directly)."""
+    counts = _one_call_counts(x, out, stats, (Stats, ScaledStats))
+    if counts is _FULL_PATH:
         return None
-    if out is not None and not _writable_in_one_call(x, out):
+    y = new_output(x, x.dtype) if out is None else out
+    if not round_scaled_into(x, y, entry, counts, generator):
         return None
-    counts = None
-    if stats is not None:
-        counts = stats.counts if type(stats) is ScaledStats else None
-        if counts is None or not backends.same_device(counts, x):
-            return None
+    if out is not None:
+        torch.autograd.graph.increment_version(out)
+    return y
+
+
+def round_scaled_into(x: torch.Tensor, y: torch.Tensor, entry: _EagerScaled,
+                      counts: Optional[torch.Tensor], generator=None) -> bool:
+    """Round x (contiguous, eager, checked) into y (contiguous, x's dtype) by entry's prepared
+    request, adding to counts (4 or 6 int64, or None); False, with nothing written, when the
+    call needs the full path (a layout other than blocks along the last axis, a generator the
+    per-thread draw does not cover). The scales and the tensor scale (last), which are not
+    returned, go to one scratch buffer: on the CPU the same one each call of a thread (the
+    kernel has finished with it when the call returns)."""
     block = entry.last_axis_block
     if block is not None and x.dim():
         cols = x.shape[-1]
@@ -217,14 +249,11 @@ def _round_scaled_eager(x: torch.Tensor, entry: _EagerScaled, stats, out,
     else:
         rows, cols, block_rows, block_cols, move = scaled_layout(tuple(x.shape), entry.fmt)
         if move is not None:  # (an axis that is last for some shapes only)
-            return None
-    y = new_output(x, x.dtype) if out is None else out
+            return False
     if rows and cols:
-        seed = 0
-        if entry.stochastic:
-            if generator is not None and generator.device.type != "cpu":
-                return None
-            seed = draw_seed_eager(generator)
+        seed = _remembered_seed(entry.stochastic, generator)
+        if seed is None:
+            return False
         _, device, stream = backends.native(x, "x")
         blocks = -(-rows // block_rows) * -(-cols // block_cols)
         if x.is_cpu:
@@ -236,10 +265,9 @@ def _round_scaled_eager(x: torch.Tensor, entry: _EagerScaled, stats, out,
         scratch_ptr = scratch.data_ptr()
         entry.request(x.data_ptr(), y.data_ptr(), rows, cols, block_rows, block_cols, seed, 0,
                       scratch_ptr, 0, scratch_ptr + 8 * blocks,
-                      0 if counts is None else counts.data_ptr(), device, stream)
-    if out is not None:
-        torch.autograd.graph.increment_version(out)
-    return y
+                      0 if counts is None else counts.data_ptr(),
+                      0 if counts is None else counts.numel(), device, stream)
+    return True
 
 
 def _writable_in_one_call(x: torch.Tensor, out: torch.Tensor) -> bool:
@@ -367,8 +395,8 @@ class Rounder:
 
     def __init__(self, precision, rounding: str = "nearest", overflow: Optional[str] = None):
         check_choice(rounding, ROUNDING_MODES, "rounding")
-        # The kernel's prepared request per (dtype, on CUDA) of a plain format: eager calls pass
-        # only buffers (empty for scaled formats and S2FP8).
+        # The kernel's prepared request per (dtype, on CUDA): eager calls pass only buffers (a
+        # PreparedQuantize for a plain format, an _EagerScaled for a scaled one; none for S2FP8).
         self._requests: dict = {}
         self.rounding = rounding
         self.overflow = overflow
@@ -411,11 +439,20 @@ class Rounder:
             # A dtype this rounder has rounded (checked then) on a backend it has used.
             request = self._requests.get((x.dtype, x.is_cuda))
             if request is not None:
-                return self._round_eager(x, stats, request)
+                if self.scaled is None:
+                    return self._round_eager(x, stats, request)
+                y = self._round_scaled_eager(x, stats, request)
+                if y is not None:
+                    return y
         if self.scaled is not None:
             with torch.no_grad():
-                return quantize_scaled(x, self.scaled, self.rounding, overflow=self.overflow,
-                                       stats=stats)
+                y = quantize_scaled(x, self.scaled, self.rounding, overflow=self.overflow,
+                                    stats=stats)
+            if (not torch.compiler.is_compiling() and type(x) is torch.Tensor
+                    and (x.is_cpu or x.is_cuda)):  # checked: remember its prepared request
+                self._requests[(x.dtype, x.is_cuda)] = _eager_scaled(
+                    self.scaled, self.rounding, self.overflow, 32, x)
+            return y
         self._check_dtype(x.dtype)
         if isinstance(self.precision, S2FP8):
             with torch.no_grad():
@@ -440,6 +477,20 @@ class Rounder:
                 draw_seed_eager() if self.rounding == "stochastic" else 0, 0,
                 0 if stats is None else stats.counts.data_ptr(), device, stream)
         return y
+
+    def _round_scaled_eager(self, x: torch.Tensor, stats: Optional[Stats],
+                            entry: _EagerScaled) -> Optional[torch.Tensor]:
+        """A scaled rounding by its prepared request, or None for the full path (a layout, stats
+        or device the one pointer call does not cover)."""
+        if not x.is_contiguous():
+            return None
+        counts = None
+        if stats is not None:
+            if type(stats) not in (Stats, ScaledStats) or not backends.same_device(stats.counts, x):
+                return None
+            counts = stats.counts
+        y = torch.empty_like(x)
+        return y if round_scaled_into(x, y, entry, counts) else None
 
     def _prepare(self, x: torch.Tensor):
         """The kernel's request for rounding x's dtype into itself on x's backend."""

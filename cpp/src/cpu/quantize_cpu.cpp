@@ -319,6 +319,21 @@ void hadamard_cpu(const HadamardCall& c) {
   });
 }
 
+namespace {
+
+// Adds a scaled call's counts: {overflow, underflow, nan, numel}, then, when the call counts
+// blocks, {blocks whose scale saturated, blocks}; nothing when counts is null.
+void add_scaled_counts(const ScaledCall& call, const PerThread<EventCounts>& parts,
+                       const PerThread<int64_t>& saturated, int64_t blocks, int64_t* counts) {
+  if (counts == nullptr) return;
+  add_counts(sum(parts), call.rows * call.cols, counts);
+  if (!call.count_blocks) return;
+  for (const Slot<int64_t>& s : saturated) counts[4] += s.v;
+  counts[5] += blocks;
+}
+
+}  // namespace
+
 void scaled_cpu(const ScaledCall& call, double* tensor_scale, int64_t* counts) {
   const Kernel& k = kernel();
   const int64_t n = call.rows * call.cols;
@@ -338,11 +353,7 @@ void scaled_cpu(const ScaledCall& call, double* tensor_scale, int64_t* counts) {
       }
     });
     *tensor_scale = 1.0;
-    if (counts != nullptr) {
-      add_counts(sum(parts), n, counts);
-      for (const Slot<int64_t>& s : saturated) counts[4] += s.v;
-      counts[5] += blocks;
-    }
+    add_scaled_counts(call, parts, saturated, blocks, counts);
     return;
   }
   PerThread<double> largest(threads_for(n));
@@ -366,11 +377,7 @@ void scaled_cpu(const ScaledCall& call, double* tensor_scale, int64_t* counts) {
   parallel_items(call.rows, n, [&](int th, int64_t r0, int64_t r1) {
     k.scaled_elements(with_t, r0, r1, parts[th].v);
   });
-  if (counts != nullptr) {
-    add_counts(sum(parts), n, counts);
-    for (const Slot<int64_t>& s : saturated) counts[4] += s.v;
-    counts[5] += blocks;
-  }
+  add_scaled_counts(call, parts, saturated, blocks, counts);
 }
 
 EventCounts extra_bits_step_cpu(const ExtraBitsStep& s) {

@@ -69,8 +69,8 @@ bool any_non_finite_cpu(DType t, const void* x, int64_t n);
 
 // A scaled-format rounding (docs/design.md §9) on the CPU threads: the blocks' scales into
 // call.scales, the tensor scale (1 without one) into *tensor_scale, s · q into call.y; adds
-// {overflow, underflow, nan, numel, blocks whose scale saturated, blocks} to counts (int64[6])
-// when counts is not null.
+// {overflow, underflow, nan, numel} to counts when it is not null, and {blocks whose scale
+// saturated, blocks} after them when call.count_blocks.
 void scaled_cpu(const ScaledCall& call, double* tensor_scale, int64_t* counts);
 
 // The Hadamard transform of the call's groups on the CPU threads.

@@ -174,9 +174,11 @@ ScaledCall prepare_scaled_call(const ScaledRequest& r) {
 
 ScaledCall with_buffers(ScaledCall c, const void* x, void* y, int64_t rows, int64_t cols,
                         int64_t block_rows, int64_t block_cols, uint64_t seed, uint64_t offset,
-                        double* scales, float* q, bool count) {
+                        double* scales, float* q, int32_t counts_size) {
   if (rows < 0 || cols < 0 || block_rows < 1 || block_cols < 1)
     throw std::invalid_argument("bad shape or block");
+  if (counts_size != 0 && counts_size != 4 && counts_size != 6)
+    throw std::invalid_argument("a scaled rounding's counts buffer holds 4 or 6 counts");
   if (scales == nullptr) throw std::invalid_argument("scaled_quantize needs a scales buffer");
   c.x = x;
   c.y = y;
@@ -188,7 +190,8 @@ ScaledCall with_buffers(ScaledCall c, const void* x, void* y, int64_t rows, int6
   c.offset = offset;
   c.scales = scales;
   c.q = q;
-  c.count = count;
+  c.count = counts_size != 0;
+  c.count_blocks = counts_size == 6;
   return c;
 }
 

@@ -53,6 +53,7 @@ struct ScaledCall {
   double t;                      // the tensor scale (1 without one), known after the scales
   Rounding mode;
   bool count;
+  bool count_blocks;             // the counts buffer holds the block counts too (6, not 4)
   uint64_t seed, offset;         // stochastic: element i = r·cols + c takes word (offset·4 + i) % 4
                                  // of Philox block offset + i / 4 (offset: a block offset)
   double* scales;                // per block, row-major over the block grid: s (t included)
@@ -131,10 +132,11 @@ ScaledCall prepare_scaled_call(const ScaledRequest& r);
 
 // A prepared call on x (rows × cols, row-major, in blocks of block_rows × block_cols) into y,
 // writing one scale per block into scales (required), the elements into q when not null,
-// counting when count; seed and offset as ScaledCall's. Throws std::invalid_argument on a
-// negative shape, an empty block or a missing scales buffer.
+// counting when counts_size is 4 (element counts) or 6 (block counts too), not when it is 0;
+// seed and offset as ScaledCall's. Throws std::invalid_argument on a negative shape, an empty
+// block, a missing scales buffer or another counts size.
 ScaledCall with_buffers(ScaledCall c, const void* x, void* y, int64_t rows, int64_t cols,
                         int64_t block_rows, int64_t block_cols, uint64_t seed, uint64_t offset,
-                        double* scales, float* q, bool count);
+                        double* scales, float* q, int32_t counts_size);
 
 }  // namespace lowfp

@@ -145,7 +145,7 @@ def _impl(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, 
         prepared(mod, scaled, rounding, overflow, sr_bits, xm.dtype)(
             xm.data_ptr(), y.data_ptr(), rows, cols, brows, bcols, key, offset & _U64,
             scales.data_ptr(), q.data_ptr() if parts else 0, tensor_scale.data_ptr(),
-            counts.data_ptr() if count else 0, device, stream)
+            counts.data_ptr() if count else 0, 6, device, stream)
     scales = _scales_shape(scales, xm.shape, scaled, move)
     if move is not None:
         y = y.movedim(-1, move)
