@@ -91,6 +91,17 @@ def draw_seed_eager(generator: Optional[torch.Generator] = None) -> int:
     return lo | (hi << 32)
 
 
+def remembered_seed(stochastic: bool, generator: Optional[torch.Generator]) -> Optional[int]:
+    """The seed of a rounding that skips the argument checks (a remembered call): 0 for a
+    deterministic rounding, else drawn from a CPU generator (default: torch's) by
+    draw_seed_eager; None for another generator (the call takes the full path)."""
+    if not stochastic:
+        return 0
+    if generator is not None and generator.device.type != "cpu":
+        return None
+    return draw_seed_eager(generator)
+
+
 def stochastic_seed(seed: Optional[int], generator: Optional[torch.Generator]) -> int:
     """The Philox key of a stochastic call: ``seed``, or one drawn from ``generator``."""
     if seed is None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
@@ -14,7 +13,7 @@ from ._checks import check_choice, is_dtype_in
 from ._memory import new_output
 from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODES, Plan,
                       as_int64, call_seed, check_tensor_args, check_uint64, check_writable,
-                      draw_seed_eager, into_numpy_out, make_call, numpy_as_tensor, plan_rounding,
+                      draw_seed_eager, remembered_seed, into_numpy_out, make_call, numpy_as_tensor, plan_rounding,
                       eager_seed, format_args, prepared_request, round_dense, run_rounding,
                       runs_natively, share_bytes)
 from ._dtensor import is_dtensor, round_dtensor
@@ -22,7 +21,8 @@ from ._ops import s2fp8_stat_buffers
 from ._torch_round import register_inductor_decompositions
 from .formats import Format, S2FP8, as_text, to_precision
 from .scaled import quantize_scaled, to_scaled
-from .scaled.quantize import ScaledStats, layout as scaled_layout, prepared as prepared_scaled
+from .scaled.quantize import (EagerScaled, ScaledStats, eager_scaled, layout as scaled_layout,
+                              round_scaled_into)
 from .stats import S2FP8Stats, Stats
 
 __all__ = ["quantize", "quantize_", "ROUNDING_MODES"]
@@ -104,20 +104,10 @@ class _EagerPlan(NamedTuple):
     stochastic: bool
 
 
-class _EagerScaled(NamedTuple):
-    """A scaled-format rounding whose arguments passed every check once: the format, the
-    kernel's prepared request (lowfp.scaled.quantize.prepared), and for 1-D blocks along the
-    last axis their length (0: one block per row), else None."""
-    fmt: object
-    request: object
-    stochastic: bool
-    last_axis_block: Optional[int]
-
-
 # The eager calls that are one pointer call (a contiguous plain tensor, a contiguous out= or none,
 # no seed, offset or grad_fmt, a CPU generator or none), by the arguments as the caller passed
 # them (_eager_key): such a call skips the argument checks and the plan lookup.
-_EAGER: Dict[tuple, Union[_EagerPlan, _EagerScaled]] = {}
+_EAGER: Dict[tuple, Union[_EagerPlan, EagerScaled]] = {}
 
 
 def _eager_key(fmt, rounding, overflow, subnormals, sr_bits, x: torch.Tensor, out,
@@ -141,18 +131,7 @@ def _remember_scaled(fmt, scaled, rounding, overflow, sr_bits, x, out) -> None:
             and scaled_layout(tuple(x.shape), scaled)[4] is None):
         return
     _remember(_eager_key(fmt, rounding, overflow, None, sr_bits, x, out, None),
-              lambda: _eager_scaled(scaled, rounding, overflow, sr_bits, x))
-
-
-def _eager_scaled(scaled, rounding: str, overflow: Optional[str], sr_bits: int,
-                  x: torch.Tensor) -> _EagerScaled:
-    """The remembered form of a checked scaled rounding of tensors like x (dtype, backend)."""
-    last_axis_block = None
-    if scaled.axis == -1 and not isinstance(scaled.block, tuple):
-        last_axis_block = scaled.block or 0
-    request = prepared_scaled(backends.native(x, "x")[0], scaled, rounding,
-                              "saturate" if overflow is None else overflow, sr_bits, x.dtype)
-    return _EagerScaled(scaled, request, rounding == "stochastic", last_axis_block)
+              lambda: eager_scaled(scaled, rounding, overflow, sr_bits, x))
 
 
 def _remember(key: tuple, entry) -> None:
@@ -185,16 +164,6 @@ def _one_call_counts(x: torch.Tensor, out, stats, stats_types: tuple):
     return stats.counts
 
 
-def _remembered_seed(stochastic: bool, generator: Optional[torch.Generator]) -> Optional[int]:
-    """A remembered call's seed: 0 for a deterministic rounding, else drawn from a CPU generator
-    (default: torch's) into the per-thread buffer; None for another generator (the full path)."""
-    if not stochastic:
-        return 0
-    if generator is not None and generator.device.type != "cpu":
-        return None
-    return draw_seed_eager(generator)
-
-
 def _round_eager(x: torch.Tensor, entry: _EagerPlan, stats, out,
                  generator: Optional[torch.Generator]) -> Optional[torch.Tensor]:
     """The rounding of a remembered call, or None when this call needs the full path (a layout,
@@ -203,7 +172,7 @@ def _round_eager(x: torch.Tensor, entry: _EagerPlan, stats, out,
     counts = _one_call_counts(x, out, stats, (Stats,))
     if counts is _FULL_PATH:
         return None
-    seed = _remembered_seed(entry.stochastic, generator)
+    seed = remembered_seed(entry.stochastic, generator)
     if seed is None:
         return None
     _, device, stream = backends.native(x, "x")
@@ -215,10 +184,7 @@ def _round_eager(x: torch.Tensor, entry: _EagerPlan, stats, out,
     return y
 
 
-_scratch = threading.local()  # each thread's float64 buffer for the scales quantize discards
-
-
-def _round_scaled_eager(x: torch.Tensor, entry: _EagerScaled, stats, out,
+def _round_scaled_eager(x: torch.Tensor, entry: EagerScaled, stats, out,
                         generator: Optional[torch.Generator]) -> Optional[torch.Tensor]:
     """As _round_eager, for a remembered scaled format (a Stats or a ScaledStats takes its counts
     directly)."""
@@ -231,43 +197,6 @@ def _round_scaled_eager(x: torch.Tensor, entry: _EagerScaled, stats, out,
     if out is not None:
         torch.autograd.graph.increment_version(out)
     return y
-
-
-def round_scaled_into(x: torch.Tensor, y: torch.Tensor, entry: _EagerScaled,
-                      counts: Optional[torch.Tensor], generator=None) -> bool:
-    """Round x (contiguous, eager, checked) into y (contiguous, x's dtype) by entry's prepared
-    request, adding to counts (4 or 6 int64, or None); False, with nothing written, when the
-    call needs the full path (a layout other than blocks along the last axis, a generator the
-    per-thread draw does not cover). The scales and the tensor scale (last), which are not
-    returned, go to one scratch buffer: on the CPU the same one each call of a thread (the
-    kernel has finished with it when the call returns)."""
-    block = entry.last_axis_block
-    if block is not None and x.dim():
-        cols = x.shape[-1]
-        rows = x.numel() // cols if cols else 0
-        block_rows, block_cols = 1, (block or cols)
-    else:
-        rows, cols, block_rows, block_cols, move = scaled_layout(tuple(x.shape), entry.fmt)
-        if move is not None:  # (an axis that is last for some shapes only)
-            return False
-    if rows and cols:
-        seed = _remembered_seed(entry.stochastic, generator)
-        if seed is None:
-            return False
-        _, device, stream = backends.native(x, "x")
-        blocks = -(-rows // block_rows) * -(-cols // block_cols)
-        if x.is_cpu:
-            scratch = getattr(_scratch, "buffer", None)
-            if scratch is None or scratch.numel() <= blocks:
-                scratch = _scratch.buffer = torch.empty(max(blocks + 1, 1024), dtype=torch.float64)
-        else:
-            scratch = torch.empty(blocks + 1, dtype=torch.float64, device=x.device)
-        scratch_ptr = scratch.data_ptr()
-        entry.request(x.data_ptr(), y.data_ptr(), rows, cols, block_rows, block_cols, seed, 0,
-                      scratch_ptr, 0, scratch_ptr + 8 * blocks,
-                      0 if counts is None else counts.data_ptr(),
-                      0 if counts is None else counts.numel(), device, stream)
-    return True
 
 
 def _writable_in_one_call(x: torch.Tensor, out: torch.Tensor) -> bool:
@@ -396,7 +325,7 @@ class Rounder:
     def __init__(self, precision, rounding: str = "nearest", overflow: Optional[str] = None):
         check_choice(rounding, ROUNDING_MODES, "rounding")
         # The kernel's prepared request per (dtype, on CUDA): eager calls pass only buffers (a
-        # PreparedQuantize for a plain format, an _EagerScaled for a scaled one; none for S2FP8).
+        # PreparedQuantize for a plain format, an EagerScaled for a scaled one; none for S2FP8).
         self._requests: dict = {}
         self.rounding = rounding
         self.overflow = overflow
@@ -450,7 +379,7 @@ class Rounder:
                                     stats=stats)
             if (not torch.compiler.is_compiling() and type(x) is torch.Tensor
                     and (x.is_cpu or x.is_cuda)):  # checked: remember its prepared request
-                self._requests[(x.dtype, x.is_cuda)] = _eager_scaled(
+                self._requests[(x.dtype, x.is_cuda)] = eager_scaled(
                     self.scaled, self.rounding, self.overflow, 32, x)
             return y
         self._check_dtype(x.dtype)
@@ -479,7 +408,7 @@ class Rounder:
         return y
 
     def _round_scaled_eager(self, x: torch.Tensor, stats: Optional[Stats],
-                            entry: _EagerScaled) -> Optional[torch.Tensor]:
+                            entry: EagerScaled) -> Optional[torch.Tensor]:
         """A scaled rounding by its prepared request, or None for the full path (a layout, stats
         or device the one pointer call does not cover)."""
         if not x.is_contiguous():

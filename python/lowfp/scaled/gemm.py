@@ -57,7 +57,8 @@ from torch.overrides import TorchFunctionMode
 
 from ..formats import add_parse_hint
 from .config import Scaled, named, to_scaled
-from .quantize import quantize_scaled
+from .._native import DTYPE_CODES, runs_natively
+from .quantize import EagerScaled, eager_scaled, quantize_scaled, round_scaled_into
 
 __all__ = ["GemmRecipe", "RECIPES", "emulate_gemms", "GemmEmulation"]
 
@@ -175,8 +176,25 @@ def _q(t: torch.Tensor, fmt: Optional[Scaled], axis: int, rounding: str = "neare
     fmt = _along(fmt, axis)
     use_hadamard = (hadamard_seed is not None and fmt.axis is not None
                     and not isinstance(fmt.block, tuple) and t.shape[axis] % 16 == 0)
+    if (not use_hadamard and t.is_contiguous() and t.dtype in DTYPE_CODES
+            and runs_natively(t, None)):  # the prepared request, as lowfp.quantize's remembered calls
+        y = torch.empty_like(t)
+        if round_scaled_into(t, y, _prepared(fmt, rounding, t), None):
+            return y
     with torch.no_grad():
         return quantize_scaled(t, fmt, rounding, hadamard_seed=hadamard_seed if use_hadamard else None)
+
+
+_PREPARED: dict = {}
+
+
+def _prepared(fmt: Scaled, rounding: str, t: torch.Tensor) -> EagerScaled:
+    """The prepared rounding of tensors like t (dtype, backend) to fmt."""
+    key = (fmt, rounding, t.dtype, t.is_cuda)
+    entry = _PREPARED.get(key)
+    if entry is None:
+        entry = _PREPARED[key] = eager_scaled(fmt, rounding, None, 32, t)
+    return entry
 
 
 class _Linear(torch.autograd.Function):

@@ -9,6 +9,7 @@ by element index in that layout (the tensor's own row-major order when the block
 from __future__ import annotations
 
 import functools
+import threading
 from typing import NamedTuple, Optional
 
 import torch
@@ -19,7 +20,7 @@ from .._checks import check_choice
 from .._dtensor import is_dtensor
 from .._memory import new_output
 from .._native import (DTYPE_CODES, ROUNDING_MODES, as_int64, call_seed, check_tensor_args, check_uint64,
-                       eager_seed, runs_natively)
+                       eager_seed, remembered_seed, runs_natively)
 from ..formats import OVERFLOW_POLICIES, SPECIALS, Format
 from ..stats import Stats
 from .config import Scaled, to_scaled
@@ -116,6 +117,67 @@ def prepared(mod, fmt: Scaled, rounding: str, overflow: str, sr_bits: int, dtype
         scale_rule=mod.ScaleRule.__members__[fmt.scale_rule],
         scale_format=None if scale_format is None else _spec(mod, scale_format),
         tensor_scale=fmt.tensor_scale, dtype=mod.DType.__members__[str(dtype)[6:]])
+
+
+class EagerScaled(NamedTuple):
+    """A scaled-format rounding whose arguments passed every check once: the format, the
+    kernel's prepared request (``prepared``), and for 1-D blocks along the last axis their
+    length (0: one block per row), else None."""
+    fmt: Scaled
+    request: object
+    stochastic: bool
+    last_axis_block: Optional[int]
+
+
+def eager_scaled(fmt: Scaled, rounding: str, overflow: Optional[str], sr_bits: int,
+                 x: torch.Tensor) -> EagerScaled:
+    """The remembered form of a checked scaled rounding of tensors like x (dtype, backend)."""
+    last_axis_block = None
+    if fmt.axis == -1 and not isinstance(fmt.block, tuple):
+        last_axis_block = fmt.block or 0
+    request = prepared(backends.native(x, "x")[0], fmt, rounding,
+                       "saturate" if overflow is None else overflow, sr_bits, x.dtype)
+    return EagerScaled(fmt, request, rounding == "stochastic", last_axis_block)
+
+
+_scratch = threading.local()  # each thread's float64 buffer for scales that are not returned
+
+
+def round_scaled_into(x: torch.Tensor, y: torch.Tensor, entry: EagerScaled,
+                      counts: Optional[torch.Tensor], generator=None) -> bool:
+    """Round x (contiguous, eager, checked) into y (contiguous, x's dtype) by entry's prepared
+    request, adding to counts (4 or 6 int64, or None); False, with nothing written, when the
+    call needs the full path (a layout other than blocks along the last axis, a generator the
+    per-thread draw does not cover). The scales and the tensor scale (last), which are not
+    returned, go to one scratch buffer: on the CPU the same one each call of a thread (the
+    kernel has finished with it when the call returns)."""
+    block = entry.last_axis_block
+    if block is not None and x.dim():
+        cols = x.shape[-1]
+        rows = x.numel() // cols if cols else 0
+        block_rows, block_cols = 1, (block or cols)
+    else:
+        rows, cols, block_rows, block_cols, move = layout(tuple(x.shape), entry.fmt)
+        if move is not None:  # (an axis that is last for some shapes only)
+            return False
+    if rows and cols:
+        seed = remembered_seed(entry.stochastic, generator)
+        if seed is None:
+            return False
+        _, device, stream = backends.native(x, "x")
+        blocks = -(-rows // block_rows) * -(-cols // block_cols)
+        if x.is_cpu:
+            scratch = getattr(_scratch, "buffer", None)
+            if scratch is None or scratch.numel() <= blocks:
+                scratch = _scratch.buffer = torch.empty(max(blocks + 1, 1024), dtype=torch.float64)
+        else:
+            scratch = torch.empty(blocks + 1, dtype=torch.float64, device=x.device)
+        scratch_ptr = scratch.data_ptr()
+        entry.request(x.data_ptr(), y.data_ptr(), rows, cols, block_rows, block_cols, seed, 0,
+                      scratch_ptr, 0, scratch_ptr + 8 * blocks,
+                      0 if counts is None else counts.data_ptr(),
+                      0 if counts is None else counts.numel(), device, stream)
+    return True
 
 
 def _writes_directly(out: torch.Tensor, xm: torch.Tensor, move) -> bool:
