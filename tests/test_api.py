@@ -703,6 +703,13 @@ def test_repeated_scaled_calls_take_the_remembered_request_with_the_same_bits(mo
         lowfp.quantize(torch.tensor(1.0), "mxfp8_e4m3")
     assert taken == []
     assert lowfp.quantize(torch.empty(0, 32), "mxfp8_e4m3").shape == (0, 32) and len(taken) == 1
+    def draw_after(mode):  # an empty stochastic rounding draws its seed as the operator does
+        torch.manual_seed(1)
+        with mode:
+            lowfp.quantize(torch.empty(0, 32), "mxfp4_e2m1", "stochastic")
+        return torch.rand(1)
+    assert torch.equal(draw_after(contextlib.nullcontext()), draw_after(_SeesOperators()))
+    assert len(taken) == 2
 
 
 def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_checks(monkeypatch):

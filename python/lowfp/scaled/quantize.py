@@ -19,9 +19,9 @@ from .. import backends
 from .._checks import check_choice
 from .._dtensor import is_dtensor
 from .._memory import new_output
-from .._native import (DTYPE_CODES, ROUNDING_MODES, as_int64, call_seed, check_tensor_args, check_uint64,
-                       eager_seed, remembered_seed, runs_natively)
-from ..formats import OVERFLOW_POLICIES, SPECIALS, Format
+from .._native import (DTYPE_CODES, ROUNDING_MODES, as_int64, call_seed, check_tensor_args,
+                       check_uint64, eager_seed, remembered_seed, runs_natively)
+from ..formats import OVERFLOW_POLICIES, Format
 from ..stats import Stats
 from .config import Scaled, to_scaled
 
@@ -160,10 +160,10 @@ def round_scaled_into(x: torch.Tensor, y: torch.Tensor, entry: EagerScaled,
         rows, cols, block_rows, block_cols, move = layout(tuple(x.shape), entry.fmt)
         if move is not None:  # (an axis that is last for some shapes only)
             return False
+    seed = remembered_seed(entry.stochastic, generator)  # (drawn for empty tensors too, as
+    if seed is None:                                      # the full path draws)
+        return False
     if rows and cols:
-        seed = remembered_seed(entry.stochastic, generator)
-        if seed is None:
-            return False
         _, device, stream = backends.native(x, "x")
         blocks = -(-rows // block_rows) * -(-cols // block_cols)
         if x.is_cpu:
