@@ -667,6 +667,7 @@ def test_the_native_hadamard_transform_gives_the_bits_of_the_torch_form(dtype):
     x[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), info.tiny / 4, -0.0]).to(dtype)
     x[1, :16] = info.max  # sums overflow to inf
     x[24, 16:] = -info.max
+    ints = torch.int64 if dtype == torch.float64 else torch.int32
     for seed in (0, 7):
         for t, axis in ((x, -1), (x.t().contiguous(), 0), (x.t(), 0)):
             for inverse in (False, True):
@@ -674,8 +675,8 @@ def test_the_native_hadamard_transform_gives_the_bits_of_the_torch_form(dtype):
                 got = _hadamard_native(t, _sign_values(seed), axis, inverse)
                 assert got.dtype == want.dtype and got.shape == want.shape
                 assert torch.equal(got.isnan(), want.isnan())
-                assert torch.equal(got.nan_to_num(0.0).view(torch.int64 if dtype == torch.float64 else torch.int32),
-                                   want.nan_to_num(0.0).view(torch.int64 if dtype == torch.float64 else torch.int32)), (seed, axis, inverse)
+                assert torch.equal(got.nan_to_num(0.0).view(ints),
+                                   want.nan_to_num(0.0).view(ints)), (seed, axis, inverse)
     if dtype in (torch.float32, torch.float64):  # (16-bit inputs are transformed in float32)
         assert torch.isinf(hadamard(x, hadamard_signs(0), -1)[1]).any()  # the overflow case is there
     # quantize_scaled takes the kernel eagerly and the torch form under a dispatch mode: same bits
