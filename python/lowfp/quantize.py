@@ -22,7 +22,7 @@ from ._torch_round import register_inductor_decompositions
 from .formats import Format, S2FP8, as_text, to_precision
 from .scaled import quantize_scaled, to_scaled
 from .scaled.quantize import (EagerScaled, ScaledStats, eager_scaled, layout as scaled_layout,
-                              round_scaled_into)
+                              round_scaled)
 from .stats import S2FP8Stats, Stats
 
 __all__ = ["quantize", "quantize_", "ROUNDING_MODES"]
@@ -191,10 +191,8 @@ def _round_scaled_eager(x: torch.Tensor, entry: EagerScaled, stats, out,
     counts = _one_call_counts(x, out, stats, (Stats, ScaledStats))
     if counts is _FULL_PATH:
         return None
-    y = new_output(x, x.dtype) if out is None else out
-    if not round_scaled_into(x, y, entry, counts, generator):
-        return None
-    if out is not None:
+    y = round_scaled(x, entry, counts, generator, out)
+    if y is not None and out is not None:
         torch.autograd.graph.increment_version(out)
     return y
 
@@ -418,8 +416,7 @@ class Rounder:
             if type(stats) not in (Stats, ScaledStats) or not backends.same_device(stats.counts, x):
                 return None
             counts = stats.counts
-        y = torch.empty_like(x)
-        return y if round_scaled_into(x, y, entry, counts) else None
+        return round_scaled(x, entry, counts)
 
     def _prepare(self, x: torch.Tensor):
         """The kernel's request for rounding x's dtype into itself on x's backend."""

@@ -58,7 +58,7 @@ from torch.overrides import TorchFunctionMode
 from ..formats import add_parse_hint
 from .config import Scaled, named, to_scaled
 from .._native import DTYPE_CODES, runs_natively
-from .quantize import EagerScaled, eager_scaled, quantize_scaled, round_scaled_into
+from .quantize import EagerScaled, eager_scaled, quantize_scaled, round_scaled
 
 __all__ = ["GemmRecipe", "RECIPES", "emulate_gemms", "GemmEmulation"]
 
@@ -178,8 +178,8 @@ def _q(t: torch.Tensor, fmt: Optional[Scaled], axis: int, rounding: str = "neare
                     and not isinstance(fmt.block, tuple) and t.shape[axis] % 16 == 0)
     if (not use_hadamard and t.is_contiguous() and t.dtype in DTYPE_CODES
             and runs_natively(t, None)):  # the prepared request, as lowfp.quantize's remembered calls
-        y = torch.empty_like(t)
-        if round_scaled_into(t, y, _prepared(fmt, rounding, t), None):
+        y = round_scaled(t, _prepared(fmt, rounding, t), None)
+        if y is not None:
             return y
     with torch.no_grad():
         return quantize_scaled(t, fmt, rounding, hadamard_seed=hadamard_seed if use_hadamard else None)

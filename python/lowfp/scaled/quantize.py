@@ -143,14 +143,14 @@ def eager_scaled(fmt: Scaled, rounding: str, overflow: Optional[str], sr_bits: i
 _scratch = threading.local()  # each thread's float64 buffer for scales that are not returned
 
 
-def round_scaled_into(x: torch.Tensor, y: torch.Tensor, entry: EagerScaled,
-                      counts: Optional[torch.Tensor], generator=None) -> bool:
-    """Round x (contiguous, eager, checked) into y (contiguous, x's dtype) by entry's prepared
-    request, adding to counts (4 or 6 int64, or None); False, with nothing written, when the
-    call needs the full path (a layout other than blocks along the last axis, a generator the
-    per-thread draw does not cover). The scales and the tensor scale (last), which are not
-    returned, go to one scratch buffer: on the CPU the same one each call of a thread (the
-    kernel has finished with it when the call returns)."""
+def round_scaled(x: torch.Tensor, entry: EagerScaled, counts: Optional[torch.Tensor],
+                 generator=None, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """x (contiguous, eager, checked) rounded by entry's prepared request into a new tensor or
+    ``out`` (contiguous, x's dtype), adding to counts (4 or 6 int64, or None); None, with nothing
+    allocated, drawn or written, when the call needs the full path (a layout other than blocks
+    along the last axis, a generator the per-thread draw does not cover). The scales and the
+    tensor scale (last), which are not returned, go to one scratch buffer: on the CPU the same
+    one each call of a thread (the kernel has finished with it when the call returns)."""
     block = entry.last_axis_block
     if block is not None and x.dim():
         cols = x.shape[-1]
@@ -159,10 +159,11 @@ def round_scaled_into(x: torch.Tensor, y: torch.Tensor, entry: EagerScaled,
     else:
         rows, cols, block_rows, block_cols, move = layout(tuple(x.shape), entry.fmt)
         if move is not None:  # (an axis that is last for some shapes only)
-            return False
+            return None
     seed = remembered_seed(entry.stochastic, generator)  # (drawn for empty tensors too, as
     if seed is None:                                      # the full path draws)
-        return False
+        return None
+    y = new_output(x, x.dtype) if out is None else out
     if rows and cols:
         _, device, stream = backends.native(x, "x")
         blocks = -(-rows // block_rows) * -(-cols // block_cols)
@@ -177,7 +178,7 @@ def round_scaled_into(x: torch.Tensor, y: torch.Tensor, entry: EagerScaled,
                       scratch_ptr, 0, scratch_ptr + 8 * blocks,
                       0 if counts is None else counts.data_ptr(),
                       0 if counts is None else counts.numel(), device, stream)
-    return True
+    return y
 
 
 def _writes_directly(out: torch.Tensor, xm: torch.Tensor, move) -> bool:
