@@ -14,7 +14,7 @@ stochastic rounding (whose thresholds reach 2^32). Every intermediate stays insi
 no operation depends on how a backend wraps.
 
 Inductor inlines an operation into each of its uses; the rounded magnitude and the carrier bits,
-used by the result and by every count, are therefore stored (``_stored``), so that each is
+used by the result and by every count, are therefore stored (``stored``), so that each is
 generated once per kernel and a chain of roundings is not regenerated inside each later one.
 """
 
@@ -30,14 +30,16 @@ from ._native import DTYPE_CODES, ROUNDING_MODES, format_args
 from .formats import Format
 
 __all__ = ["quantize", "philox_block_words", "philox_words", "fuses",
-           "register_inductor_decompositions"]
+           "register_inductor_decompositions", "round_bits", "round_params", "to_storage", "stored",
+           "lanes_of", "round_kind", "random_words", "event_counts", "Carrier", "FLOAT32_CARRIER",
+           "FLOAT64_CARRIER"]
 
 _MASK32 = 0xFFFFFFFF
 _PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
 _PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
 
 
-class _Carrier:
+class Carrier:
     """A binary floating-point carrier as round.hpp's CarrierTraits states it."""
 
     def __init__(self, float_dtype, int_dtype, mant_bits, exp_bias):
@@ -53,11 +55,11 @@ class _Carrier:
         return pattern - (1 << self.bits) if pattern >= self.sign else pattern
 
 
-_FLOAT32 = _Carrier(torch.float32, torch.int32, 23, 127)
-_FLOAT64 = _Carrier(torch.float64, torch.int64, 52, 1023)
+FLOAT32_CARRIER = Carrier(torch.float32, torch.int32, 23, 127)
+FLOAT64_CARRIER = Carrier(torch.float64, torch.int64, 52, 1023)
 
 
-class _Lanes(NamedTuple):
+class Lanes(NamedTuple):
     """The integer lanes a rounding computes in, and the largest shift it makes: round_bits
     clamps shifts at the carrier's width minus one, but every shift at or past
     ``max_shift`` gives the same result here (one past the significand's top bit for the
@@ -67,16 +69,16 @@ class _Lanes(NamedTuple):
     max_shift: int
 
 
-def _lanes(c: _Carrier, kind: str) -> _Lanes:
+def lanes_of(c: Carrier, kind: str) -> Lanes:
     if kind == "stochastic" or c.bits == 64:
-        return _Lanes(torch.int64, 62)
+        return Lanes(torch.int64, 62)
     # A float32 significand has 24 bits: a shift of 25 already leaves no bit of it in the
     # truncation, and (rem << 1) + 1 < 2^25 = unit: the same decisions as any larger shift.
-    return _Lanes(torch.int32, 25)
+    return Lanes(torch.int32, 25)
 
 
 @functools.lru_cache(maxsize=None)
-def _round_params(fmt: str, rounding: str, sr_bits: int, x_dtype: torch.dtype,
+def round_params(fmt: str, rounding: str, sr_bits: int, x_dtype: torch.dtype,
                   y_dtype: torch.dtype) -> dict:
     from . import _C
     args = format_args(Format.parse(fmt), ROUNDING_MODES.index(rounding), sr_bits)
@@ -98,7 +100,7 @@ def philox_block_words(block: torch.Tensor, key, offset: int):
     c0, c1, c2, c3 = c1 ^ k0, torch.zeros_like(c0), hi0 ^ k1, lo0
     for r in range(9):
         if r % 3 == 2:  # each round uses c0 and c2 twice: inlined, ten rounds nest 2.4^10 deep
-            c0, c1, c2, c3 = (_stored(c) for c in (c0, c1, c2, c3))
+            c0, c1, c2, c3 = (stored(c) for c in (c0, c1, c2, c3))
         k0, k1 = (k0 + _PHILOX_W0) & _MASK32, (k1 + _PHILOX_W1) & _MASK32
         hi0, lo0 = _mulhilo(_PHILOX_M0, c0)
         hi1, lo1 = _mulhilo(_PHILOX_M1, c2)
@@ -106,7 +108,7 @@ def philox_block_words(block: torch.Tensor, key, offset: int):
     return c0, c1, c2, c3
 
 
-def _stored(t: torch.Tensor) -> torch.Tensor:
+def stored(t: torch.Tensor) -> torch.Tensor:
     """t, which Inductor computes into a buffer (as_strided needs one) instead of inlining its
     expression into each use; a buffer used only inside one generated kernel stays in it."""
     return torch.as_strided(t, t.shape, t.stride())
@@ -122,7 +124,7 @@ def philox_words(shape: torch.Size, device, key, offset: int) -> torch.Tensor:
     words = torch.stack(philox_block_words(
         torch.arange(blocks, device=device, dtype=torch.int64), key, offset), dim=-1)
     # Stored as int32, each block's four words computed once rather than once per element.
-    words = _stored((words - ((words >> 31) << 32)).to(torch.int32).reshape(-1))
+    words = stored((words - ((words >> 31) << 32)).to(torch.int32).reshape(-1))
     return (words[:n].to(torch.int64) & _MASK32).view(shape)
 
 
@@ -134,8 +136,8 @@ def _mulhilo(m: int, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return (p >> 32) + x, p & _MASK32
 
 
-def _round_magnitude(a: torch.Tensor, negative: torch.Tensor, p: dict, c: _Carrier, kind: str,
-                     rand: Optional[torch.Tensor], lanes: _Lanes) -> torch.Tensor:
+def _round_magnitude(a: torch.Tensor, negative: torch.Tensor, p: dict, c: Carrier, kind: str,
+                     rand: Optional[torch.Tensor], lanes: Lanes) -> torch.Tensor:
     """round_bits' rounded magnitude of the carrier magnitudes a (sign cleared, at most
     infinity's bits: a NaN's rounding is discarded, and so cannot overflow a lane)."""
     ex = a >> c.mant_bits
@@ -188,13 +190,13 @@ def _round_magnitude(a: torch.Tensor, negative: torch.Tensor, p: dict, c: _Carri
     return torch.where(d <= c.mant_bits, stepped, (-up) & p["below_step"])
 
 
-def _round_bits(bits: torch.Tensor, p: dict, c: _Carrier, kind: str, rand, lanes: _Lanes):
+def round_bits(bits: torch.Tensor, p: dict, c: Carrier, kind: str, rand, lanes: Lanes):
     """round_bits and rounded_result: the result's bits and the (above_max, underflow, nan)
     events of the carrier values ``bits`` (signed, in ``lanes``)."""
     negative = bits < 0
     a = bits & (c.sign - 1)
     nan = a > c.inf
-    mag = _stored(_round_magnitude(torch.clamp_max(a, c.inf), negative, p, c, kind, rand, lanes))
+    mag = stored(_round_magnitude(torch.clamp_max(a, c.inf), negative, p, c, kind, rand, lanes))
     above_max = mag > p["max_bits"]
     underflow = (a != 0) & (mag == 0)
     sign = bits & c.signed(c.sign)  # the sign bit alone
@@ -209,7 +211,7 @@ def _round_bits(bits: torch.Tensor, p: dict, c: _Carrier, kind: str, rand, lanes
     return result, above_max, underflow, nan
 
 
-def _to_storage(result: torch.Tensor, c: _Carrier, dtype: torch.dtype) -> torch.Tensor:
+def to_storage(result: torch.Tensor, c: Carrier, dtype: torch.dtype) -> torch.Tensor:
     """The carrier bits ``result`` as a tensor of ``dtype``, as the kernels store them
     (half.hpp): values convert exactly; a NaN keeps its sign, and bfloat16 its upper payload,
     quieted (torch's own float32-to-bfloat16 conversion makes every NaN +NaN)."""
@@ -225,31 +227,45 @@ def _to_storage(result: torch.Tensor, c: _Carrier, dtype: torch.dtype) -> torch.
     return result.to(c.int_dtype).view(c.float_dtype).to(dtype)
 
 
+def round_kind(rounding: str) -> str:
+    """The kind of decision a rounding mode makes: "nearest", "directed" or "stochastic"."""
+    return {"nearest": "nearest", "nearest_away": "nearest", "stochastic": "stochastic"}.get(
+        rounding, "directed")
+
+
+def random_words(shape, device, seed: int, drawn_seed: Optional[torch.Tensor],
+                 offset: int) -> torch.Tensor:
+    """philox_words of a tensor of ``shape`` under the operator's seed arguments: the drawn seed
+    tensor (int64 [lo, hi]) when there is one, else ``seed`` (an int)."""
+    key = seed & ((1 << 64) - 1) if drawn_seed is None else (drawn_seed[0], drawn_seed[1])
+    return philox_words(shape, device, key, offset & ((1 << 64) - 1))
+
+
+def event_counts(above_max: torch.Tensor, underflow: torch.Tensor, nan: torch.Tensor,
+                 numel: int) -> list:
+    """The rounding counts (overflow, underflow, NaN, numel) as four int64 0-d tensors."""
+    # Summed in int32 lanes where no count can pass them (half the vector work of int64).
+    acc = torch.int32 if numel < 2**31 else torch.int64
+    return ([flag.to(acc).sum(dtype=acc).to(torch.int64) for flag in (above_max & ~nan, underflow, nan)]
+            + [torch.full((), numel, dtype=torch.int64, device=nan.device)])
+
+
 def quantize(x: torch.Tensor, fmt: str, rounding: str, sr_bits: int, seed: int,
              drawn_seed: Optional[torch.Tensor], offset: int, dtype: torch.dtype,
              count: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """``lowfp::quantize``'s result and counts in torch operations (the arguments are the
     operator's; docs/design.md §3)."""
-    p = _round_params(fmt, rounding, sr_bits, x.dtype, dtype)
-    c = _FLOAT64 if p["carrier_bits"] == 64 else _FLOAT32
-    rand = None
-    kind = {"nearest": "nearest", "nearest_away": "nearest", "stochastic": "stochastic"}.get(
-        rounding, "directed")
-    lanes = _lanes(c, kind)
-    bits = _stored(x.to(c.float_dtype).view(c.int_dtype).to(lanes.dtype))
-    if kind == "stochastic":
-        key = seed & ((1 << 64) - 1) if drawn_seed is None else (drawn_seed[0], drawn_seed[1])
-        rand = philox_words(x.shape, x.device, key, offset & ((1 << 64) - 1))
-    result, above_max, underflow, nan = _round_bits(bits, p, c, kind, rand, lanes)
-    y = _to_storage(result, c, dtype)
+    p = round_params(fmt, rounding, sr_bits, x.dtype, dtype)
+    c = FLOAT64_CARRIER if p["carrier_bits"] == 64 else FLOAT32_CARRIER
+    kind = round_kind(rounding)
+    lanes = lanes_of(c, kind)
+    bits = stored(x.to(c.float_dtype).view(c.int_dtype).to(lanes.dtype))
+    rand = random_words(x.shape, x.device, seed, drawn_seed, offset) if kind == "stochastic" else None
+    result, above_max, underflow, nan = round_bits(bits, p, c, kind, rand, lanes)
+    y = to_storage(result, c, dtype)
     if not count:
         return y, x.new_empty(0, dtype=torch.int64)
-    # Summed in int32 lanes where no count can pass them (half the vector work of int64).
-    acc = torch.int32 if x.numel() < 2**31 else torch.int64
-    counts = torch.stack([flag.to(acc).sum(dtype=acc).to(torch.int64)
-                          for flag in (above_max & ~nan, underflow, nan)] +
-                         [torch.full((), x.numel(), dtype=torch.int64, device=x.device)])
-    return y, counts
+    return y, torch.stack(event_counts(above_max, underflow, nan, x.numel()))
 
 
 _FUSION_CHOICES = ("auto", "1", "0")
@@ -276,23 +292,19 @@ _registered = False
 
 @torch.compiler.assume_constant_result  # runs at trace time, outside the traced code
 def register_inductor_decompositions() -> bool:
-    """Let Inductor decompose ``lowfp::quantize`` into :func:`quantize` (once per process) where
-    :func:`fuses` says so; elsewhere the decomposition declines and the operator stays.
+    """Let Inductor decompose ``lowfp::quantize`` into :func:`quantize` and
+    ``lowfp::scaled_quantize`` into ``lowfp.scaled.torch_round.scaled_quantize`` (once per
+    process) where :func:`fuses` says so; elsewhere, and for the tensors and scaled formats the
+    torch form does not cover, the decomposition declines and the operator stays.
 
-    Called while tracing, by the functions that put the operator in a graph: importing Inductor
+    Called while tracing, by the functions that put the operators in a graph: importing Inductor
     costs seconds, which eager users should not pay."""
     global _registered
     if not _registered:
         from torch._inductor import decomposition, lowering
         from torch._library.utils import get_layout_constraint_tag
 
-        op = torch.ops.lowfp.quantize.default
-        if op not in lowering.lowerings:
-            # Where the decomposition declines, the operator reaches Inductor's lowering: give
-            # it the fallback Inductor would make for a custom operator, allowed beside the
-            # decomposition (Inductor refuses to make one for an operator that has both).
-            lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(
-                get_layout_constraint_tag(op, with_default=True)), override_decomp=True)
+        from .scaled import Scaled, torch_round as scaled_form
 
         def quantize_decomposition(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype,
                                    count, grad_fmt, grad_rounding):
@@ -300,7 +312,22 @@ def register_inductor_decompositions() -> bool:
                 return NotImplemented
             return quantize(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype, count)
 
-        decomposition.register_decomposition(op)(quantize_decomposition)
+        def scaled_decomposition(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset,
+                                 count, parts):
+            if not (fuses(x.device) and scaled_form.fuses_format(Scaled.parse(fmt), x.dtype)):
+                return NotImplemented
+            return scaled_form.scaled_quantize(x, fmt, rounding, overflow, sr_bits, seed,
+                                               drawn_seed, offset, count, parts)
+
+        for op, decompose in ((torch.ops.lowfp.quantize.default, quantize_decomposition),
+                              (torch.ops.lowfp.scaled_quantize.default, scaled_decomposition)):
+            if op not in lowering.lowerings:
+                # Where the decomposition declines, the operator reaches Inductor's lowering: give
+                # it the fallback Inductor would make for a custom operator, allowed beside the
+                # decomposition (Inductor refuses to make one for an operator that has both).
+                lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(
+                    get_layout_constraint_tag(op, with_default=True)), override_decomp=True)
+            decomposition.register_decomposition(op)(decompose)
         # Inductor caches its table merged with its random-op decompositions: rebuild it.
         decomposition.fast_random_decomps.cache_clear()
         _registered = True

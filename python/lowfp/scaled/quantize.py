@@ -19,6 +19,7 @@ from .. import backends
 from .._checks import check_choice
 from .._dtensor import is_dtensor
 from .._memory import new_output
+from .._torch_round import register_inductor_decompositions
 from .._native import (DTYPE_CODES, ROUNDING_MODES, as_int64, call_seed, check_tensor_args,
                        check_uint64, eager_seed, remembered_seed, runs_natively)
 from ..formats import OVERFLOW_POLICIES, Format
@@ -303,11 +304,18 @@ def _call(x, fmt: Scaled, rounding, overflow, seed, generator, offset, sr_bits, 
                     parts and out is None, out=out)
         return res[4] if out is not None else res
     seed, drawn = call_seed(rounding, seed, generator)
-    if out is not None:
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        register_inductor_decompositions()
+    if out is not None and not compiling:
         return torch.ops.lowfp.scaled_quantize_into(x, out, str(fmt), rounding, overflow, sr_bits,
                                                     seed, drawn, offset, count)
-    return torch.ops.lowfp.scaled_quantize(x, str(fmt), rounding, overflow, sr_bits, seed, drawn,
-                                           offset, count, parts)
+    res = torch.ops.lowfp.scaled_quantize(x, str(fmt), rounding, overflow, sr_bits, seed, drawn,
+                                          offset, count, parts and out is None)
+    if out is not None:  # compiled: the functional operator (which Inductor fuses), then a copy
+        out.copy_(res[0])
+        return res[4]
+    return res
 
 
 HADAMARD_SIZE = 16
