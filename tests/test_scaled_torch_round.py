@@ -6,6 +6,7 @@ Fractions, and compiled code that holds no lowfp operator."""
 import math
 import os
 import random
+import re
 from fractions import Fraction
 
 import pytest
@@ -227,3 +228,36 @@ def test_cpu_default_keeps_the_native_kernel(monkeypatch):
     x = torch.randn(4, 64)
     got, code = _compiled_code(lambda t: lowfp.quantize(t, "nvfp4"), x)
     assert "lowfp" in code and torch.equal(got, lowfp.quantize(x, "nvfp4"))
+
+
+def test_compiled_gemm_emulation_is_fused_and_equals_eager(fused):
+    """emulate_gemms "nvfp4" (tensor scales, stochastic gradients, the Hadamard transform of the
+    weight gradient's operands) compiled: no lowfp operator in the forward or backward code, and
+    eager's output and gradients."""
+    def run(compiled: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(32, 16)
+        lowfp.scaled.emulate_gemms(model, "nvfp4").install()
+        x = torch.randn(8, 32, requires_grad=True)
+        forward = model
+        if compiled:
+            torch._dynamo.reset()
+            forward = torch.compile(model)
+        torch.manual_seed(1)  # the stochastic gradients' seeds
+        with torch._inductor.config.patch(force_disable_caches=True):
+            y, code = run_and_get_code(lambda: _loss_and_backward(forward, x))
+        return y, x.grad, model.weight.grad, "\n".join(code)
+
+    want = run(False)
+    got = run(True)
+    # (seed=None keeps lowfp::draw_seed: the stochastic gradients' keys, drawn as eager draws them)
+    assert set(re.findall(r"torch\.ops\.lowfp\.(\w+)", got[3])) == {"draw_seed"}
+    assert got[3].count("async_compile.cpp_pybinding") >= 2
+    for w, h in zip(want[:3], got[:3]):
+        assert torch.equal(bits(h), bits(w))
+
+
+def _loss_and_backward(forward, x):
+    y = forward(x)
+    (y * torch.arange(16.0)).sum().backward()
+    return y.detach()

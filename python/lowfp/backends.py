@@ -63,7 +63,8 @@ def check_dense(t: torch.Tensor, argname: str) -> None:
                         "component, or .to_padded_tensor())")
     if t.is_quantized:
         raise TypeError(f"{argname} is a quantized tensor ({t.dtype}); dequantize it first")
-    if t.layout != torch.strided:
+    # (Dynamo traces dense tensors only, and refuses to read .layout inside a backward)
+    if not torch.compiler.is_compiling() and t.layout != torch.strided:
         raise TypeError(f"{argname} must be a dense (torch.strided) tensor, got layout {t.layout}; "
                         f"convert it with .to_dense() first")
 

@@ -158,8 +158,7 @@ def to_recipe(value) -> GemmRecipe:
     raise ValueError(f"recipe must be a GemmRecipe or one of {sorted(RECIPES)}, got {value!r}")
 
 
-@functools.lru_cache(maxsize=256)
-def _along(fmt: Scaled, axis: int) -> Scaled:
+def _aimed(fmt: Scaled, axis: int) -> Scaled:
     """fmt with its 1-D blocks (or per-slice scales) along ``axis``; 2-D blocks and per-tensor
     scales as they are."""
     if fmt.axis is None or isinstance(fmt.block, tuple):
@@ -168,12 +167,15 @@ def _along(fmt: Scaled, axis: int) -> Scaled:
                   scale_rule=fmt.scale_rule, tensor_scale=fmt.tensor_scale)
 
 
+_along = functools.lru_cache(maxsize=256)(_aimed)  # eager calls (Dynamo traces _aimed itself)
+
+
 def _q(t: torch.Tensor, fmt: Optional[Scaled], axis: int, rounding: str = "nearest",
        hadamard_seed: Optional[int] = None) -> torch.Tensor:
     """t rounded to fmt with its blocks along ``axis``."""
     if fmt is None:
         return t
-    fmt = _along(fmt, axis)
+    fmt = _aimed(fmt, axis) if torch.compiler.is_compiling() else _along(fmt, axis)
     use_hadamard = (hadamard_seed is not None and fmt.axis is not None
                     and not isinstance(fmt.block, tuple) and t.shape[axis] % 16 == 0)
     if (not use_hadamard and t.is_contiguous() and t.dtype in DTYPE_CODES
