@@ -2,10 +2,12 @@
 
     python bench/bench_fused.py [--device cpu|cuda] [--numel N] [--repeats R]
 
-f(x) = relu(quantize(sin(x) * 300, float8_e4m3fn, mode)) with counts, on N float32 elements:
-eager (three passes, lowfp's native kernel for the rounding), compiled (Inductor generates the
-rounding inside its kernel, docs/design.md §3.1) and, as the floor, the compiled
-relu(sin(x) * 300) without a rounding. Ratios are against that floor.
+f(x) = relu(quantize(sin(x) * 300, fmt, mode)) with counts, on N float32 elements shaped (N / 4096,
+4096): eager (three passes, lowfp's native kernel for the rounding), compiled (Inductor generates
+the rounding inside its kernels, docs/design.md §3.1) and, as the floor, the compiled
+relu(sin(x) * 300) without a rounding. Ratios are against that floor. Formats: float8_e4m3fn in
+four modes, and scaled formats (MX, NVFP4, per-row FP8), whose blocks' maxima Inductor reduces
+before it rounds.
 """
 
 import argparse
@@ -20,7 +22,9 @@ import torch
 import lowfp
 from lowfp.experiments.bench import machine_description
 
-MODES = ["nearest", "toward_zero", "down", "stochastic"]
+CASES = [("float8_e4m3fn", mode) for mode in ("nearest", "toward_zero", "down", "stochastic")] + [
+    ("mxfp8_e4m3", "nearest"), ("mxfp4_e2m1", "stochastic"), ("nvfp4", "nearest"),
+    ("nvfp4", "stochastic"), ("fp8_e4m3_rowwise", "nearest")]
 
 
 def best_ms(fn, repeats, device):
@@ -45,22 +49,22 @@ def main(argv=None):
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     print(machine_description() if device.type == "cpu" else torch.cuda.get_device_name(device))
-    x = torch.randn(args.numel, device=device)
+    x = torch.randn(args.numel // 4096, 4096, device=device)
     floor_fn = torch.compile(lambda t: (torch.sin(t) * 300).relu())
     floor = best_ms(lambda: floor_fn(x), args.repeats, device)
     print(f"{args.numel} float32 elements; compiled relu(sin(x) * 300) without rounding: "
           f"{floor:.2f} ms")
-    print(f"{'mode':<12} {'eager ms':>9} {'compiled ms':>12} {'eager/floor':>12} "
+    print(f"{'format':<17} {'mode':<11} {'eager ms':>9} {'compiled ms':>12} {'eager/floor':>12} "
           f"{'compiled/floor':>15} {'compiled/eager':>15}")
-    for mode in MODES:
-        def f(t, stats, mode=mode):
-            return lowfp.quantize(torch.sin(t) * 300, "float8_e4m3fn", mode, seed=7,
-                                  stats=stats).relu()
+    for fmt, mode in CASES:
+        def f(t, stats, fmt=fmt, mode=mode):
+            return lowfp.quantize(torch.sin(t) * 300, fmt, mode, seed=7, stats=stats).relu()
+        torch._dynamo.reset()
         compiled = torch.compile(f, fullgraph=True)
-        stats = lowfp.Stats(device)
+        stats = lowfp.scaled.ScaledStats(device) if lowfp.scaled.to_scaled(fmt) is not None else lowfp.Stats(device)
         eager = best_ms(lambda: f(x, stats), args.repeats, device)
         fused = best_ms(lambda: compiled(x, stats), args.repeats, device)
-        print(f"{mode:<12} {eager:>9.2f} {fused:>12.2f} {eager / floor:>12.2f} "
+        print(f"{fmt:<17} {mode:<11} {eager:>9.2f} {fused:>12.2f} {eager / floor:>12.2f} "
               f"{fused / floor:>15.2f} {fused / eager:>15.2f}")
     return 0
 

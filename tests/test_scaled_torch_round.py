@@ -16,7 +16,7 @@ from torch._inductor.utils import run_and_get_code
 import lowfp
 from lowfp import Scaled
 from lowfp.scaled import ScaledStats
-from lowfp.scaled.torch_round import fuses_format, quotient, scaled_quantize as torch_scaled
+from lowfp.scaled.torch_round import _divmod, fuses_format, quotient, scaled_quantize as torch_scaled
 
 MODES = ["nearest", "nearest_away", "toward_zero", "up", "down", "stochastic"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -170,6 +170,20 @@ def test_quotients_are_the_exact_quotient_rounded_once():
     for odd_rounding in (False, True):  # x / s is x itself
         assert torch.equal(bits(quotient(specials, 3.0, odd_rounding)), bits(specials))
     assert torch.equal(quotient(x, 3.0, odd=False), x / 3.0)  # a divisor given as a float
+
+
+def test_long_division_corrects_its_estimate_either_way():
+    """Each step of quotient()'s long division estimates in float64 and corrects by one where
+    the remainder says so: exact against Python's divmod with an inverse off either way."""
+    rng = random.Random(3)
+    divisors = [(1 << 27) | rng.getrandbits(27) for _ in range(500)] + [(1 << 28) - 1, 1 << 27]
+    nums = [rng.getrandbits(rng.choice([20, 40, 62])) for _ in divisors]
+    nums[:len(divisors) // 2] = [d * rng.getrandbits(34) + rng.choice([0, d - 1]) for d in
+                                 divisors[:len(divisors) // 2]]  # remainders at both ends
+    num, divisor = torch.tensor(nums), torch.tensor(divisors)
+    for skew in (1 - 2.0**-45, 1.0, 1 + 2.0**-45):
+        q, r = _divmod(num, divisor, (1.0 / divisor.double()) * skew)
+        assert [divmod(n, d) for n, d in zip(nums, divisors)] == list(zip(q.tolist(), r.tolist()))
 
 
 def test_formats_it_does_not_cover_keep_the_operator():

@@ -10,8 +10,9 @@ Bit for bit the native kernels' results and counts (docs/design.md §9,
 cpp/include/lowfp/scaled.hpp): each step computes what the native one computes. Where a
 floating-point operation could round differently on another backend (Inductor turns a division
 by a constant into a product by its reciprocal on GPUs, and Triton divides float32 numbers
-approximately), the quotient is formed exactly by integer long division (:func:`quotient`) and
-rounded once, to nearest or to odd, as the native code rounds it. Products of a power of two, and
+approximately), the quotient is formed exactly by long division of the integer significands
+(:func:`quotient`; each step's float64 estimate corrected by its integer remainder) and rounded
+once, to nearest or to odd, as the native code rounds it. Products of a power of two, and
 s · q (at most 48 significand bits), are exact in float64 on every backend.
 """
 
@@ -98,6 +99,19 @@ def _fields(v: Union[torch.Tensor, float]):
     return (b >> 52) & 0x7FF, (b & _MANTISSA) | (1 << 52)
 
 
+def _divmod(num: torch.Tensor, divisor, inverse) -> Tuple[torch.Tensor, torch.Tensor]:
+    """num // divisor and num % divisor for int64 0 <= num < 2^63 - 2^39 (exact in float64) and
+    divisor < 2^28, from the float64 estimate num · inverse (inverse within a few units of 1 /
+    divisor's last place: the estimate is then within 2^-16 of the quotient, below 2^36), corrected
+    by one either way where its remainder says so. No integer division: GPUs have none."""
+    q = torch.floor(num.to(torch.float64) * inverse).to(torch.int64)
+    r = num - q * divisor
+    low = r < 0
+    q, r = torch.where(low, q - 1, q), torch.where(low, r + divisor, r)
+    high = r >= divisor
+    return torch.where(high, q + 1, q), torch.where(high, r - divisor, r)
+
+
 def quotient(x: torch.Tensor, s: Union[torch.Tensor, float], odd: bool) -> torch.Tensor:
     """x / s as a float64, rounded to odd (``odd``) or to nearest even, from the exact quotient.
 
@@ -110,12 +124,10 @@ def quotient(x: torch.Tensor, s: Union[torch.Tensor, float], odd: bool) -> torch
     xe, xm = _fields(x)
     se, sm = _fields(s)
     big_x, big_s = xm >> 29, sm >> 25
+    inverse = 1.0 / big_s if isinstance(big_s, int) else 1.0 / big_s.to(torch.float64)
     shift = 38 + ((big_x << 4) < big_s).to(torch.int64)  # the first quotient in [2^34, 2^35)
-    num = big_x << shift
-    q1 = num // big_s
-    r1 = (num - q1 * big_s) << 18
-    q2 = r1 // big_s
-    r2 = r1 - q2 * big_s
+    q1, r1 = _divmod(big_x << shift, big_s, inverse)
+    q2, r2 = _divmod(r1 << 18, big_s, inverse)
     top = (q1 << 18) | q2  # in [2^52, 2^53): the quotient's first 53 bits
     if odd:
         m = top | (r2 != 0).to(torch.int64)
