@@ -408,7 +408,12 @@ def test_emulate_takes_a_gemm_recipe():
             counts = em.counts.clone()
         assert "forward" not in model.__dict__
         return out.detach(), model[0].weight.grad.clone(), counts
+    modes = []
+    hook = model[0].register_forward_pre_hook(
+        lambda *_: modes.append(torch._C._len_torch_function_stack()))
     out, grad, counts = step(gemm_recipe="mxfp4")
+    assert modes == [1]  # one interception: the GEMMs are a handler of the assignment's mode
+    hook.remove()
     out2, grad2, counts2 = step()
     assert torch.equal(out, out2) and torch.equal(grad, grad2) and torch.equal(counts, counts2)
     with lowfp.emulate(model, a):
@@ -448,3 +453,16 @@ def test_multihead_attention_is_entered():
     want = F.linear(q(o, r.input, -1), q(mha.out_proj.weight.detach(), r.weight, -1),
                     mha.out_proj.bias.detach())
     assert torch.equal(out.detach(), want)
+
+
+def test_every_emulated_gemm_is_a_gemm_of_the_interception():
+    """lowfp.emulate(..., gemm_recipe=) hands the handler the calls whose names the interception
+    counts as GEMMs: every function the handler emulates must be one of them."""
+    from lowfp._intercept import GEMM_NAMES, OP, classify
+    from lowfp.scaled import gemm
+    funcs = ([F.linear, F.scaled_dot_product_attention, F.multi_head_attention_forward]
+             + list(gemm._CONVS) + list(gemm._CONV_TRANSPOSES) + list(gemm._BADDBMMS)
+             + list(gemm._MATMULS))
+    for func in funcs:
+        kind, name = classify(func)
+        assert kind == OP and name in GEMM_NAMES, func

@@ -75,10 +75,14 @@ def classify(func) -> Tuple[int, str]:
     except (KeyError, TypeError):
         pass
     full = None
-    try:
-        full = resolve_name(func)
-    except Exception:  # resolve_name walks torch's namespaces; never let it break a forward
-        full = None
+    own = getattr(func, "__name__", None)
+    if own and getattr(torch, own, None) is func:  # (resolve_name calls torch.mm "torch.spmm")
+        full = "torch." + own
+    else:
+        try:
+            full = resolve_name(func)
+        except Exception:  # resolve_name walks torch's namespaces; never let it break a forward
+            full = None
     if not full:
         full = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
     parts = full.split(".")
@@ -202,6 +206,9 @@ class ForwardSession:
         self._installed = False
         self._saved_forward = None
         self._mode = _Mode(self)
+        # The GEMMs' emulation (lowfp.scaled.gemm.GemmHandler) or None: called, with the mapped
+        # arguments, in place of the functions GEMM_NAMES names; NotImplemented passes a call on.
+        self.gemms = None
 
     # -- installation ----------------------------------------------------------------------
     def install(self) -> None:
@@ -346,7 +353,11 @@ class ForwardSession:
             mapped = self._map_args(values, inputs)
             if mapped is not values:
                 kwargs = dict(zip(kwargs.keys(), mapped))
-        out = func(*args, **kwargs)
+        out = NotImplemented
+        if self.gemms is not None and fname in GEMM_NAMES:
+            out = self.gemms(func, args, kwargs)
+        if out is NotImplemented:
+            out = func(*args, **kwargs)
         if kind == OP and writes_in_place(fname, args, kwargs, out):
             self.writes += 1
         if not inputs:  # constants: computed from nothing this step tracks

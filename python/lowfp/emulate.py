@@ -212,10 +212,9 @@ class Emulator(ForwardSession):
         self.assignment = assignment.copy()   # promotions change this copy only
         self.promote, self.threshold, self.top = promote, float(threshold), int(top)
         self.rounding, self.backward_overflow = rounding, backward_overflow
-        self._gemms = None
-        if gemm_recipe is not None:
-            from .scaled.gemm import GemmEmulation
-            self._gemms = GemmEmulation(model, gemm_recipe)
+        if gemm_recipe is not None:  # GEMM operands inside the interception, then the tensors
+            from .scaled.gemm import GemmHandler, to_recipe
+            self.gemms = GemmHandler(to_recipe(gemm_recipe))
         self.history = History()
         self.scaler = None                     # set by DynamicLossScaler(emulator=...)
         self.observer = None                   # observer(name, tensor): every rounded result;
@@ -488,11 +487,6 @@ class Emulator(ForwardSession):
                  step, name, old, hi, ratio)
 
     # -- context manager -------------------------------------------------------------------
-    def install(self) -> None:
-        super().install()
-        if self._gemms is not None:  # inside the interception: GEMM operands, then the tensors
-            self._gemms.install()
-
     def __enter__(self):
         self.install()
         return self
@@ -505,8 +499,6 @@ class Emulator(ForwardSession):
         """Close the last step and take the emulation off the model."""
         if self._installed:
             self.end_step()
-            if self._gemms is not None:
-                self._gemms.close()
             self.remove()
 
 

@@ -459,12 +459,18 @@ _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm
             torch.Tensor.mm, torch.Tensor.bmm}
 
 
-class _Mode(TorchFunctionMode):
-    def __init__(self, recipe: GemmRecipe):
-        super().__init__()
-        self.recipe = recipe
+class GemmHandler:
+    """A recipe's GEMMs, emulated: ``handler(func, args, kwargs)`` is the emulated result of a
+    call of a GEMM the recipe covers (``func`` a torch function, as a torch-function mode sees
+    it), or NotImplemented for any other call. The runtime of :func:`emulate_gemms` and of
+    ``lowfp.emulate(..., gemm_recipe=)`` (whose interception calls it for the functions named in
+    ``lowfp._intercept.GEMM_NAMES``) alike."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __init__(self, recipe: GemmRecipe):
+        self.recipe = recipe
+        self.mode = _Mode(self)  # pushed around composites whose inner products it must see
+
+    def __call__(self, func, args=(), kwargs=None):
         kwargs = kwargs or {}
         ops = self.recipe.ops
         if func is F.linear and "linear" in ops:
@@ -485,7 +491,7 @@ class _Mode(TorchFunctionMode):
             if args[0].is_floating_point():
                 return _attention(self.recipe, *args, **kwargs)
         elif func is F.multi_head_attention_forward:
-            with self:  # torch's body, its projections and products seen by this mode
+            with self.mode:  # torch's body, its projections and products seen by the mode
                 return _entered(func)(*args, **kwargs)
         elif func in _BADDBMMS and "matmul" in ops and not kwargs and len(args) == 3:
             c, a, b = args  # baddbmm(c, a, b) = c + a @ b (beta = alpha = 1)
@@ -496,7 +502,19 @@ class _Mode(TorchFunctionMode):
             if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 2
                     and b.dim() >= 2 and a.is_floating_point()):
                 return _Matmul.apply(a, b, self.recipe)
-        return func(*args, **kwargs)
+        return NotImplemented
+
+
+class _Mode(TorchFunctionMode):
+    """A torch-function mode that emulates its handler's GEMMs and passes every other call."""
+
+    def __init__(self, handler: GemmHandler):
+        super().__init__()
+        self.handler = handler
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        y = self.handler(func, args, kwargs)
+        return func(*args, **(kwargs or {})) if y is NotImplemented else y
 
 
 class GemmEmulation:
@@ -507,13 +525,14 @@ class GemmEmulation:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model, self.recipe = model, to_recipe(recipe)
+        self._handler = GemmHandler(self.recipe)
         self._saved = None
         self._installed = False
 
     def install(self) -> "GemmEmulation":
         if self._installed:
             return self
-        model, mode = self.model, _Mode(self.recipe)
+        model, mode = self.model, self._handler.mode
         self._saved = model.__dict__.get("forward")
         inner = model.forward
 
