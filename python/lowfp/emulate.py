@@ -233,6 +233,14 @@ class Emulator(ForwardSession):
                                            dtype=torch.int64, device=device)
         self._rounders: Dict[tuple, Rounder] = {}
         self._plan: Dict[str, Optional[Rounder]] = {n: self._rounder_for(n) for n in names}
+        # Per v or theta name, what a rounding of it takes, looked up once per call:
+        # (forward rounder, its count slot, backward rounder, its count slot) while counting,
+        # and the same without slots; rebuilt for a tensor when it is promoted.
+        self._entries: Dict[str, tuple] = {}
+        self._uncounted: Dict[str, tuple] = {}
+        for n in names:
+            if role_of(n) in FORWARD_ROLES:
+                self._prepare_entry(n)
         self._check_fits(params)
         self._params: Dict[int, torch.Tensor] = {}
         self._pending = False      # a training step is open (its forward ran, it is not closed)
@@ -281,21 +289,26 @@ class Emulator(ForwardSession):
         c = self.assignment.candidates
         return None if c is None else c.hi_for(dtype)
 
+    def _prepare_entry(self, name: str) -> None:
+        """The rounding entries of a v or theta name (see __init__)."""
+        gname = grad_name(name)
+        fwd, bwd = self._plan[name], self._plan.get(gname)
+        self._entries[name] = (fwd, self._stats[name], bwd, self._stats.get(gname))
+        self._uncounted[name] = (fwd, None, bwd, None)
+
     def _rounders_of(self, name: str, dtype: torch.dtype):
         """(forward rounder, its stats, backward rounder, its stats) for a v or theta name."""
-        plan = self._plan
-        if name not in plan:  # not in the recorded step: keep it at hi, say so once
-            if name not in self._unknown_warned:
-                self._unknown_warned.add(name)
-                warnings.warn(f"lowfp.emulate: {name} was not in the recorded step; it is rounded "
-                              "to the hi candidate. Trace the model again if its structure changed.",
-                              stacklevel=2)
-            hi = self._hi(dtype)
-            return self._rounder(hi, True), None, self._rounder(hi, False), None
-        gname = grad_name(name)
-        counting = self._counting
-        return (plan[name], self._stats[name] if counting else None,
-                plan.get(gname), self._stats.get(gname) if counting else None)
+        entry = (self._entries if self._counting else self._uncounted).get(name)
+        if entry is not None:
+            return entry
+        # Not in the recorded step: keep it at hi, say so once.
+        if name not in self._unknown_warned:
+            self._unknown_warned.add(name)
+            warnings.warn(f"lowfp.emulate: {name} was not in the recorded step; it is rounded "
+                          "to the hi candidate. Trace the model again if its structure changed.",
+                          stacklevel=2)
+        hi = self._hi(dtype)
+        return self._rounder(hi, True), None, self._rounder(hi, False), None
 
     def _round(self, t: torch.Tensor, name: str, source=None) -> torch.Tensor:
         """t rounded for tensor `name`. source: the rounder whose results a selecting operator's
@@ -481,6 +494,7 @@ class Emulator(ForwardSession):
         hi = a.formats[name] = self._hi(a.trace.tensors[name].dtype)
         a.lo.discard(name)
         self._plan[name] = self._rounder_for(name)
+        self._prepare_entry(name)
         self.history.promotions.append({"step": step, "tensor": name, "overflow_ratio": ratio,
                                         "from": str(old), "to": str(hi)})
         log.info("lowfp: step %d: promoted %s from %s to %s (overflow ratio %.4g)",
