@@ -653,7 +653,7 @@ def test_repeated_scaled_calls_take_the_remembered_request_with_the_same_bits(mo
     the next time: the bits, block counts and generator draws of the operator, for every kind of
     block; layouts and stats it does not cover take the full path."""
     from lowfp.scaled import Scaled, ScaledStats
-    taken = _spy_remembered(monkeypatch, "_round_scaled_eager")
+    taken = _spy_remembered(monkeypatch, "_round_remembered")
     x = torch.randn(6, 64) * torch.logspace(-3, 3, 64)
     x[0, :3] = torch.tensor([float("nan"), float("inf"), 0.0])
     cases = [("mxfp8_e4m3", dict()), ("nvfp4", dict()), ("mxfp4_e2m1", dict(rounding="stochastic")),
@@ -716,7 +716,7 @@ def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_ch
     """A call whose arguments passed every check once is one prepared kernel call the next time
     (lowfp.quantize's _EAGER): the bits, counts and generator draws of the operator, and every
     argument error and special tensor still handled as on the first call."""
-    taken = _spy_remembered(monkeypatch, "_round_eager")
+    taken = _spy_remembered(monkeypatch, "_round_remembered")
     x = torch.randn(4, 300) * 30
     x[0, :3] = torch.tensor([float("nan"), 1e9, 1e-9])
     cases = [("fp(4,3,4)", dict()), (lowfp.formats.float8_e4m3fn, dict(rounding="toward_zero")),
@@ -801,3 +801,43 @@ def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_ch
     with pytest.raises(ValueError, match="out is an inference tensor"):
         lowfp.quantize(x, "fp(4,3,4)", out=frozen)
     assert len(taken) == 1
+
+
+@pytest.mark.parametrize("fmt", ["fp(4,3,4)", "float8_e5m2", lowfp.S2FP8()])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_a_rounder_of_a_format_rounds_as_quantize(fmt, rounding):
+    """The emulation's Rounder, prepared after its first tensor of a dtype: quantize's bits,
+    counts and seed draws for every layout (channels-last activations included: stochastic
+    rounding draws by logical index there too) and stats type, and the input's layout."""
+    from lowfp.quantize import Rounder
+    rounder = Rounder(fmt, rounding)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 4, 5, generator=g) * 40
+    x[0, 1, 2, 3] = float("nan")
+    layouts = (x, x, x.to(memory_format=torch.channels_last), x.transpose(1, 3), x[:, :2],
+               x.to(torch.bfloat16))
+    for t in layouts:
+        for stats_type in (lowfp.Stats, lowfp.scaled.ScaledStats):
+            s_got, s_want = stats_type(), stats_type()
+            torch.manual_seed(3)
+            got = rounder(t, s_got)
+            torch.manual_seed(3)
+            want = lowfp.quantize(t, fmt, rounding, stats=s_want)
+            assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)) and got.dtype == t.dtype
+            assert got.stride() == want.stride()
+            assert torch.equal(s_got.counts, s_want.counts), (s_got, s_want)
+    assert bool(rounder._requests) == (not isinstance(fmt, lowfp.S2FP8))  # (remembered)
+
+
+def test_any_stats_takes_the_counts_it_shares_with_a_rounding():
+    """A ScaledStats takes a plain or S2FP8 rounding's four counts (its block counts stay 0),
+    a Stats a scaled rounding's element counts, on every path (native, operator, S2FP8)."""
+    x = torch.randn(4, 64) * 1e3
+    for fmt, kwargs in (("fp(4,3,4)", {}), (lowfp.S2FP8(), {}), ("mxfp4_e2m1", {})):
+        for grad in (False, True):  # (requires grad: the operator's path)
+            t = x.clone().requires_grad_(grad)
+            plain, scaled = lowfp.Stats(), lowfp.scaled.ScaledStats()
+            lowfp.quantize(t, fmt, stats=plain, **kwargs)
+            lowfp.quantize(t, fmt, stats=scaled, **kwargs)
+            assert torch.equal(scaled.counts[:4], plain.counts) and plain.numel == x.numel()
+            assert scaled.blocks == (8 if fmt == "mxfp4_e2m1" else 0)

@@ -97,7 +97,7 @@ def _round_at_global_positions(round_local, local: torch.Tensor, global_shape, g
                               **kwargs)
     if counts is not None:  # the zeros around the shard are exact: only numel must be corrected
         counts[3] = local.numel()
-        stats.counts.add_(counts)
+        stats.accumulate(counts)
     y = rounded.as_strided(local.shape, strides, phase)
     if out_local is not None:
         out_local.copy_(y)

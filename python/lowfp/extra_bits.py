@@ -122,7 +122,7 @@ def split(w32: torch.Tensor, dtype: torch.dtype = torch.bfloat16, k: int = 16,
     w16, packed, counts = torch.ops.lowfp.extra_bits_split(w32, dtype, k, rounding, 32, seed, drawn,
                                                            offset, stats is not None, grid)
     if stats is not None:
-        stats.counts.add_(counts)
+        stats.accumulate(counts)
     return w16, packed
 
 

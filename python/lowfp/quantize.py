@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -13,16 +13,16 @@ from ._checks import check_choice, is_dtype_in
 from ._memory import new_output
 from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODES, Plan,
                       as_int64, call_seed, check_tensor_args, check_uint64, check_writable,
-                      draw_seed_eager, remembered_seed, into_numpy_out, make_call, numpy_as_tensor, plan_rounding,
+                      into_numpy_out, make_call, numpy_as_tensor, plan_rounding,
                       eager_seed, format_args, prepared_request, round_dense, run_rounding,
                       runs_natively, share_bytes)
 from ._dtensor import is_dtensor, round_dtensor
+from ._prepared import Prepared, PreparedFormat
 from ._ops import s2fp8_stat_buffers
 from ._torch_round import register_inductor_decompositions
 from .formats import Format, S2FP8, as_text, to_precision
 from .scaled import quantize_scaled, to_scaled
-from .scaled.quantize import (EagerScaled, ScaledStats, eager_scaled, layout as scaled_layout,
-                              round_scaled)
+from .scaled.quantize import PreparedScaled, layout as scaled_layout
 from .stats import S2FP8Stats, Stats
 
 __all__ = ["quantize", "quantize_", "ROUNDING_MODES"]
@@ -89,25 +89,16 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
             x, plan.fmt, plan.log_max, *common, counts is not None, plan.grad_fmt,
             plan.grad_rounding)
     if counts is not None:
-        counts.add_(new_counts)
+        stats.accumulate(new_counts)
     if out is not None:  # compiled: the functional operator (which Inductor fuses), then a copy
         return out.copy_(y), None
     return y, (S2FP8Stats(sums, params, x.numel()) if plan.s2fp8 else None)
 
 
-class _EagerPlan(NamedTuple):
-    """A plain-format rounding whose arguments passed every check once: the kernel's prepared
-    request (lowfp._C.PreparedQuantize, or lowfp._C_cuda's), the result's dtype, and whether it
-    draws a stochastic seed."""
-    request: object
-    dtype: torch.dtype
-    stochastic: bool
-
-
 # The eager calls that are one pointer call (a contiguous plain tensor, a contiguous out= or none,
 # no seed, offset or grad_fmt, a CPU generator or none), by the arguments as the caller passed
 # them (_eager_key): such a call skips the argument checks and the plan lookup.
-_EAGER: Dict[tuple, Union[_EagerPlan, EagerScaled]] = {}
+_EAGER: Dict[tuple, Prepared] = {}
 
 
 def _eager_key(fmt, rounding, overflow, subnormals, sr_bits, x: torch.Tensor, out,
@@ -119,8 +110,8 @@ def _eager_key(fmt, rounding, overflow, subnormals, sr_bits, x: torch.Tensor, ou
 
 def _remember_eager(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dtype, plan) -> None:
     _remember(_eager_key(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dtype),
-              lambda: _EagerPlan(prepared_request(x, plan.dtype, plan.native), plan.dtype,
-                                 plan.rounding == "stochastic"))
+              lambda: PreparedFormat(prepared_request(x, plan.dtype, plan.native), plan.dtype,
+                                     plan.rounding == "stochastic"))
 
 
 def _remember_scaled(fmt, scaled, rounding, overflow, sr_bits, x, out) -> None:
@@ -131,7 +122,7 @@ def _remember_scaled(fmt, scaled, rounding, overflow, sr_bits, x, out) -> None:
             and scaled_layout(tuple(x.shape), scaled)[4] is None):
         return
     _remember(_eager_key(fmt, rounding, overflow, None, sr_bits, x, out, None),
-              lambda: eager_scaled(scaled, rounding, overflow, sr_bits, x))
+              lambda: PreparedScaled(scaled, rounding, overflow, sr_bits, x))
 
 
 def _remember(key: tuple, entry) -> None:
@@ -164,36 +155,17 @@ def _one_call_counts(x: torch.Tensor, out, stats, stats_types: tuple):
     return stats.counts
 
 
-def _round_eager(x: torch.Tensor, entry: _EagerPlan, stats, out,
-                 generator: Optional[torch.Generator]) -> Optional[torch.Tensor]:
+def _round_remembered(x: torch.Tensor, entry: Prepared, stats, out,
+                      generator: Optional[torch.Generator]) -> Optional[torch.Tensor]:
     """The rounding of a remembered call, or None when this call needs the full path (a layout,
     mode, autograd, out=, stats or generator that the one pointer call does not cover, or an
     error to raise)."""
-    counts = _one_call_counts(x, out, stats, (Stats,))
+    counts = _one_call_counts(x, out, stats, entry.stats_types)
     if counts is _FULL_PATH:
         return None
-    seed = remembered_seed(entry.stochastic, generator)
-    if seed is None:
-        return None
-    _, device, stream = backends.native(x, "x")
-    y = new_output(x, entry.dtype) if out is None else out
-    entry.request(x.data_ptr(), y.data_ptr(), x.numel(), seed, 0,
-                  0 if counts is None else counts.data_ptr(), device, stream)
-    if out is not None:  # written through its pointer: tell autograd, as torch's out= ops do
-        torch.autograd.graph.increment_version(out)
-    return y
-
-
-def _round_scaled_eager(x: torch.Tensor, entry: EagerScaled, stats, out,
-                        generator: Optional[torch.Generator]) -> Optional[torch.Tensor]:
-    """As _round_eager, for a remembered scaled format (a Stats or a ScaledStats takes its counts
-    directly)."""
-    counts = _one_call_counts(x, out, stats, (Stats, ScaledStats))
-    if counts is _FULL_PATH:
-        return None
-    y = round_scaled(x, entry, counts, generator, out)
-    if y is not None and out is not None:
-        torch.autograd.graph.increment_version(out)
+    y = entry.round(x, counts, generator, out)
+    if y is not None and out is not None:  # written through its pointer: tell autograd, as
+        torch.autograd.graph.increment_version(out)  # torch's out= ops do
     return y
 
 
@@ -262,8 +234,7 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
         except TypeError:  # an unhashable argument
             entry = None
         if entry is not None:
-            y = (_round_eager if type(entry) is _EagerPlan else _round_scaled_eager)(
-                x, entry, stats, out, generator)
+            y = _round_remembered(x, entry, stats, out, generator)
             if y is not None:
                 return y
     if isinstance(x, np.floating):  # numpy scalar in, numpy scalar out (as numpy ufuncs do)
@@ -322,9 +293,9 @@ class Rounder:
 
     def __init__(self, precision, rounding: str = "nearest", overflow: Optional[str] = None):
         check_choice(rounding, ROUNDING_MODES, "rounding")
-        # The kernel's prepared request per (dtype, on CUDA): eager calls pass only buffers (a
-        # PreparedQuantize for a plain format, an EagerScaled for a scaled one; none for S2FP8).
-        self._requests: dict = {}
+        # The prepared rounding per (dtype, on CUDA): eager calls pass only buffers
+        # (lowfp._prepared; none for S2FP8, whose grid follows each tensor).
+        self._requests: Dict[tuple, Prepared] = {}
         self.rounding = rounding
         self.overflow = overflow
         self.scaled = to_scaled(precision)
@@ -364,66 +335,53 @@ class Rounder:
     def __call__(self, x: torch.Tensor, stats: Optional[Stats] = None) -> torch.Tensor:
         if not torch.compiler.is_compiling():  # (first: Dynamo would guard on the table below)
             # A dtype this rounder has rounded (checked then) on a backend it has used.
-            request = self._requests.get((x.dtype, x.is_cuda))
-            if request is not None:
-                if self.scaled is None:
-                    return self._round_eager(x, stats, request)
-                y = self._round_scaled_eager(x, stats, request)
+            prepared = self._requests.get((x.dtype, x.is_cuda))
+            if prepared is not None:
+                y = self._round_prepared(x, stats, prepared)
                 if y is not None:
                     return y
-        if self.scaled is not None:
-            with torch.no_grad():
-                y = quantize_scaled(x, self.scaled, self.rounding, overflow=self.overflow,
-                                    stats=stats)
-            if (not torch.compiler.is_compiling() and type(x) is torch.Tensor
-                    and (x.is_cpu or x.is_cuda)):  # checked: remember its prepared request
-                self._requests[(x.dtype, x.is_cuda)] = eager_scaled(
-                    self.scaled, self.rounding, self.overflow, 32, x)
-            return y
-        self._check_dtype(x.dtype)
-        if isinstance(self.precision, S2FP8):
-            with torch.no_grad():
-                return round_tensor(x, self.precision, self.rounding, overflow=self.overflow,
-                                    stats=stats)[0]
-        if torch.compiler.is_compiling():  # the operator: a graph node instead of a pointer call
+        if self.scaled is None:
+            self._check_dtype(x.dtype)
+        if torch.compiler.is_compiling() and type(self.precision) is Format:
+            # the operator, a graph node (one Inductor fuses), with the checked format's string
             register_inductor_decompositions()
             drawn = torch.ops.lowfp.draw_seed() if self.rounding == "stochastic" else None
             y, counts = torch.ops.lowfp.quantize(x, self._fmt, self.rounding, 32, 0, drawn, 0, x.dtype,
                                                  stats is not None, None, "nearest")
             if stats is not None:
-                stats.counts.add_(counts)
+                stats.accumulate(counts)
             return y
-        return self._round_eager(x, stats, self._prepare(x))
-
-    def _round_eager(self, x: torch.Tensor, stats: Optional[Stats], request) -> torch.Tensor:
-        if not (x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))):
-            x = x.contiguous()
-        _, device, stream = backends.native(x, "x")
-        y = torch.empty_like(x)  # (the same dense strides as x)
-        request(x.data_ptr(), y.data_ptr(), x.numel(),
-                draw_seed_eager() if self.rounding == "stochastic" else 0, 0,
-                0 if stats is None else stats.counts.data_ptr(), device, stream)
+        with torch.no_grad():  # the full path: every layout, stats type, mode and device
+            if self.scaled is not None:
+                y = quantize_scaled(x, self.scaled, self.rounding, overflow=self.overflow, stats=stats)
+            else:
+                y = round_tensor(x, self.precision, self.rounding, overflow=self.overflow,
+                                 stats=stats)[0]
+        if (not torch.compiler.is_compiling() and type(x) in (torch.Tensor, torch.nn.Parameter)
+                and (x.is_cpu or x.is_cuda) and not isinstance(self.precision, S2FP8)):
+            self._prepare(x)  # checked: its later calls are one native call
         return y
 
-    def _round_scaled_eager(self, x: torch.Tensor, stats: Optional[Stats],
-                            entry: EagerScaled) -> Optional[torch.Tensor]:
-        """A scaled rounding by its prepared request, or None for the full path (a layout, stats
-        or device the one pointer call does not cover)."""
-        if not x.is_contiguous():
-            return None
+    def _round_prepared(self, x: torch.Tensor, stats: Optional[Stats],
+                        prepared: Prepared) -> Optional[torch.Tensor]:
+        """x rounded by the prepared rounding, or None for the full path (a layout, stats or
+        device the one native call does not cover)."""
         counts = None
         if stats is not None:
-            if type(stats) not in (Stats, ScaledStats) or not backends.same_device(stats.counts, x):
+            if type(stats) not in prepared.stats_types or not backends.same_device(stats.counts, x):
                 return None
             counts = stats.counts
-        return round_scaled(x, entry, counts)
+        return prepared.round(x, counts)
 
-    def _prepare(self, x: torch.Tensor):
-        """The kernel's request for rounding x's dtype into itself on x's backend."""
-        request = prepared_request(x, x.dtype, format_args(
-            self._call.fmt, self._call.rounding, self._call.sr_bits))
-        self._requests[(x.dtype, x.is_cuda)] = request
-        return request
+    def _prepare(self, x: torch.Tensor) -> None:
+        """Remember the prepared rounding of x's dtype into itself on x's backend."""
+        if self.scaled is not None:
+            prepared = PreparedScaled(self.scaled, self.rounding, self.overflow, 32, x)
+        else:
+            prepared = PreparedFormat(prepared_request(x, x.dtype, format_args(
+                self._call.fmt, self._call.rounding, self._call.sr_bits)), x.dtype,
+                self.rounding == "stochastic")
+        self._requests[(x.dtype, x.is_cuda)] = prepared
 
     def __repr__(self) -> str:
         return f"Rounder({self.precision}, {self.rounding!r}, overflow={self.overflow!r})"

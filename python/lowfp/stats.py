@@ -52,6 +52,15 @@ class Stats:
         d = self.as_dict()
         return d[field] / d["numel"] if d["numel"] else 0.0
 
+    def accumulate(self, counts: torch.Tensor) -> None:
+        """Add one rounding's counts (overflow, underflow, NaN, numel, and from a scaled format
+        saturated blocks and blocks): those that both this Stats and ``counts`` hold (a plain
+        Stats takes a scaled rounding's element counts, a ScaledStats a plain one's)."""
+        n = min(self.counts.numel(), counts.numel())
+        if counts.device != self.counts.device:
+            counts = counts.to(self.counts.device)
+        self.counts[:n].add_(counts[:n])
+
     def reset(self) -> "Stats":
         self.counts.zero_()
         return self

@@ -58,7 +58,7 @@ from torch.overrides import TorchFunctionMode
 from ..formats import add_parse_hint
 from .config import Scaled, named, to_scaled
 from .._native import DTYPE_CODES, runs_natively
-from .quantize import EagerScaled, eager_scaled, quantize_scaled, round_scaled
+from .quantize import PreparedScaled, quantize_scaled
 
 __all__ = ["GemmRecipe", "RECIPES", "emulate_gemms", "GemmEmulation"]
 
@@ -180,7 +180,7 @@ def _q(t: torch.Tensor, fmt: Optional[Scaled], axis: int, rounding: str = "neare
                     and not isinstance(fmt.block, tuple) and t.shape[axis] % 16 == 0)
     if (not use_hadamard and t.is_contiguous() and t.dtype in DTYPE_CODES
             and runs_natively(t, None)):  # the prepared request, as lowfp.quantize's remembered calls
-        y = round_scaled(t, _prepared(fmt, rounding, t), None)
+        y = _prepared(fmt, rounding, t).round(t, None)
         if y is not None:
             return y
     with torch.no_grad():
@@ -190,12 +190,12 @@ def _q(t: torch.Tensor, fmt: Optional[Scaled], axis: int, rounding: str = "neare
 _PREPARED: dict = {}
 
 
-def _prepared(fmt: Scaled, rounding: str, t: torch.Tensor) -> EagerScaled:
+def _prepared(fmt: Scaled, rounding: str, t: torch.Tensor) -> PreparedScaled:
     """The prepared rounding of tensors like t (dtype, backend) to fmt."""
     key = (fmt, rounding, t.dtype, t.is_cuda)
     entry = _PREPARED.get(key)
     if entry is None:
-        entry = _PREPARED[key] = eager_scaled(fmt, rounding, None, 32, t)
+        entry = _PREPARED[key] = PreparedScaled(fmt, rounding, None, 32, t)
     return entry
 
 

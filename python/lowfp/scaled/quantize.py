@@ -19,6 +19,7 @@ from .. import backends
 from .._checks import check_choice
 from .._dtensor import is_dtensor
 from .._memory import new_output
+from .._prepared import Prepared
 from .._torch_round import register_inductor_decompositions
 from .._native import (DTYPE_CODES, ROUNDING_MODES, as_int64, call_seed, check_tensor_args,
                        check_uint64, eager_seed, remembered_seed, runs_natively)
@@ -120,66 +121,64 @@ def prepared(mod, fmt: Scaled, rounding: str, overflow: str, sr_bits: int, dtype
         tensor_scale=fmt.tensor_scale, dtype=mod.DType.__members__[str(dtype)[6:]])
 
 
-class EagerScaled(NamedTuple):
-    """A scaled-format rounding whose arguments passed every check once: the format, the
-    kernel's prepared request (``prepared``), and for 1-D blocks along the last axis their
-    length (0: one block per row), else None."""
-    fmt: Scaled
-    request: object
-    stochastic: bool
-    last_axis_block: Optional[int]
+class PreparedScaled(Prepared):
+    """A scaled format's rounding (lowfp._prepared): the format, the kernel's prepared request
+    (``prepared``), whether it draws a stochastic seed, and for 1-D blocks along the last axis
+    their length (0: one block per row), else None."""
 
+    __slots__ = ("fmt", "request", "stochastic", "last_axis_block")
+    stats_types = (Stats, ScaledStats)
 
-def eager_scaled(fmt: Scaled, rounding: str, overflow: Optional[str], sr_bits: int,
-                 x: torch.Tensor) -> EagerScaled:
-    """The remembered form of a checked scaled rounding of tensors like x (dtype, backend)."""
-    last_axis_block = None
-    if fmt.axis == -1 and not isinstance(fmt.block, tuple):
-        last_axis_block = fmt.block or 0
-    request = prepared(backends.native(x, "x")[0], fmt, rounding,
-                       "saturate" if overflow is None else overflow, sr_bits, x.dtype)
-    return EagerScaled(fmt, request, rounding == "stochastic", last_axis_block)
+    def __init__(self, fmt: Scaled, rounding: str, overflow: Optional[str], sr_bits: int,
+                 x: torch.Tensor):
+        self.fmt = fmt
+        self.request = prepared(backends.native(x, "x")[0], fmt, rounding,
+                                "saturate" if overflow is None else overflow, sr_bits, x.dtype)
+        self.stochastic = rounding == "stochastic"
+        self.last_axis_block = None
+        if fmt.axis == -1 and not isinstance(fmt.block, tuple):
+            self.last_axis_block = fmt.block or 0
+
+    def round(self, x, counts, generator=None, out=None):
+        """x (contiguous) rounded into a new tensor or ``out`` (contiguous, x's dtype), adding to
+        counts (4 or 6 int64, or None); None, with nothing allocated, drawn or written, when the
+        call needs the full path (a layout other than blocks along the last axis, a generator
+        the per-thread draw does not cover). The scales and the tensor scale (last), which are
+        not returned, go to one scratch buffer: on the CPU the same one each call of a thread
+        (the kernel has finished with it when the call returns)."""
+        if not x.is_contiguous():
+            return None
+        block = self.last_axis_block
+        if block is not None and x.dim():
+            cols = x.shape[-1]
+            rows = x.numel() // cols if cols else 0
+            block_rows, block_cols = 1, (block or cols)
+        else:
+            rows, cols, block_rows, block_cols, move = layout(tuple(x.shape), self.fmt)
+            if move is not None:  # (an axis that is last for some shapes only)
+                return None
+        seed = remembered_seed(self.stochastic, generator)  # (drawn for empty tensors too, as
+        if seed is None:                                      # the full path draws)
+            return None
+        y = new_output(x, x.dtype) if out is None else out
+        if rows and cols:
+            _, device, stream = backends.native(x, "x")
+            blocks = -(-rows // block_rows) * -(-cols // block_cols)
+            if x.is_cpu:
+                scratch = getattr(_scratch, "buffer", None)
+                if scratch is None or scratch.numel() <= blocks:
+                    scratch = _scratch.buffer = torch.empty(max(blocks + 1, 1024), dtype=torch.float64)
+            else:
+                scratch = torch.empty(blocks + 1, dtype=torch.float64, device=x.device)
+            scratch_ptr = scratch.data_ptr()
+            self.request(x.data_ptr(), y.data_ptr(), rows, cols, block_rows, block_cols, seed, 0,
+                         scratch_ptr, 0, scratch_ptr + 8 * blocks,
+                         0 if counts is None else counts.data_ptr(),
+                         0 if counts is None else counts.numel(), device, stream)
+        return y
 
 
 _scratch = threading.local()  # each thread's float64 buffer for scales that are not returned
-
-
-def round_scaled(x: torch.Tensor, entry: EagerScaled, counts: Optional[torch.Tensor],
-                 generator=None, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """x (contiguous, eager, checked) rounded by entry's prepared request into a new tensor or
-    ``out`` (contiguous, x's dtype), adding to counts (4 or 6 int64, or None); None, with nothing
-    allocated, drawn or written, when the call needs the full path (a layout other than blocks
-    along the last axis, a generator the per-thread draw does not cover). The scales and the
-    tensor scale (last), which are not returned, go to one scratch buffer: on the CPU the same
-    one each call of a thread (the kernel has finished with it when the call returns)."""
-    block = entry.last_axis_block
-    if block is not None and x.dim():
-        cols = x.shape[-1]
-        rows = x.numel() // cols if cols else 0
-        block_rows, block_cols = 1, (block or cols)
-    else:
-        rows, cols, block_rows, block_cols, move = layout(tuple(x.shape), entry.fmt)
-        if move is not None:  # (an axis that is last for some shapes only)
-            return None
-    seed = remembered_seed(entry.stochastic, generator)  # (drawn for empty tensors too, as
-    if seed is None:                                      # the full path draws)
-        return None
-    y = new_output(x, x.dtype) if out is None else out
-    if rows and cols:
-        _, device, stream = backends.native(x, "x")
-        blocks = -(-rows // block_rows) * -(-cols // block_cols)
-        if x.is_cpu:
-            scratch = getattr(_scratch, "buffer", None)
-            if scratch is None or scratch.numel() <= blocks:
-                scratch = _scratch.buffer = torch.empty(max(blocks + 1, 1024), dtype=torch.float64)
-        else:
-            scratch = torch.empty(blocks + 1, dtype=torch.float64, device=x.device)
-        scratch_ptr = scratch.data_ptr()
-        entry.request(x.data_ptr(), y.data_ptr(), rows, cols, block_rows, block_cols, seed, 0,
-                      scratch_ptr, 0, scratch_ptr + 8 * blocks,
-                      0 if counts is None else counts.data_ptr(),
-                      0 if counts is None else counts.numel(), device, stream)
-    return y
 
 
 def _writes_directly(out: torch.Tensor, xm: torch.Tensor, move) -> bool:
@@ -430,7 +429,7 @@ def quantize_scaled(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow
                 False, out)
     y, counts = (out, res) if out is not None else (res[0], res[4])
     if stats is not None:
-        stats.counts.add_(counts[:stats.counts.numel()].to(stats.counts.device))
+        stats.accumulate(counts)
     return y
 
 
@@ -447,7 +446,7 @@ def encode(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=None, se
     y, q, scales, tensor_scale, counts = _call(x, fmt, rounding, overflow, seed, generator, offset,
                                                sr_bits, stats is not None, True)
     if stats is not None:
-        stats.counts.add_(counts[:stats.counts.numel()].to(stats.counts.device))
+        stats.accumulate(counts)
     return ScaledParts(y, q, scales, tensor_scale)
 
 
