@@ -13,6 +13,8 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
+from inductor_code import compiled_code
+
 import lowfp
 from lowfp import Scaled
 from lowfp.scaled import ScaledStats
@@ -193,20 +195,6 @@ def test_formats_it_does_not_cover_keep_the_operator():
     assert fuses_format(lowfp.scaled.to_scaled("nvfp4"), torch.bfloat16)
 
 
-@pytest.fixture
-def fused(monkeypatch):
-    """Fusion on the CPU too (where LOWFP_INDUCTOR_FUSION=auto keeps lowfp's kernels)."""
-    monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", "1")
-
-
-def _compiled_code(fn, *args):
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, fullgraph=True, backend="inductor")
-    with torch._inductor.config.patch(force_disable_caches=True):
-        result, code = run_and_get_code(compiled, *args)
-    return result, "\n".join(code)
-
-
 def test_compiled_scaled_roundings_are_fused_into_inductors_kernel(fused):
     """MX, NVFP4 (stochastic too) and row scales, one with out=: no lowfp operator in the
     generated code, one kernel, and the native values and counts."""
@@ -221,7 +209,7 @@ def test_compiled_scaled_roundings_are_fused_into_inductors_kernel(fused):
     outs = [torch.empty(64, 256), torch.empty(64, 256)]
     stats = [[ScaledStats() for _ in range(3)] for _ in range(2)]
     want = f(x, outs[0], stats[0])
-    got, code = _compiled_code(f, x, outs[1], stats[1])
+    got, code = compiled_code(f, x, outs[1], stats[1])
     assert "lowfp" not in code
     assert code.count("async_compile.cpp_pybinding") == 1
     for w, h in zip(want + (outs[0],), got + (outs[1],)):
@@ -232,7 +220,7 @@ def test_compiled_scaled_roundings_are_fused_into_inductors_kernel(fused):
 
 def test_compiled_float64_keeps_the_operator(fused):
     x = torch.randn(4, 64, dtype=torch.float64)
-    got, code = _compiled_code(lambda t: lowfp.quantize(t, "mxfp8_e4m3"), x)
+    got, code = compiled_code(lambda t: lowfp.quantize(t, "mxfp8_e4m3"), x)
     assert "lowfp" in code and torch.equal(got, lowfp.quantize(x, "mxfp8_e4m3"))
 
 
@@ -240,7 +228,7 @@ def test_cpu_default_keeps_the_native_kernel(monkeypatch):
     monkeypatch.delenv("LOWFP_INDUCTOR_FUSION", raising=False)
     assert os.environ.get("LOWFP_INDUCTOR_FUSION") is None
     x = torch.randn(4, 64)
-    got, code = _compiled_code(lambda t: lowfp.quantize(t, "nvfp4"), x)
+    got, code = compiled_code(lambda t: lowfp.quantize(t, "nvfp4"), x)
     assert "lowfp" in code and torch.equal(got, lowfp.quantize(x, "nvfp4"))
 
 

@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
+from inductor_code import compiled_code
+
 import lowfp
 from lowfp import _C, _torch_round
 from lowfp._torch_round import philox_block_words, philox_words, quantize as torch_quantize
@@ -127,20 +129,6 @@ def test_non_contiguous_inputs_draw_by_the_logical_index():
     assert same_bits(y, lowfp.quantize(x, "fp(4,3,4)", "stochastic", seed=99, offset=5))
 
 
-@pytest.fixture
-def fused(monkeypatch):
-    """Fusion on the CPU too (where LOWFP_INDUCTOR_FUSION=auto keeps lowfp's kernel)."""
-    monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", "1")
-
-
-def _compiled_code(fn, *args):
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, fullgraph=True, backend="inductor")
-    with torch._inductor.config.patch(force_disable_caches=True):  # code made under this setting
-        result, code = run_and_get_code(compiled, *args)
-    return result, "\n".join(code)
-
-
 def test_compiled_rounding_is_fused_into_inductors_kernel(fused):
     """For every mode: no lowfp operator in the generated code, the rounding inside the kernel
     that also computes its producer, its counts and its consumer, and the native result (one
@@ -153,7 +141,7 @@ def test_compiled_rounding_is_fused_into_inductors_kernel(fused):
                 for i, (mode, s) in enumerate(zip(MODES, stats))]
 
     stats = [lowfp.Stats() for _ in MODES]
-    got, code = _compiled_code(f, x, stats)
+    got, code = compiled_code(f, x, stats)
     assert "lowfp" not in code
     # One generated kernel: the sines, the roundings, their counts and the relus.
     assert code.count("async_compile.cpp_pybinding") == 1 and "cpp_fused" in code
@@ -177,7 +165,7 @@ def test_compiled_out_and_in_place_forms_equal_eager(fused):
 
     outs, stats = [torch.empty(513), torch.empty(513)], [lowfp.Stats(), lowfp.Stats()]
     want = f(x, outs[0], stats[0])
-    got, code = _compiled_code(f, x, outs[1], stats[1])
+    got, code = compiled_code(f, x, outs[1], stats[1])
     assert "lowfp" not in code
     assert same_bits(got, want) and same_bits(outs[1], outs[0])
     assert torch.equal(stats[0].counts, stats[1].counts)
@@ -233,7 +221,7 @@ def test_the_setting_chooses_fusion_or_the_operator(monkeypatch, setting, fused_
     else:
         monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", setting)
     x = torch.randn(100) * 40
-    y, code = _compiled_code(lambda t: lowfp.quantize(t, "fp(4,3,4)").relu(), x)
+    y, code = compiled_code(lambda t: lowfp.quantize(t, "fp(4,3,4)").relu(), x)
     assert ("lowfp.quantize" not in code) == fused_here
     assert same_bits(y, lowfp.quantize(x, "fp(4,3,4)").relu())
     assert _torch_round.fuses(torch.device("cuda")) == (setting != "0")

@@ -22,7 +22,8 @@ from ._ops import s2fp8_stat_buffers
 from ._torch_round import register_inductor_decompositions
 from .formats import Format, S2FP8, as_text, to_precision
 from .scaled import quantize_scaled, to_scaled
-from .scaled.quantize import PreparedScaled, layout as scaled_layout
+from .scaled.config import layout as scaled_layout
+from .scaled.quantize import PreparedScaled
 from .stats import S2FP8Stats, Stats
 
 __all__ = ["quantize", "quantize_", "ROUNDING_MODES"]

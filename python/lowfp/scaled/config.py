@@ -36,7 +36,7 @@ import torch
 from .._checks import check_choice, check_int
 from ..formats import Format, _parse_call, named as _named_formats, to_format
 
-__all__ = ["Scaled", "E8M0_RULES", "named", "to_scaled"]
+__all__ = ["Scaled", "E8M0_RULES", "named", "to_scaled", "layout", "scales_shape"]
 
 E8M0_RULES = ("floor", "ceil", "rceil", "even")
 FLOAT32 = Format(8, 23, 0, specials="ieee")  # float32 as a scale format
@@ -219,3 +219,44 @@ def to_scaled(value) -> Optional[Scaled]:
         if s.startswith("Scaled("):
             return Scaled.parse(s)
     return None
+
+
+def layout(shape, fmt: Scaled):
+    """(rows, cols, block_rows, block_cols, axis to move last or None) of a tensor of ``shape``."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    dim = len(shape)
+    if fmt.axis is None:
+        cols = shape[-1] if dim >= 2 else numel
+        rows = numel // cols if cols else 0
+        return rows, cols, max(rows, 1), max(cols, 1), None
+    if dim == 0:
+        raise ValueError(f"{fmt} scales along axis {fmt.axis}; x is a 0-d tensor")
+    if not -dim <= fmt.axis < dim:
+        raise ValueError(f"{fmt} scales along axis {fmt.axis}; x has {dim} dims")
+    axis = fmt.axis % dim
+    cols = shape[axis]
+    rows = numel // cols if cols else 0
+    block = fmt.block
+    if isinstance(block, tuple):
+        if dim < 2:
+            raise ValueError(f"{fmt} has 2-D blocks; x has {dim} dim")
+        if dim > 2 and shape[-2] % block[0]:
+            raise ValueError(f"{fmt}: 2-D blocks of {block[0]} rows would span the leading dims "
+                             f"of a tensor of shape {tuple(shape)} (dim -2 is not a multiple)")
+        return rows, cols, block[0], block[1], None
+    return rows, cols, 1, max(cols if block is None else block, 1), (axis if axis != dim - 1 else None)
+
+
+def scales_shape(scales, moved_shape, fmt: Scaled, move):
+    """The (grid rows, grid cols) scales shaped as the tensor, its block axis (axes) holding the
+    blocks; 0-d for a per-tensor scale."""
+    if fmt.axis is None:
+        return scales.reshape(())
+    if isinstance(fmt.block, tuple):
+        if len(moved_shape) <= 2:
+            return scales
+        return scales.reshape(*moved_shape[:-2], moved_shape[-2] // fmt.block[0], scales.shape[1])
+    s = scales.reshape(*moved_shape[:-1], scales.shape[1])
+    return s if move is None else s.movedim(-1, move)

@@ -25,7 +25,7 @@ from .._native import (DTYPE_CODES, ROUNDING_MODES, as_int64, call_seed, check_t
                        check_uint64, eager_seed, remembered_seed, runs_natively)
 from ..formats import OVERFLOW_POLICIES, Format
 from ..stats import Stats
-from .config import Scaled, to_scaled
+from .config import Scaled, layout, scales_shape, to_scaled
 
 __all__ = ["ScaledStats", "ScaledParts", "quantize_scaled", "encode", "hadamard", "hadamard_signs"]
 
@@ -67,34 +67,6 @@ class ScaledParts(NamedTuple):
     q: torch.Tensor
     scales: torch.Tensor
     tensor_scale: torch.Tensor
-
-
-def layout(shape, fmt: Scaled):
-    """(rows, cols, block_rows, block_cols, axis to move last or None) of a tensor of ``shape``."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    dim = len(shape)
-    if fmt.axis is None:
-        cols = shape[-1] if dim >= 2 else numel
-        rows = numel // cols if cols else 0
-        return rows, cols, max(rows, 1), max(cols, 1), None
-    if dim == 0:
-        raise ValueError(f"{fmt} scales along axis {fmt.axis}; x is a 0-d tensor")
-    if not -dim <= fmt.axis < dim:
-        raise ValueError(f"{fmt} scales along axis {fmt.axis}; x has {dim} dims")
-    axis = fmt.axis % dim
-    cols = shape[axis]
-    rows = numel // cols if cols else 0
-    block = fmt.block
-    if isinstance(block, tuple):
-        if dim < 2:
-            raise ValueError(f"{fmt} has 2-D blocks; x has {dim} dim")
-        if dim > 2 and shape[-2] % block[0]:
-            raise ValueError(f"{fmt}: 2-D blocks of {block[0]} rows would span the leading dims "
-                             f"of a tensor of shape {tuple(shape)} (dim -2 is not a multiple)")
-        return rows, cols, block[0], block[1], None
-    return rows, cols, 1, max(cols if block is None else block, 1), (axis if axis != dim - 1 else None)
 
 
 @functools.lru_cache(maxsize=256)
@@ -209,7 +181,7 @@ def _impl(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, 
             xm.data_ptr(), y.data_ptr(), rows, cols, brows, bcols, key, offset & _U64,
             scales.data_ptr(), q.data_ptr() if parts else 0, tensor_scale.data_ptr(),
             counts.data_ptr() if count else 0, 6, device, stream)
-    scales = _scales_shape(scales, xm.shape, scaled, move)
+    scales = scales_shape(scales, xm.shape, scaled, move)
     if move is not None:
         y = y.movedim(-1, move)
         if parts:
@@ -228,25 +200,12 @@ def _into_impl(x, out, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offse
                  out=out)[4]
 
 
-def _scales_shape(scales, moved_shape, fmt: Scaled, move):
-    """The (grid rows, grid cols) scales shaped as the tensor, its block axis (axes) holding the
-    blocks; 0-d for a per-tensor scale."""
-    if fmt.axis is None:
-        return scales.reshape(())
-    if isinstance(fmt.block, tuple):
-        if len(moved_shape) <= 2:
-            return scales
-        return scales.reshape(*moved_shape[:-2], moved_shape[-2] // fmt.block[0], scales.shape[1])
-    s = scales.reshape(*moved_shape[:-1], scales.shape[1])
-    return s if move is None else s.movedim(-1, move)
-
-
 def _fake(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, parts):
     scaled = Scaled.parse(fmt)
     rows, cols, brows, bcols, move = layout(tuple(x.shape), scaled)
     moved = x if move is None else x.movedim(move, -1)
     grid = (-(-rows // brows) if rows else 0, -(-cols // bcols) if cols else 0)
-    scales = _scales_shape(x.new_empty(grid, dtype=torch.float64), moved.shape, scaled, move)
+    scales = scales_shape(x.new_empty(grid, dtype=torch.float64), moved.shape, scaled, move)
     y = torch.empty_like(moved, memory_format=torch.contiguous_format)
     q = x.new_empty(moved.shape if parts else (0,), dtype=torch.float32)
     if move is not None:

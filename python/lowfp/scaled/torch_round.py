@@ -28,7 +28,7 @@ import torch
 from .._torch_round import (FLOAT32_CARRIER, FLOAT64_CARRIER, event_counts, lanes_of,
                             random_words, round_bits, round_kind, round_params, stored, to_storage)
 from ..formats import Format
-from .config import Scaled
+from .config import Scaled, layout, scales_shape
 
 __all__ = ["scaled_quantize", "quotient", "fuses_format"]
 
@@ -208,7 +208,6 @@ def scaled_quantize(x: torch.Tensor, fmt: str, rounding: str, overflow: str, sr_
     """``lowfp::scaled_quantize``'s results (value, q, scales, tensor scale, counts) in torch
     operations, for the tensors and formats :func:`fuses_format` accepts (the arguments are the
     operator's; docs/design.md §9)."""
-    from .quantize import _scales_shape, layout
     sp = _spec(fmt, overflow)
     rows, cols, brows, bcols, move = layout(tuple(x.shape), sp.fmt)
     moved = x if move is None else x.movedim(move, -1)
@@ -217,7 +216,7 @@ def scaled_quantize(x: torch.Tensor, fmt: str, rounding: str, overflow: str, sr_
         return (torch.empty_like(moved, memory_format=torch.contiguous_format).movedim(-1, move)
                 if move is not None else torch.empty_like(x, memory_format=torch.contiguous_format),
                 x.new_empty(moved.shape if parts else (0,), dtype=torch.float32),
-                _scales_shape(x.new_zeros((grid_rows, grid_cols), dtype=torch.float64), moved.shape,
+                scales_shape(x.new_zeros((grid_rows, grid_cols), dtype=torch.float64), moved.shape,
                               sp.fmt, move),
                 x.new_ones((), dtype=torch.float64), x.new_zeros((6 if count else 0,), dtype=torch.int64))
     xm = moved.reshape(rows, cols)
@@ -268,4 +267,4 @@ def scaled_quantize(x: torch.Tensor, fmt: str, rounding: str, overflow: str, sr_
         counts = torch.stack(event_counts(above_max, underflow, nan, x.numel()) + [
             saturated.sum(dtype=torch.int64),
             torch.full((), grid_rows * grid_cols, dtype=torch.int64, device=x.device)])
-    return y, q_part, _scales_shape(scales, moved.shape, sp.fmt, move), t, counts
+    return y, q_part, scales_shape(scales, moved.shape, sp.fmt, move), t, counts
