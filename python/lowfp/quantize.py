@@ -19,7 +19,7 @@ from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODE
 from ._dtensor import is_dtensor, round_dtensor
 from ._prepared import Prepared, PreparedFormat
 from ._ops import s2fp8_stat_buffers
-from ._torch_round import register_inductor_decompositions
+from ._inductor import register_inductor_decompositions
 from .formats import Format, S2FP8, as_text, to_precision
 from .scaled import quantize_scaled, to_scaled
 from .scaled.config import layout as scaled_layout

@@ -20,7 +20,7 @@ from .._checks import check_choice
 from .._dtensor import is_dtensor
 from .._memory import new_output
 from .._prepared import Prepared
-from .._torch_round import register_inductor_decompositions
+from .._inductor import register_inductor_decompositions
 from .._native import (DTYPE_CODES, ROUNDING_MODES, as_int64, call_seed, check_tensor_args,
                        check_uint64, eager_seed, remembered_seed, runs_natively)
 from ..formats import OVERFLOW_POLICIES, Format

@@ -104,12 +104,12 @@ def _divmod(num: torch.Tensor, divisor, inverse) -> Tuple[torch.Tensor, torch.Te
     divisor < 2^28, from the float64 estimate num · inverse (inverse within a few units of 1 /
     divisor's last place: the estimate is then within 2^-16 of the quotient, below 2^36), corrected
     by one either way where its remainder says so. No integer division: GPUs have none."""
-    q = torch.floor(num.to(torch.float64) * inverse).to(torch.int64)
-    r = num - q * divisor
+    q = stored(torch.floor(num.to(torch.float64) * inverse).to(torch.int64))
+    r = stored(num - q * divisor)
     low = r < 0
-    q, r = torch.where(low, q - 1, q), torch.where(low, r + divisor, r)
+    q, r = torch.where(low, q - 1, q), stored(torch.where(low, r + divisor, r))
     high = r >= divisor
-    return torch.where(high, q + 1, q), torch.where(high, r - divisor, r)
+    return stored(torch.where(high, q + 1, q)), stored(torch.where(high, r - divisor, r))
 
 
 def quotient(x: torch.Tensor, s: Union[torch.Tensor, float], odd: bool) -> torch.Tensor:

@@ -1,0 +1,57 @@
+"""Where Inductor decomposes lowfp's rounding operators into their torch forms
+(docs/design.md §3.1): ``lowfp::quantize`` into ``lowfp._torch_round.quantize`` and
+``lowfp::scaled_quantize`` into ``lowfp.scaled.torch_round.scaled_quantize``."""
+
+from __future__ import annotations
+
+import torch
+
+from ._torch_round import fuses, quantize
+
+__all__ = ["register_inductor_decompositions"]
+
+_registered = False
+
+
+@torch.compiler.assume_constant_result  # runs at trace time, outside the traced code
+def register_inductor_decompositions() -> bool:
+    """Let Inductor decompose ``lowfp::quantize`` into :func:`quantize` and
+    ``lowfp::scaled_quantize`` into ``lowfp.scaled.torch_round.scaled_quantize`` (once per
+    process) where :func:`fuses` says so; elsewhere, and for the tensors and scaled formats the
+    torch form does not cover, the decomposition declines and the operator stays.
+
+    Called while tracing, by the functions that put the operators in a graph: importing Inductor
+    costs seconds, which eager users should not pay."""
+    global _registered
+    if not _registered:
+        from torch._inductor import decomposition, lowering
+        from torch._library.utils import get_layout_constraint_tag
+
+        from .scaled import Scaled, torch_round as scaled_form
+
+        def quantize_decomposition(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype,
+                                   count, grad_fmt, grad_rounding):
+            if not fuses(x.device):
+                return NotImplemented
+            return quantize(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype, count)
+
+        def scaled_decomposition(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset,
+                                 count, parts):
+            if not (fuses(x.device) and scaled_form.fuses_format(Scaled.parse(fmt), x.dtype)):
+                return NotImplemented
+            return scaled_form.scaled_quantize(x, fmt, rounding, overflow, sr_bits, seed,
+                                               drawn_seed, offset, count, parts)
+
+        for op, decompose in ((torch.ops.lowfp.quantize.default, quantize_decomposition),
+                              (torch.ops.lowfp.scaled_quantize.default, scaled_decomposition)):
+            if op not in lowering.lowerings:
+                # Where the decomposition declines, the operator reaches Inductor's lowering: give
+                # it the fallback Inductor would make for a custom operator, allowed beside the
+                # decomposition (Inductor refuses to make one for an operator that has both).
+                lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(
+                    get_layout_constraint_tag(op, with_default=True)), override_decomp=True)
+            decomposition.register_decomposition(op)(decompose)
+        # Inductor caches its table merged with its random-op decompositions: rebuild it.
+        decomposition.fast_random_decomps.cache_clear()
+        _registered = True
+    return True
