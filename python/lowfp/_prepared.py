@@ -63,9 +63,12 @@ class PreparedFormat(Prepared):
             layout = torch.channels_last
         else:
             return None
-        seed = remembered_seed(self.stochastic, generator)
-        if seed is None:
-            return None
+        if self.stochastic:
+            seed = remembered_seed(True, generator)
+            if seed is None:
+                return None
+        else:
+            seed = 0
         _, device, stream = backends.native(x, "x")
         y = new_output(x, self.dtype, layout) if out is None else out
         self.request(x.data_ptr(), y.data_ptr(), x.numel(), seed, 0,
