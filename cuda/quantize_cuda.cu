@@ -13,7 +13,7 @@ namespace {
 
 // Each thread takes one group of four consecutive elements per grid-stride step. Stochastic
 // rounding draws group g's four words from Philox block offset + g (docs/design.md §3), so every word is
-// drawn once. (Loading two or four groups before rounding them measured no faster on an H100.)
+// drawn once.
 // x and y are not __restrict__: quantize_(x) and out=x pass the same buffer (each element is read
 // by the thread that writes it, before it writes it).
 template <class In, class Out, class Bits, RoundKind K, bool kCount, bool kSubExp>

@@ -23,15 +23,14 @@ namespace LOWFP_ISA_NS {
 namespace {
 
 // Elements per tile of the loops below, a part of a range (ranges are whole kTile tiles): small
-// enough that a tile's x, y and work buffers stay in the L1 cache (with 2048, the threshold form's
-// transform was ~10 % slower and the reduction ~8 %; bench/RESULTS.md).
+// enough that a tile's x, y and work buffers stay in the L1 cache.
 constexpr int64_t kS2fp8Tile = 512;
 static_assert(kTile % kS2fp8Tile == 0 && kS2fp8Tile % kS2fp8Group == 0,
               "tiles hold whole reduction groups and Philox blocks");
 
 // Elements from one work buffer to the next such that the second starts `bytes` past a multiple
 // of 4096 bytes from the first: a load whose address matches an earlier store's modulo 4096
-// waits for it (4K aliasing), which had halved the speed of the lookups.
+// waits for it (4K aliasing), which stalls the lookups.
 constexpr int64_t buffer_stride(int64_t bytes) {
   return kS2fp8Tile + ((4096 + bytes - (kS2fp8Tile * 4) % 4096) % 4096) / 4;
 }
@@ -237,9 +236,8 @@ void transform(const S2fp8Call& c, const S2fp8Stats& stats, int64_t begin, int64
 // The threshold form (S2fp8Thresholds) on one tile, in phases: vector loops for the arithmetic,
 // the bucket entries by a TableLookup where there are at most 256 (else a scalar loop; there
 // can be up to 2^17) and x' by a TableLookup (in registers where there are at most 256 values).
-// Vector gathers were slower than scalar loads on the machine this was measured on, and gcc
-// emulates them with scalar loads and lane inserts that cost more than the loads themselves
-// (see bench/RESULTS.md).
+// Scalar loads rather than vector gathers: gcc emulates gathers with scalar loads and lane
+// inserts that cost more than the loads themselves.
 struct TileEvents {
   uint32_t above = 0, under = 0, nan = 0;
 };
@@ -544,8 +542,7 @@ void transform_stochastic(const S2fp8Call& c, const S2fp8Stats& s, const S2fp8St
       if constexpr (kCount) under -= counted;
     }
     // The fallback's events have counters of their own: where the lookup does not inline the
-    // lambda, taking the loop's counters by reference had made gcc run that loop scalar (4x
-    // slower).
+    // lambda, taking the loop's counters by reference keeps gcc from vectorising that loop.
     TileEvents fallback;
     const auto ambiguous = [&](int64_t i) {
       RoundEvents ev;

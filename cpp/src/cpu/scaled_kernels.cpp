@@ -101,8 +101,7 @@ inline Lanes16 lane_max_16(const Lanes16 (&v)[16]) {
 }
 
 // Blocks of a fixed width kN (the MX and NVFP4 sizes): a fully unrolled loop per block, except
-// 32-bit elements in blocks of 16, 16 blocks at a time (lane_max_16; for blocks of 32 the two
-// halves' maximum first made no gain).
+// 32-bit elements in blocks of 16, 16 blocks at a time (lane_max_16).
 template <int64_t kN, class U>
 void row_block_max(const U* row, int64_t cols, U* top, U exponent) {
   const int64_t whole = cols / kN;
@@ -181,8 +180,8 @@ void with_flag(bool v, Fn&& fn) {
 // rounding finds element i's Philox word at rand[i] (words by row-major index).
 //
 // Loads from the scale buffers stall behind the loop's stores to y when their addresses agree
-// modulo 4 KB (4K aliasing: it slowed the MXFP8 pass by half, depending only on where the stack
-// and y happened to lie), so each tile's float32 scales start half a page from its first output,
+// modulo 4 KB (4K aliasing, which depends only on where the stack and y happen to lie), so each
+// tile's float32 scales start half a page from its first output,
 // modulo a page, inside buffers a page longer than a tile (place32).
 struct TileScales {
   static constexpr int64_t kPage = 4096;
@@ -320,9 +319,8 @@ void run_tile_narrow(const ScaledCall& c, int64_t first, int64_t n, const TileSc
 // run_tile_narrow for float32 inputs rounded to nearest by addition or stochastically, written in
 // GCC vectors of 16 lanes: round.hpp's magnitude_by_addition (nearest) or round_bits (stochastic,
 // with no subnormal exponent, as ScaledCall::narrow implies) and rounded_result, lane by lane, so
-// that kCount's events come from the masks the rounding computes anyway (the vectoriser's form of
-// run_tile_narrow kept per-lane counters in memory, and a separate counting pass cost MXFP8 a
-// sixth of its time). kBlock 16 or 32: each block's 2^±k broadcast (the tile starts a block); 0:
+// that kCount's events come from the masks the rounding computes anyway (no per-lane counters in
+// memory, no separate counting pass). kBlock 16 or 32: each block's 2^±k broadcast (the tile starts a block); 0:
 // from the per-element buffers (place32). A ragged end is padded with zeros, which count nothing.
 // kSignedZero: E has -0 (RoundParams::no_negative_zero false); kInfStays: inf_stays_inf.
 template <RoundKind Kind, bool kCount, bool kSignedZero, bool kInfStays, int64_t kBlock>
@@ -456,7 +454,7 @@ void run_tile_narrow_lanes(const ScaledCall& c, int64_t first, int64_t n, const 
 // overflowing elements needlessly) the exact quotient might round otherwise: then it returns
 // false, its outputs and counts not to be used, and the tile runs exactly in float64. Otherwise
 // the approximation and the exact quotient lie strictly on the same side of every decision
-// point: the same q and events. On normal random data about one tile of 2048 in 300 runs twice.
+// point: the same q and events. Such near-ties are rare on real data, so a rerun is rare.
 // kBlock: see for_tile_elements. y: where the tile's results go (not x's memory: a tile that
 // runs twice must read its inputs again).
 template <bool kCount, bool kParts, int64_t kBlock>
