@@ -170,3 +170,10 @@ def test_the_scaled_request_is_built_by_keyword():
     with pytest.raises(ValueError, match="block"):
         request(x.data_ptr(), y.data_ptr(), 2, 64, 1, 0, 0, 0, scales.data_ptr(), 0,
                 scales.data_ptr() + 32, 0, 0, -1, 0)
+
+
+def test_the_cpu_kernel_level_is_public():
+    """Experiments and benchmarks report the kernels' instruction set through the public API."""
+    from lowfp import _C
+    assert lowfp.cpu_kernel() in ("avx512", "avx2", "baseline")
+    assert lowfp.cpu_kernel() == _C.cpu_kernel() and "cpu_kernel" in lowfp.__all__

@@ -34,7 +34,7 @@ __version__ = "0.1.0"
 __all__ = ["Format", "fp", "formats", "extra_bits", "optim", "quantize", "quantize_", "Stats", "ROUNDING_MODES",
            "S2FP8", "S2FP8Stats", "s2fp8_quantize", "Scaled", "scaled",
            "assign", "emulate", "Emulator", "History", "DynamicLossScaler",
-           "draw_seed", "cuda_built", "set_num_threads", "get_num_threads"]
+           "draw_seed", "cuda_built", "set_num_threads", "get_num_threads", "cpu_kernel"]
 
 
 def set_num_threads(n: int) -> None:
@@ -44,6 +44,13 @@ def set_num_threads(n: int) -> None:
     if not 0 <= n < 2**31:
         raise ValueError(f"n must be between 0 and 2**31 - 1, got {n}")
     _C.set_num_threads(n)
+
+
+def cpu_kernel() -> str:
+    """The instruction-set level of the CPU kernels lowfp runs: "avx512", "avx2" or "baseline"
+    (the best this CPU supports, unless ``LOWFP_CPU_KERNEL``, read when the first CPU kernel
+    runs, names another it supports). Results never depend on it."""
+    return _C.cpu_kernel()
 
 
 def get_num_threads() -> int:

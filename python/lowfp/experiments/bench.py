@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-from .. import _C
+from .. import cpu_kernel, set_num_threads
 from ..quantize import quantize
 from ..stats import Stats
 from . import description
@@ -91,7 +91,7 @@ def machine_description() -> str:
                     break
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} cores, lowfp CPU kernel {_C.cpu_kernel()}, torch {torch.__version__}"
+    return f"{cpu}, {os.cpu_count()} cores, lowfp CPU kernel {cpu_kernel()}, torch {torch.__version__}"
 
 
 def _optional_baselines(x: torch.Tensor) -> Dict[str, Callable[[], object]]:
@@ -237,7 +237,7 @@ def main(argv: Optional[List[str]] = None, default_size: int = 1 << 24) -> int:
     gpu_ok = torch.cuda.is_available() and cuda_built()
     if args.device == "cuda" and not gpu_ok:
         p.error("--device cuda needs a CUDA GPU and lowfp built with nvcc")
-    _C.set_num_threads(args.threads)
+    set_num_threads(args.threads)
     result: Dict[str, object] = {"machine": machine_description(), "repeats": args.repeats}
     print(f"machine: {result['machine']}")
     if args.device in ("cpu", "all"):

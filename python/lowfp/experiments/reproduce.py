@@ -38,7 +38,7 @@ from .. import __version__
 from .._optional import import_optional
 from . import train
 from . import description
-from .sweep import _key, run_configs
+from .sweep import config_key, run_configs
 
 __all__ = ["Arm", "Claim", "Experiment", "EXPERIMENTS", "BASE", "verdict", "arm_stats",
            "run_reproduce", "main"]
@@ -275,15 +275,15 @@ def run_reproduce(experiments: Sequence[str], base: train.TrainConfig, out: str,
     for c in configs:
         train.check_config(c)
     os.makedirs(out, exist_ok=True)
-    labels = {_key(asdict(c)): (e, a) for e, arms in grid.items() for a, cs in arms.items() for c in cs}
+    labels = {config_key(asdict(c)): (e, a) for e, arms in grid.items() for a, cs in arms.items() for c in cs}
 
     def describe(run):
-        e, a = labels.get(_key(run["config"]), ("?", "?"))
+        e, a = labels.get(config_key(run["config"]), ("?", "?"))
         return (f"{e}/{a}, seed {run['config']['seed']}: test loss "
                 f"{run['final_loss'] if run['final_loss'] is not None else math.nan:.4f}")
     done = run_configs([asdict(c) for c in configs], os.path.join(out, "results.json"), jobs=jobs,
                        fresh=fresh, log=log, describe=describe, name="lowfp reproduce")
-    runs = {e: {a: [done[_key(asdict(c))] for c in cs] for a, cs in arms.items()}
+    runs = {e: {a: [done[config_key(asdict(c))] for c in cs] for a, cs in arms.items()}
             for e, arms in grid.items()}
     verdicts = {}
     for e, arms in runs.items():

@@ -84,7 +84,8 @@ def _by_cell(runs: Sequence[dict]) -> Dict[Cell, List[dict]]:
     return cells
 
 
-def _key(cfg: dict) -> str:
+def config_key(cfg: dict) -> str:
+    """A run configuration as the key that identifies its run in a sweep's results."""
     return json.dumps(cfg, sort_keys=True)
 
 
@@ -120,7 +121,7 @@ def _load(path: str) -> Dict[str, dict]:
             doc = json.load(f)
         if doc.get("format") != RESULTS_FORMAT:
             raise ValueError(f"format is {doc.get('format')!r}, not {RESULTS_FORMAT!r}")
-        return {_key(run["config"]): run for run in doc["runs"]}
+        return {config_key(run["config"]): run for run in doc["runs"]}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"cannot resume from {path}: {err}. Use another --out, or --fresh to "
                          f"start over") from None
@@ -308,7 +309,7 @@ def run_configs(configs: Sequence[dict], path: str, *, jobs: int = 0, fresh: boo
     all runs in the file by config key. ``describe(run)`` names a finished run in the log."""
     log = log or functools.partial(print, flush=True)
     done = {} if fresh else _load(path)
-    unique = {_key(cfg): cfg for cfg in configs}  # (experiments may share a run)
+    unique = {config_key(cfg): cfg for cfg in configs}  # (experiments may share a run)
     todo = [cfg for k, cfg in unique.items() if k not in done]
     total = len(unique)
     cpus = os.cpu_count() or 1
@@ -323,7 +324,7 @@ def run_configs(configs: Sequence[dict], path: str, *, jobs: int = 0, fresh: boo
 
     def finished(run: dict) -> None:
         nonlocal trained
-        done[_key(run["config"])] = run
+        done[config_key(run["config"])] = run
         _save(path, done)
         trained += 1
         eta = (time.perf_counter() - t0) / trained * (len(todo) - trained)
@@ -375,7 +376,7 @@ def run_sweep(base: train.TrainConfig, out: str, *, strategies: Sequence[str] = 
     done = run_configs([asdict(c) for c in configs], path, jobs=jobs, fresh=fresh, log=log,
                        describe=describe, name="lowfp sweep")
     ran = len(done) - before
-    keys = [_key(asdict(c)) for c in configs]
+    keys = [config_key(asdict(c)) for c in configs]
     runs = [done[k] for k in keys]
     summary = summarise(runs)
     _write_csv(os.path.join(out, "results.csv"), [_row(r) for r in runs], RUN_COLUMNS)
