@@ -841,3 +841,6 @@ def test_any_stats_takes_the_counts_it_shares_with_a_rounding():
             lowfp.quantize(t, fmt, stats=scaled, **kwargs)
             assert torch.equal(scaled.counts[:4], plain.counts) and plain.numel == x.numel()
             assert scaled.blocks == (8 if fmt == "mxfp4_e2m1" else 0)
+    for bad in ([1, 2], torch.ones(4), torch.ones(2, 2, dtype=torch.int64)):
+        with pytest.raises(TypeError, match="counts must be a 1-D int64 tensor"):
+            lowfp.Stats().accumulate(bad)

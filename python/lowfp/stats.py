@@ -56,6 +56,8 @@ class Stats:
         """Add one rounding's counts (overflow, underflow, NaN, numel, and from a scaled format
         saturated blocks and blocks): those that both this Stats and ``counts`` hold (a plain
         Stats takes a scaled rounding's element counts, a ScaledStats a plain one's)."""
+        if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int64 or counts.dim() != 1:
+            raise TypeError(f"counts must be a 1-D int64 tensor of a rounding's counts, got {counts!r}")
         n = min(self.counts.numel(), counts.numel())
         if counts.device != self.counts.device:
             counts = counts.to(self.counts.device)
