@@ -5,8 +5,12 @@
 #include "def_extra_bits.hpp"
 #include "def_quantize.hpp"
 #include "def_scaled.hpp"
+#include "driver.hpp"
+#include "extra_bits_cpu.hpp"
 #include "lowfp/philox.hpp"
 #include "quantize_cpu.hpp"
+#include "s2fp8_cpu.hpp"
+#include "scaled_cpu.hpp"
 
 namespace py = pybind11;
 using namespace lowfp;

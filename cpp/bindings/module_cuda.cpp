@@ -8,6 +8,7 @@
 #include "def_scaled.hpp"
 #include "extra_bits_cuda.hpp"
 #include "quantize_cuda.hpp"
+#include "s2fp8_cuda.hpp"
 #include "scaled_cuda.hpp"
 
 PYBIND11_MODULE(_C_cuda, mod) {

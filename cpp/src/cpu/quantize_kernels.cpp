@@ -7,7 +7,7 @@
 #include "dispatch.hpp"
 #include "half_lanes.hpp"
 #include "philox_lanes.hpp"
-#include "quantize_cpu.hpp"
+#include "kernels.hpp"
 
 #ifndef LOWFP_ISA_NS
 #error "compile with -DLOWFP_ISA_NS=<namespace>"

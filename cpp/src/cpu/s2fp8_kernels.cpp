@@ -12,7 +12,7 @@
 #include "lowfp/s2fp8.hpp"
 #include "half_lanes.hpp"
 #include "philox_lanes.hpp"
-#include "quantize_cpu.hpp"
+#include "kernels.hpp"
 
 #ifndef LOWFP_ISA_NS
 #error "compile with -DLOWFP_ISA_NS=<namespace>"

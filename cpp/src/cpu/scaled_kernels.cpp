@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "philox_lanes.hpp"
-#include "quantize_cpu.hpp"
+#include "kernels.hpp"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

@@ -1,4 +1,4 @@
-// CUDA driver for quantize (built only with nvcc; see cuda/CMakeLists.txt).
+// CUDA driver for quantize (built only with nvcc; see cpp/src/cuda/CMakeLists.txt).
 #pragma once
 #include <cstdint>
 
@@ -10,10 +10,6 @@ namespace lowfp {
 // null (a device buffer of 4 int64), {overflow, underflow, nan, numel} are added to it on the GPU.
 void quantize_cuda(const QuantizeCall& call, int64_t* counts, int device, uintptr_t stream);
 
-// S2FP8 enqueued likewise: sums (int64[kSumSize]) and params (double[kParamSize]) are device
-// buffers written by the kernels; counts as for quantize_cuda.
-void s2fp8_cuda(const S2fp8Call& call, int64_t* sums, double* params, int64_t* counts, int device,
-                uintptr_t stream);
 
 // Writes whether any of the n elements of a float16/bfloat16/float32/float64 buffer (DType t)
 // is inf or NaN to the bool at out and adds it (0 or 1) to each of the n_counts int64 at counts

@@ -13,7 +13,7 @@
 #include "lowfp/philox.hpp"
 #include "lowfp/s2fp8.hpp"
 #include "lowfp/s2fp8_stochastic.hpp"
-#include "quantize_cuda.hpp"
+#include "s2fp8_cuda.hpp"
 #include "s2fp8_thresholds.hpp"
 
 namespace lowfp {

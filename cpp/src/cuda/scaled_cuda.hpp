@@ -1,4 +1,4 @@
-// CUDA driver for scaled formats (built only with nvcc; see cuda/CMakeLists.txt).
+// CUDA driver for scaled formats (built only with nvcc; see cpp/src/cuda/CMakeLists.txt).
 #pragma once
 #include <cstdint>
 
