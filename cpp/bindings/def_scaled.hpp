@@ -20,29 +20,38 @@
 
 namespace lowfp {
 
+// A request as a backend prepares it: the call both backends share, and what the backend's own
+// driver prepares beside it (the CPU's strategies' forms; nothing on CUDA: NoForms).
+struct NoForms {};
+template <class Forms>
 struct PreparedScaled {
   ScaledCall call;
+  Forms forms;
 };
 
-template <class Run>
-void def_scaled(pybind11::module_& mod, Run run) {
+// prepare(request, call) -> Forms; run(call, forms, tensor_scale, counts, device, stream). Returns
+// the class, for a backend's own methods.
+template <class Forms, class Prepare, class Run>
+pybind11::class_<PreparedScaled<Forms>> def_scaled(pybind11::module_& mod, Prepare prepare, Run run) {
   namespace py = pybind11;
+  using Prepared = PreparedScaled<Forms>;
   // module_local: a request runs on the backend that made it.
-  py::class_<PreparedScaled>(mod, "PreparedScaled", py::module_local())
-      .def(py::init([](FormatSpec element, Overflow overflow, Rounding rounding, int32_t sr_bits,
-                       ScaleRule scale_rule, std::optional<FormatSpec> scale_format,
-                       bool tensor_scale, DType dtype) {
-             if ((scale_rule == ScaleRule::Format) != scale_format.has_value())
-               throw std::invalid_argument(
-                   "scale_format goes with the 'nearest' scale rule, and only with it");
-             const ScaledRequest r{element, overflow, rounding, sr_bits, scale_rule,
-                                   scale_format.value_or(element), tensor_scale, dtype};
-             return PreparedScaled{prepare_scaled_call(r)};
-           }),
-           py::kw_only(), py::arg("element"), py::arg("overflow"), py::arg("rounding"),
-           py::arg("sr_bits"), py::arg("scale_rule"), py::arg("scale_format"),
-           py::arg("tensor_scale"), py::arg("dtype"))
-      .def("__call__", [run](const PreparedScaled& p, uintptr_t x, uintptr_t y, int64_t rows,
+  py::class_<Prepared> cls(mod, "PreparedScaled", py::module_local());
+  cls.def(py::init([prepare](FormatSpec element, Overflow overflow, Rounding rounding, int32_t sr_bits,
+                             ScaleRule scale_rule, std::optional<FormatSpec> scale_format,
+                             bool tensor_scale, DType dtype) {
+            if ((scale_rule == ScaleRule::Format) != scale_format.has_value())
+              throw std::invalid_argument(
+                  "scale_format goes with the 'nearest' scale rule, and only with it");
+            const ScaledRequest r{element, overflow, rounding, sr_bits, scale_rule,
+                                  scale_format.value_or(element), tensor_scale, dtype};
+            const ScaledCall call = prepare_scaled_call(r);
+            return Prepared{call, prepare(r, call)};
+          }),
+          py::kw_only(), py::arg("element"), py::arg("overflow"), py::arg("rounding"),
+          py::arg("sr_bits"), py::arg("scale_rule"), py::arg("scale_format"),
+          py::arg("tensor_scale"), py::arg("dtype"))
+      .def("__call__", [run](const Prepared& p, uintptr_t x, uintptr_t y, int64_t rows,
                              int64_t cols, int64_t block_rows, int64_t block_cols, uint64_t seed,
                              uint64_t offset, uintptr_t scales, uintptr_t q,
                              uintptr_t tensor_scale, uintptr_t counts, int32_t counts_size,
@@ -54,9 +63,10 @@ void def_scaled(pybind11::module_& mod, Run run) {
             block_rows, block_cols, seed, offset, reinterpret_cast<double*>(scales),
             reinterpret_cast<float*>(q), counts != 0 ? counts_size : 0);
         py::gil_scoped_release release;
-        run(call, reinterpret_cast<double*>(tensor_scale), reinterpret_cast<int64_t*>(counts),
+        run(call, p.forms, reinterpret_cast<double*>(tensor_scale), reinterpret_cast<int64_t*>(counts),
             device, stream);
       });
+  return cls;
 }
 
 // hadamard16(x_ptr, dtype, y_ptr, groups, signs, inverse, device, stream): the random Hadamard

@@ -52,8 +52,46 @@ PYBIND11_MODULE(_C, mod) {
   });
   def_s2fp8(mod, [](const S2fp8Call& call, int64_t* sums, double* params, int64_t* counts,
                     int32_t, uintptr_t) { s2fp8_cpu(call, sums, params, counts); });
-  def_scaled(mod, [](const ScaledCall& call, double* tensor_scale, int64_t* counts, int32_t,
-                     uintptr_t) { scaled_cpu(call, tensor_scale, counts); });
+  auto prepared_scaled = def_scaled<ScaledCpuForms>(
+      mod, &prepare_scaled_cpu,
+      [](const ScaledCall& call, const ScaledCpuForms& forms, double* tensor_scale, int64_t* counts,
+         int32_t, uintptr_t) { scaled_cpu(call, forms, tensor_scale, counts); });
+  // The CPU's element strategy (cpp/src/cpu/scaled/plan.hpp) for a counted call of this request
+  // on blocks block_cols wide, with or without its elements q: {"strategy": the one it takes,
+  // "allowed": those it allows, "count_by_comparison": bool}. For tests and benchmarks.
+  prepared_scaled.def(
+      "cpu_plan",
+      [](const PreparedScaled<ScaledCpuForms>& p, int64_t block_cols, bool parts) {
+        float x = 0.0f, y = 0.0f, q = 0.0f;
+        double scale = 0.0;
+        const ScaledCall call = with_buffers(p.call, &x, &y, 1, 1, 1, block_cols, 0, 0, &scale,
+                                             parts ? &q : nullptr, 4);
+        const ScaledPlan plan = plan_scaled(call, p.forms);
+        const uint32_t allowed = scaled_strategies(call, p.forms);
+        py::list names;
+        for (int32_t i = 0; i < kScaledStrategies; ++i)
+          if (allowed & (uint32_t(1) << i)) names.append(scaled_strategy_name(ScaledStrategy(i)));
+        py::dict d;
+        d["strategy"] = scaled_strategy_name(plan.strategy);
+        d["allowed"] = names;
+        d["count_by_comparison"] = plan.count_by_comparison;
+        return d;
+      },
+      py::kw_only(), py::arg("block_cols"), py::arg("parts"));
+  // Forces the CPU's element strategy of every later scaled call that allows it (None: each
+  // call's own plan); LOWFP_SCALED_STRATEGY sets it at load. For tests and benchmarks.
+  mod.def("force_scaled_strategy", [](std::optional<std::string> name) {
+    ScaledStrategy s = ScaledStrategy::Float64;
+    if (name && !scaled_strategy_named(name->c_str(), s))
+      throw std::invalid_argument("no scaled strategy named '" + *name +
+                                  "': float64, checked, narrow, lanes or few");
+    force_scaled_strategy(name ? int32_t(s) : -1);
+  }, py::arg("name"));
+  mod.def("forced_scaled_strategy", []() -> std::optional<std::string> {
+    const int32_t s = forced_scaled_strategy();
+    if (s < 0) return std::nullopt;
+    return std::string(scaled_strategy_name(ScaledStrategy(s)));
+  });
   def_hadamard(mod, [](const HadamardCall& call, int32_t, uintptr_t) { hadamard_cpu(call); });
   def_extra_bits(
       mod,

@@ -16,7 +16,10 @@ PYBIND11_MODULE(_C_cuda, mod) {
   lowfp::def_contract(mod);
   lowfp::def_quantize(mod, &lowfp::quantize_cuda);
   lowfp::def_s2fp8(mod, &lowfp::s2fp8_cuda);
-  lowfp::def_scaled(mod, &lowfp::scaled_cuda);
+  lowfp::def_scaled<lowfp::NoForms>(
+      mod, [](const lowfp::ScaledRequest&, const lowfp::ScaledCall&) { return lowfp::NoForms{}; },
+      [](const lowfp::ScaledCall& call, const lowfp::NoForms&, double* tensor_scale, int64_t* counts,
+         int32_t device, uintptr_t stream) { lowfp::scaled_cuda(call, tensor_scale, counts, device, stream); });
   lowfp::def_hadamard(mod, &lowfp::hadamard_cuda);
   lowfp::def_extra_bits(mod, &lowfp::extra_bits_split_cuda, &lowfp::extra_bits_merge_cuda,
                         &lowfp::extra_bits_step_cuda);

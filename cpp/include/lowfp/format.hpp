@@ -28,6 +28,21 @@ struct FormatSpec {
   bool subnormals;
 };
 
+// Bytes per element of a storage type.
+LOWFP_HD int32_t dtype_size(DType t) {
+  return t == DType::Float64 ? 8 : t == DType::Float32 ? 4 : 2;
+}
+
+// The format of a storage type: IEEE binary16, bfloat16, binary32 or binary64.
+LOWFP_HD FormatSpec storage_spec(DType t) {
+  switch (t) {
+    case DType::Float16: return FormatSpec{5, 10, 0, Specials::IEEE, true};
+    case DType::BFloat16: return FormatSpec{8, 7, 0, Specials::IEEE, true};
+    case DType::Float32: return FormatSpec{8, 23, 0, Specials::IEEE, true};
+    default: return FormatSpec{11, 52, 0, Specials::IEEE, true};
+  }
+}
+
 // Derived exponents. B = 2^(e-1) - 1 + b, emin = 1 - B.
 LOWFP_HD int32_t exponent_bias(const FormatSpec& f) { return (1 << (f.e - 1)) - 1 + f.b; }
 LOWFP_HD int32_t min_exponent(const FormatSpec& f) { return 1 - exponent_bias(f); }

@@ -141,6 +141,13 @@ LOWFP_HD double tensor_scale(const ScaleSpec& sp, double a) {
   return d >= kFloat32Max ? kFloat32Max : max_of(double(float(d)), 0x1p-149);
 }
 
+// The scale of a block without a finite nonzero element: the smallest scale (S's smallest
+// positive value times t; 2^-127 for E8M0). Its elements are zeros, infinities and NaNs, which
+// any scale leaves as they are.
+LOWFP_HD double empty_block_scale(const ScaleSpec& sp, double t) {
+  return sp.rule == ScaleRule::Format ? sp.s_smallest * t : 0x1p-127;
+}
+
 // A power-of-two (E8M0) block scale by rule R (not Format), for a block with largest finite
 // magnitude a > 0; saturated: k lay outside [-127, 127]. Branch-free for a loop over blocks.
 template <ScaleRule R>

@@ -23,7 +23,8 @@ struct Kernel {
   bool (*any_non_finite)(DType, const void*, int64_t, int64_t);
   double (*scaled_amax)(const ScaledCall&, int64_t, int64_t);
   void (*scaled_scales)(const ScaledCall&, double, int64_t, int64_t, int64_t&);
-  void (*scaled_elements)(const ScaledCall&, int64_t, int64_t, EventCounts&);
+  void (*scaled_elements)(const ScaledCall&, const ScaledCpuForms&, const ScaledPlan&, int64_t, int64_t,
+                          EventCounts&);
   const char* name;
 };
 

@@ -2,6 +2,8 @@
 // quantize_kernels.cpp: split, merge and the fused optimizer steps over whole 32-element blocks.
 // Each tile unpacks its blocks into one value per element, runs a branch-free element loop the
 // compiler vectorises (merge, update, split: cpp/include/lowfp/), and packs the blocks back.
+#include "isa.hpp"
+
 #include <array>
 #include <cmath>
 #include <type_traits>
@@ -11,11 +13,6 @@
 #include "pack_lanes.hpp"
 #include "half_lanes.hpp"
 #include "philox_lanes.hpp"
-#include "kernels.hpp"
-
-#ifndef LOWFP_ISA_NS
-#error "compile with -DLOWFP_ISA_NS=<namespace>"
-#endif
 
 namespace lowfp {
 namespace LOWFP_ISA_NS {

@@ -7,6 +7,7 @@
 #include "extra_bits_call.hpp"
 #include "quantize_call.hpp"
 #include "s2fp8_forms.hpp"
+#include "scaled/plan.hpp"
 #include "scaled_call.hpp"
 
 namespace lowfp {
@@ -32,7 +33,8 @@ constexpr int64_t kTile = 2048;
   bool any_non_finite_range(DType, const void*, int64_t, int64_t);                           \
   double scaled_amax_range(const ScaledCall&, int64_t, int64_t);                             \
   void scaled_scales_range(const ScaledCall&, double, int64_t, int64_t, int64_t&);            \
-  void scaled_elements_range(const ScaledCall&, int64_t, int64_t, EventCounts&);              \
+  void scaled_elements_range(const ScaledCall&, const ScaledCpuForms&, const ScaledPlan&, int64_t, \
+                             int64_t, EventCounts&);                                          \
   }
 LOWFP_DECLARE_KERNEL(isa_baseline)
 LOWFP_DECLARE_KERNEL(isa_avx2)

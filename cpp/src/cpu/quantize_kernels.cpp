@@ -2,16 +2,13 @@
 // Each loop body is the shared element math of cpp/include/lowfp/, inlined into a plain loop the
 // compiler vectorises; the storage types, carrier, rounding kind and counting are template
 // parameters (dispatch.hpp) so no branch on them remains inside the loop.
+#include "isa.hpp"
+
 #include <type_traits>
 
 #include "dispatch.hpp"
 #include "half_lanes.hpp"
 #include "philox_lanes.hpp"
-#include "kernels.hpp"
-
-#ifndef LOWFP_ISA_NS
-#error "compile with -DLOWFP_ISA_NS=<namespace>"
-#endif
 
 namespace lowfp {
 namespace LOWFP_ISA_NS {

@@ -2,9 +2,7 @@
 // the reduction over log2|x| and the element transform, both the shared math of
 // cpp/include/lowfp/s2fp8.hpp in plain loops the compiler vectorises (plus, with AVX-512, table
 // lookups from registers).
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "isa.hpp"
 
 #include <cstring>
 
@@ -12,11 +10,6 @@
 #include "lowfp/s2fp8.hpp"
 #include "half_lanes.hpp"
 #include "philox_lanes.hpp"
-#include "kernels.hpp"
-
-#ifndef LOWFP_ISA_NS
-#error "compile with -DLOWFP_ISA_NS=<namespace>"
-#endif
 
 namespace lowfp {
 namespace LOWFP_ISA_NS {

@@ -2,6 +2,7 @@
 
 #include <type_traits>
 
+#include "dispatch.hpp"
 #include "driver.hpp"
 
 namespace lowfp {
@@ -50,8 +51,8 @@ void hadamard_groups(const HadamardCall& c, const T (&signs)[kHadamardSize], int
 }  // namespace
 
 void hadamard_cpu(const HadamardCall& c) {
-  with_storage_type(c.dtype, [&](auto p) {
-    using In = std::remove_const_t<std::remove_pointer_t<decltype(p)>>;
+  with_storage_type(c.dtype, [&](auto type) {
+    using In = typename decltype(type)::type;
     using T = std::conditional_t<std::is_same_v<In, double>, double, float>;
     T signs[kHadamardSize];
     for (int i = 0; i < kHadamardSize; ++i) signs[i] = T(c.signs[i]);
@@ -76,8 +77,9 @@ void add_scaled_counts(const ScaledCall& call, const PerThread<EventCounts>& par
 
 }  // namespace
 
-void scaled_cpu(const ScaledCall& call, double* tensor_scale, int64_t* counts) {
+void scaled_cpu(const ScaledCall& call, const ScaledCpuForms& forms, double* tensor_scale, int64_t* counts) {
   const Kernel& k = kernel();
+  const ScaledPlan plan = plan_scaled(call, forms);
   const int64_t n = call.rows * call.cols;
   const int64_t grid_rows = call.block_grid_rows(), gc = call.block_grid_cols();
   const int64_t blocks = grid_rows * gc;
@@ -90,7 +92,7 @@ void scaled_cpu(const ScaledCall& call, double* tensor_scale, int64_t* counts) {
       for (int64_t br = b0; br < b1; ++br) {
         k.scaled_amax(call, br, br + 1);
         k.scaled_scales(call, 1.0, br * gc, (br + 1) * gc, saturated[th].v);
-        k.scaled_elements(call, br * call.block_rows,
+        k.scaled_elements(call, forms, plan, br * call.block_rows,
                           min_of(call.rows, (br + 1) * call.block_rows), parts[th].v);
       }
     });
@@ -117,7 +119,7 @@ void scaled_cpu(const ScaledCall& call, double* tensor_scale, int64_t* counts) {
   with_t.t = t;
   PerThread<EventCounts> parts(threads_for(n));
   parallel_items(call.rows, n, [&](int th, int64_t r0, int64_t r1) {
-    k.scaled_elements(with_t, r0, r1, parts[th].v);
+    k.scaled_elements(with_t, forms, plan, r0, r1, parts[th].v);
   });
   add_scaled_counts(call, parts, saturated, blocks, counts);
 }

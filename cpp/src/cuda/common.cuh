@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "lowfp/philox.hpp"
 #include "lowfp/round.hpp"
 
 namespace lowfp {
@@ -99,6 +100,28 @@ __device__ void transform_groups(const In* x, Out* y, int64_t n, bool quad_io, F
 __device__ void finish_counts(const ThreadCounts& c, unsigned long long* counts, int64_t n) {
   flush_counts(c, counts);
   if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(counts + 3, (unsigned long long)n);
+}
+
+// An element-wise rounding over transform_groups: y[i] = element(x[i], word, ev), word element
+// i's Philox word (group g's four from block offset + g, docs/design.md §3) for stochastic
+// rounding K, else 0; its events ev counted into counts (device int64[4]) when kCount.
+template <RoundKind K, bool kCount, class In, class Out, class Fn>
+__device__ void round_elements(const In* x, Out* y, int64_t n, bool quad_io, uint64_t seed, uint64_t offset,
+                               unsigned long long* counts, Fn&& element) {
+  ThreadCounts tc;
+  transform_groups(x, y, n, quad_io, [&](int64_t g, const Quad<In>& in) {
+    Philox4x32Block r = {{0u, 0u, 0u, 0u}};
+    if constexpr (K == RoundKind::Stochastic) r = philox_block(seed, offset + uint64_t(g));
+    Quad<Out> out;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      RoundEvents ev;
+      out.v[k] = element(in.v[k], r.w[k], ev);
+      if (kCount && 4 * g + k < n) tc.add(ev);
+    }
+    return out;
+  });
+  if constexpr (kCount) finish_counts(tc, counts, n);
 }
 
 // Makes `device` current for the lifetime of the guard (launches go to the tensor's device).

@@ -20,21 +20,9 @@ template <class In, class Out, class Bits, RoundKind K, bool kCount, bool kSubEx
 __global__ void __launch_bounds__(kThreads)
 quantize_kernel(const In* x, Out* y, int64_t n, RoundParams<Bits> p, uint64_t seed,
                 uint64_t offset, unsigned long long* counts, bool quad_io) {
-  ThreadCounts tc;
-  transform_groups(x, y, n, quad_io, [&](int64_t g, const Quad<In>& in) {
-    Philox4x32Block r = {{0u, 0u, 0u, 0u}};
-    if constexpr (K == RoundKind::Stochastic) r = philox_block(seed, offset + uint64_t(g));
-    Quad<Out> out;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      RoundEvents ev;
-      out.v[k] = Store<Out>::from(
-          round_bits<K, Bits, kSubExp>(Widen<Bits>::from(in.v[k]), p, r.w[k], ev));
-      if (kCount && 4 * g + k < n) tc.add(ev);
-    }
-    return out;
+  round_elements<K, kCount>(x, y, n, quad_io, seed, offset, counts, [&](In v, uint32_t word, RoundEvents& ev) {
+    return Store<Out>::from(round_bits<K, Bits, kSubExp>(Widen<Bits>::from(v), p, word, ev));
   });
-  if constexpr (kCount) finish_counts(tc, counts, n);
 }
 
 // any_non_finite in one launch: each block ORs its elements' flags, ORs the result into

@@ -108,22 +108,10 @@ s2fp8_transform_kernel(const T* x, T* y, int64_t n, bool quad_io, const double* 
                        uint64_t offset, unsigned long long* counts) {
   const S2fp8Stats s{params[kAlpha], params[kBeta], params[kMu], params[kMax]};
   const double inv_alpha = 1.0 / s.alpha;
-  ThreadCounts tc;
-  transform_groups(x, y, n, quad_io, [&](int64_t g, const Quad<T>& in) {
-    Philox4x32Block r = {{0u, 0u, 0u, 0u}};
-    if constexpr (K == RoundKind::Stochastic) r = philox_block(seed, offset + uint64_t(g));
-    Quad<T> out;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      RoundEvents ev;
-      const uint64_t v =
-          s2fp8_element<K, kSubExp>(Widen<uint64_t>::from(in.v[k]), s, inv_alpha, p, r.w[k], ev);
-      out.v[k] = s2fp8_store<T>(v, p_store);
-      if (kCount && 4 * g + k < n) tc.add(ev);
-    }
-    return out;
+  round_elements<K, kCount>(x, y, n, quad_io, seed, offset, counts, [&](T v, uint32_t word, RoundEvents& ev) {
+    return s2fp8_store<T>(s2fp8_element<K, kSubExp>(Widen<uint64_t>::from(v), s, inv_alpha, p, word, ev),
+                          p_store);
   });
-  if constexpr (kCount) finish_counts(tc, counts, n);
 }
 
 // The threshold form (S2fp8Thresholds, built on the host once the statistics are known): x' and

@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "dispatch.hpp"
 #include "lowfp/philox.hpp"
 #include "lowfp/scaled.hpp"
 #include "scaled_cuda.hpp"
@@ -47,7 +48,7 @@ __device__ double tensor_scale_of(const ScaledCall& c, const unsigned long long*
 __global__ void __launch_bounds__(kThreads)
 scales_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
   const double t = tensor_scale_of(c, tensor_max);
-  const double empty = c.scale.rule == ScaleRule::Format ? c.scale.s_smallest * t : 0x1p-127;
+  const double empty = empty_block_scale(c.scale, t);
   const int64_t blocks = c.block_grid_rows() * c.block_grid_cols();
   uint64_t saturated = 0;
   for (int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; b < blocks;
@@ -111,32 +112,21 @@ void scaled_cuda(const ScaledCall& c, double* tensor_scale, int64_t* counts, int
     check(cudaGetLastError(), "kernel launch");
     return;
   }
-  with_storage_type(c.dtype, [&](auto p) {
-    using In = std::remove_const_t<std::remove_pointer_t<decltype(p)>>;
+  with_storage_type(c.dtype, [&](auto type) {
+    using In = typename decltype(type)::type;
     amax_kernel<In><<<grid_size(device, blocks), kThreads, 0, stream>>>(c, tmax);
     scales_kernel<<<grid_size(device, blocks), kThreads, 0, stream>>>(c, c.tensor_scale ? tmax : nullptr, cnt);
     tensor_scale_kernel<<<1, 1, 0, stream>>>(c, c.tensor_scale ? tmax : nullptr, tmax);
-    auto launch = [&](auto kind, auto count, auto pow2, auto sub) {
-      elements_kernel<In, decltype(kind)::value, decltype(count)::value, decltype(pow2)::value,
-                      decltype(sub)::value><<<grid_size(device, n), kThreads, 0, stream>>>(c, cnt);
-    };
-    using T = std::true_type;
-    using F = std::false_type;
-    auto by_flags = [&](auto kind) {
-      const bool pow2 = c.scale.rule != ScaleRule::Format, sub = c.p.subnormal_exponent;
-      if (c.count) {
-        if (pow2) sub ? launch(kind, T{}, T{}, T{}) : launch(kind, T{}, T{}, F{});
-        else sub ? launch(kind, T{}, F{}, T{}) : launch(kind, T{}, F{}, F{});
-      } else {
-        if (pow2) sub ? launch(kind, F{}, T{}, T{}) : launch(kind, F{}, T{}, F{});
-        else sub ? launch(kind, F{}, F{}, T{}) : launch(kind, F{}, F{}, F{});
-      }
-    };
-    switch (round_kind(c.mode)) {
-      case RoundKind::Nearest: by_flags(std::integral_constant<RoundKind, RoundKind::Nearest>{}); break;
-      case RoundKind::Directed: by_flags(std::integral_constant<RoundKind, RoundKind::Directed>{}); break;
-      default: by_flags(std::integral_constant<RoundKind, RoundKind::Stochastic>{}); break;
-    }
+    with_round_kind(c.mode, [&](auto kind) {
+      with_flag(c.count, [&](auto count) {
+        with_flag(c.scale.rule != ScaleRule::Format, [&](auto pow2) {
+          with_flag(c.p.subnormal_exponent, [&](auto sub) {
+            elements_kernel<In, decltype(kind)::value, decltype(count)::value, decltype(pow2)::value,
+                            decltype(sub)::value><<<grid_size(device, n), kThreads, 0, stream>>>(c, cnt);
+          });
+        });
+      });
+    });
   });
   check(cudaGetLastError(), "kernel launch");
 }
@@ -158,8 +148,8 @@ void hadamard_cuda(const HadamardCall& c, int device, uintptr_t stream_handle) {
   if (c.groups == 0) return;
   const DeviceGuard guard(device);
   const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  with_storage_type(c.dtype, [&](auto p) {
-    using In = std::remove_const_t<std::remove_pointer_t<decltype(p)>>;
+  with_storage_type(c.dtype, [&](auto type) {
+    using In = typename decltype(type)::type;
     using T = std::conditional_t<std::is_same_v<In, double>, double, float>;
     hadamard_kernel<In, T><<<grid_size(device, c.groups), kThreads, 0, stream>>>(c);
   });

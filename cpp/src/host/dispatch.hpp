@@ -1,7 +1,8 @@
-// Maps a QuantizeCall's runtime choices (storage types, carrier, rounding kind, counting, whether
-// carrier subnormals need their true exponent) to the template arguments of a driver's loop, for
-// the CPU and CUDA drivers alike. `fn` is called as
-// fn(Type<In>{}, Type<Out>{}, Type<Bits>{}, Kind<k>{}, Flag<count>{}, Flag<subnormal_exponent>{}).
+// Run-time choices as template arguments, for the CPU and CUDA drivers alike: a flag
+// (with_flag), a rounding mode's kind (with_round_kind), and a QuantizeCall's storage types,
+// carrier, rounding kind, counting and whether carrier subnormals need their true exponent
+// (dispatch_quantize: fn(Type<In>{}, Type<Out>{}, Type<Bits>{}, Kind<k>{}, Flag<count>{},
+// Flag<subnormal_exponent>{})).
 #pragma once
 #include <type_traits>
 
@@ -14,6 +15,34 @@ namespace lowfp {
 template <class T> struct Type { using type = T; };
 template <RoundKind K> struct Kind { static constexpr RoundKind value = K; };
 template <bool B> struct Flag { static constexpr bool value = B; };
+
+// fn(Flag<v>{}): a run-time flag as a template parameter.
+template <class Fn>
+void with_flag(bool v, Fn&& fn) {
+  if (v) fn(Flag<true>{});
+  else fn(Flag<false>{});
+}
+
+// fn(Type<T>{}), T the storage type of t.
+template <class Fn>
+void with_storage_type(DType t, Fn&& fn) {
+  switch (t) {
+    case DType::Float16: return fn(Type<Half>{});
+    case DType::BFloat16: return fn(Type<BFloat>{});
+    case DType::Float32: return fn(Type<float>{});
+    default: return fn(Type<double>{});
+  }
+}
+
+// fn(Kind<round_kind(mode)>{}).
+template <class Fn>
+void with_round_kind(Rounding mode, Fn&& fn) {
+  switch (round_kind(mode)) {
+    case RoundKind::Nearest: return fn(Kind<RoundKind::Nearest>{});
+    case RoundKind::Directed: return fn(Kind<RoundKind::Directed>{});
+    default: return fn(Kind<RoundKind::Stochastic>{});
+  }
+}
 
 // fn(Flag<a>{}, Flag<b>{}).
 template <class Fn>
@@ -38,11 +67,7 @@ void dispatch_mode(const QuantizeCall& c, Fn&& fn) {
       fn(Type<In>{}, Type<Out>{}, Type<Bits>{}, kind, count, sub);
     });
   };
-  switch (round_kind(c.mode)) {
-    case RoundKind::Nearest: return with_count(Kind<RoundKind::Nearest>{});
-    case RoundKind::Directed: return with_count(Kind<RoundKind::Directed>{});
-    default: return with_count(Kind<RoundKind::Stochastic>{});
-  }
+  with_round_kind(c.mode, with_count);
 }
 
 // The carrier is float64 exactly when one side is float64 (QuantizeCall::wide).

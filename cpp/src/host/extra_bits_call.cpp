@@ -49,8 +49,7 @@ ExtraBitsParams make_extra_bits_params(DType weights, int32_t k, Rounding mode,
                                 (bf16 ? "bfloat16" : "float16") + ", got " + std::to_string(k));
   if (mode != Rounding::TowardZero && mode != Rounding::Nearest && mode != Rounding::Stochastic)
     throw std::invalid_argument("extra-bits rounding must be toward_zero, nearest or stochastic");
-  const FormatSpec spec = bf16 ? FormatSpec{8, 7, 0, Specials::IEEE, true}
-                               : FormatSpec{5, 10, 0, Specials::IEEE, true};
+  const FormatSpec spec = storage_spec(weights);
   // split_bits rounds by round_to_bfloat16_bits / round_to_float16_bits, which fold in the
   // parameters make_round_params gives (overflow to inf, 32 random bits): check that they agree.
   const RoundParams<uint32_t> general = make_round_params<uint32_t>(spec, Overflow::Inf, mode, 32);

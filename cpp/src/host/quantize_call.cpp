@@ -55,9 +55,7 @@ S2fp8Call make_s2fp8_call(const QuantizeRequest& r, double log_max, const void* 
   S2fp8Call c{make_quantize_call(wide, x, y, n, count), log_max, {}};
   c.q.x_dtype = c.q.y_dtype = r.x_dtype;
   if (r.x_dtype == DType::Float16 || r.x_dtype == DType::BFloat16) {
-    const FormatSpec store = r.x_dtype == DType::Float16 ? FormatSpec{5, 10, 0, Specials::IEEE, true}
-                                                         : FormatSpec{8, 7, 0, Specials::IEEE, true};
-    c.p_store = make_round_params<uint64_t>(store, Overflow::Inf, Rounding::Nearest, 32);
+    c.p_store = make_round_params<uint64_t>(storage_spec(r.x_dtype), Overflow::Inf, Rounding::Nearest, 32);
   }
   return c;
 }

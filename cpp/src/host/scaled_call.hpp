@@ -18,38 +18,6 @@ struct ScaledCall {
   bool tensor_scale;             // a float32 second-level scale t = amax / (max_S · max_E)
   RoundParams<uint64_t> p;       // E, with the call's rounding mode and overflow policy
   RoundParams<uint64_t> out;     // nearest to dtype (16-bit outputs: s · q may be off its grid)
-  // The float32 carrier (same results, twice the lanes): power-of-two scales, an input of at
-  // most 32 bits and E's finest step at least 2^-22, so that x · 2^-k is exact or below 2^-126
-  // (where only its sign and being nonzero decide E's rounding, with 32 random bits too) and
-  // s · q is exact in float32 (see scaled_kernels.cpp).
-  bool narrow;
-  RoundParams<uint32_t> p32, out32;
-  // Nearest with ties to even, and nearest_by_addition(p32 or p, addition_cap) (round.hpp) in
-  // the call's carrier: E's rounding by addition
-  bool nearest_by_addition;
-  int32_t addition_cap;          // E's largest exponent + 1
-  // Nearest rounding, scales in a format, and nearest_divides_once (scaled.hpp): x / s need not
-  // be rounded to odd
-  bool divide_once;
-  // Float32 inputs, scales in a format, E's rounding by addition, E's finest step at least
-  // 2^-22 and m <= 18, and q · S exact in float32 when there is a tensor scale: the elements may
-  // be rounded in float32 with a quotient checked against E's midpoints (scaled_kernels.cpp)
-  bool checked;
-  // Float32 inputs, scales in a format, nearest rounding that saturates, E with at most
-  // kFewMagnitudes magnitudes and a signed zero, and every mu · s exact in float64 (scaled.hpp):
-  // the elements may be rounded by comparisons (scaled_kernels.cpp)
-  bool few;
-  FewMagnitudes magnitudes;      // E's, when few
-  // Float32 inputs, nearest rounding, and every mu · s of E's event points exact in float64
-  // (power-of-two scales, or m + 2 + the scale's bits <= 53): the counts may come from
-  // comparisons of |x| with the event points times each block's scale (scaled_kernels.cpp)
-  bool count_by_comparison;
-  EventPoints events;
-  // When few and S has at most kFewKeys values from its smallest to its largest positive one:
-  // S = s / t keyed by its float64 bits >> few_key_shift, less few_key0 (S's m mantissa bits and
-  // exponent; distinct for S's values, subnormals included), few_keys keys (else 0)
-  int32_t few_key_shift;
-  int64_t few_key0, few_keys;
   double t;                      // the tensor scale (1 without one), known after the scales
   Rounding mode;
   bool count;
@@ -94,20 +62,6 @@ LOWFP_HD void hadamard_group(const HadamardCall& c, const T (&signs)[kHadamardSi
   T* y = static_cast<T*>(c.y) + g * kHadamardSize;
   for (int i = 0; i < kHadamardSize; ++i) y[i] = v[i];
 }
-
-// fn(a null pointer to the storage type of dtype t): the drivers' dispatch on the input dtype.
-template <class Fn>
-void with_storage_type(DType t, Fn&& fn) {
-  switch (t) {
-    case DType::Float16: return fn(static_cast<const Half*>(nullptr));
-    case DType::BFloat16: return fn(static_cast<const BFloat*>(nullptr));
-    case DType::Float32: return fn(static_cast<const float*>(nullptr));
-    default: return fn(static_cast<const double*>(nullptr));
-  }
-}
-
-// At most this many keys of scale values for the comparison path's cache of thresholds (E4M3: 144).
-constexpr int64_t kFewKeys = 1024;
 
 // Element formats of at most this many mantissa bits: with 32 random bits their stochastic
 // rounding of a float64 quotient is exact (docs/design.md §9).

@@ -1,0 +1,95 @@
+// ScaledStrategy::Float64: every element in the float64 carrier, by scaled.hpp's scaled_element
+// (x / s rounded to odd, or once where nearest_divides_once holds; E's nearest rounding by
+// addition where it gives the same bits), s · q exact in float64 and stored as store_scaled does.
+#include "scaled/tile.hpp"
+
+namespace lowfp {
+namespace LOWFP_ISA_NS {
+namespace {
+
+// One tile, its per-element scales and inverses spread (spread64) and, stochastic, its words
+// drawn. kPow2: every scale a power of two, so that x · (1 / s) is the exact quotient. kParts:
+// write q. kAdd: nearest rounding by addition (ScaledCpuForms::add64). kOnce: x / s rounded once
+// (ScaledCpuForms::divide_once).
+template <class In, RoundKind Kind, bool kCount, bool kPow2, bool kSubExp, bool kParts, bool kAdd,
+          bool kOnce>
+void run_tile(const ScaledCall& c, const ScaledCpuForms& f, const Tile& k, const TileScales& t,
+              EventCounts& counts) {
+  const In* x = static_cast<const In*>(c.x) + k.first;
+  In* y = static_cast<In*>(c.y) + k.first;
+  float* q_out = kParts ? c.q + k.first : nullptr;
+  const RoundParams<uint64_t> p = c.p;
+  const RoundParams<uint64_t> out = c.out;
+  TileEvents<int64_t> events;
+  for (int64_t i = 0; i < k.len; ++i) {
+    const double xv = bit_cast<double>(Widen<uint64_t>::from(x[i]));
+    RoundEvents ev;
+    const uint32_t rw = Kind == RoundKind::Stochastic ? t.rand[i] : 0u;
+    const double q = scaled_element<Kind, kPow2, kSubExp, kAdd, kOnce>(xv, t.s[i], t.inv[i], p, rw, ev,
+                                                                      f.addition_cap);
+    if constexpr (kParts) q_out[i] = float(q);
+    y[i] = store_scaled<In>(q * t.s[i], out);
+    if constexpr (kCount) events.add(0, ev);
+  }
+  events.into(counts);
+}
+
+// fn(a run_tile instantiation) for the call: its storage type, rounding kind and flags.
+template <class Fn>
+void with_run_tile(const ScaledCall& c, const ScaledCpuForms& f, bool count, Fn&& fn) {
+  with_storage_type(c.dtype, [&](auto type) {
+    using In = typename decltype(type)::type;
+    with_round_kind(c.mode, [&](auto kind) {
+      constexpr RoundKind K = decltype(kind)::value;
+      constexpr bool kNearest = K == RoundKind::Nearest;
+      // (rounding by addition finds no subnormal exponents; x / s rounded once needs an input of
+      // at most 24 bits and scales in a format)
+      const bool add = kNearest && !c.p.subnormal_exponent && f.add64;
+      const bool once = kNearest && c.scale.rule == ScaleRule::Format && !std::is_same_v<In, double> &&
+                        f.divide_once;
+      with_flag(count, [&](auto count_c) {
+        with_flag(c.scale.rule != ScaleRule::Format, [&](auto pow2) {
+          with_flag(c.p.subnormal_exponent, [&](auto sub) {
+            with_flag(c.q != nullptr, [&](auto parts) {
+              with_flag(add, [&](auto add_c) {
+                with_flag(once, [&](auto once_c) {
+                  constexpr bool kAdd = decltype(add_c)::value && kNearest && !decltype(sub)::value;
+                  constexpr bool kOnce = decltype(once_c)::value && kNearest && !decltype(pow2)::value &&
+                                         !std::is_same_v<In, double>;
+                  fn(run_tile<In, K, decltype(count_c)::value, decltype(pow2)::value, decltype(sub)::value,
+                              decltype(parts)::value, kAdd, kOnce>);
+                });
+              });
+            });
+          });
+        });
+      });
+    });
+  });
+}
+
+}  // namespace
+
+void float64_tile(const ScaledCall& c, const ScaledCpuForms& f, bool count, const Tile& k, TileScales& t,
+                  EventCounts& counts) {
+  spread64(c, k, t);
+  with_run_tile(c, f, count, [&](auto run) { run(c, f, k, t, counts); });
+}
+
+void scaled_float64(const ScaledCall& c, const ScaledCpuForms& f, const ScaledPlan& plan, int64_t r0,
+                    int64_t r1, EventCounts& counts) {
+  TileScales t;
+  with_run_tile(c, f, c.count && !plan.count_by_comparison, [&](auto run) {
+    for_each_tile(c, r0, r1, [&](const Tile& k) {
+      round_tile(c, f, plan, k, t, counts, [&] {
+        block_inverses(k, t);
+        spread64(c, k, t);
+        if (round_kind(c.mode) == RoundKind::Stochastic) draw_words(c, k, t);
+        run(c, f, k, t, counts);
+      });
+    });
+  });
+}
+
+}  // namespace LOWFP_ISA_NS
+}  // namespace lowfp

@@ -1,0 +1,86 @@
+// ScaledStrategy::Narrow: power-of-two scales and inputs of at most 32 bits in the float32
+// carrier, where x · 2^-k is exact (or below 2^-126, where only its sign and being nonzero decide)
+// and so is s · q; element by element, any rounding mode, q written if asked.
+#include "scaled/tile.hpp"
+
+namespace lowfp {
+namespace LOWFP_ISA_NS {
+namespace {
+
+// One tile: every scale is 2^k. kAdd: nearest rounding by addition (ScaledCpuForms::add32).
+// kBlock: see for_tile_elements.
+template <class In, RoundKind Kind, bool kCount, bool kParts, bool kAdd, int64_t kBlock>
+void run_tile(const ScaledCall& c, const ScaledCpuForms& f, const Tile& k, const TileScales& t,
+              EventCounts& counts) {
+  const In* x = static_cast<const In*>(c.x) + k.first;
+  In* y = static_cast<In*>(c.y) + k.first;
+  float* q_out = kParts ? c.q + k.first : nullptr;
+  const int64_t n = k.len;
+  const RoundParams<uint32_t> p = f.p32;
+  const RoundParams<uint32_t> out = f.out32;
+  constexpr int64_t kLanes = kBlock > 0 ? kBlock : 1;
+  TileEvents<int32_t, kLanes> events;
+  auto element = [&](int64_t i, int64_t l, float s32, float inv32) {
+    const uint32_t xb = Widen<uint32_t>::from(x[i]);
+    const uint32_t qb = bit_cast<uint32_t>(bit_cast<float>(xb) * inv32);
+    // A quotient that underflowed to 0 stays nonzero (nonzero_quotient), except where only its
+    // rounding to nearest, a signed 0, is wanted (not its underflow count).
+    constexpr bool kKeep = kCount || Kind != RoundKind::Nearest;
+    const uint32_t quotient = kKeep ? nonzero_quotient(qb, xb) : qb;
+    RoundEvents ev;
+    const uint32_t rw = Kind == RoundKind::Stochastic ? t.rand[i] : 0u;
+    const float q = bit_cast<float>(
+        kAdd ? round_nearest_by_addition(quotient, p, f.addition_cap, ev)
+             : round_bits<Kind, uint32_t, false>(quotient, p, rw, ev));
+    if constexpr (kParts) q_out[i] = q;
+    const float v = q * s32;  // exact (ScaledCpuForms::narrow)
+    if constexpr (std::is_same_v<In, float>) {
+      y[i] = v;
+    } else {
+      RoundEvents store_ev;
+      y[i] = Store<In>::from(
+          round_bits<RoundKind::Nearest, uint32_t, false>(bit_cast<uint32_t>(v), out, 0u, store_ev));
+    }
+    if constexpr (kCount) events.add(l, ev);
+  };
+  for_tile_elements<kBlock>(n, t, element);
+  events.into(counts);
+}
+
+}  // namespace
+
+void scaled_narrow(const ScaledCall& c, const ScaledCpuForms& f, const ScaledPlan& plan, int64_t r0,
+                   int64_t r1, EventCounts& counts) {
+  TileScales t;
+  with_storage_type(c.dtype, [&](auto type) {
+    using In = typename decltype(type)::type;
+    if constexpr (!std::is_same_v<In, double>) {  // (ScaledCpuForms::narrow)
+      with_round_kind(c.mode, [&](auto kind) {
+        constexpr RoundKind K = decltype(kind)::value;
+        with_flag(c.count && !plan.count_by_comparison, [&](auto count) {
+          with_flag(c.q != nullptr, [&](auto parts) {
+            with_flag(K == RoundKind::Nearest && f.add32, [&](auto add) {
+              constexpr bool kCount = decltype(count)::value, kParts = decltype(parts)::value,
+                             kAdd = decltype(add)::value && K == RoundKind::Nearest;
+              const auto run = c.block_cols == 32 ? run_tile<In, K, kCount, kParts, kAdd, 32>
+                                                  : run_tile<In, K, kCount, kParts, kAdd, 0>;
+              for_each_tile(c, r0, r1, [&](const Tile& k) {
+                round_tile(c, f, plan, k, t, counts, [&] {
+                  t.place32(static_cast<In*>(c.y) + k.first);
+                  block_inverses(k, t);
+                  block_scales32(k, 1.0, t);  // (2^±k: exact)
+                  if (c.block_cols != 32) spread32(c, k, t);
+                  if constexpr (K == RoundKind::Stochastic) draw_words(c, k, t);
+                  run(c, f, k, t, counts);
+                });
+              });
+            });
+          });
+        });
+      });
+    }
+  });
+}
+
+}  // namespace LOWFP_ISA_NS
+}  // namespace lowfp

@@ -1,0 +1,191 @@
+"""The CPU's element strategies for scaled formats (cpp/src/cpu/scaled/plan.hpp, docs/kernels.md):
+the plan picks each where its conditions hold, and each, forced on every call that allows it,
+gives the float64 strategy's values, counts and elements, new, into out= and in place."""
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lowfp
+from lowfp import _C
+from lowfp.scaled import Scaled, ScaledStats
+from lowfp.scaled.quantize import prepared
+
+STRATEGIES = ("float64", "checked", "narrow", "lanes", "few")
+
+
+@contextlib.contextmanager
+def forced(name):
+    before = _C.forced_scaled_strategy()
+    _C.force_scaled_strategy(name)
+    try:
+        yield
+    finally:
+        _C.force_scaled_strategy(before)
+
+
+def as_scaled(fmt):
+    return Scaled.parse(fmt) if isinstance(fmt, str) else fmt
+
+
+def cpu_plan(fmt, rounding, dtype, *, parts=False, overflow="saturate", block_cols=64):
+    fmt = as_scaled(fmt)
+    request = prepared(_C, fmt, rounding, overflow, 32, dtype)
+    return request.cpu_plan(block_cols=fmt.block if isinstance(fmt.block, int) else block_cols,
+                            parts=parts)
+
+
+E4M3_SCALES = Scaled("float8_e4m3fn", block=16, scale="float8_e4m3fn")
+FP4_BLOCK32 = Scaled("float4_e2m1fn", block=32, scale="float8_e4m3fn")
+
+PLANS = [  # format, rounding, dtype, elements written, the strategy the plan takes
+    ("nvfp4", "nearest", torch.float32, False, "few"),
+    (FP4_BLOCK32, "nearest", torch.float32, False, "few"),
+    ("nvfp4", "nearest", torch.float32, True, "checked"),      # (q wanted: no comparisons)
+    (E4M3_SCALES, "nearest", torch.float32, False, "checked"),  # (too many magnitudes)
+    ("fp8_e4m3_rowwise", "nearest", torch.float32, False, "checked"),
+    ("mxfp8_e4m3", "nearest", torch.float32, False, "lanes"),
+    ("mxfp4_e2m1", "stochastic", torch.float32, False, "lanes"),
+    ("mxfp8_e4m3", "toward_zero", torch.float32, False, "narrow"),  # (directed: no vector loop)
+    ("mxfp8_e4m3", "nearest", torch.float32, True, "narrow"),
+    ("mxfp8_e4m3", "stochastic", torch.bfloat16, False, "narrow"),
+    ("mxfp8_e4m3", "nearest", torch.float16, False, "narrow"),
+    ("mxfp8_e4m3", "nearest", torch.float64, False, "float64"),
+    ("nvfp4", "toward_zero", torch.float32, False, "float64"),
+    ("nvfp4", "nearest", torch.bfloat16, False, "float64"),
+    ("nvfp4", "stochastic", torch.float32, False, "float64"),
+]
+
+
+@pytest.mark.parametrize("fmt,rounding,dtype,parts,want", PLANS)
+def test_the_plan_takes_the_first_strategy_a_call_allows(fmt, rounding, dtype, parts, want):
+    plan = cpu_plan(fmt, rounding, dtype, parts=parts)
+    assert plan["strategy"] == want
+    assert "float64" in plan["allowed"] and want in plan["allowed"]
+    # (the order of preference: no division, vectors, the float32 carrier, checked, float64)
+    assert plan["allowed"][-1] == want or STRATEGIES.index(want) == max(
+        STRATEGIES.index(s) for s in plan["allowed"])
+    # Counts by comparison where the strategy does not count in its own loop
+    by_comparison = dtype == torch.float32 and rounding == "nearest" and want in ("checked", "narrow", "float64")
+    assert plan["count_by_comparison"] == by_comparison
+
+
+def test_few_needs_blocks_of_whole_vectors():
+    fmt = Scaled("float4_e2m1fn", block=20, scale="float8_e4m3fn")
+    plan = cpu_plan(fmt, "nearest", torch.float32)
+    assert "few" not in plan["allowed"] and plan["strategy"] == "checked"
+
+
+def inputs(rows, cols, dtype, seed):
+    """Values of many magnitudes (a scale per row), tiny ones whose quotients underflow, the
+    special values, and ties of E4M3 and E2M1 under a block scale of 1 (a block whose largest
+    magnitude is 448, or 6), where Checked's check fails and its tile reruns in float64."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g, dtype=torch.float64)
+    x = x * torch.exp2(torch.randint(-24, 24, (rows, 1), generator=g).double())
+    x = torch.where(torch.rand(rows, cols, generator=g, dtype=torch.float64) < 0.05, x * 2.0 ** -30, x)
+    x[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0])
+    x[1, :8] = torch.tensor([448.0, 1.0625, -1.0625, 3.625, 0.0, 2.0 ** -10, 13.0, -208.0])
+    x[2, :8] = torch.tensor([6.0, 0.25, -0.75, 1.25, 2.5, -5.0, 0.0, 3.5])
+    return x.clamp(-6e4, 6e4).to(dtype)
+
+
+FORCED = [  # format, rounding, dtype: together they allow every strategy
+    ("nvfp4", "nearest", torch.float32),
+    (FP4_BLOCK32, "nearest", torch.float32),
+    (E4M3_SCALES, "nearest", torch.float32),
+    ("fp8_e4m3_rowwise", "nearest", torch.float32),
+    ("fp8_e4m3_block128x128", "nearest", torch.float32),
+    ("mxfp8_e4m3", "nearest", torch.float32),
+    ("mxfp4_e2m1", "nearest", torch.float32),
+    (("mxfp8_e5m2", "inf"), "nearest", torch.float32),
+    ("mxfp8_e4m3", "stochastic", torch.float32),
+    ("mxfp4_e2m1", "stochastic", torch.float32),
+    ("mxfp8_e4m3", "toward_zero", torch.float32),
+    ("mxfp8_e4m3", "up", torch.bfloat16),
+    ("mxfp4_e2m1", "stochastic", torch.float16),
+    ("mxfp8_e4m3", "nearest", torch.bfloat16),
+]
+
+
+def run(x, fmt, rounding, overflow, how):
+    """The values, the 6 counts and (how "parts") the elements q of one call."""
+    st = ScaledStats()
+    kw = dict(seed=7, overflow=overflow)
+    if how == "parts":
+        enc = lowfp.scaled.encode(x, fmt, rounding, **kw)
+        return enc.q, None, None
+    if how == "new":
+        y = lowfp.quantize(x, fmt, rounding, stats=st, **kw)
+    elif how == "out":
+        y = lowfp.quantize(x, fmt, rounding, stats=st, out=torch.empty_like(x), **kw)
+    elif how == "in place":
+        y = lowfp.quantize_(x.clone(), fmt, rounding, stats=st, **kw)
+    else:  # uncounted
+        y = lowfp.quantize(x, fmt, rounding, **kw)
+        return y, None, None
+    return y, st.counts.clone(), None
+
+
+@pytest.mark.parametrize("shape", [(37, 150), (3, 4200)], ids=["ragged", "tiles"])
+@pytest.mark.parametrize("fmt,rounding,dtype", FORCED)
+def test_every_strategy_gives_the_float64_strategys_bits(fmt, rounding, dtype, shape):
+    fmt, overflow = fmt if isinstance(fmt, tuple) else (fmt, "saturate")
+    x = inputs(*shape, dtype, seed=shape[1])
+    hows = ("new", "out", "in place", "uncounted", "parts")
+    with forced("float64"):
+        want = {how: run(x, fmt, rounding, overflow, how) for how in hows}
+    counts = want["new"][1]
+    assert counts[2] == 1 and counts[3] == x.numel()  # (the NaN; every element)
+    scaled = as_scaled(fmt)
+    block = scaled.block if isinstance(scaled.block, int) else shape[1]
+    if isinstance(scaled.block, tuple):
+        block = scaled.block[1]
+    tried = set()
+    for how in hows:
+        allowed = cpu_plan(fmt, rounding, dtype, parts=how == "parts", overflow=overflow,
+                           block_cols=block)["allowed"]
+        for name in [None, *allowed]:
+            tried.add(name)
+            with forced(name):
+                y, c, _ = run(x, fmt, rounding, overflow, how)
+            w, wc, _ = want[how]
+            assert torch.equal(y.view(torch.uint8), w.view(torch.uint8)), (name, how)
+            if wc is not None:
+                assert torch.equal(c, wc), (name, how, c, wc)
+    assert len(tried) > 2  # (the plan, float64 and at least one other)
+
+
+def test_the_forced_strategies_cover_every_strategy():
+    seen = set()
+    for fmt, rounding, dtype in FORCED:
+        fmt, overflow = fmt if isinstance(fmt, tuple) else (fmt, "saturate")
+        for parts in (False, True):
+            seen.update(cpu_plan(fmt, rounding, dtype, parts=parts, overflow=overflow)["allowed"])
+    assert seen == set(STRATEGIES)
+
+
+def test_forcing_a_strategy_a_call_does_not_allow_leaves_its_plan():
+    x = inputs(8, 64, torch.float64, seed=1)
+    want = lowfp.quantize(x, "mxfp8_e4m3")
+    with forced("few"):
+        assert _C.forced_scaled_strategy() == "few"
+        assert torch.equal(lowfp.quantize(x, "mxfp8_e4m3").view(torch.uint8), want.view(torch.uint8))
+    assert _C.forced_scaled_strategy() is None
+
+
+def test_an_unknown_strategy_is_a_value_error():
+    with pytest.raises(ValueError, match="float64, checked, narrow, lanes or few"):
+        _C.force_scaled_strategy("fastest")
+    assert _C.forced_scaled_strategy() is None
+
+
+def test_the_environment_variable_forces_a_strategy():
+    code = "import lowfp; print(lowfp._C.forced_scaled_strategy())"
+    env = dict(os.environ, LOWFP_SCALED_STRATEGY="checked")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "checked"
