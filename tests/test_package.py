@@ -110,6 +110,7 @@ def test_python_codes_equal_the_extensions():
     from lowfp import _C, _native, backends
     from lowfp.formats import SPECIALS
     from lowfp.scaled.config import E8M0_RULES
+    assert E8M0_RULES == ("floor", "ceil", "rceil", "even")  # (as lowfp.Scaled documents them)
     modules = [_C] + ([backends._C_cuda] if lowfp.cuda_built() else [])
     for mod in modules:
         def codes(enum):
@@ -119,7 +120,9 @@ def test_python_codes_equal_the_extensions():
         assert codes(mod.Overflow) == _native.OVERFLOW_CODES
         assert codes(mod.DType) == {str(d).removeprefix("torch."): c for d, c in _native.DTYPE_CODES.items()}
         # the scale rules by name only: Python passes the member (lowfp.scaled.quantize.prepared)
+        # and takes the e8m0 rules' names from the contract
         assert set(mod.ScaleRule.__members__) == set(E8M0_RULES) | {"nearest"}
+        assert mod.SCALED_MAX_ELEMENT_MANTISSA == 19  # (docs/design.md §9)
         # every member documents its semantics
         for enum in (mod.Rounding, mod.Specials, mod.Overflow, mod.DType, mod.ScaleRule):
             for name in enum.__members__:

@@ -52,6 +52,7 @@ inline void def_contract(pybind11::module_& mod) {
              "e8m0 scale by floor after a is rounded to E's mantissa bits, ties away (torchao EVEN)")
       .value("nearest", ScaleRule::Format,
              "a scale in a format S: round_S(a / max_E) to nearest, saturating, never 0");
+  mod.attr("SCALED_MAX_ELEMENT_MANTISSA") = kScaledMaxElementMantissa;
   py::class_<FormatSpec>(mod, "FormatSpec", py::module_local(),
                          "a format's encoding (§2): e exponent bits, m mantissa bits, extra bias b")
       .def(py::init([](int32_t e, int32_t m, int32_t b, Specials specials, bool subnormals) {

@@ -16,6 +16,10 @@
 
 namespace lowfp {
 
+// Element formats of at most this many mantissa bits: with 32 random bits their stochastic
+// rounding of a float64 quotient is exact (docs/design.md §9).
+constexpr int32_t kScaledMaxElementMantissa = 19;
+
 // How a block's scale is found from a (finite, > 0) and E's largest value max_E = 2^emax_E · M.
 enum class ScaleRule : int32_t {
   // Power-of-two (E8M0) scales 2^k, k clamped to [-127, 127]:

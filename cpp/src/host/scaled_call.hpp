@@ -63,10 +63,6 @@ LOWFP_HD void hadamard_group(const HadamardCall& c, const T (&signs)[kHadamardSi
   for (int i = 0; i < kHadamardSize; ++i) y[i] = v[i];
 }
 
-// Element formats of at most this many mantissa bits: with 32 random bits their stochastic
-// rounding of a float64 quotient is exact (docs/design.md §9).
-constexpr int32_t kScaledMaxElementMantissa = 19;
-
 // A scaled rounding as the caller asks for it, without its buffers: lowfp prepares one per
 // (format, rounding, overflow, sr_bits, dtype) and reuses it for every tensor.
 struct ScaledRequest {

@@ -33,14 +33,16 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
+from .. import _C
 from .._checks import check_choice, check_int
 from ..formats import Format, _parse_call, named as _named_formats, to_format
 
 __all__ = ["Scaled", "E8M0_RULES", "named", "to_scaled", "layout", "scales_shape"]
 
-E8M0_RULES = ("floor", "ceil", "rceil", "even")
+# The scale rules and the element formats' widest mantissa, from the native contract
+E8M0_RULES = tuple(name for name in _C.ScaleRule.__members__ if name != "nearest")
+MAX_ELEMENT_MANTISSA = _C.SCALED_MAX_ELEMENT_MANTISSA  # exact stochastic rounding of the quotient (§9)
 FLOAT32 = Format(8, 23, 0, specials="ieee")  # float32 as a scale format
-MAX_ELEMENT_MANTISSA = 19                    # exact stochastic rounding of the quotient (§9)
 
 
 class Scaled:
