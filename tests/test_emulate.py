@@ -257,7 +257,8 @@ def test_history_json_and_plot(tmp_path):
     back = json.loads(path.read_text())
     assert back["steps"][2]["loss"] == h.steps[2]["loss"] and back["promotions"] == []
     png = tmp_path / "h.png"
-    h.plot(png, title="test")
+    from lowfp.experiments.plots import plot_history
+    plot_history(h, png, title="test")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

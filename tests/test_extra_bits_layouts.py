@@ -345,10 +345,10 @@ def test_optimizer_refuses_buffers_that_no_longer_fit():
     with pytest.raises(ValueError, match="changed from 16/'toward_zero' to 16/'nearest'"):
         opt.step()
     # model.to(device) after the optimizer: checked as for an optimizer on cuda:0 (index 0)
-    from lowfp.optim._state import _check_buffers
+    from lowfp.optim.state import check_buffers
     q = bf16_param(32)
     with pytest.raises(ValueError, match="must be on cuda:0.* is on cpu .*move the model before"):
-        _check_buffers(q, {}, opt.param_groups[0], 0)
+        check_buffers(q, {}, opt.param_groups[0], 0)
 
     p = bf16_param(8)
     opt = ExtraBitsSGD([p], lr=0.1, momentum=0.9)

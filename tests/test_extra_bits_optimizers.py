@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from lowfp.optim import ExtraBitsAdam, ExtraBitsAdamW, ExtraBitsSGD
-from lowfp.optim.base import GENERATOR_STATE
+from lowfp.optim.state_dict import GENERATOR_STATE
 from extra_bits_reference import F32, truncate_bits, RefSGD, RefAdam, small_model
 
 

@@ -73,6 +73,43 @@ def module_imports():
     return {m: {d for d in deps if d in known and d != m} for m, deps in graph.items()}
 
 
+def imports_from_outside(package: str):
+    """(file, module, name) for each name a module of ``package`` imports from a lowfp module
+    outside ``package`` (``module`` as written, dots and all)."""
+    found = []
+    top = os.path.join(os.path.dirname(PACKAGE_DIR), *package.split("."))
+    for root, _, files in os.walk(top):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(root, f)
+                for node in ast.walk(ast.parse(open(path).read())):
+                    if isinstance(node, ast.ImportFrom) and (
+                            node.level > 1 or (node.level == 0 and node.module.startswith("lowfp"))):
+                        module = "." * node.level + (node.module or "")
+                        found += [(f, module, alias.name) for alias in node.names]
+    return found
+
+
+def test_the_experiments_import_only_public_names():
+    private = [(f, m, name) for f, m, name in imports_from_outside("lowfp.experiments")
+               if (name.startswith("_") and not name.startswith("__"))  # (__version__ is public)
+               or any(part.startswith("_") for part in m.split("."))]
+    assert private == []
+
+
+def test_the_optimizers_import_no_private_name():
+    # (they may use the library's internal toolkits, lowfp._native and its kin, by their
+    # public names)
+    private = [(f, m, name) for f, m, name in imports_from_outside("lowfp.optim") if name.startswith("_")]
+    assert private == []
+
+
+def test_the_optimizer_base_and_stepping_in_backward_do_not_import_each_other():
+    graph = module_imports()
+    assert "lowfp.optim.step_in_backward" not in graph["lowfp.optim.base"]
+    assert "lowfp.optim.base" not in graph["lowfp.optim.step_in_backward"]
+
+
 def test_library_modules_do_not_import_the_experiments():
     graph = module_imports()
     for m, deps in graph.items():

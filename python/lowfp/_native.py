@@ -7,12 +7,12 @@ from __future__ import annotations
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
 
-from . import backends
+from . import _C, backends
 from ._checks import check_choice, check_int, is_dtype_in
 from .formats import SPECIALS, Format, S2FP8, to_format, to_precision
 from .stats import Stats
@@ -446,3 +446,19 @@ def run_s2fp8(x: torch.Tensor, y: torch.Tensor, log_max: float, call: NativeCall
     return run_elementwise(x, y, lambda src, dst: mod.s2fp8(
         src.data_ptr(), DTYPE_CODES[src.dtype], dst.data_ptr(), src.numel(), *call.args(),
         log_max, sums.data_ptr(), params.data_ptr(), counts_ptr, device, stream))
+
+
+def add_one_to_float32s(counts: List[torch.Tensor]) -> None:
+    """count += 1 for each count (lowfp.optim's Adam step counts). torch.optim keeps them as
+    one-element float32 CPU tensors, as lowfp's optimizers do: those are added to by one native
+    call, where torch._foreach_add_ dispatches an add per tensor; any other kind of count (state
+    edited by hand) by torch."""
+    addresses = []
+    for t in counts:
+        if (t.dtype is not torch.float32 or not t.is_cpu or t.numel() != 1
+                or type(t) is not torch.Tensor):  # (fake tensors while torch traces)
+            torch._foreach_add_(counts, 1)
+            return
+        addresses.append(t.data_ptr())
+    _C.add_to_float32s(addresses, 1.0)
+    torch.autograd.graph.increment_version(counts)  # written through their pointers

@@ -196,9 +196,9 @@ _OPTIMIZER_CODES = {"sgd": 0, "adam": 1}
 _UNUSED_STATE = (0, 0, 0)  # the pointers of a step's unused state slots (three in all)
 
 
-def _extra_bits_step_impl(params, grads, extras, moments, moments_per_param, optimizer, k,
-                          rounding, state_dtype, hyper, flags, seed, offsets, found_inf,
-                          grad_scale, counts, weight_format=None):
+def extra_bits_step_impl(params, grads, extras, moments, moments_per_param, optimizer, k,
+                         rounding, state_dtype, hyper, flags, seed, offsets, found_inf,
+                         grad_scale, counts, weight_format=None):
     """One native call (lowfp.optim's buffers are checked by the optimizer before it)."""
     mod, device, stream = backends.native(params[0], "parameter")
     cls, float_names, bool_names = HYPER_FIELDS[optimizer]
@@ -233,7 +233,7 @@ for _name, _impl in (("quantize", _quantize_impl), ("quantize_into", _quantize_i
                      ("extra_bits_split", _extra_bits_split_impl),
                      ("extra_bits_merge", _extra_bits_merge_impl),
                      ("any_non_finite", _any_non_finite_impl),
-                     ("extra_bits_step", _extra_bits_step_impl)):
+                     ("extra_bits_step", extra_bits_step_impl)):
     for _dispatch_key in ("CPU", "CUDA"):
         lib.impl(_name, _impl, _dispatch_key)
 

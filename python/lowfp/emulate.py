@@ -61,7 +61,6 @@ from typing import Dict, List, NamedTuple, Optional
 import torch
 
 from ._checks import check_choice, is_real
-from ._optional import pyplot
 from ._intercept import ForwardSession
 from .assign import FORWARD_ROLES, Assignment, grad_name, role_of
 from .formats import Precision
@@ -138,7 +137,8 @@ class History:
     """Per-step records of an emulated run: ``steps`` (dicts with step, loss_scale, ratio_lo,
     aggregate_bits, promotions, top_overflow, top_underflow, backward_underflow (the share of
     all backward values, dv and dθ, that underflowed to zero) and anything given to
-    ``Emulator.record``) and ``promotions`` (step, tensor, overflow ratio, from, to)."""
+    ``Emulator.record``) and ``promotions`` (step, tensor, overflow ratio, from, to);
+    ``lowfp.experiments.plots.plot_history`` draws them."""
 
     def __init__(self):
         self.steps: List[dict] = []
@@ -153,35 +153,6 @@ class History:
     def save(self, path) -> None:
         with open(path, "w") as f:
             f.write(self.to_json())
-
-    def plot(self, path, title: Optional[str] = None) -> None:
-        """Loss (when recorded), loss scale, ratio_lo and aggregate, and the largest overflow
-        ratio per step, with promotions marked, as a PNG."""
-        plt = pyplot("History.plot")
-        steps = [s["step"] for s in self.steps]
-        panels = [("loss", "loss", False), ("loss_scale", "loss scale", True),
-                  ("ratio_lo", "ratio_lo", False), ("aggregate_bits", "aggregate (bits)", False),
-                  ("max_overflow", "max overflow ratio", False)]
-        series = {k: [s.get(k) for s in self.steps] for k, _, _ in panels}
-        series["max_overflow"] = [max([r for _, r in s["top_overflow"]], default=0.0)
-                                  for s in self.steps]
-        panels = [p for p in panels if any(v is not None for v in series[p[0]])]
-        fig, axes = plt.subplots(len(panels), 1, figsize=(7, 1.9 * len(panels) + 0.6),
-                                 sharex=True, squeeze=False)
-        for ax, (key, label, logy) in zip(axes[:, 0], panels):
-            pts = [(x, y) for x, y in zip(steps, series[key]) if y is not None]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2)
-            if logy:
-                ax.set_yscale("log", base=2)
-            ax.set_ylabel(label)
-            for ev in self.promotions:
-                ax.axvline(ev["step"], color="tab:red", lw=0.6, alpha=0.5)
-        axes[-1, 0].set_xlabel("step (red: promotions)")
-        if title:
-            fig.suptitle(title)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
 
 
 class Emulator(ForwardSession):

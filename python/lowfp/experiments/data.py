@@ -21,7 +21,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
-from .._optional import import_optional
+from .optional import import_optional
 
 __all__ = ["Dataset", "load", "DATASETS", "read_cifar"]
 

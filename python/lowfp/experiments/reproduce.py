@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .. import __version__
-from .._optional import import_optional
+from .optional import import_optional
 from . import train
 from . import description
 from .sweep import config_key, run_configs

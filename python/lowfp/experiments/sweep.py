@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
 
-from .._optional import pyplot
+from .optional import pyplot
 from . import train
 from . import description
 

@@ -6,10 +6,12 @@ from typing import Optional
 
 import torch
 
-from ._hyper import _check_bool, _check_common, _check_real, _check_torch_switches, _hyperparameter
-from .base import _ExtraBitsOptimizer, _add_one
+from .._native import add_one_to_float32s
+from .base import ExtraBitsOptimizer
+from .hyper import check_bool, check_common, check_real, check_torch_switches, hyperparameter
 
-class ExtraBitsAdam(_ExtraBitsOptimizer):
+
+class ExtraBitsAdam(ExtraBitsOptimizer):
     """torch.optim.Adam on W' = 16-bit weight + ``extra_bits`` packed bits (docs/design.md §5).
 
     Args: as torch.optim.Adam (``lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
@@ -36,7 +38,7 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
                  extra_bits: int = 16, rounding: str = "toward_zero",
                  state_dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.bfloat16,
                  generator: Optional[torch.Generator] = None, weight_format=None):
-        _check_torch_switches(foreach, fused, differentiable, capturable)
+        check_torch_switches(foreach, fused, differentiable, capturable)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize,
                         decoupled_weight_decay=decoupled_weight_decay, extra_bits=extra_bits,
@@ -46,19 +48,19 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
 
     @staticmethod
     def _check_hyperparameters(group: dict) -> None:
-        _check_common(group)
-        _check_real(group, "eps", "Invalid epsilon value")
+        check_common(group)
+        check_real(group, "eps", "Invalid epsilon value")
         betas = group["betas"]
         if isinstance(betas, torch.Tensor) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair of floats (beta1, beta2), got {betas!r}")
-        betas = tuple(_hyperparameter(b, f"betas[{i}]") for i, b in enumerate(betas))
+        betas = tuple(hyperparameter(b, f"betas[{i}]") for i, b in enumerate(betas))
         if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
             raise ValueError("betas must be either both floats or both Tensors")  # as torch.optim
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"Invalid beta parameters: {betas} (betas must be in [0, 1))")
         group["betas"] = betas
         for name in ("amsgrad", "maximize", "decoupled_weight_decay"):
-            _check_bool(group, name)
+            check_bool(group, name)
 
     def _batch_key(self, group, state):
         step = state.get("step")
@@ -92,7 +94,7 @@ class ExtraBitsAdam(_ExtraBitsOptimizer):
         return out
 
     def _after_step(self, states) -> None:
-        _add_one([state["step"] for state in states])
+        add_one_to_float32s([state["step"] for state in states])
 
     def _host_state_changed(self, key) -> bool:
         return True  # the step count, after the step (so a skip has nothing to take back)
@@ -110,5 +112,3 @@ class ExtraBitsAdamW(ExtraBitsAdam):
             raise TypeError("ExtraBitsAdamW() got an unexpected keyword argument 'decoupled_weight_decay'")
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, decoupled_weight_decay=True,
                          **kwargs)
-
-

@@ -6,10 +6,10 @@ from typing import Optional
 
 import torch
 
-from ._hyper import _check_bool, _check_common, _check_real, _check_torch_switches
-from .base import _ExtraBitsOptimizer
+from .hyper import check_bool, check_common, check_real, check_torch_switches
+from .base import ExtraBitsOptimizer
 
-class ExtraBitsSGD(_ExtraBitsOptimizer):
+class ExtraBitsSGD(ExtraBitsOptimizer):
     """torch.optim.SGD on W' = 16-bit weight + ``extra_bits`` packed bits (docs/design.md §5).
 
     Args: as torch.optim.SGD (``lr=1e-3, momentum=0, dampening=0, weight_decay=0,
@@ -37,7 +37,7 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
                  fused: Optional[bool] = None, extra_bits: int = 16, rounding: str = "toward_zero",
                  state_dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.bfloat16,
                  generator: Optional[torch.Generator] = None, weight_format=None):
-        _check_torch_switches(foreach, fused, differentiable)
+        check_torch_switches(foreach, fused, differentiable)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, extra_bits=extra_bits,
                         rounding=rounding, state_dtype=state_dtype, param_dtype=param_dtype,
@@ -46,11 +46,11 @@ class ExtraBitsSGD(_ExtraBitsOptimizer):
 
     @staticmethod
     def _check_hyperparameters(group: dict) -> None:
-        _check_common(group)
-        _check_real(group, "momentum", "Invalid momentum value")
-        _check_real(group, "dampening", "Invalid dampening value")
-        _check_bool(group, "nesterov")
-        _check_bool(group, "maximize")
+        check_common(group)
+        check_real(group, "momentum", "Invalid momentum value")
+        check_real(group, "dampening", "Invalid dampening value")
+        check_bool(group, "nesterov")
+        check_bool(group, "maximize")
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 

@@ -3,15 +3,40 @@
 from __future__ import annotations
 
 import weakref
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
 
 from .._checks import is_real
 from .._dtensor import is_dtensor
 from ..scaler import any_non_finite_into
-from ._ddp import _refuse_if_in_ddp
-from .base import _ExtraBitsOptimizer, _grad_scaler_inverse
+from .ddp import refuse_if_in_ddp
+
+
+@runtime_checkable
+class StepsInBackward(Protocol):
+    """What stepping inside backward needs of an optimizer (lowfp's ExtraBits optimizers): its
+    param groups, the handle stepping it (one at a time), a stochastic seed per group for a
+    pass, one parameter's step with a gradient and the device's skip flag, and the host-side
+    state of such steps settled once the device has decided them."""
+
+    param_groups: list
+    _step_in_backward: Optional["StepInBackward"]
+
+    def _draw_group_seeds(self) -> Dict[int, int]: ...
+
+    def _step_parameter(self, gi: int, p: torch.Tensor, grad: torch.Tensor, seed: int,
+                        found_inf: Optional[torch.Tensor]) -> None: ...
+
+    def _settle_host_state(self) -> None: ...
+
+
+def grad_scaler_inverse(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """torch.amp.GradScaler's unscale factor for a scale tensor (on any device): the float32
+    rounding of the float64 reciprocal, as its unscale_ computes it; a 0-d tensor on device,
+    made without waiting for the scale's device."""
+    return scale.to(device).reshape(()).double().reciprocal().float()
+
 
 class _EndOfPass:
     """The callback queued on the autograd engine at the first hook of a backward pass. The
@@ -35,7 +60,7 @@ class StepInBackward:
     whether the last backward pass skipped one. Both are kept on the parameters' device (the
     hooks never wait for it); reading them waits."""
 
-    def __init__(self, optimizer: _ExtraBitsOptimizer, clip_value: Optional[float], scaler):
+    def __init__(self, optimizer: StepsInBackward, clip_value: Optional[float], scaler):
         self.optimizer, self.clip_value, self.scaler = optimizer, clip_value, scaler
         # Parameters skipped [in all, in the current pass], on the parameters' device.
         self._skip_counts: Optional[torch.Tensor] = None
@@ -103,7 +128,7 @@ class StepInBackward:
         read_async = getattr(self.scaler, "_get_scale_async", None)
         scale = read_async() if callable(read_async) else None
         if isinstance(scale, torch.Tensor):
-            return _grad_scaler_inverse(scale, device)
+            return grad_scaler_inverse(scale, device)
         return 1.0 / float(self.scaler.get_scale())
 
     def _end_of_backward(self) -> None:
@@ -164,7 +189,7 @@ def step_in_backward(optimizer, *, clip_value: Optional[float] = None, scaler=No
     its gradient is complete (say through ``w.detach()``) would see the stepped weight; autograd
     sees the step (as any in-place update) and raises, as with torch's own recipe.
     """
-    if not isinstance(optimizer, _ExtraBitsOptimizer):
+    if not isinstance(optimizer, StepsInBackward):
         raise TypeError(f"optimizer must be a lowfp ExtraBits optimizer, got {type(optimizer).__name__}")
     if optimizer._step_in_backward is not None:
         raise ValueError("optimizer already steps inside backward (each parameter would step "
@@ -187,7 +212,7 @@ def step_in_backward(optimizer, *, clip_value: Optional[float] = None, scaler=No
                     "each sharded parameter its gradient after its reduce-scatter, outside "
                     "autograd, so a per-parameter hook never sees it; step normally (FSDP2 frees "
                     "the unsharded gradients itself)")
-            _refuse_if_in_ddp(p, "the per-parameter hooks would step before DDP's "
+            refuse_if_in_ddp(p, "the per-parameter hooks would step before DDP's "
                                   "all-reduce of the gradients; step normally with DDP")
     if clip_value is not None and (not is_real(clip_value) or not clip_value > 0):
         raise ValueError(f"clip_value must be a positive number, got {clip_value!r}")

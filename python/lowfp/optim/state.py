@@ -10,30 +10,30 @@ import torch
 from ..backends import memory_order
 from ..extra_bits import packed_words, reorder_packed
 
-_STATE_DTYPES = (torch.float32, torch.bfloat16)
-_PARAM_DTYPES = (torch.float16, torch.bfloat16)
-_MOMENT_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-_LOWFP_GROUP_KEYS = ("extra_bits", "rounding", "state_dtype", "param_dtype",  # not torch.optim's
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+PARAM_DTYPES = (torch.float16, torch.bfloat16)
+MOMENT_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+LOWFP_GROUP_KEYS = ("extra_bits", "rounding", "state_dtype", "param_dtype",  # not torch.optim's
                      "weight_format")
-_EXTRA_KEYS = ("extra", "extra_bits", "rounding", "param_dtype", "extra_dim_order", "weight_format")
+EXTRA_KEYS = ("extra", "extra_bits", "rounding", "param_dtype", "extra_dim_order", "weight_format")
 
 
 
-def _from_torch_state(state: dict, state_dtype: torch.dtype) -> None:
+def from_torch_state(state: dict, state_dtype: torch.dtype) -> None:
     """A parameter's state as torch.optim saved it, made this optimizer's: moments in
     state_dtype, the step count a float32 CPU tensor (a plain number in old torch.optim)."""
-    for key in _MOMENT_KEYS:
+    for key in MOMENT_KEYS:
         if torch.is_tensor(state.get(key)) and state[key].is_floating_point():
             state[key] = state[key].to(state_dtype)
     if "step" in state and not torch.is_tensor(state["step"]):
         state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
 
 
-META_INDEX = -2  # _check_buffers' index of the meta device (whose get_device() is -1, the CPU's)
+META_INDEX = -2  # check_buffers' index of the meta device (whose get_device() is -1, the CPU's)
 
 
 def device_index(t: torch.Tensor) -> int:
-    """_check_buffers' index of t's device."""
+    """check_buffers' index of t's device."""
     return META_INDEX if t.is_meta else t.get_device()
 
 
@@ -41,7 +41,7 @@ def _on(t: torch.Tensor, index: int) -> bool:
     return t.is_meta if index == META_INDEX else t.get_device() == index
 
 
-def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
+def check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
                    moments: Optional[Sequence[torch.Tensor]] = None) -> int:
     """The fused kernels trust every buffer's size, dtype and device. A parameter whose ``.data``
     was replaced, a changed group setting or state loaded from another model must fail here, not
@@ -54,7 +54,7 @@ def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
     ``get_device()`` for a CUDA one, ``is_meta`` for a meta one; torch.device objects
     and shapes are built only once something is wrong."""
     n, cpu, param_dtype = p.numel(), index == -1, p.dtype
-    if param_dtype not in _PARAM_DTYPES:
+    if param_dtype not in PARAM_DTYPES:
         raise TypeError(f"a parameter of shape {tuple(p.shape)} now has dtype {p.dtype}; extra bits "
                         "need float16 or bfloat16 parameters")
     if not (p.is_cpu if cpu else _on(p, index)):
@@ -78,7 +78,7 @@ def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
                              f"{state.get('weight_format')!r} to {group.get('weight_format')!r} "
                              "after its extra bits were created; build a new optimizer instead")
         if state.get("param_dtype", param_dtype) is not param_dtype:
-            _check_param_dtype(p, state)
+            check_param_dtype(p, state)
         want = packed_words(n, k, rounding)
         if (extra.dtype is not torch.int32 or extra.numel() != want
                 or not (extra.is_cpu if cpu else _on(extra, index))
@@ -89,18 +89,18 @@ def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
                              f"{rounding!r}); was its .data replaced, or state loaded from another "
                              "model?")
         if state.get("extra_dim_order") != order:
-            raise _LayoutChanged
+            raise LayoutChanged
     if moments is None:
-        moments = [state[key] for key in _MOMENT_KEYS if torch.is_tensor(state.get(key))]
+        moments = [state[key] for key in MOMENT_KEYS if torch.is_tensor(state.get(key))]
     dtype = group["state_dtype"]
     for t in moments:
         # a moment of another shape (state edited by hand) is read in its row-major order
-        laid_out = t.is_contiguous() if row_major else t.shape == p.shape and _same_memory_order(t, p)
+        laid_out = t.is_contiguous() if row_major else t.shape == p.shape and same_memory_order(t, p)
         if not laid_out and t.shape == p.shape:
-            raise _LayoutChanged
+            raise LayoutChanged
         if (t.dtype is not dtype or t.numel() != n or not laid_out
                 or not (t.is_cpu if cpu else _on(t, index))):
-            key = next((key for key in _MOMENT_KEYS if state.get(key) is t
+            key = next((key for key in MOMENT_KEYS if state.get(key) is t
                         or getattr(state.get(key), "_local_tensor", None) is t), "a moment")
             raise ValueError(f"state {key!r} of a parameter of shape {tuple(p.shape)} is a "
                              f"{tuple(t.shape)} {t.dtype} tensor on {t.device}, but the step needs a "
@@ -110,7 +110,7 @@ def _check_buffers(p: torch.Tensor, state: dict, group: dict, index: int,
     return n
 
 
-def _check_param_dtype(p: torch.Tensor, state: dict) -> None:
+def check_param_dtype(p: torch.Tensor, state: dict) -> None:
     """Extra bits extend the 16-bit type they were split from: read with another (model.half()
     on a bfloat16 model after the optimizer was made) they would give a wrong master weight, and
     the right one cannot be recovered from the converted weights."""
@@ -122,15 +122,15 @@ def _check_param_dtype(p: torch.Tensor, state: dict) -> None:
                         "converted weights: convert the model before building the optimizer")
 
 
-class _LayoutChanged(ValueError):
+class LayoutChanged(ValueError):
     """A parameter's memory order is not its extra bits' or moments' (model.to(memory_format=...)
-    since they were made): _match_layout moves them."""
+    since they were made): match_layout moves them."""
 
     def __init__(self):
         super().__init__("a parameter's memory layout changed since its optimizer state was made")
 
 
-def _record_order(state: dict, order: Optional[Tuple[int, ...]]) -> None:
+def record_order(state: dict, order: Optional[Tuple[int, ...]]) -> None:
     """Notes the memory order its extra bits are packed in; none for row-major (contiguous)."""
     if order is None:
         state.pop("extra_dim_order", None)
@@ -138,17 +138,17 @@ def _record_order(state: dict, order: Optional[Tuple[int, ...]]) -> None:
         state["extra_dim_order"] = order
 
 
-def _same_memory_order(t: torch.Tensor, p: torch.Tensor) -> bool:
+def same_memory_order(t: torch.Tensor, p: torch.Tensor) -> bool:
     """Whether t (of p's shape) has p's strides, except on dims of size 1, which do not move."""
     ts, ps = t.stride(), p.stride()
     return ts == ps or all(a == b for a, b, size in zip(ts, ps, p.shape) if size > 1)
 
 
-def _match_layout(p: torch.Tensor, state: dict) -> None:
+def match_layout(p: torch.Tensor, state: dict) -> None:
     """Moves a parameter's extra bits and moments into its current memory order: after
     ``model.to(memory_format=...)``, or state loaded from a model laid out otherwise. Exact: the
     packed bits of each element move with it (so a stochastic flag stays with its weight).
-    Buffers of the wrong size are left for _check_buffers to refuse."""
+    Buffers of the wrong size are left for check_buffers to refuse."""
     order = memory_order(p)
     extra, old = state.get("extra"), state.get("extra_dim_order")
     if extra is not None and old != order:
@@ -161,12 +161,12 @@ def _match_layout(p: torch.Tensor, state: dict) -> None:
             state["extra"] = reorder_packed(extra, p.shape, state.get("extra_bits"),
                                             state.get("rounding"), old, order)
         except (TypeError, ValueError):
-            pass  # words that do not fit: _check_buffers refuses them, saying what they are
+            pass  # words that do not fit: check_buffers refuses them, saying what they are
         else:
-            _record_order(state, order)
-    for key in _MOMENT_KEYS:
+            record_order(state, order)
+    for key in MOMENT_KEYS:
         t = state.get(key)
-        if torch.is_tensor(t) and t.shape == p.shape and not _same_memory_order(t, p):
+        if torch.is_tensor(t) and t.shape == p.shape and not same_memory_order(t, p):
             state[key] = torch.empty_like(p, dtype=t.dtype).copy_(t)
 
 

@@ -6,7 +6,7 @@ import torch
 
 from .._checks import is_real
 
-def _check_torch_switches(foreach, fused, differentiable, capturable=False):
+def check_torch_switches(foreach, fused, differentiable, capturable=False):
     """torch.optim's implementation switches, accepted so that torch.optim code runs unchanged.
     foreach and fused change nothing here: each group is always stepped by lowfp's fused kernel.
     Autograd through the step and CUDA-graph capture are not supported."""
@@ -21,7 +21,7 @@ def _check_torch_switches(foreach, fused, differentiable, capturable=False):
                          "are computed on the host, so the step cannot be captured in a CUDA graph")
 
 
-def _hyperparameter(value, name: str):
+def hyperparameter(value, name: str):
     """A float, or a 1-element tensor as torch.optim allows for lr and betas (kept as a 0-d
     tensor, which LR schedulers fill in place). The step reads it as a Python float, as torch's
     default CPU step does (a CUDA tensor is read once per group and step, which waits for it)."""
@@ -35,13 +35,13 @@ def _hyperparameter(value, name: str):
     return value
 
 
-def _check_bool(group: dict, name: str) -> None:
+def check_bool(group: dict, name: str) -> None:
     value = group[name]
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
-def _check_real(group: dict, name: str, message: str) -> None:
+def check_real(group: dict, name: str, message: str) -> None:
     """A real number >= 0; NaN is refused too, as torch.optim's ``not 0.0 <= x`` does."""
     value = group[name]
     if not is_real(value):
@@ -50,11 +50,11 @@ def _check_real(group: dict, name: str, message: str) -> None:
         raise ValueError(f"{message}: {value} ({name} must be >= 0)")
 
 
-def _check_common(group: dict) -> None:
+def check_common(group: dict) -> None:
     """lr (a float or a 1-element tensor, kept as a 0-d tensor) and weight_decay, in place."""
-    group["lr"] = _hyperparameter(group["lr"], "lr")
+    group["lr"] = hyperparameter(group["lr"], "lr")
     if not 0.0 <= group["lr"]:
         raise ValueError(f"Invalid learning rate: {group['lr']} (lr must be >= 0)")
-    _check_real(group, "weight_decay", "Invalid weight_decay value")
+    check_real(group, "weight_decay", "Invalid weight_decay value")
 
 
