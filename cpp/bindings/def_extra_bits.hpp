@@ -30,6 +30,16 @@ inline const FormatSpec* grid_spec(const pybind11::tuple& grid, FormatSpec& spec
   return &spec;
 }
 
+// The extra-bits parameters of weights of dtype code `weights` rounded by rounding code
+// `rounding` to their grid (grid_spec), the codes checked.
+inline ExtraBitsParams extra_bits_params(int32_t weights, int32_t k, const pybind11::tuple& grid,
+                                         int32_t rounding) {
+  if (weights < 0 || weights > 3 || rounding < 0 || rounding > 5)
+    throw std::invalid_argument("bad dtype or rounding code");
+  FormatSpec spec;
+  return make_extra_bits_params(DType(weights), k, Rounding(rounding), grid_spec(grid, spec));
+}
+
 // slots: (w16, grad, words, state0, state1, state2, n, rand_element) per parameter.
 // hyper: the module's SgdHyper (opt 0) or AdamHyper (opt 1).
 inline ExtraBitsStep make_extra_bits_step(int32_t opt, int32_t weights, int32_t k,
@@ -37,10 +47,8 @@ inline ExtraBitsStep make_extra_bits_step(int32_t opt, int32_t weights, int32_t 
                                           int32_t state, const pybind11::object& hyper, uint64_t seed,
                                           const pybind11::list& slots) {
   ExtraBitsStep s{};
-  if (weights < 0 || weights > 3 || state < 0 || state > 3 || rounding < 0 || rounding > 5)
-    throw std::invalid_argument("bad dtype or rounding code");
-  FormatSpec spec;
-  s.e = make_extra_bits_params(DType(weights), k, Rounding(rounding), grid_spec(grid, spec));
+  if (state < 0 || state > 3) throw std::invalid_argument("bad dtype code");
+  s.e = extra_bits_params(weights, k, grid, rounding);
   s.mode = Rounding(rounding);
   s.weights = DType(weights);
   s.state = DType(state);
@@ -74,11 +82,7 @@ void def_extra_bits(pybind11::module_& mod, Split split, Merge merge, Step step)
                                       int64_t n, int32_t k, const pybind11::tuple& grid,
                                       int32_t rounding, uint64_t seed, uint64_t offset,
                                       uintptr_t counts, int32_t device, uintptr_t stream) {
-    if (weights < 0 || weights > 3 || rounding < 0 || rounding > 5)
-      throw std::invalid_argument("bad dtype or rounding code");
-    FormatSpec spec;
-    const ExtraBitsParams e =
-        make_extra_bits_params(DType(weights), k, Rounding(rounding), grid_spec(grid, spec));
+    const ExtraBitsParams e = extra_bits_params(weights, k, grid, rounding);
     const ExtraBitsSplit a{as_ptr<const float>(w32), as_ptr<void>(w16), as_ptr<uint32_t>(words), n,
                            seed, offset};
     pybind11::gil_scoped_release release;
@@ -87,11 +91,7 @@ void def_extra_bits(pybind11::module_& mod, Split split, Merge merge, Step step)
   mod.def("extra_bits_merge", [merge](uintptr_t w16, int32_t weights, uintptr_t words, uintptr_t w32,
                                       int64_t n, int32_t k, const pybind11::tuple& grid,
                                       int32_t rounding, int32_t device, uintptr_t stream) {
-    if (weights < 0 || weights > 3 || rounding < 0 || rounding > 5)
-      throw std::invalid_argument("bad dtype or rounding code");
-    FormatSpec spec;
-    const ExtraBitsParams e =
-        make_extra_bits_params(DType(weights), k, Rounding(rounding), grid_spec(grid, spec));
+    const ExtraBitsParams e = extra_bits_params(weights, k, grid, rounding);
     const ExtraBitsMerge a{as_ptr<const void>(w16), as_ptr<const uint32_t>(words), as_ptr<float>(w32), n};
     pybind11::gil_scoped_release release;
     merge(e, a, device, stream);
