@@ -5,6 +5,7 @@
 #pragma once
 #include <pybind11/pybind11.h>
 
+#include "lowfp/accumulate.hpp"
 #include "lowfp/format.hpp"
 #include "lowfp/optim_math.hpp"
 #include "lowfp/scaled.hpp"
@@ -53,6 +54,17 @@ inline void def_contract(pybind11::module_& mod) {
       .value("nearest", ScaleRule::Format,
              "a scale in a format S: round_S(a / max_E) to nearest, saturating, never 0");
   mod.attr("SCALED_MAX_ELEMENT_MANTISSA") = kScaledMaxElementMantissa;
+  py::enum_<AccumulateOrder>(mod, "AccumulateOrder", py::module_local(),
+                             "the order of a GEMM's additions for each output element (§10)")
+      .value("sequential", AccumulateOrder::Sequential,
+             "s_0 = +0, s_k = round(s_{k-1} + p_k) for k = 1..K")
+      .value("pairwise", AccumulateOrder::Pairwise,
+             "a tree whose left subtrees hold a power of two of leaves: round(p_k) at each leaf, "
+             "round(left + right) at each node")
+      .value("blocked", AccumulateOrder::Blocked,
+             "blocks of `block` products summed sequentially, each block's sum added to an outer "
+             "sum rounded to nearest in the outer format");
+  mod.attr("ACCUMULATE_MAX_MANTISSA") = kAccumulateMaxMantissa;
   py::class_<FormatSpec>(mod, "FormatSpec", py::module_local(),
                          "a format's encoding (§2): e exponent bits, m mantissa bits, extra bias b")
       .def(py::init([](int32_t e, int32_t m, int32_t b, Specials specials, bool subnormals) {

@@ -2,6 +2,8 @@
 // argument checking with user-facing messages happens in python/lowfp.
 #include <pybind11/pybind11.h>
 
+#include "accumulate_cpu.hpp"
+#include "def_accumulate.hpp"
 #include "def_extra_bits.hpp"
 #include "def_quantize.hpp"
 #include "def_scaled.hpp"
@@ -93,6 +95,9 @@ PYBIND11_MODULE(_C, mod) {
     return std::string(scaled_strategy_name(ScaledStrategy(s)));
   });
   def_hadamard(mod, [](const HadamardCall& call, int32_t, uintptr_t) { hadamard_cpu(call); });
+  def_accumulate(mod, [](const AccumulateCall& call, int64_t* counts, int32_t, uintptr_t) {
+    accumulate_cpu(call, counts);
+  });
   def_extra_bits(
       mod,
       [](const ExtraBitsParams& e, Rounding mode, const ExtraBitsSplit& a, int64_t* counts, int32_t,

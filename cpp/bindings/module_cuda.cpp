@@ -3,6 +3,8 @@
 // and nothing waits for them.
 #include <pybind11/pybind11.h>
 
+#include "accumulate_cuda.hpp"
+#include "def_accumulate.hpp"
 #include "def_extra_bits.hpp"
 #include "def_quantize.hpp"
 #include "def_scaled.hpp"
@@ -21,6 +23,7 @@ PYBIND11_MODULE(_C_cuda, mod) {
       [](const lowfp::ScaledCall& call, const lowfp::NoForms&, double* tensor_scale, int64_t* counts,
          int32_t device, uintptr_t stream) { lowfp::scaled_cuda(call, tensor_scale, counts, device, stream); });
   lowfp::def_hadamard(mod, &lowfp::hadamard_cuda);
+  lowfp::def_accumulate(mod, &lowfp::accumulate_cuda);
   lowfp::def_extra_bits(mod, &lowfp::extra_bits_split_cuda, &lowfp::extra_bits_merge_cuda,
                         &lowfp::extra_bits_step_cuda);
   // lowfp._C's any_non_finite on the device, with the zeroed scratch words it keeps zero

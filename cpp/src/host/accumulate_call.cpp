@@ -1,0 +1,55 @@
+#include "accumulate_call.hpp"
+
+#include <stdexcept>
+#include <string>
+
+namespace lowfp {
+
+namespace {
+
+void check_format(const FormatSpec& f, const char* what) {
+  if (int32_t(f.specials) < 0 || int32_t(f.specials) >= kSpecialsCodes)
+    throw std::invalid_argument("bad specials code");
+  std::string bad = spec_error(f);
+  if (bad.empty()) bad = fit_error(f, DType::Float32);
+  if (!bad.empty()) throw std::invalid_argument(std::string(what) + ": " + bad);
+}
+
+}  // namespace
+
+AccumulateParams prepare_accumulate(const AccumulateRequest& r) {
+  for (Overflow o : {r.overflow, r.product_overflow, r.outer_overflow})
+    if (int32_t(o) < 0 || int32_t(o) > 2) throw std::invalid_argument("bad overflow code");
+  if (int32_t(r.mode) < 0 || int32_t(r.mode) > 5) throw std::invalid_argument("bad rounding code");
+  if (int32_t(r.order) < 0 || int32_t(r.order) > 2) throw std::invalid_argument("bad order code");
+  if (r.dtype != DType::Float32 && r.dtype != DType::BFloat16 && r.dtype != DType::Float16)
+    throw std::invalid_argument("accumulation takes float32, bfloat16 or float16 operands");
+  check_format(r.accumulator, "accumulator");
+  if (r.accumulator.m > kAccumulateMaxMantissa)
+    throw std::invalid_argument("an accumulator format has at most " +
+                                std::to_string(kAccumulateMaxMantissa) + " mantissa bits");
+  if (r.sr_bits < 1 || r.sr_bits > 32)
+    throw std::invalid_argument("sr_bits must be between 1 and 32, got " + std::to_string(r.sr_bits));
+  if (r.order == AccumulateOrder::Blocked && r.block < 1)
+    throw std::invalid_argument("a blocked order needs a block of at least 1 product");
+  if (r.order == AccumulateOrder::Pairwise && r.compensated)
+    throw std::invalid_argument("compensated accumulation is sequential (or blocked), not pairwise");
+  AccumulateParams p{};
+  p.acc = make_round_params<uint64_t>(r.accumulator, r.overflow, r.mode, r.sr_bits);
+  p.has_product = r.has_product;
+  if (r.has_product) {
+    check_format(r.product, "product");
+    p.product = make_round_params<uint64_t>(r.product, r.product_overflow, Rounding::Nearest, 32);
+  }
+  if (r.order == AccumulateOrder::Blocked) {
+    check_format(r.outer, "outer");
+    p.outer = make_round_params<uint64_t>(r.outer, r.outer_overflow, Rounding::Nearest, 32);
+  }
+  p.order = r.order;
+  p.block = r.block;
+  p.compensated = r.compensated;
+  p.mode = r.mode;
+  return p;
+}
+
+}  // namespace lowfp

@@ -1,0 +1,47 @@
+// One emulated-accumulation GEMM (docs/design.md §10) as the drivers see it: batches of
+// C (m × n, float32, contiguous) = A (m × k) · B (k × n), A and B of one storage type with any
+// strides, each output element summed by accumulate_element.
+#pragma once
+#include <cstdint>
+
+#include "lowfp/accumulate.hpp"
+#include "lowfp/format.hpp"
+
+namespace lowfp {
+
+// An accumulation as the caller asks for it, without its buffers: lowfp prepares one per
+// (Accumulate, dtype) and reuses it.
+struct AccumulateRequest {
+  FormatSpec accumulator;
+  Overflow overflow;
+  Rounding mode;
+  int32_t sr_bits;
+  AccumulateOrder order;
+  int64_t block;        // Blocked: products per block (>= 1); else unused
+  bool compensated;
+  bool has_product;
+  FormatSpec product;   // when has_product: the products' format (nearest) ...
+  Overflow product_overflow;  // ... and its overflow policy
+  FormatSpec outer;     // Blocked: the outer sum's format (nearest) ...
+  Overflow outer_overflow;    // ... and its overflow policy
+  DType dtype;          // A's and B's (not float64: products must be exact in float64)
+};
+
+struct AccumulateCall {
+  AccumulateParams p;
+  DType dtype;
+  const void* a;
+  const void* b;
+  float* c;
+  int64_t batch, m, n, k;
+  int64_t a_batch, a_row, a_k;  // A's strides in elements: batch, row, reduction
+  int64_t b_batch, b_k, b_col;  // B's: batch, reduction, column
+  uint64_t seed, offset;        // stochastic: element e = (batch · m + i) · n + j's t-th rounding
+                                // takes word w = e · accumulate_roundings(p, k) + t: word w % 4
+                                // of Philox block offset + w / 4
+};
+
+// Checks r (std::invalid_argument: pybind11's ValueError) and builds the parameters.
+AccumulateParams prepare_accumulate(const AccumulateRequest& r);
+
+}  // namespace lowfp

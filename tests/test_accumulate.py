@@ -1,0 +1,322 @@
+"""GEMMs with emulated accumulation (docs/design.md §10) against a slow exact reference: each
+product exact (or rounded to the product format), each addition's exact sum (Fractions) rounded
+once to the accumulator format, in the order the spec fixes, with the spec's Philox words."""
+
+import math
+import struct
+from fractions import Fraction
+
+import pytest
+import torch
+
+import lowfp
+from lowfp import Accumulate, AccumulateStats
+from reference import Spec, code_is_odd, exceeds_max, overflow_result, philox_word, round_exact
+
+
+def spec_of(fmt: lowfp.Format) -> Spec:
+    return Spec(fmt.e, fmt.m, fmt.b, fmt.specials, fmt.subnormals)
+
+
+def bits(v: float) -> int:
+    return struct.unpack("<Q", struct.pack("<d", v))[0]
+
+
+def floor_log2(x: Fraction) -> int:
+    e = x.numerator.bit_length() - x.denominator.bit_length()
+    return e if Fraction(2) ** e <= x else e - 1
+
+
+def round_fraction(x: Fraction, spec: Spec, mode: str, policy: str, word: int, sr_bits: int):
+    """(value, event): the nonzero exact x rounded to the format (docs/design.md §3)."""
+    a = abs(x)
+    qe = max(floor_log2(a), spec.emin) - spec.m
+    scaled = a / Fraction(2) ** qe
+    k = math.floor(scaled)
+    f = scaled - k
+    neg = x < 0
+    if mode == "nearest":
+        up = f > Fraction(1, 2) or (f == Fraction(1, 2) and code_is_odd(k, qe, spec))
+    elif mode == "nearest_away":
+        up = f >= Fraction(1, 2)
+    elif mode == "toward_zero":
+        up = False
+    elif mode == "up":
+        up = f > 0 and not neg
+    elif mode == "down":
+        up = f > 0 and neg
+    else:
+        up = (word >> (32 - sr_bits)) < math.floor(f * 2 ** sr_bits)
+    if exceeds_max(k + up, qe, spec):
+        return overflow_result(float(x), spec, mode, policy), "overflow"
+    if k + up == 0:
+        return (0.0 if spec.unsigned_zero else math.copysign(0.0, -1.0 if neg else 1.0)), "underflow"
+    v = math.ldexp(k + up, qe)
+    return (-v if neg else v), None
+
+
+class Element:
+    """The reference sum of one output element: its roundings counted, its words drawn in order."""
+
+    def __init__(self, acc: Accumulate, seed: int, first_word: int, counts: list):
+        self.acc, self.seed, self.word, self.counts = acc, seed, first_word, counts
+        self.spec = spec_of(acc.fmt)
+        self.policy = acc.overflow or acc.fmt.overflow
+
+    def count(self, event):
+        self.counts[3] += 1
+        if event in ("overflow", "underflow", "nan"):
+            self.counts[("overflow", "underflow", "nan").index(event)] += 1
+
+    def rounded(self, x, spec, mode, policy, words=True):
+        """x (a float, or an exact Fraction when finite) rounded; specials as round_exact."""
+        word = 0
+        if words and mode == "stochastic":
+            word = philox_word(self.seed, 0, self.word)
+            self.word += 1
+        if isinstance(x, float):
+            if math.isnan(x) or math.isinf(x):
+                v, ev = round_exact(x, spec, "nearest" if mode == "stochastic" else mode, policy)
+                self.count(ev)
+                return v
+            if x == 0:
+                self.count(None)
+                return 0.0 if spec.unsigned_zero else x
+            x = Fraction(x)
+        v, ev = round_fraction(x, spec, mode, policy, word, self.acc.sr_bits)
+        self.count(ev)
+        return v
+
+    def add(self, a: float, b: float, spec=None, mode=None, policy=None, words=True):
+        spec = spec or self.spec
+        mode = mode or self.acc.rounding
+        policy = policy or self.policy
+        if not (math.isfinite(a) and math.isfinite(b)):
+            return self.rounded(a + b, spec, mode, policy, words)
+        exact = Fraction(a) + Fraction(b)
+        if exact == 0:  # +0, or -0 when both addends are -0
+            zero = -0.0 if math.copysign(1, a) < 0 and math.copysign(1, b) < 0 else 0.0
+            return self.rounded(zero, spec, mode, policy, words)
+        return self.rounded(exact, spec, mode, policy, words)
+
+    def add_counted(self, s, y, **kw):
+        t = self.add(s, y, **kw)
+        self.counts[4] += int(y != 0 and bits(t) == bits(s))
+        return t
+
+
+def reference_gemm(a: torch.Tensor, b: torch.Tensor, acc: Accumulate, seed: int):
+    """(C as float32, counts [overflow, underflow, nan, roundings, swamped])."""
+    a64, b64 = a.double().tolist(), b.double().tolist()
+    m, k = a.shape
+    n = b.shape[1]
+    per_element = (2 * k - 1 if k else 0) if acc.order == "pairwise" else (4 * k if acc.compensated else k)
+    counts = [0] * 5
+    out = torch.empty(m, n, dtype=torch.float32)
+    for i in range(m):
+        for j in range(n):
+            el = Element(acc, seed, (i * n + j) * per_element, counts)
+
+            def product(kk):
+                p = a64[i][kk] * b64[kk][j]  # exact
+                if acc.product is not None:
+                    return el.rounded(p, spec_of(acc.product), "nearest", acc.product.overflow, words=False)
+                return p
+
+            def sequential(k0, k1):
+                s = c = 0.0
+                for kk in range(k0, k1):
+                    q = product(kk)
+                    if acc.compensated:
+                        y = el.add(q, -c)
+                        t = el.add_counted(s, y)
+                        c = el.add(el.add(t, -s), -y)
+                        s = t
+                    else:
+                        s = el.add_counted(s, q)
+                return s
+
+            def tree(k0, k1):  # post-order; the left subtree a power of two of leaves
+                if k1 - k0 == 1:
+                    return el.rounded(product(k0), el.spec, acc.rounding, el.policy)
+                half = 1 << ((k1 - k0 - 1).bit_length() - 1)
+                left = tree(k0, k0 + half)
+                right = tree(k0 + half, k1)
+                return el.add_counted(left, right)
+
+            if acc.order == "sequential":
+                v = sequential(0, k)
+            elif acc.order == "pairwise":
+                v = tree(0, k) if k else 0.0
+            else:
+                v = 0.0
+                for k0 in range(0, k, acc.block):
+                    inner = sequential(k0, min(k, k0 + acc.block))
+                    v = el.add_counted(v, inner, spec=spec_of(acc.outer), mode="nearest",
+                                       policy=acc.outer.overflow, words=False)
+            out[i, j] = v
+    return out, counts
+
+
+def operands(m, k, n, dtype, seed, spread=12):
+    """Values of many magnitudes (so that sums swamp), zeros and exact ties of small formats."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-spread, spread, (m, k), generator=g).float())
+    b = torch.randn(k, n, generator=g) * torch.exp2(torch.randint(-spread, spread, (k, n), generator=g).float())
+    a[0, :3] = torch.tensor([0.0, 1.0, -0.0])[:min(3, k)]
+    b[:2, 0] = torch.tensor([0.5, 0.25])[:min(2, k)]
+    return a.to(dtype), b.to(dtype)
+
+
+E5M10 = lowfp.Format(5, 10, 0, specials="ieee")
+E8M7 = lowfp.Format(8, 7, 0, specials="ieee")
+FORMATS = [lowfp.Format(4, 3, 4), lowfp.Format(5, 2, 0), E5M10, E8M7, lowfp.Format(8, 13, 0, specials="ieee")]
+ACCUMULATIONS = [
+    dict(order="sequential"),
+    dict(order="pairwise"),
+    dict(order="blocked", block=4),
+    dict(order="sequential", compensated=True),
+    dict(order="blocked", block=5, compensated=True),
+    dict(order="sequential", product="float8_e4m3fn"),
+    dict(order="blocked", block=3, outer=E5M10),
+]
+
+
+def check(a, b, acc, seed=11):
+    want, want_counts = reference_gemm(a, b, acc, seed)
+    st = AccumulateStats()
+    got = lowfp.gemm(a, b, acc, seed=seed, stats=st)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (acc, got, want)
+    assert st.counts.tolist() == want_counts, (acc, st.counts.tolist(), want_counts)
+    return want_counts
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("options", ACCUMULATIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_every_order_equals_the_exact_reference(fmt, options):
+    a, b = operands(3, 37, 2, torch.float32, seed=fmt.m + 7 * len(options))
+    check(a, b, Accumulate(fmt, **options))
+
+
+@pytest.mark.parametrize("rounding", lowfp.ROUNDING_MODES)
+@pytest.mark.parametrize("order", ["sequential", "pairwise", "blocked"])
+def test_every_rounding_mode_equals_the_exact_reference(rounding, order):
+    a, b = operands(2, 29, 3, torch.float32, seed=3)
+    block = 6 if order == "blocked" else None
+    counts = check(a, b, Accumulate(lowfp.Format(5, 2, 0), order=order, block=block, rounding=rounding))
+    assert counts[4] > 0  # (swamped additions: the test sees them)
+
+
+@pytest.mark.parametrize("sr_bits", [1, 7, 32])
+def test_stochastic_rounding_with_fewer_random_bits(sr_bits):
+    a, b = operands(2, 21, 2, torch.float32, seed=4)
+    check(a, b, Accumulate(E8M7, rounding="stochastic", sr_bits=sr_bits, compensated=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_operands(dtype):
+    a, b = operands(3, 17, 4, dtype, seed=5, spread=4)
+    check(a, b, Accumulate(lowfp.Format(4, 3, 4), order="pairwise", rounding="stochastic"))
+
+
+@pytest.mark.parametrize("policy", ["saturate", "inf", "nan"])
+def test_overflow_and_special_values(policy):
+    a, b = operands(2, 9, 3, torch.float32, seed=6, spread=2)
+    a = a * 64
+    a[1, 2], b[4, 1] = float("inf"), float("nan")
+    counts = check(a, b, Accumulate(lowfp.Format(4, 3, 4), overflow=policy))
+    assert counts[0] > 0 and counts[2] > 0
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "up", "stochastic"])
+def test_each_sum_is_rounded_once(rounding):
+    # s = 1 + 2^-13 (odd in fp(8,13)), p = (1 - 2^-46) 2^-14: the exact sum lies 2^-60 below the
+    # midpoint 1 + 2^-13 + 2^-14, where float64's own rounding would land (a tie, to even: up).
+    a = torch.tensor([[1 + 2.0 ** -13, (1 + 2.0 ** -23) * 2.0 ** -7]])
+    b = torch.tensor([[1.0], [(1 - 2.0 ** -23) * 2.0 ** -7]])
+    acc = Accumulate(lowfp.Format(8, 13, 0, specials="ieee"), rounding=rounding)
+    check(a, b, acc)
+    if rounding == "nearest":
+        assert lowfp.gemm(a, b, acc).item() == 1 + 2.0 ** -13
+
+
+def test_an_empty_reduction_sums_to_zero():
+    a, b = torch.ones(2, 0), torch.ones(0, 3)
+    st = AccumulateStats()
+    c = lowfp.gemm(a, b, Accumulate(E8M7), stats=st)
+    assert torch.equal(c, torch.zeros(2, 3)) and st.numel == 0
+
+
+def test_batches_broadcast_and_layouts_do_not_change_bits():
+    acc = Accumulate(E8M7, order="blocked", block=8, rounding="stochastic")
+    a, b = operands(5, 40, 6, torch.float32, seed=8)
+    batch_a = torch.stack([a, a * 2, -a])
+    c = lowfp.gemm(batch_a, b, acc, seed=9)
+    assert c.shape == (3, 5, 6)
+    # element e's words follow its place in the whole (batch, m, n) output
+    first = lowfp.gemm(batch_a[:1], b, acc, seed=9)
+    assert torch.equal(c[0], first[0])
+    # transposed (non-contiguous) operands: the same values, the same bits
+    at = a.t().contiguous().t()
+    bt = b.t().contiguous().t()
+    assert torch.equal(lowfp.gemm(at, bt, acc, seed=9), lowfp.gemm(a, b, acc, seed=9))
+
+
+def test_threads_do_not_change_bits():
+    acc = Accumulate(lowfp.Format(5, 2, 0), rounding="stochastic", compensated=True)
+    a, b = operands(64, 96, 48, torch.float32, seed=10)
+    before = lowfp.get_num_threads()
+    try:
+        lowfp.set_num_threads(1)
+        one = lowfp.gemm(a, b, acc, seed=1)
+        lowfp.set_num_threads(2)
+        two = lowfp.gemm(a, b, acc, seed=1)
+    finally:
+        lowfp.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_float32_is_torchs_gemm():
+    a, b = operands(4, 33, 5, torch.float32, seed=12)
+    assert torch.equal(lowfp.gemm(a, b, Accumulate("float32")), a @ b)
+    assert torch.equal(lowfp.gemm(a, b), a @ b)
+
+
+def test_a_short_accumulator_loses_what_promotion_keeps():
+    # DeepSeek-V3's observation, in miniature: sums of 4096 products kept in ~14 bits drift, and
+    # promoting each block of 128 to float32 brings the error back near the format's own.
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.rand(4, 4096, generator=g), torch.rand(4096, 4, generator=g)
+    exact = a.double() @ b.double()
+    fmt = lowfp.Format(8, 13, 0, specials="ieee")
+    plain = lowfp.gemm(a, b, Accumulate(fmt))
+    promoted = lowfp.gemm(a, b, Accumulate(fmt, order="blocked", block=128))
+    err = lambda c: ((c.double() - exact).abs() / exact.abs()).max().item()  # noqa: E731
+    assert err(plain) > 10 * err(promoted)
+    assert err(promoted) < 2 ** -12
+
+
+def test_arguments_are_checked():
+    a, b = torch.ones(2, 3), torch.ones(3, 2)
+    with pytest.raises(ValueError, match="block"):
+        Accumulate(E8M7, order="blocked")
+    with pytest.raises(ValueError, match="block"):
+        Accumulate(E8M7, block=4)
+    with pytest.raises(ValueError, match="pairwise"):
+        Accumulate(E8M7, order="pairwise", compensated=True)
+    with pytest.raises(ValueError, match="mantissa"):
+        Accumulate(lowfp.Format(8, 23, 0, specials="ieee"))
+    with pytest.raises(ValueError, match="float32's range"):
+        Accumulate(lowfp.Format(9, 4, 0))
+    with pytest.raises(ValueError, match="order"):
+        Accumulate(E8M7, order="kahan")
+    with pytest.raises(TypeError, match="dtype"):
+        lowfp.gemm(a.double(), b.double(), Accumulate(E8M7))
+    with pytest.raises(TypeError, match="dtype"):
+        lowfp.gemm(a, b.half(), Accumulate(E8M7))
+    with pytest.raises(ValueError, match="last dim"):
+        lowfp.gemm(a, a, Accumulate(E8M7))
+    with pytest.raises(TypeError, match="accumulate"):
+        lowfp.gemm(a, b, "fp(5,2,0)")
+    with pytest.raises(TypeError, match="AccumulateStats"):
+        lowfp.gemm(a, b, Accumulate(E8M7), stats=lowfp.Stats())
