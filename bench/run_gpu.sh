@@ -34,7 +34,9 @@ for step in $steps; do
       $PY bench/bench_optim.py --device cuda --repeats 11 --json "$OUT/optim.json" 2>&1 \
         | tee "$OUT/bench_optim.log"
       $PY bench/bench_host.py --device cuda 2>&1 | tee "$OUT/bench_host.log"
-      $PY bench/bench_fused.py --device cuda --numel 67108864 2>&1 | tee "$OUT/bench_fused.log" ;;
+      $PY bench/bench_fused.py --device cuda --numel 67108864 2>&1 | tee "$OUT/bench_fused.log"
+      $PY bench/bench_accumulate.py --device cuda --json "$OUT/accumulate.json" 2>&1 \
+        | tee "$OUT/bench_accumulate.log" ;;
     emulate)
       $PY bench/bench_emulate.py --device cuda --no-compile --repeats 10 --json "$OUT/emulate.json" \
         2>&1 | tee "$OUT/bench_emulate.log"

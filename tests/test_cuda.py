@@ -815,3 +815,23 @@ def test_hadamard_kernel_on_gpu_equals_cpu_and_the_torch_form(dtype):
     y = lowfp.scaled.quantize_scaled(x.cuda(), "nvfp4", "stochastic", seed=1, hadamard_seed=4)
     assert same_bits(y.cpu().nan_to_num(0.0), lowfp.scaled.quantize_scaled(
         x, "nvfp4", "stochastic", seed=1, hadamard_seed=4).nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("options", [
+    dict(), dict(rounding="stochastic"), dict(rounding="toward_zero", product="float8_e4m3fn"),
+    dict(order="blocked", block=128), dict(order="pairwise", rounding="stochastic"),
+    dict(compensated=True, rounding="stochastic"),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accumulation_gives_the_cpus_bits_and_counts(options, dtype):
+    # (docs/design.md §10: one header's arithmetic on both; the GPU runs one element per thread)
+    g = torch.Generator().manual_seed(1)
+    a = (torch.randn(3, 17, 300, generator=g) * 8).to(dtype)
+    b = (torch.randn(300, 40, generator=g) * 8).to(dtype)
+    a[0, 0, :3] = torch.tensor([float("inf"), 0.0, float("nan")])
+    acc = lowfp.Accumulate(lowfp.Format(5, 6, 0, specials="ieee"), **options)
+    st_cpu, st_gpu = lowfp.AccumulateStats(), lowfp.AccumulateStats("cuda")
+    cpu = lowfp.gemm(a, b, acc, seed=5, stats=st_cpu)
+    gpu = lowfp.gemm(a.cuda(), b.t().contiguous().t().cuda(), acc, seed=5, stats=st_gpu)
+    assert same_bits(cpu, gpu.cpu())
+    assert torch.equal(st_cpu.counts, st_gpu.counts.cpu())

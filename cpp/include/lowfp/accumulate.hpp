@@ -39,18 +39,6 @@ struct AccumulateParams {
   Rounding mode;                  // the accumulator's rounding mode
 };
 
-// a + b rounded to odd at 53 bits (a and b finite): the RN sum, moved to its odd neighbour toward
-// the exact sum when inexact (TwoSum gives the error exactly). An exact zero sum is +0, or -0
-// when both addends are -0 (RN's rule). Infinite or NaN operands: the float64 sum.
-LOWFP_HD double sum_to_odd(double a, double b) {
-  const double hi = a + b;
-  const double bv = hi - a;
-  const double lo = (a - (hi - bv)) + (b - bv);  // (a + b) - hi exactly (no overflow: |a|, |b| < 2^300)
-  uint64_t h = bit_cast<uint64_t>(hi);
-  if (lo == lo && lo != 0.0 && (h & 1u) == 0u) h = (lo > 0.0) == (hi > 0.0) ? h + 1u : h - 1u;
-  return bit_cast<double>(h);
-}
-
 // Counts of one element's roundings: events as round_bits sets them, all roundings, and
 // additions whose nonzero addend left the sum as it was (swamped).
 struct AccumulateCounts {
@@ -63,60 +51,23 @@ struct AccumulateCounts {
   }
 };
 
-// v rounded by p (the float64 carrier; any subnormal_exponent).
-template <RoundKind Kind>
-LOWFP_HD double round_in_float64(double v, const RoundParams<uint64_t>& p, uint32_t rand,
-                                 AccumulateCounts& counts) {
-  RoundEvents ev;
-  const uint64_t bits = bit_cast<uint64_t>(v);
-  const uint64_t r = p.subnormal_exponent ? round_bits<Kind, uint64_t, true>(bits, p, rand, ev)
-                                          : round_bits<Kind, uint64_t, false>(bits, p, rand, ev);
-  counts.add(ev);
-  return bit_cast<double>(r);
+// The code below has internal linkage: each file compiled for an instruction-set level (and CUDA)
+// keeps its own copy, where the linker would otherwise keep one of them for all.
+namespace {
+
+// a + b rounded to odd at 53 bits (a and b finite): the RN sum, moved to its odd neighbour toward
+// the exact sum when inexact (TwoSum gives the error exactly). An exact zero sum is +0, or -0
+// when both addends are -0 (RN's rule). Infinite or NaN operands: the float64 sum.
+LOWFP_HD double sum_to_odd(double a, double b) {
+  const double hi = a + b;
+  const double bv = hi - a;
+  const double lo = (a - (hi - bv)) + (b - bv);  // (a + b) - hi exactly (no overflow: |a|, |b| < 2^300)
+  const uint64_t h = bit_cast<uint64_t>(hi);
+  // (branch-free, for the lane loops: whether inexact and even, and the step toward the exact sum)
+  const uint64_t odd_needed = uint64_t(lo != 0.0) & uint64_t(lo == lo) & ~h & 1u;
+  const uint64_t step = select((lo > 0.0) == (hi > 0.0), uint64_t(1), ~uint64_t(0));
+  return bit_cast<double>(h + (step & (uint64_t(0) - odd_needed)));
 }
-
-// The accumulator's roundings of one output element, in order: its t-th takes Philox word
-// word0 + t (element e's word0 = e · its roundings per element, docs/design.md §10).
-template <RoundKind Kind>
-struct Accumulator {
-  const AccumulateParams& p;
-  uint64_t seed, offset, word;  // offset: a Philox block offset; word: the next word's index
-  Philox4x32Block block{};
-  uint64_t block_index = ~uint64_t(0);
-  AccumulateCounts& counts;
-
-  LOWFP_HD uint32_t next_word() {
-    if constexpr (Kind != RoundKind::Stochastic) {
-      return 0u;
-    } else {
-      const uint64_t b = offset + word / 4;
-      if (b != block_index) {
-        block = philox_block(seed, b);
-        block_index = b;
-      }
-      return block.w[word++ % 4];
-    }
-  }
-  // round(a + b) in the accumulator's format
-  LOWFP_HD double add(double a, double b) {
-    const uint32_t r = next_word();
-    return round_in_float64<Kind>(sum_to_odd(a, b), p.acc, r, counts);
-  }
-  LOWFP_HD double round(double v) {
-    const uint32_t r = next_word();
-    return round_in_float64<Kind>(v, p.acc, r, counts);
-  }
-  // s + y, counting a swamped addition
-  LOWFP_HD double add_counted(double s, double y) {
-    const double t = add(s, y);
-    counts.swamped += int64_t(y != 0.0 && bit_cast<uint64_t>(t) == bit_cast<uint64_t>(s));
-    return t;
-  }
-};
-
-// An output element as stored: float32 (exact: every format here fits it); a NaN as the quiet
-// NaN 0x7fc00000, whatever sign or payload the additions left it.
-LOWFP_HD float stored_sum(double v) { return v == v ? float(v) : bit_cast<float>(0x7fc00000u); }
 
 // The accumulator's roundings per output element for K products.
 LOWFP_HD int64_t accumulate_roundings(const AccumulateParams& p, int64_t k) {
@@ -124,67 +75,195 @@ LOWFP_HD int64_t accumulate_roundings(const AccumulateParams& p, int64_t k) {
   return p.compensated ? 4 * k : k;
 }
 
-// One output element: sum over k < K of product(a[k·sa], b[k·sb]) as the params say, its
-// roundings counted into counts; element `e` of the output (its stochastic words).
-template <RoundKind Kind, class In>
-LOWFP_HD double accumulate_element(const AccumulateParams& p, const In* a, int64_t sa, const In* b,
-                                   int64_t sb, int64_t K, uint64_t seed, uint64_t offset, uint64_t e,
-                                   AccumulateCounts& counts) {
-  Accumulator<Kind> acc{p, seed, offset, e * uint64_t(accumulate_roundings(p, K)), {}, ~uint64_t(0),
-                        counts};
-  auto product = [&](int64_t k) {
-    const double x = bit_cast<double>(Widen<uint64_t>::from(a[k * sa]));
-    const double y = bit_cast<double>(Widen<uint64_t>::from(b[k * sb]));
-    const double exact = x * y;  // (at most 48 significand bits)
-    return p.has_product ? round_in_float64<RoundKind::Nearest>(exact, p.product, 0u, counts) : exact;
-  };
-  // Sequential sums of products [k0, k1) from +0, compensated or not
-  auto sequential = [&](int64_t k0, int64_t k1) {
-    double s = 0.0, c = 0.0;
-    for (int64_t k = k0; k < k1; ++k) {
-      const double q = product(k);
-      if (p.compensated) {
-        const double y = acc.add(q, -c);
-        const double t = acc.add_counted(s, y);
-        c = acc.add(acc.add(t, -s), -y);
-        s = t;
-      } else {
-        s = acc.add_counted(s, q);
+// An output element as stored: float32 (exact: every format here fits it); a NaN as the quiet
+// NaN 0x7fc00000, whatever sign or payload the additions left it.
+LOWFP_HD float stored_sum(double v) { return v == v ? float(v) : bit_cast<float>(0x7fc00000u); }
+
+// The sums of kLanes output elements of one row of C, in consecutive columns, side by side: each
+// step is a loop over the lanes, which the CPU's compiler turns into vector instructions (CUDA
+// runs one lane per thread). kSub: the accumulator's RoundParams::subnormal_exponent.
+template <RoundKind Kind, bool kSub, int kLanes>
+struct AccumulateLanes {
+  const AccumulateParams& p;
+  AccumulateCounts& counts;
+  uint64_t seed, offset;
+  uint64_t word[kLanes];  // stochastic: each lane's next word (docs/design.md §10)
+  uint64_t block_index[kLanes];
+  Philox4x32Block block[kLanes];
+
+  LOWFP_HD AccumulateLanes(const AccumulateParams& params, AccumulateCounts& c, uint64_t s, uint64_t o,
+                           uint64_t first_element, int64_t k)
+      : p(params), counts(c), seed(s), offset(o) {
+    const uint64_t per = uint64_t(accumulate_roundings(params, k));
+    for (int l = 0; l < kLanes; ++l) {
+      word[l] = (first_element + uint64_t(l)) * per;
+      block_index[l] = ~uint64_t(0);
+    }
+  }
+
+  // Each lane's next random word (0 unless stochastic).
+  LOWFP_HD void draw(uint32_t (&r)[kLanes]) {
+    for (int l = 0; l < kLanes; ++l) {
+      r[l] = 0u;
+      if constexpr (Kind == RoundKind::Stochastic) {
+        const uint64_t b = offset + word[l] / 4;
+        if (b != block_index[l]) {
+          block[l] = philox_block(seed, b);
+          block_index[l] = b;
+        }
+        r[l] = block[l].w[word[l]++ % 4];
       }
     }
-    return s;
-  };
-  if (p.order == AccumulateOrder::Sequential) return sequential(0, K);
-  if (p.order == AccumulateOrder::Blocked) {
-    double outer = 0.0;
-    for (int64_t k0 = 0; k0 < K; k0 += p.block) {
-      const double inner = sequential(k0, min_of(K, k0 + p.block));
-      const double next = round_in_float64<RoundKind::Nearest>(sum_to_odd(outer, inner), p.outer, 0u, counts);
-      counts.swamped += int64_t(inner != 0.0 && bit_cast<uint64_t>(next) == bit_cast<uint64_t>(outer));
-      outer = next;
+  }
+
+  // out = round_E(v) lane by lane (v: exact, or a sum rounded to odd); with `addend`, an addition
+  // whose addend that is: swamped when nonzero and out equals `before` bit for bit.
+  LOWFP_HD void round(double* out, const double* v, const double* before, const double* addend) {
+    uint32_t r[kLanes];
+    draw(r);
+    // (local arrays, which nothing else points to: the lane loop then vectorises)
+    double in[kLanes], q[kLanes], was[kLanes], added[kLanes];
+    for (int l = 0; l < kLanes; ++l) {
+      in[l] = v[l];
+      was[l] = before != nullptr ? before[l] : 0.0;
+      added[l] = addend != nullptr ? addend[l] : 0.0;
     }
-    return outer;
+    int64_t over = 0, under = 0, nan = 0, swamped = 0;
+    for (int l = 0; l < kLanes; ++l) {
+      RoundEvents ev;
+      q[l] = bit_cast<double>(round_bits<Kind, uint64_t, kSub>(bit_cast<uint64_t>(in[l]), p.acc, r[l], ev));
+      swamped += int64_t(added[l] != 0.0) & int64_t(bit_cast<uint64_t>(q[l]) == bit_cast<uint64_t>(was[l]));
+      over += ev.overflow();
+      under += ev.underflow;
+      nan += ev.nan;
+    }
+    for (int l = 0; l < kLanes; ++l) out[l] = q[l];
+    counts.overflow += over;
+    counts.underflow += under;
+    counts.nan += nan;
+    counts.roundings += kLanes;
+    counts.swamped += swamped;
+  }
+  // out = round_E(x + y), counting a swamped addition
+  LOWFP_HD void add(double* out, const double* x, const double* y) {
+    double v[kLanes], before[kLanes];
+    for (int l = 0; l < kLanes; ++l) {
+      v[l] = sum_to_odd(x[l], y[l]);
+      before[l] = x[l];
+    }
+    round(out, v, before, y);
+  }
+  // out = round_E(x - y), no swamping counted (Kahan's corrections)
+  LOWFP_HD void sub(double* out, const double* x, const double* y) {
+    double v[kLanes];
+    for (int l = 0; l < kLanes; ++l) v[l] = sum_to_odd(x[l], -y[l]);
+    round(out, v, nullptr, nullptr);
+  }
+};
+
+// v rounded to nearest by q (products' and outer sums' formats), counted.
+template <int kLanes>
+LOWFP_HD void round_nearest_lanes(double* out, const double* v, const RoundParams<uint64_t>& q,
+                                  AccumulateCounts& counts) {
+  int64_t over = 0, under = 0, nan = 0;
+  auto lanes = [&](auto sub) {  // (the choice made once, outside the lane loop)
+    double in[kLanes], r[kLanes];
+    for (int l = 0; l < kLanes; ++l) in[l] = v[l];
+    for (int l = 0; l < kLanes; ++l) {
+      RoundEvents ev;
+      r[l] = bit_cast<double>(
+          round_bits<RoundKind::Nearest, uint64_t, decltype(sub)::value>(bit_cast<uint64_t>(in[l]), q, 0u, ev));
+      over += ev.overflow();
+      under += ev.underflow;
+      nan += ev.nan;
+    }
+    for (int l = 0; l < kLanes; ++l) out[l] = r[l];
+  };
+  if (q.subnormal_exponent) lanes(std::true_type{});
+  else lanes(std::false_type{});
+  counts.overflow += over;
+  counts.underflow += under;
+  counts.nan += nan;
+  counts.roundings += kLanes;
+}
+
+// kLanes output elements: lane l sums K products a[k·sa] · b[k·sb + l·sl] as the params say
+// (docs/design.md §10), into out[l]; element first_element + l of the output (its stochastic
+// words); the roundings counted into counts.
+template <RoundKind Kind, bool kSub, int kLanes, class In>
+LOWFP_HD void accumulate_lanes(const AccumulateParams& p, const In* a, int64_t sa, const In* b, int64_t sb,
+                               int64_t sl, int64_t K, uint64_t seed, uint64_t offset,
+                               uint64_t first_element, double (&out)[kLanes], AccumulateCounts& counts) {
+  AccumulateLanes<Kind, kSub, kLanes> acc(p, counts, seed, offset, first_element, K);
+  auto product = [&](int64_t k, double (&q)[kLanes]) {
+    const double x = bit_cast<double>(Widen<uint64_t>::from(a[k * sa]));
+    for (int l = 0; l < kLanes; ++l)
+      q[l] = x * bit_cast<double>(Widen<uint64_t>::from(b[k * sb + l * sl]));  // (exact: 48 bits)
+    if (p.has_product) round_nearest_lanes<kLanes>(q, q, p.product, counts);
+  };
+  // Sequential sums of products [k0, k1) from +0 into s, compensated or not
+  auto sequential = [&](int64_t k0, int64_t k1, double (&s)[kLanes]) {
+    double c[kLanes], q[kLanes], y[kLanes], t[kLanes], d[kLanes];
+    for (int l = 0; l < kLanes; ++l) s[l] = c[l] = 0.0;
+    for (int64_t k = k0; k < k1; ++k) {
+      product(k, q);
+      if (p.compensated) {
+        acc.sub(y, q, c);  // y = round(p - c)
+        acc.add(t, s, y);  // t = round(s + y)
+        acc.sub(d, t, s);  // c = round(round(t - s) - y)
+        acc.sub(c, d, y);
+        for (int l = 0; l < kLanes; ++l) s[l] = t[l];
+      } else {
+        acc.add(s, s, q);
+      }
+    }
+  };
+  if (p.order == AccumulateOrder::Sequential) {
+    sequential(0, K, out);
+    return;
+  }
+  if (p.order == AccumulateOrder::Blocked) {
+    double inner[kLanes], v[kLanes];
+    for (int l = 0; l < kLanes; ++l) out[l] = 0.0;
+    for (int64_t k0 = 0; k0 < K; k0 += p.block) {
+      sequential(k0, min_of(K, k0 + p.block), inner);
+      int64_t swamped = 0;
+      for (int l = 0; l < kLanes; ++l) v[l] = sum_to_odd(out[l], inner[l]);
+      double next[kLanes];
+      round_nearest_lanes<kLanes>(next, v, p.outer, counts);
+      for (int l = 0; l < kLanes; ++l) {
+        swamped += int64_t(inner[l] != 0.0) & int64_t(bit_cast<uint64_t>(next[l]) == bit_cast<uint64_t>(out[l]));
+        out[l] = next[l];
+      }
+      counts.swamped += swamped;
+    }
+    return;
   }
   // Pairwise, as a binary counter: the leaves in order, two subtrees of equal size merged as
   // soon as both exist, the rest merged from the right at the end (the roundings in post-order).
+  // The tree depends on K only, so every lane merges at the same steps.
   constexpr int kDepth = 64;
-  double value[kDepth];
+  double value[kDepth][kLanes];
   int64_t size[kDepth];
   int depth = 0;
   for (int64_t k = 0; k < K; ++k) {
-    value[depth] = acc.round(product(k));
+    double q[kLanes];
+    product(k, q);
+    acc.round(value[depth], q, nullptr, nullptr);
     size[depth++] = 1;
     while (depth >= 2 && size[depth - 1] == size[depth - 2]) {
-      value[depth - 2] = acc.add_counted(value[depth - 2], value[depth - 1]);
+      acc.add(value[depth - 2], value[depth - 2], value[depth - 1]);
       size[depth - 2] *= 2;
       --depth;
     }
   }
   while (depth >= 2) {
-    value[depth - 2] = acc.add_counted(value[depth - 2], value[depth - 1]);
+    acc.add(value[depth - 2], value[depth - 2], value[depth - 1]);
     --depth;
   }
-  return depth == 1 ? value[0] : 0.0;
+  for (int l = 0; l < kLanes; ++l) out[l] = depth == 1 ? value[0][l] : 0.0;
 }
+
+}  // namespace
 
 }  // namespace lowfp

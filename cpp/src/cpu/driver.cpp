@@ -12,7 +12,7 @@ namespace {
     ns::quantize_range, ns::s2fp8_reduce_range, ns::s2fp8_transform_range,         \
         ns::extra_bits_step_range, ns::extra_bits_split_range, ns::extra_bits_merge_range, \
         ns::any_non_finite_range, ns::scaled_amax_range, ns::scaled_scales_range,         \
-        ns::scaled_elements_range, name                                                  \
+        ns::scaled_elements_range, ns::accumulate_range, name                            \
   }
 
 bool cpu_has(const char* level) {

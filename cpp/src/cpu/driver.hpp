@@ -25,6 +25,7 @@ struct Kernel {
   void (*scaled_scales)(const ScaledCall&, double, int64_t, int64_t, int64_t&);
   void (*scaled_elements)(const ScaledCall&, const ScaledCpuForms&, const ScaledPlan&, int64_t, int64_t,
                           EventCounts&);
+  void (*accumulate)(const AccumulateCall&, int64_t, int64_t, AccumulateCounts&);
   const char* name;
 };
 

@@ -12,6 +12,9 @@
 
 namespace lowfp {
 
+struct AccumulateCall;    // accumulate_call.hpp
+struct AccumulateCounts;  // lowfp/accumulate.hpp
+
 struct EventCounts {
   int64_t overflow = 0, underflow = 0, nan = 0;
   void add(const EventCounts& o) { overflow += o.overflow; underflow += o.underflow; nan += o.nan; }
@@ -35,6 +38,7 @@ constexpr int64_t kTile = 2048;
   void scaled_scales_range(const ScaledCall&, double, int64_t, int64_t, int64_t&);            \
   void scaled_elements_range(const ScaledCall&, const ScaledCpuForms&, const ScaledPlan&, int64_t, \
                              int64_t, EventCounts&);                                          \
+  void accumulate_range(const AccumulateCall&, int64_t, int64_t, AccumulateCounts&);           \
   }
 LOWFP_DECLARE_KERNEL(isa_baseline)
 LOWFP_DECLARE_KERNEL(isa_avx2)

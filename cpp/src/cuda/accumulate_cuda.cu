@@ -9,7 +9,7 @@
 namespace lowfp {
 namespace {
 
-template <RoundKind K, class In>
+template <RoundKind K, bool kSub, class In>
 __global__ void __launch_bounds__(kThreads) accumulate_kernel(AccumulateCall c, unsigned long long* counts) {
   const In* a = static_cast<const In*>(c.a);
   const In* b = static_cast<const In*>(c.b);
@@ -18,9 +18,11 @@ __global__ void __launch_bounds__(kThreads) accumulate_kernel(AccumulateCall c, 
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
        e += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = e / c.n, j = e % c.n, batch = r / c.m, i = r % c.m;
-    c.c[e] = stored_sum(accumulate_element<K>(c.p, a + batch * c.a_batch + i * c.a_row, c.a_k,
-                                         b + batch * c.b_batch + j * c.b_col, c.b_k, c.k, c.seed,
-                                         c.offset, uint64_t(e), mine));
+    double sum[1];
+    accumulate_lanes<K, kSub, 1>(c.p, a + batch * c.a_batch + i * c.a_row, c.a_k,
+                                 b + batch * c.b_batch + j * c.b_col, c.b_k, c.b_col, c.k, c.seed,
+                                 c.offset, uint64_t(e), sum, mine);
+    c.c[e] = stored_sum(sum[0]);
   }
   if (counts == nullptr) return;
   const int64_t values[5] = {mine.overflow, mine.underflow, mine.nan, mine.roundings, mine.swamped};
@@ -42,7 +44,10 @@ void accumulate_cuda(const AccumulateCall& c, int64_t* counts, int device, uintp
     using In = typename decltype(type)::type;
     if constexpr (!std::is_same_v<In, double>) {  // (prepare_accumulate refuses float64)
       with_round_kind(c.p.mode, [&](auto kind) {
-        accumulate_kernel<decltype(kind)::value, In><<<grid_size(device, total), kThreads, 0, stream>>>(c, cnt);
+        with_flag(c.p.acc.subnormal_exponent, [&](auto sub) {
+          accumulate_kernel<decltype(kind)::value, decltype(sub)::value, In>
+              <<<grid_size(device, total), kThreads, 0, stream>>>(c, cnt);
+        });
       });
     }
   });

@@ -1,0 +1,58 @@
+// The emulated-accumulation loop (docs/design.md §10), compiled once per instruction-set level
+// like quantize_kernels.cpp: the rows of C in chunks of kLanes columns, each chunk's sums side by
+// side (lowfp/accumulate.hpp's accumulate_lanes), so that every step is a vector operation.
+#include "isa.hpp"
+
+#include <type_traits>
+
+#include "accumulate_call.hpp"
+#include "dispatch.hpp"
+
+namespace lowfp {
+namespace LOWFP_ISA_NS {
+namespace {
+
+constexpr int kLanes = 32;
+
+template <RoundKind Kind, bool kSub, class In>
+void rows(const AccumulateCall& c, int64_t r0, int64_t r1, AccumulateCounts& counts) {
+  const In* a = static_cast<const In*>(c.a);
+  const In* b = static_cast<const In*>(c.b);
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t batch = r / c.m, i = r % c.m;
+    const In* a_row = a + batch * c.a_batch + i * c.a_row;
+    const In* b_mat = b + batch * c.b_batch;
+    float* c_row = c.c + r * c.n;
+    int64_t j = 0;
+    for (; j + kLanes <= c.n; j += kLanes) {
+      double sums[kLanes];
+      accumulate_lanes<Kind, kSub, kLanes>(c.p, a_row, c.a_k, b_mat + j * c.b_col, c.b_k, c.b_col, c.k,
+                                           c.seed, c.offset, uint64_t(r * c.n + j), sums, counts);
+      for (int l = 0; l < kLanes; ++l) c_row[j + l] = stored_sum(sums[l]);
+    }
+    for (; j < c.n; ++j) {
+      double sum[1];
+      accumulate_lanes<Kind, kSub, 1>(c.p, a_row, c.a_k, b_mat + j * c.b_col, c.b_k, c.b_col, c.k,
+                                      c.seed, c.offset, uint64_t(r * c.n + j), sum, counts);
+      c_row[j] = stored_sum(sum[0]);
+    }
+  }
+}
+
+}  // namespace
+
+void accumulate_range(const AccumulateCall& c, int64_t r0, int64_t r1, AccumulateCounts& counts) {
+  with_storage_type(c.dtype, [&](auto type) {
+    using In = typename decltype(type)::type;
+    if constexpr (!std::is_same_v<In, double>) {  // (prepare_accumulate refuses float64)
+      with_round_kind(c.p.mode, [&](auto kind) {
+        with_flag(c.p.acc.subnormal_exponent, [&](auto sub) {
+          rows<decltype(kind)::value, decltype(sub)::value, In>(c, r0, r1, counts);
+        });
+      });
+    }
+  });
+}
+
+}  // namespace LOWFP_ISA_NS
+}  // namespace lowfp
