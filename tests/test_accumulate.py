@@ -320,3 +320,38 @@ def test_arguments_are_checked():
         lowfp.gemm(a, b, "fp(5,2,0)")
     with pytest.raises(TypeError, match="AccumulateStats"):
         lowfp.gemm(a, b, Accumulate(E8M7), stats=lowfp.Stats())
+
+
+def test_a_gemm_recipe_accumulates_the_forward_and_both_backward_gemms():
+    # lowfp.scaled.emulate_gemms with GemmRecipe(accumulate=...): the linear layer's three GEMMs
+    # are lowfp.gemm's (the bias added after, in float32), and a matmul's too.
+    from lowfp.scaled import GemmRecipe, emulate_gemms
+    acc = Accumulate(lowfp.Format(5, 4, 0, specials="ieee"), order="blocked", block=16)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 8)
+    x = torch.randn(5, 64, requires_grad=True)
+    g = torch.randn(5, 8)
+    with emulate_gemms(layer, GemmRecipe(None, accumulate=acc)):
+        y = layer(x)
+    y.backward(g)
+    w, b = layer.weight.detach(), layer.bias.detach()
+    assert torch.equal(y.detach(), lowfp.gemm(x.detach(), w.t(), acc) + b)
+    assert torch.equal(x.grad, lowfp.gemm(g, w, acc))
+    assert torch.equal(layer.weight.grad, lowfp.gemm(g.t(), x.detach(), acc))
+    assert torch.equal(layer.bias.grad, g.sum(0))
+    assert not torch.equal(y.detach(), x.detach() @ w.t() + b)  # (the short accumulator shows)
+
+    class Product(torch.nn.Module):
+        def forward(self, p, q):
+            return torch.matmul(p, q)
+
+    p, q = torch.randn(3, 4, 40), torch.randn(40, 6)
+    with emulate_gemms(Product(), GemmRecipe(None, accumulate=acc)) as em:
+        out = em.model(p, q)
+    assert torch.equal(out, lowfp.gemm(p, q, acc))
+
+
+def test_a_gemm_recipe_takes_only_an_accumulate():
+    from lowfp.scaled import GemmRecipe
+    with pytest.raises(TypeError, match="accumulate"):
+        GemmRecipe(None, accumulate="fp(5,2,0)")

@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..accumulate import Accumulate, gemm as accumulated_gemm
 from ..formats import add_parse_hint
 from .config import Scaled, named, to_scaled
 from .._native import DTYPE_CODES, runs_natively
@@ -91,6 +92,10 @@ class GemmRecipe:
         ops: which GEMMs to emulate, a subset of ``("linear", "conv", "matmul", "attention")``
             (default all; ``("linear",)`` is torchao's MX/NVFP4 training, which swaps linear
             layers only).
+        accumulate: a ``lowfp.Accumulate``: the forward and both backward GEMMs of linear layers,
+            matmuls and attention's products sum their (rounded) operands' products as it says
+            (``lowfp.gemm``, docs/design.md §10; the bias added after, in float32), then round
+            to the model's dtype; None: torch's GEMM. Convolutions keep torch's accumulation.
 
     Each format's blocks run along the operand's reduction axis whatever its ``axis`` says
     (2-D blocks stay 2-D, per-tensor scales per tensor).
@@ -103,6 +108,7 @@ class GemmRecipe:
     grad_rounding: str = "nearest"
     hadamard_seed: Optional[int] = None
     ops: Tuple[str, ...] = GEMM_OPS
+    accumulate: Optional[Accumulate] = None
 
     def __post_init__(self):
         get = object.__getattribute__
@@ -118,6 +124,8 @@ class GemmRecipe:
         if not isinstance(ops, (tuple, list, set, frozenset)) or not set(ops) <= set(GEMM_OPS):
             raise ValueError(f"ops must be a subset of {GEMM_OPS}, got {self.ops!r}")
         object.__setattr__(self, "ops", tuple(o for o in GEMM_OPS if o in ops))
+        if self.accumulate is not None and not isinstance(self.accumulate, Accumulate):
+            raise TypeError(f"accumulate must be a lowfp.Accumulate or None, got {self.accumulate!r}")
 
 
 _N = named()
@@ -199,12 +207,25 @@ def _prepared(fmt: Scaled, rounding: str, t: torch.Tensor) -> PreparedScaled:
     return entry
 
 
+def _mm(a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe) -> torch.Tensor:
+    """a @ b (torch.matmul's broadcasting; a and b of at least 2 dims for an emulated
+    accumulation), summed as the recipe's ``accumulate`` says, in a's dtype."""
+    acc = recipe.accumulate
+    if acc is None or acc.is_torch or a.dim() < 2 or b.dim() < 2:
+        return torch.matmul(a, b)
+    with torch.no_grad():
+        return accumulated_gemm(a, b, acc).to(torch.result_type(a, b))
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, recipe):
         ctx.save_for_backward(x, w)
         ctx.recipe, ctx.has_bias = recipe, b is not None
-        return F.linear(_q(x, recipe.input, -1), _q(w, recipe.weight, -1), b)
+        if recipe.accumulate is None:
+            return F.linear(_q(x, recipe.input, -1), _q(w, recipe.weight, -1), b)
+        y = _mm(_q(x, recipe.input, -1), _q(w, recipe.weight, -1).t(), recipe)
+        return y if b is None else (y.float() + b).to(y.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -214,11 +235,11 @@ class _Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = (_q(g2, r.grad, -1, r.grad_rounding) @ _q(w, r.grad_operand or r.weight, 0))
+            gx = _mm(_q(g2, r.grad, -1, r.grad_rounding), _q(w, r.grad_operand or r.weight, 0), r)
             gx = gx.reshape(x.shape)
         if ctx.needs_input_grad[1]:
             h = r.hadamard_seed
-            gw = (_q(g2, r.grad, 0, r.grad_rounding, h).t() @ _q(x2, r.grad_operand or r.input, 0, "nearest", h))
+            gw = _mm(_q(g2, r.grad, 0, r.grad_rounding, h).t(), _q(x2, r.grad_operand or r.input, 0, "nearest", h), r)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0)
         return gx, gw, gb, None
@@ -232,7 +253,7 @@ class _Matmul(torch.autograd.Function):
     def forward(ctx, a, b, recipe, fa=1.0, fb=1.0):
         ctx.save_for_backward(a, b)
         ctx.recipe, ctx.factors = recipe, (fa, fb)
-        return torch.matmul(_times(_q(a, recipe.input, -1), fa), _times(_q(b, recipe.input, -2), fb))
+        return _mm(_times(_q(a, recipe.input, -1), fa), _times(_q(b, recipe.input, -2), fb), recipe)
 
     @staticmethod
     def backward(ctx, grad):
@@ -242,12 +263,12 @@ class _Matmul(torch.autograd.Function):
         op = r.grad_operand or r.input
         ga = gb = None
         if ctx.needs_input_grad[0]:
-            ga = torch.matmul(_q(grad, r.grad, -1, r.grad_rounding), _times(_q(b, op, -1), fb).transpose(-1, -2))
+            ga = _mm(_q(grad, r.grad, -1, r.grad_rounding), _times(_q(b, op, -1), fb).transpose(-1, -2), r)
             ga = _sum_to(_times(ga, fa), a.shape)
         if ctx.needs_input_grad[1]:
             h = r.hadamard_seed
-            gb = torch.matmul(_times(_q(a, op, -2, "nearest", h), fa).transpose(-1, -2),
-                              _q(grad, r.grad, -2, r.grad_rounding, h))
+            gb = _mm(_times(_q(a, op, -2, "nearest", h), fa).transpose(-1, -2),
+                     _q(grad, r.grad, -2, r.grad_rounding, h), r)
             gb = _sum_to(_times(gb, fb), b.shape)
         return ga, gb, None, None, None
 
