@@ -1,7 +1,9 @@
 // The emulated-accumulation GEMM (docs/design.md §10) shared by lowfp._C and lowfp._C_cuda: a
 // request prepared once by keyword, then called on buffers,
 //   PreparedAccumulate(accumulator=, overflow=, rounding=, sr_bits=, order=, block=,
-//                      compensated=, product=, product_overflow=, outer=, outer_overflow=, dtype=)
+//                      compensated=, group=, align_bits=, operand_emin=, product=,
+//                      product_overflow=, outer=,
+//                      outer_overflow=, dtype=)
 //   p(a_ptr, b_ptr, c_ptr, batch, m, n, k, a_strides, b_strides, seed, offset, counts_ptr,
 //     device, stream)
 // a_strides: A's (batch, row, reduction) strides in elements; b_strides: B's (batch, reduction,
@@ -31,21 +33,20 @@ void def_accumulate(pybind11::module_& mod, Run run) {
   // module_local: a request runs on the backend that made it.
   py::class_<PreparedAccumulate>(mod, "PreparedAccumulate", py::module_local())
       .def(py::init([](FormatSpec accumulator, Overflow overflow, Rounding rounding, int32_t sr_bits,
-                       AccumulateOrder order, int64_t block, bool compensated,
-                       std::optional<FormatSpec> product, Overflow product_overflow, FormatSpec outer,
+                       AccumulateOrder order, int64_t block, bool compensated, int32_t group,
+                       int32_t align_bits, int32_t operand_emin, std::optional<FormatSpec> product, Overflow product_overflow, FormatSpec outer,
                        Overflow outer_overflow, DType dtype) {
              const AccumulateRequest r{accumulator, overflow, rounding, sr_bits, order, block,
-                                       compensated, product.has_value(), product.value_or(accumulator),
+                                       compensated, group, align_bits, operand_emin,
+                                       product.has_value(),
+                                       product.value_or(accumulator),
                                        product_overflow, outer, outer_overflow, dtype};
              return PreparedAccumulate{prepare_accumulate(r), dtype};
            }),
            py::kw_only(), py::arg("accumulator"), py::arg("overflow"), py::arg("rounding"),
            py::arg("sr_bits"), py::arg("order"), py::arg("block"), py::arg("compensated"),
-           py::arg("product"), py::arg("product_overflow"), py::arg("outer"),
+           py::arg("group"), py::arg("align_bits"), py::arg("operand_emin"), py::arg("product"), py::arg("product_overflow"), py::arg("outer"),
            py::arg("outer_overflow"), py::arg("dtype"))
-      .def_property_readonly("roundings_per_product", [](const PreparedAccumulate& p) {
-        return p.p.order == AccumulateOrder::Pairwise ? 2 : (p.p.compensated ? 4 : 1);
-      })
       .def("__call__", [run](const PreparedAccumulate& p, uintptr_t a, uintptr_t b, uintptr_t c,
                              int64_t batch, int64_t m, int64_t n, int64_t k,
                              const std::array<int64_t, 3>& a_strides,

@@ -65,6 +65,8 @@ inline void def_contract(pybind11::module_& mod) {
              "blocks of `block` products summed sequentially, each block's sum added to an outer "
              "sum rounded to nearest in the outer format");
   mod.attr("ACCUMULATE_MAX_MANTISSA") = kAccumulateMaxMantissa;
+  mod.attr("ACCUMULATE_MAX_GROUP") = kAccumulateMaxGroup;
+  mod.attr("ACCUMULATE_MAX_ALIGN_BITS") = kAccumulateMaxAlignBits;
   py::class_<FormatSpec>(mod, "FormatSpec", py::module_local(),
                          "a format's encoding (§2): e exponent bits, m mantissa bits, extra bias b")
       .def(py::init([](int32_t e, int32_t m, int32_t b, Specials specials, bool subnormals) {

@@ -24,7 +24,7 @@ from .backends import native
 from .formats import Format, to_format
 from .stats import Stats
 
-__all__ = ["Accumulate", "AccumulateStats", "gemm"]
+__all__ = ["Accumulate", "AccumulateStats", "gemm", "HOPPER_FP8", "DEEPSEEK_V3", "PRESETS"]
 
 ORDERS = ("sequential", "pairwise", "blocked")
 OPERAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -48,6 +48,14 @@ class Accumulate:
             takes Philox words by output element and addition (design §10).
         compensated: Kahan's compensated summation in the accumulator format (sequential and
             blocked orders): y = round(p - c), t = round(s + y), c = round(round(t - s) - y).
+        group, align_bits: fused groups (sequential and blocked orders, exact products): each
+            group of ``group`` consecutive products is added to the sum at once, every term (the
+            sum and each product) cut toward zero to a multiple of 2^(E - align_bits), E the
+            largest of their exponents (a product's: the sum of its operands'), and the exact sum
+            of the cut terms rounded once: how tensor cores align and add (MMA-Sim's model).
+        operand_emin: with fused groups, the operands' format's smallest normal exponent: an
+            operand below 2^operand_emin is aligned as if its exponent were operand_emin (E4M3
+            operands: -6; default float32's, -126).
         product: a format the exact products are first rounded to (nearest), or None.
         outer: the outer sum's format of the blocked order (default float32).
         overflow: the accumulator's overflow policy (default: the format's).
@@ -55,12 +63,13 @@ class Accumulate:
     """
 
     __slots__ = ("fmt", "order", "block", "rounding", "compensated", "product", "outer", "overflow",
-                 "sr_bits")
+                 "sr_bits", "group", "align_bits", "operand_emin")
 
     def __init__(self, fmt: Union[Format, str], order: str = "sequential", block: Optional[int] = None,
                  rounding: str = "nearest", compensated: bool = False,
                  product: Union[Format, str, None] = None, outer: Union[Format, str] = FLOAT32,
-                 overflow: Optional[str] = None, sr_bits: int = 32):
+                 overflow: Optional[str] = None, sr_bits: int = 32, group: Optional[int] = None,
+                 align_bits: Optional[int] = None, operand_emin: int = -126):
         self.fmt = None if fmt == "float32" else to_format(fmt, "fmt")
         check_choice(order, ORDERS, "order")
         check_choice(rounding, ROUNDING_MODES, "rounding")
@@ -84,6 +93,22 @@ class Accumulate:
         self.outer = to_format(outer, "outer")
         self.overflow = overflow
         self.sr_bits = sr_bits
+        if (group is None) != (align_bits is None):
+            raise ValueError("group and align_bits go together (fused groups)")
+        if group is not None:
+            group, align_bits = check_int(group, "group"), check_int(align_bits, "align_bits")
+            if not 1 <= group <= _C.ACCUMULATE_MAX_GROUP:
+                raise ValueError(f"group must be between 1 and {_C.ACCUMULATE_MAX_GROUP}, got {group}")
+            if not 1 <= align_bits <= _C.ACCUMULATE_MAX_ALIGN_BITS:
+                raise ValueError(f"align_bits must be between 1 and {_C.ACCUMULATE_MAX_ALIGN_BITS}, "
+                                 f"got {align_bits}")
+            if order == "pairwise" or compensated or self.product is not None:
+                raise ValueError("fused groups (group=) add exact products sequentially or in blocks, "
+                                 "without compensation")
+        operand_emin = check_int(operand_emin, "operand_emin")
+        if not -126 <= operand_emin <= 0:
+            raise ValueError(f"operand_emin must be between -126 and 0, got {operand_emin}")
+        self.group, self.align_bits, self.operand_emin = group, align_bits, operand_emin
         if self.fmt is not None:
             if overflow is not None:
                 check_choice(overflow, ("saturate", "inf", "nan"), "overflow")
@@ -102,7 +127,7 @@ class Accumulate:
 
     def _key(self):
         return (self.fmt, self.order, self.block, self.rounding, self.compensated, self.product,
-                self.outer, self.overflow, self.sr_bits)
+                self.outer, self.overflow, self.sr_bits, self.group, self.align_bits, self.operand_emin)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Accumulate) and other._key() == self._key()
@@ -118,6 +143,10 @@ class Accumulate:
             parts.append(f"rounding={self.rounding!r}")
         if self.compensated:
             parts.append("compensated=True")
+        if self.group is not None:
+            parts.append(f"group={self.group}, align_bits={self.align_bits}")
+        if self.operand_emin != -126:
+            parts.append(f"operand_emin={self.operand_emin}")
         if self.product is not None:
             parts.append(f"product={str(self.product)!r}")
         if self.order == "blocked" and self.outer != FLOAT32:
@@ -155,7 +184,9 @@ def _prepared(mod, acc: Accumulate, dtype: torch.dtype):
         accumulator=_spec(mod, acc.fmt), overflow=mod.Overflow.__members__[overflow],
         rounding=mod.Rounding.__members__[acc.rounding], sr_bits=acc.sr_bits,
         order=mod.AccumulateOrder.__members__[acc.order], block=acc.block or 0,
-        compensated=acc.compensated, product=None if acc.product is None else _spec(mod, acc.product),
+        compensated=acc.compensated, group=acc.group or 0, align_bits=acc.align_bits or 0,
+        operand_emin=acc.operand_emin,
+        product=None if acc.product is None else _spec(mod, acc.product),
         product_overflow=mod.Overflow.__members__[(acc.product or acc.fmt).overflow],
         outer=_spec(mod, acc.outer), outer_overflow=mod.Overflow.__members__[acc.outer.overflow],
         dtype=mod.DType.__members__[str(dtype)[6:]])
@@ -204,3 +235,17 @@ def gemm(a: torch.Tensor, b: torch.Tensor, accumulate: Optional[Accumulate] = No
             a3.data_ptr(), b3.data_ptr(), c.data_ptr(), a3.shape[0], m, n, k, tuple(a3.stride()),
             tuple(b3.stride()), seed, 0, 0 if stats is None else stats.counts.data_ptr(), device, stream)
     return c
+
+
+E8M13 = Format(8, 13, 0, specials="ieee")
+
+# Hopper's FP8 tensor cores (wgmma with E4M3 operands and a float32 accumulator), as MMA-Sim
+# (arXiv 2511.10909, microsoft/MMA-Sim) models them: each instruction adds 32 products to the
+# accumulator at once, every term cut to 13 bits below the largest exponent, the sum cut
+# (toward zero) to float32's exponent range with 13 mantissa bits.
+HOPPER_FP8 = Accumulate(E8M13, rounding="toward_zero", group=32, align_bits=13, operand_emin=-6)
+# DeepSeek-V3's FP8 GEMMs (arXiv 2412.19437, §3.3.2): Hopper's FP8 accumulation, promoted to a
+# float32 sum on CUDA cores every 128 products.
+DEEPSEEK_V3 = Accumulate(E8M13, order="blocked", block=128, rounding="toward_zero", group=32,
+                         align_bits=13, operand_emin=-6)
+PRESETS = {"hopper-fp8": HOPPER_FP8, "deepseek-v3": DEEPSEEK_V3}

@@ -24,6 +24,10 @@ enum class AccumulateOrder : int32_t {
                    //   outer sum (s_0 = +0, nearest rounding to the outer format)
 };
 
+// Fused groups of at most this many products, keeping at most this many aligned bits.
+constexpr int32_t kAccumulateMaxGroup = 64;
+constexpr int32_t kAccumulateMaxAlignBits = 40;
+
 // Accumulator formats of at most this many mantissa bits (with sr_bits <= 51 - m, exact from the
 // sum rounded to odd).
 constexpr int32_t kAccumulateMaxMantissa = 19;
@@ -36,6 +40,11 @@ struct AccumulateParams {
   AccumulateOrder order;
   int64_t block;                  // Blocked: products per block
   bool compensated;               // Kahan's compensated sum (Sequential, Blocked's blocks)
+  int32_t group;                  // > 0: fused groups of this many products (Sequential, Blocked's
+                                  //   blocks; fused_group), else one addition per product
+  int32_t align_bits;             // fused groups: the fraction bits each term keeps below the
+                                  //   group's largest exponent
+  int32_t operand_emin;           // fused groups: the operands' smallest exponent (float32's: -126)
   Rounding mode;                  // the accumulator's rounding mode
 };
 
@@ -72,7 +81,28 @@ LOWFP_HD double sum_to_odd(double a, double b) {
 // The accumulator's roundings per output element for K products.
 LOWFP_HD int64_t accumulate_roundings(const AccumulateParams& p, int64_t k) {
   if (p.order == AccumulateOrder::Pairwise) return k > 0 ? 2 * k - 1 : 0;
+  if (p.group > 0) {  // one rounding per group: per block when blocked
+    auto groups = [&](int64_t n) { return (n + p.group - 1) / p.group; };
+    if (p.order != AccumulateOrder::Blocked) return groups(k);
+    return (k / p.block) * groups(p.block) + groups(k % p.block);
+  }
   return p.compensated ? 4 * k : k;
+}
+
+// 2^k for k in [-1022, 1023], by its bits.
+LOWFP_HD double exact_pow2(int32_t k) { return bit_cast<double>(uint64_t(k + 1023) << 52); }
+
+// x rounded toward zero to an integer (|x| < 2^62; an infinity or a NaN gives 0).
+LOWFP_HD double trunc_of(double x) {
+  const double finite = x - x == 0.0 ? x : 0.0;
+  return double(int64_t(finite));
+}
+
+// The exponent a fused group aligns x by: floor(log2 |x|), held at emin and below (MMA-Sim's rule
+// for Hopper: a value below its format's normal range takes the format's emin), -126 for 0.
+LOWFP_HD int32_t aligned_exponent(double x, int32_t emin) {
+  const int32_t e = int32_t((bit_cast<uint64_t>(x) >> 52) & 0x7ffu) - 1023;
+  return x == 0.0 ? -126 : (e < emin ? emin : e);
 }
 
 // An output element as stored: float32 (exact: every format here fits it); a NaN as the quiet
@@ -201,10 +231,57 @@ LOWFP_HD void accumulate_lanes(const AccumulateParams& p, const In* a, int64_t s
       q[l] = x * bit_cast<double>(Widen<uint64_t>::from(b[k * sb + l * sl]));  // (exact: 48 bits)
     if (p.has_product) round_nearest_lanes<kLanes>(q, q, p.product, counts);
   };
-  // Sequential sums of products [k0, k1) from +0 into s, compensated or not
+  // A fused group of products [k0, k1) added to s (docs/design.md §10): every term, s and each
+  // product (its exponent the sum of its operands'), cut toward zero to a multiple of
+  // 2^(E - align_bits), E the largest exponent among them; their exact sum rounded once.
+  auto fused_group = [&](int64_t k0, int64_t k1, double (&s)[kLanes]) {
+    double v[kLanes], ip[kLanes];
+    int32_t e_max[kLanes];
+    bool special[kLanes], any[kLanes];
+    for (int l = 0; l < kLanes; ++l) {
+      e_max[l] = aligned_exponent(s[l], -126);  // (the sum: a float32 value)
+      special[l] = !(s[l] - s[l] == 0.0);  // (inf or NaN)
+      any[l] = false;
+    }
+    for (int64_t k = k0; k < k1; ++k) {
+      const double x = bit_cast<double>(Widen<uint64_t>::from(a[k * sa]));
+      const int32_t ex = aligned_exponent(x, p.operand_emin);
+      for (int l = 0; l < kLanes; ++l) {
+        const double y = bit_cast<double>(Widen<uint64_t>::from(b[k * sb + l * sl]));
+        e_max[l] = max_of(e_max[l], ex + aligned_exponent(y, p.operand_emin));
+        special[l] |= !(x * y - x * y == 0.0);
+      }
+    }
+    for (int l = 0; l < kLanes; ++l) {  // the aligned sum, in units of 2^(E - align_bits)
+      const double up = exact_pow2(p.align_bits - e_max[l]);
+      v[l] = trunc_of(s[l] * up);
+      ip[l] = s[l];  // (the IEEE sum, for a group with an infinity or a NaN)
+    }
+    for (int64_t k = k0; k < k1; ++k) {
+      const double x = bit_cast<double>(Widen<uint64_t>::from(a[k * sa]));
+      for (int l = 0; l < kLanes; ++l) {
+        const double q = x * bit_cast<double>(Widen<uint64_t>::from(b[k * sb + l * sl]));  // exact
+        v[l] += trunc_of(q * exact_pow2(p.align_bits - e_max[l]));  // (exact: integers below 2^53)
+        ip[l] += q;
+        any[l] |= q != 0.0;
+      }
+    }
+    double sum[kLanes], before[kLanes], added[kLanes];
+    for (int l = 0; l < kLanes; ++l) {
+      sum[l] = special[l] ? ip[l] : v[l] * exact_pow2(e_max[l] - p.align_bits);
+      before[l] = s[l];
+      added[l] = any[l] ? 1.0 : 0.0;
+    }
+    acc.round(s, sum, before, added);
+  };
+  // Sequential sums of products [k0, k1) from +0 into s, compensated or not, or in fused groups
   auto sequential = [&](int64_t k0, int64_t k1, double (&s)[kLanes]) {
     double c[kLanes], q[kLanes], y[kLanes], t[kLanes], d[kLanes];
     for (int l = 0; l < kLanes; ++l) s[l] = c[l] = 0.0;
+    if (p.group > 0) {
+      for (int64_t g = k0; g < k1; g += p.group) fused_group(g, min_of(k1, g + p.group), s);
+      return;
+    }
     for (int64_t k = k0; k < k1; ++k) {
       product(k, q);
       if (p.compensated) {

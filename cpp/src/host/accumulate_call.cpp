@@ -34,6 +34,19 @@ AccumulateParams prepare_accumulate(const AccumulateRequest& r) {
     throw std::invalid_argument("a blocked order needs a block of at least 1 product");
   if (r.order == AccumulateOrder::Pairwise && r.compensated)
     throw std::invalid_argument("compensated accumulation is sequential (or blocked), not pairwise");
+  if (r.group < 0 || r.group > kAccumulateMaxGroup)
+    throw std::invalid_argument("group must be between 1 and " + std::to_string(kAccumulateMaxGroup) +
+                                " products (0: none)");
+  if (r.group > 0) {
+    if (r.align_bits < 1 || r.align_bits > kAccumulateMaxAlignBits)
+      throw std::invalid_argument("align_bits must be between 1 and " +
+                                  std::to_string(kAccumulateMaxAlignBits));
+    if (r.operand_emin < -126 || r.operand_emin > 0)
+      throw std::invalid_argument("operand_emin must be between -126 and 0");
+    if (r.order == AccumulateOrder::Pairwise || r.compensated || r.has_product)
+      throw std::invalid_argument("fused groups sum exact products, sequentially or in blocks, "
+                                  "without compensation");
+  }
   AccumulateParams p{};
   p.acc = make_round_params<uint64_t>(r.accumulator, r.overflow, r.mode, r.sr_bits);
   p.has_product = r.has_product;
@@ -48,6 +61,9 @@ AccumulateParams prepare_accumulate(const AccumulateRequest& r) {
   p.order = r.order;
   p.block = r.block;
   p.compensated = r.compensated;
+  p.group = r.group;
+  p.align_bits = r.align_bits;
+  p.operand_emin = r.operand_emin;
   p.mode = r.mode;
   return p;
 }

@@ -19,6 +19,9 @@ struct AccumulateRequest {
   AccumulateOrder order;
   int64_t block;        // Blocked: products per block (>= 1); else unused
   bool compensated;
+  int32_t group;        // fused groups of this many products (0: none) ...
+  int32_t align_bits;   // ... keeping this many bits below each group's largest exponent,
+  int32_t operand_emin; // ... operands below 2^operand_emin aligned as if at it
   bool has_product;
   FormatSpec product;   // when has_product: the products' format (nearest) ...
   Overflow product_overflow;  // ... and its overflow policy
