@@ -18,6 +18,7 @@ import sys
 import torch
 
 import lowfp
+from lowfp.accumulate import DEEPSEEK_V3, HOPPER_FP8
 from lowfp.experiments.bench import _once_cuda, machine_description, paired_ratio, time_rounds
 
 E8M13 = lowfp.Format(8, 13, 0, specials="ieee")  # ~14-bit sums, as DeepSeek-V3 reports for FP8 GEMMs
@@ -29,6 +30,8 @@ CASES = [
     ("blocked 128 (promoted to float32)", lowfp.Accumulate(E8M13, order="blocked", block=128)),
     ("pairwise", lowfp.Accumulate(E8M13, order="pairwise")),
     ("compensated (Kahan)", lowfp.Accumulate(E8M13, compensated=True)),
+    ("hopper-fp8 (fused groups of 32)", HOPPER_FP8),
+    ("deepseek-v3 (hopper-fp8, promoted every 128)", DEEPSEEK_V3),
 ]
 
 
@@ -50,13 +53,13 @@ def main(argv=None) -> int:
     times = time_rounds(fns, args.repeats, **once)
     base = times["torch float32 (a @ b)"]
     print(machine_description())
-    print(f"{'case':36s} {'ms':>9s} {'products/s':>11s} {'torch / case (paired)':>22s}")
+    print(f"{'case':46s} {'ms':>9s} {'products/s':>11s} {'torch / case (paired)':>22s}")
     rows = []
     for name, ts in times.items():
         best = min(ts)
         rate = m * k * n / best
         ratio = min(base) / best
-        print(f"{name:36s} {best * 1e3:9.2f} {rate:11.3g} {ratio:10.4f} ({paired_ratio(base, ts):.4f})")
+        print(f"{name:46s} {best * 1e3:9.2f} {rate:11.3g} {ratio:10.4f} ({paired_ratio(base, ts):.4f})")
         rows.append(dict(case=name, ms=best * 1e3, products_per_s=rate, vs_torch=ratio))
     print(f"({m} x {k} x {n} float32 GEMM on {args.device}; best of {args.repeats} interleaved rounds)")
     if args.json:
