@@ -305,6 +305,19 @@ def test_the_presets_model_hopper_and_deepseek_v3():
     assert err["hopper-fp8"] > 0.01 > 0.005 > err["deepseek-v3"]
 
 
+@pytest.mark.parametrize("options", [
+    dict(), dict(order="pairwise", rounding="stochastic"), dict(order="blocked", block=6),
+    dict(compensated=True, rounding="up"), dict(group=8, align_bits=5, rounding="stochastic"),
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "sequential")
+def test_wide_rows_take_the_vector_lanes(options):
+    # (the CPU sums many columns of a row side by side; 130 columns: whole chunks and a tail)
+    a, b = operands(2, 20, 130, torch.float32, seed=14)
+    acc = Accumulate(lowfp.Format(5, 3, 0), **options)
+    check(a, b, acc)
+    strided = b.t().contiguous().t()  # (columns 20 elements apart)
+    assert torch.equal(lowfp.gemm(a, strided, acc, seed=3), lowfp.gemm(a, b, acc, seed=3))
+
+
 def test_an_empty_reduction_sums_to_zero():
     a, b = torch.ones(2, 0), torch.ones(0, 3)
     st = AccumulateStats()

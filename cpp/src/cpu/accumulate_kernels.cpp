@@ -12,7 +12,9 @@ namespace lowfp {
 namespace LOWFP_ISA_NS {
 namespace {
 
-constexpr int kLanes = 32;
+// Output columns side by side: eight AVX-512 vectors of sums in flight, so that each addition's
+// latency (the sum rounded to odd, then to the format) overlaps the others'.
+constexpr int kLanes = 64;
 
 template <RoundKind Kind, bool kSub, class In>
 void rows(const AccumulateCall& c, int64_t r0, int64_t r1, AccumulateCounts& counts) {
