@@ -318,6 +318,30 @@ def test_wide_rows_take_the_vector_lanes(options):
     assert torch.equal(lowfp.gemm(a, strided, acc, seed=3), lowfp.gemm(a, b, acc, seed=3))
 
 
+def test_gemm_is_differentiable():
+    # dA = dC·Bᵀ and dB = Aᵀ·dC, each summed as the forward (nearest: no keys), over broadcast batches
+    acc = Accumulate(lowfp.Format(5, 4, 0, specials="ieee"), order="pairwise")
+    a0, b0 = operands(5, 24, 7, torch.float32, seed=20, spread=3)
+    a = torch.stack([a0, -a0, a0 * 2]).requires_grad_()
+    b = b0.clone().requires_grad_()
+    g = torch.randn(3, 5, 7)
+    c = lowfp.gemm(a, b, acc)
+    assert torch.equal(c.detach(), lowfp.gemm(a.detach(), b0, acc))
+    c.backward(g)
+    assert torch.equal(a.grad, lowfp.gemm(g, b0.t(), acc))
+    assert torch.equal(b.grad, lowfp.gemm(a.detach().transpose(-1, -2), g, acc).sum(0))
+
+
+def test_gemm_under_fake_tensors_and_meta_gives_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    acc = Accumulate(E8M7, rounding="stochastic")
+    c = lowfp.gemm(torch.empty(2, 3, 4, device="meta"), torch.empty(4, 5, device="meta"), acc)
+    assert c.shape == (2, 3, 5) and c.is_meta and c.dtype == torch.float32
+    with FakeTensorMode():
+        c = lowfp.gemm(torch.empty(3, 4, dtype=torch.bfloat16), torch.empty(4, 5, dtype=torch.bfloat16), acc)
+    assert c.shape == (3, 5) and c.dtype == torch.float32
+
+
 def test_an_empty_reduction_sums_to_zero():
     a, b = torch.ones(2, 0), torch.ones(0, 3)
     st = AccumulateStats()
@@ -402,6 +426,8 @@ def test_arguments_are_checked():
         lowfp.gemm(a, a, Accumulate(E8M7))
     with pytest.raises(TypeError, match="accumulate"):
         lowfp.gemm(a, b, "fp(5,2,0)")
+    with pytest.raises(ValueError, match="dense"):
+        lowfp.gemm(a.to_sparse(), b, Accumulate(E8M7))
     with pytest.raises(TypeError, match="AccumulateStats"):
         lowfp.gemm(a, b, Accumulate(E8M7), stats=lowfp.Stats())
 

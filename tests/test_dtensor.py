@@ -70,6 +70,13 @@ def _check_rank(rank, world, init_file):
                 raise AssertionError("S2FP8 of a sharded DTensor was not refused")
             except ValueError as err:
                 assert "statistics are those of the whole tensor" in str(err)
+        # lowfp.gemm sums whole reductions: a DTensor is refused by name
+        try:
+            lowfp.gemm(distribute_tensor(full, mesh, [Replicate()]), torch.ones(6, 2),
+                       lowfp.Accumulate("fp(5,2,0)"))
+            raise AssertionError("lowfp.gemm of a DTensor was not refused")
+        except TypeError as err:
+            assert "DTensor" in str(err)
         partial = DTensor.from_local(torch.ones(4), mesh, [Partial()])
         try:
             lowfp.quantize(partial, "fp(4,3,4)")

@@ -20,7 +20,8 @@ import torch
 from . import _C
 from ._checks import check_choice, check_int
 from ._native import ROUNDING_MODES, stochastic_seed
-from .backends import native
+from ._dtensor import is_dtensor
+from .backends import TRACING_TYPES, native
 from .formats import Format, to_format
 from .stats import Stats
 
@@ -202,6 +203,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, accumulate: Optional[Accumulate] = No
     or float16 tensors of one dtype on one device (their products are exact in float64).
     seed/generator: stochastic rounding's Philox key (default: drawn from torch's generator).
     stats: an :class:`AccumulateStats` the roundings' counts are added to.
+
+    Differentiable: the gradients are the two backward GEMMs, dA = dC·Bᵀ and dB = Aᵀ·dC, with the
+    output gradient in the operands' dtype, summed the same way (stochastic keys drawn from
+    ``generator`` or torch's; ``stats`` counts the forward GEMM only), reduced over broadcast
+    batch dims. Under FakeTensorMode and on the meta device the result has its shape only.
     """
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise TypeError(f"a and b must be tensors, got {type(a).__name__} and {type(b).__name__}")
@@ -220,21 +226,58 @@ def gemm(a: torch.Tensor, b: torch.Tensor, accumulate: Optional[Accumulate] = No
         raise TypeError(f"stats must be a lowfp.AccumulateStats or None, got {type(stats).__name__}")
     if accumulate is None or accumulate.is_torch:
         return torch.matmul(a.float(), b.float())
+    if is_dtensor(a) or is_dtensor(b):
+        raise TypeError("a and b must be local tensors, got a DTensor: lowfp.gemm sums whole "
+                        "reductions, so call it on tensors that hold them (DTensor.to_local() of a "
+                        "GEMM's shards, or full_tensor())")
+    if a.layout is not torch.strided or b.layout is not torch.strided:
+        raise ValueError(f"a and b must be dense (strided) tensors, got {a.layout} and {b.layout}")
+    if stats is not None and stats.device != a.device:
+        raise ValueError(f"stats lives on {stats.device}, the operands on {a.device}")
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return _Gemm.apply(a, b, accumulate, seed, generator, stats)
+    return _gemm(a, b, accumulate, seed, generator, stats)
+
+
+def _gemm(a, b, accumulate: Accumulate, seed, generator, stats) -> torch.Tensor:
+    """gemm's checked call (no autograd)."""
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     (m, k), n = a.shape[-2:], b.shape[-1]
     count = math.prod(batch)
     a3 = a.expand(*batch, m, k).reshape(count, m, k)
     b3 = b.expand(*batch, k, n).reshape(count, k, n)
-    mod, device, stream = native(a3, "a")
     c = torch.empty(*batch, m, n, dtype=torch.float32, device=a.device)
+    if type(a) in TRACING_TYPES or type(b) in TRACING_TYPES or a.is_meta:
+        return c  # (shapes only)
+    mod, device, stream = native(a3, "a")
     seed = stochastic_seed(seed, generator) if accumulate.rounding == "stochastic" else 0
-    if stats is not None and stats.device != a.device:
-        raise ValueError(f"stats lives on {stats.device}, the operands on {a.device}")
     if c.numel():
         _prepared(mod, accumulate, a.dtype)(
             a3.data_ptr(), b3.data_ptr(), c.data_ptr(), a3.shape[0], m, n, k, tuple(a3.stride()),
             tuple(b3.stride()), seed, 0, 0 if stats is None else stats.counts.data_ptr(), device, stream)
     return c
+
+
+class _Gemm(torch.autograd.Function):
+    """gemm with its two backward GEMMs summed as the forward's."""
+
+    @staticmethod
+    def forward(ctx, a, b, accumulate, seed, generator, stats):
+        ctx.save_for_backward(a, b)
+        ctx.accumulate, ctx.generator = accumulate, generator
+        return _gemm(a, b, accumulate, seed, generator, stats)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        acc, generator = ctx.accumulate, ctx.generator
+        grad = grad.to(a.dtype)
+        ga = gb = None
+        if ctx.needs_input_grad[0]:
+            ga = _gemm(grad, b.transpose(-1, -2), acc, None, generator, None).sum_to_size(a.shape).to(a.dtype)
+        if ctx.needs_input_grad[1]:
+            gb = _gemm(a.transpose(-1, -2), grad, acc, None, generator, None).sum_to_size(b.shape).to(b.dtype)
+        return ga, gb, None, None, None, None
 
 
 E8M13 = Format(8, 13, 0, specials="ieee")

@@ -264,27 +264,17 @@ class _Matmul(torch.autograd.Function):
         ga = gb = None
         if ctx.needs_input_grad[0]:
             ga = _mm(_q(grad, r.grad, -1, r.grad_rounding), _times(_q(b, op, -1), fb).transpose(-1, -2), r)
-            ga = _sum_to(_times(ga, fa), a.shape)
+            ga = _times(ga, fa).sum_to_size(a.shape)
         if ctx.needs_input_grad[1]:
             h = r.hadamard_seed
             gb = _mm(_times(_q(a, op, -2, "nearest", h), fa).transpose(-1, -2),
                      _q(grad, r.grad, -2, r.grad_rounding, h), r)
-            gb = _sum_to(_times(gb, fb), b.shape)
+            gb = _times(gb, fb).sum_to_size(b.shape)
         return ga, gb, None, None, None
 
 
 def _times(t: torch.Tensor, factor: float) -> torch.Tensor:
     return t if factor == 1.0 else t * factor
-
-
-def _sum_to(t: torch.Tensor, shape) -> torch.Tensor:
-    """A broadcast operand's gradient summed back to its shape."""
-    while t.dim() > len(shape):
-        t = t.sum(0)
-    for i, n in enumerate(shape):
-        if n == 1 and t.shape[i] != 1:
-            t = t.sum(i, keepdim=True)
-    return t
 
 
 def _q_grouped(t: torch.Tensor, fmt, dim: int, groups: int, rounding: str = "nearest",
