@@ -52,12 +52,6 @@ struct AccumulateParams {
 // additions whose nonzero addend left the sum as it was (swamped).
 struct AccumulateCounts {
   int64_t overflow = 0, underflow = 0, nan = 0, roundings = 0, swamped = 0;
-  LOWFP_HD void add(const RoundEvents& ev) {
-    overflow += ev.overflow();
-    underflow += ev.underflow;
-    nan += ev.nan;
-    roundings += 1;
-  }
 };
 
 // The code below has internal linkage: each file compiled for an instruction-set level (and CUDA)
@@ -237,19 +231,16 @@ LOWFP_HD void accumulate_lanes(const AccumulateParams& p, const In* a, int64_t s
   auto fused_group = [&](int64_t k0, int64_t k1, double (&s)[kLanes]) {
     double v[kLanes], ip[kLanes];
     int32_t e_max[kLanes];
-    bool special[kLanes], any[kLanes];
+    bool any[kLanes];
     for (int l = 0; l < kLanes; ++l) {
       e_max[l] = aligned_exponent(s[l], -126);  // (the sum: a float32 value)
-      special[l] = !(s[l] - s[l] == 0.0);  // (inf or NaN)
       any[l] = false;
     }
     for (int64_t k = k0; k < k1; ++k) {
-      const double x = bit_cast<double>(Widen<uint64_t>::from(a[k * sa]));
-      const int32_t ex = aligned_exponent(x, p.operand_emin);
+      const int32_t ex = aligned_exponent(bit_cast<double>(Widen<uint64_t>::from(a[k * sa])), p.operand_emin);
       for (int l = 0; l < kLanes; ++l) {
         const double y = bit_cast<double>(Widen<uint64_t>::from(b[k * sb + l * sl]));
         e_max[l] = max_of(e_max[l], ex + aligned_exponent(y, p.operand_emin));
-        special[l] |= !(x * y - x * y == 0.0);
       }
     }
     for (int l = 0; l < kLanes; ++l) {  // the aligned sum, in units of 2^(E - align_bits)
@@ -268,7 +259,9 @@ LOWFP_HD void accumulate_lanes(const AccumulateParams& p, const In* a, int64_t s
     }
     double sum[kLanes], before[kLanes], added[kLanes];
     for (int l = 0; l < kLanes; ++l) {
-      sum[l] = special[l] ? ip[l] : v[l] * exact_pow2(e_max[l] - p.align_bits);
+      // (the IEEE sum is infinite or NaN exactly when a term is: finite terms cannot overflow it)
+      const bool special = !(ip[l] - ip[l] == 0.0);
+      sum[l] = special ? ip[l] : v[l] * exact_pow2(e_max[l] - p.align_bits);
       before[l] = s[l];
       added[l] = any[l] ? 1.0 : 0.0;
     }
