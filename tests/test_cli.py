@@ -1,14 +1,26 @@
-"""The lowfp command line (run as `python -m lowfp` so the test needs no PATH entry)."""
+"""The lowfp command line: ``lowfp.cli.main`` in this process (an interpreter start per command
+would add seconds each), and once as `python -m lowfp`, the entry point itself."""
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import lowfp
+from lowfp import cli
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "lowfp", *args], capture_output=True, text=True)
+    """``lowfp *args``: its exit status and what it wrote (argparse's --help and errors exit)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def test_formats_table_lists_named_and_seed_formats():

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from lowfp.optim import ExtraBitsAdam, ExtraBitsAdamW, ExtraBitsSGD
 
-STEPS = 400  # bit-for-bit from the first step on: more steps add CI time, not coverage
+STEPS = 200  # bit-for-bit from the first step on: more steps add CI time, not coverage
 
 SGD_CASES = [
     dict(),

@@ -57,8 +57,8 @@ def test_verdicts_of_nothing_and_of_a_bad_kind():
 
 
 def test_every_experiment_end_to_end_and_resumed(tmp_path, monkeypatch):
-    # A quarter of the pysource text (CI time); the claims checked below hold on it as well.
-    small = functools.partial(data._pysource, chars=data.PYSOURCE_CHARS // 4)
+    # An eighth of the pysource text (CI time); the claims checked below hold on it as well.
+    small = functools.partial(data._pysource, chars=data.PYSOURCE_CHARS // 8)
     monkeypatch.setattr(data, "_pysource", small)
     base = replace(R.BASE, width=0.25, epochs=1)
     lines = []

@@ -211,8 +211,7 @@ def test_all_float32_patterns_compiled_equal_native(fused):
             assert torch.equal(s_native.counts, s_fused.counts), (name, lo)
 
 
-@pytest.mark.parametrize("setting,fused_here", [(None, False), ("auto", False), ("0", False),
-                                                ("1", True)])
+@pytest.mark.parametrize("setting,fused_here", [(None, False), ("0", False), ("1", True)])
 def test_the_setting_chooses_fusion_or_the_operator(monkeypatch, setting, fused_here):
     """LOWFP_INDUCTOR_FUSION, read when a graph is traced: the CPU keeps lowfp's kernel unless it
     is 1 (auto fuses on CUDA devices: tests/test_cuda.py); the bits are the same either way."""
@@ -225,6 +224,8 @@ def test_the_setting_chooses_fusion_or_the_operator(monkeypatch, setting, fused_
     assert ("lowfp.quantize" not in code) == fused_here
     assert same_bits(y, lowfp.quantize(x, "fp(4,3,4)").relu())
     assert _torch_round.fuses(torch.device("cuda")) == (setting != "0")
+    monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", "auto")  # the default, said: as None above
+    assert not _torch_round.fuses(x.device) and _torch_round.fuses(torch.device("cuda"))
     monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", "yes")
     with pytest.raises(ValueError, match="LOWFP_INDUCTOR_FUSION must be one of auto, 1, 0"):
         _torch_round.fuses(x.device)
