@@ -13,8 +13,20 @@ namespace LOWFP_ISA_NS {
 namespace {
 
 // Output columns side by side: eight AVX-512 vectors of sums in flight, so that each addition's
-// latency (the sum rounded to odd, then to the format) overlaps the others'.
+// latency (the sum rounded to odd, then to the format) overlaps the others'. The columns left over
+// go kNarrowLanes at a time (one AVX-512 vector: narrow GEMMs such as attention's, 8 columns per
+// head, would otherwise run one column at a time), then one by one.
 constexpr int kLanes = 64;
+constexpr int kNarrowLanes = 8;
+
+template <RoundKind Kind, bool kSub, int kWidth, class In>
+void columns(const AccumulateCall& c, const In* a_row, const In* b_mat, float* c_row, int64_t r, int64_t j,
+             AccumulateCounts& counts) {
+  double sums[kWidth];
+  accumulate_lanes<Kind, kSub, kWidth>(c.p, a_row, c.a_k, b_mat + j * c.b_col, c.b_k, c.b_col, c.k, c.seed,
+                                       c.offset, uint64_t(r * c.n + j), sums, counts);
+  for (int l = 0; l < kWidth; ++l) c_row[j + l] = stored_sum(sums[l]);
+}
 
 template <RoundKind Kind, bool kSub, class In>
 void rows(const AccumulateCall& c, int64_t r0, int64_t r1, AccumulateCounts& counts) {
@@ -26,18 +38,10 @@ void rows(const AccumulateCall& c, int64_t r0, int64_t r1, AccumulateCounts& cou
     const In* b_mat = b + batch * c.b_batch;
     float* c_row = c.c + r * c.n;
     int64_t j = 0;
-    for (; j + kLanes <= c.n; j += kLanes) {
-      double sums[kLanes];
-      accumulate_lanes<Kind, kSub, kLanes>(c.p, a_row, c.a_k, b_mat + j * c.b_col, c.b_k, c.b_col, c.k,
-                                           c.seed, c.offset, uint64_t(r * c.n + j), sums, counts);
-      for (int l = 0; l < kLanes; ++l) c_row[j + l] = stored_sum(sums[l]);
-    }
-    for (; j < c.n; ++j) {
-      double sum[1];
-      accumulate_lanes<Kind, kSub, 1>(c.p, a_row, c.a_k, b_mat + j * c.b_col, c.b_k, c.b_col, c.k,
-                                      c.seed, c.offset, uint64_t(r * c.n + j), sum, counts);
-      c_row[j] = stored_sum(sum[0]);
-    }
+    for (; j + kLanes <= c.n; j += kLanes) columns<Kind, kSub, kLanes>(c, a_row, b_mat, c_row, r, j, counts);
+    for (; j + kNarrowLanes <= c.n; j += kNarrowLanes)
+      columns<Kind, kSub, kNarrowLanes>(c, a_row, b_mat, c_row, r, j, counts);
+    for (; j < c.n; ++j) columns<Kind, kSub, 1>(c, a_row, b_mat, c_row, r, j, counts);
   }
 }
 
