@@ -11,6 +11,7 @@ import torch
 
 import lowfp
 from lowfp import Accumulate, AccumulateStats
+from lowfp.accumulate import DEEPSEEK_V3, HOPPER_FP8, PRESETS
 from reference import Spec, code_is_odd, exceeds_max, overflow_result, philox_word, round_exact
 
 
@@ -288,7 +289,6 @@ def test_the_presets_model_hopper_and_deepseek_v3():
     # (checked bit for bit against MMA-Sim's reference, microsoft/MMA-Sim's nv_fused_dot_add
     # chained per 32 products, on 5000 sampled E4M3 dot products when they were written; here,
     # against this file's reference of the spec)
-    from lowfp.accumulate import DEEPSEEK_V3, HOPPER_FP8, PRESETS
     assert PRESETS == {"hopper-fp8": HOPPER_FP8, "deepseek-v3": DEEPSEEK_V3}
     g = torch.Generator().manual_seed(2)
     bits8 = torch.randint(0, 256, (2, 256), generator=g, dtype=torch.int32).to(torch.uint8)
@@ -310,12 +310,14 @@ def test_the_presets_model_hopper_and_deepseek_v3():
     dict(compensated=True, rounding="up"), dict(group=8, align_bits=5, rounding="stochastic"),
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "sequential")
 def test_wide_rows_take_the_vector_lanes(options):
-    # (the CPU sums many columns of a row side by side; 130 columns: whole chunks and a tail)
-    a, b = operands(2, 20, 130, torch.float32, seed=14)
+    # (the CPU sums the columns of a row side by side, 64 and then 8 at a time, the rest one by
+    # one: 146 columns take each width, 8 columns the narrow one only)
     acc = Accumulate(lowfp.Format(5, 3, 0), **options)
-    check(a, b, acc)
-    strided = b.t().contiguous().t()  # (columns 20 elements apart)
-    assert torch.equal(lowfp.gemm(a, strided, acc, seed=3), lowfp.gemm(a, b, acc, seed=3))
+    for n in (146, 8):
+        a, b = operands(2, 20, n, torch.float32, seed=14)
+        check(a, b, acc)
+        strided = b.t().contiguous().t()  # (columns 20 elements apart)
+        assert torch.equal(lowfp.gemm(a, strided, acc, seed=3), lowfp.gemm(a, b, acc, seed=3))
 
 
 def test_gemm_is_differentiable():
@@ -461,7 +463,63 @@ def test_a_gemm_recipe_accumulates_the_forward_and_both_backward_gemms():
     assert torch.equal(out, lowfp.gemm(p, q, acc))
 
 
+def test_a_gemm_recipe_accumulates_each_gemm_as_its_entry_says():
+    # {"fprop", "dgrad", "wgrad"} (TransformerEngine's names): each GEMM its own Accumulate, an
+    # absent one torch's; a matmul's "wgrad" is its second operand's gradient
+    from lowfp.scaled import GemmRecipe, emulate_gemms
+    short = Accumulate(lowfp.Format(5, 2, 0, specials="ieee"))
+    blocked = Accumulate(lowfp.Format(5, 4, 0, specials="ieee"), order="blocked", block=16)
+    recipe = GemmRecipe(accumulate={"wgrad": short, "dgrad": blocked})
+    assert recipe.accumulate == (("dgrad", blocked), ("wgrad", short))
+    assert recipe.accumulation("fprop") is None and recipe.accumulation("wgrad") == short
+    assert hash(recipe) == hash(GemmRecipe(accumulate=recipe.accumulate))  # (replace() round trip)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 8, bias=False)
+    x = torch.randn(40, 64, requires_grad=True)
+    g = torch.randn(40, 8)
+    with emulate_gemms(layer, recipe):
+        y = layer(x)
+    y.backward(g)
+    w = layer.weight.detach()
+    assert torch.equal(y.detach(), x.detach() @ w.t())
+    assert torch.equal(x.grad, lowfp.gemm(g, w, blocked))
+    assert torch.equal(layer.weight.grad, lowfp.gemm(g.t(), x.detach(), short))
+    assert not torch.equal(layer.weight.grad, g.t() @ x.detach())
+
+    class Product(torch.nn.Module):
+        def forward(self, p, q):
+            return torch.matmul(p, q)
+
+    p = torch.randn(3, 4, 40, requires_grad=True)
+    q = torch.randn(3, 40, 6, requires_grad=True)
+    gout = torch.randn(3, 4, 6)
+    with emulate_gemms(Product(), GemmRecipe(accumulate={"wgrad": short})) as em:
+        out = em.model(p, q)
+    out.backward(gout)
+    assert torch.equal(out.detach(), p.detach() @ q.detach())
+    assert torch.equal(p.grad, gout @ q.detach().transpose(-1, -2))
+    assert torch.equal(q.grad, lowfp.gemm(p.detach().transpose(-1, -2), gout, short))
+
+
 def test_a_gemm_recipe_takes_only_an_accumulate():
     from lowfp.scaled import GemmRecipe
     with pytest.raises(TypeError, match="accumulate"):
         GemmRecipe(None, accumulate="fp(5,2,0)")
+    with pytest.raises(TypeError, match=r"accumulate\['wgrad'\] must be a lowfp.Accumulate"):
+        GemmRecipe(None, accumulate={"wgrad": "fp(5,2,0)"})
+    with pytest.raises(ValueError, match=r"keys must be among \('fprop', 'dgrad', 'wgrad'\), got \['forward'\]"):
+        GemmRecipe(None, accumulate={"forward": Accumulate("bfloat16")})
+
+
+def test_parse_reads_presets_and_what_repr_writes():
+    options = [dict(), dict(order="blocked", block=64, outer="bfloat16", rounding="stochastic", sr_bits=8),
+               dict(order="pairwise", product="bfloat16"), dict(compensated=True, overflow="inf")]
+    for acc in [Accumulate("float16", **o) for o in options] + list(PRESETS.values()) + [Accumulate("float32")]:
+        assert Accumulate.parse(repr(acc)) == acc
+    assert Accumulate.parse(" hopper-fp8 ") is HOPPER_FP8
+    with pytest.raises(ValueError, match="cannot parse accumulation 'hopper'"):
+        Accumulate.parse("hopper")
+    with pytest.raises(ValueError, match="arguments must be literals"):
+        Accumulate.parse("Accumulate(fmt)")
+    with pytest.raises(TypeError, match="accumulation string expected"):
+        Accumulate.parse(3)

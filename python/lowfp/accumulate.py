@@ -5,7 +5,7 @@ CPU and a GPU, whatever the kernel's tiling.
 
 >>> import torch, lowfp
 >>> a, b = torch.randn(4, 4096), torch.randn(4096, 3)
->>> acc = lowfp.Accumulate("fp(8,13,0)", order="blocked", block=128)   # ~14-bit sums, promoted
+>>> acc = lowfp.Accumulate("fp(8,13,0,specials='ieee')", order="blocked", block=128)  # 14-bit sums, promoted
 >>> c = lowfp.gemm(a, b, accumulate=acc)
 """
 
@@ -22,7 +22,7 @@ from ._checks import check_choice, check_int
 from ._native import ROUNDING_MODES, stochastic_seed
 from ._dtensor import is_dtensor
 from .backends import TRACING_TYPES, native
-from .formats import Format, to_format
+from .formats import Format, _parse_call, to_format
 from .stats import Stats
 
 __all__ = ["Accumulate", "AccumulateStats", "gemm", "HOPPER_FP8", "DEEPSEEK_V3", "PRESETS"]
@@ -152,7 +152,28 @@ class Accumulate:
             parts.append(f"product={str(self.product)!r}")
         if self.order == "blocked" and self.outer != FLOAT32:
             parts.append(f"outer={str(self.outer)!r}")
+        if self.overflow is not None:
+            parts.append(f"overflow={self.overflow!r}")
+        if self.sr_bits != 32:
+            parts.append(f"sr_bits={self.sr_bits}")
         return "Accumulate(" + ", ".join(parts) + ")"
+
+    @staticmethod
+    def parse(text: str) -> "Accumulate":
+        """A preset's name (``lowfp.accumulate.PRESETS``: ``"hopper-fp8"``, ``"deepseek-v3"``) or
+        the text of a call, as ``repr`` writes it: ``"Accumulate('bfloat16', order='blocked',
+        block=64)"``."""
+        if not isinstance(text, str):
+            raise TypeError(f"accumulation string expected, got {type(text).__name__}")
+        s = text.strip()
+        if s in PRESETS:
+            return PRESETS[s]
+        call = _parse_call(s, ("Accumulate",))
+        if call is None:
+            raise ValueError(f"cannot parse accumulation {text!r}: expected one of {sorted(PRESETS)} or "
+                             "\"Accumulate('bfloat16', order='blocked', block=64)\"")
+        args, kwargs = call
+        return Accumulate(*args, **kwargs)
 
 
 class AccumulateStats(Stats):

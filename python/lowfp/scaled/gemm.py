@@ -49,7 +49,7 @@ import math
 import types
 
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Mapping, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -95,7 +95,12 @@ class GemmRecipe:
         accumulate: a ``lowfp.Accumulate``: the forward and both backward GEMMs of linear layers,
             matmuls and attention's products sum their (rounded) operands' products as it says
             (``lowfp.gemm``, docs/design.md §10; the bias added after, in float32), then round
-            to the model's dtype; None: torch's GEMM. Convolutions keep torch's accumulation.
+            to the model's dtype; None: torch's GEMM. Or one per GEMM, as TransformerEngine's
+            recipes name them: a mapping from ``"fprop"`` (the forward GEMM), ``"dgrad"`` (the
+            input gradient's) and ``"wgrad"`` (the weight gradient's: a matmul's second operand,
+            summed over its rows) to an Accumulate or None (an absent name: torch's), kept as a
+            tuple of (name, Accumulate) pairs so that the recipe stays hashable. Convolutions keep
+            torch's accumulation.
 
     Each format's blocks run along the operand's reduction axis whatever its ``axis`` says
     (2-D blocks stay 2-D, per-tensor scales per tensor).
@@ -108,7 +113,7 @@ class GemmRecipe:
     grad_rounding: str = "nearest"
     hadamard_seed: Optional[int] = None
     ops: Tuple[str, ...] = GEMM_OPS
-    accumulate: Optional[Accumulate] = None
+    accumulate: Union[Accumulate, Mapping[str, Optional[Accumulate]], Tuple, None] = None
 
     def __post_init__(self):
         get = object.__getattribute__
@@ -124,8 +129,33 @@ class GemmRecipe:
         if not isinstance(ops, (tuple, list, set, frozenset)) or not set(ops) <= set(GEMM_OPS):
             raise ValueError(f"ops must be a subset of {GEMM_OPS}, got {self.ops!r}")
         object.__setattr__(self, "ops", tuple(o for o in GEMM_OPS if o in ops))
-        if self.accumulate is not None and not isinstance(self.accumulate, Accumulate):
-            raise TypeError(f"accumulate must be a lowfp.Accumulate or None, got {self.accumulate!r}")
+        acc = self.accumulate
+        if isinstance(acc, Mapping) or (isinstance(acc, tuple) and all(isinstance(p, tuple) for p in acc)):
+            acc = dict(acc)
+            object.__setattr__(self, "accumulate", tuple((g, acc[g]) for g in ACCUMULATE_GEMMS if g in acc))
+        object.__setattr__(self, "_per_gemm", _per_gemm(acc))
+
+    def accumulation(self, gemm: str) -> Optional[Accumulate]:
+        """The Accumulate of the ``"fprop"``, ``"dgrad"`` or ``"wgrad"`` GEMM (None: torch's)."""
+        return self._per_gemm[ACCUMULATE_GEMMS.index(gemm)]
+
+
+ACCUMULATE_GEMMS = ("fprop", "dgrad", "wgrad")
+
+
+def _per_gemm(accumulate) -> Tuple[Optional[Accumulate], ...]:
+    """GemmRecipe.accumulate as one Accumulate (or None) per GEMM of ACCUMULATE_GEMMS; torch's
+    float32 (``Accumulate("float32")``) as None."""
+    def checked(acc, name):
+        if acc is not None and not isinstance(acc, Accumulate):
+            raise TypeError(f"{name} must be a lowfp.Accumulate or None, got {acc!r}")
+        return None if acc is None or acc.is_torch else acc
+    if isinstance(accumulate, Mapping):
+        unknown = set(accumulate) - set(ACCUMULATE_GEMMS)
+        if unknown:
+            raise ValueError(f"accumulate's keys must be among {ACCUMULATE_GEMMS}, got {sorted(map(str, unknown))}")
+        return tuple(checked(accumulate.get(g), f"accumulate[{g!r}]") for g in ACCUMULATE_GEMMS)
+    return (checked(accumulate, "accumulate"),) * len(ACCUMULATE_GEMMS)
 
 
 _N = named()
@@ -207,11 +237,11 @@ def _prepared(fmt: Scaled, rounding: str, t: torch.Tensor) -> PreparedScaled:
     return entry
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe) -> torch.Tensor:
+def _mm(a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, gemm: str) -> torch.Tensor:
     """a @ b (torch.matmul's broadcasting; a and b of at least 2 dims for an emulated
-    accumulation), summed as the recipe's ``accumulate`` says, in a's dtype."""
-    acc = recipe.accumulate
-    if acc is None or acc.is_torch or a.dim() < 2 or b.dim() < 2:
+    accumulation), summed as the recipe's accumulation of ``gemm`` says, in a's dtype."""
+    acc = recipe.accumulation(gemm)
+    if acc is None or a.dim() < 2 or b.dim() < 2:
         return torch.matmul(a, b)
     with torch.no_grad():
         return accumulated_gemm(a, b, acc).to(torch.result_type(a, b))
@@ -222,9 +252,9 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x, w, b, recipe):
         ctx.save_for_backward(x, w)
         ctx.recipe, ctx.has_bias = recipe, b is not None
-        if recipe.accumulate is None:
+        if recipe.accumulation("fprop") is None:
             return F.linear(_q(x, recipe.input, -1), _q(w, recipe.weight, -1), b)
-        y = _mm(_q(x, recipe.input, -1), _q(w, recipe.weight, -1).t(), recipe)
+        y = _mm(_q(x, recipe.input, -1), _q(w, recipe.weight, -1).t(), recipe, "fprop")
         return y if b is None else (y.float() + b).to(y.dtype)
 
     @staticmethod
@@ -235,11 +265,12 @@ class _Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = _mm(_q(g2, r.grad, -1, r.grad_rounding), _q(w, r.grad_operand or r.weight, 0), r)
+            gx = _mm(_q(g2, r.grad, -1, r.grad_rounding), _q(w, r.grad_operand or r.weight, 0), r, "dgrad")
             gx = gx.reshape(x.shape)
         if ctx.needs_input_grad[1]:
             h = r.hadamard_seed
-            gw = _mm(_q(g2, r.grad, 0, r.grad_rounding, h).t(), _q(x2, r.grad_operand or r.input, 0, "nearest", h), r)
+            gw = _mm(_q(g2, r.grad, 0, r.grad_rounding, h).t(), _q(x2, r.grad_operand or r.input, 0, "nearest", h),
+                     r, "wgrad")
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0)
         return gx, gw, gb, None
@@ -253,7 +284,7 @@ class _Matmul(torch.autograd.Function):
     def forward(ctx, a, b, recipe, fa=1.0, fb=1.0):
         ctx.save_for_backward(a, b)
         ctx.recipe, ctx.factors = recipe, (fa, fb)
-        return _mm(_times(_q(a, recipe.input, -1), fa), _times(_q(b, recipe.input, -2), fb), recipe)
+        return _mm(_times(_q(a, recipe.input, -1), fa), _times(_q(b, recipe.input, -2), fb), recipe, "fprop")
 
     @staticmethod
     def backward(ctx, grad):
@@ -263,12 +294,12 @@ class _Matmul(torch.autograd.Function):
         op = r.grad_operand or r.input
         ga = gb = None
         if ctx.needs_input_grad[0]:
-            ga = _mm(_q(grad, r.grad, -1, r.grad_rounding), _times(_q(b, op, -1), fb).transpose(-1, -2), r)
+            ga = _mm(_q(grad, r.grad, -1, r.grad_rounding), _times(_q(b, op, -1), fb).transpose(-1, -2), r, "dgrad")
             ga = _times(ga, fa).sum_to_size(a.shape)
         if ctx.needs_input_grad[1]:
             h = r.hadamard_seed
             gb = _mm(_times(_q(a, op, -2, "nearest", h), fa).transpose(-1, -2),
-                     _q(grad, r.grad, -2, r.grad_rounding, h), r)
+                     _q(grad, r.grad, -2, r.grad_rounding, h), r, "wgrad")
             gb = _times(gb, fb).sum_to_size(b.shape)
         return ga, gb, None, None, None
 
