@@ -67,7 +67,7 @@ def test_every_experiment_end_to_end_and_resumed(tmp_path, monkeypatch):
     report = open(res["report"]).read()
     for key, exp in R.EXPERIMENTS.items():
         assert exp.title in report
-        assert len(res["verdicts"][key]) == len(exp.claims)
+        assert len(res["verdicts"][key]) == len(exp.claims) + (2 if exp.gemm_errors else 0)
         for claim, word, _ in res["verdicts"][key]:
             assert word in ("reproduced", "not reproduced", "inconclusive")
             assert f"{claim.text}: **{word}**" in report
@@ -87,6 +87,14 @@ def test_every_experiment_end_to_end_and_resumed(tmp_path, monkeypatch):
     share = R.share_below(hist, -25)
     assert f"{100 * share:.1f} % lie below 2^-25, half float16's smallest subnormal" in report
     assert 0 < sum(hist[1]) and 0 < share < 1
+    # the accumulation experiment: half the width, a third of the epochs (at least one), and
+    # its GEMM measurements in the verdicts and the report
+    short = res["runs"]["accumulation"]["short"][0]["config"]
+    assert (short["width"], short["epochs"], short["accumulate_gemms"]) == (0.125, 1, "wgrad")
+    measured = [(c.text, w) for c, w, _ in res["verdicts"]["accumulation"] if c.kind == "measured"]
+    assert [w for _, w in measured] == ["reproduced", "reproduced"]
+    assert "| positive | Hopper FP8 tensor cores (one accumulator) |" in report
+    assert os.path.exists(os.path.join(out, "accumulation-gemm.png"))
     lines.clear()
     R.run_reproduce(["s2fp8"], base, out, seeds=[0], jobs=1, log=lines.append)
     assert "3 runs (3 already in" in lines[0]  # resumed: nothing trained again

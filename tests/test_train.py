@@ -45,6 +45,24 @@ def test_train_with_a_gemm_recipe(tmp_path, capsys):
         cli.main(["train", "--recipe", "mxfp9"])
 
 
+def test_train_with_an_accumulation(tmp_path, capsys):
+    # --accumulate (a preset or an Accumulate's text) on the GEMMs --accumulate-gemms names: a
+    # 3-significant-bit weight-gradient sum changes the run; the same with torch's float32 does not
+    acc = "Accumulate(\"fp(8,2,0,specials='ieee')\")"
+    common = ("--epochs", "1", "--model", "transformer", "--assignment", "fp32", "--accumulate-gemms", "wgrad")
+    code, res = run_cli(tmp_path, *common, "--accumulate", acc)
+    assert code == 0 and res["config"]["accumulate"] == acc and not res["diverged"]
+    assert f"wgrad GEMMs summed as {acc}" in capsys.readouterr().out
+    _, plain = run_cli(tmp_path, "--epochs", "1", "--model", "transformer", "--assignment", "fp32")
+    _, same = run_cli(tmp_path, *common, "--accumulate", "Accumulate('float32')")
+    assert res["epochs"][0]["train_loss"] != plain["epochs"][0]["train_loss"]
+    assert same["epochs"][0]["train_loss"] == plain["epochs"][0]["train_loss"]
+    code, _ = run_cli(tmp_path, "--accumulate", "hopper-fp8", "--accumulate-gemms", "wgrad,bprop")
+    assert code == 2 and "accumulate_gemms must be a comma-separated subset" in capsys.readouterr().err
+    code, _ = run_cli(tmp_path, "--accumulate", "hopper")
+    assert code == 2 and "cannot parse accumulation 'hopper'" in capsys.readouterr().err
+
+
 def test_train_rejects_bad_options(tmp_path, capsys):
     code, res = run_cli(tmp_path, "--step-in-backward")
     assert code == 2 and res is None

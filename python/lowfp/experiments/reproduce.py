@@ -2,7 +2,7 @@
 where precision matters (next-character prediction on Python's standard library, ``pysource``),
 with several seeds, and a report whose verdicts are computed from the runs.
 
-    lowfp reproduce [mpt|s2fp8|extrabits|assignment|all] [--out DIR] [--seeds N] [--epochs E]
+    lowfp reproduce [mpt|s2fp8|extrabits|assignment|accumulation|all] [--out DIR] [--seeds N] [--epochs E]
 
 Each experiment is a few *arms* (TrainConfig changes on one base run) and the paper's claims as
 comparisons of two arms' final test loss (cross-entropy per character; lower is better):
@@ -10,6 +10,9 @@ comparisons of two arms' final test loss (cross-entropy per character; lower is 
 - ``better(a, b)``: a ends below b by more than the noise margin;
 - ``close(a, b)``: a ends no more than the tolerance above b (it "reaches" b);
 - ``fails(a, b)``: a diverges, or ends far above b.
+
+The accumulation experiment adds claims measured on GEMMs rather than trained
+(``lowfp.experiments.accumulation``: an FP8 GEMM's error against the exact sum).
 
 Arms run with the same seeds (the same initial weights and batch order), so a claim is judged
 on the per-seed differences a − b: the difference is their mean, and the noise margin is their
@@ -36,7 +39,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .. import __version__
 from .optional import import_optional
-from . import train
+from . import accumulation, train
 from . import description
 from .sweep import config_key, run_configs
 
@@ -73,7 +76,7 @@ def arm(key: str, label: str, **changes) -> Arm:
 @dataclass(frozen=True)
 class Claim:
     text: str
-    kind: str  # "better", "close" or "fails"
+    kind: str  # "better", "close", "fails", or "measured" (on GEMMs: accumulation.claims)
     a: str
     b: str
 
@@ -86,18 +89,30 @@ class Experiment:
     arms: Tuple[Arm, ...]
     claims: Tuple[Claim, ...]
     base_changes: Tuple[Tuple[str, object], ...] = ()
-    epochs_factor: int = 1           # epochs = this × the base's
+    epochs_factor: float = 1         # epochs = this × the base's (rounded, at least 1)
+    width_factor: float = 1          # width = this × the base's
     # (arm, loss-scaled arm): plot the first's activation-gradient exponents against float16's
     # range, and shifted by the second's final loss scale
     gradients: Tuple[str, ...] = ()
+    # claims measured on GEMMs rather than trained (accumulation.py), in the verdicts after the
+    # training claims
+    gemm_errors: bool = False
 
     def base(self, base: train.TrainConfig) -> train.TrainConfig:
-        return replace(base, epochs=base.epochs * self.epochs_factor, **dict(self.base_changes))
+        return replace(base, epochs=max(1, round(base.epochs * self.epochs_factor)),
+                       width=base.width * self.width_factor, **dict(self.base_changes))
 
 
 FP32 = arm("fp32", "float32")
 _FP16 = dict(assignment="uniform", hi="float16", lo_forward="float16", lo_backward="float16")
 _LO8 = dict(lo_forward="fp(4,3,4)", lo_backward="fp(5,2,0)")
+# A 5-significant-bit accumulator (float32's exponent range) for the weight-gradient GEMMs, whose
+# reduction runs over the batch's 4096 characters; the chunked arm sums chunks of 64 products,
+# then the chunks' sums, both in the same format (Sakr et al.'s chunk-based accumulation).
+_SHORT_SUM = "fp(8,4,0,specials='ieee')"
+_SHORT = dict(accumulate=f'Accumulate("{_SHORT_SUM}")', accumulate_gemms="wgrad")
+_CHUNKED = dict(accumulate=f'Accumulate("{_SHORT_SUM}", order="blocked", block=64, outer="{_SHORT_SUM}")',
+                accumulate_gemms="wgrad")
 
 EXPERIMENTS: Dict[str, Experiment] = {e.key: e for e in (
     Experiment(
@@ -161,6 +176,19 @@ EXPERIMENTS: Dict[str, Experiment] = {e.key: e for e in (
          Claim("the uniform 8-bit assignment trains worse than float32", "better", "fp32", "uniform"),
          Claim("promotion keeps uniform from diverging or degrading", "better", "uniform-hot",
                "uniform-hot-no-promotion"))),
+    Experiment(
+        "accumulation", "Accumulation precision (DeepSeek-V3, 2024, §3.3.2; Sakr et al., ICLR 2019)",
+        "Hopper's FP8 tensor cores keep about 14 bits of a GEMM's running sum: at K = 4096 the "
+        "result errs by nearly 2 %, and promoting partial sums to float32 every 128 products fixes "
+        "it (DeepSeek-V3). Too short an accumulator swamps small products and trains worse, the "
+        "more so the longer the reduction; chunk-based accumulation lets the same short "
+        "accumulator match float32 (Sakr et al.).",
+        (FP32, arm("short", "weight-gradient GEMMs summed in fp(8,4,0)", **_SHORT),
+         arm("chunked", "the same, in chunks of 64", **_CHUNKED)),
+        (Claim("a short accumulator without chunking trains worse than float32", "better", "fp32", "short"),
+         Claim("with chunking the same accumulator reaches float32", "close", "chunked", "fp32")),
+        # every emulated GEMM is lowfp.gemm on the CPU: half the width, a third of the epochs
+        epochs_factor=1 / 3, width_factor=0.5, gemm_errors=True),
 )}
 
 
@@ -285,11 +313,15 @@ def run_reproduce(experiments: Sequence[str], base: train.TrainConfig, out: str,
                        fresh=fresh, log=log, describe=describe, name="lowfp reproduce")
     runs = {e: {a: [done[config_key(asdict(c))] for c in cs] for a, cs in arms.items()}
             for e, arms in grid.items()}
-    verdicts = {}
+    verdicts, measured = {}, {}
     for e, arms in runs.items():
         stats = {a: arm_stats(rs) for a, rs in arms.items()}
         verdicts[e] = [(c, *verdict(c, stats[c.a], stats[c.b])) for c in EXPERIMENTS[e].claims]
-    path = write_report(out, base, seeds, runs, verdicts, time.perf_counter() - t0)
+        if EXPERIMENTS[e].gemm_errors:
+            measured[e] = accumulation.gemm_errors()
+            verdicts[e] += [(Claim(text, "measured", "", ""), v, detail)
+                             for text, v, detail in accumulation.claims(measured[e])]
+    path = write_report(out, base, seeds, runs, verdicts, time.perf_counter() - t0, measured)
     for e, vs in verdicts.items():
         for c, v, detail in vs:
             log(f"{e}: {c.text}: {v.upper()} ({detail})")
@@ -305,17 +337,26 @@ def _plot(path: str, title: str, exp: Experiment, arms: Dict[str, List[dict]]) -
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for a in exp.arms:
-        rs = arms[a.key]
-        epochs = min(len(r["epochs"]) for r in rs)
-        xs = list(range(1, epochs + 1))
-        for i, r in enumerate(rs):
-            ys = [e.get("test_loss", math.nan) for e in r["epochs"][:epochs]]
-            ax.plot(xs, ys, color=f"C{exp.arms.index(a)}", alpha=0.8,
-                    label=a.label if i == 0 else None, marker="o", markersize=3)
-    ax.xaxis.set_major_locator(import_optional("matplotlib.ticker", "the report's figures")
-                               .MaxNLocator(integer=True))
-    ax.set_xlabel("epoch")
+    if all(len(r["epochs"]) == 1 for rs in arms.values() for r in rs):
+        # one epoch: each arm's final losses side by side, one dot per seed
+        for i, a in enumerate(exp.arms):
+            ys = [r["epochs"][0].get("test_loss", math.nan) for r in arms[a.key]]
+            ax.plot([i] * len(ys), ys, "o", color=f"C{i}", label=a.label, markersize=5, alpha=0.8)
+        ax.set_xticks(range(len(exp.arms)), [a.key for a in exp.arms])
+        ax.set_xlim(-0.5, len(exp.arms) - 0.5)
+        ax.set_xlabel("arm (one dot per seed, after 1 epoch)")
+    else:
+        for a in exp.arms:
+            rs = arms[a.key]
+            epochs = min(len(r["epochs"]) for r in rs)
+            xs = list(range(1, epochs + 1))
+            for i, r in enumerate(rs):
+                ys = [e.get("test_loss", math.nan) for e in r["epochs"][:epochs]]
+                ax.plot(xs, ys, color=f"C{exp.arms.index(a)}", alpha=0.8,
+                        label=a.label if i == 0 else None, marker="o", markersize=3)
+        ax.xaxis.set_major_locator(import_optional("matplotlib.ticker", "the report's figures")
+                                   .MaxNLocator(integer=True))
+        ax.set_xlabel("epoch")
     ax.set_ylabel("test loss (cross-entropy)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
@@ -412,7 +453,8 @@ def _underflow(runs: Sequence[dict]) -> str:
 
 
 def write_report(out: str, base: train.TrainConfig, seeds: Sequence[int],
-                 runs: Dict[str, Dict[str, List[dict]]], verdicts, seconds: float) -> str:
+                 runs: Dict[str, Dict[str, List[dict]]], verdicts, seconds: float,
+                 measured: Optional[Dict[str, "accumulation.GemmErrors"]] = None) -> str:
     every = {id(r): r for arms in runs.values() for rs in arms.values() for r in rs}.values()
     run_minutes = sum(r["seconds"] for r in every) / 60
     lines = ["# lowfp reproduce", "",
@@ -435,7 +477,7 @@ def write_report(out: str, base: train.TrainConfig, seeds: Sequence[int],
         exp = EXPERIMENTS[e]
         b = exp.base(base)
         lines += ["", f"## {exp.title}", "", f"> {exp.claim}", "",
-                  f"{b.epochs} epochs, batch {b.batch_size}, lr {b.lr:g}.", "",
+                  f"{b.epochs} epoch(s), width {b.width:g}, batch {b.batch_size}, lr {b.lr:g}.", "",
                   "| arm | test loss per seed | mean | spread | test accuracy | low-precision ratio "
                   "| gradients lost to underflow | promotions per run |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -454,6 +496,8 @@ def write_report(out: str, base: train.TrainConfig, seeds: Sequence[int],
             lines += ["", f"![{e}]({e}.png)"]
         if exp.gradients:
             lines += _gradients_section(out, exp, arms)
+        if measured and e in measured:
+            lines += accumulation.section(out, measured[e])
     path = os.path.join(out, "report.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -10,7 +10,7 @@ import math
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import List, Optional, Tuple
 
 import torch
@@ -20,7 +20,8 @@ from .. import assign
 from ..emulate import emulate
 from ..formats import to_format
 from ..quantize import quantize_
-from ..scaled import RECIPES
+from ..accumulate import Accumulate
+from ..scaled import ACCUMULATE_GEMMS, RECIPES, GemmRecipe
 from ..scaler import DynamicLossScaler
 from . import data as datasets
 from . import models
@@ -48,6 +49,11 @@ class TrainConfig:
     lo_forward: str = "fp(4,3,4)"
     lo_backward: str = "fp(5,2,0)"
     recipe: str = "none"
+    # How the GEMMs named in accumulate_gemms sum their products (docs/design.md §10): a
+    # lowfp.accumulate preset or an Accumulate's text, "Accumulate('bfloat16', order='blocked',
+    # block=64)"; "none": torch's float32
+    accumulate: str = "none"
+    accumulate_gemms: str = "fprop,dgrad,wgrad"
     optimizer: str = "sgd"
     lr: float = 0.05
     momentum: float = 0.9
@@ -77,6 +83,7 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"assignment must be one of {ASSIGNMENTS}, got {cfg.assignment!r}")
     if cfg.recipe not in GEMM_RECIPES:
         raise ValueError(f"recipe must be one of {GEMM_RECIPES}, got {cfg.recipe!r}")
+    gemm_recipe(cfg)
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {cfg.optimizer!r}")
     if cfg.schedule not in ("cosine", "constant"):
@@ -103,6 +110,19 @@ def check_config(cfg: TrainConfig) -> None:
         except ValueError:
             raise ValueError(f"loss_scale must be 'dynamic', 'none' or a positive number, "
                              f"got {cfg.loss_scale!r}") from None
+
+
+def gemm_recipe(cfg: TrainConfig) -> Optional[GemmRecipe]:
+    """The GemmRecipe of cfg's recipe and accumulation, or None (torch's GEMMs)."""
+    if cfg.accumulate == "none":
+        return None if cfg.recipe == "none" else RECIPES[cfg.recipe]
+    gemms = [g.strip() for g in cfg.accumulate_gemms.split(",")]
+    if not gemms or not set(gemms) <= set(ACCUMULATE_GEMMS):
+        raise ValueError(f"accumulate_gemms must be a comma-separated subset of {ACCUMULATE_GEMMS}, "
+                         f"got {cfg.accumulate_gemms!r}")
+    acc = Accumulate.parse(cfg.accumulate)
+    return replace(GemmRecipe() if cfg.recipe == "none" else RECIPES[cfg.recipe],
+                   accumulate={g: acc for g in gemms})
 
 
 def _progress(label: str, done: int, total: int, extra: str, stream) -> None:
@@ -239,12 +259,13 @@ def run(cfg: TrainConfig, log=None, progress=None) -> dict:
     log(f"lowfp train: {cfg.model} (width {cfg.width}) on {ds}, {assignment.name}: "
         f"ratio_lo {assignment.ratio_lo:.3f}, aggregate {assignment.aggregate_bits / 8 / 2**20:.2f} MiB, "
         + ("" if cfg.recipe == "none" else f"GEMM operands {cfg.recipe}, ")
+        + ("" if cfg.accumulate == "none" else f"{cfg.accumulate_gemms} GEMMs summed as {cfg.accumulate}, ")
         + f"optimizer {cfg.optimizer}, {cfg.epochs} epochs of {steps_per_epoch} steps")
     epochs: List[dict] = []
     gen = torch.Generator().manual_seed(cfg.seed)
     diverged = False
     with emulate(model, assignment, promote=cfg.promote, threshold=cfg.threshold,
-                 rounding="nearest", gemm_recipe=None if cfg.recipe == "none" else cfg.recipe) as em:
+                 rounding="nearest", gemm_recipe=gemm_recipe(cfg)) as em:
         scaler = None
         if cfg.loss_scale != "none":
             init = 2.0 ** 16 if cfg.loss_scale == "dynamic" else float(cfg.loss_scale)
@@ -352,6 +373,12 @@ def add_arguments(p: argparse.ArgumentParser, skip: Tuple[str, ...] = ()) -> Non
     add("--recipe", default=d.recipe, choices=GEMM_RECIPES,
         help="scaled formats for the operands of linear layers and matrix products "
              "(lowfp.scaled.emulate_gemms)")
+    add("--accumulate", default=d.accumulate,
+        help="how the GEMMs of --accumulate-gemms sum their products (lowfp.Accumulate): a preset "
+             "(hopper-fp8, deepseek-v3) or \"Accumulate('bfloat16', order='blocked', block=64)\"; "
+             "none: torch's float32")
+    add("--accumulate-gemms", default=d.accumulate_gemms,
+        help="which GEMMs --accumulate applies to: fprop, dgrad, wgrad, comma-separated")
     add("--optimizer", default=d.optimizer, choices=OPTIMIZERS)
     add("--lr", type=float, default=d.lr)
     add("--momentum", type=float, default=d.momentum)

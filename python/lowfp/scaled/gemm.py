@@ -61,7 +61,7 @@ from .config import Scaled, named, to_scaled
 from .._native import DTYPE_CODES, runs_natively
 from .quantize import PreparedScaled, quantize_scaled
 
-__all__ = ["GemmRecipe", "RECIPES", "emulate_gemms", "GemmEmulation"]
+__all__ = ["GemmRecipe", "RECIPES", "emulate_gemms", "GemmEmulation", "ACCUMULATE_GEMMS"]
 
 GEMM_OPS = ("linear", "conv", "matmul", "attention")
 
