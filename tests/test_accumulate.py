@@ -344,6 +344,46 @@ def test_gemm_under_fake_tensors_and_meta_gives_shapes():
     assert c.shape == (3, 5) and c.dtype == torch.float32
 
 
+def test_gemm_is_one_operator_that_torch_checks():
+    # schema, fake implementation, autograd registration and AOT dispatch (torch.library.opcheck;
+    # stochastic gradients draw new keys each time, so AOT dispatch is compared without them)
+    a, b = torch.randn(2, 3, 40), torch.randn(40, 5)
+    for acc, utils in ((Accumulate(E8M7), torch.library._OPCHECK_DEFAULT_UTILS),
+                       (Accumulate(E8M7, order="blocked", block=16, rounding="stochastic"),
+                        ("test_schema", "test_autograd_registration", "test_faketensor"))):
+        torch.library.opcheck(torch.ops.lowfp.gemm, (a, b, repr(acc), 7, None, True), test_utils=utils)
+        torch.library.opcheck(torch.ops.lowfp.gemm, (a.requires_grad_(), b, repr(acc), 7, None, False),
+                              test_utils=utils)
+        a = a.detach()
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_gemm_compiles_into_one_graph_and_equals_eager(rounding):
+    # torch.compile(fullgraph=True): no graph break; forward, both gradients and the counts are
+    # eager's bit for bit, stochastic keys drawn from torch's generator in the same order
+    acc = Accumulate(E8M7, order="blocked", block=8, rounding=rounding)
+
+    def forward(a, b, stats):
+        c = lowfp.gemm(a, b, acc, stats=stats)
+        return c, (c * torch.linspace(-1, 1, c.shape[-1])).sum()
+
+    def run(fn):
+        torch.manual_seed(3)
+        a = torch.randn(2, 6, 50, requires_grad=True)
+        b = torch.randn(50, 7, requires_grad=True)
+        stats = AccumulateStats()
+        c, loss = fn(a, b, stats)
+        loss.backward()
+        return c.detach(), a.grad, b.grad, stats.counts
+
+    torch._dynamo.reset()
+    compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")
+    want, got = run(forward), run(compiled)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    assert want[3][3] > 0
+
+
 def test_an_empty_reduction_sums_to_zero():
     a, b = torch.ones(2, 0), torch.ones(0, 3)
     st = AccumulateStats()
@@ -499,6 +539,31 @@ def test_a_gemm_recipe_accumulates_each_gemm_as_its_entry_says():
     assert torch.equal(out.detach(), p.detach() @ q.detach())
     assert torch.equal(p.grad, gout @ q.detach().transpose(-1, -2))
     assert torch.equal(q.grad, lowfp.gemm(p.detach().transpose(-1, -2), gout, short))
+
+
+def test_a_gemm_recipe_with_accumulation_compiles_into_one_graph():
+    # emulate_gemms with operand formats and per-GEMM accumulation under torch.compile: one graph,
+    # no break, and eager's output and gradients bit for bit
+    from lowfp.scaled import GemmRecipe, emulate_gemms
+    acc = Accumulate(E8M7, order="blocked", block=8)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    emulate_gemms(model, GemmRecipe("mxfp8_e4m3", accumulate={"fprop": acc, "wgrad": acc})).install()
+    x = torch.randn(8, 16)
+
+    def run(forward):
+        model.zero_grad()
+        y = forward(x)
+        y.sum().backward()
+        return [y.detach()] + [p.grad for p in model.parameters()]
+
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    got = run(torch.compile(model, backend="aot_eager"))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    for g, w in zip(got, run(model)):
+        assert torch.equal(g, w)
 
 
 def test_a_gemm_recipe_takes_only_an_accumulate():

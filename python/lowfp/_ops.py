@@ -30,7 +30,7 @@ from ._non_finite import check_non_finite
 from ._native import DTYPE_CODES, NativeCall, ROUNDING_MODES, run_quantize, run_s2fp8, seed_words
 from .formats import Format, S2FP8, to_precision
 
-__all__ = ["lib", "round_gradient", "s2fp8_stat_buffers"]
+__all__ = ["lib", "philox_key", "round_gradient", "s2fp8_stat_buffers"]
 
 lib = torch.library.Library("lowfp", "DEF")
 
@@ -84,7 +84,7 @@ def _precision(text: str):
     return p
 
 
-def _key(seed: int, drawn_seed: Optional[torch.Tensor]) -> int:
+def philox_key(seed: int, drawn_seed: Optional[torch.Tensor]) -> int:
     """The uint64 Philox key of an operator call."""
     if drawn_seed is not None:
         lo, hi = drawn_seed.tolist()
@@ -95,7 +95,7 @@ def _key(seed: int, drawn_seed: Optional[torch.Tensor]) -> int:
 def _call(fmt: str, rounding: str, sr_bits: int, seed: int, drawn_seed, offset: int) -> NativeCall:
     """The native request of an operator call's arguments."""
     return NativeCall(_precision(fmt), ROUNDING_MODES.index(rounding), sr_bits,
-                      _key(seed, drawn_seed), offset & _U64)
+                      philox_key(seed, drawn_seed), offset & _U64)
 
 
 # -- implementations (CPU and CUDA: the native module follows x's device) -----------------------
@@ -166,7 +166,7 @@ def _extra_bits_split_impl(w32, dtype, k, rounding, sr_bits, seed, drawn_seed, o
         backends.check_dense(t, name)
     mod.extra_bits_split(src.data_ptr(), w16.data_ptr(), DTYPE_CODES[dtype], packed.data_ptr(),
                          src.numel(), k, weight_grid(weight_format), ROUNDING_MODES.index(rounding),
-                         _key(seed, drawn_seed),
+                         philox_key(seed, drawn_seed),
                          offset & _U64,
                          counts.data_ptr() if count else 0, device, stream)
     return w16, packed, counts

@@ -19,9 +19,10 @@ import torch
 
 from . import _C
 from ._checks import check_choice, check_int
-from ._native import ROUNDING_MODES, stochastic_seed
+from ._native import ROUNDING_MODES, call_seed
 from ._dtensor import is_dtensor
-from .backends import TRACING_TYPES, native
+from ._ops import lib, philox_key
+from .backends import native
 from .formats import Format, _parse_call, to_format
 from .stats import Stats
 
@@ -64,7 +65,7 @@ class Accumulate:
     """
 
     __slots__ = ("fmt", "order", "block", "rounding", "compensated", "product", "outer", "overflow",
-                 "sr_bits", "group", "align_bits", "operand_emin")
+                 "sr_bits", "group", "align_bits", "operand_emin", "_text")
 
     def __init__(self, fmt: Union[Format, str], order: str = "sequential", block: Optional[int] = None,
                  rounding: str = "nearest", compensated: bool = False,
@@ -120,6 +121,7 @@ class Accumulate:
             for name, f in (("fmt", self.fmt), ("product", self.product), ("outer", self.outer)):
                 if f is not None and not f.fits(torch.float32):
                     raise ValueError(f"{name}: {f} does not fit float32's range")
+        self._text = None
 
     @property
     def is_torch(self) -> bool:
@@ -137,6 +139,11 @@ class Accumulate:
         return hash(self._key())
 
     def __repr__(self) -> str:
+        if self._text is None:  # (what the lowfp::gemm operator takes: made once)
+            self._text = self._describe()
+        return self._text
+
+    def _describe(self) -> str:
         parts = [repr("float32" if self.fmt is None else str(self.fmt)), f"order={self.order!r}"]
         if self.block is not None:
             parts.append(f"block={self.block}")
@@ -222,13 +229,15 @@ def gemm(a: torch.Tensor, b: torch.Tensor, accumulate: Optional[Accumulate] = No
 
     a: (..., M, K), b: (..., K, N) (batch dims broadcast as torch.matmul's), float32, bfloat16
     or float16 tensors of one dtype on one device (their products are exact in float64).
-    seed/generator: stochastic rounding's Philox key (default: drawn from torch's generator).
+    seed/generator: stochastic rounding's Philox key (default: drawn from torch's generator
+    when the GEMM runs, also inside a compiled graph).
     stats: an :class:`AccumulateStats` the roundings' counts are added to.
 
-    Differentiable: the gradients are the two backward GEMMs, dA = dC·Bᵀ and dB = Aᵀ·dC, with the
-    output gradient in the operands' dtype, summed the same way (stochastic keys drawn from
-    ``generator`` or torch's; ``stats`` counts the forward GEMM only), reduced over broadcast
-    batch dims. Under FakeTensorMode and on the meta device the result has its shape only.
+    One ``lowfp::gemm`` operator (torch.library: torch.compile keeps it in its graph, with a
+    fake implementation for shapes). Differentiable: the gradients are the two backward GEMMs,
+    dA = dC·Bᵀ and dB = Aᵀ·dC, with the output gradient in the operands' dtype, summed the same
+    way (stochastic keys drawn from torch's default generator; ``stats`` counts the forward GEMM
+    only), reduced over broadcast batch dims.
     """
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise TypeError(f"a and b must be tensors, got {type(a).__name__} and {type(b).__name__}")
@@ -251,54 +260,83 @@ def gemm(a: torch.Tensor, b: torch.Tensor, accumulate: Optional[Accumulate] = No
         raise TypeError("a and b must be local tensors, got a DTensor: lowfp.gemm sums whole "
                         "reductions, so call it on tensors that hold them (DTensor.to_local() of a "
                         "GEMM's shards, or full_tensor())")
-    if a.layout is not torch.strided or b.layout is not torch.strided:
+    # (a traced autograd.Function may not read .layout; a traced tensor is strided)
+    if not torch.compiler.is_compiling() and (a.layout is not torch.strided or b.layout is not torch.strided):
         raise ValueError(f"a and b must be dense (strided) tensors, got {a.layout} and {b.layout}")
     if stats is not None and stats.device != a.device:
         raise ValueError(f"stats lives on {stats.device}, the operands on {a.device}")
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        return _Gemm.apply(a, b, accumulate, seed, generator, stats)
-    return _gemm(a, b, accumulate, seed, generator, stats)
-
-
-def _gemm(a, b, accumulate: Accumulate, seed, generator, stats) -> torch.Tensor:
-    """gemm's checked call (no autograd)."""
-    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    (m, k), n = a.shape[-2:], b.shape[-1]
-    count = math.prod(batch)
-    a3 = a.expand(*batch, m, k).reshape(count, m, k)
-    b3 = b.expand(*batch, k, n).reshape(count, k, n)
-    c = torch.empty(*batch, m, n, dtype=torch.float32, device=a.device)
-    if type(a) in TRACING_TYPES or type(b) in TRACING_TYPES or a.is_meta:
-        return c  # (shapes only)
-    mod, device, stream = native(a3, "a")
-    seed = stochastic_seed(seed, generator) if accumulate.rounding == "stochastic" else 0
-    if c.numel():
-        _prepared(mod, accumulate, a.dtype)(
-            a3.data_ptr(), b3.data_ptr(), c.data_ptr(), a3.shape[0], m, n, k, tuple(a3.stride()),
-            tuple(b3.stride()), seed, 0, 0 if stats is None else stats.counts.data_ptr(), device, stream)
+    seed, drawn = call_seed(accumulate.rounding, seed, generator)
+    c, counts = torch.ops.lowfp.gemm(a, b, repr(accumulate), seed, drawn, stats is not None)
+    if stats is not None:
+        stats.accumulate(counts)
     return c
 
 
-class _Gemm(torch.autograd.Function):
-    """gemm with its two backward GEMMs summed as the forward's."""
+# -- the lowfp::gemm operator ------------------------------------------------------------------
+# accumulate: an Accumulate's repr (Accumulate.parse reads it back); seed, drawn_seed: the Philox
+# key as the rounding operators take it (lowfp._ops); count: return the roundings' 5 counts (else
+# an empty tensor).
+lib.define("gemm(Tensor a, Tensor b, str accumulate, int seed, Tensor? drawn_seed, bool count) -> (Tensor, Tensor)")
 
-    @staticmethod
-    def forward(ctx, a, b, accumulate, seed, generator, stats):
-        ctx.save_for_backward(a, b)
-        ctx.accumulate, ctx.generator = accumulate, generator
-        return _gemm(a, b, accumulate, seed, generator, stats)
+_parsed = functools.lru_cache(maxsize=256)(lambda text: Accumulate.parse(text))
 
-    @staticmethod
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        acc, generator = ctx.accumulate, ctx.generator
-        grad = grad.to(a.dtype)
-        ga = gb = None
-        if ctx.needs_input_grad[0]:
-            ga = _gemm(grad, b.transpose(-1, -2), acc, None, generator, None).sum_to_size(a.shape).to(a.dtype)
-        if ctx.needs_input_grad[1]:
-            gb = _gemm(a.transpose(-1, -2), grad, acc, None, generator, None).sum_to_size(b.shape).to(b.dtype)
-        return ga, gb, None, None, None, None
+
+def _shapes(a: torch.Tensor, b: torch.Tensor):
+    """(broadcast batch shape, M, K, N)."""
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return batch, a.shape[-2], a.shape[-1], b.shape[-1]
+
+
+def _gemm_impl(a, b, accumulate, seed, drawn_seed, count):
+    acc = _parsed(accumulate)
+    batch, m, k, n = _shapes(a, b)
+    items = math.prod(batch)
+    a3 = a.expand(*batch, m, k).reshape(items, m, k)
+    b3 = b.expand(*batch, k, n).reshape(items, k, n)
+    c = torch.empty(*batch, m, n, dtype=torch.float32, device=a.device)
+    counts = torch.zeros(5 if count else 0, dtype=torch.int64, device=a.device)
+    mod, device, stream = native(a3, "a")
+    if c.numel():
+        _prepared(mod, acc, a.dtype)(
+            a3.data_ptr(), b3.data_ptr(), c.data_ptr(), items, m, n, k, tuple(a3.stride()),
+            tuple(b3.stride()), philox_key(seed, drawn_seed), 0, counts.data_ptr() if count else 0,
+            device, stream)
+    return c, counts
+
+
+@torch.library.register_fake("lowfp::gemm", lib=lib)
+def _gemm_fake(a, b, accumulate, seed, drawn_seed, count):
+    batch, m, _, n = _shapes(a, b)
+    return (a.new_empty((*batch, m, n), dtype=torch.float32),
+            a.new_empty((5 if count else 0,), dtype=torch.int64))
+
+
+def _gemm_setup_context(ctx, inputs, output):
+    a, b, accumulate = inputs[:3]
+    ctx.save_for_backward(a, b)
+    ctx.accumulate = accumulate
+
+
+def _gemm_backward(ctx, grad, _counts):
+    a, b = ctx.saved_tensors
+    acc = ctx.accumulate
+    stochastic = _parsed(acc).rounding == "stochastic"
+    grad = grad.to(a.dtype)
+    ga = gb = None
+    if ctx.needs_input_grad[0]:
+        drawn = torch.ops.lowfp.draw_seed() if stochastic else None
+        ga = torch.ops.lowfp.gemm(grad, b.transpose(-1, -2), acc, 0, drawn, False)[0]
+        ga = ga.sum_to_size(a.shape).to(a.dtype)
+    if ctx.needs_input_grad[1]:
+        drawn = torch.ops.lowfp.draw_seed() if stochastic else None
+        gb = torch.ops.lowfp.gemm(a.transpose(-1, -2), grad, acc, 0, drawn, False)[0]
+        gb = gb.sum_to_size(b.shape).to(b.dtype)
+    return ga, gb, None, None, None, None
+
+
+for _dispatch_key in ("CPU", "CUDA"):
+    lib.impl("gemm", _gemm_impl, _dispatch_key)
+torch.library.register_autograd("lowfp::gemm", _gemm_backward, setup_context=_gemm_setup_context, lib=lib)
 
 
 E8M13 = Format(8, 13, 0, specials="ieee")

@@ -243,8 +243,8 @@ def _mm(a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, gemm: str) -> torc
     acc = recipe.accumulation(gemm)
     if acc is None or a.dim() < 2 or b.dim() < 2:
         return torch.matmul(a, b)
-    with torch.no_grad():
-        return accumulated_gemm(a, b, acc).to(torch.result_type(a, b))
+    with torch.no_grad():  # (promote_types: torch.result_type's dtype would break a compiled graph)
+        return accumulated_gemm(a, b, acc).to(torch.promote_types(a.dtype, b.dtype))
 
 
 class _Linear(torch.autograd.Function):
