@@ -2,6 +2,7 @@
 product exact (or rounded to the product format), each addition's exact sum (Fractions) rounded
 once to the accumulator format, in the order the spec fixes, with the spec's Philox words."""
 
+import itertools
 import math
 import struct
 from fractions import Fraction
@@ -588,3 +589,78 @@ def test_parse_reads_presets_and_what_repr_writes():
         Accumulate.parse("Accumulate(fmt)")
     with pytest.raises(TypeError, match="accumulation string expected"):
         Accumulate.parse(3)
+
+
+def _conv_reference(x, w, stride, pad, dilation, groups, acc):
+    """The convolution's forward, weight gradient (of dy) and input gradient with each output
+    element's products listed by loops in the order design §10 gives, each list summed by a
+    1 × K · K × 1 lowfp.gemm (checked against the exact reference above)."""
+    n, c, *size = x.shape
+    o, cg, *kernel = w.shape
+    og = o // groups
+    xp = torch.nn.functional.pad(x, [p for p in reversed(pad) for _ in range(2)])
+    out = [(s + 2 * p - d * (k - 1) - 1) // st + 1 for s, p, d, k, st in zip(size, pad, dilation, kernel, stride)]
+    positions = list(itertools.product(*[range(m) for m in out]))
+    offsets = list(itertools.product(*[range(k) for k in kernel]))
+
+    def tap(pos, off):  # the padded input index a kernel offset reads at an output position
+        return tuple(p * st + f * d for p, f, st, d in zip(pos, off, stride, dilation))
+
+    def dot(us, vs):
+        return lowfp.gemm(torch.stack(us).view(1, -1), torch.stack(vs).view(-1, 1), acc)[0, 0]
+
+    y = torch.zeros(n, o, *out)
+    dw = torch.zeros_like(w)
+    dy = torch.randn(n, o, *out, generator=torch.Generator().manual_seed(9))
+    for b in range(n):
+        for oc in range(o):
+            g = oc // og
+            for pos in positions:
+                us = [w[(oc, ci) + tuple(off)] for ci in range(cg) for off in offsets]
+                vs = [xp[(b, g * cg + ci) + tuple(tap(pos, off))] for ci in range(cg) for off in offsets]
+                y[(b, oc) + tuple(pos)] = dot(us, vs)
+    for oc in range(o):
+        g = oc // og
+        for ci in range(cg):
+            for off in offsets:
+                us = [dy[(b, oc) + tuple(pos)] for b in range(n) for pos in positions]
+                vs = [xp[(b, g * cg + ci) + tuple(tap(pos, off))] for b in range(n) for pos in positions]
+                dw[(oc, ci) + tuple(off)] = dot(us, vs)
+    dxp = torch.zeros_like(xp)
+    for b in range(n):
+        for g in range(groups):
+            for pos in positions:  # col2im: positions, then the kernel's offsets, in float32
+                for ci in range(cg):
+                    for off in offsets:
+                        us = [dy[(b, g * og + j) + tuple(pos)] for j in range(og)]
+                        vs = [w[(g * og + j, ci) + tuple(off)] for j in range(og)]
+                        dxp[(b, g * cg + ci) + tuple(tap(pos, off))] += dot(us, vs)
+    dx = dxp[(slice(None), slice(None)) + tuple(slice(p, p + s) for p, s in zip(pad, size))]
+    return y, dy, dw, dx
+
+
+@pytest.mark.parametrize("shape,kernel,stride,pad,dilation,groups", [
+    ((2, 4, 6, 5), (3, 2), (2, 1), (1, 0), (1, 2), 2),
+    ((1, 2, 9), (3,), (2,), (2,), (2,), 1),
+    ((1, 2, 3, 4, 3), (2, 2, 2), (1, 1, 1), (0, 1, 0), (1, 1, 1), 1),
+], ids=["conv2d", "conv1d", "conv3d"])
+def test_a_gemm_recipe_accumulates_convolutions_over_their_windows(shape, kernel, stride, pad, dilation, groups):
+    # forward, weight gradient and input gradient against loops over each output element's
+    # products (stride, padding, dilation, groups, 1-3 spatial dims)
+    from lowfp.scaled import GemmRecipe, emulate_gemms
+    acc = Accumulate(lowfp.Format(5, 3, 0, specials="ieee"), order="blocked", block=5)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(*shape, generator=g, requires_grad=True)
+    conv = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)[len(kernel) - 1](
+        shape[1], 4, kernel, stride=stride, padding=pad, dilation=dilation, groups=groups, bias=True)
+    with emulate_gemms(conv, GemmRecipe(accumulate=acc)):
+        y = conv(x)
+    w, b = conv.weight.detach(), conv.bias.detach()
+    want_y, dy, want_dw, want_dx = _conv_reference(x.detach(), w, stride, pad, dilation, groups, acc)
+    y.backward(dy)
+    assert torch.equal(y.detach(), want_y + b.view(-1, *[1] * len(kernel)))
+    assert torch.equal(conv.weight.grad, want_dw)
+    assert torch.equal(x.grad, want_dx)
+    plain = torch.nn.functional.conv2d if len(kernel) == 2 else None
+    if plain is not None:  # (the short accumulator shows)
+        assert not torch.equal(y.detach(), plain(x.detach(), w, b, stride, pad, dilation, groups))

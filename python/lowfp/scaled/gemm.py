@@ -99,7 +99,8 @@ class GemmRecipe:
             recipes name them: a mapping from ``"fprop"`` (the forward GEMM), ``"dgrad"`` (the
             input gradient's) and ``"wgrad"`` (the weight gradient's: a matmul's second operand,
             summed over its rows) to an Accumulate or None (an absent name: torch's), kept as a
-            tuple of (name, Accumulate) pairs so that the recipe stays hashable. Convolutions keep
+            tuple of (name, Accumulate) pairs so that the recipe stays hashable. Convolutions
+            sum over their im2col windows (docs/design.md §10); transposed convolutions keep
             torch's accumulation.
 
     Each format's blocks run along the operand's reduction axis whatever its ``axis`` says
@@ -352,16 +353,86 @@ def _conv_args(x, w, stride, padding, dilation):
     return x, stride, ints(padding), dilation
 
 
+def _windows(x: torch.Tensor, kernel, stride, dilation) -> torch.Tensor:
+    """The windows of a padded x (N, C, *S) a convolution multiplies its weight with, as a view
+    (N, C, *L, *kernel): L output positions per spatial dim."""
+    for i, (k, s, d) in enumerate(zip(kernel, stride, dilation)):
+        x = x.unfold(2 + i, d * (k - 1) + 1, s)
+    return x[(...,) + tuple(slice(None, None, d) for d in dilation)]
+
+
+def _padded(x: torch.Tensor, pad) -> torch.Tensor:
+    return F.pad(x, [p for p in reversed(pad) for _ in range(2)]) if any(pad) else x
+
+
+def _columns(x: torch.Tensor, kernel, stride, pad, dilation, groups) -> torch.Tensor:
+    """im2col: (N, G, positions, C/G · prod(kernel)), each row a window in the weight's
+    (channel, *kernel) order."""
+    win = _windows(_padded(x, pad), kernel, stride, dilation)
+    n, c, nd = x.shape[0], x.shape[1], len(kernel)
+    positions = math.prod(win.shape[2:2 + nd])
+    win = win.unflatten(1, (groups, c // groups))  # (N, G, C/G, *L, *k)
+    order = (0, 1) + tuple(range(3, 3 + nd)) + (2,) + tuple(range(3 + nd, 3 + 2 * nd))
+    return win.permute(order).reshape(n, groups, positions, -1)
+
+
+def _conv_accumulated(x, w, stride, pad, dilation, groups, recipe) -> torch.Tensor:
+    """The forward convolution (no bias) as a GEMM per group (the "fprop" accumulation): each
+    output element sums its window's products in the weight's (channel, *kernel) order."""
+    kernel = w.shape[2:]
+    cols = _columns(x, kernel, stride, pad, dilation, groups)
+    wt = w.reshape(groups, w.shape[0] // groups, -1).transpose(-1, -2)  # (G, C/G·k, O/G)
+    y = _mm(cols, wt, recipe, "fprop")  # (N, G, positions, O/G)
+    out = [(s + 2 * p - d * (k - 1) - 1) // st + 1
+           for s, p, d, k, st in zip(x.shape[2:], pad, dilation, kernel, stride)]
+    return y.transpose(-1, -2).reshape(x.shape[0], w.shape[0], *out)
+
+
+def _conv_weight_grad_accumulated(grad, x, w, stride, pad, dilation, groups, recipe) -> torch.Tensor:
+    """dW as a GEMM per group (the "wgrad" accumulation): each element sums over the batch and
+    the output positions, batch-major."""
+    cols = _columns(x, w.shape[2:], stride, pad, dilation, groups)  # (N, G, P, C/G·k)
+    n, g = cols.shape[:2]
+    dy = grad.reshape(n, g, grad.shape[1] // g, -1).permute(1, 2, 0, 3).flatten(2)  # (G, O/G, N·P)
+    gw = _mm(dy, cols.transpose(0, 1).flatten(1, 2), recipe, "wgrad")  # (G, O/G, C/G·k)
+    return gw.reshape(w.shape)
+
+
+def _conv_input_grad_accumulated(grad, x_shape, w, stride, pad, dilation, groups, recipe) -> torch.Tensor:
+    """dX (of the padded input, padding then cut off): per output position the GEMM
+    dY·W (the "dgrad" accumulation, over the group's output channels), then the contributions
+    of the overlapping windows to each input element added in float32 (col2im, as torch does)."""
+    kernel = w.shape[2:]
+    n, c = x_shape[:2]
+    dy = grad.reshape(n, groups, grad.shape[1] // groups, -1).transpose(-1, -2)  # (N, G, P, O/G)
+    dcols = _mm(dy, w.reshape(groups, w.shape[0] // groups, -1), recipe, "dgrad")  # (N, G, P, C/G·k)
+    spatial = [s + 2 * p for s, p in zip(x_shape[2:], pad)]
+    where = _windows(torch.arange(math.prod(spatial), device=w.device).view(1, 1, *spatial),
+                     kernel, stride, dilation)  # (1, 1, *L, *k): the flat input index of each product
+    where = where.reshape(-1, math.prod(kernel))  # (P, k)
+    contrib = dcols.unflatten(-1, (c // groups, math.prod(kernel))).permute(0, 1, 3, 2, 4)  # (N, G, C/G, P, k)
+    gx = grad.new_zeros(n, c, math.prod(spatial), dtype=torch.float32)
+    gx.index_add_(2, where.flatten(), contrib.reshape(n, c, -1).float())
+    gx = gx.view(n, c, *spatial)
+    return gx[(slice(None), slice(None)) + tuple(slice(p, p + s) for p, s in zip(pad, x_shape[2:]))].to(grad.dtype)
+
+
 class _Conv(torch.autograd.Function):
+    """A convolution, its operands rounded as the recipe says; with an accumulation, each of
+    its three GEMMs is lowfp.gemm over the im2col windows (docs/design.md §10)."""
+
     @staticmethod
     def forward(ctx, x, w, b, stride, padding, dilation, groups, recipe):
         xp, stride, pad, dilation = _conv_args(x, w, stride, padding, dilation)
         ctx.save_for_backward(xp, w)
         ctx.args = (stride, pad, dilation, groups)
         ctx.recipe, ctx.has_bias, ctx.x_shape = recipe, b is not None, x.shape
+        xq, wq = _q_grouped(xp, recipe.input, 1, groups), _q_conv_weight(w, recipe.weight, 1, groups)
+        if recipe.accumulation("fprop") is not None:
+            y = _conv_accumulated(xq, wq, stride, pad, dilation, groups, recipe)
+            return y if b is None else (y.float() + b.view(-1, *[1] * (w.dim() - 2))).to(y.dtype)
         conv = (F.conv1d, F.conv2d, F.conv3d)[w.dim() - 3]
-        return conv(_q_grouped(xp, recipe.input, 1, groups), _q_conv_weight(w, recipe.weight, 1, groups),
-                    b, stride, pad, dilation, groups)
+        return conv(xq, wq, b, stride, pad, dilation, groups)
 
     @staticmethod
     def backward(ctx, grad):
@@ -371,16 +442,23 @@ class _Conv(torch.autograd.Function):
         out_pad = [0] * (w.dim() - 2)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = torch.ops.aten.convolution_backward(
-                _q_grouped(grad, r.grad, 1, groups, r.grad_rounding), xp,
-                _q_conv_weight(w, r.grad_operand or r.weight, 0, groups), None, stride, pad,
-                dilation, False, out_pad, groups, (True, False, False))[0]
+            gq = _q_grouped(grad, r.grad, 1, groups, r.grad_rounding)
+            wq = _q_conv_weight(w, r.grad_operand or r.weight, 0, groups)
+            if r.accumulation("dgrad") is not None:
+                gx = _conv_input_grad_accumulated(gq, xp.shape, wq, stride, pad, dilation, groups, r)
+            else:
+                gx = torch.ops.aten.convolution_backward(gq, xp, wq, None, stride, pad, dilation, False,
+                                                         out_pad, groups, (True, False, False))[0]
             gx = gx[tuple(slice(0, n) for n in ctx.x_shape)]  # drop an asymmetric "same" pad
         if ctx.needs_input_grad[1]:
             h = r.hadamard_seed
-            gw = torch.ops.aten.convolution_backward(
-                _q(grad, r.grad, 0, r.grad_rounding, h), _q(xp, r.grad_operand or r.input, 0, "nearest", h),
-                w, None, stride, pad, dilation, False, out_pad, groups, (False, True, False))[1]
+            gq = _q(grad, r.grad, 0, r.grad_rounding, h)
+            xq = _q(xp, r.grad_operand or r.input, 0, "nearest", h)
+            if r.accumulation("wgrad") is not None:
+                gw = _conv_weight_grad_accumulated(gq, xq, w, stride, pad, dilation, groups, r)
+            else:
+                gw = torch.ops.aten.convolution_backward(gq, xq, w, None, stride, pad, dilation, False,
+                                                         out_pad, groups, (False, True, False))[1]
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = grad.sum([0] + list(range(2, grad.dim())))
         return gx, gw, gb, None, None, None, None, None
