@@ -423,6 +423,38 @@ def test_emulate_takes_a_gemm_recipe():
         lowfp.emulate(model, a, gemm_recipe="mxfp5")
 
 
+def test_emulate_takes_recipes_per_module():
+    # gemm_recipe={pattern: recipe}: as emulate_gemms of the matched layer inside the emulation
+    from lowfp import assign as A
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    a = A.uniform(A.trace(model, x, F.cross_entropy, y))
+
+    def step(**kw):
+        model.zero_grad()
+        with lowfp.emulate(model, a, **kw) as em:
+            if not kw:
+                emulate_gemms(model[0], "mxfp4").install()
+            out = model(x)
+            F.cross_entropy(out, y).backward()
+            counts = em.counts.clone()
+        return out.detach(), model[0].weight.grad.clone(), model[2].weight.grad.clone(), counts
+    got = step(gemm_recipe={"0": "mxfp4", "2": None})
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    with pytest.warns(UserWarning, match="was not in the recorded step"):  # (the operands by hand)
+        want = step()
+    model[0].__dict__.pop("forward", None)
+    for g, w in zip(got[:3], want[:3]):
+        assert torch.equal(g, w)
+    # one interception sees every tensor (the layer emulated by hand hides its GEMM's operands
+    # from the assignment's): the rounded elements are plain emulation's
+    plain = step(gemm_recipe={"*": None})
+    assert torch.equal(got[3][:, 3], plain[3][:, 3])
+    with pytest.raises(ValueError, match="match no module"):
+        lowfp.emulate(model, a, gemm_recipe={"head": "mxfp4"})
+
+
 def test_multihead_attention_is_entered():
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(32, 2, batch_first=True)
@@ -466,3 +498,105 @@ def test_every_emulated_gemm_is_a_gemm_of_the_interception():
     for func in funcs:
         kind, name = classify(func)
         assert kind == OP and name in GEMM_NAMES, func
+
+
+# -- recipes per module --------------------------------------------------------------------------
+
+def _two_layers():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 32), nn.GELU(), nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 8)))
+
+
+def _run(model, em, x):
+    with em:
+        y = model(x)
+    y.backward(torch.linspace(-1, 1, y.numel()).view_as(y))
+    return [y.detach()] + [p.grad for p in model.parameters()]
+
+
+def test_recipes_per_module_equal_each_module_emulated_alone():
+    # {pattern: recipe}: each module's first matching pattern; modules no pattern matches take
+    # their parent's; None leaves a module as it is
+    x = torch.randn(16, 64)
+    model = _two_layers()
+    em = emulate_gemms(model, {"2.1": None, "0": "mxfp8", "2*": "fp8-rowwise"})
+    got = _run(model, em, x)
+    ref = _two_layers()
+    a, b = emulate_gemms(ref[0], "mxfp8"), emulate_gemms(ref[2][0], "fp8-rowwise")
+    a.install(), b.install()
+    want = _run(ref, emulate_gemms(nn.Identity(), "mxfp8"), x)
+    a.close(), b.close()
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert not torch.equal(got[0], _run(_two_layers(), emulate_gemms(nn.Identity(), "mxfp8"), x)[0])
+    rows = [line.split() for line in em.table().splitlines()]
+    assert rows[0] == ["module", "GEMMs", "run", "pattern", "recipe"]
+    assert ["0", "linear", "0", "mxfp8"] in rows and ["2.0", "linear", "2*", "fp8-rowwise"] in rows
+    assert ["2.1", "linear", "2.1", "none"] in rows
+    # closed: no hook left, and the model is torch's again
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    model.zero_grad()
+    assert torch.equal(model(x), _two_layers()(x))
+
+
+def test_a_module_without_a_pattern_takes_its_parents_recipe_or_none():
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.inner(x) @ x.t()  # a matmul in Outer's own forward
+
+    model = nn.Sequential(Outer(), nn.Linear(8, 8))
+    x = torch.randn(8, 8)
+    em = emulate_gemms(model, {"0": "mxfp8"})
+    with em:
+        y = model(x)
+    ref = Outer()
+    ref.load_state_dict(model[0].state_dict())
+    with emulate_gemms(ref, "mxfp8"):
+        want = model[1](ref(x))
+    assert torch.equal(y, want)
+    rows = [line.split() for line in em.table().splitlines()]
+    # (the GEMMs that ran are listed under the matched module whose recipe they took)
+    assert ["0", "linear,matmul", "0", "mxfp8"] in rows and ["0.inner", "-", "0", "(of", "0)", "mxfp8"] in rows
+    assert ["1", "-", "-", "none"] in rows and ["(no", "module", "matched)", "linear", "-", "none"] in rows
+
+
+def test_the_stack_survives_an_exception_in_a_module():
+    model = _two_layers()
+    em = emulate_gemms(model, {"0": "mxfp8"})
+    with em:
+        with pytest.raises(RuntimeError):
+            model(torch.randn(2, 63))
+        assert em.per_module.current() is None
+        model(torch.randn(2, 64))
+
+
+def test_recipe_patterns_are_checked():
+    model = _two_layers()
+    with pytest.raises(ValueError, match=r"recipe pattern\(s\) \['head'\] match no module"):
+        emulate_gemms(model, {"0": "mxfp8", "head": None})
+    with pytest.raises(ValueError, match=r"\['2\.0'\] match no module .*or only modules an earlier pattern took"):
+        emulate_gemms(model, {"2*": "mxfp8", "2.0": None})
+    with pytest.raises(TypeError, match="recipe patterns must be strings"):
+        emulate_gemms(model, {0: "mxfp8"})
+    with pytest.raises(ValueError, match="recipe must be a GemmRecipe or one of"):
+        emulate_gemms(model, {"0": "mxfp9"})
+
+
+def test_high_precision_ends():
+    from lowfp.experiments import models
+    from lowfp.scaled import high_precision_ends
+    model = models.GPT(32, 16, 32, 2, 2)
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert len(linears) == 9 and linears[-1] == "head"
+    assert high_precision_ends(model) == {}
+    assert list(high_precision_ends(model, first=1, last=2)) == [linears[0], linears[-2], linears[-1]]
+    assert list(high_precision_ends(model, fraction=0.15)) == linears[-1:]  # round(1.35)
+    assert list(high_precision_ends(model, last=1, fraction=0.3)) == linears[-3:]
+    assert list(high_precision_ends(model, first=9)) == linears
+    for bad in (dict(first=-1), dict(last=1.5), dict(fraction=2.0), dict(first=True)):
+        with pytest.raises(ValueError):
+            high_precision_ends(model, **bad)

@@ -56,7 +56,7 @@ import itertools
 import json
 import logging
 import warnings
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, Mapping, NamedTuple, Optional
 
 import torch
 
@@ -183,9 +183,14 @@ class Emulator(ForwardSession):
         self.assignment = assignment.copy()   # promotions change this copy only
         self.promote, self.threshold, self.top = promote, float(threshold), int(top)
         self.rounding, self.backward_overflow = rounding, backward_overflow
+        self._per_module = None
         if gemm_recipe is not None:  # GEMM operands inside the interception, then the tensors
-            from .scaled.gemm import GemmHandler, to_recipe
-            self.gemms = GemmHandler(to_recipe(gemm_recipe))
+            from .scaled.gemm import GemmHandler, PerModule, to_recipe
+            if isinstance(gemm_recipe, Mapping):
+                self._per_module = PerModule(model, gemm_recipe)
+                self.gemms = GemmHandler(None, self._per_module)
+            else:
+                self.gemms = GemmHandler(to_recipe(gemm_recipe))
         self.history = History()
         self.scaler = None                     # set by DynamicLossScaler(emulator=...)
         self.observer = None                   # observer(name, tensor): every rounded result;
@@ -471,6 +476,16 @@ class Emulator(ForwardSession):
         log.info("lowfp: step %d: promoted %s from %s to %s (overflow ratio %.4g)",
                  step, name, old, hi, ratio)
 
+    def install(self) -> None:
+        super().install()
+        if self._per_module is not None:  # (recipes per module: their hooks too)
+            self._per_module.install()
+
+    def remove(self) -> None:
+        if self._per_module is not None:
+            self._per_module.close()
+        super().remove()
+
     # -- context manager -------------------------------------------------------------------
     def __enter__(self):
         self.install()
@@ -505,9 +520,10 @@ def emulate(model: torch.nn.Module, assignment: Assignment, *, promote: bool = T
             scaler's finiteness check sees it), ``"saturate"`` or ``"nan"``. The counts reach
             :class:`lowfp.DynamicLossScaler` either way.
         gemm_recipe: also round the operands of the model's GEMMs to scaled formats, each along
-            its reduction axis (a :class:`lowfp.scaled.GemmRecipe` or a name such as
-            ``"mxfp8"``; see :func:`lowfp.scaled.emulate_gemms`). The assignment's formats then
-            apply to the GEMMs' outputs and every other tensor.
+            its reduction axis (a :class:`lowfp.scaled.GemmRecipe`, a name such as ``"mxfp8"``,
+            or a mapping of module-name patterns to recipes; see
+            :func:`lowfp.scaled.emulate_gemms`). The assignment's formats then apply to the
+            GEMMs' outputs and every other tensor.
     """
     return Emulator(model, assignment, promote=promote, threshold=threshold, rounding=rounding,
                     backward_overflow=backward_overflow, gemm_recipe=gemm_recipe)

@@ -10,11 +10,12 @@
 
 from .config import E8M0_RULES, Scaled, named, to_scaled
 from .quantize import ScaledParts, ScaledStats, encode, hadamard, hadamard_signs, quantize_scaled
-from .gemm import ACCUMULATE_GEMMS, RECIPES, GemmEmulation, GemmRecipe, emulate_gemms
+from .gemm import (ACCUMULATE_GEMMS, RECIPES, GemmEmulation, GemmRecipe, PerModule, emulate_gemms,
+                   high_precision_ends)
 
 __all__ = ["Scaled", "ScaledStats", "ScaledParts", "encode", "quantize_scaled", "hadamard",
            "hadamard_signs", "named", "to_scaled", "E8M0_RULES", "GemmRecipe", "RECIPES",
-           "emulate_gemms", "GemmEmulation", "ACCUMULATE_GEMMS"]
+           "emulate_gemms", "GemmEmulation", "ACCUMULATE_GEMMS", "PerModule", "high_precision_ends"]
 
 globals().update(named())
 __all__ += list(named())

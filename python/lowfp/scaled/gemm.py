@@ -44,12 +44,13 @@ attention. The bias and everything else stay as they are.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import math
 import types
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +62,8 @@ from .config import Scaled, named, to_scaled
 from .._native import DTYPE_CODES, runs_natively
 from .quantize import PreparedScaled, quantize_scaled
 
-__all__ = ["GemmRecipe", "RECIPES", "emulate_gemms", "GemmEmulation", "ACCUMULATE_GEMMS"]
+__all__ = ["GemmRecipe", "RECIPES", "emulate_gemms", "GemmEmulation", "ACCUMULATE_GEMMS", "PerModule",
+           "high_precision_ends", "recipe_name"]
 
 GEMM_OPS = ("linear", "conv", "matmul", "attention")
 
@@ -577,6 +579,10 @@ def _entered(func):
 _BADDBMMS = {torch.baddbmm, torch.Tensor.baddbmm}
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm,
             torch.Tensor.mm, torch.Tensor.bmm}
+# The kind of GEMM each function is (GemmEmulation.table's "GEMMs run").
+_KIND = {F.linear: "linear", F.scaled_dot_product_attention: "attention",
+         F.multi_head_attention_forward: "attention",
+         **{f: "conv" for f in (*_CONVS, *_CONV_TRANSPOSES)}, **{f: "matmul" for f in (*_MATMULS, *_BADDBMMS)}}
 
 
 class GemmHandler:
@@ -584,45 +590,162 @@ class GemmHandler:
     call of a GEMM the recipe covers (``func`` a torch function, as a torch-function mode sees
     it), or NotImplemented for any other call. The runtime of :func:`emulate_gemms` and of
     ``lowfp.emulate(..., gemm_recipe=)`` (whose interception calls it for the functions named in
-    ``lowfp._intercept.GEMM_NAMES``) alike."""
+    ``lowfp._intercept.GEMM_NAMES``) alike. With ``per_module`` the recipe is the one of the
+    module running the call (None: the call runs as it is)."""
 
-    def __init__(self, recipe: GemmRecipe):
-        self.recipe = recipe
+    def __init__(self, recipe: Optional[GemmRecipe], per_module: Optional["PerModule"] = None):
+        self.recipe, self.per_module = recipe, per_module
         self.mode = _Mode(self)  # pushed around composites whose inner products it must see
 
     def __call__(self, func, args=(), kwargs=None):
+        if self.per_module is None:
+            recipe = self.recipe
+        else:
+            recipe = self.per_module.current()
+            kind = _KIND.get(func)
+            if kind is not None:
+                self.per_module.note(kind)
+        if recipe is None:
+            return NotImplemented
         kwargs = kwargs or {}
-        ops = self.recipe.ops
+        ops = recipe.ops
         if func is F.linear and "linear" in ops:
             x, w = args[0], args[1]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
             if x.dim() >= 1 and x.is_floating_point():
-                return _Linear.apply(x, w, b, self.recipe)
+                return _Linear.apply(x, w, b, recipe)
         elif func in _CONVS and "conv" in ops:
-            y = _convolve(_Conv, _CONVS[func], _CONV_ARGS, args, kwargs, self.recipe)
+            y = _convolve(_Conv, _CONVS[func], _CONV_ARGS, args, kwargs, recipe)
             if y is not None:
                 return y
         elif func in _CONV_TRANSPOSES and "conv" in ops:
-            y = _convolve(_ConvTranspose, _CONV_TRANSPOSES[func], _CONV_TRANSPOSE_ARGS, args, kwargs,
-                          self.recipe)
+            y = _convolve(_ConvTranspose, _CONV_TRANSPOSES[func], _CONV_TRANSPOSE_ARGS, args, kwargs, recipe)
             if y is not None:
                 return y
         elif func is F.scaled_dot_product_attention and "attention" in ops:
             if args[0].is_floating_point():
-                return _attention(self.recipe, *args, **kwargs)
+                return _attention(recipe, *args, **kwargs)
         elif func is F.multi_head_attention_forward:
             with self.mode:  # torch's body, its projections and products seen by the mode
                 return _entered(func)(*args, **kwargs)
         elif func in _BADDBMMS and "matmul" in ops and not kwargs and len(args) == 3:
             c, a, b = args  # baddbmm(c, a, b) = c + a @ b (beta = alpha = 1)
             if a.is_floating_point() and b.is_floating_point():
-                return c + _Matmul.apply(a, b, self.recipe)
+                return c + _Matmul.apply(a, b, recipe)
         elif func in _MATMULS and "matmul" in ops and not kwargs and len(args) == 2:
             a, b = args
             if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 2
                     and b.dim() >= 2 and a.is_floating_point()):
-                return _Matmul.apply(a, b, self.recipe)
+                return _Matmul.apply(a, b, recipe)
         return NotImplemented
+
+
+def recipe_name(recipe: Optional[GemmRecipe]) -> str:
+    """A recipe's name in RECIPES, "none" for None, else its repr."""
+    if recipe is None:
+        return "none"
+    return next((n for n, r in RECIPES.items() if r == recipe), repr(recipe))
+
+
+class PerModule:
+    """Recipes by module name: ``{pattern: recipe}`` (fnmatch patterns against
+    ``model.named_modules()`` names, ``""`` the model itself; for each module the first pattern
+    that matches its name gives its recipe, None leaving its GEMMs as they are). A GEMM takes the
+    recipe of the innermost running module that a pattern matched (modules no pattern matches
+    pass their parent's on), and runs as it is where none did. Forward hooks on the matched
+    modules keep the running ones on a stack while installed."""
+
+    def __init__(self, model: torch.nn.Module, recipes: Mapping):
+        entries = []
+        for pattern, value in recipes.items():
+            if not isinstance(pattern, str):
+                raise TypeError(f"recipe patterns must be strings, got {pattern!r}")
+            entries.append((pattern, None if value is None else to_recipe(value)))
+        self.matched: Dict[torch.nn.Module, Tuple[str, str, Optional[GemmRecipe]]] = {}
+        for name, module in model.named_modules():
+            for pattern, recipe in entries:
+                if fnmatch.fnmatchcase(name, pattern):
+                    self.matched[module] = (name, pattern, recipe)
+                    break
+        used = {pattern for _, pattern, _ in self.matched.values()}
+        unused = [p for p, _ in entries if p not in used]
+        if unused:
+            names = [n for n, _ in model.named_modules()][:8]
+            raise ValueError(f"recipe pattern(s) {unused} match no module of the model (or only modules an "
+                             f"earlier pattern took); its module names begin {names}")
+        self._stack: List[Tuple[str, Optional[GemmRecipe]]] = []
+        self._handles: list = []
+        self._model = model
+        self.ran: Dict[str, set] = {}  # module name -> the kinds of GEMM its recipe was asked for
+
+    def current(self) -> Optional[GemmRecipe]:
+        return self._stack[-1][1] if self._stack else None
+
+    def note(self, kind: str) -> None:
+        name = self._stack[-1][0] if self._stack else None
+        kinds = self.ran.get(name)
+        if kinds is None:
+            kinds = self.ran[name] = set()
+        kinds.add(kind)
+
+    def install(self) -> None:
+        if self._handles:
+            return
+        stack = self._stack
+
+        def leave(module, args, out):  # (returns None: the module's output stays as it is)
+            stack.pop()
+        for module, (name, _, recipe) in self.matched.items():
+            self._handles.append(module.register_forward_pre_hook(
+                lambda m, args, entry=(name, recipe): stack.append(entry)))
+            self._handles.append(module.register_forward_hook(leave, always_call=True))
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._stack.clear()
+
+    def table(self) -> str:
+        """The recipe of each module that holds GEMMs (linear, convolution and attention layers,
+        and every matched module whose recipe GEMMs have taken: "GEMMs run" names their kinds,
+        listed under that module), and the pattern (of which module) that gave it."""
+        rows = [("module", "GEMMs run", "pattern", "recipe")]
+        by_name = {name: (pattern, recipe) for name, pattern, recipe in self.matched.values()}
+        for name, module in self._model.named_modules():
+            if name not in self.ran and not isinstance(module, _GEMM_MODULES):
+                continue
+            owner = name
+            while owner not in by_name and owner:
+                owner = owner.rpartition(".")[0]
+            pattern, recipe = by_name.get(owner, ("-", None))
+            source = pattern if owner == name or pattern == "-" else f"{pattern} (of {owner or '(model)'})"
+            rows.append((name or "(model)", ",".join(sorted(self.ran.get(name, ()))) or "-", source,
+                         recipe_name(recipe)))
+        if None in self.ran:
+            rows.append(("(no module matched)", ",".join(sorted(self.ran[None])), "-", "none"))
+        width = [max(len(r[i]) for r in rows) for i in range(3)]
+        return "\n".join(f"{r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]:<{width[2]}}  {r[3]}" for r in rows)
+
+
+_GEMM_MODULES = (torch.nn.Linear, torch.nn.modules.conv._ConvNd, torch.nn.MultiheadAttention)
+
+
+def high_precision_ends(model: torch.nn.Module, first: int = 0, last: int = 0, fraction: float = 0.0,
+                        types: Tuple[type, ...] = (torch.nn.Linear,)) -> Dict[str, None]:
+    """``{name: None}`` for the first ``first`` and the last ``last`` modules of ``types`` (in
+    ``model.named_modules()`` order), and the last ``round(fraction × count)`` of them (the NVFP4
+    pretraining report keeps about 15 % of the linear layers, mostly the last, in BF16): put it
+    before the other patterns, ``{**high_precision_ends(model, last=1), "*": "nvfp4"}``."""
+    for value, name in ((first, "first"), (last, "last")):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    if not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+        raise ValueError(f"fraction must be between 0 and 1, got {fraction!r}")
+    names = [n for n, m in model.named_modules() if isinstance(m, types)]
+    tail = max(last, round(fraction * len(names)))
+    keep = names[:first] + names[max(0, len(names) - tail):] if tail else names[:first]
+    return {n: None for n in names if n in set(keep)}
 
 
 class _Mode(TorchFunctionMode):
@@ -644,14 +767,22 @@ class GemmEmulation:
     def __init__(self, model: torch.nn.Module, recipe):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        self.model, self.recipe = model, to_recipe(recipe)
-        self._handler = GemmHandler(self.recipe)
+        self.model = model
+        self.per_module = PerModule(model, recipe) if isinstance(recipe, Mapping) else None
+        self.recipe = None if self.per_module is not None else to_recipe(recipe)
+        self._handler = GemmHandler(self.recipe, self.per_module)
         self._saved = None
         self._installed = False
+
+    def table(self) -> str:
+        """The recipe of each module a pattern matched (a single recipe: its name)."""
+        return self.per_module.table() if self.per_module is not None else recipe_name(self.recipe)
 
     def install(self) -> "GemmEmulation":
         if self._installed:
             return self
+        if self.per_module is not None:
+            self.per_module.install()
         model, mode = self.model, self._handler.mode
         self._saved = model.__dict__.get("forward")
         inner = model.forward
@@ -666,6 +797,8 @@ class GemmEmulation:
     def close(self) -> None:
         if not self._installed:
             return
+        if self.per_module is not None:
+            self.per_module.close()
         if self._saved is not None:
             self.model.forward = self._saved
         else:
@@ -680,12 +813,19 @@ class GemmEmulation:
         return False
 
 
-def emulate_gemms(model: torch.nn.Module, recipe: Union[GemmRecipe, str]) -> GemmEmulation:
+def emulate_gemms(model: torch.nn.Module, recipe: Union[GemmRecipe, str, Mapping]) -> GemmEmulation:
     """Round the operands of ``model``'s GEMMs (``F.linear``, ``F.conv1d/2d/3d``,
     ``F.conv_transpose1d/2d/3d``, ``matmul``/``@``, ``mm``, ``bmm``, the two products of
     ``F.scaled_dot_product_attention``)
     to the scaled formats of ``recipe`` (a :class:`GemmRecipe` or a name of ``RECIPES``: mxfp8,
     mxfp8-e5m2grad, mxfp4, nvfp4, fp8-tensorwise, fp8-rowwise) in forward and in both backward
     GEMMs, each along its reduction axis (see the module docs). Any optimizer trains the model.
+
+    Or one recipe per module: a mapping from fnmatch patterns of ``model.named_modules()`` names
+    to recipes (or None: left as they are), the first match winning, ``{"head": None,
+    "blocks.*": "nvfp4"}`` (:class:`PerModule`; a pattern matches a module's whole name and
+    ``*`` crosses dots, so ``"blocks.0*"`` is block 0 and all within it; ``high_precision_ends``
+    lists the first and last layers; ``GemmEmulation.table()`` says which module got which
+    recipe, and which kinds of GEMM ran under it).
     """
     return GemmEmulation(model, recipe)
