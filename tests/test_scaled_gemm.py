@@ -391,31 +391,43 @@ def test_recipes_cover_convolutions_and_attention_in_models(model_name):
     assert all(torch.isfinite(g).all() for g in grads)
 
 
-def test_emulate_takes_a_gemm_recipe():
+def _mlp_task():
+    """A two-layer MLP, a batch and its uniform assignment."""
     from lowfp import assign as A
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
-    a = A.uniform(A.trace(model, x, F.cross_entropy, y))
+    return model, x, y, A.uniform(A.trace(model, x, F.cross_entropy, y))
 
-    def step(**kw):
-        model.zero_grad()
-        with lowfp.emulate(model, a, **kw) as em:
-            if not kw:  # the same by hand: GEMM operands inside the assignment's interception
-                emulate_gemms(model, "mxfp4").install()
-            out = model(x)
-            F.cross_entropy(out, y).backward()
-            counts = em.counts.clone()
-        assert "forward" not in model.__dict__
-        return out.detach(), model[0].weight.grad.clone(), counts
+
+def _emulated_step(model, a, x, y, by_hand=None, **kw):
+    """(output, the linear layers' weight gradients, the emulation's counts) of one step under
+    lowfp.emulate(model, a, **kw); by_hand=(module, recipe): emulate_gemms(module, recipe)
+    installed inside the emulation instead."""
+    model.zero_grad()
+    with lowfp.emulate(model, a, **kw) as em:
+        if by_hand is not None:
+            emulate_gemms(*by_hand).install()
+        out = model(x)
+        F.cross_entropy(out, y).backward()
+        counts = em.counts.clone()
+    if by_hand is not None:
+        by_hand[0].__dict__.pop("forward", None)
+    return out.detach(), [m.weight.grad.clone() for m in model if isinstance(m, nn.Linear)], counts
+
+
+def test_emulate_takes_a_gemm_recipe():
+    model, x, y, a = _mlp_task()
     modes = []
     hook = model[0].register_forward_pre_hook(
         lambda *_: modes.append(torch._C._len_torch_function_stack()))
-    out, grad, counts = step(gemm_recipe="mxfp4")
+    out, grads, counts = _emulated_step(model, a, x, y, gemm_recipe="mxfp4")
     assert modes == [1]  # one interception: the GEMMs are a handler of the assignment's mode
     hook.remove()
-    out2, grad2, counts2 = step()
-    assert torch.equal(out, out2) and torch.equal(grad, grad2) and torch.equal(counts, counts2)
+    assert "forward" not in model.__dict__
+    # the same by hand: GEMM operands inside the assignment's interception
+    out2, grads2, counts2 = _emulated_step(model, a, x, y, by_hand=(model, "mxfp4"))
+    assert torch.equal(out, out2) and torch.equal(grads[0], grads2[0]) and torch.equal(counts, counts2)
     with lowfp.emulate(model, a):
         plain = model(x).detach()
     assert not torch.equal(out, plain)
@@ -425,32 +437,16 @@ def test_emulate_takes_a_gemm_recipe():
 
 def test_emulate_takes_recipes_per_module():
     # gemm_recipe={pattern: recipe}: as emulate_gemms of the matched layer inside the emulation
-    from lowfp import assign as A
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
-    a = A.uniform(A.trace(model, x, F.cross_entropy, y))
-
-    def step(**kw):
-        model.zero_grad()
-        with lowfp.emulate(model, a, **kw) as em:
-            if not kw:
-                emulate_gemms(model[0], "mxfp4").install()
-            out = model(x)
-            F.cross_entropy(out, y).backward()
-            counts = em.counts.clone()
-        return out.detach(), model[0].weight.grad.clone(), model[2].weight.grad.clone(), counts
-    got = step(gemm_recipe={"0": "mxfp4", "2": None})
+    model, x, y, a = _mlp_task()
+    got = _emulated_step(model, a, x, y, gemm_recipe={"0": "mxfp4", "2": None})
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     with pytest.warns(UserWarning, match="was not in the recorded step"):  # (the operands by hand)
-        want = step()
-    model[0].__dict__.pop("forward", None)
-    for g, w in zip(got[:3], want[:3]):
-        assert torch.equal(g, w)
+        want = _emulated_step(model, a, x, y, by_hand=(model[0], "mxfp4"))
+    assert torch.equal(got[0], want[0]) and all(torch.equal(g, w) for g, w in zip(got[1], want[1]))
     # one interception sees every tensor (the layer emulated by hand hides its GEMM's operands
     # from the assignment's): the rounded elements are plain emulation's
-    plain = step(gemm_recipe={"*": None})
-    assert torch.equal(got[3][:, 3], plain[3][:, 3])
+    plain = _emulated_step(model, a, x, y, gemm_recipe={"*": None})
+    assert torch.equal(got[2][:, 3], plain[2][:, 3])
     with pytest.raises(ValueError, match="match no module"):
         lowfp.emulate(model, a, gemm_recipe={"head": "mxfp4"})
 

@@ -23,7 +23,7 @@ from ._native import ROUNDING_MODES, call_seed
 from ._dtensor import is_dtensor
 from ._ops import lib, philox_key
 from .backends import native
-from .formats import Format, _parse_call, to_format
+from .formats import Format, parse_named_or_call, to_format
 from .stats import Stats
 
 __all__ = ["Accumulate", "AccumulateStats", "gemm", "HOPPER_FP8", "DEEPSEEK_V3", "PRESETS"]
@@ -170,17 +170,9 @@ class Accumulate:
         """A preset's name (``lowfp.accumulate.PRESETS``: ``"hopper-fp8"``, ``"deepseek-v3"``) or
         the text of a call, as ``repr`` writes it: ``"Accumulate('bfloat16', order='blocked',
         block=64)"``."""
-        if not isinstance(text, str):
-            raise TypeError(f"accumulation string expected, got {type(text).__name__}")
-        s = text.strip()
-        if s in PRESETS:
-            return PRESETS[s]
-        call = _parse_call(s, ("Accumulate",))
-        if call is None:
-            raise ValueError(f"cannot parse accumulation {text!r}: expected one of {sorted(PRESETS)} or "
-                             "\"Accumulate('bfloat16', order='blocked', block=64)\"")
-        args, kwargs = call
-        return Accumulate(*args, **kwargs)
+        preset, call = parse_named_or_call(text, PRESETS, "Accumulate", "accumulation",
+                                           "\"Accumulate('bfloat16', order='blocked', block=64)\"")
+        return preset if preset is not None else Accumulate(*call[0], **call[1])
 
 
 class AccumulateStats(Stats):

@@ -218,6 +218,21 @@ def _parse_call(text: str, names: Tuple[str, ...]) -> Optional[Tuple[list, dict]
         raise ValueError(f"cannot parse {text!r}: arguments must be literals") from None
 
 
+def parse_named_or_call(text, named: dict, call_name: str, what: str, example: str):
+    """(value, None) for a name of ``named`` (surrounding spaces ignored), or (None, (args,
+    kwargs)) for the text of a call ``call_name(...)`` with literal arguments; a TypeError for a
+    non-string and a ValueError naming ``what`` and showing ``example`` for anything else."""
+    if not isinstance(text, str):
+        raise TypeError(f"{what} string expected, got {type(text).__name__}")
+    s = text.strip()
+    if s in named:
+        return named[s], None
+    call = _parse_call(s, (call_name,))
+    if call is None:
+        raise ValueError(f"cannot parse {what} {text!r}: expected one of {sorted(named)} or {example}")
+    return None, call
+
+
 def as_text(fmt):
     """A Format or S2FP8 as its string (which parses back to an equal one); anything else as it
     is. Under torch.compile a format built inside the traced code is no constant that

@@ -35,7 +35,7 @@ import torch
 
 from .. import _C
 from .._checks import check_choice, check_int
-from ..formats import Format, _parse_call, named as _named_formats, to_format
+from ..formats import Format, named as _named_formats, parse_named_or_call, to_format
 
 __all__ = ["Scaled", "E8M0_RULES", "named", "to_scaled", "layout", "scales_shape"]
 
@@ -167,15 +167,10 @@ class Scaled:
     def parse(text: str) -> "Scaled":
         """A named scaled format (``"mxfp8_e4m3"``, ``"nvfp4"``) or ``"Scaled('float8_e4m3fn',
         block=32, ...)"``."""
-        if not isinstance(text, str):
-            raise TypeError(f"format string expected, got {type(text).__name__}")
-        s = text.strip()
-        if s in _NAMED:
-            return _NAMED[s]
-        call = _parse_call(s, ("Scaled",))
-        if call is None:
-            raise ValueError(f"cannot parse scaled format {text!r}: expected one of {sorted(_NAMED)} "
-                             "or \"Scaled('float8_e4m3fn', block=32)\"")
+        named, call = parse_named_or_call(text, _NAMED, "Scaled", "scaled format",
+                                          "\"Scaled('float8_e4m3fn', block=32)\"")
+        if named is not None:
+            return named
         args, kwargs = call
         if isinstance(kwargs.get("block"), list):
             kwargs["block"] = tuple(kwargs["block"])
