@@ -295,6 +295,7 @@ def test_more_than_2_to_the_31_elements():
     del x
 
 
+@pytest.mark.long
 def test_extra_bits_and_s2fp8_over_2_to_the_31_elements():
     # About 14 GB at the peak (float32 input and its bfloat16 split, then the float32 merge).
     n = 2**31 + 9

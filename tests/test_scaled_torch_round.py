@@ -232,6 +232,7 @@ def test_cpu_default_keeps_the_native_kernel(monkeypatch):
     assert "lowfp" in code and torch.equal(got, lowfp.quantize(x, "nvfp4"))
 
 
+@pytest.mark.long
 def test_compiled_gemm_emulation_is_fused_and_equals_eager(fused):
     """emulate_gemms "nvfp4" (tensor scales, stochastic gradients, the Hadamard transform of the
     weight gradient's operands) compiled: no lowfp operator in the forward or backward code, and
