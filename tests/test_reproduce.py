@@ -56,6 +56,7 @@ def test_verdicts_of_nothing_and_of_a_bad_kind():
         R.verdict(R.Claim("c", "worse", "a", "b"), stats(1.0), stats(1.0))
 
 
+@pytest.mark.long
 def test_every_experiment_end_to_end_and_resumed(tmp_path, monkeypatch):
     # An eighth of the pysource text (CI time); the claims checked below hold on it as well.
     small = functools.partial(data._pysource, chars=data.PYSOURCE_CHARS // 8)
@@ -99,6 +100,19 @@ def test_every_experiment_end_to_end_and_resumed(tmp_path, monkeypatch):
     R.run_reproduce(["s2fp8"], base, out, seeds=[0], jobs=1, log=lines.append)
     assert "3 runs (3 already in" in lines[0]  # resumed: nothing trained again
     assert not any(line.startswith("[") for line in lines)
+
+
+def test_accumulation_claims_are_measured_on_gemms(tmp_path):
+    # the accumulation experiment's GEMM half (its training half is lowfp train --accumulate):
+    # errors by K against the exact sum, the two verdicts, the report's table and figure
+    from lowfp.experiments import accumulation
+    e = accumulation.gemm_errors(ks=(256, 4096))
+    hopper, promoted = e.errors["positive"]["hopper-fp8"], e.errors["positive"]["deepseek-v3"]
+    assert hopper[4096][0] > hopper[256][0] > promoted[4096][0] > e.errors["positive"]["float32"][4096][0]
+    assert [v for _, v, _ in accumulation.claims(e)] == ["reproduced", "reproduced"]
+    lines = accumulation.section(str(tmp_path), e)
+    assert "| positive | Hopper FP8 tensor cores (one accumulator) |" in "\n".join(lines)
+    assert (tmp_path / "accumulation-gemm.png").exists()
 
 
 def test_bad_options(tmp_path, capsys):
