@@ -593,6 +593,8 @@ def test_high_precision_ends():
     assert list(high_precision_ends(model, fraction=0.15)) == linears[-1:]  # round(1.35)
     assert list(high_precision_ends(model, last=1, fraction=0.3)) == linears[-3:]
     assert list(high_precision_ends(model, first=9)) == linears
-    for bad in (dict(first=-1), dict(last=1.5), dict(fraction=2.0), dict(first=True)):
+    for bad in (dict(first=-1), dict(last=1.5), dict(fraction=2.0), dict(first=True), dict(fraction=True)):
         with pytest.raises(ValueError):
             high_precision_ends(model, **bad)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        high_precision_ends(3)

@@ -737,10 +737,12 @@ def high_precision_ends(model: torch.nn.Module, first: int = 0, last: int = 0, f
     ``model.named_modules()`` order), and the last ``round(fraction × count)`` of them (the NVFP4
     pretraining report keeps about 15 % of the linear layers, mostly the last, in BF16): put it
     before the other patterns, ``{**high_precision_ends(model, last=1), "*": "nvfp4"}``."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     for value, name in ((first, "first"), (last, "last")):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    if not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+    if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0 <= fraction <= 1:
         raise ValueError(f"fraction must be between 0 and 1, got {fraction!r}")
     names = [n for n, m in model.named_modules() if isinstance(m, types)]
     tail = max(last, round(fraction * len(names)))
