@@ -780,14 +780,17 @@ def test_extra_bits_step_from_an_element_offset_matches_cpu(start):
     step_on_both(cpu_opt, gpu_opt, cpu_params, gpu_params, g, steps=2, seed=60)
 
 
-@pytest.mark.parametrize("name", sorted(lowfp.scaled.named()) + ["rceil", "ceil", "even", "e5m2 2-D"])
+@pytest.mark.parametrize("name", sorted(lowfp.scaled.named()) + ["rceil", "ceil", "even", "e5m2 2-D",
+                                                                  "4over6 mae 2-D"])
 @pytest.mark.parametrize("mode", ["nearest", "down", "stochastic"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_scaled_formats_match_cpu(name, mode, dtype):
     fmt = {"rceil": lowfp.Scaled("float8_e4m3fn", block=32, scale_rule="rceil"),
            "ceil": lowfp.Scaled("float6_e2m3fn", block=17, scale_rule="ceil"),
            "even": lowfp.Scaled("float4_e2m1fn", block=32, axis=0, scale_rule="even"),
-           "e5m2 2-D": lowfp.Scaled("float8_e5m2", block=(8, 16), scale="fp(5,2,0)")}.get(name, name)
+           "e5m2 2-D": lowfp.Scaled("float8_e5m2", block=(8, 16), scale="fp(5,2,0)"),
+           "4over6 mae 2-D": lowfp.Scaled("float4_e2m1fn", block=(16, 16), scale="float8_e4m3fn",
+                                          tensor_scale=True, four_over_six="mae")}.get(name, name)
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(64, 384, generator=g) * torch.exp2(torch.randint(-20, 20, (64, 1), generator=g).float()))
     x[0, :5] = torch.tensor([float("nan"), float("inf"), 0.0, -0.0, 1e-30])

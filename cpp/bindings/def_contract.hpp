@@ -53,6 +53,13 @@ inline void def_contract(pybind11::module_& mod) {
              "e8m0 scale by floor after a is rounded to E's mantissa bits, ties away (torchao EVEN)")
       .value("nearest", ScaleRule::Format,
              "a scale in a format S: round_S(a / max_E) to nearest, saturating, never 0");
+  py::enum_<BlockChoice>(mod, "BlockChoice", py::module_local(),
+                         "which of a block's candidate scales it keeps (§9)")
+      .value("fixed", BlockChoice::Fixed, "the scale rule's one scale")
+      .value("four_over_six_mae", BlockChoice::FourOverSixMAE,
+             "4over6: the scale mapping the block's amax to 6 or to 4, the smaller sum of |x - s q|")
+      .value("four_over_six_mse", BlockChoice::FourOverSixMSE,
+             "4over6: the scale mapping the block's amax to 6 or to 4, the smaller sum of (x - s q)^2");
   mod.attr("SCALED_MAX_ELEMENT_MANTISSA") = kScaledMaxElementMantissa;
   py::enum_<AccumulateOrder>(mod, "AccumulateOrder", py::module_local(),
                              "the order of a GEMM's additions for each output element (§10)")

@@ -1,7 +1,7 @@
 // The scaled-format rounding (docs/design.md §9) shared by lowfp._C and lowfp._C_cuda: a request
 // prepared once by keyword, then called on buffers,
 //   PreparedScaled(element=, overflow=, rounding=, sr_bits=, scale_rule=, scale_format=,
-//                  tensor_scale=, dtype=)
+//                  tensor_scale=, choice=, dtype=)
 //   p(x_ptr, y_ptr, rows, cols, block_rows, block_cols, seed, offset, scales_ptr, q_ptr,
 //     tensor_scale_ptr, counts_ptr, counts_size, device, stream)
 // scales_ptr: float64 per block; q_ptr (or 0): float32 per element; tensor_scale_ptr: one float64;
@@ -39,18 +39,18 @@ pybind11::class_<PreparedScaled<Forms>> def_scaled(pybind11::module_& mod, Prepa
   py::class_<Prepared> cls(mod, "PreparedScaled", py::module_local());
   cls.def(py::init([prepare](FormatSpec element, Overflow overflow, Rounding rounding, int32_t sr_bits,
                              ScaleRule scale_rule, std::optional<FormatSpec> scale_format,
-                             bool tensor_scale, DType dtype) {
+                             bool tensor_scale, BlockChoice choice, DType dtype) {
             if ((scale_rule == ScaleRule::Format) != scale_format.has_value())
               throw std::invalid_argument(
                   "scale_format goes with the 'nearest' scale rule, and only with it");
             const ScaledRequest r{element, overflow, rounding, sr_bits, scale_rule,
-                                  scale_format.value_or(element), tensor_scale, dtype};
+                                  scale_format.value_or(element), tensor_scale, choice, dtype};
             const ScaledCall call = prepare_scaled_call(r);
             return Prepared{call, prepare(r, call)};
           }),
           py::kw_only(), py::arg("element"), py::arg("overflow"), py::arg("rounding"),
           py::arg("sr_bits"), py::arg("scale_rule"), py::arg("scale_format"),
-          py::arg("tensor_scale"), py::arg("dtype"))
+          py::arg("tensor_scale"), py::arg("choice"), py::arg("dtype"))
       .def("__call__", [run](const Prepared& p, uintptr_t x, uintptr_t y, int64_t rows,
                              int64_t cols, int64_t block_rows, int64_t block_cols, uint64_t seed,
                              uint64_t offset, uintptr_t scales, uintptr_t q,

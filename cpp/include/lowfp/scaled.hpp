@@ -34,6 +34,17 @@ enum class ScaleRule : int32_t {
   Format = 4,
 };
 
+// Which of a block's candidate scales it keeps (scales in a format with a tensor scale).
+enum class BlockChoice : int32_t {
+  Fixed = 0,  // the one scale of the rule
+  // 4over6 (NVFP4, FP4 E2M1 elements and E4M3 scales): the scale that maps the block's largest
+  // magnitude to 6 (the rule's) or the one that maps it to 4, whichever leaves the smaller error
+  // over the block's finite elements, a tie keeping 6's. The tensor scale divides by 256 in
+  // place of max_S = 448, so that 4's scale (up to 1.5 · 256) stays within E4M3's range.
+  FourOverSixMAE = 1,  // the error: the sum of |x - s·q|
+  FourOverSixMSE = 2,  // the error: the sum of (x - s·q)^2
+};
+
 struct ScaleSpec {
   ScaleRule rule;
   int32_t emax_e;                 // E's largest exponent ...
@@ -42,6 +53,8 @@ struct ScaleSpec {
   RoundParams<uint64_t> s;        // Format: nearest, saturating, to S
   double s_smallest;              // Format: S's smallest positive value
   double s_max;                   // Format: S's largest value
+  double t_s_max;                 // Format: max_S as the tensor scale divides by it (4over6: 256)
+  BlockChoice choice;
   // Format, the CPU's faster forms where they give the same scales: a / (max_E · t) rounded
   // once (nearest_divides_once), S's rounding by addition (nearest_by_addition(s, s_cap))
   bool divide_once, by_addition;
@@ -134,6 +147,7 @@ LOWFP_HD double format_block_scale(const ScaleSpec& sp, double a, double t, bool
 }
 
 // The tensor scale of a tensor whose largest finite magnitude is a: t = a / (max_S · max_E)
+// (max_S: t_s_max)
 // rounded to float32 (the float64 quotient rounds to the same float32 as the exact one), held
 // within float32's positive range [2^-149, max] so that s · t and x / (s · t) stay finite (a
 // block whose scale then lies outside S's range saturates, and is counted); 1 for a tensor
@@ -141,7 +155,7 @@ LOWFP_HD double format_block_scale(const ScaleSpec& sp, double a, double t, bool
 LOWFP_HD double tensor_scale(const ScaleSpec& sp, double a) {
   constexpr double kFloat32Max = 3.4028234663852886e38;
   if (!(a > 0.0)) return 1.0;
-  const double d = a / (sp.s_max * sp.max_e);
+  const double d = a / (sp.t_s_max * sp.max_e);
   return d >= kFloat32Max ? kFloat32Max : max_of(double(float(d)), 0x1p-149);
 }
 
@@ -255,6 +269,24 @@ inline FewThresholds few_thresholds(const FewMagnitudes& f, double s) {
   }
   t.above[kFewMagnitudes - 1] = strict_threshold(f.mu_over * s, f.up_over);
   return t;
+}
+
+// 4over6's second candidate: the block scale that maps a to 4 (E2M1's largest value 6 times 2/3),
+// round_S(a / (4 · t)) as format_block_scale rounds a / (max_E · t).
+constexpr double kFourOverSixTarget = 4.0;
+constexpr double kFourOverSixTensorMax = 256.0;  // the tensor scale's max_S under 4over6
+LOWFP_HD double map_to_four_scale(const ScaleSpec& sp, double a, double t, bool& saturated) {
+  ScaleSpec four = sp;
+  four.max_e = kFourOverSixTarget;
+  return format_block_scale(four, a, t, saturated);
+}
+
+// One finite element's share of a 4over6 candidate's error: x - v rounded to float64 (v = s · q,
+// exact), its magnitude (MAE) or its square rounded to float64 (MSE). A block's error is the sum
+// of its elements' shares, rounded to float64 in row-major order.
+LOWFP_HD double choice_error(BlockChoice choice, double x, double v) {
+  const double d = x - v;
+  return choice == BlockChoice::FourOverSixMSE ? d * d : (d < 0.0 ? -d : d);
 }
 
 // s · q (exact in float64) in the storage type: float32 and float64 by conversion (nearest

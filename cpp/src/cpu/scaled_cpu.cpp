@@ -75,6 +75,30 @@ void add_scaled_counts(const ScaledCall& call, const PerThread<EventCounts>& par
   counts[5] += blocks;
 }
 
+// The blocks' scales of a call that chooses among candidates (BlockChoice), in place of their
+// largest magnitudes in call.scales: each block's candidates rounding its elements.
+void choose_block_scales(const ScaledCall& call, double t, PerThread<int64_t>& saturated) {
+  const int64_t blocks = call.block_grid_rows() * call.block_grid_cols();
+  const double empty = empty_block_scale(call.scale, t);
+  with_storage_type(call.dtype, [&](auto type) {
+    using In = typename decltype(type)::type;
+    with_round_kind(call.mode, [&](auto kind) {
+      constexpr RoundKind K = decltype(kind)::value;
+      const int64_t work = blocks * call.block_rows * call.block_cols * 2;  // (two roundings each)
+      PerThread<int64_t> chosen_saturated(threads_for(work));
+      parallel_items(blocks, work, [&](int th, int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) {
+          const double a = call.scales[b];
+          bool sat = false;
+          call.scales[b] = a > 0.0 ? four_over_six_scale<In, K>(call, b, a, t, sat) : empty;
+          chosen_saturated[th].v += int64_t(sat);
+        }
+      });
+      for (const Slot<int64_t>& s : chosen_saturated) saturated[0].v += s.v;
+    });
+  });
+}
+
 }  // namespace
 
 void scaled_cpu(const ScaledCall& call, const ScaledCpuForms& forms, double* tensor_scale, int64_t* counts) {
@@ -83,7 +107,8 @@ void scaled_cpu(const ScaledCall& call, const ScaledCpuForms& forms, double* ten
   const int64_t n = call.rows * call.cols;
   const int64_t grid_rows = call.block_grid_rows(), gc = call.block_grid_cols();
   const int64_t blocks = grid_rows * gc;
-  if (!call.tensor_scale && grid_rows >= 4 * int64_t(threads_for(n))) {
+  if (!call.tensor_scale && call.scale.choice == BlockChoice::Fixed &&
+      grid_rows >= 4 * int64_t(threads_for(n))) {
     // Without a tensor scale each row of blocks is independent: its largest magnitudes, scales
     // and elements in one visit, while its inputs are still in cache (one read of x, not two).
     PerThread<EventCounts> parts(threads_for(n));
@@ -112,9 +137,13 @@ void scaled_cpu(const ScaledCall& call, const ScaledCpuForms& forms, double* ten
   }
   *tensor_scale = t;
   PerThread<int64_t> saturated(threads_for(blocks * 64));  // (a block's scale: some 64 elements' work)
-  parallel_items(blocks, blocks * 64, [&](int th, int64_t b0, int64_t b1) {
-    k.scaled_scales(call, t, b0, b1, saturated[th].v);
-  });
+  if (call.scale.choice == BlockChoice::Fixed) {
+    parallel_items(blocks, blocks * 64, [&](int th, int64_t b0, int64_t b1) {
+      k.scaled_scales(call, t, b0, b1, saturated[th].v);
+    });
+  } else {
+    choose_block_scales(call, t, saturated);
+  }
   ScaledCall with_t = call;
   with_t.t = t;
   PerThread<EventCounts> parts(threads_for(n));

@@ -65,6 +65,29 @@ scales_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long 
   }
 }
 
+// scales_kernel for a call that chooses among candidate scales (BlockChoice): one thread a block,
+// rounding its elements for each candidate (four_over_six_scale, as on the CPU).
+template <class In, RoundKind K>
+__global__ void __launch_bounds__(kThreads)
+choose_scales_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
+  const double t = tensor_scale_of(c, tensor_max);
+  const double empty = empty_block_scale(c.scale, t);
+  const int64_t blocks = c.block_grid_rows() * c.block_grid_cols();
+  uint64_t saturated = 0;
+  for (int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; b < blocks;
+       b += int64_t(gridDim.x) * blockDim.x) {
+    bool sat = false;
+    const double a = c.scales[b];
+    c.scales[b] = a > 0.0 ? four_over_six_scale<In, K>(c, b, a, t, sat) : empty;
+    saturated += sat;
+  }
+  if (counts != nullptr && c.count_blocks) {
+    saturated = warp_sum(saturated);
+    if ((threadIdx.x & 31) == 0 && saturated) atomicAdd(counts + 4, (unsigned long long)saturated);
+    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(counts + 5, (unsigned long long)blocks);
+  }
+}
+
 // After scales_kernel: the tensor scale (1 without one, tensor_max null) replaces the largest
 // magnitude's bits in their buffer, out.
 __global__ void tensor_scale_kernel(ScaledCall c, const unsigned long long* tensor_max,
@@ -115,7 +138,14 @@ void scaled_cuda(const ScaledCall& c, double* tensor_scale, int64_t* counts, int
   with_storage_type(c.dtype, [&](auto type) {
     using In = typename decltype(type)::type;
     amax_kernel<In><<<grid_size(device, blocks), kThreads, 0, stream>>>(c, tmax);
-    scales_kernel<<<grid_size(device, blocks), kThreads, 0, stream>>>(c, c.tensor_scale ? tmax : nullptr, cnt);
+    if (c.scale.choice == BlockChoice::Fixed) {
+      scales_kernel<<<grid_size(device, blocks), kThreads, 0, stream>>>(c, c.tensor_scale ? tmax : nullptr, cnt);
+    } else {
+      with_round_kind(c.mode, [&](auto kind) {
+        choose_scales_kernel<In, decltype(kind)::value>
+            <<<grid_size(device, blocks), kThreads, 0, stream>>>(c, c.tensor_scale ? tmax : nullptr, cnt);
+      });
+    }
     tensor_scale_kernel<<<1, 1, 0, stream>>>(c, c.tensor_scale ? tmax : nullptr, tmax);
     with_round_kind(c.mode, [&](auto kind) {
       with_flag(c.count, [&](auto count) {

@@ -37,10 +37,21 @@ ScaledCall prepare_scaled_call(const ScaledRequest& r) {
     c.scale.s = make_round_params<uint64_t>(r.scale_format, Overflow::Saturate, Rounding::Nearest, 32);
     c.scale.s_smallest = std::ldexp(1.0, smallest_exponent(r.scale_format));
     c.scale.s_max = max_value(r.scale_format);
+    c.scale.t_s_max = r.choice == BlockChoice::Fixed ? c.scale.s_max : kFourOverSixTensorMax;
     c.scale.s_cap = max_exponent(r.scale_format) + 1;
     c.scale.by_addition = nearest_by_addition(c.scale.s, c.scale.s_cap);
     // a: the input's bits; max_E · t: E's significand bits, and t's 24
     c.scale.divide_once = nearest_divides_once(r.scale_format.m, r.element.m + 1 + 24, r.dtype);
+  }
+  if (!in_range(int32_t(r.choice), 0, 2)) throw std::invalid_argument("bad block choice code");
+  c.scale.choice = r.choice;
+  if (r.choice != BlockChoice::Fixed) {
+    // (the candidates' targets 6 and 4, and 4's scale within S's range: 1.5 · 256 <= max_S)
+    if (r.rule != ScaleRule::Format || !r.tensor_scale || max_value(r.element) != 6.0 ||
+        r.element.m != 1 || max_value(r.scale_format) < 1.5 * kFourOverSixTensorMax)
+      throw std::invalid_argument(
+          "4over6 takes FP4 E2M1 elements with scales in a format of at least 384 (E4M3) and a "
+          "tensor scale");
   }
   c.tensor_scale = r.tensor_scale;
   if (r.tensor_scale && r.rule != ScaleRule::Format)

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "lowfp/hadamard.hpp"
+#include "lowfp/philox.hpp"
 #include "lowfp/scaled.hpp"
 
 namespace lowfp {
@@ -29,6 +30,39 @@ struct ScaledCall {
   LOWFP_HD int64_t block_grid_cols() const { return (cols + block_cols - 1) / block_cols; }
   LOWFP_HD int64_t block_grid_rows() const { return (rows + block_rows - 1) / block_rows; }
 };
+
+// 4over6 (BlockChoice): the scale of block b (block-grid row-major) whose largest finite magnitude
+// is a > 0, under the tensor scale t: the map-to-6 candidate (the rule's) unless the map-to-4 one
+// leaves a smaller error. Each candidate's elements are rounded as the element pass rounds them
+// (the call's rounding, overflow and random words, scaled_element in the float64 carrier), so the
+// chosen candidate's q are the ones the call then writes. saturated: the chosen scale's.
+template <class In, RoundKind Kind>
+LOWFP_HD double four_over_six_scale(const ScaledCall& c, int64_t b, double a, double t, bool& saturated) {
+  bool sat6, sat4;
+  const double s6 = format_block_scale(c.scale, a, t, sat6);
+  const double s4 = map_to_four_scale(c.scale, a, t, sat4);
+  const int64_t gc = c.block_grid_cols();
+  const int64_t r0 = (b / gc) * c.block_rows, c0 = (b % gc) * c.block_cols;
+  const int64_t r1 = min_of(c.rows, r0 + c.block_rows), c1 = min_of(c.cols, c0 + c.block_cols);
+  const In* x = static_cast<const In*>(c.x);
+  double e6 = 0.0, e4 = 0.0;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t i = r * c.cols + c0; i < r * c.cols + c1; ++i) {
+      const double xv = bit_cast<double>(Widen<uint64_t>::from(x[i]));
+      if (!(xv - xv == 0.0)) continue;  // inf and NaN: any scale leaves them
+      uint32_t rw = 0u;
+      if constexpr (Kind == RoundKind::Stochastic)
+        rw = philox_block(c.seed, c.offset + uint64_t(i) / 4).w[i % 4];
+      RoundEvents ev;
+      const double q6 = scaled_element<Kind, false, true>(xv, s6, 1.0 / s6, c.p, rw, ev);
+      const double q4 = scaled_element<Kind, false, true>(xv, s4, 1.0 / s4, c.p, rw, ev);
+      e6 += choice_error(c.scale.choice, xv, q6 * s6);
+      e4 += choice_error(c.scale.choice, xv, q4 * s4);
+    }
+  const bool four = e4 < e6;
+  saturated = four ? sat4 : sat6;
+  return four ? s4 : s6;
+}
 
 // The random Hadamard transform (lowfp/hadamard.hpp) of each group of 16 consecutive elements of
 // x, a contiguous buffer of `groups` groups of dtype, into y: float64 for float64 x, float32 for
@@ -73,6 +107,7 @@ struct ScaledRequest {
   ScaleRule rule;
   FormatSpec scale_format;  // rule Format: S (float32 scales: fp(8,23,0,ieee)); else unused
   bool tensor_scale;
+  BlockChoice choice;       // not Fixed: scales in a format, a tensor scale, E2M1 elements
   DType dtype;
 };
 

@@ -16,6 +16,14 @@ out; a block without a finite nonzero element takes the smallest scale):
   float32 t = amax / (max_S · max_E) over the whole tensor is kept too: the stored block scale is
   round_S(a / (max_E · t)) and the block's scale is its product with t.
 
+``four_over_six="mse"`` or ``"mae"`` (NVFP4 only: FP4 E2M1 elements, E4M3 scales, a tensor scale;
+"4over6", arXiv 2512.02010, TransformerEngine's ``nvfp4_4over6``): the tensor scale is
+t = amax / (256 · max_E) and each block weighs two scales, the usual round_S(a / (6 t)) · t and
+round_S(a / (4 t)) · t, which maps a to 4; it keeps the one whose rounded elements leave the smaller
+error over the block's finite elements x, the sum of (x - s·q)^2 (``"mse"``) or of |x - s·q|
+(``"mae"``), each difference and square rounded to float64 and summed in float64 in row-major
+order; a tie keeps 6's.
+
 Each element becomes q = round_E(x / s) by the call's rounding mode (the exact quotient, rounded
 once; stochastic rounding with the usual Philox words by element index), saturating unless
 ``overflow=`` says otherwise, and the result is s · q in x's dtype (rounded to nearest even when
@@ -41,6 +49,7 @@ __all__ = ["Scaled", "E8M0_RULES", "named", "to_scaled", "layout", "scales_shape
 
 # The scale rules and the element formats' widest mantissa, from the native contract
 E8M0_RULES = tuple(name for name in _C.ScaleRule.__members__ if name != "nearest")
+FOUR_OVER_SIX_ERRORS = ("mse", "mae")  # Scaled(four_over_six=): the error a block's choice minimises
 MAX_ELEMENT_MANTISSA = _C.SCALED_MAX_ELEMENT_MANTISSA  # exact stochastic rounding of the quotient (§9)
 FLOAT32 = Format(8, 23, 0, specials="ieee")  # float32 as a scale format
 
@@ -57,13 +66,17 @@ class Scaled:
         scale_rule: ``"floor"``, ``"ceil"``, ``"rceil"`` or ``"even"`` for e8m0 scales (default
             ``"floor"``); ``"nearest"`` for the others (their only rule).
         tensor_scale: a second-level float32 tensor scale (scales in a format only).
+        four_over_six: None, ``"mse"`` or ``"mae"``: each block keeps the scale mapping its
+            largest magnitude to 6 or to 4, whichever leaves the smaller error (NVFP4's E2M1
+            elements, E4M3 scales and tensor scale only).
     """
 
     __slots__ = ("_key",)
 
     def __init__(self, element: Union[Format, str], *, block: Union[None, int, Tuple[int, int]] = None,
                  axis: Optional[int] = -1, scale: Union[str, Format] = "e8m0",
-                 scale_rule: Optional[str] = None, tensor_scale: bool = False):
+                 scale_rule: Optional[str] = None, tensor_scale: bool = False,
+                 four_over_six: Optional[str] = None):
         element = to_format(element, "element")
         if element.m > MAX_ELEMENT_MANTISSA:
             raise ValueError(f"element {element} has {element.m} mantissa bits; scaled formats take "
@@ -103,7 +116,12 @@ class Scaled:
             check_choice(scale_rule, ("nearest",), "scale_rule")
         if not isinstance(tensor_scale, bool):
             raise TypeError(f"tensor_scale must be a bool, got {tensor_scale!r}")
-        self._key = (element, block, axis, scale_key, scale_rule, tensor_scale)
+        if four_over_six is not None:
+            check_choice(four_over_six, FOUR_OVER_SIX_ERRORS, "four_over_six")
+            if not (element == _F["float4_e2m1fn"] and scale_key == _F["float8_e4m3fn"] and tensor_scale):
+                raise ValueError("four_over_six is an NVFP4 option: element float4_e2m1fn, scale "
+                                 "float8_e4m3fn and tensor_scale=True")
+        self._key = (element, block, axis, scale_key, scale_rule, tensor_scale, four_over_six)
 
     element = property(lambda self: self._key[0], doc="element format E")
     block = property(lambda self: self._key[1], doc="None, B or (B0, B1)")
@@ -111,6 +129,7 @@ class Scaled:
     scale = property(lambda self: self._key[3], doc='"e8m0", "float32" or the scale Format')
     scale_rule = property(lambda self: self._key[4])
     tensor_scale = property(lambda self: self._key[5])
+    four_over_six = property(lambda self: self._key[6], doc='None, "mse" or "mae"')
 
     @property
     def scale_format(self) -> Optional[Format]:
@@ -138,8 +157,8 @@ class Scaled:
 
     @property
     def key(self) -> Tuple:
-        e, block, axis, s, rule, t = self._key
-        return ("scaled", e.key, block, axis, s if isinstance(s, str) else s.key, rule, t)
+        e, block, axis, s, rule, t, choice = self._key
+        return ("scaled", e.key, block, axis, s if isinstance(s, str) else s.key, rule, t, choice)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Scaled) and other.key == self.key
@@ -150,12 +169,14 @@ class Scaled:
     def __str__(self) -> str:
         if self.name is not None:
             return self.name
-        e, block, axis, s, rule, t = self._key
+        e, block, axis, s, rule, t, choice = self._key
         parts = [repr(str(e)), f"block={block!r}", f"axis={axis!r}", f"scale={str(s)!r}"]
         if rule not in ("floor", "nearest"):
             parts.append(f"scale_rule={rule!r}")
         if t:
             parts.append("tensor_scale=True")
+        if choice is not None:
+            parts.append(f"four_over_six={choice!r}")
         return f"Scaled({', '.join(parts)})"
 
     __repr__ = __str__
@@ -187,6 +208,9 @@ _NAMED: Dict[str, Scaled] = {
     "mxfp4_e2m1": Scaled(_F["float4_e2m1fn"], block=32),
     # NVFP4: 16 FP4 elements share an E4M3 scale under a float32 tensor scale.
     "nvfp4": Scaled(_F["float4_e2m1fn"], block=16, scale=_F["float8_e4m3fn"], tensor_scale=True),
+    # NVFP4 with 4over6 block scales, choosing by squared error as its paper's reference does.
+    "nvfp4_4over6": Scaled(_F["float4_e2m1fn"], block=16, scale=_F["float8_e4m3fn"], tensor_scale=True,
+                           four_over_six="mse"),
     # FP8 with float32 scales: per tensor (TransformerEngine's current scaling), per row
     # (torchao's rowwise), 1×128 blocks (activations) and 128×128 blocks (weights) as in
     # DeepSeek-V3.

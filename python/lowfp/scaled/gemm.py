@@ -172,6 +172,11 @@ RECIPES = {
     "nvfp4": GemmRecipe(_N["nvfp4"], weight=Scaled("float4_e2m1fn", block=(16, 16),
                                                    scale="float8_e4m3fn", tensor_scale=True),
                         grad_rounding="stochastic", hadamard_seed=0),
+    # The same with 4over6 block scales on every operand (TransformerEngine's nvfp4_4over6="all").
+    "nvfp4-4over6": GemmRecipe(_N["nvfp4_4over6"], weight=Scaled("float4_e2m1fn", block=(16, 16),
+                                                                  scale="float8_e4m3fn", tensor_scale=True,
+                                                                  four_over_six="mse"),
+                               grad_rounding="stochastic", hadamard_seed=0),
     # FP8 with float32 scales: per tensor (E5M2 gradients, TransformerEngine's hybrid) and per row.
     "fp8-tensorwise": GemmRecipe(_N["fp8_e4m3_tensorwise"], grad=_N["fp8_e5m2_tensorwise"]),
     "fp8-rowwise": GemmRecipe(_N["fp8_e4m3_rowwise"]),

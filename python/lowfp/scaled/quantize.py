@@ -90,7 +90,12 @@ def prepared(mod, fmt: Scaled, rounding: str, overflow: str, sr_bits: int, dtype
         rounding=mod.Rounding.__members__[rounding], sr_bits=sr_bits,
         scale_rule=mod.ScaleRule.__members__[fmt.scale_rule],
         scale_format=None if scale_format is None else _spec(mod, scale_format),
-        tensor_scale=fmt.tensor_scale, dtype=mod.DType.__members__[str(dtype)[6:]])
+        tensor_scale=fmt.tensor_scale,
+        choice=mod.BlockChoice.__members__[_CHOICE_CODES[fmt.four_over_six]],
+        dtype=mod.DType.__members__[str(dtype)[6:]])
+
+
+_CHOICE_CODES = {None: "fixed", "mae": "four_over_six_mae", "mse": "four_over_six_mse"}
 
 
 class PreparedScaled(Prepared):

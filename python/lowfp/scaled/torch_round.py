@@ -78,7 +78,7 @@ def fuses_format(fmt: Scaled, dtype: torch.dtype) -> bool:
     """Whether :func:`scaled_quantize` computes roundings of ``dtype`` tensors to ``fmt``: x of at
     most 24 significand bits, and every divisor of at most 28 (a scale in a format S times the
     float32 tensor scale, max_E times it, max_S · max_E)."""
-    if dtype not in _DTYPES:
+    if dtype not in _DTYPES or fmt.four_over_six is not None:
         return False
     s = fmt.scale_format
     if s is None:
