@@ -88,7 +88,13 @@ def test_every_experiment_end_to_end_and_resumed(tmp_path, monkeypatch):
     share = R.share_below(hist, -25)
     assert f"{100 * share:.1f} % lie below 2^-25, half float16's smallest subnormal" in report
     assert 0 < sum(hist[1]) and 0 < share < 1
-    # the accumulation experiment: half the width, a third of the epochs (at least one), and
+    # the NVFP4 experiment: its recipe keeps the last linear layer (the head) out, its ablations
+    # change one field each, and its float32 run is the accumulation experiment's
+    nv = res["runs"]["nvfp4"]
+    assert (nv["nvfp4"][0]["config"]["high_precision"], nv["all-nvfp4"][0]["config"]["high_precision"]) == (0.15, 0.0)
+    assert nv["no-hadamard"][0]["config"]["recipe_changes"] == "hadamard_seed=None"
+    assert nv["fp32"][0]["config"] == res["runs"]["accumulation"]["fp32"][0]["config"]
+    # the accumulation experiment: half the width, half the epochs (at least one), and
     # its GEMM measurements in the verdicts and the report
     short = res["runs"]["accumulation"]["short"][0]["config"]
     assert (short["width"], short["epochs"], short["accumulate_gemms"]) == (0.125, 1, "wgrad")

@@ -45,6 +45,37 @@ def test_train_with_a_gemm_recipe(tmp_path, capsys):
         cli.main(["train", "--recipe", "mxfp9"])
 
 
+def test_recipe_changes_and_high_precision_layers(tmp_path, capsys):
+    # --recipe-changes replaces the recipe's fields; --high-precision keeps the last linear
+    # layers (here the head) out of it, which the GEMM table shows
+    import torch
+    from dataclasses import replace
+    from lowfp.experiments import models, train
+    from lowfp.scaled import RECIPES
+    cfg = train.TrainConfig(model="transformer", data="synthetic", recipe="nvfp4",
+                            recipe_changes="grad_rounding='nearest', hadamard_seed=None")
+    assert train.gemm_recipe(cfg) == replace(RECIPES["nvfp4"], grad_rounding="nearest", hadamard_seed=None)
+    model = models.build("transformer", 3, 10, 0.25, 32)
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    mapping = train.gemm_recipe(replace(cfg, high_precision=0.15), model)
+    assert list(mapping) == [linears[-1], "*"] and mapping[linears[-1]] is None
+    assert mapping["*"] == train.gemm_recipe(cfg)
+    code, res = run_cli(tmp_path, "--epochs", "1", "--model", "transformer", "--assignment", "fp32",
+                        "--recipe", "nvfp4", "--high-precision", "0.15", "--recipe-changes",
+                        "weight='nvfp4'")
+    assert code == 0 and not res["diverged"]
+    assert "GEMM operands nvfp4 (weight='nvfp4'), the last 15% of linear layers unrounded" in capsys.readouterr().out
+    for changes, error in (("grad_rounding='up', 3", "keyword arguments"), ("colour='red'", "colour"),
+                           ("weight=nvfp4", "literals"), ("weight='nvfp9'", "nvfp9")):
+        with pytest.raises(ValueError, match=error):
+            train.check_config(replace(cfg, recipe_changes=changes))
+    for bad, error in ((dict(recipe="none", recipe_changes="grad_rounding='up'"), "needs a recipe"),
+                       (dict(high_precision=1.5), "between 0 and 1"),
+                       (dict(recipe="none", recipe_changes="", high_precision=0.2), "needs --recipe")):
+        with pytest.raises(ValueError, match=error):
+            train.check_config(replace(cfg, **bad))
+
+
 def test_train_with_an_accumulation(tmp_path, capsys):
     # --accumulate (a preset or an Accumulate's text) on the GEMMs --accumulate-gemms names: a
     # 3-significant-bit weight-gradient sum changes the run; the same with torch's float32 does not

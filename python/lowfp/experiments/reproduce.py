@@ -2,7 +2,7 @@
 where precision matters (next-character prediction on Python's standard library, ``pysource``),
 with several seeds, and a report whose verdicts are computed from the runs.
 
-    lowfp reproduce [mpt|s2fp8|extrabits|assignment|accumulation|all] [--out DIR] [--seeds N] [--epochs E]
+    lowfp reproduce [mpt|s2fp8|extrabits|assignment|accumulation|nvfp4|all] [--out DIR] [--seeds N] [--epochs E]
 
 Each experiment is a few *arms* (TrainConfig changes on one base run) and the paper's claims as
 comparisons of two arms' final test loss (cross-entropy per character; lower is better):
@@ -50,9 +50,9 @@ NOISE_FLOOR = 0.005  # nats: the smallest margin (one seed has no spread)
 CLOSE = 0.02         # "reaches": within 2 % of the reference's loss
 FAIL = 0.10          # "fails": 10 % above the reference's loss, or diverged
 
-# The default task: a 2-block GPT (width 64) on 460 Ki characters of the standard library, 3
+# The default task: a 2-block GPT (width 64) on 460 Ki characters of the standard library, 2
 # epochs of AdamW (a few seconds a run on 2 CPU cores).
-BASE = train.TrainConfig(model="gpt", data="pysource", width=0.5, epochs=3, batch_size=64,
+BASE = train.TrainConfig(model="gpt", data="pysource", width=0.5, epochs=2, batch_size=64,
                          optimizer="adamw", lr=3e-3, weight_decay=0.01, assignment="fp32",
                          loss_scale="dynamic", schedule="cosine")
 
@@ -114,6 +114,11 @@ _SHORT = dict(accumulate=f'Accumulate("{_SHORT_SUM}")', accumulate_gemms="wgrad"
 _CHUNKED = dict(accumulate=f'Accumulate("{_SHORT_SUM}", order="blocked", block=64, outer="{_SHORT_SUM}")',
                 accumulate_gemms="wgrad")
 
+# The NVFP4 pretraining report's recipe: lowfp's "nvfp4" GemmRecipe (16×16 weight blocks, stochastic
+# gradients, the Hadamard transform on the weight gradient's operands) with the last 15 % of the
+# linear layers (here the output head) left in float32.
+_NVFP4 = dict(recipe="nvfp4", high_precision=0.15)
+
 EXPERIMENTS: Dict[str, Experiment] = {e.key: e for e in (
     Experiment(
         "mpt", "Mixed Precision Training (Micikevicius et al., ICLR 2018)",
@@ -130,7 +135,7 @@ EXPERIMENTS: Dict[str, Experiment] = {e.key: e for e in (
                "fp16-no-master")),
         # large batches: the mean loss over 64 Ki characters makes gradients small enough to
         # underflow float16, as in the paper's detection and speech models
-        base_changes=(("batch_size", 1024), ("lr", 1e-2)), epochs_factor=2,
+        base_changes=(("batch_size", 1024), ("lr", 1e-2)), epochs_factor=1.5,
         gradients=("fp32", "fp16-scaled")),
     Experiment(
         "s2fp8", "Shifted and Squeezed 8-bit Floating Point (Cambier et al., ICLR 2020)",
@@ -187,8 +192,37 @@ EXPERIMENTS: Dict[str, Experiment] = {e.key: e for e in (
          arm("chunked", "the same, in chunks of 64", **_CHUNKED)),
         (Claim("a short accumulator without chunking trains worse than float32", "better", "fp32", "short"),
          Claim("with chunking the same accumulator reaches float32", "close", "chunked", "fp32")),
-        # every emulated GEMM is lowfp.gemm on the CPU: half the width, a third of the epochs
-        epochs_factor=1 / 3, width_factor=0.5, gemm_errors=True),
+        # every emulated GEMM is lowfp.gemm on the CPU: half the width, one epoch
+        epochs_factor=1 / 2, width_factor=0.5, gemm_errors=True),
+    Experiment(
+        "nvfp4", "NVFP4 pretraining (NVIDIA, arXiv 2509.25149); MXFP8 scale rounding (arXiv 2506.08027)",
+        "The NVFP4 recipe (about 15 % of the linear layers, the last, kept in high precision; the "
+        "random Hadamard transform on the weight-gradient GEMM's operands; 16×16 weight blocks; "
+        "stochastic rounding of gradients) trains close to the high-precision baseline, and each "
+        "of its parts matters: without one, or with every layer in NVFP4, training is worse. "
+        "MXFP8 with the OCP floor scale rule can diverge where cuBLAS's rceil rule matches BF16.",
+        (FP32, arm("nvfp4", "NVFP4 recipe", **_NVFP4),
+         arm("no-hadamard", "NVFP4 recipe without the Hadamard transform",
+             **{**_NVFP4, "recipe_changes": "hadamard_seed=None"}),
+         arm("nearest-grads", "NVFP4 recipe, gradients rounded to nearest",
+             **{**_NVFP4, "recipe_changes": "grad_rounding='nearest'"}),
+         arm("1x16-weights", "NVFP4 recipe, 1×16 weight blocks",
+             **{**_NVFP4, "recipe_changes": "weight='nvfp4'"}),
+         arm("all-nvfp4", "NVFP4 recipe on every linear layer", recipe="nvfp4"),
+         arm("mxfp8-floor", "MXFP8, floor scales (OCP)", recipe="mxfp8"),
+         arm("mxfp8-rceil", "MXFP8, rceil scales (cuBLAS)", recipe="mxfp8-rceil")),
+        (Claim("the NVFP4 recipe reaches float32", "close", "nvfp4", "fp32"),
+         Claim("every layer in NVFP4 trains worse than the recipe", "better", "nvfp4", "all-nvfp4"),
+         Claim("without the Hadamard transform training is worse", "better", "nvfp4", "no-hadamard"),
+         Claim("gradients rounded to nearest train worse than stochastically", "better", "nvfp4",
+               "nearest-grads"),
+         Claim("1×16 weight blocks train worse than 16×16", "better", "nvfp4", "1x16-weights"),
+         Claim("MXFP8 with floor scales trains worse than with rceil", "better", "mxfp8-rceil",
+               "mxfp8-floor"),
+         Claim("MXFP8 with rceil scales reaches float32", "close", "mxfp8-rceil", "fp32")),
+        # every emulated GEMM rounds its operands on the CPU: as accumulation, half the width and
+        # one epoch (the float32 runs are the same)
+        epochs_factor=1 / 2, width_factor=0.5),
 )}
 
 
@@ -336,13 +370,16 @@ def _plot(path: str, title: str, exp: Experiment, arms: Dict[str, List[dict]]) -
         plt = import_optional("matplotlib.pyplot", "the report's figures")
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    if all(len(r["epochs"]) == 1 for rs in arms.values() for r in rs):
+    one_epoch = all(len(r["epochs"]) == 1 for rs in arms.values() for r in rs)
+    many = one_epoch and len(exp.arms) > 5  # (the arms' names side by side need room)
+    fig, ax = plt.subplots(figsize=(9.6 if many else 6.4, 4.0))
+    if one_epoch:
         # one epoch: each arm's final losses side by side, one dot per seed
         for i, a in enumerate(exp.arms):
             ys = [r["epochs"][0].get("test_loss", math.nan) for r in arms[a.key]]
             ax.plot([i] * len(ys), ys, "o", color=f"C{i}", label=a.label, markersize=5, alpha=0.8)
-        ax.set_xticks(range(len(exp.arms)), [a.key for a in exp.arms])
+        ax.set_xticks(range(len(exp.arms)), [a.key for a in exp.arms], rotation=20 if many else 0,
+                      ha="right" if many else "center")
         ax.set_xlim(-0.5, len(exp.arms) - 0.5)
         ax.set_xlabel("arm (one dot per seed, after 1 epoch)")
     else:
@@ -359,7 +396,10 @@ def _plot(path: str, title: str, exp: Experiment, arms: Dict[str, List[dict]]) -
         ax.set_xlabel("epoch")
     ax.set_ylabel("test loss (cross-entropy)")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
+    if many:  # beside the dots, not over them
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

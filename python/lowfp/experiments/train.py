@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 from .. import assign
 from ..emulate import emulate
-from ..formats import to_format
+from ..formats import _parse_call, to_format
 from ..quantize import quantize_
 from ..accumulate import Accumulate
-from ..scaled import ACCUMULATE_GEMMS, RECIPES, GemmRecipe
+from ..scaled import ACCUMULATE_GEMMS, RECIPES, GemmRecipe, high_precision_ends
 from ..scaler import DynamicLossScaler
 from . import data as datasets
 from . import models
@@ -49,6 +49,12 @@ class TrainConfig:
     lo_forward: str = "fp(4,3,4)"
     lo_backward: str = "fp(5,2,0)"
     recipe: str = "none"
+    # Changes to the recipe's fields, as keyword arguments of literals: "grad_rounding='nearest',
+    # hadamard_seed=None, weight='nvfp4'" (the NVFP4 report's ablations)
+    recipe_changes: str = ""
+    # The last round(fraction × count) linear layers keep the model's dtype (high_precision_ends;
+    # the NVFP4 report keeps about 15 % in BF16)
+    high_precision: float = 0.0
     # How the GEMMs named in accumulate_gemms sum their products (docs/design.md §10): a
     # lowfp.accumulate preset or an Accumulate's text, "Accumulate('bfloat16', order='blocked',
     # block=64)"; "none": torch's float32
@@ -112,17 +118,36 @@ def check_config(cfg: TrainConfig) -> None:
                              f"got {cfg.loss_scale!r}") from None
 
 
-def gemm_recipe(cfg: TrainConfig) -> Optional[GemmRecipe]:
-    """The GemmRecipe of cfg's recipe and accumulation, or None (torch's GEMMs)."""
-    if cfg.accumulate == "none":
-        return None if cfg.recipe == "none" else RECIPES[cfg.recipe]
-    gemms = [g.strip() for g in cfg.accumulate_gemms.split(",")]
-    if not gemms or not set(gemms) <= set(ACCUMULATE_GEMMS):
-        raise ValueError(f"accumulate_gemms must be a comma-separated subset of {ACCUMULATE_GEMMS}, "
-                         f"got {cfg.accumulate_gemms!r}")
-    acc = Accumulate.parse(cfg.accumulate)
-    return replace(GemmRecipe() if cfg.recipe == "none" else RECIPES[cfg.recipe],
-                   accumulate={g: acc for g in gemms})
+def gemm_recipe(cfg: TrainConfig, model: Optional[torch.nn.Module] = None):
+    """The GemmRecipe of cfg's recipe, its changes and accumulation, or None (torch's GEMMs); with
+    ``high_precision`` and a model, the mapping of module patterns that keeps its last linear
+    layers out of it."""
+    recipe = None if cfg.recipe == "none" else RECIPES[cfg.recipe]
+    if cfg.recipe_changes.strip():
+        if recipe is None:
+            raise ValueError("recipe_changes needs a recipe (--recipe)")
+        call = _parse_call(f"GemmRecipe({cfg.recipe_changes})", ("GemmRecipe",))
+        if call is None or call[0]:
+            raise ValueError(f"recipe_changes must be keyword arguments of GemmRecipe, as "
+                             f"\"grad_rounding='nearest', hadamard_seed=None\"; got {cfg.recipe_changes!r}")
+        try:
+            recipe = replace(recipe, **call[1])
+        except TypeError as err:  # an unknown field
+            raise ValueError(f"recipe_changes: {err}") from None
+    if cfg.accumulate != "none":
+        gemms = [g.strip() for g in cfg.accumulate_gemms.split(",")]
+        if not gemms or not set(gemms) <= set(ACCUMULATE_GEMMS):
+            raise ValueError(f"accumulate_gemms must be a comma-separated subset of {ACCUMULATE_GEMMS}, "
+                             f"got {cfg.accumulate_gemms!r}")
+        acc = Accumulate.parse(cfg.accumulate)
+        recipe = replace(GemmRecipe() if recipe is None else recipe, accumulate={g: acc for g in gemms})
+    if not isinstance(cfg.high_precision, (int, float)) or not 0 <= cfg.high_precision <= 1:
+        raise ValueError(f"high_precision must be a fraction between 0 and 1, got {cfg.high_precision!r}")
+    if cfg.high_precision and recipe is None:
+        raise ValueError("high_precision keeps layers out of a recipe: it needs --recipe")
+    if cfg.high_precision and model is not None:
+        return {**high_precision_ends(model, fraction=cfg.high_precision), "*": recipe}
+    return recipe
 
 
 def _progress(label: str, done: int, total: int, extra: str, stream) -> None:
@@ -258,14 +283,17 @@ def run(cfg: TrainConfig, log=None, progress=None) -> dict:
 
     log(f"lowfp train: {cfg.model} (width {cfg.width}) on {ds}, {assignment.name}: "
         f"ratio_lo {assignment.ratio_lo:.3f}, aggregate {assignment.aggregate_bits / 8 / 2**20:.2f} MiB, "
-        + ("" if cfg.recipe == "none" else f"GEMM operands {cfg.recipe}, ")
+        + ("" if cfg.recipe == "none" else f"GEMM operands {cfg.recipe}"
+           + (f" ({cfg.recipe_changes})" if cfg.recipe_changes else "")
+           + (f", the last {cfg.high_precision:.0%} of linear layers unrounded" if cfg.high_precision else "")
+           + ", ")
         + ("" if cfg.accumulate == "none" else f"{cfg.accumulate_gemms} GEMMs summed as {cfg.accumulate}, ")
         + f"optimizer {cfg.optimizer}, {cfg.epochs} epochs of {steps_per_epoch} steps")
     epochs: List[dict] = []
     gen = torch.Generator().manual_seed(cfg.seed)
     diverged = False
     with emulate(model, assignment, promote=cfg.promote, threshold=cfg.threshold,
-                 rounding="nearest", gemm_recipe=gemm_recipe(cfg)) as em:
+                 rounding="nearest", gemm_recipe=gemm_recipe(cfg, model)) as em:
         scaler = None
         if cfg.loss_scale != "none":
             init = 2.0 ** 16 if cfg.loss_scale == "dynamic" else float(cfg.loss_scale)
@@ -373,6 +401,11 @@ def add_arguments(p: argparse.ArgumentParser, skip: Tuple[str, ...] = ()) -> Non
     add("--recipe", default=d.recipe, choices=GEMM_RECIPES,
         help="scaled formats for the operands of linear layers and matrix products "
              "(lowfp.scaled.emulate_gemms)")
+    add("--recipe-changes", default=d.recipe_changes,
+        help="changes to the recipe's fields, keyword arguments of literals: "
+             "\"grad_rounding='nearest', hadamard_seed=None, weight='nvfp4'\"")
+    add("--high-precision", type=float, default=d.high_precision,
+        help="keep the last fraction of the linear layers out of the recipe (the NVFP4 report: 0.15)")
     add("--accumulate", default=d.accumulate,
         help="how the GEMMs of --accumulate-gemms sum their products (lowfp.Accumulate): a preset "
              "(hopper-fp8, deepseek-v3) or \"Accumulate('bfloat16', order='blocked', block=64)\"; "

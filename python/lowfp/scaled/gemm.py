@@ -166,6 +166,9 @@ RECIPES = {
     # torchao's MX training default: E4M3 elements, 32-element blocks, for all three GEMMs.
     "mxfp8": GemmRecipe(_N["mxfp8_e4m3"]),
     "mxfp8-e5m2grad": GemmRecipe(_N["mxfp8_e4m3"], grad=_N["mxfp8_e5m2"]),
+    # torchao's mxfp8_cublas_rceil: the same with cuBLAS's rceil scale rule, which rounds the
+    # scale up where floor can push a block's largest element past E4M3's range (arXiv 2506.08027).
+    "mxfp8-rceil": GemmRecipe(Scaled("float8_e4m3fn", block=32, scale_rule="rceil")),
     "mxfp4": GemmRecipe(_N["mxfp4_e2m1"]),
     # The NVFP4 recipe: 16×16 weight blocks, stochastic rounding of gradients, the random
     # Hadamard transform on the weight-gradient GEMM's operands.
