@@ -22,6 +22,7 @@ from .stats import Stats
 from .emulate import Emulator, History, emulate
 from .scaler import DynamicLossScaler
 from .accumulate import Accumulate, AccumulateStats, gemm
+from . import nonlinear
 
 # lowfp.formats names the scaled formats too (mxfp8_e4m3, nvfp4, ...), beside the element formats
 # lowfp.scaled builds them from (so set here, where both modules exist, not imported there)
@@ -35,7 +36,7 @@ __version__ = "0.1.0"
 __all__ = ["Format", "fp", "formats", "extra_bits", "optim", "quantize", "quantize_", "Stats", "ROUNDING_MODES",
            "S2FP8", "S2FP8Stats", "s2fp8_quantize", "Scaled", "scaled",
            "assign", "emulate", "Emulator", "History", "DynamicLossScaler",
-           "Accumulate", "AccumulateStats", "gemm",
+           "Accumulate", "AccumulateStats", "gemm", "nonlinear",
            "draw_seed", "cuda_built", "set_num_threads", "get_num_threads", "cpu_kernel"]
 
 
