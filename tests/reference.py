@@ -231,3 +231,22 @@ def stochastic_exact(x: float, spec: Spec, word: int, sr_bits: int = 32) -> floa
     threshold = (rem << sr_bits) // unit  # floor(f * 2^R), f = rem / unit
     up = (word >> (32 - sr_bits)) < threshold
     return math.copysign(math.ldexp(k + up, qe), x)
+
+
+def round_fraction(v: Fraction, fmt) -> Fraction:
+    """v rounded to nearest (ties to the even step) on the grid of fmt (anything with emin, m
+    and max, as a lowfp Format), saturating at ±max."""
+    if v == 0:
+        return v
+    a = abs(v)
+    e = a.numerator.bit_length() - a.denominator.bit_length()
+    while Fraction(2) ** e > a:
+        e -= 1
+    while Fraction(2) ** (e + 1) <= a:
+        e += 1
+    step = Fraction(2) ** (max(e, fmt.emin) - fmt.m)
+    lo = (a // step) * step
+    hi = lo + step
+    r = lo if a - lo < hi - a else hi if a - lo > hi - a else (lo if (lo / step) % 2 == 0 else hi)
+    r = min(r, Fraction(fmt.max))
+    return -r if v < 0 else r

@@ -175,7 +175,7 @@ def test_the_scaled_request_is_built_by_keyword():
         _C.FormatSpec(4, 3, 0, _C.Specials.fn, True)
     kw = dict(element=e4m3, overflow=_C.Overflow.saturate, rounding=_C.Rounding.nearest,
               sr_bits=32, scale_rule=_C.ScaleRule.floor, scale_format=None, tensor_scale=False,
-              dtype=_C.DType.float32)
+              choice=_C.BlockChoice.fixed, dtype=_C.DType.float32)
     request = _C.PreparedScaled(**kw)
     with pytest.raises(TypeError):
         _C.PreparedScaled(*kw.values())
@@ -187,6 +187,9 @@ def test_the_scaled_request_is_built_by_keyword():
         _C.PreparedScaled(**{**kw, "sr_bits": 0})
     with pytest.raises(ValueError, match="tensor scale"):
         _C.PreparedScaled(**{**kw, "tensor_scale": True})
+    with pytest.raises(ValueError, match="4over6 takes FP4 E2M1 elements"):  # (E4M3 elements here)
+        _C.PreparedScaled(**{**kw, "scale_rule": _C.ScaleRule.nearest, "scale_format": e4m3,
+                             "tensor_scale": True, "choice": _C.BlockChoice.four_over_six_mse})
     x = torch.randn(2, 64) * 100
     y = torch.empty_like(x)
     scales = torch.empty(5, dtype=torch.float64)  # 2 x 2 blocks, then the tensor scale

@@ -11,27 +11,11 @@ import torch
 
 import lowfp
 from lowfp.scaled import Scaled
-from reference import philox_word
+from reference import philox_word, round_fraction as round_to
 
 E2M1 = [Fraction(v) for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)]
 FLOAT32 = lowfp.Format(8, 23, 0, specials="ieee")
 E4M3 = lowfp.formats.named()["float8_e4m3fn"]
-
-
-def round_to(v: Fraction, fmt: lowfp.Format) -> Fraction:
-    """v rounded to nearest even on fmt's grid, saturating (v >= 0)."""
-    if v == 0:
-        return v
-    e = v.numerator.bit_length() - v.denominator.bit_length()
-    while Fraction(2) ** e > v:
-        e -= 1
-    while Fraction(2) ** (e + 1) <= v:
-        e += 1
-    step = Fraction(2) ** (max(e, fmt.emin) - fmt.m)
-    lo = (v // step) * step
-    hi = lo + step
-    r = lo if v - lo < hi - v else hi if v - lo > hi - v else (lo if (lo / step) % 2 == 0 else hi)
-    return min(r, Fraction(fmt.max))
 
 
 def e2m1(v: Fraction, rounding: str, word: int = 0) -> Fraction:

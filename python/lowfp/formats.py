@@ -194,14 +194,14 @@ class Format:
         k_p = _P3109_NAME.fullmatch(s)
         if k_p:
             return p3109(int(k_p[1]), int(k_p[2]), "extended" if k_p[3] == "e" else "finite")
-        call = _parse_call(s, ("fp",))
+        call = parse_call(s, ("fp",))
         if call is None:
             raise ValueError(f"cannot parse format {text!r}: expected one of {sorted(_NAMED)} "
                              "or 'fp(e,m,b)' such as 'fp(4,3,4)'" + "".join(h(s) for h in _PARSE_HINTS))
         return fp(*call[0], **call[1])
 
 
-def _parse_call(text: str, names: Tuple[str, ...]) -> Optional[Tuple[list, dict]]:
+def parse_call(text: str, names: Tuple[str, ...]) -> Optional[Tuple[list, dict]]:
     """The literal arguments of ``name(...)`` for a name in ``names``, or None when the text is
     not such a call. Non-literal arguments are a ValueError."""
     try:
@@ -227,7 +227,7 @@ def parse_named_or_call(text, named: dict, call_name: str, what: str, example: s
     s = text.strip()
     if s in named:
         return named[s], None
-    call = _parse_call(s, (call_name,))
+    call = parse_call(s, (call_name,))
     if call is None:
         raise ValueError(f"cannot parse {what} {text!r}: expected one of {sorted(named)} or {example}")
     return None, call
@@ -352,7 +352,7 @@ class S2FP8:
         s = text.strip()
         if s.lower() == "s2fp8":
             return S2FP8()
-        call = _parse_call(s, ("S2FP8", "s2fp8"))
+        call = parse_call(s, ("S2FP8", "s2fp8"))
         if call is None:
             raise ValueError(f"cannot parse {text!r} as S2FP8: expected \"S2FP8('float8_e5m2', "
                              "log_max=15.0)\" or 's2fp8'")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .. import assign
 from ..emulate import emulate
-from ..formats import _parse_call, to_format
+from ..formats import parse_call, to_format
 from ..quantize import quantize_
 from ..accumulate import Accumulate
 from ..scaled import ACCUMULATE_GEMMS, RECIPES, GemmRecipe, high_precision_ends
@@ -126,7 +126,7 @@ def gemm_recipe(cfg: TrainConfig, model: Optional[torch.nn.Module] = None):
     if cfg.recipe_changes.strip():
         if recipe is None:
             raise ValueError("recipe_changes needs a recipe (--recipe)")
-        call = _parse_call(f"GemmRecipe({cfg.recipe_changes})", ("GemmRecipe",))
+        call = parse_call(f"GemmRecipe({cfg.recipe_changes})", ("GemmRecipe",))
         if call is None or call[0]:
             raise ValueError(f"recipe_changes must be keyword arguments of GemmRecipe, as "
                              f"\"grad_rounding='nearest', hadamard_seed=None\"; got {cfg.recipe_changes!r}")

@@ -24,6 +24,8 @@ in memory order, the order their extra bits and moments are kept in.
 
 from .adam import ExtraBitsAdam, ExtraBitsAdamW
 from .sgd import ExtraBitsSGD
+from .states import LowPrecisionStates, low_precision_states
 from .step_in_backward import StepInBackward, step_in_backward
 
-__all__ = ["ExtraBitsSGD", "ExtraBitsAdam", "ExtraBitsAdamW", "step_in_backward", "StepInBackward"]
+__all__ = ["ExtraBitsSGD", "ExtraBitsAdam", "ExtraBitsAdamW", "step_in_backward", "StepInBackward",
+           "low_precision_states", "LowPrecisionStates"]

@@ -194,6 +194,9 @@ def step_in_backward(optimizer, *, clip_value: Optional[float] = None, scaler=No
     if optimizer._step_in_backward is not None:
         raise ValueError("optimizer already steps inside backward (each parameter would step "
                          "twice); call remove() on the handle step_in_backward returned first")
+    if getattr(optimizer, "_lowfp_low_precision_states", None) is not None:
+        raise ValueError("the optimizer keeps its moments in low precision (low_precision_states), "
+                         "which rounds them after step(); steps inside backward would skip that")
     if clip_norm is not None:
         raise ValueError("clip_norm: gradient norm clipping needs every gradient before any "
                          "parameter steps, which stepping inside backward does not allow; use "
