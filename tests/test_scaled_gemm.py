@@ -47,6 +47,32 @@ def test_linear_operands_are_rounded_along_their_reduction_axes(recipe):
     assert not torch.equal(y, layer(x))
 
 
+@pytest.mark.parametrize("gemms", [("fprop",), ("dgrad",), ("fprop", "dgrad", "wgrad")])
+def test_the_hadamard_transform_on_the_gemms_named(gemms):
+    # Each named GEMM's operands are transformed along its reduction axis, rounded and
+    # transformed back (lowfp.scaled.quantize_scaled with hadamard_seed), the others not.
+    r = GemmRecipe("mxfp4_e2m1", hadamard_seed=5, hadamard_gemms=gemms)
+    assert r.hadamard_gemms == tuple(gemms) and r.hadamard("fprop") == (5 if "fprop" in gemms else None)
+
+    def qh(t, axis, gemm):
+        fmt = Scaled("float4_e2m1fn", block=32, axis=axis)
+        return lowfp.scaled.quantize_scaled(t, fmt, hadamard_seed=5 if gemm in gemms else None)
+
+    torch.manual_seed(1)
+    layer = nn.Linear(64, 48, bias=False)
+    x = torch.randn(32, 64, requires_grad=True)
+    g = torch.randn(32, 48)
+    with emulate_gemms(layer, r):
+        y = layer(x)
+    y.backward(g)
+    w, xd = layer.weight.detach(), x.detach()
+    assert torch.equal(y, F.linear(qh(xd, -1, "fprop"), qh(w, -1, "fprop")))
+    assert torch.equal(x.grad, qh(g, -1, "dgrad") @ qh(w, 0, "dgrad"))
+    assert torch.equal(layer.weight.grad, qh(g, 0, "wgrad").t() @ qh(xd, 0, "wgrad"))
+    with pytest.raises(ValueError, match="hadamard_gemms"):
+        GemmRecipe("mxfp4_e2m1", hadamard_seed=5, hadamard_gemms=("bprop",))
+
+
 def test_matmul_operands_and_broadcasting():
     r = lowfp.scaled.RECIPES["mxfp8"]
 

@@ -51,7 +51,8 @@ def _left_table(head, rows, note: str) -> str:
 def scaled_table(items) -> str:
     head = ("scaled format", "element", "block", "axis", "scale", "rule", "tensor scale", "bits")
     rows = [(label, str(f.element), "-" if f.block is None else str(f.block),
-             "tensor" if f.axis is None else str(f.axis), str(f.scale), f.scale_rule,
+             "tensor" if f.axis is None else str(f.axis), str(f.scale),
+             f.scale_rule if f.four_over_six is None else f"4over6 ({f.four_over_six})",
              "yes" if f.tensor_scale else "no", f"{f.bits:.4g}") for label, f in items]
     return _left_table(head, rows, "(bits: per element, a block's scale shared out; docs/design.md §9)")
 
@@ -59,7 +60,8 @@ def scaled_table(items) -> str:
 def recipes_table(items) -> str:
     head = ("GEMM recipe", "input", "weight", "grad", "grad rounding", "Hadamard", "GEMMs")
     rows = [(label, str(r.input), str(r.weight), str(r.grad), r.grad_rounding,
-             "-" if r.hadamard_seed is None else f"seed {r.hadamard_seed}", ",".join(r.ops))
+             "-" if r.hadamard_seed is None else f"seed {r.hadamard_seed}, {','.join(r.hadamard_gemms)}",
+             ",".join(r.ops))
             for label, r in items]
     return _left_table(head, rows, "(the operand formats of each GEMM: lowfp.scaled.emulate_gemms("
                                    "model, recipe), lowfp train --recipe; docs/design.md §9)")

@@ -89,8 +89,13 @@ class GemmRecipe:
             ``weight`` for W and ``input`` for the rest.
         grad_rounding: the rounding of ``grad`` (e.g. ``"stochastic"``); the others round to
             nearest.
-        hadamard_seed: the weight-gradient GEMM's operands go through the random Hadamard
-            transform with these signs (the NVFP4 recipe), or not (None).
+        hadamard_seed: the operands of the GEMMs ``hadamard_gemms`` names go through the random
+            Hadamard transform with these signs (the NVFP4 recipe: the weight gradient's), or
+            not (None).
+        hadamard_gemms: which GEMMs take the transform: a subset of ``("fprop", "dgrad",
+            "wgrad")``, default ``("wgrad",)``. Each operand is transformed along the GEMM's
+            reduction axis, rounded and transformed back (2-D blocks and per-tensor scales are
+            not transformed).
         ops: which GEMMs to emulate, a subset of ``("linear", "conv", "matmul", "attention")``
             (default all; ``("linear",)`` is torchao's MX/NVFP4 training, which swaps linear
             layers only).
@@ -115,6 +120,7 @@ class GemmRecipe:
     grad_operand: Optional[Union[Scaled, str]] = None
     grad_rounding: str = "nearest"
     hadamard_seed: Optional[int] = None
+    hadamard_gemms: Tuple[str, ...] = ("wgrad",)
     ops: Tuple[str, ...] = GEMM_OPS
     accumulate: Union[Accumulate, Mapping[str, Optional[Accumulate]], Tuple, None] = None
 
@@ -128,6 +134,10 @@ class GemmRecipe:
         if self.grad_rounding not in ("nearest", "stochastic", "toward_zero", "up", "down",
                                       "nearest_away"):
             raise ValueError(f"grad_rounding must be a rounding mode, got {self.grad_rounding!r}")
+        hg = (self.hadamard_gemms,) if isinstance(self.hadamard_gemms, str) else self.hadamard_gemms
+        if not isinstance(hg, (tuple, list, set, frozenset)) or not set(hg) <= set(ACCUMULATE_GEMMS):
+            raise ValueError(f"hadamard_gemms must be a subset of {ACCUMULATE_GEMMS}, got {self.hadamard_gemms!r}")
+        object.__setattr__(self, "hadamard_gemms", tuple(g for g in ACCUMULATE_GEMMS if g in hg))
         ops = (self.ops,) if isinstance(self.ops, str) else self.ops
         if not isinstance(ops, (tuple, list, set, frozenset)) or not set(ops) <= set(GEMM_OPS):
             raise ValueError(f"ops must be a subset of {GEMM_OPS}, got {self.ops!r}")
@@ -137,6 +147,11 @@ class GemmRecipe:
             acc = dict(acc)
             object.__setattr__(self, "accumulate", tuple((g, acc[g]) for g in ACCUMULATE_GEMMS if g in acc))
         object.__setattr__(self, "_per_gemm", _per_gemm(acc))
+
+    def hadamard(self, gemm: str) -> Optional[int]:
+        """The Hadamard signs' seed for the ``"fprop"``, ``"dgrad"`` or ``"wgrad"`` GEMM (None:
+        no transform)."""
+        return self.hadamard_seed if gemm in self.hadamard_gemms else None
 
     def accumulation(self, gemm: str) -> Optional[Accumulate]:
         """The Accumulate of the ``"fprop"``, ``"dgrad"`` or ``"wgrad"`` GEMM (None: torch's)."""
@@ -263,9 +278,11 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x, w, b, recipe):
         ctx.save_for_backward(x, w)
         ctx.recipe, ctx.has_bias = recipe, b is not None
+        h = recipe.hadamard("fprop")
+        xq, wq = _q(x, recipe.input, -1, "nearest", h), _q(w, recipe.weight, -1, "nearest", h)
         if recipe.accumulation("fprop") is None:
-            return F.linear(_q(x, recipe.input, -1), _q(w, recipe.weight, -1), b)
-        y = _mm(_q(x, recipe.input, -1), _q(w, recipe.weight, -1).t(), recipe, "fprop")
+            return F.linear(xq, wq, b)
+        y = _mm(xq, wq.t(), recipe, "fprop")
         return y if b is None else (y.float() + b).to(y.dtype)
 
     @staticmethod
@@ -276,10 +293,12 @@ class _Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = _mm(_q(g2, r.grad, -1, r.grad_rounding), _q(w, r.grad_operand or r.weight, 0), r, "dgrad")
+            h = r.hadamard("dgrad")
+            gx = _mm(_q(g2, r.grad, -1, r.grad_rounding, h), _q(w, r.grad_operand or r.weight, 0, "nearest", h),
+                     r, "dgrad")
             gx = gx.reshape(x.shape)
         if ctx.needs_input_grad[1]:
-            h = r.hadamard_seed
+            h = r.hadamard("wgrad")
             gw = _mm(_q(g2, r.grad, 0, r.grad_rounding, h).t(), _q(x2, r.grad_operand or r.input, 0, "nearest", h),
                      r, "wgrad")
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -295,7 +314,9 @@ class _Matmul(torch.autograd.Function):
     def forward(ctx, a, b, recipe, fa=1.0, fb=1.0):
         ctx.save_for_backward(a, b)
         ctx.recipe, ctx.factors = recipe, (fa, fb)
-        return _mm(_times(_q(a, recipe.input, -1), fa), _times(_q(b, recipe.input, -2), fb), recipe, "fprop")
+        h = recipe.hadamard("fprop")
+        return _mm(_times(_q(a, recipe.input, -1, "nearest", h), fa), _times(_q(b, recipe.input, -2, "nearest", h), fb),
+                   recipe, "fprop")
 
     @staticmethod
     def backward(ctx, grad):
@@ -305,10 +326,12 @@ class _Matmul(torch.autograd.Function):
         op = r.grad_operand or r.input
         ga = gb = None
         if ctx.needs_input_grad[0]:
-            ga = _mm(_q(grad, r.grad, -1, r.grad_rounding), _times(_q(b, op, -1), fb).transpose(-1, -2), r, "dgrad")
+            h = r.hadamard("dgrad")
+            bq = _times(_q(b, op, -1, "nearest", h), fb)
+            ga = _mm(_q(grad, r.grad, -1, r.grad_rounding, h), bq.transpose(-1, -2), r, "dgrad")
             ga = _times(ga, fa).sum_to_size(a.shape)
         if ctx.needs_input_grad[1]:
-            h = r.hadamard_seed
+            h = r.hadamard("wgrad")
             gb = _mm(_times(_q(a, op, -2, "nearest", h), fa).transpose(-1, -2),
                      _q(grad, r.grad, -2, r.grad_rounding, h), r, "wgrad")
             gb = _times(gb, fb).sum_to_size(b.shape)
@@ -328,11 +351,12 @@ def _q_grouped(t: torch.Tensor, fmt, dim: int, groups: int, rounding: str = "nea
     return _q(tg, fmt, dim + 1, rounding, hadamard_seed).flatten(dim, dim + 1)
 
 
-def _q_conv_weight(w: torch.Tensor, fmt, dim: int, groups: int) -> torch.Tensor:
+def _q_conv_weight(w: torch.Tensor, fmt, dim: int, groups: int,
+                   hadamard_seed: Optional[int] = None) -> torch.Tensor:
     """A conv weight (O, C/groups, *kernel) rounded along ``dim`` (1: input channels, 0: output
     channels within a group); 2-D blocks over (output, input) channels at each kernel position."""
     if fmt is None or not isinstance(fmt.block, tuple):
-        return _q_grouped(w, fmt, dim, groups if dim == 0 else 1)
+        return _q_grouped(w, fmt, dim, groups if dim == 0 else 1, "nearest", hadamard_seed)
     wg = w.unflatten(0, (groups, w.shape[0] // groups)).movedim((1, 2), (-2, -1))
     rows, short = wg.shape[-2], -wg.shape[-2] % fmt.block[0]
     if short:  # zero rows complete the last row of blocks without changing any block's amax
@@ -437,7 +461,9 @@ class _Conv(torch.autograd.Function):
         ctx.save_for_backward(xp, w)
         ctx.args = (stride, pad, dilation, groups)
         ctx.recipe, ctx.has_bias, ctx.x_shape = recipe, b is not None, x.shape
-        xq, wq = _q_grouped(xp, recipe.input, 1, groups), _q_conv_weight(w, recipe.weight, 1, groups)
+        h = recipe.hadamard("fprop")
+        xq = _q_grouped(xp, recipe.input, 1, groups, "nearest", h)
+        wq = _q_conv_weight(w, recipe.weight, 1, groups, h)
         if recipe.accumulation("fprop") is not None:
             y = _conv_accumulated(xq, wq, stride, pad, dilation, groups, recipe)
             return y if b is None else (y.float() + b.view(-1, *[1] * (w.dim() - 2))).to(y.dtype)
@@ -452,8 +478,9 @@ class _Conv(torch.autograd.Function):
         out_pad = [0] * (w.dim() - 2)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gq = _q_grouped(grad, r.grad, 1, groups, r.grad_rounding)
-            wq = _q_conv_weight(w, r.grad_operand or r.weight, 0, groups)
+            h = r.hadamard("dgrad")
+            gq = _q_grouped(grad, r.grad, 1, groups, r.grad_rounding, h)
+            wq = _q_conv_weight(w, r.grad_operand or r.weight, 0, groups, h)
             if r.accumulation("dgrad") is not None:
                 gx = _conv_input_grad_accumulated(gq, xp.shape, wq, stride, pad, dilation, groups, r)
             else:
@@ -461,7 +488,7 @@ class _Conv(torch.autograd.Function):
                                                          out_pad, groups, (True, False, False))[0]
             gx = gx[tuple(slice(0, n) for n in ctx.x_shape)]  # drop an asymmetric "same" pad
         if ctx.needs_input_grad[1]:
-            h = r.hadamard_seed
+            h = r.hadamard("wgrad")
             gq = _q(grad, r.grad, 0, r.grad_rounding, h)
             xq = _q(xp, r.grad_operand or r.input, 0, "nearest", h)
             if r.accumulation("wgrad") is not None:
@@ -489,8 +516,9 @@ class _ConvTranspose(torch.autograd.Function):
         args = (ints(stride), ints(padding), ints(dilation), True, ints(output_padding), groups)
         ctx.save_for_backward(x, w)
         ctx.args, ctx.recipe, ctx.has_bias = args, recipe, b is not None
-        return torch.ops.aten.convolution(_q_grouped(x, recipe.input, 1, groups),
-                                          _q_conv_weight(w, recipe.weight, 0, groups), b, *args)
+        h = recipe.hadamard("fprop")
+        return torch.ops.aten.convolution(_q_grouped(x, recipe.input, 1, groups, "nearest", h),
+                                          _q_conv_weight(w, recipe.weight, 0, groups, h), b, *args)
 
     @staticmethod
     def backward(ctx, grad):
@@ -498,12 +526,13 @@ class _ConvTranspose(torch.autograd.Function):
         r, args, groups = ctx.recipe, ctx.args, ctx.args[-1]
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
+            h = r.hadamard("dgrad")
             gx = torch.ops.aten.convolution_backward(
-                _q_grouped(grad, r.grad, 1, groups, r.grad_rounding), x,
-                _q_conv_weight(w, r.grad_operand or r.weight, 1, groups), None, *args,
+                _q_grouped(grad, r.grad, 1, groups, r.grad_rounding, h), x,
+                _q_conv_weight(w, r.grad_operand or r.weight, 1, groups, h), None, *args,
                 (True, False, False))[0]
         if ctx.needs_input_grad[1]:
-            h = r.hadamard_seed
+            h = r.hadamard("wgrad")
             gw = torch.ops.aten.convolution_backward(
                 _q(grad, r.grad, 0, r.grad_rounding, h), _q(x, r.grad_operand or r.input, 0, "nearest", h),
                 w, None, *args, (False, True, False))[1]
