@@ -157,6 +157,16 @@ def test_memory_bytes():
     n = 64 * 32
     assert m["weights"] == 4 * n and m["moments"] == n * (8 + 8 / 32) / 8 + n * 1
     assert m["per_parameter"] == m["total"] / n == 4 + 8.25 / 8 + 1
+    # 4-bit moments with blocks: on E2M1's grid times each block's power-of-two scale
+    p4 = [torch.nn.Parameter(torch.randn(64, 32))]
+    opt4 = torch.optim.Adam(p4)
+    h4 = lowfp.optim.low_precision_states(opt4, exp_avg="mxfp4_e2m1", exp_avg_sq="mxfp4_e2m1",
+                                          sqrt_second_moment=True)
+    p4[0].grad = torch.randn(64, 32)
+    opt4.step()
+    m4 = opt4.state[p4[0]]["exp_avg"]
+    assert torch.equal(m4, lowfp.quantize(m4.reshape(-1), "mxfp4_e2m1").reshape(m4.shape))
+    assert h4.memory_bytes()["moments"] == 2 * n * 4.25 / 8
     # an ExtraBits optimizer's extra bits count too
     q = [torch.nn.Parameter(torch.randn(64, 32))]
     eb = lowfp.optim.ExtraBitsAdamW(q, extra_bits=8)
