@@ -45,8 +45,11 @@ __device__ double tensor_scale_of(const ScaledCall& c, const unsigned long long*
   return tensor_scale(c.scale, bit_cast<double>(uint64_t(*tensor_max)));
 }
 
-__global__ void __launch_bounds__(kThreads)
-scales_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
+// The scales pass: each block's largest finite magnitude a in c.scales becomes its scale,
+// scale_of(block, a, t, saturated) (a > 0; the empty scale otherwise), the saturated blocks counted.
+template <class ScaleOf>
+__device__ void scales_pass(const ScaledCall& c, const unsigned long long* tensor_max,
+                            unsigned long long* counts, ScaleOf scale_of) {
   const double t = tensor_scale_of(c, tensor_max);
   const double empty = empty_block_scale(c.scale, t);
   const int64_t blocks = c.block_grid_rows() * c.block_grid_cols();
@@ -55,7 +58,7 @@ scales_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long 
        b += int64_t(gridDim.x) * blockDim.x) {
     bool sat = false;
     const double a = c.scales[b];
-    c.scales[b] = a > 0.0 ? block_scale(c.scale, a, t, sat) : empty;
+    c.scales[b] = a > 0.0 ? scale_of(b, a, t, sat) : empty;
     saturated += sat;
   }
   if (counts != nullptr && c.count_blocks) {
@@ -65,27 +68,21 @@ scales_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long 
   }
 }
 
-// scales_kernel for a call that chooses among candidate scales (BlockChoice): one thread a block,
-// rounding its elements for each candidate (four_over_six_scale, as on the CPU).
+__global__ void __launch_bounds__(kThreads)
+scales_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
+  scales_pass(c, tensor_max, counts, [&](int64_t, double a, double t, bool& sat) {
+    return block_scale(c.scale, a, t, sat);
+  });
+}
+
+// For a call that chooses among candidate scales (BlockChoice): one thread a block, rounding its
+// elements for each candidate (four_over_six_scale, as on the CPU).
 template <class In, RoundKind K>
 __global__ void __launch_bounds__(kThreads)
 choose_scales_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
-  const double t = tensor_scale_of(c, tensor_max);
-  const double empty = empty_block_scale(c.scale, t);
-  const int64_t blocks = c.block_grid_rows() * c.block_grid_cols();
-  uint64_t saturated = 0;
-  for (int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; b < blocks;
-       b += int64_t(gridDim.x) * blockDim.x) {
-    bool sat = false;
-    const double a = c.scales[b];
-    c.scales[b] = a > 0.0 ? four_over_six_scale<In, K>(c, b, a, t, sat) : empty;
-    saturated += sat;
-  }
-  if (counts != nullptr && c.count_blocks) {
-    saturated = warp_sum(saturated);
-    if ((threadIdx.x & 31) == 0 && saturated) atomicAdd(counts + 4, (unsigned long long)saturated);
-    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(counts + 5, (unsigned long long)blocks);
-  }
+  scales_pass(c, tensor_max, counts, [&](int64_t b, double a, double t, bool& sat) {
+    return four_over_six_scale<In, K>(c, b, a, t, sat);
+  });
 }
 
 // After scales_kernel: the tensor scale (1 without one, tensor_max null) replaces the largest
