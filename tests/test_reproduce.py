@@ -108,6 +108,26 @@ def test_every_experiment_end_to_end_and_resumed(tmp_path, monkeypatch):
     assert not any(line.startswith("[") for line in lines)
 
 
+def test_the_nvfp4_experiments_arms_are_the_reports_ablations():
+    # planned, not trained (the long test trains them): each ablation changes one thing of the
+    # recipe, and every config passes lowfp train's checks
+    from lowfp.experiments import train
+    from lowfp.scaled import RECIPES
+    grid = R.plan(["nvfp4"], R.BASE, [0])["nvfp4"]
+    cfg = {arm: cs[0] for arm, cs in grid.items()}
+    for c in cfg.values():
+        train.check_config(c)
+    full = train.gemm_recipe(cfg["nvfp4"])
+    assert full == RECIPES["nvfp4"] and cfg["nvfp4"].high_precision == 0.15
+    assert train.gemm_recipe(cfg["no-hadamard"]).hadamard_seed is None
+    assert train.gemm_recipe(cfg["nearest-grads"]).grad_rounding == "nearest"
+    assert train.gemm_recipe(cfg["1x16-weights"]).weight == RECIPES["nvfp4"].input
+    assert cfg["all-nvfp4"].high_precision == 0 and cfg["all-nvfp4"].recipe == "nvfp4"
+    assert train.gemm_recipe(cfg["mxfp8-rceil"]).input.scale_rule == "rceil"
+    assert train.gemm_recipe(cfg["mxfp8-floor"]).input.scale_rule == "floor"
+    assert (cfg["fp32"].epochs, cfg["fp32"].width) == (1, 0.25)
+
+
 def test_accumulation_claims_are_measured_on_gemms(tmp_path):
     # the accumulation experiment's GEMM half (its training half is lowfp train --accumulate):
     # errors by K against the exact sum, the two verdicts, the report's table and figure
