@@ -46,6 +46,10 @@ struct AccumulateParams {
                                   //   group's largest exponent
   int32_t operand_emin;           // fused groups: the operands' smallest exponent (float32's: -126)
   Rounding mode;                  // the accumulator's rounding mode
+  // Nearest rounding of the sums by addition (round.hpp's round_nearest_by_addition, the same
+  // results), where nearest_by_addition(acc, add_cap) holds; add_cap: the format's emax + 1
+  bool by_addition;
+  int32_t add_cap;
 };
 
 // Counts of one element's roundings: events as round_bits sets them, all roundings, and
@@ -106,8 +110,9 @@ LOWFP_HD float stored_sum(double v) { return v == v ? float(v) : bit_cast<float>
 // The sums of kLanes output elements of one row of C, in consecutive columns, side by side: each
 // step is a loop over the lanes, which the CPU's compiler turns into vector instructions (CUDA
 // runs one lane per thread). kSub: the accumulator's RoundParams::subnormal_exponent.
-template <RoundKind Kind, bool kSub, int kLanes>
+template <RoundKind Kind, bool kSub, int kLanes, bool kAdd = false>
 struct AccumulateLanes {
+  static_assert(!kAdd || (Kind == RoundKind::Nearest && !kSub), "by addition: nearest, by_addition");
   const AccumulateParams& p;
   AccumulateCounts& counts;
   uint64_t seed, offset;
@@ -155,7 +160,10 @@ struct AccumulateLanes {
     int64_t over = 0, under = 0, nan = 0, swamped = 0;
     for (int l = 0; l < kLanes; ++l) {
       RoundEvents ev;
-      q[l] = bit_cast<double>(round_bits<Kind, uint64_t, kSub>(bit_cast<uint64_t>(in[l]), p.acc, r[l], ev));
+      if constexpr (kAdd)
+        q[l] = bit_cast<double>(round_nearest_by_addition(bit_cast<uint64_t>(in[l]), p.acc, p.add_cap, ev));
+      else
+        q[l] = bit_cast<double>(round_bits<Kind, uint64_t, kSub>(bit_cast<uint64_t>(in[l]), p.acc, r[l], ev));
       swamped += int64_t(added[l] != 0.0) & int64_t(bit_cast<uint64_t>(q[l]) == bit_cast<uint64_t>(was[l]));
       over += ev.overflow();
       under += ev.underflow;
@@ -213,12 +221,12 @@ LOWFP_HD void round_nearest_lanes(double* out, const double* v, const RoundParam
 
 // kLanes output elements: lane l sums K products a[k·sa] · b[k·sb + l·sl] as the params say
 // (docs/design.md §10), into out[l]; element first_element + l of the output (its stochastic
-// words); the roundings counted into counts.
-template <RoundKind Kind, bool kSub, int kLanes, class In>
+// words); the roundings counted into counts. kAdd: AccumulateParams::by_addition.
+template <RoundKind Kind, bool kSub, int kLanes, bool kAdd = false, class In>
 LOWFP_HD void accumulate_lanes(const AccumulateParams& p, const In* a, int64_t sa, const In* b, int64_t sb,
                                int64_t sl, int64_t K, uint64_t seed, uint64_t offset,
                                uint64_t first_element, double (&out)[kLanes], AccumulateCounts& counts) {
-  AccumulateLanes<Kind, kSub, kLanes> acc(p, counts, seed, offset, first_element, K);
+  AccumulateLanes<Kind, kSub, kLanes, kAdd> acc(p, counts, seed, offset, first_element, K);
   auto product = [&](int64_t k, double (&q)[kLanes]) {
     const double x = bit_cast<double>(Widen<uint64_t>::from(a[k * sa]));
     for (int l = 0; l < kLanes; ++l)

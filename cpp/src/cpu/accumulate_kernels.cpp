@@ -19,16 +19,16 @@ namespace {
 constexpr int kLanes = 64;
 constexpr int kNarrowLanes = 8;
 
-template <RoundKind Kind, bool kSub, int kWidth, class In>
+template <RoundKind Kind, bool kSub, bool kAdd, int kWidth, class In>
 void columns(const AccumulateCall& c, const In* a_row, const In* b_mat, float* c_row, int64_t r, int64_t j,
              AccumulateCounts& counts) {
   double sums[kWidth];
-  accumulate_lanes<Kind, kSub, kWidth>(c.p, a_row, c.a_k, b_mat + j * c.b_col, c.b_k, c.b_col, c.k, c.seed,
+  accumulate_lanes<Kind, kSub, kWidth, kAdd>(c.p, a_row, c.a_k, b_mat + j * c.b_col, c.b_k, c.b_col, c.k, c.seed,
                                        c.offset, uint64_t(r * c.n + j), sums, counts);
   for (int l = 0; l < kWidth; ++l) c_row[j + l] = stored_sum(sums[l]);
 }
 
-template <RoundKind Kind, bool kSub, class In>
+template <RoundKind Kind, bool kSub, bool kAdd, class In>
 void rows(const AccumulateCall& c, int64_t r0, int64_t r1, AccumulateCounts& counts) {
   const In* a = static_cast<const In*>(c.a);
   const In* b = static_cast<const In*>(c.b);
@@ -38,10 +38,10 @@ void rows(const AccumulateCall& c, int64_t r0, int64_t r1, AccumulateCounts& cou
     const In* b_mat = b + batch * c.b_batch;
     float* c_row = c.c + r * c.n;
     int64_t j = 0;
-    for (; j + kLanes <= c.n; j += kLanes) columns<Kind, kSub, kLanes>(c, a_row, b_mat, c_row, r, j, counts);
+    for (; j + kLanes <= c.n; j += kLanes) columns<Kind, kSub, kAdd, kLanes>(c, a_row, b_mat, c_row, r, j, counts);
     for (; j + kNarrowLanes <= c.n; j += kNarrowLanes)
-      columns<Kind, kSub, kNarrowLanes>(c, a_row, b_mat, c_row, r, j, counts);
-    for (; j < c.n; ++j) columns<Kind, kSub, 1>(c, a_row, b_mat, c_row, r, j, counts);
+      columns<Kind, kSub, kAdd, kNarrowLanes>(c, a_row, b_mat, c_row, r, j, counts);
+    for (; j < c.n; ++j) columns<Kind, kSub, kAdd, 1>(c, a_row, b_mat, c_row, r, j, counts);
   }
 }
 
@@ -52,8 +52,15 @@ void accumulate_range(const AccumulateCall& c, int64_t r0, int64_t r1, Accumulat
     using In = typename decltype(type)::type;
     if constexpr (!std::is_same_v<In, double>) {  // (prepare_accumulate refuses float64)
       with_round_kind(c.p.mode, [&](auto kind) {
+        constexpr RoundKind K = decltype(kind)::value;
+        if constexpr (K == RoundKind::Nearest) {
+          if (c.p.by_addition) {  // (which nearest_by_addition holds only without subnormal exponents)
+            rows<K, false, true, In>(c, r0, r1, counts);
+            return;
+          }
+        }
         with_flag(c.p.acc.subnormal_exponent, [&](auto sub) {
-          rows<decltype(kind)::value, decltype(sub)::value, In>(c, r0, r1, counts);
+          rows<K, decltype(sub)::value, false, In>(c, r0, r1, counts);
         });
       });
     }

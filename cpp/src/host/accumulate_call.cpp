@@ -65,6 +65,8 @@ AccumulateParams prepare_accumulate(const AccumulateRequest& r) {
   p.align_bits = r.align_bits;
   p.operand_emin = r.operand_emin;
   p.mode = r.mode;
+  p.add_cap = max_exponent(r.accumulator) + 1;
+  p.by_addition = r.mode == Rounding::Nearest && nearest_by_addition(p.acc, p.add_cap);
   return p;
 }
 
