@@ -591,10 +591,10 @@ def test_parse_reads_presets_and_what_repr_writes():
         Accumulate.parse(3)
 
 
-def _conv_reference(x, w, stride, pad, dilation, groups, acc):
-    """The convolution's forward, weight gradient (of dy) and input gradient with each output
-    element's products listed by loops in the order design §10 gives, each list summed by a
-    1 × K · K × 1 lowfp.gemm (checked against the exact reference above)."""
+def _conv_reference(x, w, stride, pad, dilation, groups, acc, dy=None):
+    """The convolution's forward, weight gradient (of dy, random unless given) and input gradient
+    with each output element's products listed by loops in the order design §10 gives, each list
+    summed by a 1 × K · K × 1 lowfp.gemm (checked against the exact reference above)."""
     n, c, *size = x.shape
     o, cg, *kernel = w.shape
     og = o // groups
@@ -611,7 +611,8 @@ def _conv_reference(x, w, stride, pad, dilation, groups, acc):
 
     y = torch.zeros(n, o, *out)
     dw = torch.zeros_like(w)
-    dy = torch.randn(n, o, *out, generator=torch.Generator().manual_seed(9))
+    if dy is None:
+        dy = torch.randn(n, o, *out, generator=torch.Generator().manual_seed(9))
     for b in range(n):
         for oc in range(o):
             g = oc // og
@@ -664,3 +665,37 @@ def test_a_gemm_recipe_accumulates_convolutions_over_their_windows(shape, kernel
     plain = torch.nn.functional.conv2d if len(kernel) == 2 else None
     if plain is not None:  # (the short accumulator shows)
         assert not torch.equal(y.detach(), plain(x.detach(), w, b, stride, pad, dilation, groups))
+
+
+@pytest.mark.parametrize("shape,kernel,stride,pad,out_pad,dilation,groups", [
+    ((2, 4, 3, 4), (3, 2), (2, 1), (1, 0), (1, 0), (1, 2), 2),
+    ((1, 2, 5), (3,), (2,), (1,), (0,), (1,), 1),
+], ids=["conv_transpose2d", "conv_transpose1d"])
+def test_transposed_convolutions_accumulate_as_the_convolution_they_transpose(shape, kernel, stride, pad,
+                                                                              out_pad, dilation, groups):
+    # A transposed convolution's forward is the input gradient of the convolution with its
+    # weight, its input gradient that convolution's forward, its weight gradient that
+    # convolution's with X and dY in each other's place (design §10): the same loops
+    from lowfp.scaled import GemmRecipe, emulate_gemms
+    acc = Accumulate(lowfp.Format(5, 3, 0, specials="ieee"), order="blocked", block=5)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(*shape, generator=g, requires_grad=True)
+    layer = (torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d)[len(kernel) - 1](
+        shape[1], 4, kernel, stride=stride, padding=pad, output_padding=out_pad, groups=groups,
+        dilation=dilation, bias=True)
+    with emulate_gemms(layer, GemmRecipe(accumulate=acc)):
+        y = layer(x)
+    w, b = layer.weight.detach(), layer.bias.detach()
+    assert y.shape == layer(x).shape
+    gy = torch.randn(y.shape, generator=g)
+    # the convolution on y's shape: its input gradient of dy = x is the transposed forward
+    want_dx, _, want_dw, want_y = _conv_reference(gy, w, stride, pad, dilation, groups, acc, dy=x.detach())
+    y.backward(gy)
+    assert torch.equal(y.detach(), want_y + b.view(-1, *[1] * len(kernel)))
+    assert torch.equal(x.grad, want_dx)
+    assert torch.equal(layer.weight.grad, want_dw)
+    assert not torch.equal(y.detach(), layer(x).detach())  # (the short accumulator shows)
+    odd = torch.nn.ConvTranspose1d(2, 2, 3, stride=1, output_padding=1, dilation=2)
+    with pytest.raises(ValueError, match="output_padding smaller than stride"):
+        with emulate_gemms(odd, GemmRecipe(accumulate=acc)):
+            odd(torch.randn(1, 2, 5))

@@ -107,8 +107,8 @@ class GemmRecipe:
             input gradient's) and ``"wgrad"`` (the weight gradient's: a matmul's second operand,
             summed over its rows) to an Accumulate or None (an absent name: torch's), kept as a
             tuple of (name, Accumulate) pairs so that the recipe stays hashable. Convolutions
-            sum over their im2col windows (docs/design.md §10); transposed convolutions keep
-            torch's accumulation.
+            sum over their im2col windows, transposed convolutions as the convolution they
+            transpose (docs/design.md §10).
 
     Each format's blocks run along the operand's reduction axis whatever its ``axis`` says
     (2-D blocks stay 2-D, per-tensor scales per tensor).
@@ -410,13 +410,14 @@ def _columns(x: torch.Tensor, kernel, stride, pad, dilation, groups) -> torch.Te
     return win.permute(order).reshape(n, groups, positions, -1)
 
 
-def _conv_accumulated(x, w, stride, pad, dilation, groups, recipe) -> torch.Tensor:
-    """The forward convolution (no bias) as a GEMM per group (the "fprop" accumulation): each
-    output element sums its window's products in the weight's (channel, *kernel) order."""
+def _conv_accumulated(x, w, stride, pad, dilation, groups, recipe, gemm="fprop") -> torch.Tensor:
+    """The forward convolution (no bias) as a GEMM per group (``gemm``'s accumulation; a
+    transposed convolution's input gradient is one): each output element sums its window's
+    products in the weight's (channel, *kernel) order."""
     kernel = w.shape[2:]
     cols = _columns(x, kernel, stride, pad, dilation, groups)
     wt = w.reshape(groups, w.shape[0] // groups, -1).transpose(-1, -2)  # (G, C/G·k, O/G)
-    y = _mm(cols, wt, recipe, "fprop")  # (N, G, positions, O/G)
+    y = _mm(cols, wt, recipe, gemm)  # (N, G, positions, O/G)
     out = [(s + 2 * p - d * (k - 1) - 1) // st + 1
            for s, p, d, k, st in zip(x.shape[2:], pad, dilation, kernel, stride)]
     return y.transpose(-1, -2).reshape(x.shape[0], w.shape[0], *out)
@@ -424,7 +425,8 @@ def _conv_accumulated(x, w, stride, pad, dilation, groups, recipe) -> torch.Tens
 
 def _conv_weight_grad_accumulated(grad, x, w, stride, pad, dilation, groups, recipe) -> torch.Tensor:
     """dW as a GEMM per group (the "wgrad" accumulation): each element sums over the batch and
-    the output positions, batch-major."""
+    the output positions, batch-major (a transposed convolution's: grad its input, x the
+    incoming gradient)."""
     cols = _columns(x, w.shape[2:], stride, pad, dilation, groups)  # (N, G, P, C/G·k)
     n, g = cols.shape[:2]
     dy = grad.reshape(n, g, grad.shape[1] // g, -1).permute(1, 2, 0, 3).flatten(2)  # (G, O/G, N·P)
@@ -432,14 +434,16 @@ def _conv_weight_grad_accumulated(grad, x, w, stride, pad, dilation, groups, rec
     return gw.reshape(w.shape)
 
 
-def _conv_input_grad_accumulated(grad, x_shape, w, stride, pad, dilation, groups, recipe) -> torch.Tensor:
+def _conv_input_grad_accumulated(grad, x_shape, w, stride, pad, dilation, groups, recipe,
+                                 gemm="dgrad") -> torch.Tensor:
     """dX (of the padded input, padding then cut off): per output position the GEMM
-    dY·W (the "dgrad" accumulation, over the group's output channels), then the contributions
-    of the overlapping windows to each input element added in float32 (col2im, as torch does)."""
+    dY·W (``gemm``'s accumulation, over the group's output channels; a transposed
+    convolution's forward is one), then the contributions of the overlapping windows to each
+    input element added in float32 (col2im, as torch does)."""
     kernel = w.shape[2:]
     n, c = x_shape[:2]
     dy = grad.reshape(n, groups, grad.shape[1] // groups, -1).transpose(-1, -2)  # (N, G, P, O/G)
-    dcols = _mm(dy, w.reshape(groups, w.shape[0] // groups, -1), recipe, "dgrad")  # (N, G, P, C/G·k)
+    dcols = _mm(dy, w.reshape(groups, w.shape[0] // groups, -1), recipe, gemm)  # (N, G, P, C/G·k)
     spatial = [s + 2 * p for s, p in zip(x_shape[2:], pad)]
     where = _windows(torch.arange(math.prod(spatial), device=w.device).view(1, 1, *spatial),
                      kernel, stride, dilation)  # (1, 1, *L, *k): the flat input index of each product
@@ -505,7 +509,9 @@ class _ConvTranspose(torch.autograd.Function):
     """F.conv_transpose1d/2d/3d, the input-gradient GEMM of a convolution with the same weight
     (in, out / groups, *kernel): its forward reduces over the input channels (X's, and W's first
     axis within a group), its input gradient over the output channels (dY's, and W's second
-    axis), its weight gradient over the batch."""
+    axis), its weight gradient over the batch. With an accumulation each GEMM is that
+    convolution's (docs/design.md §10): forward its input gradient, input gradient its forward,
+    weight gradient its weight gradient with X and dY in each other's place."""
 
     @staticmethod
     def forward(ctx, x, w, b, stride, padding, output_padding, groups, dilation, recipe):
@@ -516,26 +522,48 @@ class _ConvTranspose(torch.autograd.Function):
         args = (ints(stride), ints(padding), ints(dilation), True, ints(output_padding), groups)
         ctx.save_for_backward(x, w)
         ctx.args, ctx.recipe, ctx.has_bias = args, recipe, b is not None
+        if any(recipe.accumulation(gm) is not None for gm in ACCUMULATE_GEMMS) and any(
+                op >= st for op, st in zip(args[4], args[0])):
+            # (torch allows it below the dilation: the equivalent convolution then has windows
+            # that no input position maps to)
+            raise ValueError(f"an emulated accumulation takes transposed convolutions with "
+                             f"output_padding smaller than stride; got output_padding {args[4]}, "
+                             f"stride {args[0]}")
         h = recipe.hadamard("fprop")
-        return torch.ops.aten.convolution(_q_grouped(x, recipe.input, 1, groups, "nearest", h),
-                                          _q_conv_weight(w, recipe.weight, 0, groups, h), b, *args)
+        xq, wq = _q_grouped(x, recipe.input, 1, groups, "nearest", h), _q_conv_weight(w, recipe.weight, 0, groups, h)
+        if recipe.accumulation("fprop") is None:
+            return torch.ops.aten.convolution(xq, wq, b, *args)
+        stride_, pad, dilation_, _, out_pad, _ = args
+        out = [(s - 1) * st - 2 * p + d * (k - 1) + op + 1
+               for s, st, p, d, k, op in zip(x.shape[2:], stride_, pad, dilation_, w.shape[2:], out_pad)]
+        y_shape = (x.shape[0], w.shape[1] * groups, *[o + 2 * p for o, p in zip(out, pad)])
+        y = _conv_input_grad_accumulated(xq, y_shape, wq, stride_, [0] * nd, dilation_, groups, recipe, "fprop")
+        y = y[(slice(None), slice(None)) + tuple(slice(p, p + o) for p, o in zip(pad, out))]
+        return y if b is None else (y.float() + b.view(-1, *[1] * nd)).to(y.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
         r, args, groups = ctx.recipe, ctx.args, ctx.args[-1]
+        stride, pad, dilation = args[0], args[1], args[2]
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
             h = r.hadamard("dgrad")
-            gx = torch.ops.aten.convolution_backward(
-                _q_grouped(grad, r.grad, 1, groups, r.grad_rounding, h), x,
-                _q_conv_weight(w, r.grad_operand or r.weight, 1, groups, h), None, *args,
-                (True, False, False))[0]
+            gq = _q_grouped(grad, r.grad, 1, groups, r.grad_rounding, h)
+            wq = _q_conv_weight(w, r.grad_operand or r.weight, 1, groups, h)
+            if r.accumulation("dgrad") is not None:
+                gx = _conv_accumulated(gq, wq, stride, pad, dilation, groups, r, "dgrad")
+            else:
+                gx = torch.ops.aten.convolution_backward(gq, x, wq, None, *args, (True, False, False))[0]
         if ctx.needs_input_grad[1]:
             h = r.hadamard("wgrad")
-            gw = torch.ops.aten.convolution_backward(
-                _q(grad, r.grad, 0, r.grad_rounding, h), _q(x, r.grad_operand or r.input, 0, "nearest", h),
-                w, None, *args, (False, True, False))[1]
+            gq = _q(grad, r.grad, 0, r.grad_rounding, h)
+            xq = _q(x, r.grad_operand or r.input, 0, "nearest", h)
+            if r.accumulation("wgrad") is not None:
+                gw = _conv_weight_grad_accumulated(xq, _padded(gq, pad), w, stride, [0] * len(pad), dilation,
+                                                   groups, r)
+            else:
+                gw = torch.ops.aten.convolution_backward(gq, xq, w, None, *args, (False, True, False))[1]
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = grad.sum([0] + list(range(2, grad.dim())))
         return gx, gw, gb, None, None, None, None, None, None
