@@ -25,7 +25,7 @@ from lowfp.experiments.bench import machine_description, paired_ratio, time_roun
 
 CASES = [("mxfp8_e4m3", "nearest"), ("mxfp8_e4m3", "stochastic"), ("mxfp4_e2m1", "nearest"),
          ("nvfp4", "nearest"), ("nvfp4", "stochastic"), ("fp8_e4m3_rowwise", "nearest"),
-         ("fp8_e4m3_block128x128", "nearest")]
+         ("fp8_e4m3_block128x128", "nearest"), ("nvfp4_4over6", "nearest"), ("nvfp4_4over6", "stochastic")]
 
 
 def torchao_cases(x):
