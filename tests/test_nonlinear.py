@@ -264,3 +264,13 @@ def test_bad_arguments():
     before = x.clone()
     lowfp.nonlinear.silu(x, forward="fp(4,3,0)")
     assert torch.equal(x, before)
+
+
+def test_compiled_code_runs_them_as_eager_does():
+    # no torch form yet: torch.compile breaks its graph around them, with the same results
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.GELU())
+    x = torch.randn(4, 16)
+    compiled = torch.compile(model)
+    with lowfp.nonlinear.emulate(forward="bfloat16", backward="bfloat16"):
+        assert torch.equal(compiled(x), model(x))
