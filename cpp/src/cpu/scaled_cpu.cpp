@@ -81,32 +81,22 @@ void choose_block_scales(const ScaledCall& call, const ScaledCpuForms& forms, do
                          PerThread<int64_t>& saturated) {
   const int64_t blocks = call.block_grid_rows() * call.block_grid_cols();
   const double empty = empty_block_scale(call.scale, t);
-  with_storage_type(call.dtype, [&](auto type) {
+  // (the candidates' elements by the float64 strategy's forms of rounding: the same bits)
+  with_float64_forms(call, forms, [&](auto type, auto kind, auto add_c, auto once_c) {
     using In = typename decltype(type)::type;
-    with_round_kind(call.mode, [&](auto kind) {
-      constexpr RoundKind K = decltype(kind)::value;
-      constexpr bool kNearest = K == RoundKind::Nearest;
-      // (the float64 strategy's faster forms of nearest rounding: the same bits)
-      const bool add = kNearest && !call.p.subnormal_exponent && forms.add64;
-      const bool once = kNearest && !std::is_same_v<In, double> && forms.divide_once;
-      with_flag(add, [&](auto add_c) {
-        with_flag(once, [&](auto once_c) {
-          constexpr bool kAdd = decltype(add_c)::value && kNearest;
-          constexpr bool kOnce = decltype(once_c)::value && kNearest && !std::is_same_v<In, double>;
-          const int64_t work = blocks * call.block_rows * call.block_cols * 2;  // (two roundings each)
-          PerThread<int64_t> chosen_saturated(threads_for(work));
-          parallel_items(blocks, work, [&](int th, int64_t b0, int64_t b1) {
-            for (int64_t b = b0; b < b1; ++b) {
-              const double a = call.scales[b];
-              bool sat = false;
-              call.scales[b] = a > 0.0 ? four_over_six_scale<In, K, kAdd, kOnce>(call, b, a, t, sat) : empty;
-              chosen_saturated[th].v += int64_t(sat);
-            }
-          });
-          for (const Slot<int64_t>& s : chosen_saturated) saturated[0].v += s.v;
-        });
-      });
+    constexpr RoundKind K = decltype(kind)::value;
+    constexpr bool kAdd = decltype(add_c)::value, kOnce = decltype(once_c)::value;
+    const int64_t work = blocks * call.block_rows * call.block_cols * 2;  // (two roundings each)
+    PerThread<int64_t> chosen_saturated(threads_for(work));
+    parallel_items(blocks, work, [&](int th, int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const double a = call.scales[b];
+        bool sat = false;
+        call.scales[b] = a > 0.0 ? four_over_six_scale<In, K, kAdd, kOnce>(call, b, a, t, sat) : empty;
+        chosen_saturated[th].v += int64_t(sat);
+      }
     });
+    for (const Slot<int64_t>& s : chosen_saturated) saturated[0].v += s.v;
   });
 }
 

@@ -37,30 +37,17 @@ void run_tile(const ScaledCall& c, const ScaledCpuForms& f, const Tile& k, const
 // fn(a run_tile instantiation) for the call: its storage type, rounding kind and flags.
 template <class Fn>
 void with_run_tile(const ScaledCall& c, const ScaledCpuForms& f, bool count, Fn&& fn) {
-  with_storage_type(c.dtype, [&](auto type) {
+  with_float64_forms(c, f, [&](auto type, auto kind, auto add_c, auto once_c) {
     using In = typename decltype(type)::type;
-    with_round_kind(c.mode, [&](auto kind) {
-      constexpr RoundKind K = decltype(kind)::value;
-      constexpr bool kNearest = K == RoundKind::Nearest;
-      // (rounding by addition finds no subnormal exponents; x / s rounded once needs an input of
-      // at most 24 bits and scales in a format)
-      const bool add = kNearest && !c.p.subnormal_exponent && f.add64;
-      const bool once = kNearest && c.scale.rule == ScaleRule::Format && !std::is_same_v<In, double> &&
-                        f.divide_once;
-      with_flag(count, [&](auto count_c) {
-        with_flag(c.scale.rule != ScaleRule::Format, [&](auto pow2) {
-          with_flag(c.p.subnormal_exponent, [&](auto sub) {
-            with_flag(c.q != nullptr, [&](auto parts) {
-              with_flag(add, [&](auto add_c) {
-                with_flag(once, [&](auto once_c) {
-                  constexpr bool kAdd = decltype(add_c)::value && kNearest && !decltype(sub)::value;
-                  constexpr bool kOnce = decltype(once_c)::value && kNearest && !decltype(pow2)::value &&
-                                         !std::is_same_v<In, double>;
-                  fn(run_tile<In, K, decltype(count_c)::value, decltype(pow2)::value, decltype(sub)::value,
-                              decltype(parts)::value, kAdd, kOnce>);
-                });
-              });
-            });
+    constexpr RoundKind K = decltype(kind)::value;
+    with_flag(count, [&](auto count_c) {
+      with_flag(c.scale.rule != ScaleRule::Format, [&](auto pow2) {
+        with_flag(c.p.subnormal_exponent, [&](auto sub) {
+          with_flag(c.q != nullptr, [&](auto parts) {
+            constexpr bool kAdd = decltype(add_c)::value && !decltype(sub)::value;
+            constexpr bool kOnce = decltype(once_c)::value && !decltype(pow2)::value;
+            fn(run_tile<In, K, decltype(count_c)::value, decltype(pow2)::value, decltype(sub)::value,
+                        decltype(parts)::value, kAdd, kOnce>);
           });
         });
       });

@@ -4,7 +4,9 @@
 // counts; the others are faster where their conditions hold.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
+#include "dispatch.hpp"
 #include "scaled_call.hpp"
 
 namespace lowfp {
@@ -82,6 +84,30 @@ struct ScaledPlan {
   // is done (a tile that reruns must read its inputs again).
   bool in_place;
 };
+
+// fn(type, kind, add, once) for a call's float64-carrier rounding: its storage type (In =
+// decltype(type)::type) and rounding kind, and, as std::integral_constant<bool>, whether nearest
+// rounding may go by addition (kAdd) and divide once (kOnce), scaled_element's faster forms:
+// rounding by addition finds no subnormal exponents, x / s rounded once needs an input of at most
+// 24 bits and scales in a format.
+template <class Fn>
+void with_float64_forms(const ScaledCall& c, const ScaledCpuForms& f, Fn&& fn) {
+  with_storage_type(c.dtype, [&](auto type) {
+    using In = typename decltype(type)::type;
+    with_round_kind(c.mode, [&](auto kind) {
+      constexpr bool kNearest = decltype(kind)::value == RoundKind::Nearest;
+      constexpr bool kNarrowInput = !std::is_same_v<In, double>;
+      const bool add = kNearest && !c.p.subnormal_exponent && f.add64;
+      const bool once = kNearest && c.scale.rule == ScaleRule::Format && kNarrowInput && f.divide_once;
+      with_flag(add, [&](auto add_c) {
+        with_flag(once, [&](auto once_c) {
+          fn(type, kind, std::integral_constant<bool, decltype(add_c)::value && kNearest>{},
+             std::integral_constant<bool, decltype(once_c)::value && kNearest && kNarrowInput>{});
+        });
+      });
+    });
+  });
+}
 
 // The strategies a call allows (bit s: ScaledStrategy s; Float64 always).
 uint32_t scaled_strategies(const ScaledCall& c, const ScaledCpuForms& f);
