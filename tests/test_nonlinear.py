@@ -274,3 +274,19 @@ def test_compiled_code_runs_them_as_eager_does():
     compiled = torch.compile(model)
     with lowfp.nonlinear.emulate(forward="bfloat16", backward="bfloat16"):
         assert torch.equal(compiled(x), model(x))
+
+
+def test_empty_non_contiguous_meta_and_fake_inputs():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    for x in (torch.empty(0, 6), torch.empty(3, 0)):
+        assert lowfp.nonlinear.softmax(x, -1, forward="bfloat16").shape == x.shape
+        assert lowfp.nonlinear.layer_norm(x, x.shape[-1], forward="bfloat16").shape == x.shape
+        assert lowfp.nonlinear.rms_norm(x, (x.shape[-1],), forward="bfloat16").shape == x.shape
+        assert lowfp.nonlinear.gelu(x, forward="bfloat16").shape == x.shape
+    x = data(6, 4, seed=8).float()
+    assert torch.equal(lowfp.nonlinear.softmax(x.t(), 0, forward="bfloat16"),
+                       lowfp.nonlinear.softmax(x.t().contiguous(), 0, forward="bfloat16"))
+    assert lowfp.nonlinear.silu(torch.randn(3, 4, device="meta"), forward="bfloat16").device.type == "meta"
+    with FakeTensorMode():
+        f = torch.randn(3, 4)
+        assert lowfp.nonlinear.layer_norm(f, 4, forward="bfloat16").shape == (3, 4)

@@ -14,16 +14,15 @@ def q(t, fmt, axis, rounding="nearest"):
     """The reference rounding: fmt with its blocks along axis (2-D blocks and per-tensor scales
     as they are)."""
     if fmt.axis is not None and not isinstance(fmt.block, tuple):
-        fmt = Scaled(fmt.element, block=fmt.block, axis=axis, scale=fmt.scale,
-                     scale_rule=fmt.scale_rule, tensor_scale=fmt.tensor_scale)
+        fmt = fmt.with_axis(axis)
     return lowfp.quantize(t, fmt, rounding)
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-e5m2grad", "fp8-tensorwise", "fp8-rowwise",
-                                    "nvfp4-no-sr"])
+                                    "nvfp4-no-sr", "nvfp4-4over6-no-sr"])
 def test_linear_operands_are_rounded_along_their_reduction_axes(recipe):
-    if recipe == "nvfp4-no-sr":  # deterministic: the NVFP4 formats without SR and the transform
-        r = lowfp.scaled.RECIPES["nvfp4"]
+    if recipe.endswith("-no-sr"):  # deterministic: the NVFP4 formats without SR and the transform
+        r = lowfp.scaled.RECIPES[recipe[:-len("-no-sr")]]
         r = GemmRecipe(r.input, weight=r.weight, grad=r.grad)
     else:
         r = lowfp.scaled.RECIPES[recipe]

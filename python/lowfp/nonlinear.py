@@ -94,7 +94,10 @@ class _Steps:
             return v.sum(dim=tuple(dims), keepdim=True)
         dims = sorted(d % v.dim() for d in dims)
         moved = v.movedim(dims, list(range(v.dim() - len(dims), v.dim())))
-        flat = moved.reshape(*moved.shape[:v.dim() - len(dims)], -1)
+        lead = moved.shape[:v.dim() - len(dims)]
+        flat = moved.reshape(*lead, math.prod(moved.shape[len(lead):]))
+        if flat.shape[-1] == 0:  # a sum of nothing: +0
+            return v.new_zeros(v.shape).sum(dim=tuple(dims), keepdim=True)
         s = self("sum", flat[..., 0])
         for i in range(1, flat.shape[-1]):
             s = self("sum", s + flat[..., i])
@@ -141,6 +144,8 @@ def softmax(x: torch.Tensor, dim: int, *, forward=None, backward=None) -> torch.
     _check_x(x)
     if not isinstance(dim, int) or isinstance(dim, bool) or not -max(x.dim(), 1) <= dim < max(x.dim(), 1):
         raise ValueError(f"dim must be an int within the input's {x.dim()} dims, got {dim!r}")
+    if x.numel() == 0:  # (nothing to round: torch's empty result and gradient)
+        return F.softmax(x, dim)
     return _Softmax.apply(x, dim % max(x.dim(), 1) if x.dim() else 0,
                           Arithmetic.of(forward, "forward"), Arithmetic.of(backward, "backward"))
 
@@ -229,6 +234,8 @@ def layer_norm(x: torch.Tensor, normalized_shape, weight=None, bias=None, eps: f
     dx = mul(div(r / N) · add(add(mul(N · gn) − a) − mul(xn · b))); dweight = sum over the leading
     dims of mul(dy · xn); dbias = sum of dy."""
     k = _norm_args(x, normalized_shape, weight, bias, eps, "layer_norm")
+    if x.numel() == 0:
+        return F.layer_norm(x, x.shape[x.dim() - k:], weight, bias, eps)
     return _Norm.apply(x, k, weight, bias, float(eps), True, Arithmetic.of(forward, "forward"),
                        Arithmetic.of(backward, "backward"))
 
@@ -243,6 +250,8 @@ def rms_norm(x: torch.Tensor, normalized_shape, weight=None, eps: Optional[float
     if eps is None and isinstance(x, torch.Tensor) and x.dtype in _FLOATS:
         eps = torch.finfo(x.dtype).eps
     k = _norm_args(x, normalized_shape, weight, None, eps, "rms_norm")
+    if x.numel() == 0:
+        return F.rms_norm(x, x.shape[x.dim() - k:], weight, eps)
     return _Norm.apply(x, k, weight, None, float(eps), False, Arithmetic.of(forward, "forward"),
                        Arithmetic.of(backward, "backward"))
 

@@ -21,6 +21,7 @@ from .._checks import check_choice
 from ..formats import Format, to_format
 from ..quantize import quantize
 from ..scaled.config import Scaled, to_scaled
+from .sharded import local
 from .state import MOMENT_KEYS
 
 __all__ = ["LowPrecisionStates", "low_precision_states", "STATE_ROUNDINGS"]
@@ -86,8 +87,7 @@ class LowPrecisionStates:
                     t = state.get(key)
                     if not torch.is_tensor(t):
                         continue
-                    local = t._local_tensor if hasattr(t, "_local_tensor") else t
-                    self._round(local, fmt, key, index, rounds)
+                    self._round(local(t), fmt, key, index, rounds)
                 state[ROUNDS_KEY] = rounds + 1
 
     def _round(self, t: torch.Tensor, fmt, key: str, index: int, rounds: int) -> None:
@@ -108,23 +108,22 @@ class LowPrecisionStates:
         count = 0
         for group in self.optimizer.param_groups:
             for p in group["params"]:
-                local = p._local_tensor if hasattr(p, "_local_tensor") else p
-                count += local.numel()
-                params += local.numel() * local.element_size()
+                shard = local(p)
+                count += shard.numel()
+                params += shard.numel() * shard.element_size()
                 state = self.optimizer.state.get(p, {})
                 for key in MOMENT_KEYS:
                     t = state.get(key)
                     if not torch.is_tensor(t):
                         continue
-                    t = t._local_tensor if hasattr(t, "_local_tensor") else t
+                    t = local(t)
                     fmt = self.formats.get(key)
                     moments += t.numel() * (fmt.bits / 8 if fmt is not None else t.element_size())
         if hasattr(self.optimizer, "memory_bytes"):
             extra = float(self.optimizer.memory_bytes().get("extra_bits", 0))
         total = params + extra + moments
-        out = {"weights": params, "extra_bits": extra, "moments": moments, "total": total,
-               "per_parameter": total / count if count else 0.0}
-        return out
+        return {"weights": params, "extra_bits": extra, "moments": moments, "total": total,
+                "per_parameter": total / count if count else 0.0}
 
     def __repr__(self) -> str:
         formats = ", ".join(f"{k}={v}" for k, v in self.formats.items())

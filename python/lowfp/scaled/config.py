@@ -131,6 +131,13 @@ class Scaled:
     tensor_scale = property(lambda self: self._key[5])
     four_over_six = property(lambda self: self._key[6], doc='None, "mse" or "mae"')
 
+    def with_axis(self, axis: Optional[int]) -> "Scaled":
+        """This format with its blocks (or per-slice scales) along ``axis``, every other option
+        kept."""
+        e, block, _, scale, rule, t, choice = self._key
+        return Scaled(e, block=block, axis=axis, scale=scale, scale_rule=rule, tensor_scale=t,
+                      four_over_six=choice)
+
     @property
     def scale_format(self) -> Optional[Format]:
         """The scale format S (float32 for ``"float32"``; None for e8m0)."""

@@ -227,8 +227,7 @@ def _aimed(fmt: Scaled, axis: int) -> Scaled:
     scales as they are."""
     if fmt.axis is None or isinstance(fmt.block, tuple):
         return fmt
-    return Scaled(fmt.element, block=fmt.block, axis=axis, scale=fmt.scale,
-                  scale_rule=fmt.scale_rule, tensor_scale=fmt.tensor_scale)
+    return fmt.with_axis(axis)
 
 
 _along = functools.lru_cache(maxsize=256)(_aimed)  # eager calls (Dynamo traces _aimed itself)
