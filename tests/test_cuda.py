@@ -803,6 +803,39 @@ def test_scaled_formats_match_cpu(name, mode, dtype):
     assert torch.equal(cpu_stats.counts, gpu_stats.counts.cpu())
 
 
+@pytest.mark.parametrize("layout", ["rows", "short last block", "misaligned", "in place", "one row", "1-D"])
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "nvfp4", "fp8_e4m3_block128", "fp8_e4m3_tensorwise"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_scaled_layouts_match_cpu(layout, name, dtype):
+    # The GPU rounds 1-D blocks that cut each row evenly, from aligned buffers, in one pass, and
+    # every other layout in passes over the blocks' maxima, the scales and the elements: both
+    # give the CPU's bits, scales and counts.
+    g = torch.Generator().manual_seed(3)
+    shape = {"short last block": (48, 200), "one row": (1, 4096), "1-D": (1000,)}.get(layout, (48, 256))
+    numel = 1
+    for d in shape:
+        numel *= d
+    base = torch.randn(numel + 1, generator=g) * torch.exp2(torch.randint(-12, 12, (numel + 1,), generator=g).float())
+    base[7] = float("inf")
+    base = base.to(dtype)
+    x = (base[1:] if layout == "misaligned" else base[:-1]).reshape(shape)
+    for mode in ("nearest", "stochastic"):
+        cpu_stats, gpu_stats = lowfp.scaled.ScaledStats(), lowfp.scaled.ScaledStats("cuda")
+        cpu = lowfp.scaled.quantize_scaled(x, name, mode, seed=9, stats=cpu_stats)
+        xg = x.cuda() if layout != "misaligned" else base.cuda()[1:].reshape(shape)
+        if layout == "in place":
+            gpu = lowfp.scaled.quantize_scaled(xg, name, mode, seed=9, stats=gpu_stats, out=xg)
+            assert gpu.data_ptr() == xg.data_ptr()
+        else:
+            gpu = lowfp.scaled.quantize_scaled(xg, name, mode, seed=9, stats=gpu_stats)
+        assert same_bits(cpu, gpu.cpu()), (layout, mode)
+        assert torch.equal(cpu_stats.counts, gpu_stats.counts.cpu()), (layout, mode)
+        cpu_parts = lowfp.scaled.encode(x, name, mode, seed=9)
+        gpu_parts = lowfp.scaled.encode(x.cuda(), name, mode, seed=9)
+        for a, b in zip(cpu_parts, gpu_parts):  # value, q, scales, tensor scale
+            assert same_bits(a, b.cpu()), (layout, mode)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_hadamard_kernel_on_gpu_equals_cpu_and_the_torch_form(dtype):
     from lowfp.scaled.quantize import _hadamard_native, _sign_values, hadamard, hadamard_signs

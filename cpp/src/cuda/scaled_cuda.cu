@@ -1,8 +1,13 @@
 // Scaled formats on the GPU (docs/design.md §9), with the element and scale math of
-// cpp/include/lowfp/scaled.hpp. Three launches on the stream: each block's largest finite
-// magnitude (into the scales buffer, and the tensor's by an atomic max on its bits), the scales
-// (in place), then the elements in a grid-stride loop. Every element takes the float64 carrier,
-// whose results the CPU's float32 carrier equals (tests/test_scaled.py), so CPU = GPU bit for bit.
+// cpp/include/lowfp/scaled.hpp; every element takes the float64 carrier, whose results the CPU's
+// faster carriers equal (tests/test_scaled.py), so CPU = GPU bit for bit. Two forms of a call:
+// - 1-D blocks along the rows whose width is a power of two from 4 to 128 dividing the row (MX,
+//   NVFP4) and a single scale candidate: one pass (row_blocks_kernel), a group of lanes per block
+//   holding four consecutive elements each, the block's largest magnitude by shuffles, its scale
+//   and elements from registers; a tensor scale takes a coalesced reduction first.
+// - Any other blocks: each block's largest finite magnitude by a thread block of its own reading
+//   its rows coalesced (the whole grid for a single block), the scales in place, then the elements
+//   in a grid-stride loop.
 #include <type_traits>
 
 #include "common.cuh"
@@ -14,35 +19,177 @@
 namespace lowfp {
 namespace {
 
+// The magnitude of an element's raw bits, 0 for infinities and NaNs: the raw bits of nonnegative
+// floats order as their values do, so maxima are taken on them.
+template <class U>
+__device__ U finite_magnitude(U bits, U exponent) {
+  const U a = U(bits & U(U(~U(0)) >> 1));
+  return select(a < exponent, a, U(0));
+}
+
+template <class In>
+__device__ double raw_value(RawOf<In> bits) {
+  In v;
+  memcpy(&v, &bits, sizeof(bits));
+  return bit_cast<double>(Widen<uint64_t>::from(v));
+}
+
+// The largest of v over the `width` lanes of this lane's aligned group (width a power of two up
+// to 32; every lane of the warp calls it).
+template <class U>
+__device__ U group_max(U v, int width) {
+  using Shuffled = std::conditional_t<sizeof(U) == 8, unsigned long long, unsigned>;
+  for (int o = width / 2; o > 0; o >>= 1) v = max_of(v, U(__shfl_xor_sync(0xffffffffu, Shuffled(v), o)));
+  return v;
+}
+
+// a >= 0 into the maximum whose float64 bits *target holds (nonnegative doubles order as their
+// bits), once per warp.
+__device__ void warp_max_into(unsigned long long* target, double a) {
+  const uint64_t m = group_max(bit_cast<uint64_t>(a), 32);
+  if ((threadIdx.x & 31) == 0 && m != 0) atomicMax(target, (unsigned long long)m);
+}
+
+// The largest finite magnitude of the call's elements into *target and, when not null, *also
+// (both zeroed before): the whole grid reading quads of consecutive elements.
 template <class In>
 __global__ void __launch_bounds__(kThreads)
-amax_kernel(ScaledCall c, unsigned long long* tensor_max) {
+tensor_amax_kernel(ScaledCall c, bool quad_io, unsigned long long* target, unsigned long long* also) {
   using U = RawOf<In>;
   const U* x = static_cast<const U*>(c.x);
-  const U magnitude = U(U(~U(0)) >> 1), exponent = U(exponent_mask(c.dtype));
-  const int64_t gc = c.block_grid_cols(), blocks = c.block_grid_rows() * gc;
-  for (int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; b < blocks;
-       b += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r0 = (b / gc) * c.block_rows, c0 = (b % gc) * c.block_cols;
-    const int64_t r1 = min_of(c.rows, r0 + c.block_rows), c1 = min_of(c.cols, c0 + c.block_cols);
-    U m = 0;
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t i = c0; i < c1; ++i) {
-        const U a = U(x[r * c.cols + i] & magnitude);
-        m = max_of(m, select(a < exponent, a, U(0)));
-      }
-    In v;
-    memcpy(&v, &m, sizeof(U));
-    const double a = bit_cast<double>(Widen<uint64_t>::from(v));
-    c.scales[b] = a;
-    if (tensor_max != nullptr) atomicMax(tensor_max, (unsigned long long)bit_cast<uint64_t>(a));
+  const U exponent = U(exponent_mask(c.dtype));
+  const int64_t n = c.rows * c.cols, groups = (n + 3) / 4, full_groups = quad_io ? n / 4 : 0;
+  U m = 0;
+  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
+       g += int64_t(gridDim.x) * blockDim.x) {
+    const Quad<U> v = load_group(x, g, n, full_groups);  // (a short last group reads 0s)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) m = max_of(m, finite_magnitude(v.v[k], exponent));
   }
+  const double a = raw_value<In>(m);
+  warp_max_into(target, a);
+  if (also != nullptr) warp_max_into(also, a);
+}
+
+// Each block's largest finite magnitude into c.scales, one thread block per block (grid-stride
+// over the blocks), its threads reading the block row by row (consecutive threads, consecutive
+// columns); the tensor's into *tensor_max when not null (zeroed before).
+template <class In>
+__global__ void __launch_bounds__(kThreads)
+block_amax_kernel(ScaledCall c, unsigned long long* tensor_max) {
+  using U = RawOf<In>;
+  const U* x = static_cast<const U*>(c.x);
+  const U exponent = U(exponent_mask(c.dtype));
+  const int64_t gc = c.block_grid_cols(), blocks = c.block_grid_rows() * gc;
+  __shared__ uint64_t warp_maxima[kThreads / 32];
+  U tensor_m = 0;
+  for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+    const int64_t r0 = (b / gc) * c.block_rows, c0 = (b % gc) * c.block_cols;
+    const int64_t h = min_of(c.rows, r0 + c.block_rows) - r0, w = min_of(c.cols, c0 + c.block_cols) - c0;
+    U m = 0;
+    for (int64_t e = threadIdx.x; e < h * w; e += blockDim.x)
+      m = max_of(m, finite_magnitude(x[(r0 + e / w) * c.cols + c0 + e % w], exponent));
+    tensor_m = max_of(tensor_m, m);
+    const uint64_t wm = group_max(bit_cast<uint64_t>(raw_value<In>(m)), 32);
+    if ((threadIdx.x & 31) == 0) warp_maxima[threadIdx.x / 32] = wm;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint64_t bm = 0;
+      for (int i = 0; i < kThreads / 32; ++i) bm = max_of(bm, warp_maxima[i]);
+      c.scales[b] = bit_cast<double>(bm);
+    }
+    __syncthreads();
+  }
+  if (tensor_max != nullptr) warp_max_into(tensor_max, raw_value<In>(tensor_m));
 }
 
 // The tensor scale from the tensor's largest magnitude (bits in *tensor_max), as scaled_cpu.
 __device__ double tensor_scale_of(const ScaledCall& c, const unsigned long long* tensor_max) {
   if (tensor_max == nullptr) return 1.0;
   return tensor_scale(c.scale, bit_cast<double>(uint64_t(*tensor_max)));
+}
+
+// The block counts of a pass over the scales: its threads' saturated blocks, and all blocks once.
+__device__ void count_blocks(const ScaledCall& c, uint64_t saturated, int64_t blocks, unsigned long long* counts) {
+  if (counts == nullptr || !c.count_blocks) return;
+  saturated = warp_sum(saturated);
+  if ((threadIdx.x & 31) == 0 && saturated) atomicAdd(counts + 4, (unsigned long long)saturated);
+  if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(counts + 5, (unsigned long long)blocks);
+}
+
+// One element's rounding given its block's scale s (inverse inv) and random word: q into c.q when
+// asked, s · q returned in the storage type, its events into tc when kCount.
+template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp>
+__device__ In round_scaled(const ScaledCall& c, In x, int64_t i, double s, double inv, uint32_t word,
+                           ThreadCounts& tc) {
+  RoundEvents ev;
+  const double q = scaled_element<K, kPow2, kSubExp>(bit_cast<double>(Widen<uint64_t>::from(x)), s, inv,
+                                                     c.p, word, ev);
+  if (c.q != nullptr) c.q[i] = float(q);
+  if (kCount) tc.add(ev);
+  return store_scaled<In>(q * s, c.out);
+}
+
+// The one-pass form (row_blocks): blocks of c.block_cols = 4 · lanes consecutive elements, block b
+// holding elements b · block_cols ... (row-major), so quad g (elements 4g .. 4g + 3) lies in block
+// g / lanes and takes Philox block offset + g. A warp takes 32 / lanes blocks at a time (its loop
+// bound the same for all its lanes, which all shuffle).
+template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp>
+__global__ void __launch_bounds__(kThreads)
+row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
+  using U = RawOf<In>;
+  const Quad<In>* x = static_cast<const Quad<In>*>(c.x);
+  Quad<In>* y = static_cast<Quad<In>*>(c.y);
+  const int lanes = int(c.block_cols / 4), lane = int(threadIdx.x & 31);
+  const int per_warp = 32 / lanes, group = lane / lanes, part = lane % lanes;
+  const int64_t blocks = c.rows * (c.cols / c.block_cols);
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  const U exponent = U(exponent_mask(c.dtype));
+  const double t = tensor_scale_of(c, tensor_max), empty = empty_block_scale(c.scale, t);
+  ThreadCounts tc;
+  uint64_t saturated = 0;
+  for (int64_t b0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32 * per_warp; b0 < blocks;
+       b0 += warps * per_warp) {
+    const int64_t b = b0 + group, g = b * lanes + part;
+    const bool live = b < blocks;
+    Quad<In> in = {};
+    if (live) in = x[g];
+    U m = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      U bits;
+      memcpy(&bits, &in.v[k], sizeof(U));
+      m = max_of(m, finite_magnitude(bits, exponent));
+    }
+    const double a = raw_value<In>(group_max(m, lanes));
+    if (live) {
+      bool sat = false;
+      const double s = a > 0.0 ? block_scale(c.scale, a, t, sat) : empty, inv = 1.0 / s;
+      if (part == 0) {
+        c.scales[b] = s;
+        saturated += sat;
+      }
+      Philox4x32Block r = {{0u, 0u, 0u, 0u}};
+      if constexpr (K == RoundKind::Stochastic) r = philox_block(c.seed, c.offset + uint64_t(g));
+      Quad<In> out;
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        out.v[k] = round_scaled<In, K, kCount, kPow2, kSubExp>(c, in.v[k], 4 * g + k, s, inv, r.w[k], tc);
+      y[g] = out;
+    }
+  }
+  if constexpr (kCount) finish_counts(tc, counts, c.rows * c.cols);
+  count_blocks(c, saturated, blocks, counts);
+}
+
+// Whether a call takes row_blocks_kernel: 1-D blocks along the rows of 4 · 2^k elements (at most
+// 128: a warp's lanes hold a block) that cut each row evenly, one scale candidate, and x and y
+// aligned for quads.
+template <class In>
+bool row_blocks(const ScaledCall& c) {
+  const int64_t w = c.block_cols;
+  return c.block_rows == 1 && w >= 4 && w <= 128 && (w & (w - 1)) == 0 && c.cols % w == 0 &&
+         c.scale.choice == BlockChoice::Fixed && quad_aligned<In>(c.x) && quad_aligned<In>(c.y);
 }
 
 // The scales pass: each block's largest finite magnitude a in c.scales becomes its scale,
@@ -61,11 +208,7 @@ __device__ void scales_pass(const ScaledCall& c, const unsigned long long* tenso
     c.scales[b] = a > 0.0 ? scale_of(b, a, t, sat) : empty;
     saturated += sat;
   }
-  if (counts != nullptr && c.count_blocks) {
-    saturated = warp_sum(saturated);
-    if ((threadIdx.x & 31) == 0 && saturated) atomicAdd(counts + 4, (unsigned long long)saturated);
-    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(counts + 5, (unsigned long long)blocks);
-  }
+  count_blocks(c, saturated, blocks, counts);
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -85,7 +228,7 @@ choose_scales_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigne
   });
 }
 
-// After scales_kernel: the tensor scale (1 without one, tensor_max null) replaces the largest
+// After the scales: the tensor scale (1 without one, tensor_max null) replaces the largest
 // magnitude's bits in their buffer, out.
 __global__ void tensor_scale_kernel(ScaledCall c, const unsigned long long* tensor_max,
                                     unsigned long long* out) {
@@ -104,15 +247,9 @@ elements_kernel(ScaledCall c, unsigned long long* counts) {
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / c.cols, col = i % c.cols;
     const double s = c.scales[(r / c.block_rows) * gc + col / c.block_cols];
-    uint32_t rw = 0u;
-    if constexpr (K == RoundKind::Stochastic)
-      rw = philox_block(c.seed, c.offset + uint64_t(i) / 4).w[i % 4];
-    RoundEvents ev;
-    const double q = scaled_element<K, kPow2, kSubExp>(
-        bit_cast<double>(Widen<uint64_t>::from(x[i])), s, 1.0 / s, c.p, rw, ev);
-    if (c.q != nullptr) c.q[i] = float(q);
-    y[i] = store_scaled<In>(q * s, c.out);
-    if (kCount) tc.add(ev);
+    uint32_t word = 0u;
+    if constexpr (K == RoundKind::Stochastic) word = philox_block(c.seed, c.offset + uint64_t(i) / 4).w[i % 4];
+    y[i] = round_scaled<In, K, kCount, kPow2, kSubExp>(c, x[i], i, s, 1.0 / s, word, tc);
   }
   if constexpr (kCount) finish_counts(tc, counts, n);
 }
@@ -125,8 +262,10 @@ void scaled_cuda(const ScaledCall& c, double* tensor_scale, int64_t* counts, int
   const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const int64_t n = c.rows * c.cols, blocks = c.block_grid_rows() * c.block_grid_cols();
   auto* tmax = reinterpret_cast<unsigned long long*>(tensor_scale);
+  auto* tmax_in = c.tensor_scale ? tmax : nullptr;  // what the scales read (null: t = 1)
   auto* cnt = reinterpret_cast<unsigned long long*>(counts);
-  check(cudaMemsetAsync(tmax, 0, sizeof(double), stream), "cudaMemsetAsync");
+  auto* scale_bits = reinterpret_cast<unsigned long long*>(c.scales);
+  if (c.tensor_scale) check(cudaMemsetAsync(tmax, 0, sizeof(double), stream), "cudaMemsetAsync");
   if (n == 0) {
     tensor_scale_kernel<<<1, 1, 0, stream>>>(c, nullptr, tmax);
     check(cudaGetLastError(), "kernel launch");
@@ -134,30 +273,54 @@ void scaled_cuda(const ScaledCall& c, double* tensor_scale, int64_t* counts, int
   }
   with_storage_type(c.dtype, [&](auto type) {
     using In = typename decltype(type)::type;
-    amax_kernel<In><<<grid_size(device, blocks), kThreads, 0, stream>>>(c, tmax);
-    if (c.scale.choice == BlockChoice::Fixed) {
-      scales_kernel<<<grid_size(device, blocks), kThreads, 0, stream>>>(c, c.tensor_scale ? tmax : nullptr, cnt);
-    } else {
+    // Each element kernel's instantiation for the call: its rounding kind and flags.
+    auto launch_elements = [&](auto kernel_of, int64_t work, const unsigned long long* tmax_arg) {
       with_round_kind(c.mode, [&](auto kind) {
-        choose_scales_kernel<In, decltype(kind)::value>
-            <<<grid_size(device, blocks), kThreads, 0, stream>>>(c, c.tensor_scale ? tmax : nullptr, cnt);
-      });
-    }
-    tensor_scale_kernel<<<1, 1, 0, stream>>>(c, c.tensor_scale ? tmax : nullptr, tmax);
-    with_round_kind(c.mode, [&](auto kind) {
-      with_flag(c.count, [&](auto count) {
-        with_flag(c.scale.rule != ScaleRule::Format, [&](auto pow2) {
-          with_flag(c.p.subnormal_exponent, [&](auto sub) {
-            elements_kernel<In, decltype(kind)::value, decltype(count)::value, decltype(pow2)::value,
-                            decltype(sub)::value><<<grid_size(device, n), kThreads, 0, stream>>>(c, cnt);
+        with_flag(c.count, [&](auto count) {
+          with_flag(c.scale.rule != ScaleRule::Format, [&](auto pow2) {
+            with_flag(c.p.subnormal_exponent, [&](auto sub) {
+              kernel_of(std::integral_constant<RoundKind, decltype(kind)::value>{}, count, pow2, sub,
+                        grid_size(device, work), tmax_arg);
+            });
           });
         });
       });
-    });
+    };
+    if (row_blocks<In>(c)) {
+      const bool quad_io = quad_aligned<In>(c.x);
+      if (c.tensor_scale)
+        tensor_amax_kernel<In><<<grid_size(device, (n + 3) / 4), kThreads, 0, stream>>>(c, quad_io, tmax, nullptr);
+      launch_elements([&](auto kind, auto count, auto pow2, auto sub, int grid, const unsigned long long* tm) {
+        row_blocks_kernel<In, decltype(kind)::value, decltype(count)::value, decltype(pow2)::value,
+                          decltype(sub)::value><<<grid, kThreads, 0, stream>>>(c, tm, cnt);
+      }, n / 4, tmax_in);
+    } else {
+      if (blocks == 1) {  // one scale for the tensor: the whole grid reduces it
+        check(cudaMemsetAsync(scale_bits, 0, sizeof(double), stream), "cudaMemsetAsync");
+        tensor_amax_kernel<In><<<grid_size(device, (n + 3) / 4), kThreads, 0, stream>>>(
+            c, quad_aligned<In>(c.x), scale_bits, tmax_in);
+      } else {
+        const int grid = int(min_of<int64_t>(blocks, int64_t(grid_size(device, int64_t(1) << 40))));
+        block_amax_kernel<In><<<grid, kThreads, 0, stream>>>(c, tmax_in);
+      }
+      if (c.scale.choice == BlockChoice::Fixed) {
+        scales_kernel<<<grid_size(device, blocks), kThreads, 0, stream>>>(c, tmax_in, cnt);
+      } else {
+        with_round_kind(c.mode, [&](auto kind) {
+          choose_scales_kernel<In, decltype(kind)::value>
+              <<<grid_size(device, blocks), kThreads, 0, stream>>>(c, tmax_in, cnt);
+        });
+      }
+      launch_elements([&](auto kind, auto count, auto pow2, auto sub, int grid, const unsigned long long*) {
+        elements_kernel<In, decltype(kind)::value, decltype(count)::value, decltype(pow2)::value,
+                        decltype(sub)::value><<<grid, kThreads, 0, stream>>>(c, cnt);
+      }, n, nullptr);
+    }
+    // (after every reader of the largest magnitude)
+    tensor_scale_kernel<<<1, 1, 0, stream>>>(c, tmax_in, tmax);
   });
   check(cudaGetLastError(), "kernel launch");
 }
-
 namespace {
 
 template <class In, class T>
