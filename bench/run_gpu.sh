@@ -22,7 +22,9 @@ for step in $steps; do
       $PY -c "import lowfp; assert lowfp.cuda_built(); print('lowfp', lowfp.__file__, 'CUDA built')" \
         || exit 1 ;;
     test)
-      $PY -m pytest -q -p no:cacheprovider --timeout 300 tests/test_cuda.py 2>&1 \
+      # (the tests marked cuda: each module's checks of the GPU against the CPU, and its reference
+      # tests' cuda cases; tests/devices.py)
+      $PY -m pytest -q -p no:cacheprovider --timeout 300 -m 'cuda and not long' -rf tests 2>&1 \
         | tee "$OUT/tests.log" | tail -40 ;;
     all-tests)
       $PY -m pytest -q -p no:cacheprovider --timeout 600 -rf tests 2>&1 | tee "$OUT/all_tests.log" \

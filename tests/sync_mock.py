@@ -14,7 +14,7 @@ tables) and everything computed from them lived on a GPU. Inside ``device_reads_
   window is (the copy must be waited for); read in a later window, it has long finished.
 
 Its limit: a tensor a factory function makes with ``device=`` a device tensor's device counts as
-on the host here, which it would not be on a GPU; the real mode on a GPU (tests/test_cuda.py)
+on the host here, which it would not be on a GPU; the real mode on a GPU (tests/test_emulate.py, on CUDA)
 covers that case.
 """
 

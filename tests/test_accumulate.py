@@ -14,6 +14,7 @@ import lowfp
 from lowfp import Accumulate, AccumulateStats
 from lowfp.accumulate import DEEPSEEK_V3, HOPPER_FP8, PRESETS
 from reference import Spec, code_is_odd, exceeds_max, overflow_result, philox_word, round_exact
+from devices import DEVICES, on_cuda, same_bits
 
 
 def spec_of(fmt: lowfp.Format) -> Spec:
@@ -220,70 +221,79 @@ ACCUMULATIONS = [
 ]
 
 
-def check(a, b, acc, seed=11):
+def check(a, b, acc, seed=11, device="cpu"):
     want, want_counts = reference_gemm(a, b, acc, seed)
-    st = AccumulateStats()
-    got = lowfp.gemm(a, b, acc, seed=seed, stats=st)
+    st = AccumulateStats(device)
+    got = lowfp.gemm(a.to(device), b.to(device), acc, seed=seed, stats=st).cpu()
     assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (acc, got, want)
     assert st.counts.tolist() == want_counts, (acc, st.counts.tolist(), want_counts)
     return want_counts
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 @pytest.mark.parametrize("options", ACCUMULATIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
-def test_every_order_equals_the_exact_reference(fmt, options):
+def test_every_order_equals_the_exact_reference(fmt, options, device):
     a, b = operands(3, 37, 2, torch.float32, seed=fmt.m + 7 * len(options))
-    check(a, b, Accumulate(fmt, **options))
+    check(a, b, Accumulate(fmt, **options), device=device)
 
 
 @pytest.mark.parametrize("rounding", lowfp.ROUNDING_MODES)
 @pytest.mark.parametrize("order", ["sequential", "pairwise", "blocked"])
-def test_every_rounding_mode_equals_the_exact_reference(rounding, order):
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_rounding_mode_equals_the_exact_reference(rounding, order, device):
     a, b = operands(2, 29, 3, torch.float32, seed=3)
     block = 6 if order == "blocked" else None
-    counts = check(a, b, Accumulate(lowfp.Format(5, 2, 0), order=order, block=block, rounding=rounding))
+    counts = check(a, b, Accumulate(lowfp.Format(5, 2, 0), order=order, block=block, rounding=rounding),
+                   device=device)
     assert counts[4] > 0  # (swamped additions: the test sees them)
 
 
 @pytest.mark.parametrize("sr_bits", [1, 7, 32])
-def test_stochastic_rounding_with_fewer_random_bits(sr_bits):
+@pytest.mark.parametrize("device", DEVICES)
+def test_stochastic_rounding_with_fewer_random_bits(sr_bits, device):
     a, b = operands(2, 21, 2, torch.float32, seed=4)
-    check(a, b, Accumulate(E8M7, rounding="stochastic", sr_bits=sr_bits, compensated=True))
+    check(a, b, Accumulate(E8M7, rounding="stochastic", sr_bits=sr_bits, compensated=True), device=device)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16_bit_operands(dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_16_bit_operands(dtype, device):
     a, b = operands(3, 17, 4, dtype, seed=5, spread=4)
-    check(a, b, Accumulate(lowfp.Format(4, 3, 4), order="pairwise", rounding="stochastic"))
+    check(a, b, Accumulate(lowfp.Format(4, 3, 4), order="pairwise", rounding="stochastic"), device=device)
 
 
 @pytest.mark.parametrize("policy", ["saturate", "inf", "nan"])
-def test_overflow_and_special_values(policy):
+@pytest.mark.parametrize("device", DEVICES)
+def test_overflow_and_special_values(policy, device):
     a, b = operands(2, 9, 3, torch.float32, seed=6, spread=2)
     a = a * 64
     a[1, 2], b[4, 1] = float("inf"), float("nan")
-    counts = check(a, b, Accumulate(lowfp.Format(4, 3, 4), overflow=policy))
+    counts = check(a, b, Accumulate(lowfp.Format(4, 3, 4), overflow=policy), device=device)
     assert counts[0] > 0 and counts[2] > 0
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "up", "stochastic"])
-def test_each_sum_is_rounded_once(rounding):
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_sum_is_rounded_once(rounding, device):
     # s = 1 + 2^-13 (odd in fp(8,13)), p = (1 - 2^-46) 2^-14: the exact sum lies 2^-60 below the
     # midpoint 1 + 2^-13 + 2^-14, where float64's own rounding would land (a tie, to even: up).
     a = torch.tensor([[1 + 2.0 ** -13, (1 + 2.0 ** -23) * 2.0 ** -7]])
     b = torch.tensor([[1.0], [(1 - 2.0 ** -23) * 2.0 ** -7]])
     acc = Accumulate(lowfp.Format(8, 13, 0, specials="ieee"), rounding=rounding)
-    check(a, b, acc)
+    check(a, b, acc, device=device)
     if rounding == "nearest":
         assert lowfp.gemm(a, b, acc).item() == 1 + 2.0 ** -13
 
 
 @pytest.mark.parametrize("rounding", lowfp.ROUNDING_MODES)
 @pytest.mark.parametrize("group,align_bits", [(1, 3), (4, 6), (32, 13)])
-def test_fused_groups_equal_the_exact_reference(rounding, group, align_bits):
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_groups_equal_the_exact_reference(rounding, group, align_bits, device):
     a, b = operands(2, 70, 3, torch.float32, seed=group)
     a[1, 5:9] = torch.tensor([1e-40, -3e-39, 0.0, float("inf")])  # (float32 subnormals, an inf)
-    check(a, b, Accumulate(E8M7, rounding=rounding, group=group, align_bits=align_bits, operand_emin=-10))
+    check(a, b, Accumulate(E8M7, rounding=rounding, group=group, align_bits=align_bits, operand_emin=-10),
+          device=device)
 
 
 def test_the_presets_model_hopper_and_deepseek_v3():
@@ -699,3 +709,26 @@ def test_transposed_convolutions_accumulate_as_the_convolution_they_transpose(sh
     with pytest.raises(ValueError, match="output_padding smaller than stride"):
         with emulate_gemms(odd, GemmRecipe(accumulate=acc)):
             odd(torch.randn(1, 2, 5))
+
+
+# On a GPU (tests/devices.py): the CPU's bits, counts and steps.
+
+@on_cuda
+@pytest.mark.parametrize("options", [
+    dict(), dict(rounding="stochastic"), dict(rounding="toward_zero", product="float8_e4m3fn"),
+    dict(order="blocked", block=128), dict(order="pairwise", rounding="stochastic"),
+    dict(compensated=True, rounding="stochastic"),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accumulation_gives_the_cpus_bits_and_counts(options, dtype):
+    # (docs/design.md §10: one header's arithmetic on both; the GPU runs one element per thread)
+    g = torch.Generator().manual_seed(1)
+    a = (torch.randn(3, 17, 300, generator=g) * 8).to(dtype)
+    b = (torch.randn(300, 40, generator=g) * 8).to(dtype)
+    a[0, 0, :3] = torch.tensor([float("inf"), 0.0, float("nan")])
+    acc = lowfp.Accumulate(lowfp.Format(5, 6, 0, specials="ieee"), **options)
+    st_cpu, st_gpu = lowfp.AccumulateStats(), lowfp.AccumulateStats("cuda")
+    cpu = lowfp.gemm(a, b, acc, seed=5, stats=st_cpu)
+    gpu = lowfp.gemm(a.cuda(), b.t().contiguous().t().cuda(), acc, seed=5, stats=st_gpu)
+    assert same_bits(cpu, gpu.cpu())
+    assert torch.equal(st_cpu.counts, st_gpu.counts.cpu())

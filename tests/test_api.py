@@ -11,6 +11,7 @@ import torch
 
 import lowfp
 from cpu_kernels import outputs_of_each_kernel
+from devices import on_cuda
 
 F = "fp(4,3,4)"
 
@@ -845,3 +846,66 @@ def test_any_stats_takes_the_counts_it_shares_with_a_rounding():
     for bad in ([1, 2], torch.ones(4), torch.ones(2, 2, dtype=torch.int64)):
         with pytest.raises(TypeError, match="counts must be a 1-D int64 tensor"):
             lowfp.Stats().accumulate(bad)
+
+
+# On a GPU (tests/devices.py): the CPU's bits, counts and steps.
+
+@on_cuda
+def test_layouts_out_inplace_and_errors():
+    x = torch.randn(64, 48, device="cuda") * 40
+    want = lowfp.quantize(x.cpu(), "fp(4,3,4)")
+    assert torch.equal(lowfp.quantize(x.t(), "fp(4,3,4)").cpu(), want.t())
+    out = torch.empty(48, 64, device="cuda").t()
+    lowfp.quantize(x, "fp(4,3,4)", out=out)
+    assert torch.equal(out.cpu(), want)
+    y = x.clone()
+    lowfp.quantize_(y, "fp(4,3,4)")
+    assert torch.equal(y.cpu(), want)
+    assert lowfp.quantize(torch.empty(0, device="cuda"), "fp(4,3,4)").numel() == 0
+    with pytest.raises(ValueError, match="out is on cpu"):
+        lowfp.quantize(x, "fp(4,3,4)", out=torch.empty(64, 48))
+    with pytest.raises(ValueError, match="stats lives on cpu"):
+        lowfp.quantize(x, "fp(4,3,4)", stats=lowfp.Stats())
+
+
+@on_cuda
+def test_gradients_on_gpu():
+    x = (torch.randn(100, device="cuda") * 10).requires_grad_()
+    lowfp.quantize(x, "fp(4,3,4)", grad_fmt="fp(5,2,0)").backward(torch.full((100,), 1e5, device="cuda"))
+    assert torch.equal(x.grad.cpu(), lowfp.quantize(torch.full((100,), 1e5), "fp(5,2,0)"))
+
+
+@on_cuda
+def test_streams_and_device_counts():
+    """Work is enqueued on torch's current stream; counts stay on the device until read."""
+    side = torch.cuda.Stream()
+    x = torch.randn(1 << 22, device="cuda") * 100
+    stats = lowfp.Stats("cuda")
+    with torch.cuda.stream(side):
+        x_side = x * 1  # produced on the side stream, so the next op is ordered after it
+        y = lowfp.quantize(x_side, "fp(4,3,4)", "stochastic", seed=5, stats=stats)
+    assert stats.counts.is_cuda
+    side.synchronize()
+    cpu_stats = lowfp.Stats()
+    a = lowfp.quantize(x.cpu(), "fp(4,3,4)", "stochastic", seed=5, stats=cpu_stats)
+    assert torch.equal(y.cpu(), a)
+    # Stochastic overflow is random (values between max and the next binade may round down),
+    # so the reference is the CPU's count for the same seed; most of |x| > 32 must overflow.
+    assert stats.numel == x.numel() and stats.as_dict() == cpu_stats.as_dict()
+    assert stats.overflow >= int((x.abs() >= 32).sum()) > 0
+
+
+@on_cuda
+def test_more_than_2_to_the_31_elements_on_gpu():
+    n = 2**31 + 9
+    tail = torch.tensor([0.3] * 6 + [100.0, -7.7, 1e-4], dtype=torch.float16)
+    x = torch.full((n,), 0.3, dtype=torch.float16, device="cuda")
+    x[-3:] = tail[-3:].cuda()
+    s = lowfp.Stats("cuda")
+    lowfp.quantize_(x, "float8_e4m3fn", "stochastic", seed=9, stats=s)
+    assert s.numel == n and s.overflow == 0
+    # the last 9 elements start at index 2^31, a multiple of 4: block offset 2^31 / 4
+    want = lowfp.quantize(tail, "float8_e4m3fn", "stochastic", seed=9, offset=2**31 // 4)
+    assert torch.equal(x[2**31:].cpu(), want)
+    del x
+    torch.cuda.empty_cache()

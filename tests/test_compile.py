@@ -8,6 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import lowfp
+from devices import on_cuda
 
 F434 = lowfp.fp(4, 3, 4)
 S2 = lowfp.S2FP8("float8_e4m3fn", log_max=8.0)
@@ -319,3 +320,29 @@ def test_compiled_training_step_with_an_extra_bits_optimizer_equals_eager(backen
         results.append([p.detach().clone() for p in model.parameters()] + [opt.master_weights()[0]])
     for want, have in zip(*results):
         assert torch.equal(want, have)
+
+
+# On a GPU (tests/devices.py): the CPU's bits, counts and steps.
+
+@on_cuda
+def test_compiled_and_exported_roundings_on_gpu_equal_eager():
+    """tests/test_compile.py's checks on a CUDA device: fullgraph compile and export."""
+    x = (torch.randn(4, 257) * 40).cuda()
+    eager_stats, compiled_stats = lowfp.Stats("cuda"), lowfp.Stats("cuda")
+    torch.manual_seed(7)
+    eager = _rounds(x, eager_stats)
+    torch.manual_seed(7)
+    got = torch.compile(_rounds, fullgraph=True)(x, compiled_stats)
+    for i, (want, have) in enumerate(zip(eager, got)):
+        assert torch.equal(want, have), i
+    assert torch.equal(eager_stats.counts, compiled_stats.counts)
+    torch.manual_seed(0)
+    net, xs = _Net().cuda(), torch.randn(8, 16, device="cuda")
+    want = _step(net, xs)
+    for a, b in zip(want, _step(torch.compile(net, fullgraph=True), xs)):
+        assert torch.equal(a, b)
+    program = torch.export.export(net, (xs,))
+    torch.manual_seed(5)
+    ref = net(xs)
+    torch.manual_seed(5)
+    assert torch.equal(program.module()(xs), ref)

@@ -13,6 +13,7 @@ from lowfp import assign as A
 from lowfp.experiments import models
 from sync_mock import DeviceSync, device_reads_forbidden
 from training import optimizer_step
+from devices import on_cuda
 
 
 def batch(n=16, c=1, hw=8, classes=10, seed=0):
@@ -475,8 +476,9 @@ def test_selecting_operators_round_when_formats_differ_or_follow_the_tensor(monk
 def test_a_training_step_never_waits_for_the_device(case):
     """The forwards and backwards of emulated steps read nothing of the device on the host: the
     CPU stand-in for torch.cuda.set_sync_debug_mode("error") (tests/sync_mock.py) around each;
-    tests/test_cuda.py runs the real mode on a GPU. The counts are read a step later (when the
-    forward after next begins, from a host copy) or by end_step(), which does wait."""
+    test_emulated_forward_and_backward_never_wait_for_the_gpu runs the real mode on a GPU. The
+    counts are read a step later (when the forward after next begins, from a host copy) or by
+    end_step(), which does wait."""
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
     if case == "promotion":
@@ -529,3 +531,72 @@ def test_end_step_reads_the_counts_at_once():
     assert entries == em.history.steps and entries[0]["step"] == 1 and entries[0]["loss"] == 1.0
     assert "v:0:linear" in entries[0]["promotions"]
     assert "v:0:linear" not in [n for n, _ in entries[1]["top_overflow"]]
+
+
+# On a GPU (tests/devices.py): the CPU's bits, counts and steps.
+
+@on_cuda
+def test_emulated_training_on_cuda():
+    import torch.nn.functional as F
+    from lowfp import assign as A
+    torch.manual_seed(0)
+    model = lowfp.experiments.models.ResidualCNN(1, 10, 0.5).cuda()
+    x, y = torch.randn(16, 1, 8, 8, device="cuda"), torch.randint(0, 10, (16,), device="cuda")
+    tr = A.trace(model, x, F.cross_entropy, y)
+    a = A.ours(tr, 0.5)
+    seen = {}
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    with lowfp.emulate(model, a) as em:
+        assert em.counts.is_cuda
+        scaler = lowfp.DynamicLossScaler("cuda", init_scale=256.0, emulator=em)
+        for step in range(10):
+            em.observer = (lambda n, t: seen.setdefault(n, t.detach().clone())) if step == 0 else None
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+    assert set(seen) == set(tr.tensors)
+    for n, t in seen.items():
+        overflow = "saturate" if A.role_of(n) in ("v", "theta") else "inf"
+        assert torch.equal(lowfp.quantize(t, a.formats[n], overflow=overflow), t), n
+    assert losses[-1] < losses[0] and len(em.history.steps) == 10
+
+
+@on_cuda
+@pytest.mark.parametrize("case", ["nearest", "stochastic", "promotion", "scaler", "compiled"])
+def test_emulated_forward_and_backward_never_wait_for_the_gpu(case):
+    """torch.cuda.set_sync_debug_mode("error") around each emulated forward and backward (the
+    counts are read a step later, from a host copy; docs/design.md §6); tests/test_emulate.py
+    runs the CPU stand-in."""
+    import torch.nn.functional as F
+    from lowfp import assign as A
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).cuda()
+    if case == "promotion":
+        with torch.no_grad():
+            model[0].weight.mul_(200.0)
+    x, y = torch.randn(64, 8, device="cuda"), torch.randint(0, 4, (64,), device="cuda")
+    a = A.uniform(A.trace(model, x, F.cross_entropy, y))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with lowfp.emulate(model, a, rounding="stochastic" if case == "stochastic" else "nearest") as em:
+        scaler = lowfp.DynamicLossScaler("cuda", init_scale=2.0 ** 10, emulator=em) if case == "scaler" else None
+        run = torch.compile(model) if case == "compiled" else model
+        for step in range(5):
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if step >= 2 else "default")  # compiled by then
+            try:
+                loss = F.cross_entropy(run(x), y)
+                (loss if scaler is None else scaler.scale(loss)).backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+    assert [s["step"] for s in em.history.steps] == [1, 2, 3, 4, 5]
+    assert bool(em.history.promotions) == (case == "promotion")

@@ -9,6 +9,7 @@ import lowfp
 import lowfp.extra_bits as eb
 from lowfp.optim import ExtraBitsAdam, ExtraBitsAdamW, ExtraBitsSGD
 from extra_bits_reference import pack_reference, small_model
+from devices import on_cuda, step_on_both
 
 
 def bf16_param(n):
@@ -416,3 +417,34 @@ def test_amsgrad_switched_on_later_starts_its_maximum_at_zero():
         always.step()
         assert torch.equal(a, b)
     assert torch.equal(late.state[a]["max_exp_avg_sq"], always.state[b]["max_exp_avg_sq"])
+
+
+# On a GPU (tests/devices.py): the CPU's bits, counts and steps.
+
+@on_cuda
+def test_extra_bits_channels_last_parameters_on_gpu_equal_cpu():
+    """Parameters laid out channels_last step in memory order on the GPU as on the CPU (stochastic
+    words by memory position), and a layout change made after some steps moves the state alike
+    (the packed words are reordered on the CPU and copied back)."""
+    import copy
+    from lowfp import optim
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(5, 40, 3), torch.nn.Tanh(), torch.nn.Conv2d(40, 6, 3))
+    model = model.to(memory_format=torch.channels_last)
+    gpu_model = copy.deepcopy(model).cuda()
+    kw = dict(lr=0.05, momentum=0.9, extra_bits=8, rounding="stochastic")
+    torch.manual_seed(1)
+    cpu_opt = optim.ExtraBitsSGD(model.parameters(), **kw)
+    torch.manual_seed(1)
+    gpu_opt = optim.ExtraBitsSGD(gpu_model.parameters(), **kw)
+    assert gpu_model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    g = torch.Generator().manual_seed(2)
+    step_on_both(cpu_opt, gpu_opt, list(model.parameters()), list(gpu_model.parameters()), g,
+                 steps=3, seed=10)
+    model.to(memory_format=torch.contiguous_format)
+    gpu_model.to(memory_format=torch.contiguous_format)
+    step_on_both(cpu_opt, gpu_opt, list(model.parameters()), list(gpu_model.parameters()), g,
+                 steps=2, seed=20)
+    state = gpu_opt.state[gpu_model[0].weight]
+    assert "extra_dim_order" not in state and state["extra"].is_cuda
+    assert state["momentum_buffer"].is_contiguous()

@@ -9,6 +9,7 @@ import torch
 from lowfp.optim import ExtraBitsAdam, ExtraBitsAdamW, ExtraBitsSGD
 from lowfp.optim.state_dict import GENERATOR_STATE
 from extra_bits_reference import F32, truncate_bits, RefSGD, RefAdam, small_model
+from devices import on_cuda, step_on_both
 
 
 def run_exactness(opt_cls, ref_cls, kwargs, dtype=torch.bfloat16, k=16, rounding="toward_zero",
@@ -582,3 +583,175 @@ def test_a_shard_steps_as_its_part_of_the_whole_tensor(start, opt_cls, kw):
             opt.step()
         assert torch.equal(part.detach().view(torch.int16), whole.detach()[start:].view(torch.int16))
     assert torch.equal(opts[1].master_weights()[0], opts[0].master_weights()[0][start:])
+
+
+# On a GPU (tests/devices.py): the CPU's bits, counts and steps.
+
+@on_cuda
+@pytest.mark.parametrize("opt_name,kw", [
+    ("ExtraBitsSGD", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, extra_bits=8,
+                          rounding="stochastic")),
+    ("ExtraBitsSGD", dict(lr=0.05, momentum=0.9, extra_bits=8, rounding="toward_zero")),
+    ("ExtraBitsSGD", dict(lr=0.1, extra_bits=4, rounding="nearest")),
+    ("ExtraBitsAdam", dict(lr=1e-3, amsgrad=True, extra_bits=16, rounding="nearest", state_dtype=torch.bfloat16)),
+    ("ExtraBitsAdamW", dict(lr=1e-3, weight_decay=0.05, extra_bits=8, rounding="toward_zero")),
+    ("ExtraBitsAdamW", dict(lr=1e-3, extra_bits=8, rounding="nearest", state_dtype=torch.bfloat16)),
+    ("ExtraBitsAdamW", dict(lr=1e-3, extra_bits=13, rounding="stochastic", param_dtype=torch.float16)),
+])
+def test_extra_bits_optimizers_match_cpu(opt_name, kw):
+    import copy
+    from lowfp import optim
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(33, 70), torch.nn.Tanh(), torch.nn.Linear(70, 3))
+    gpu_model = copy.deepcopy(model).cuda()
+    torch.manual_seed(1)
+    cpu_opt = getattr(optim, opt_name)(model.parameters(), **kw)
+    torch.manual_seed(1)
+    gpu_opt = getattr(optim, opt_name)(gpu_model.parameters(), **kw)
+    step_on_both(cpu_opt, gpu_opt, list(model.parameters()), list(gpu_model.parameters()),
+                 torch.Generator().manual_seed(2), steps=5, seed=10)
+
+
+@on_cuda
+def test_extra_bits_state_dict_from_cpu_to_gpu():
+    """A CPU checkpoint loaded into a GPU optimizer: the packed words and moments move to the
+    GPU (Adam's step count stays on the CPU, as in torch.optim), and both go on equally. State
+    left on the wrong device is refused, not handed to the kernel."""
+    import copy
+    from lowfp import optim
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(33, 70), torch.nn.Tanh(), torch.nn.Linear(70, 3))
+    cpu_opt = optim.ExtraBitsAdamW(model.parameters(), lr=1e-3, extra_bits=8, rounding="stochastic")
+    g = torch.Generator().manual_seed(5)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+    cpu_opt.step()
+    gpu_model = copy.deepcopy(model).cuda()
+    gpu_opt = optim.ExtraBitsAdamW(gpu_model.parameters(), lr=1e-3, extra_bits=8, rounding="stochastic")
+    gpu_opt.load_state_dict(cpu_opt.state_dict())
+    for q in gpu_model.parameters():
+        state = gpu_opt.state[q]
+        assert state["extra"].is_cuda and state["exp_avg"].is_cuda and not state["step"].is_cuda
+    cpu_opt.weight_stats.reset()  # the counts are the optimizer's, not part of its state_dict
+    step_on_both(cpu_opt, gpu_opt, list(model.parameters()), list(gpu_model.parameters()), g,
+                 steps=3, seed=30)
+    q = next(gpu_model.parameters())
+    gpu_opt.state[q]["exp_avg"] = gpu_opt.state[q]["exp_avg"].cpu()
+    q.grad = torch.ones_like(q)
+    with pytest.raises(ValueError, match="'exp_avg' .* on cpu, but the step needs .* on cuda"):
+        gpu_opt.step()
+
+
+@on_cuda
+def test_extra_bits_continue_a_torch_fused_adamw_checkpoint_on_gpu_as_on_cpu():
+    """A CUDA torch.optim.AdamW(fused=True) state_dict (step counts on the device) loads into
+    ExtraBitsAdamW on the GPU as its CPU copy loads into the CPU optimizer, and both continue
+    alike, with the seeds from a generator= of their own (torch's global one draws nothing)."""
+    import copy
+    from lowfp import optim
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.Tanh(), torch.nn.Linear(48, 5)).cuda()
+    topt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        topt.step()
+    saved = topt.state_dict()
+    assert saved["state"][0]["step"].is_cuda
+    cpu_model = copy.deepcopy(model).cpu()
+    kw = dict(lr=1e-3, extra_bits=8, rounding="stochastic")
+    gpu_opt = optim.ExtraBitsAdamW(model.parameters(), generator=torch.Generator().manual_seed(4), **kw)
+    cpu_opt = optim.ExtraBitsAdamW(cpu_model.parameters(), generator=torch.Generator().manual_seed(4), **kw)
+    gpu_opt.load_state_dict(saved)
+    cpu_opt.load_state_dict(copy.deepcopy(saved))
+    assert gpu_opt.state[model[0].weight]["step"].device.type == "cpu"
+    g = torch.Generator().manual_seed(2)
+    step_on_both(cpu_opt, gpu_opt, list(cpu_model.parameters()), list(model.parameters()), g,
+                 steps=3, seed=10)
+
+
+@on_cuda
+@pytest.mark.parametrize("opt_name,rounding", [("ExtraBitsSGD", "stochastic"), ("ExtraBitsAdamW", "nearest")])
+def test_extra_bits_step_of_a_large_group_matches_cpu(opt_name, rounding):
+    # 5.2e4 chunks of 128 elements: about 3 per warp on an H100 (132 SMs x 16 blocks x 8 warps),
+    # so warps step several, crossing from one parameter to the next (their forward scan of the
+    # slot table); sizes that end in full and in partial chunks.
+    from lowfp import optim
+    sizes = [4_000_007, 128, 3, 2_500_000, 4_096 * 33 + 31]
+    g = torch.Generator().manual_seed(4)
+    cpu_params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in sizes]
+    gpu_params = [torch.nn.Parameter(p.detach().cuda()) for p in cpu_params]
+    kw = dict(lr=0.01, extra_bits=8, rounding=rounding)
+    kw.update(momentum=0.9) if opt_name == "ExtraBitsSGD" else kw.update(weight_decay=0.01)
+    cpu_opt = getattr(optim, opt_name)(cpu_params, **kw)
+    gpu_opt = getattr(optim, opt_name)(gpu_params, **kw)
+    step_on_both(cpu_opt, gpu_opt, cpu_params, gpu_params, g, steps=2, seed=20)
+
+
+@on_cuda
+def test_extra_bits_step_of_more_parameters_than_one_launch_holds():
+    # The slot table is the kernel's argument (384 parameters a launch): 900 parameters take
+    # three launches; empty parameters are skipped, and a table of empty ones launches nothing.
+    from lowfp import optim
+    g = torch.Generator().manual_seed(6)
+    sizes = [int(n) for n in torch.randint(0, 700, (900,), generator=g)] + [0, 0]
+    cpu_params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in sizes]
+    gpu_params = [torch.nn.Parameter(p.detach().cuda()) for p in cpu_params]
+    kw = dict(lr=0.01, momentum=0.9, extra_bits=8, rounding="stochastic")
+    cpu_opt = optim.ExtraBitsSGD(cpu_params, **kw)
+    gpu_opt = optim.ExtraBitsSGD(gpu_params, **kw)
+    step_on_both(cpu_opt, gpu_opt, cpu_params, gpu_params, g, steps=2, seed=40)
+    assert gpu_opt.weight_stats.numel == 2 * sum(sizes)
+    empty = [torch.nn.Parameter(torch.zeros(0, device="cuda")) for _ in range(3)]
+    opt = optim.ExtraBitsSGD(empty, lr=0.1)
+    for p in empty:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    torch.cuda.synchronize()
+
+
+@on_cuda
+@pytest.mark.parametrize("opt_name,torch_name,kw", [
+    ("ExtraBitsSGD", "SGD", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2)),
+    ("ExtraBitsSGD", "SGD", dict(lr=0.05, momentum=0.8, dampening=0.1, maximize=True)),
+    ("ExtraBitsAdam", "Adam", dict(lr=1e-3, weight_decay=1e-2, amsgrad=True)),
+    ("ExtraBitsAdamW", "AdamW", dict(lr=1e-3, weight_decay=1e-2)),
+    ("ExtraBitsAdam", "Adam", dict(lr=1e-3, maximize=True, decoupled_weight_decay=True,
+                                   weight_decay=0.1)),
+])
+def test_extra_bits_on_gpu_equal_torch_optim_foreach_on_gpu(opt_name, torch_name, kw):
+    """bfloat16 + 16 extra bits on the GPU equals torch.optim's default CUDA path (foreach) on a
+    float32 master bit for bit, fed the same gradients (docs/design.md §5)."""
+    from lowfp import optim
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(33, 70), torch.nn.Tanh(), torch.nn.Linear(70, 3)).cuda()
+    master = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    ref = getattr(torch.optim, torch_name)(master, **kw)
+    opt = getattr(optim, opt_name)(model.parameters(), extra_bits=16, **kw)
+    g = torch.Generator().manual_seed(3)
+    for step in range(200):
+        for p, m in zip(model.parameters(), master):
+            grad = torch.randn(p.shape, generator=g).to(torch.bfloat16).cuda()
+            p.grad, m.grad = grad, grad.float()
+        opt.step()
+        ref.step()
+        for w, m in zip(opt.master_weights(), master):
+            assert torch.equal(w, m.detach()), step
+
+
+@on_cuda
+@pytest.mark.parametrize("start", [1, 2, 3])
+def test_extra_bits_step_from_an_element_offset_matches_cpu(start):
+    # A DTensor shard's step starts inside a Philox block: each 128-element chunk then reads a
+    # 33rd block (the kernel's phase path), and must draw as the CPU does.
+    from lowfp import optim
+    g = torch.Generator().manual_seed(start)
+    cpu_params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (1000, 129, 5)]
+    gpu_params = [torch.nn.Parameter(p.detach().cuda()) for p in cpu_params]
+    kw = dict(lr=0.01, extra_bits=8, rounding="stochastic", weight_decay=0.01)
+    cpu_opt = optim.ExtraBitsAdamW(cpu_params, **kw)
+    gpu_opt = optim.ExtraBitsAdamW(gpu_params, **kw)
+    for opt, params in ((cpu_opt, cpu_params), (gpu_opt, gpu_params)):
+        for p in params:
+            opt._philox_offset[id(p)] += start
+    step_on_both(cpu_opt, gpu_opt, cpu_params, gpu_params, g, steps=2, seed=60)

@@ -8,6 +8,7 @@ import torch
 import lowfp
 import lowfp.extra_bits as eb
 from extra_bits_reference import random_float32, truncate_bits, pack_reference
+from devices import bit_patterns, on_cuda, same_bits
 
 
 @pytest.mark.parametrize("rounding", eb.EXTRA_BITS_ROUNDING)
@@ -209,3 +210,21 @@ def test_pack_and_unpack_are_the_packing_per_element(k, rounding, n):
         eb.pack(torch.tensor([2**q], dtype=torch.int32), k, rounding)
     with pytest.raises(ValueError, match="words but"):
         eb.unpack(packed, n + 32, k, rounding)
+
+
+# On a GPU (tests/devices.py): the CPU's bits, counts and steps.
+
+@on_cuda
+@pytest.mark.parametrize("dtype,k", [(torch.bfloat16, 16), (torch.bfloat16, 5), (torch.float16, 13),
+                                     (torch.float16, 8)])
+@pytest.mark.parametrize("rounding", ["toward_zero", "nearest", "stochastic"])
+def test_extra_bits_split_merge_match_cpu(dtype, k, rounding):
+    import lowfp.extra_bits as eb
+    w = bit_patterns(100_003, torch.float32, seed=5)
+    w = torch.where(torch.isfinite(w), w, torch.zeros_like(w))
+    s_cpu, s_gpu = lowfp.Stats(), lowfp.Stats("cuda")
+    a16, ap = eb.split(w, dtype, k, rounding, seed=3, stats=s_cpu)
+    b16, bp = eb.split(w.cuda(), dtype, k, rounding, seed=3, stats=s_gpu)
+    assert same_bits(a16, b16.cpu()) and torch.equal(ap, bp.cpu())
+    assert s_cpu.as_dict() == s_gpu.as_dict()
+    assert torch.equal(eb.merge(a16, ap, k, rounding), eb.merge(b16, bp, k, rounding).cpu())

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import lowfp
+from devices import bit_patterns, cpu_and_gpu, on_cuda, same_bits
 
 NAMES = ["float16", "bfloat16", "float8_e5m2", "float8_e4m3fn", "float8_e4m3", "float8_e3m4",
          "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3b11fnuz", "float6_e3m2fn",
@@ -119,3 +120,19 @@ def test_float64_no_double_rounding_named_cases():
     assert np.isnan(lowfp.quantize(x, e4m3, overflow="nan")[1])
     # Through float32 both would have tied: the first to 0, the second to 448 without overflow.
     assert lowfp.quantize(x.astype(np.float32), e4m3, overflow="nan")[1] == 448
+
+
+# On a GPU (tests/devices.py): the CPU's bits, counts and steps.
+
+@on_cuda
+@pytest.mark.parametrize("mode", lowfp.ROUNDING_MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_named_formats_match_cpu(mode, dtype):
+    x = bit_patterns(1 << 20, dtype)
+    for name in lowfp.formats.named():
+        fmt = lowfp.formats.named()[name]
+        out_dtype = dtype if fmt.fits(dtype) else torch.float32
+        for policy in ("saturate", "inf", "nan"):
+            a, b, ca, cb = cpu_and_gpu(x, fmt, mode, overflow=policy, out_dtype=out_dtype)
+            assert same_bits(a, b), (name, mode, policy, dtype)
+            assert ca == cb

@@ -172,8 +172,9 @@ def test_torchs_cuda_association_on_the_cpu(cls, kwargs):
     self + value * (t1 op t2) with one fused multiply-add, and take correctly rounded square
     roots; the GPU step does the same. A CPU optimizer told to step as on CUDA
     (_cuda_association) equals a numpy reference of those formulas over 300 steps, so the
-    formulas are checked here and a GPU run only adds the kernel (tests/test_cuda.py compares
-    it with torch on the GPU); it differs from the CPU association."""
+    formulas are checked here and a GPU run only adds the kernel (the cuda tests of
+    tests/test_extra_bits_optimizers.py compare it with torch on the GPU); it differs from the CPU
+    association."""
     from extra_bits_reference import RefAdam
     model, x, y = model_and_data(2)
     decoupled = cls is ExtraBitsAdamW

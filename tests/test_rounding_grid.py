@@ -16,6 +16,7 @@ import torch
 import lowfp
 from reference import (DETERMINISTIC, FLOAT32_LIMITS, FLOAT64_LIMITS, Spec, overflow_result,
                        round_exact)
+from devices import DEVICES, bit_patterns, cpu_and_gpu, on_cuda, same_bits
 
 POLICIES = ("saturate", "inf", "nan")
 
@@ -60,23 +61,24 @@ def same(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.all(nan | ((a == b) & (np.signbit(a) == np.signbit(b)))))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("e", range(2, 9))
-def test_grid_against_fraction_reference(e):
+def test_grid_against_fraction_reference(e, device):
     rng = random.Random(1234 + e)
     checked = 0
     for spec in specs_for_e(e):
         values = sample_values(spec, rng)
         carriers = [torch.float64] + ([torch.float32] if spec.fits(*FLOAT32_LIMITS) else [])
         for dtype in carriers:
-            x = torch.tensor(values, dtype=dtype)
+            x = torch.tensor(values, dtype=dtype, device=device)
             xs = [float(v) for v in x.tolist()]
             for mode in DETERMINISTIC:
                 base = [round_exact(v, spec, mode, "saturate") for v in xs]
                 for policy in POLICIES:
                     fmt = lowfp.fp(spec.e, spec.m, spec.b, specials=spec.specials,
                                    subnormals=spec.subnormals, overflow=policy)
-                    stats = lowfp.Stats()
-                    got = lowfp.quantize(x, fmt, mode, stats=stats)
+                    stats = lowfp.Stats(device)
+                    got = lowfp.quantize(x, fmt, mode, stats=stats).cpu()
                     want = [overflow_result(v, spec, mode, policy) if ev == "overflow" else r
                             for v, (r, ev) in zip(xs, base)]
                     want_t = torch.tensor(want, dtype=dtype).numpy()
@@ -90,3 +92,24 @@ def test_grid_against_fraction_reference(e):
                         "nan": events.count("nan"), "numel": len(xs)}, (fmt, dtype, mode)
                     checked += len(xs)
     assert checked > 10000
+
+
+# On a GPU (tests/devices.py): the CPU's bits, counts and steps.
+
+@on_cuda
+@pytest.mark.parametrize("mode", lowfp.ROUNDING_MODES)
+def test_grid_matches_cpu(mode):
+    x32 = bit_patterns(1 << 16, torch.float32, seed=1)
+    x64 = bit_patterns(1 << 16, torch.float64, seed=2)
+    for e in range(2, 9):
+        for m in (0, 1, 3, 7, 10):
+            for b in (-3, 0, 4, 6):
+                for specials in ("none", "ieee", "fn", "fnuz"):
+                    for sub in (True, False):
+                        try:
+                            fmt = lowfp.fp(e, m, b, specials=specials, subnormals=sub)
+                        except ValueError:
+                            continue
+                        for x in ((x32, x64) if fmt.fits(torch.float32) else (x64,)):
+                            a, b_, ca, cb = cpu_and_gpu(x, fmt, mode, sr_bits=13 if e % 2 else 32)
+                            assert same_bits(a, b_) and ca == cb, (str(fmt), mode, x.dtype)

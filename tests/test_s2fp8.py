@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import lowfp
+from devices import bit_patterns, on_cuda, same_bits
 
 FP8 = "float8_e5m2"
 
@@ -588,3 +589,109 @@ def test_demo_runs():
     out = subprocess.run([sys.executable, str(demo), "--size", "4096"], capture_output=True,
                          text=True, check=True).stdout
     assert out.count("S2FP8 (alpha=") == 5 and "loss scale 2^" in out
+
+
+# On a GPU (tests/devices.py): the CPU's bits, counts and steps.
+
+def s2fp8_cpu_and_gpu(x, fmt="float8_e5m2", mode="nearest", **kw):
+    s_cpu, s_gpu = lowfp.Stats(), lowfp.Stats("cuda")
+    y_cpu, st_cpu = lowfp.s2fp8_quantize(x, fmt, rounding=mode, seed=21, stats=s_cpu, **kw)
+    y_gpu, st_gpu = lowfp.s2fp8_quantize(x.cuda(), fmt, rounding=mode, seed=21, stats=s_gpu, **kw)
+    assert st_gpu.params.is_cuda and y_gpu.is_cuda
+    assert torch.equal(st_cpu.sums, st_gpu.sums.cpu())
+    assert same_bits(st_cpu.params, st_gpu.params.cpu())
+    assert s_cpu.as_dict() == s_gpu.as_dict()
+    return y_cpu, y_gpu.cpu()
+
+
+@on_cuda
+@pytest.mark.parametrize("mode", lowfp.ROUNDING_MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_s2fp8_matches_cpu(dtype, mode):
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(300_001, generator=g, dtype=torch.float64)
+         * torch.exp2(torch.randint(-12, 12, (300_001,), generator=g).double())).to(dtype)
+    x[::1000] = 0
+    x[5] = float("nan")
+    x[7] = float("inf")
+    y_cpu, y_gpu = s2fp8_cpu_and_gpu(x, mode=mode)
+    assert same_bits(y_cpu, y_gpu)
+
+
+@on_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt,mode", [("float8_e5m2", m)
+                                      for m in ("nearest", "nearest_away", "toward_zero", "up", "down")]
+                         + [("float8_e4m3fn", "nearest"), ("fp(4,3,4)", "toward_zero")])
+def test_s2fp8_threshold_form_on_gpu(dtype, fmt, mode, monkeypatch):
+    # From 2^24 elements the GPU reads x' from thresholds built on the host (deterministic modes,
+    # 16/32-bit x): the same bits as the CPU and as the GPU's float64 kernel.
+    n = 2**24 + 5
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-8, 8, (n,), generator=g).float())
+    x = x.to(dtype)
+    x[::4099] = 0
+    x[3], x[10], x[11] = float("nan"), float("inf"), -float("inf")
+    y_cpu, y_gpu = s2fp8_cpu_and_gpu(x, fmt, mode)
+    assert same_bits(y_cpu, y_gpu)
+    monkeypatch.setenv("LOWFP_S2FP8_FLOAT64", "1")
+    s_wide = lowfp.Stats("cuda")
+    y_wide, _ = lowfp.s2fp8_quantize(x.cuda(), fmt, rounding=mode, seed=21, stats=s_wide)
+    assert same_bits(y_wide.cpu(), y_gpu)
+    s_cpu = lowfp.Stats()
+    lowfp.s2fp8_quantize(x, fmt, rounding=mode, seed=21, stats=s_cpu)
+    assert s_wide.as_dict() == s_cpu.as_dict()
+
+
+@on_cuda
+@pytest.mark.parametrize("fmt,log_max", [("float8_e4m3fn", 8.0), ("fp(4,3,4)", 4.0), ("fp(5,2,0)", 15.0)])
+def test_s2fp8_formats_match_cpu(fmt, log_max):
+    x = bit_patterns(100_003, torch.float32, seed=4)
+    y_cpu, y_gpu = s2fp8_cpu_and_gpu(x, fmt, "stochastic", log_max=log_max)
+    assert same_bits(y_cpu, y_gpu)
+
+
+@on_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt,log_max", [("float8_e5m2", 15.0), ("float8_e4m3fn", 8.0), ("fp(4,3,4)", 4.0)])
+def test_s2fp8_stochastic_form_on_gpu(dtype, fmt, log_max, monkeypatch):
+    # From 2^24 elements, stochastic rounding of 16/32-bit x takes the fast form on the GPU (a
+    # table built on the host, the float64 path for the ambiguous elements): the same bits and
+    # counts as the CPU and as the GPU's float64 kernel. Random bit patterns (every binade, NaN
+    # payloads: alpha ~0.1) and magnitudes within a quarter binade (alpha in the hundreds, many
+    # elements near a band).
+    n = 2**24 + 7
+    g = torch.Generator().manual_seed(13)
+    narrow = torch.exp2(torch.rand(n, generator=g, dtype=torch.float64) * 0.25 - 3.0)
+    narrow = narrow * torch.sign(torch.randn(n, generator=g, dtype=torch.float64))
+    for x in (bit_patterns(n, dtype, seed=13), narrow.to(dtype)):
+        y_cpu, y_gpu = s2fp8_cpu_and_gpu(x, fmt, "stochastic", log_max=log_max)
+        assert same_bits(y_cpu, y_gpu)
+        monkeypatch.setenv("LOWFP_S2FP8_FLOAT64", "1")
+        s_wide, s_fast = lowfp.Stats("cuda"), lowfp.Stats("cuda")
+        y_wide, _ = lowfp.s2fp8_quantize(x.cuda(), fmt, log_max=log_max, rounding="stochastic",
+                                         seed=21, stats=s_wide)
+        monkeypatch.setenv("LOWFP_S2FP8_FLOAT64", "0")
+        lowfp.s2fp8_quantize(x.cuda(), fmt, log_max=log_max, rounding="stochastic", seed=21,
+                             stats=s_fast)
+        assert same_bits(y_wide.cpu(), y_gpu)
+        assert s_wide.as_dict() == s_fast.as_dict()
+
+
+@on_cuda
+def test_s2fp8_edge_cases_on_gpu():
+    for x in (torch.zeros(7), torch.empty(0), torch.tensor([2.5] * 9), torch.tensor(3.0)):
+        y_cpu, y_gpu = s2fp8_cpu_and_gpu(x)
+        assert same_bits(y_cpu, y_gpu)
+    base = torch.randn(300, 300, device="cuda")
+    view = base.t()[::3]
+    want, _ = lowfp.s2fp8_quantize(view.contiguous())
+    got, _ = lowfp.s2fp8_quantize(view)
+    assert torch.equal(got, want)
+    c = base.clone()
+    lowfp.quantize_(c, "s2fp8")
+    assert torch.equal(c, lowfp.quantize(base, "s2fp8"))
+    x = torch.randn(1000, device="cuda", requires_grad=True)
+    up = torch.randn(1000, device="cuda")
+    lowfp.s2fp8_quantize(x, truncate_grad=True)[0].backward(up)
+    assert torch.equal(x.grad.cpu(), lowfp.s2fp8_quantize(up.cpu())[0])

@@ -18,6 +18,7 @@ import torchao.prototype.mx_formats.mx_tensor as torchao_mx
 from torchao.prototype.mx_formats.config import ScaleCalculationMode
 from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
 from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
+from devices import DEVICES, bit_patterns, on_cuda, same_bits
 
 MX = {  # lowfp name: torchao element dtype
     "mxfp8_e4m3": torch.float8_e4m3fn,
@@ -129,34 +130,41 @@ def reference(x: torch.Tensor, fmt: Scaled, rounding="nearest"):
     return out.float(), torch.tensor(scales, dtype=torch.float64)
 
 
+def on_cpu(parts):
+    """A ScaledParts with each tensor on the CPU."""
+    return type(parts)(*(t.cpu() for t in parts))
+
+
 @pytest.mark.parametrize("rule", ["floor", "ceil", "rceil", "even"])
 @pytest.mark.parametrize("element", ["float8_e4m3fn", "float4_e2m1fn", "float6_e2m3fn"])
-def test_e8m0_rules_match_the_exact_reference(rule, element):
+@pytest.mark.parametrize("device", DEVICES)
+def test_e8m0_rules_match_the_exact_reference(rule, element, device):
     fmt = Scaled(element, block=8, scale_rule=rule)
     x = blocks_of_many_magnitudes(6, 64, -10, 10, seed=1)[:, :56]  # a short last block per row
     x[0, :8] = torch.tensor([448.0, 449.0, 480.0, 500.0, 3.0, -1.0, 0.0, 1.0])  # around max_E
     x[1, :8] = torch.tensor([6.0, 6.5, 7.0, 8.0, 0.25, 0.0, -6.1, 5.9])
     for rounding in ("nearest", "toward_zero", "up", "down"):
-        parts = lowfp.scaled.encode(x, fmt, rounding)
+        parts = on_cpu(lowfp.scaled.encode(x.to(device), fmt, rounding))
         want, want_scales = reference(x, fmt, rounding)
         assert torch.equal(parts.scales, want_scales), (rounding, parts.scales, want_scales)
         assert torch.equal(parts.value, want), rounding
     # float64 blocks whose largest magnitudes lie far below 2^-127 · max_E (float64 subnormals
     # among them): every rule clamps at 2^-127, and counts the block as saturated
     tiny = torch.tensor([[1e-310, 0.0] * 4 + [2.0 ** -1000] * 8 + [2.0 ** -130] * 8], dtype=torch.float64)
-    st = lowfp.scaled.ScaledStats()
-    parts = lowfp.scaled.encode(tiny, fmt, stats=st)
+    st = lowfp.scaled.ScaledStats(device)
+    parts = on_cpu(lowfp.scaled.encode(tiny.to(device), fmt, stats=st))
     want_k = [ref_e8m0_exponent(Fraction(float(tiny[0, c0:c0 + 8].abs().max())), fmt) for c0 in (0, 8, 16)]
     assert parts.scales.tolist() == [[2.0 ** k for k in want_k]] and st.saturated_blocks == want_k.count(-127)
 
 
 @pytest.mark.parametrize("scale", ["float8_e4m3fn", "float32", "fp(5,2,0)"])
-def test_scales_in_a_format_match_the_exact_reference(scale):
+@pytest.mark.parametrize("device", DEVICES)
+def test_scales_in_a_format_match_the_exact_reference(scale, device):
     fmt = Scaled("float4_e2m1fn", block=16, scale=scale)
     x = blocks_of_many_magnitudes(4, 64, -8, 8, seed=2)
     x[0, :16] = 0.0  # an empty block
     for rounding in ("nearest", "toward_zero", "up", "down"):
-        parts = lowfp.scaled.encode(x, fmt, rounding)
+        parts = on_cpu(lowfp.scaled.encode(x.to(device), fmt, rounding))
         want, want_scales = reference(x, fmt, rounding)
         assert torch.equal(parts.value, want), rounding
         assert torch.equal(parts.scales[1:], want_scales[1:])
@@ -238,13 +246,14 @@ def _torchao_mx(x, elem, mode):
 @pytest.mark.parametrize("name", sorted(MX))
 @pytest.mark.parametrize("rule", ["floor", "even", "rceil"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mx_matches_torchao_bit_for_bit(name, rule, dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_mx_matches_torchao_bit_for_bit(name, rule, dtype, device):
     # Blocks whose largest magnitude a gives a scale of 2^-127 differ by definition (torchao
     # divides by 2^-126 there, docs/design.md §9): magnitudes here keep scales far above it.
     fmt = Scaled(lowfp.scaled.named()[name].element, block=32, scale_rule=rule)
     x = blocks_of_many_magnitudes(32, 512, -40, 40, seed=3).to(dtype)
     want = _torchao_mx(x, MX[name], ScaleCalculationMode(rule))
-    got = lowfp.quantize(x, fmt)
+    got = lowfp.quantize(x.to(device), fmt).cpu()
     assert got.dtype == dtype
     assert torch.equal(got.float(), want.to(dtype).float())
 
@@ -826,3 +835,81 @@ torch.save(outs, sys.argv[1])
         for i, (a, b) in enumerate(zip(r[1:], ref)):
             assert torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
                                b.view(torch.uint8) if b.is_floating_point() else b), (kernel, i)
+
+
+# On a GPU (tests/devices.py): the CPU's bits, counts and steps.
+
+@on_cuda
+@pytest.mark.parametrize("name", sorted(lowfp.scaled.named()) + ["rceil", "ceil", "even", "e5m2 2-D",
+                                                                  "4over6 mae 2-D"])
+@pytest.mark.parametrize("mode", ["nearest", "down", "stochastic"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_scaled_formats_match_cpu(name, mode, dtype):
+    fmt = {"rceil": lowfp.Scaled("float8_e4m3fn", block=32, scale_rule="rceil"),
+           "ceil": lowfp.Scaled("float6_e2m3fn", block=17, scale_rule="ceil"),
+           "even": lowfp.Scaled("float4_e2m1fn", block=32, axis=0, scale_rule="even"),
+           "e5m2 2-D": lowfp.Scaled("float8_e5m2", block=(8, 16), scale="fp(5,2,0)"),
+           "4over6 mae 2-D": lowfp.Scaled("float4_e2m1fn", block=(16, 16), scale="float8_e4m3fn",
+                                          tensor_scale=True, four_over_six="mae")}.get(name, name)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 384, generator=g) * torch.exp2(torch.randint(-20, 20, (64, 1), generator=g).float()))
+    x[0, :5] = torch.tensor([float("nan"), float("inf"), 0.0, -0.0, 1e-30])
+    x = x.to(dtype)
+    cpu_stats, gpu_stats = lowfp.scaled.ScaledStats(), lowfp.scaled.ScaledStats("cuda")
+    cpu = lowfp.scaled.encode(x, fmt, mode, seed=5, stats=cpu_stats)
+    gpu = lowfp.scaled.encode(x.cuda(), fmt, mode, seed=5, stats=gpu_stats)
+    for a, b in zip(cpu, gpu):  # value, q, scales, tensor scale
+        assert same_bits(a, b.cpu())
+    assert torch.equal(cpu_stats.counts, gpu_stats.counts.cpu())
+
+
+@on_cuda
+@pytest.mark.parametrize("layout", ["rows", "short last block", "misaligned", "in place", "one row", "1-D"])
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "nvfp4", "fp8_e4m3_block128", "fp8_e4m3_tensorwise"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_scaled_layouts_match_cpu(layout, name, dtype):
+    # The GPU rounds 1-D blocks that cut each row evenly, from aligned buffers, in one pass, and
+    # every other layout in passes over the blocks' maxima, the scales and the elements: both
+    # give the CPU's bits, scales and counts.
+    g = torch.Generator().manual_seed(3)
+    shape = {"short last block": (48, 200), "one row": (1, 4096), "1-D": (1000,)}.get(layout, (48, 256))
+    numel = 1
+    for d in shape:
+        numel *= d
+    base = torch.randn(numel + 1, generator=g) * torch.exp2(torch.randint(-12, 12, (numel + 1,), generator=g).float())
+    base[7] = float("inf")
+    base = base.to(dtype)
+    x = (base[1:] if layout == "misaligned" else base[:-1]).reshape(shape)
+    for mode in ("nearest", "stochastic"):
+        cpu_stats, gpu_stats = lowfp.scaled.ScaledStats(), lowfp.scaled.ScaledStats("cuda")
+        cpu = lowfp.scaled.quantize_scaled(x, name, mode, seed=9, stats=cpu_stats)
+        xg = x.cuda() if layout != "misaligned" else base.cuda()[1:].reshape(shape)
+        if layout == "in place":
+            gpu = lowfp.scaled.quantize_scaled(xg, name, mode, seed=9, stats=gpu_stats, out=xg)
+            assert gpu.data_ptr() == xg.data_ptr()
+        else:
+            gpu = lowfp.scaled.quantize_scaled(xg, name, mode, seed=9, stats=gpu_stats)
+        assert same_bits(cpu, gpu.cpu()), (layout, mode)
+        assert torch.equal(cpu_stats.counts, gpu_stats.counts.cpu()), (layout, mode)
+        cpu_parts = lowfp.scaled.encode(x, name, mode, seed=9)
+        gpu_parts = lowfp.scaled.encode(x.cuda(), name, mode, seed=9)
+        for a, b in zip(cpu_parts, gpu_parts):  # value, q, scales, tensor scale
+            assert same_bits(a, b.cpu()), (layout, mode)
+
+
+@on_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_hadamard_kernel_on_gpu_equals_cpu_and_the_torch_form(dtype):
+    from lowfp.scaled.quantize import _hadamard_native, _sign_values, hadamard, hadamard_signs
+    x = bit_patterns(64 * 48, dtype, seed=3).reshape(64, 48)
+    for axis in (-1, 0):
+        for inverse in (False, True):
+            cpu = _hadamard_native(x, _sign_values(5), axis, inverse)
+            gpu = _hadamard_native(x.cuda(), _sign_values(5), axis, inverse).cpu()
+            ref = hadamard(x.cuda(), hadamard_signs(5, "cuda"), axis, inverse).cpu()
+            for got in (gpu, ref):
+                assert torch.equal(got.isnan(), cpu.isnan())
+                assert same_bits(got.nan_to_num(0.0), cpu.nan_to_num(0.0)), (axis, inverse)
+    y = lowfp.scaled.quantize_scaled(x.cuda(), "nvfp4", "stochastic", seed=1, hadamard_seed=4)
+    assert same_bits(y.cpu().nan_to_num(0.0), lowfp.scaled.quantize_scaled(
+        x, "nvfp4", "stochastic", seed=1, hadamard_seed=4).nan_to_num(0.0))

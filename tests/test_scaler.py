@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import lowfp
+from devices import on_cuda
 
 
 def model_and_data(dtype=torch.float32, seed=0):
@@ -267,3 +268,112 @@ def test_multi_tensor_unscale_of_several_dtypes_and_empty_gradients():
         assert bool(found) == (bad_dtype is not None)
         assert all(float(g[0]) == 1.5 for g in grads if g.numel())
     assert not bool(_unscale_multi_tensor([torch.empty(0), torch.empty(0, 3)], 0.5))
+
+
+# On a GPU (tests/devices.py): the CPU's bits, counts and steps.
+
+@on_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dynamic_loss_scaler_steps_extra_bits_on_gpu_as_on_cpu(dtype):
+    """lowfp.DynamicLossScaler takes bfloat16 gradients on a GPU (where torch's GradScaler does
+    not): the same steps and skips as on the CPU (which checks each gradient with lowfp's
+    kernel, the GPU with multi-tensor calls)."""
+    from lowfp import optim
+    torch.manual_seed(0)
+    w = torch.randn(300, 7)
+    runs = []
+    for device in ("cpu", "cuda"):
+        p = torch.nn.Parameter(w.to(device))
+        opt = optim.ExtraBitsSGD([p], lr=0.05, momentum=0.9, extra_bits=8, param_dtype=dtype)
+        scaler = lowfp.DynamicLossScaler(device, init_scale=2.0 ** 10, growth_interval=2)
+        torch.manual_seed(1)
+        for step in range(6):
+            opt.zero_grad()
+            g = torch.randn(300, 7)
+            if step in (1, 4):
+                g[3, 2] = float("nan")
+            p.grad = (g * scaler.get_scale()).to(device=device, dtype=dtype)
+            scaler.step(opt)
+            scaler.update()
+        runs.append((scaler.get_scale(), opt.master_weights()[0].cpu()))
+    assert runs[0][0] == runs[1][0]
+    assert torch.equal(runs[0][1], runs[1][1])
+
+
+@on_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_multi_tensor_unscale_on_gpu_finds_each_non_finite_value_without_waiting(dtype):
+    """DynamicLossScaler's GPU unscale (multi-tensor multiply and infinity norm): the CPU's
+    gradients and flag for NaN, +-inf or an overflow by the unscale at any place of any of many
+    gradients (some past the first multi-tensor chunk), and unscale_ does not wait."""
+    from lowfp.scaler import _unscale_multi_tensor, _unscale_one_by_one
+    gen = torch.Generator().manual_seed(3)
+    sizes = [0, 1, 5, 70000, 33, 2 ** 20 + 3] + [17] * 200
+    for case in range(12):
+        grads = [(torch.randn(n, generator=gen) * 50).to(dtype) for n in sizes]
+        inv = 0.25
+        if case:
+            i = int(torch.randint(1, len(sizes), (1,), generator=gen))
+            j = int(torch.randint(0, sizes[i], (1,), generator=gen))
+            bad = (float("nan"), float("inf"), -float("inf"), torch.finfo(dtype).max)[case % 4]
+            grads[i][j] = bad
+            if case % 4 == 3:
+                inv = 4.0  # the finite largest value overflows once unscaled
+        gpu = [g.cuda() for g in grads]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            found_gpu = _unscale_multi_tensor(gpu, inv)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        found_cpu = _unscale_one_by_one(grads, inv)
+        assert bool(found_gpu) == bool(found_cpu) == (case != 0), case
+        for g, h in zip(grads, gpu):
+            # (a GPU's NaN has no payload to keep: NaN equals NaN here, all else exactly)
+            assert torch.allclose(g.double(), h.cpu().double(), rtol=0, atol=0, equal_nan=True)
+
+
+@on_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_any_non_finite_on_gpu(dtype):
+    """The GPU's paths against isfinite, with count_into and out= (one element of a larger
+    buffer, as step inside backward passes it): lowfp's one-launch kernel for dense tensors
+    (its last block resets its scratch: found and clean calls alternate here; a transposed
+    tensor; one past a grid's worth of threads), torch's aminmax path for a strided one.
+    Neither waits for the device."""
+    from lowfp.scaler import any_non_finite
+    big = torch.finfo(dtype).max
+    cases = [torch.zeros(0, dtype=dtype), torch.tensor([big, -big], dtype=dtype),
+             torch.randn(64, 48).to(dtype)[:, ::3], torch.randn(48, 64).to(dtype).t()]
+    for special in (float("nan"), float("inf"), -float("inf")):
+        for where in (0, 100_001, 200_002):
+            t = torch.randn(200_003).to(dtype)
+            t[where] = special
+            cases.append(t)
+            cases.append(torch.randn(3, 5).to(dtype))
+        t = torch.randn(96, 64).to(dtype)
+        t[95, 0] = special
+        cases.append(t.t())  # dense, transposed: its last element in memory
+        t = torch.randn(3_000_017).to(dtype)
+        t[-1] = special
+        cases.append(t)
+    counts = torch.zeros(2, dtype=torch.int64, device="cuda")
+    flags = torch.zeros(3, dtype=torch.bool, device="cuda")
+    expected = 0
+    for t in cases:
+        want = not bool(torch.isfinite(t).all())
+        g = t.cuda()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            found = any_non_finite(g, counts, out=flags[1])
+            alone = any_non_finite(g)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert found.device.type == "cuda" and bool(found) == want == bool(alone)
+        assert flags.tolist() == [False, want, False]
+        expected += int(want)
+        assert counts.tolist() == [expected, expected]
+        flags.zero_()
+    with pytest.raises(ValueError, match="out must be a one-element bool tensor on cuda"):
+        any_non_finite(cases[1].cuda(), out=torch.zeros((), dtype=torch.bool))

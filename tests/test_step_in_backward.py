@@ -7,6 +7,7 @@ import torch
 import lowfp
 from lowfp.optim import ExtraBitsAdam, ExtraBitsAdamW, ExtraBitsSGD
 from extra_bits_reference import small_model
+from devices import on_cuda
 
 
 def twin_models(opt_cls, **kw):
@@ -380,3 +381,63 @@ def test_optimizer_pickles_and_deep_copies(how):
         o.step()
     assert all(torch.equal(a, b) for a, b in zip(opt.master_weights(), opt2.master_weights()))
     assert opt2.weight_stats.as_dict() == opt.weight_stats.as_dict()
+
+
+# On a GPU (tests/devices.py): the CPU's bits, counts and steps.
+
+@on_cuda
+@pytest.mark.parametrize("opt_name,kw,scaler_kind", [
+    ("ExtraBitsSGD", dict(lr=0.05, momentum=0.9, dampening=0.1, rounding="stochastic"), "lowfp"),
+    ("ExtraBitsSGD", dict(lr=0.05, momentum=0.9, rounding="nearest"), "torch"),
+    ("ExtraBitsAdamW", dict(lr=1e-2, rounding="stochastic"), "lowfp"),
+])
+def test_step_in_backward_on_gpu_never_waits(opt_name, kw, scaler_kind):
+    """Stepping inside backward on the GPU: the hooks unscale, check and skip on the device, so
+    a backward pass never waits for it (CUDA's sync debug mode "error" raises on any wait). Adam
+    waits once at the end of a pass, to apply the step counts of the steps not skipped, and SGD
+    after its first momentum step, to take back a skipped one; those passes run outside the
+    debug mode. Bit for bit equal
+    to a twin model stepped normally on the same GPU, a non-finite gradient skipped in both."""
+    import copy
+    from lowfp import optim
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(33, 70), torch.nn.Tanh(), torch.nn.Linear(70, 3)).cuda()
+    b = copy.deepcopy(a)
+    torch.manual_seed(1)
+    opt_a = getattr(optim, opt_name)(a.parameters(), extra_bits=8, **kw)
+    torch.manual_seed(1)
+    opt_b = getattr(optim, opt_name)(b.parameters(), extra_bits=8, **kw)
+    scaler = (lowfp.DynamicLossScaler("cuda", init_scale=256.0, growth_interval=10 ** 6)
+              if scaler_kind == "lowfp" else torch.amp.GradScaler("cuda", init_scale=256.0))
+    handle = optim.step_in_backward(opt_b, scaler=scaler)
+    x, y = torch.randn(64, 33, device="cuda").bfloat16(), torch.randint(0, 3, (64,), device="cuda")
+
+    def loss_of(model):
+        return torch.nn.functional.cross_entropy(model(x).float(), y)
+    for step in range(4):
+        opt_a.zero_grad()
+        loss_of(a).backward()
+        skip = step == 2
+        if skip:
+            a[2].bias.grad = None
+            inf_hook = b[2].bias.register_hook(lambda g: torch.full_like(g, float("inf")))
+        torch.manual_seed(step)
+        opt_a.step()
+        waits = step == 0 or opt_name == "ExtraBitsAdamW"
+        torch.manual_seed(step)
+        scaled = scaler.scale(loss_of(b))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("default" if waits else "error")
+        try:
+            scaled.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if skip:
+            inf_hook.remove()
+        assert handle.found_inf == skip and handle.skipped == int(step >= 2)
+        for wa, wb in zip(opt_a.master_weights(), opt_b.master_weights()):
+            assert torch.equal(wa, wb), step
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            if "step" in opt_b.state[pb]:
+                assert float(opt_b.state[pb]["step"]) == float(opt_a.state[pa].get("step", 0.0))
+    handle.remove()

@@ -8,6 +8,7 @@ import torch
 
 import lowfp
 from reference import Spec, philox4x32_10, philox_word, stochastic_exact
+from devices import DEVICES
 
 E4M3FN = Spec(4, 3, 0, "fn")
 
@@ -31,7 +32,8 @@ def test_philox_known_answers(ctr, key, want):
 # offset 2^32 - 5: the counter's low word wraps inside the CPU driver's first SIMD group of blocks
 @pytest.mark.parametrize("seed,offset", [(0, 0), (0x123456789ABCDEF0, 7), (2**64 - 1, 2**40),
                                          (5, 2**32 - 5), (6, 2**33 - 17)])
-def test_results_follow_the_specified_stream_exactly(seed, offset, sr_bits):
+@pytest.mark.parametrize("device", DEVICES)
+def test_results_follow_the_specified_stream_exactly(seed, offset, sr_bits, device):
     """Every element equals the spec: up iff (word >> (32-R)) < floor(f 2^R), word from (seed, offset, i)."""
     rng = np.random.default_rng(seed % 1000 + sr_bits)
     n = 1003
@@ -39,8 +41,8 @@ def test_results_follow_the_specified_stream_exactly(seed, offset, sr_bits):
     x = rng.uniform(-300, 300, n) * 2.0 ** rng.integers(-14, 1, n)
     x[::17] = np.round(x[::17])
     x = x.astype(np.float32)
-    got = lowfp.quantize(x, lowfp.formats.float8_e4m3fn, "stochastic", seed=seed, offset=offset,
-                         sr_bits=sr_bits)
+    got = lowfp.quantize(torch.from_numpy(x).to(device), lowfp.formats.float8_e4m3fn, "stochastic",
+                         seed=seed, offset=offset, sr_bits=sr_bits).cpu().numpy()
     want = [stochastic_exact(float(v), E4M3FN, philox_word(seed, offset, i), sr_bits)
             for i, v in enumerate(x)]
     np.testing.assert_array_equal(got, np.array(want, dtype=np.float32))

@@ -214,7 +214,8 @@ def test_all_float32_patterns_compiled_equal_native(fused):
 @pytest.mark.parametrize("setting,fused_here", [(None, False), ("0", False), ("1", True)])
 def test_the_setting_chooses_fusion_or_the_operator(monkeypatch, setting, fused_here):
     """LOWFP_INDUCTOR_FUSION, read when a graph is traced: the CPU keeps lowfp's kernel unless it
-    is 1 (auto fuses on CUDA devices: tests/test_cuda.py); the bits are the same either way."""
+    is 1 (auto fuses on CUDA devices: test_compiled_and_exported_roundings_on_gpu_equal_eager in
+    tests/test_compile.py); the bits are the same either way."""
     if setting is None:
         monkeypatch.delenv("LOWFP_INDUCTOR_FUSION", raising=False)
     else:
