@@ -217,6 +217,33 @@ LOWFP_HD double scaled_element(double x, double s, double inv, const RoundParams
   else return bit_cast<double>(round_bits<Kind, uint64_t, kSubExp>(quotient, p, rand, ev));
 }
 
+// One element in the float32 carrier, where a call allows it (ScaledCall::narrow: power-of-two
+// scales s = 2^k, inputs of at most 32 bits, E's finest step at least 2^-22): q = round_E(x · inv)
+// for inv = 2^-k as a float32 (x · inv exact, or below float32's normal range, where only its sign
+// and being nonzero decide), its events in ev. kKeep: a quotient that underflowed to 0 stays
+// nonzero (nonzero_quotient), which only nearest rounding that does not count may skip. kAdd: E's
+// nearest rounding by addition (where nearest_by_addition(p32, e_cap) holds).
+template <RoundKind Kind, bool kKeep, bool kAdd = false>
+LOWFP_HD float narrow_element(uint32_t x, float inv, const RoundParams<uint32_t>& p32, uint32_t rand,
+                              RoundEvents& ev, int32_t e_cap = 0) {
+  const uint32_t qb = bit_cast<uint32_t>(bit_cast<float>(x) * inv);
+  const uint32_t quotient = kKeep ? nonzero_quotient(qb, x) : qb;
+  if constexpr (kAdd) return bit_cast<float>(round_nearest_by_addition(quotient, p32, e_cap, ev));
+  else return bit_cast<float>(round_bits<Kind, uint32_t, false>(quotient, p32, rand, ev));
+}
+
+// s · q of the float32 carrier (exact there) in the storage type: float32 as it is, 16-bit types
+// rounded to their grid by lowfp's nearest rounding (out32).
+template <class Out>
+LOWFP_HD Out store_narrow(float v, const RoundParams<uint32_t>& out32) {
+  if constexpr (std::is_same_v<Out, float>) {
+    return v;
+  } else {
+    RoundEvents ev;
+    return Store<Out>::from(round_bits<RoundKind::Nearest, uint32_t, false>(bit_cast<uint32_t>(v), out32, 0u, ev));
+  }
+}
+
 // Element formats with few magnitudes (FP4 E2M1: 0, 0.5, 1, 1.5, 2, 3, 4, 6): nearest rounding of
 // x / s, saturating, is a step function of |x| with a step at mu · s for each decision point mu
 // (a midpoint of E's grid; past max_E, where overflow begins). Where every mu · s is exact in

@@ -130,11 +130,25 @@ __device__ In round_scaled(const ScaledCall& c, In x, int64_t i, double s, doubl
   return store_scaled<In>(q * s, c.out);
 }
 
+// round_scaled in the float32 carrier (ScaledCall::narrow), given the block's scale and inverse
+// as float32 (2^±k: exact).
+template <class In, RoundKind K, bool kCount>
+__device__ In round_narrow(const ScaledCall& c, In x, int64_t i, float s32, float inv32, uint32_t word,
+                           ThreadCounts& tc) {
+  // (a quotient that underflowed to 0 kept nonzero unless only its nearest rounding is wanted)
+  constexpr bool kKeep = kCount || K != RoundKind::Nearest;
+  RoundEvents ev;
+  const float q = narrow_element<K, kKeep>(Widen<uint32_t>::from(x), inv32, c.p32, word, ev);
+  if (c.q != nullptr) c.q[i] = q;
+  if (kCount) tc.add(ev);
+  return store_narrow<In>(q * s32, c.out32);
+}
+
 // The one-pass form (row_blocks): blocks of c.block_cols = 4 · lanes consecutive elements, block b
 // holding elements b · block_cols ... (row-major), so quad g (elements 4g .. 4g + 3) lies in block
 // g / lanes and takes Philox block offset + g. A warp takes 32 / lanes blocks at a time (its loop
-// bound the same for all its lanes, which all shuffle).
-template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp>
+// bound the same for all its lanes, which all shuffle). kNarrow: the float32 carrier.
+template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kNarrow>
 __global__ void __launch_bounds__(kThreads)
 row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
   using U = RawOf<In>;
@@ -172,9 +186,15 @@ row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned l
       Philox4x32Block r = {{0u, 0u, 0u, 0u}};
       if constexpr (K == RoundKind::Stochastic) r = philox_block(c.seed, c.offset + uint64_t(g));
       Quad<In> out;
+      if constexpr (kNarrow) {
+        const float s32 = float(s), inv32 = float(inv);
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-        out.v[k] = round_scaled<In, K, kCount, kPow2, kSubExp>(c, in.v[k], 4 * g + k, s, inv, r.w[k], tc);
+        for (int k = 0; k < 4; ++k) out.v[k] = round_narrow<In, K, kCount>(c, in.v[k], 4 * g + k, s32, inv32, r.w[k], tc);
+      } else {
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          out.v[k] = round_scaled<In, K, kCount, kPow2, kSubExp>(c, in.v[k], 4 * g + k, s, inv, r.w[k], tc);
+      }
       y[g] = out;
     }
   }
@@ -291,8 +311,14 @@ void scaled_cuda(const ScaledCall& c, double* tensor_scale, int64_t* counts, int
       if (c.tensor_scale)
         tensor_amax_kernel<In><<<grid_size(device, (n + 3) / 4), kThreads, 0, stream>>>(c, quad_io, tmax, nullptr);
       launch_elements([&](auto kind, auto count, auto pow2, auto sub, int grid, const unsigned long long* tm) {
-        row_blocks_kernel<In, decltype(kind)::value, decltype(count)::value, decltype(pow2)::value,
-                          decltype(sub)::value><<<grid, kThreads, 0, stream>>>(c, tm, cnt);
+        constexpr bool kWide = std::is_same_v<In, double>;
+        if (c.narrow && !kWide) {  // (then pow2 holds and sub does not matter)
+          row_blocks_kernel<In, decltype(kind)::value, decltype(count)::value, true, false, !kWide>
+              <<<grid, kThreads, 0, stream>>>(c, tm, cnt);
+        } else {
+          row_blocks_kernel<In, decltype(kind)::value, decltype(count)::value, decltype(pow2)::value,
+                            decltype(sub)::value, false><<<grid, kThreads, 0, stream>>>(c, tm, cnt);
+        }
       }, n / 4, tmax_in);
     } else {
       if (blocks == 1) {  // one scale for the tensor: the whole grid reduces it

@@ -43,6 +43,10 @@ ScaledCall prepare_scaled_call(const ScaledRequest& r) {
     // a: the input's bits; max_E · t: E's significand bits, and t's 24
     c.scale.divide_once = nearest_divides_once(r.scale_format.m, r.element.m + 1 + 24, r.dtype);
   }
+  c.narrow = r.rule != ScaleRule::Format && r.dtype != DType::Float64 && smallest_exponent(r.element) >= -22;
+  if (r.dtype != DType::Float64) c.p32 = make_round_params<uint32_t>(r.element, r.overflow, r.mode, r.sr_bits);
+  if (r.dtype == DType::Float16 || r.dtype == DType::BFloat16)
+    c.out32 = make_round_params<uint32_t>(storage_spec(r.dtype), Overflow::Inf, Rounding::Nearest, 32);
   if (!in_range(int32_t(r.choice), 0, 2)) throw std::invalid_argument("bad block choice code");
   c.scale.choice = r.choice;
   if (r.choice != BlockChoice::Fixed) {

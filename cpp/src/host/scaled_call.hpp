@@ -27,6 +27,13 @@ struct ScaledCall {
                                  // of Philox block offset + i / 4 (offset: a block offset)
   double* scales;                // per block, row-major over the block grid: s (t included)
   float* q;                      // optional (nullptr): the elements q, row-major (E fits float32)
+  // The float32 carrier (scaled.hpp's narrow_element): power-of-two scales, an input of at most
+  // 32 bits and E's finest step at least 2^-22, so that x · 2^-k is exact or below 2^-126 (where
+  // only its sign and being nonzero decide E's rounding, with 32 random bits too) and s · q is
+  // exact in float32. p32 and out32: E and, for 16-bit inputs, the storage type in that carrier
+  // (p32 set whenever the input is not float64)
+  bool narrow;
+  RoundParams<uint32_t> p32, out32;
   LOWFP_HD int64_t block_grid_cols() const { return (cols + block_cols - 1) / block_cols; }
   LOWFP_HD int64_t block_grid_rows() const { return (rows + block_rows - 1) / block_rows; }
 };

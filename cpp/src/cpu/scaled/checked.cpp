@@ -25,7 +25,7 @@ bool run_tile(const ScaledCall& c, const ScaledCpuForms& f, const Tile& k, const
   float* q_out = kParts ? c.q + k.first : nullptr;
   const int64_t n = k.len;
   const float ts = float(c.t);
-  const RoundParams<uint32_t> p = f.p32;
+  const RoundParams<uint32_t> p = c.p32;
   const int32_t e_cap = f.addition_cap;
   // Per lane of a block, so that the block loop keeps them in vector registers
   constexpr int64_t kLanes = kBlock > 0 ? kBlock : 1;

@@ -7,7 +7,7 @@ namespace LOWFP_ISA_NS {
 namespace {
 
 // One tile, in GCC vectors of 16 lanes: round.hpp's magnitude_by_addition (nearest) or round_bits (stochastic,
-// with no subnormal exponent, as ScaledCpuForms::narrow implies) and rounded_result, lane by lane, so
+// with no subnormal exponent, as ScaledCall::narrow implies) and rounded_result, lane by lane, so
 // that kCount's events come from the masks the rounding computes anyway (no per-lane counters in
 // memory, no separate counting pass). kBlock 16 or 32: each block's 2^±k broadcast (the tile starts a block); 0:
 // from the per-element buffers (place32). A ragged end is padded with zeros, which count nothing.
@@ -21,7 +21,7 @@ void run_tile(const ScaledCall& c, const ScaledCpuForms& f, const Tile& k, const
   using Ints16 = int32_t __attribute__((vector_size(64)));
   const float* x = static_cast<const float*>(c.x) + first;
   float* y = static_cast<float*>(c.y) + first;
-  const RoundParams<uint32_t>& p = f.p32;
+  const RoundParams<uint32_t>& p = c.p32;
   const Lanes16 magnitude = Lanes16{} + ~C::kSign, sign_bit = Lanes16{} + C::kSign,
                 inf = Lanes16{} + C::kInf, one = Lanes16{} + 1u,
                 max_bits = Lanes16{} + p.max_bits, over_pos = Lanes16{} + p.overflow_pos,
@@ -30,7 +30,7 @@ void run_tile(const ScaledCall& c, const ScaledCpuForms& f, const Tile& k, const
   const Lanes16 e_low = Lanes16{} + uint32_t(p.emin + C::kExpBias),
                 e_high = Lanes16{} + uint32_t(f.addition_cap + C::kExpBias),
                 drop = Lanes16{} + uint32_t(p.normal_drop);
-  // round_bits' (stochastic), exponents biased: emin + 127 >= 1 (ScaledCpuForms::narrow)
+  // round_bits' (stochastic), exponents biased: emin + 127 >= 1 (ScaledCall::narrow)
   const Ints16 emin_b = Ints16{} + (p.emin + C::kExpBias), normal_drop = Ints16{} + p.normal_drop,
                below_drop = Ints16{} + p.below_drop, r_bits = Ints16{} + (32 - int32_t(p.sr_shift)),
                max_shift = Ints16{} + C::kMaxShift, mant_bits = Ints16{} + C::kMantBits;
@@ -41,7 +41,7 @@ void run_tile(const ScaledCall& c, const ScaledCpuForms& f, const Tile& k, const
     Floats16 xv;
     std::memcpy(&xv, src, sizeof xv);
     const Lanes16 xb = bit_cast<Lanes16>(xv);
-    Lanes16 q = bit_cast<Lanes16>(xv * inv);  // exact, or below 2^-126 (ScaledCpuForms::narrow)
+    Lanes16 q = bit_cast<Lanes16>(xv * inv);  // exact, or below 2^-126 (ScaledCall::narrow)
     Lanes16 mag;
     if constexpr (Kind == RoundKind::Nearest) {
       const Lanes16 a = q & magnitude;
@@ -81,7 +81,7 @@ void run_tile(const ScaledCall& c, const ScaledCpuForms& f, const Tile& k, const
     if constexpr (kInfStays) overflowed = a == inf ? q : overflowed;
     // (mag > max_bits: overflow, or NaN)
     const Lanes16 r = a > inf ? q : (mag > max_bits ? overflowed : rounded);
-    const Floats16 out = bit_cast<Floats16>(r) * s;  // exact (ScaledCpuForms::narrow)
+    const Floats16 out = bit_cast<Floats16>(r) * s;  // exact (ScaledCall::narrow)
     std::memcpy(dst, &out, sizeof out);
     if constexpr (kCount) {
       above.greater(mag, max_bits);
@@ -145,8 +145,8 @@ void scaled_lanes(const ScaledCall& c, const ScaledCpuForms& f, int64_t r0, int6
   auto go = [&](auto kind_c) {
     constexpr RoundKind K = decltype(kind_c)::value;
     with_flag(c.count, [&](auto count) {
-      with_flag(!f.p32.no_negative_zero, [&](auto signed_zero) {
-        with_flag(f.p32.inf_stays_inf, [&](auto stays) {
+      with_flag(!c.p32.no_negative_zero, [&](auto signed_zero) {
+        with_flag(c.p32.inf_stays_inf, [&](auto stays) {
           constexpr bool kC = decltype(count)::value, kZ = decltype(signed_zero)::value,
                          kS = decltype(stays)::value;
           const auto run = c.block_cols == 32   ? run_tile<K, kC, kZ, kS, 32>

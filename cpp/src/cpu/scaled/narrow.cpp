@@ -16,31 +16,19 @@ void run_tile(const ScaledCall& c, const ScaledCpuForms& f, const Tile& k, const
   In* y = static_cast<In*>(c.y) + k.first;
   float* q_out = kParts ? c.q + k.first : nullptr;
   const int64_t n = k.len;
-  const RoundParams<uint32_t> p = f.p32;
-  const RoundParams<uint32_t> out = f.out32;
+  const RoundParams<uint32_t> p = c.p32;
+  const RoundParams<uint32_t> out = c.out32;
   constexpr int64_t kLanes = kBlock > 0 ? kBlock : 1;
   TileEvents<int32_t, kLanes> events;
+  // (a quotient that underflowed to 0 kept nonzero except where only its rounding to nearest, a
+  // signed 0, is wanted, not its underflow count)
+  constexpr bool kKeep = kCount || Kind != RoundKind::Nearest;
   auto element = [&](int64_t i, int64_t l, float s32, float inv32) {
-    const uint32_t xb = Widen<uint32_t>::from(x[i]);
-    const uint32_t qb = bit_cast<uint32_t>(bit_cast<float>(xb) * inv32);
-    // A quotient that underflowed to 0 stays nonzero (nonzero_quotient), except where only its
-    // rounding to nearest, a signed 0, is wanted (not its underflow count).
-    constexpr bool kKeep = kCount || Kind != RoundKind::Nearest;
-    const uint32_t quotient = kKeep ? nonzero_quotient(qb, xb) : qb;
     RoundEvents ev;
     const uint32_t rw = Kind == RoundKind::Stochastic ? t.rand[i] : 0u;
-    const float q = bit_cast<float>(
-        kAdd ? round_nearest_by_addition(quotient, p, f.addition_cap, ev)
-             : round_bits<Kind, uint32_t, false>(quotient, p, rw, ev));
+    const float q = narrow_element<Kind, kKeep, kAdd>(Widen<uint32_t>::from(x[i]), inv32, p, rw, ev, f.addition_cap);
     if constexpr (kParts) q_out[i] = q;
-    const float v = q * s32;  // exact (ScaledCpuForms::narrow)
-    if constexpr (std::is_same_v<In, float>) {
-      y[i] = v;
-    } else {
-      RoundEvents store_ev;
-      y[i] = Store<In>::from(
-          round_bits<RoundKind::Nearest, uint32_t, false>(bit_cast<uint32_t>(v), out, 0u, store_ev));
-    }
+    y[i] = store_narrow<In>(q * s32, out);  // (the product exact: ScaledCall::narrow)
     if constexpr (kCount) events.add(l, ev);
   };
   for_tile_elements<kBlock>(n, t, element);
@@ -54,7 +42,7 @@ void scaled_narrow(const ScaledCall& c, const ScaledCpuForms& f, const ScaledPla
   TileScales t;
   with_storage_type(c.dtype, [&](auto type) {
     using In = typename decltype(type)::type;
-    if constexpr (!std::is_same_v<In, double>) {  // (ScaledCpuForms::narrow)
+    if constexpr (!std::is_same_v<In, double>) {  // (ScaledCall::narrow)
       with_round_kind(c.mode, [&](auto kind) {
         constexpr RoundKind K = decltype(kind)::value;
         with_flag(c.count && !plan.count_by_comparison, [&](auto count) {

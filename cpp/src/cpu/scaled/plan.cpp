@@ -113,20 +113,14 @@ ScaledCpuForms prepare_scaled_cpu(const ScaledRequest& r, const ScaledCall& c) {
   const FormatSpec& e = r.element;
   const FormatSpec& sf = r.scale_format;
   const bool format_scales = r.rule == ScaleRule::Format;
-  f.narrow = !format_scales && r.dtype != DType::Float64 && smallest_exponent(e) >= -22;
   const bool exact_product =  // q · S: at most 24 significand bits, within float32's normal range
       !r.tensor_scale || (e.m + sf.m + 2 <= 24 && smallest_exponent(e) + smallest_exponent(sf) >= -126 &&
                           max_exponent(e) + max_exponent(sf) + 2 <= 127);
   f.checked = format_scales && r.dtype == DType::Float32 && r.mode == Rounding::Nearest &&
               smallest_exponent(e) >= -22 && e.m <= 18 && exact_product;
-  if (f.narrow || f.checked) {
-    f.p32 = make_round_params<uint32_t>(e, r.overflow, r.mode, r.sr_bits);
-    if (r.dtype == DType::Float16 || r.dtype == DType::BFloat16)
-      f.out32 = make_round_params<uint32_t>(storage_spec(r.dtype), Overflow::Inf, Rounding::Nearest, 32);
-  }
   f.addition_cap = max_exponent(e) + 1;
   const bool nearest = r.mode == Rounding::Nearest;
-  f.add32 = nearest && (f.narrow || f.checked) && nearest_by_addition(f.p32, f.addition_cap);
+  f.add32 = nearest && (c.narrow || f.checked) && nearest_by_addition(c.p32, f.addition_cap);
   f.add64 = nearest && nearest_by_addition(c.p, f.addition_cap);
   f.checked = f.checked && f.add32;
   // s = S · t: S's significand bits, and the float32 tensor scale's 24
@@ -156,9 +150,9 @@ uint32_t scaled_strategies(const ScaledCall& c, const ScaledCpuForms& f) {
   const RoundKind kind = round_kind(c.mode);
   uint32_t allowed = bit(ScaledStrategy::Float64);
   if (f.checked) allowed |= bit(ScaledStrategy::Checked);
-  if (f.narrow) allowed |= bit(ScaledStrategy::Narrow);
+  if (c.narrow) allowed |= bit(ScaledStrategy::Narrow);
   // (the vector loops round to nearest by addition, or stochastically)
-  if (f.narrow && float32_whole && (kind == RoundKind::Stochastic || f.add32))
+  if (c.narrow && float32_whole && (kind == RoundKind::Stochastic || f.add32))
     allowed |= bit(ScaledStrategy::Lanes);
   // (a block a whole number of vectors; the comparisons count as they round)
   if (f.few && f.count_by_comparison && float32_whole && (c.block_cols == 16 || c.block_cols == 32))

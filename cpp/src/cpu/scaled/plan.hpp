@@ -35,13 +35,8 @@ const char* scaled_strategy_name(ScaledStrategy s);
 bool scaled_strategy_named(const char* name, ScaledStrategy& s);
 
 // What the CPU strategies may use for one request, prepared with it (prepare_scaled_cpu).
+// (The float32 carrier's conditions and parameters are the call's: ScaledCall::narrow, p32, out32.)
 struct ScaledCpuForms {
-  // The float32 carrier (Narrow, Lanes): power-of-two scales, an input of at most 32 bits and
-  // E's finest step at least 2^-22, so that x · 2^-k is exact or below 2^-126 (where only its
-  // sign and being nonzero decide E's rounding, with 32 random bits too) and s · q is exact in
-  // float32.
-  bool narrow;
-  RoundParams<uint32_t> p32, out32;  // E and the 16-bit storage type, in the float32 carrier
   // Nearest with ties to even, and round.hpp's nearest_by_addition in each carrier: E's
   // rounding by addition (float32: p32, float64: the call's p)
   bool add32, add64;
