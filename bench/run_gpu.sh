@@ -24,7 +24,7 @@ for step in $steps; do
     test)
       # (the tests marked cuda: each module's checks of the GPU against the CPU, and its reference
       # tests' cuda cases; tests/devices.py)
-      $PY -m pytest -q -p no:cacheprovider --timeout 300 -m 'cuda and not long' -rf tests 2>&1 \
+      $PY -m pytest -q -p no:cacheprovider --timeout 300 -n 8 -m 'cuda and not long' -rf tests 2>&1 \
         | tee "$OUT/tests.log" | tail -40 ;;
     all-tests)
       $PY -m pytest -q -p no:cacheprovider --timeout 600 -rf tests 2>&1 | tee "$OUT/all_tests.log" \
