@@ -680,15 +680,22 @@ def test_repeated_scaled_calls_take_the_remembered_request_with_the_same_bits(mo
                 assert torch.equal(y.view(torch.int16), y0.view(torch.int16)), (fmt, kwargs)
                 assert torch.equal(o.view(torch.int16), o0.view(torch.int16)), (fmt, kwargs)
                 assert torch.equal(c, c0) and torch.equal(r, r0), (fmt, kwargs)
-    # an axis that is last for 1-D tensors only: remembered there, the full path for 2-D ones
+    # blocks along another axis: remembered where the kernel reads the tensor in place (a
+    # deterministic rounding: scaled.config.kernel_layout), the full path where a stochastic
+    # one copies the axis last
     along0 = Scaled("fp(4,3,4)", block=4, axis=0)
     v = x[0, 3:].contiguous()
-    lowfp.quantize(v, along0)
+    for call in (lambda: lowfp.quantize(v, along0), lambda: lowfp.quantize(v[:, None], along0),
+                 lambda: lowfp.quantize(x, along0), lambda: lowfp.quantize(x, along0, "stochastic", seed=1)):
+        call()
     taken.clear()
     assert torch.equal(lowfp.quantize(v, along0), lowfp.quantize(v[:, None], along0)[:, 0])
     want = lowfp.quantize(x.t().contiguous(), Scaled("fp(4,3,4)", block=4)).t()
     assert torch.equal(lowfp.quantize(x, along0).view(torch.int32), want.view(torch.int32))
-    assert len(taken) == 1  # (the first 1-D call only)
+    assert len(taken) == 3
+    want = lowfp.quantize(x.t().contiguous(), Scaled("fp(4,3,4)", block=4), "stochastic", seed=1).t()
+    assert torch.equal(lowfp.quantize(x, along0, "stochastic", seed=1).view(torch.int32), want.view(torch.int32))
+    assert len(taken) == 3  # (not remembered)
     # a plain Stats takes the element counts alone
     taken.clear()
     stats, scaled_stats = lowfp.Stats(), ScaledStats()

@@ -615,6 +615,42 @@ def test_out_and_in_place():
     assert torch.equal(torch.compile(f, fullgraph=True)(x, b1), f(x, b2)) and torch.equal(b1, b2)
 
 
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "nvfp4", "nvfp4_4over6", "fp8_e4m3_rowwise", "mxfp4_e2m1"])
+def test_blocks_along_another_axis_are_read_where_they_lie(name):
+    # A deterministic rounding of a contiguous tensor along an axis that is not last reads it in
+    # place (blocks B x 1 of its own layout, scaled.config.kernel_layout); a stochastic one, or a
+    # layout where a block would span two positions of the axes before, copies the axis last.
+    # Either way: the bits, parts and counts of the tensor with the axis moved last by hand.
+    from lowfp.scaled.config import kernel_layout
+    g = torch.Generator().manual_seed(5)
+    base = lowfp.scaled.named()[name]
+    for shape, axis in (((96, 40), 0), ((70, 33), 0), ((2, 64, 7), 1), ((2, 50, 7), 1), ((3, 64, 2), 1),
+                        ((0, 5), 0)):
+        x = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-9, 9, shape, generator=g).float())
+        if x.numel():
+            x.view(-1)[3] = float("inf")
+        fmt = base.with_axis(axis)
+        for rounding in ("nearest", "toward_zero", "stochastic"):
+            column = kernel_layout(shape, fmt, True, rounding == "stochastic")[5]
+            spans = axis > 0 and shape[axis] % (fmt.block or shape[axis]) != 0
+            assert (column is not None) == (rounding != "stochastic" and not spans), (shape, rounding)
+            st, st_ref = lowfp.scaled.ScaledStats(), lowfp.scaled.ScaledStats()
+            got = lowfp.scaled.encode(x, fmt, rounding, seed=3, stats=st)
+            ref = lowfp.scaled.encode(x.movedim(axis, -1).contiguous(), base, rounding, seed=3, stats=st_ref)
+            for a, b in zip(got, ref):
+                b = b if b.dim() == 0 else b.movedim(-1, axis)
+                assert a.shape == b.shape and torch.equal(a, b), (shape, axis, rounding)
+            assert torch.equal(st.counts, st_ref.counts)
+            y = x.clone()
+            assert torch.equal(lowfp.quantize_(y, fmt, rounding, seed=3), got.value)
+    x = torch.randn(64, 24, generator=g)
+    for rounding in ("nearest", "stochastic"):  # the fake's strides and shapes as the kernel's
+        results = torch.library.opcheck(torch.ops.lowfp.scaled_quantize.default,
+                                        (x, str(lowfp.scaled.named()["nvfp4"].with_axis(0)), rounding,
+                                         "saturate", 32, 3, None, 0, True, True))
+        assert set(results.values()) == {"SUCCESS"}, results
+
+
 def test_random_hadamard_transform():
     from lowfp.scaled import hadamard, hadamard_signs
     g = torch.Generator().manual_seed(9)

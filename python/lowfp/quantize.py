@@ -22,7 +22,7 @@ from ._ops import s2fp8_stat_buffers
 from ._inductor import register_inductor_decompositions
 from .formats import Format, S2FP8, as_text, to_precision
 from .scaled import quantize_scaled, to_scaled
-from .scaled.config import layout as scaled_layout
+from .scaled.config import kernel_layout as scaled_kernel_layout
 from .scaled.quantize import PreparedScaled
 from .stats import S2FP8Stats, Stats
 
@@ -117,10 +117,10 @@ def _remember_eager(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dt
 
 def _remember_scaled(fmt, scaled, rounding, overflow, sr_bits, x, out) -> None:
     """Remember a scaled call that passed the full path: eager, a plain contiguous x and out=
-    (or none), blocks along the last axis or per tensor (no copy to another layout)."""
+    (or none), and a layout the kernel reads where it lies (no copy: scaled.config.kernel_layout)."""
     if not (type(x) is torch.Tensor and x.is_contiguous() and runs_natively(x, out)
             and (out is None or type(out) is torch.Tensor)
-            and scaled_layout(tuple(x.shape), scaled)[4] is None):
+            and scaled_kernel_layout(tuple(x.shape), scaled, True, rounding == "stochastic")[4] is None):
         return
     _remember(_eager_key(fmt, rounding, overflow, None, sr_bits, x, out, None),
               lambda: PreparedScaled(scaled, rounding, overflow, sr_bits, x))

@@ -97,6 +97,12 @@ double amax_rows(const ScaledCall& c, int64_t br0, int64_t br1) {
         row_block_max<32>(row, c.cols, top, exponent);
       } else if (bc == 16) {
         row_block_max<16>(row, c.cols, top, exponent);
+      } else if (bc == 1) {  // blocks down the columns (kernel_layout's column layout)
+        const U magnitude = U(U(~U(0)) >> 1);
+        for (int64_t j = 0; j < c.cols; ++j) {
+          const U a = U(row[j] & magnitude);
+          top[j] = max_of(top[j], select(a < exponent, a, U(0)));
+        }
       } else {
         for (int64_t j = 0, c0 = 0; c0 < c.cols; ++j, c0 += bc)
           top[j] = finite_max(row + c0, min_of(bc, c.cols - c0), top[j], exponent);

@@ -277,6 +277,37 @@ def layout(shape, fmt: Scaled):
     return rows, cols, 1, max(cols if block is None else block, 1), (axis if axis != dim - 1 else None)
 
 
+def kernel_layout(shape, fmt: Scaled, contiguous: bool, stochastic: bool):
+    """(rows, cols, block_rows, block_cols, move, column_axis) of the kernel's call on a tensor of
+    ``shape``: layout()'s (column_axis None), except for 1-D blocks (or per-slice scales) along an
+    axis that is not last in a deterministic rounding of a contiguous tensor, where no block spans
+    two positions of the axes before that axis (there is one, or the axis holds whole blocks).
+    Such a tensor is read where it lies, as a (rows, cols) matrix of its own row-major order whose
+    blocks are block_rows × 1 (one position of the axes after the axis, block_rows of its elements;
+    column_axis the axis), not copied with the axis moved last. Stochastic rounding keeps the copy:
+    its words follow the element indices of that layout (docs/design.md §9)."""
+    rows, cols, brows, bcols, move = layout(shape, fmt)
+    if move is None or stochastic or not contiguous:
+        return rows, cols, brows, bcols, move, None
+    along = shape[move]
+    outer = 1
+    for n in shape[:move]:
+        outer *= n
+    block = bcols  # (the axis's length for a per-slice scale)
+    if outer > 1 and along % block:
+        return rows, cols, brows, bcols, move, None
+    inner = 1
+    for n in shape[move + 1:]:
+        inner *= n
+    return outer * along, inner, block, 1, None, move
+
+
+def column_scales(scales, shape, axis: int, block: int):
+    """kernel_layout's scales of a column layout (its grid of blocks) shaped as the tensor, ``axis``
+    holding the blocks."""
+    return scales.reshape(*shape[:axis], -(-shape[axis] // block), *shape[axis + 1:])
+
+
 def scales_shape(scales, moved_shape, fmt: Scaled, move):
     """The (grid rows, grid cols) scales shaped as the tensor, its block axis (axes) holding the
     blocks; 0-d for a per-tensor scale."""

@@ -4,6 +4,8 @@ The tensor is laid out as (rows, cols) with the block axis last (a copy when it 
 that a block is block_rows × block_cols of that matrix: 1-D blocks are (1, B), a per-slice scale
 (1, cols), 2-D blocks (B0, B1) and a per-tensor scale the whole matrix. Stochastic rounding draws
 by element index in that layout (the tensor's own row-major order when the block axis is last).
+A deterministic rounding of a contiguous tensor along another axis reads it where it lies, its
+blocks B × 1 (config.kernel_layout): the same results without the copy.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from .._native import (DTYPE_CODES, ROUNDING_MODES, as_int64, call_seed, check_t
                        check_uint64, eager_seed, remembered_seed, runs_natively)
 from ..formats import OVERFLOW_POLICIES, Format
 from ..stats import Stats
-from .config import Scaled, layout, scales_shape, to_scaled
+from .config import Scaled, column_scales, kernel_layout, layout, scales_shape, to_scaled
 
 __all__ = ["ScaledStats", "ScaledParts", "quantize_scaled", "encode", "hadamard", "hadamard_signs"]
 
@@ -131,8 +133,9 @@ class PreparedScaled(Prepared):
             rows = x.numel() // cols if cols else 0
             block_rows, block_cols = 1, (block or cols)
         else:
-            rows, cols, block_rows, block_cols, move = layout(tuple(x.shape), self.fmt)
-            if move is not None:  # (an axis that is last for some shapes only)
+            rows, cols, block_rows, block_cols, move, _ = kernel_layout(tuple(x.shape), self.fmt, True,
+                                                                        self.stochastic)
+            if move is not None:  # (a copy to another layout)
                 return None
         seed = remembered_seed(self.stochastic, generator)  # (drawn for empty tensors too, as
         if seed is None:                                      # the full path draws)
@@ -170,7 +173,8 @@ def _writes_directly(out: torch.Tensor, xm: torch.Tensor, move) -> bool:
 
 def _impl(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, parts, out=None):
     scaled = _parsed(fmt)
-    rows, cols, brows, bcols, move = layout(tuple(x.shape), scaled)
+    rows, cols, brows, bcols, move, column = kernel_layout(tuple(x.shape), scaled, x.is_contiguous(),
+                                                           rounding == "stochastic")
     xm = (x if move is None else x.movedim(move, -1)).contiguous()
     direct = out is not None and _writes_directly(out, xm, move)
     y = out if direct else new_output(xm, xm.dtype)
@@ -186,7 +190,10 @@ def _impl(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, 
             xm.data_ptr(), y.data_ptr(), rows, cols, brows, bcols, key, offset & _U64,
             scales.data_ptr(), q.data_ptr() if parts else 0, tensor_scale.data_ptr(),
             counts.data_ptr() if count else 0, 6, device, stream)
-    scales = scales_shape(scales, xm.shape, scaled, move)
+    if column is not None:
+        scales = column_scales(scales, x.shape, column, brows)
+    else:
+        scales = scales_shape(scales, xm.shape, scaled, move)
     if move is not None:
         y = y.movedim(-1, move)
         if parts:
@@ -207,10 +214,13 @@ def _into_impl(x, out, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offse
 
 def _fake(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, parts):
     scaled = Scaled.parse(fmt)
-    rows, cols, brows, bcols, move = layout(tuple(x.shape), scaled)
+    rows, cols, brows, bcols, move, column = kernel_layout(tuple(x.shape), scaled, x.is_contiguous(),
+                                                           rounding == "stochastic")
     moved = x if move is None else x.movedim(move, -1)
     grid = (-(-rows // brows) if rows else 0, -(-cols // bcols) if cols else 0)
-    scales = scales_shape(x.new_empty(grid, dtype=torch.float64), moved.shape, scaled, move)
+    grid_scales = x.new_empty(grid, dtype=torch.float64)
+    scales = (column_scales(grid_scales, x.shape, column, brows) if column is not None
+              else scales_shape(grid_scales, moved.shape, scaled, move))
     y = torch.empty_like(moved, memory_format=torch.contiguous_format)
     q = x.new_empty(moved.shape if parts else (0,), dtype=torch.float32)
     if move is not None:

@@ -159,6 +159,11 @@ inline bool block_scales32(const Tile& k, double over_t, TileScales& t) {
 inline void spread32(const ScaledCall& c, const Tile& k, TileScales& t) {
   float* s32 = t.s32_buf + t.at32;
   float* inv32 = t.inv32_buf + t.at32;
+  if (c.block_cols == 1) {  // (a block per element: copies)
+    std::memcpy(s32, t.block_s32, sizeof(float) * size_t(k.len));
+    std::memcpy(inv32, t.block_inv32, sizeof(float) * size_t(k.len));
+    return;
+  }
   for (int64_t i = 0, b = 0; i < k.len; ++b) {
     const int64_t stop = min_of(k.len, (k.j0 + b + 1) * c.block_cols - k.t0);
     const float s = t.block_s32[b], inv = t.block_inv32[b];
@@ -166,6 +171,11 @@ inline void spread32(const ScaledCall& c, const Tile& k, TileScales& t) {
   }
 }
 inline void spread64(const ScaledCall& c, const Tile& k, TileScales& t) {
+  if (c.block_cols == 1) {
+    std::memcpy(t.s, k.bs, sizeof(double) * size_t(k.len));
+    std::memcpy(t.inv, t.block_inv, sizeof(double) * size_t(k.len));
+    return;
+  }
   for (int64_t i = 0, b = 0; i < k.len; ++b) {
     const int64_t stop = min_of(k.len, (k.j0 + b + 1) * c.block_cols - k.t0);
     const double s = k.bs[b], inv = t.block_inv[b];
