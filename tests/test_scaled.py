@@ -900,13 +900,18 @@ def test_scaled_formats_match_cpu(name, mode, dtype):
 
 
 @on_cuda
-@pytest.mark.parametrize("layout", ["rows", "short last block", "misaligned", "in place", "one row", "1-D"])
+@pytest.mark.parametrize("layout", ["rows", "short last block", "misaligned", "in place", "one row", "1-D",
+                                    "along axis 0"])
 @pytest.mark.parametrize("name", ["mxfp8_e4m3", "nvfp4", "fp8_e4m3_block128", "fp8_e4m3_tensorwise"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_scaled_layouts_match_cpu(layout, name, dtype):
-    # The GPU rounds 1-D blocks that cut each row evenly, from aligned buffers, in one pass, and
-    # every other layout in passes over the blocks' maxima, the scales and the elements: both
-    # give the CPU's bits, scales and counts.
+    # The GPU rounds 1-D blocks that cut each row evenly, from aligned buffers, in one pass, blocks
+    # down the columns (along axis 0, in place) in one pass, and every other layout in passes
+    # over the blocks' maxima, the scales and the elements: all give the CPU's bits, scales and
+    # counts.
+    fmt = lowfp.scaled.named()[name]
+    if layout == "along axis 0" and fmt.axis is not None:
+        name = fmt.with_axis(0)
     g = torch.Generator().manual_seed(3)
     shape = {"short last block": (48, 200), "one row": (1, 4096), "1-D": (1000,)}.get(layout, (48, 256))
     numel = 1

@@ -1,10 +1,13 @@
 // Scaled formats on the GPU (docs/design.md §9), with the element and scale math of
-// cpp/include/lowfp/scaled.hpp; every element takes the float64 carrier, whose results the CPU's
-// faster carriers equal (tests/test_scaled.py), so CPU = GPU bit for bit. Two forms of a call:
+// cpp/include/lowfp/scaled.hpp; elements take the float64 carrier, or the CPU's float32 carrier
+// where a call allows it (ScaledCall::narrow, in the one-pass forms), whose results the CPU's
+// other carriers equal (tests/test_scaled.py), so CPU = GPU bit for bit. Three forms of a call:
 // - 1-D blocks along the rows whose width is a power of two from 4 to 128 dividing the row (MX,
 //   NVFP4) and a single scale candidate: one pass (row_blocks_kernel), a group of lanes per block
 //   holding four consecutive elements each, the block's largest magnitude by shuffles, its scale
 //   and elements from registers; a tensor scale takes a coalesced reduction first.
+// - Blocks down the columns (block_cols 1, a GEMM operand along its reduction axis): one pass
+//   (column_blocks_kernel), a thread per block, consecutive threads on consecutive columns.
 // - Any other blocks: each block's largest finite magnitude by a thread block of its own reading
 //   its rows coalesced (the whole grid for a single block), the scales in place, then the elements
 //   in a grid-stride loop.
@@ -202,6 +205,47 @@ row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned l
   count_blocks(c, saturated, blocks, counts);
 }
 
+// The one-pass form of blocks down the columns (block_cols 1: a GEMM operand along its reduction
+// axis, scaled.config.kernel_layout): a thread per block, consecutive threads on consecutive
+// columns (coalesced), reading its block_rows elements for the maximum and again (from cache)
+// to round them.
+template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kNarrow>
+__global__ void __launch_bounds__(kThreads)
+column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
+  using U = RawOf<In>;
+  const In* x = static_cast<const In*>(c.x);
+  In* y = static_cast<In*>(c.y);
+  const int64_t blocks = c.block_grid_rows() * c.cols;
+  const U exponent = U(exponent_mask(c.dtype));
+  const double t = tensor_scale_of(c, tensor_max), empty = empty_block_scale(c.scale, t);
+  ThreadCounts tc;
+  uint64_t saturated = 0;
+  for (int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; b < blocks;
+       b += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t col = b % c.cols, r0 = (b / c.cols) * c.block_rows;
+    const int64_t first = r0 * c.cols + col, last = min_of(c.rows, r0 + c.block_rows) * c.cols;
+    U m = 0;
+    for (int64_t i = first; i < last; i += c.cols) {
+      U bits;
+      memcpy(&bits, &x[i], sizeof(U));
+      m = max_of(m, finite_magnitude(bits, exponent));
+    }
+    const double a = raw_value<In>(m);
+    bool sat = false;
+    const double s = a > 0.0 ? block_scale(c.scale, a, t, sat) : empty, inv = 1.0 / s;
+    c.scales[b] = s;
+    saturated += sat;
+    for (int64_t i = first; i < last; i += c.cols) {
+      uint32_t word = 0u;
+      if constexpr (K == RoundKind::Stochastic) word = philox_block(c.seed, c.offset + uint64_t(i) / 4).w[i % 4];
+      if constexpr (kNarrow) y[i] = round_narrow<In, K, kCount>(c, x[i], i, float(s), float(inv), word, tc);
+      else y[i] = round_scaled<In, K, kCount, kPow2, kSubExp>(c, x[i], i, s, inv, word, tc);
+    }
+  }
+  if constexpr (kCount) finish_counts(tc, counts, c.rows * c.cols);
+  count_blocks(c, saturated, blocks, counts);
+}
+
 // Whether a call takes row_blocks_kernel: 1-D blocks along the rows of 4 · 2^k elements (at most
 // 128: a warp's lanes hold a block) that cut each row evenly, one scale candidate, and x and y
 // aligned for quads.
@@ -306,20 +350,28 @@ void scaled_cuda(const ScaledCall& c, double* tensor_scale, int64_t* counts, int
         });
       });
     };
-    if (row_blocks<In>(c)) {
-      const bool quad_io = quad_aligned<In>(c.x);
+    const bool rows_form = row_blocks<In>(c);
+    if (rows_form || (c.block_cols == 1 && c.scale.choice == BlockChoice::Fixed)) {
       if (c.tensor_scale)
-        tensor_amax_kernel<In><<<grid_size(device, (n + 3) / 4), kThreads, 0, stream>>>(c, quad_io, tmax, nullptr);
+        tensor_amax_kernel<In><<<grid_size(device, (n + 3) / 4), kThreads, 0, stream>>>(
+            c, quad_aligned<In>(c.x), tmax, nullptr);
+      // (kernel_of(narrow): the instantiation of the one-pass form; narrow: then pow2 holds and
+      // the subnormal exponent does not matter)
       launch_elements([&](auto kind, auto count, auto pow2, auto sub, int grid, const unsigned long long* tm) {
         constexpr bool kWide = std::is_same_v<In, double>;
-        if (c.narrow && !kWide) {  // (then pow2 holds and sub does not matter)
-          row_blocks_kernel<In, decltype(kind)::value, decltype(count)::value, true, false, !kWide>
-              <<<grid, kThreads, 0, stream>>>(c, tm, cnt);
+        constexpr RoundKind K = decltype(kind)::value;
+        constexpr bool kCount = decltype(count)::value, kPow2 = decltype(pow2)::value, kSub = decltype(sub)::value;
+        const bool narrow = c.narrow && !kWide;
+        if (rows_form && narrow) {
+          row_blocks_kernel<In, K, kCount, true, false, !kWide><<<grid, kThreads, 0, stream>>>(c, tm, cnt);
+        } else if (rows_form) {
+          row_blocks_kernel<In, K, kCount, kPow2, kSub, false><<<grid, kThreads, 0, stream>>>(c, tm, cnt);
+        } else if (narrow) {
+          column_blocks_kernel<In, K, kCount, true, false, !kWide><<<grid, kThreads, 0, stream>>>(c, tm, cnt);
         } else {
-          row_blocks_kernel<In, decltype(kind)::value, decltype(count)::value, decltype(pow2)::value,
-                            decltype(sub)::value, false><<<grid, kThreads, 0, stream>>>(c, tm, cnt);
+          column_blocks_kernel<In, K, kCount, kPow2, kSub, false><<<grid, kThreads, 0, stream>>>(c, tm, cnt);
         }
-      }, n / 4, tmax_in);
+      }, rows_form ? n / 4 : blocks, tmax_in);
     } else {
       if (blocks == 1) {  // one scale for the tensor: the whole grid reduces it
         check(cudaMemsetAsync(scale_bits, 0, sizeof(double), stream), "cudaMemsetAsync");
