@@ -56,6 +56,13 @@ def run(size: int, repeats: int):
     for name in ("mxfp8_e4m3", "nvfp4"):  # with counts, as emulation rounds every tensor
         fns[f"{name} nearest out=, counted"] = (
             lambda n=name: lowfp.quantize(x, n, out=y, stats=lowfp.scaled.ScaledStats()))
+    # blocks along axis 0 (a GEMM operand along its reduction axis): read in place when
+    # deterministic, copied with the axis moved last when stochastic; the transposing copy alone
+    for name, rounding in (("mxfp8_e4m3", "nearest"), ("nvfp4", "nearest"), ("mxfp8_e4m3", "stochastic")):
+        along0 = lowfp.scaled.named()[name].with_axis(0)
+        fns[f"{name} {rounding} along axis 0"] = (
+            lambda f=along0, r=rounding: lowfp.quantize(x, f, r, seed=1))
+    fns["x.t().contiguous()"] = lambda: x.t().contiguous()
     fns.update(torchao_cases(x))
     rounds = time_rounds(fns, repeats)
     copy = rounds["y.copy_(x)"]

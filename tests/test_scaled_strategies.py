@@ -109,6 +109,11 @@ FORCED = [  # format, rounding, dtype: together they allow every strategy
     ("mxfp8_e4m3", "up", torch.bfloat16),
     ("mxfp4_e2m1", "stochastic", torch.float16),
     ("mxfp8_e4m3", "nearest", torch.bfloat16),
+    # blocks along axis 0, read in place as blocks down the columns (scaled.config.kernel_layout)
+    (lowfp.scaled.named()["mxfp8_e4m3"].with_axis(0), "nearest", torch.float32),
+    (lowfp.scaled.named()["mxfp8_e4m3"].with_axis(0), "toward_zero", torch.bfloat16),
+    (lowfp.scaled.named()["nvfp4"].with_axis(0), "nearest", torch.float32),
+    (lowfp.scaled.named()["fp8_e4m3_rowwise"].with_axis(0), "nearest", torch.float32),
 ]
 
 

@@ -72,9 +72,8 @@ void scaled_checked(const ScaledCall& c, const ScaledCpuForms& f, const ScaledPl
       for_each_tile(c, r0, r1, [&](const Tile& k) {
         round_tile(c, f, plan, k, t, counts, [&] {
           t.place32(static_cast<float*>(c.y) + k.first);
-          block_inverses(k, t);
           // (S and fl(1 / s), every fl(1 / s) a normal float32, or no check holds)
-          const bool checkable = block_scales32(k, c.t, t);
+          const bool checkable = block_forms(k, c.t, t);
           if (c.block_cols != 16 && c.block_cols != 32) spread32(c, k, t);
           // (in place, the results wait in a buffer until the tile is done)
           float* const y = static_cast<float*>(c.y) + k.first;

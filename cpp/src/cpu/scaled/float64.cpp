@@ -69,7 +69,7 @@ void scaled_float64(const ScaledCall& c, const ScaledCpuForms& f, const ScaledPl
   with_run_tile(c, f, c.count && !plan.count_by_comparison, [&](auto run) {
     for_each_tile(c, r0, r1, [&](const Tile& k) {
       round_tile(c, f, plan, k, t, counts, [&] {
-        block_inverses(k, t);
+        block_forms(k, 1.0, t);
         spread64(c, k, t);
         if (round_kind(c.mode) == RoundKind::Stochastic) draw_words(c, k, t);
         run(c, f, k, t, counts);

@@ -91,6 +91,10 @@ struct TileScales {
     const uintptr_t gap = (uintptr_t(y) + kPage / 2 - uintptr_t(s32_buf)) % kPage;
     at32 = int64_t(gap & ~uintptr_t(63)) / int64_t(sizeof(float));  // (64-byte aligned)
   }
+  // The tile whose block forms (block_forms) the per-block buffers hold: its scales and length
+  const double* forms_bs = nullptr;
+  int64_t forms_len = -1;
+  bool forms_checkable = false;
 };
 
 // A tile's rounding events, per lane l of its loop (kLanes: the block width in the float32 loops,
@@ -122,10 +126,24 @@ struct Tile {
   const double* bs;
 };
 
-// fn(tile) for the tiles of rows [r0, r1), in order.
+// fn(tile) for the tiles of rows [r0, r1): row by row, each row's tiles in order; for blocks down
+// the columns (block_cols 1, more than one row each), tile column by tile column within each
+// run of rows of one block row, so that consecutive tiles share their scales (block_forms).
 template <class Fn>
 void for_each_tile(const ScaledCall& c, int64_t r0, int64_t r1, Fn&& fn) {
   const int64_t gc = c.block_grid_cols(), bc = c.block_cols;
+  if (bc == 1 && c.block_rows > 1) {
+    for (int64_t s0 = r0; s0 < r1;) {
+      const int64_t br = s0 / c.block_rows, s1 = min_of(r1, (br + 1) * c.block_rows);
+      const double* scales = c.scales + br * gc;
+      for (int64_t t0 = 0; t0 < c.cols; t0 += kTile) {
+        const int64_t len = min_of(kTile, c.cols - t0);
+        for (int64_t r = s0; r < s1; ++r) fn(Tile{r * c.cols + t0, len, t0, t0, len, scales + t0});
+      }
+      s0 = s1;
+    }
+    return;
+  }
   for (int64_t r = r0; r < r1; ++r) {
     const double* scales = c.scales + (r / c.block_rows) * gc;
     for (int64_t t0 = 0; t0 < c.cols; t0 += kTile) {
@@ -152,6 +170,17 @@ inline bool block_scales32(const Tile& k, double over_t, TileScales& t) {
   for (int64_t b = 0; b < k.blocks; ++b)  // fl(1 / s) in [2^-126, 2^127], by its bits
     bad |= uint32_t(bit_cast<uint32_t>(t.block_inv32[b]) - 0x00800000u > 0x7e800000u);
   return bad == 0;
+}
+
+// block_inverses and block_scales32(k, over_t, t) (its answer returned), once for a run of tiles
+// of the same blocks (the same scales, over_t the same within a call): the rows of a block row.
+inline bool block_forms(const Tile& k, double over_t, TileScales& t) {
+  if (k.bs == t.forms_bs && k.len == t.forms_len) return t.forms_checkable;
+  block_inverses(k, t);
+  t.forms_checkable = block_scales32(k, over_t, t);
+  t.forms_bs = k.bs;
+  t.forms_len = k.len;
+  return t.forms_checkable;
 }
 
 // Each element's block scale and inverse: float32 (from block_scales32, at t.at32: place32 first)
