@@ -77,12 +77,12 @@ void add_scaled_counts(const ScaledCall& call, const PerThread<EventCounts>& par
 
 // The blocks' scales of a call that chooses among candidates (BlockChoice), in place of their
 // largest magnitudes in call.scales: each block's candidates rounding its elements.
-void choose_block_scales(const ScaledCall& call, const ScaledCpuForms& forms, double t,
+void choose_block_scales(const ScaledCall& call, double t,
                          PerThread<int64_t>& saturated) {
   const int64_t blocks = call.block_grid_rows() * call.block_grid_cols();
   const double empty = empty_block_scale(call.scale, t);
   // (the candidates' elements by the float64 strategy's forms of rounding: the same bits)
-  with_float64_forms(call, forms, [&](auto type, auto kind, auto add_c, auto once_c) {
+  with_float64_forms(call, [&](auto type, auto kind, auto add_c, auto once_c) {
     using In = typename decltype(type)::type;
     constexpr RoundKind K = decltype(kind)::value;
     constexpr bool kAdd = decltype(add_c)::value, kOnce = decltype(once_c)::value;
@@ -143,7 +143,7 @@ void scaled_cpu(const ScaledCall& call, const ScaledCpuForms& forms, double* ten
       k.scaled_scales(call, t, b0, b1, saturated[th].v);
     });
   } else {
-    choose_block_scales(call, forms, t, saturated);
+    choose_block_scales(call, t, saturated);
   }
   ScaledCall with_t = call;
   with_t.t = t;

@@ -174,7 +174,7 @@ void scaled_elements_range(const ScaledCall& c, const ScaledCpuForms& f, const S
                            int64_t r1, EventCounts& counts) {
   switch (plan.strategy) {
     case ScaledStrategy::Few: return scaled_few(c, f, r0, r1, counts);
-    case ScaledStrategy::Lanes: return scaled_lanes(c, f, r0, r1, counts);
+    case ScaledStrategy::Lanes: return scaled_lanes(c, r0, r1, counts);
     case ScaledStrategy::Narrow: return scaled_narrow(c, f, plan, r0, r1, counts);
     case ScaledStrategy::Checked: return scaled_checked(c, f, plan, r0, r1, counts);
     case ScaledStrategy::Float64: return scaled_float64(c, f, plan, r0, r1, counts);

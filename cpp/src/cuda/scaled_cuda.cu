@@ -121,13 +121,14 @@ __device__ void count_blocks(const ScaledCall& c, uint64_t saturated, int64_t bl
 }
 
 // One element's rounding given its block's scale s (inverse inv) and random word: q into c.q when
-// asked, s · q returned in the storage type, its events into tc when kCount.
-template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp>
+// asked, s · q returned in the storage type, its events into tc when kCount. kAdd, kOnce:
+// scaled_element's faster forms of nearest rounding (with_float64_forms).
+template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kAdd = false, bool kOnce = false>
 __device__ In round_scaled(const ScaledCall& c, In x, int64_t i, double s, double inv, uint32_t word,
                            ThreadCounts& tc) {
   RoundEvents ev;
-  const double q = scaled_element<K, kPow2, kSubExp>(bit_cast<double>(Widen<uint64_t>::from(x)), s, inv,
-                                                     c.p, word, ev);
+  const double q = scaled_element<K, kPow2, kSubExp, kAdd, kOnce>(bit_cast<double>(Widen<uint64_t>::from(x)), s,
+                                                                  inv, c.p, word, ev, c.addition_cap);
   if (c.q != nullptr) c.q[i] = float(q);
   if (kCount) tc.add(ev);
   return store_scaled<In>(q * s, c.out);
@@ -150,8 +151,9 @@ __device__ In round_narrow(const ScaledCall& c, In x, int64_t i, float s32, floa
 // The one-pass form (row_blocks): blocks of c.block_cols = 4 · lanes consecutive elements, block b
 // holding elements b · block_cols ... (row-major), so quad g (elements 4g .. 4g + 3) lies in block
 // g / lanes and takes Philox block offset + g. A warp takes 32 / lanes blocks at a time (its loop
-// bound the same for all its lanes, which all shuffle). kNarrow: the float32 carrier.
-template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kNarrow>
+// bound the same for all its lanes, which all shuffle). kNarrow: the float32 carrier; kAdd, kOnce:
+// round_scaled's.
+template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kNarrow, bool kAdd, bool kOnce>
 __global__ void __launch_bounds__(kThreads)
 row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
   using U = RawOf<In>;
@@ -196,7 +198,8 @@ row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned l
       } else {
 #pragma unroll
         for (int k = 0; k < 4; ++k)
-          out.v[k] = round_scaled<In, K, kCount, kPow2, kSubExp>(c, in.v[k], 4 * g + k, s, inv, r.w[k], tc);
+          out.v[k] = round_scaled<In, K, kCount, kPow2, kSubExp, kAdd, kOnce>(c, in.v[k], 4 * g + k, s, inv,
+                                                                           r.w[k], tc);
       }
       y[g] = out;
     }
@@ -208,8 +211,8 @@ row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned l
 // The one-pass form of blocks down the columns (block_cols 1: a GEMM operand along its reduction
 // axis, scaled.config.kernel_layout): a thread per block, consecutive threads on consecutive
 // columns (coalesced), reading its block_rows elements for the maximum and again (from cache)
-// to round them.
-template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kNarrow>
+// to round them. Template parameters: row_blocks_kernel's.
+template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kNarrow, bool kAdd, bool kOnce>
 __global__ void __launch_bounds__(kThreads)
 column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
   using U = RawOf<In>;
@@ -239,7 +242,7 @@ column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigne
       uint32_t word = 0u;
       if constexpr (K == RoundKind::Stochastic) word = philox_block(c.seed, c.offset + uint64_t(i) / 4).w[i % 4];
       if constexpr (kNarrow) y[i] = round_narrow<In, K, kCount>(c, x[i], i, float(s), float(inv), word, tc);
-      else y[i] = round_scaled<In, K, kCount, kPow2, kSubExp>(c, x[i], i, s, inv, word, tc);
+      else y[i] = round_scaled<In, K, kCount, kPow2, kSubExp, kAdd, kOnce>(c, x[i], i, s, inv, word, tc);
     }
   }
   if constexpr (kCount) finish_counts(tc, counts, c.rows * c.cols);
@@ -248,12 +251,58 @@ column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigne
 
 // Whether a call takes row_blocks_kernel: 1-D blocks along the rows of 4 · 2^k elements (at most
 // 128: a warp's lanes hold a block) that cut each row evenly, one scale candidate, and x and y
-// aligned for quads.
-template <class In>
+// aligned for quads (of 16 bytes at most).
 bool row_blocks(const ScaledCall& c) {
   const int64_t w = c.block_cols;
+  const uintptr_t align = uintptr_t(min_of(16, 4 * dtype_size(c.dtype)));
   return c.block_rows == 1 && w >= 4 && w <= 128 && (w & (w - 1)) == 0 && c.cols % w == 0 &&
-         c.scale.choice == BlockChoice::Fixed && quad_aligned<In>(c.x) && quad_aligned<In>(c.y);
+         c.scale.choice == BlockChoice::Fixed && reinterpret_cast<uintptr_t>(c.x) % align == 0 &&
+         reinterpret_cast<uintptr_t>(c.y) % align == 0;
+}
+
+// Whether a call takes column_blocks_kernel: blocks down the columns, one scale candidate.
+bool column_blocks(const ScaledCall& c) {
+  return c.block_cols == 1 && c.scale.choice == BlockChoice::Fixed;
+}
+
+// Enqueues a call of one of the one-pass forms (row_blocks or column_blocks): the tensor's
+// largest magnitude first for a tensor scale, then the kernel's instantiation for the call
+// (with_float64_forms: its storage type, rounding kind, faster forms; the float32 carrier where
+// ScaledCall::narrow holds, which needs neither the power-of-two flag nor subnormal exponents).
+void one_pass(const ScaledCall& c, int device, cudaStream_t stream, unsigned long long* tmax,
+              const unsigned long long* tmax_in, unsigned long long* cnt) {
+  const int64_t n = c.rows * c.cols;
+  const bool rows_form = row_blocks(c);
+  const int grid = grid_size(device, rows_form ? n / 4 : c.block_grid_rows() * c.cols);
+  with_float64_forms(c, [&](auto type, auto kind, auto add_c, auto once_c) {
+    using In = typename decltype(type)::type;
+    constexpr RoundKind K = decltype(kind)::value;
+    constexpr bool kWide = std::is_same_v<In, double>;
+    if (c.tensor_scale)
+      tensor_amax_kernel<In><<<grid_size(device, (n + 3) / 4), kThreads, 0, stream>>>(c, quad_aligned<In>(c.x),
+                                                                                     tmax, nullptr);
+    with_flag(c.count, [&](auto count) {
+      constexpr bool kCount = decltype(count)::value;
+      if (c.narrow && !kWide) {
+        if (rows_form)
+          row_blocks_kernel<In, K, kCount, true, false, !kWide, false, false><<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
+        else
+          column_blocks_kernel<In, K, kCount, true, false, !kWide, false, false><<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
+        return;
+      }
+      with_flag(c.scale.rule != ScaleRule::Format, [&](auto pow2) {
+        with_flag(c.p.subnormal_exponent, [&](auto sub) {
+          constexpr bool kPow2 = decltype(pow2)::value, kSub = decltype(sub)::value;
+          // (by addition: no subnormal exponents; dividing once: scales in a format)
+          constexpr bool kAdd = decltype(add_c)::value && !kSub, kOnce = decltype(once_c)::value && !kPow2;
+          if (rows_form)
+            row_blocks_kernel<In, K, kCount, kPow2, kSub, false, kAdd, kOnce><<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
+          else
+            column_blocks_kernel<In, K, kCount, kPow2, kSub, false, kAdd, kOnce><<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
+        });
+      });
+    });
+  });
 }
 
 // The scales pass: each block's largest finite magnitude a in c.scales becomes its scale,
@@ -335,44 +384,11 @@ void scaled_cuda(const ScaledCall& c, double* tensor_scale, int64_t* counts, int
     check(cudaGetLastError(), "kernel launch");
     return;
   }
-  with_storage_type(c.dtype, [&](auto type) {
-    using In = typename decltype(type)::type;
-    // Each element kernel's instantiation for the call: its rounding kind and flags.
-    auto launch_elements = [&](auto kernel_of, int64_t work, const unsigned long long* tmax_arg) {
-      with_round_kind(c.mode, [&](auto kind) {
-        with_flag(c.count, [&](auto count) {
-          with_flag(c.scale.rule != ScaleRule::Format, [&](auto pow2) {
-            with_flag(c.p.subnormal_exponent, [&](auto sub) {
-              kernel_of(std::integral_constant<RoundKind, decltype(kind)::value>{}, count, pow2, sub,
-                        grid_size(device, work), tmax_arg);
-            });
-          });
-        });
-      });
-    };
-    const bool rows_form = row_blocks<In>(c);
-    if (rows_form || (c.block_cols == 1 && c.scale.choice == BlockChoice::Fixed)) {
-      if (c.tensor_scale)
-        tensor_amax_kernel<In><<<grid_size(device, (n + 3) / 4), kThreads, 0, stream>>>(
-            c, quad_aligned<In>(c.x), tmax, nullptr);
-      // (kernel_of(narrow): the instantiation of the one-pass form; narrow: then pow2 holds and
-      // the subnormal exponent does not matter)
-      launch_elements([&](auto kind, auto count, auto pow2, auto sub, int grid, const unsigned long long* tm) {
-        constexpr bool kWide = std::is_same_v<In, double>;
-        constexpr RoundKind K = decltype(kind)::value;
-        constexpr bool kCount = decltype(count)::value, kPow2 = decltype(pow2)::value, kSub = decltype(sub)::value;
-        const bool narrow = c.narrow && !kWide;
-        if (rows_form && narrow) {
-          row_blocks_kernel<In, K, kCount, true, false, !kWide><<<grid, kThreads, 0, stream>>>(c, tm, cnt);
-        } else if (rows_form) {
-          row_blocks_kernel<In, K, kCount, kPow2, kSub, false><<<grid, kThreads, 0, stream>>>(c, tm, cnt);
-        } else if (narrow) {
-          column_blocks_kernel<In, K, kCount, true, false, !kWide><<<grid, kThreads, 0, stream>>>(c, tm, cnt);
-        } else {
-          column_blocks_kernel<In, K, kCount, kPow2, kSub, false><<<grid, kThreads, 0, stream>>>(c, tm, cnt);
-        }
-      }, rows_form ? n / 4 : blocks, tmax_in);
-    } else {
+  if (row_blocks(c) || column_blocks(c)) {
+    one_pass(c, device, stream, tmax, tmax_in, cnt);
+  } else {
+    with_storage_type(c.dtype, [&](auto type) {
+      using In = typename decltype(type)::type;
       if (blocks == 1) {  // one scale for the tensor: the whole grid reduces it
         check(cudaMemsetAsync(scale_bits, 0, sizeof(double), stream), "cudaMemsetAsync");
         tensor_amax_kernel<In><<<grid_size(device, (n + 3) / 4), kThreads, 0, stream>>>(
@@ -389,14 +405,20 @@ void scaled_cuda(const ScaledCall& c, double* tensor_scale, int64_t* counts, int
               <<<grid_size(device, blocks), kThreads, 0, stream>>>(c, tmax_in, cnt);
         });
       }
-      launch_elements([&](auto kind, auto count, auto pow2, auto sub, int grid, const unsigned long long*) {
-        elements_kernel<In, decltype(kind)::value, decltype(count)::value, decltype(pow2)::value,
-                        decltype(sub)::value><<<grid, kThreads, 0, stream>>>(c, cnt);
-      }, n, nullptr);
-    }
-    // (after every reader of the largest magnitude)
-    tensor_scale_kernel<<<1, 1, 0, stream>>>(c, tmax_in, tmax);
-  });
+      with_round_kind(c.mode, [&](auto kind) {
+        with_flag(c.count, [&](auto count) {
+          with_flag(c.scale.rule != ScaleRule::Format, [&](auto pow2) {
+            with_flag(c.p.subnormal_exponent, [&](auto sub) {
+              elements_kernel<In, decltype(kind)::value, decltype(count)::value, decltype(pow2)::value,
+                              decltype(sub)::value><<<grid_size(device, n), kThreads, 0, stream>>>(c, cnt);
+            });
+          });
+        });
+      });
+    });
+  }
+  // (after every reader of the largest magnitude)
+  tensor_scale_kernel<<<1, 1, 0, stream>>>(c, tmax_in, tmax);
   check(cudaGetLastError(), "kernel launch");
 }
 namespace {

@@ -61,6 +61,12 @@ ScaledCall prepare_scaled_call(const ScaledRequest& r) {
   if (r.tensor_scale && r.rule != ScaleRule::Format)
     throw std::invalid_argument("a tensor scale goes with block scales in a format");
   c.p = make_round_params<uint64_t>(r.element, r.overflow, r.mode, r.sr_bits);
+  const bool nearest = r.mode == Rounding::Nearest;
+  c.addition_cap = max_exponent(r.element) + 1;
+  c.add64 = nearest && nearest_by_addition(c.p, c.addition_cap);
+  // s = S · t: S's significand bits, and the float32 tensor scale's 24
+  const int32_t scale_bits = r.scale_format.m + 1 + (r.tensor_scale ? 24 : 0);
+  c.divide_once = nearest && r.rule == ScaleRule::Format && nearest_divides_once(r.element.m, scale_bits, r.dtype);
   if (r.dtype == DType::Float16 || r.dtype == DType::BFloat16)
     c.out = make_round_params<uint64_t>(storage_spec(r.dtype), Overflow::Inf, Rounding::Nearest, 32);
   c.t = 1.0;

@@ -3,7 +3,9 @@
 // one scale per block.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
+#include "dispatch.hpp"
 #include "lowfp/hadamard.hpp"
 #include "lowfp/philox.hpp"
 #include "lowfp/scaled.hpp"
@@ -34,9 +36,39 @@ struct ScaledCall {
   // (p32 set whenever the input is not float64)
   bool narrow;
   RoundParams<uint32_t> p32, out32;
+  // The float64 carrier's faster forms of nearest rounding (scaled_element's kAdd and kOnce,
+  // with_float64_forms): E's rounding by addition where nearest_by_addition(p, addition_cap)
+  // holds (add64), x / s rounded once where nearest_divides_once holds (divide_once: scales in a
+  // format); addition_cap: E's largest exponent + 1
+  int32_t addition_cap;
+  bool add64, divide_once;
   LOWFP_HD int64_t block_grid_cols() const { return (cols + block_cols - 1) / block_cols; }
   LOWFP_HD int64_t block_grid_rows() const { return (rows + block_rows - 1) / block_rows; }
 };
+
+// fn(type, kind, add, once) for a call's float64-carrier rounding: its storage type (In =
+// decltype(type)::type) and rounding kind, and, as std::integral_constant<bool>, whether nearest
+// rounding may go by addition (kAdd) and divide once (kOnce), scaled_element's faster forms:
+// rounding by addition finds no subnormal exponents, x / s rounded once needs an input of at most
+// 24 bits and scales in a format.
+template <class Fn>
+void with_float64_forms(const ScaledCall& c, Fn&& fn) {
+  with_storage_type(c.dtype, [&](auto type) {
+    using In = typename decltype(type)::type;
+    with_round_kind(c.mode, [&](auto kind) {
+      constexpr bool kNearest = decltype(kind)::value == RoundKind::Nearest;
+      constexpr bool kNarrowInput = !std::is_same_v<In, double>;
+      const bool add = kNearest && !c.p.subnormal_exponent && c.add64;
+      const bool once = kNearest && c.scale.rule == ScaleRule::Format && kNarrowInput && c.divide_once;
+      with_flag(add, [&](auto add_c) {
+        with_flag(once, [&](auto once_c) {
+          fn(type, kind, std::integral_constant<bool, decltype(add_c)::value && kNearest>{},
+             std::integral_constant<bool, decltype(once_c)::value && kNearest && kNarrowInput>{});
+        });
+      });
+    });
+  });
+}
 
 // 4over6 (BlockChoice): the scale of block b (block-grid row-major) whose largest finite magnitude
 // is a > 0, under the tensor scale t: the map-to-6 candidate (the rule's) unless the map-to-4 one
@@ -53,7 +85,7 @@ LOWFP_HD double four_over_six_scale(const ScaledCall& c, int64_t b, double a, do
   const int64_t r0 = (b / gc) * c.block_rows, c0 = (b % gc) * c.block_cols;
   const int64_t r1 = min_of(c.rows, r0 + c.block_rows), c1 = min_of(c.cols, c0 + c.block_cols);
   const In* x = static_cast<const In*>(c.x);
-  const int32_t e_cap = c.scale.emax_e + 1;
+  const int32_t e_cap = c.addition_cap;
   // Each run of up to kChunk elements of a row: the shares of the error side by side (a loop
   // without branches, which the CPU's compiler vectorises), then added in order.
   constexpr int64_t kChunk = 16;

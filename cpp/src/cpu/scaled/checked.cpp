@@ -19,14 +19,14 @@ namespace {
 // kBlock: see for_tile_elements. y: where the tile's results go (not x's memory: a tile that
 // runs twice must read its inputs again).
 template <bool kCount, bool kParts, int64_t kBlock>
-bool run_tile(const ScaledCall& c, const ScaledCpuForms& f, const Tile& k, const TileScales& t, float* y,
+bool run_tile(const ScaledCall& c, const Tile& k, const TileScales& t, float* y,
               EventCounts& counts) {
   const float* x = static_cast<const float*>(c.x) + k.first;
   float* q_out = kParts ? c.q + k.first : nullptr;
   const int64_t n = k.len;
   const float ts = float(c.t);
   const RoundParams<uint32_t> p = c.p32;
-  const int32_t e_cap = f.addition_cap;
+  const int32_t e_cap = c.addition_cap;
   // Per lane of a block, so that the block loop keeps them in vector registers
   constexpr int64_t kLanes = kBlock > 0 ? kBlock : 1;
   TileEvents<int32_t, kLanes> events;
@@ -78,10 +78,10 @@ void scaled_checked(const ScaledCall& c, const ScaledCpuForms& f, const ScaledPl
           // (in place, the results wait in a buffer until the tile is done)
           float* const y = static_cast<float*>(c.y) + k.first;
           float* const dst = plan.in_place ? t.checked_out : y;
-          if (checkable && run(c, f, k, t, dst, counts)) {
+          if (checkable && run(c, k, t, dst, counts)) {
             if (dst != y) std::memcpy(y, dst, sizeof(float) * size_t(k.len));
           } else {
-            float64_tile(c, f, count, k, t, counts);
+            float64_tile(c, count, k, t, counts);
           }
         });
       });

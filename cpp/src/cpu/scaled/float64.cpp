@@ -9,11 +9,11 @@ namespace {
 
 // One tile, its per-element scales and inverses spread (spread64) and, stochastic, its words
 // drawn. kPow2: every scale a power of two, so that x · (1 / s) is the exact quotient. kParts:
-// write q. kAdd: nearest rounding by addition (ScaledCpuForms::add64). kOnce: x / s rounded once
-// (ScaledCpuForms::divide_once).
+// write q. kAdd: nearest rounding by addition (ScaledCall::add64). kOnce: x / s rounded once
+// (ScaledCall::divide_once).
 template <class In, RoundKind Kind, bool kCount, bool kPow2, bool kSubExp, bool kParts, bool kAdd,
           bool kOnce>
-void run_tile(const ScaledCall& c, const ScaledCpuForms& f, const Tile& k, const TileScales& t,
+void run_tile(const ScaledCall& c, const Tile& k, const TileScales& t,
               EventCounts& counts) {
   const In* x = static_cast<const In*>(c.x) + k.first;
   In* y = static_cast<In*>(c.y) + k.first;
@@ -26,7 +26,7 @@ void run_tile(const ScaledCall& c, const ScaledCpuForms& f, const Tile& k, const
     RoundEvents ev;
     const uint32_t rw = Kind == RoundKind::Stochastic ? t.rand[i] : 0u;
     const double q = scaled_element<Kind, kPow2, kSubExp, kAdd, kOnce>(xv, t.s[i], t.inv[i], p, rw, ev,
-                                                                      f.addition_cap);
+                                                                      c.addition_cap);
     if constexpr (kParts) q_out[i] = float(q);
     y[i] = store_scaled<In>(q * t.s[i], out);
     if constexpr (kCount) events.add(0, ev);
@@ -36,8 +36,8 @@ void run_tile(const ScaledCall& c, const ScaledCpuForms& f, const Tile& k, const
 
 // fn(a run_tile instantiation) for the call: its storage type, rounding kind and flags.
 template <class Fn>
-void with_run_tile(const ScaledCall& c, const ScaledCpuForms& f, bool count, Fn&& fn) {
-  with_float64_forms(c, f, [&](auto type, auto kind, auto add_c, auto once_c) {
+void with_run_tile(const ScaledCall& c, bool count, Fn&& fn) {
+  with_float64_forms(c, [&](auto type, auto kind, auto add_c, auto once_c) {
     using In = typename decltype(type)::type;
     constexpr RoundKind K = decltype(kind)::value;
     with_flag(count, [&](auto count_c) {
@@ -57,22 +57,22 @@ void with_run_tile(const ScaledCall& c, const ScaledCpuForms& f, bool count, Fn&
 
 }  // namespace
 
-void float64_tile(const ScaledCall& c, const ScaledCpuForms& f, bool count, const Tile& k, TileScales& t,
+void float64_tile(const ScaledCall& c, bool count, const Tile& k, TileScales& t,
                   EventCounts& counts) {
   spread64(c, k, t);
-  with_run_tile(c, f, count, [&](auto run) { run(c, f, k, t, counts); });
+  with_run_tile(c, count, [&](auto run) { run(c, k, t, counts); });
 }
 
 void scaled_float64(const ScaledCall& c, const ScaledCpuForms& f, const ScaledPlan& plan, int64_t r0,
                     int64_t r1, EventCounts& counts) {
   TileScales t;
-  with_run_tile(c, f, c.count && !plan.count_by_comparison, [&](auto run) {
+  with_run_tile(c, c.count && !plan.count_by_comparison, [&](auto run) {
     for_each_tile(c, r0, r1, [&](const Tile& k) {
       round_tile(c, f, plan, k, t, counts, [&] {
         block_forms(k, 1.0, t);
         spread64(c, k, t);
         if (round_kind(c.mode) == RoundKind::Stochastic) draw_words(c, k, t);
-        run(c, f, k, t, counts);
+        run(c, k, t, counts);
       });
     });
   });

@@ -13,7 +13,7 @@ namespace {
 // from the per-element buffers (place32). A ragged end is padded with zeros, which count nothing.
 // kSignedZero: E has -0 (RoundParams::no_negative_zero false); kInfStays: inf_stays_inf.
 template <RoundKind Kind, bool kCount, bool kSignedZero, bool kInfStays, int64_t kBlock>
-void run_tile(const ScaledCall& c, const ScaledCpuForms& f, const Tile& k, const TileScales& t,
+void run_tile(const ScaledCall& c, const Tile& k, const TileScales& t,
               EventCounts& counts) {
   const int64_t first = k.first, n = k.len;
   static_assert(Kind == RoundKind::Nearest || Kind == RoundKind::Stochastic, "nearest or stochastic");
@@ -28,7 +28,7 @@ void run_tile(const ScaledCall& c, const ScaledCpuForms& f, const Tile& k, const
                 over_neg = Lanes16{} + p.overflow_neg;
   // magnitude_by_addition's exponent clamp and step, on biased exponent fields
   const Lanes16 e_low = Lanes16{} + uint32_t(p.emin + C::kExpBias),
-                e_high = Lanes16{} + uint32_t(f.addition_cap + C::kExpBias),
+                e_high = Lanes16{} + uint32_t(c.addition_cap + C::kExpBias),
                 drop = Lanes16{} + uint32_t(p.normal_drop);
   // round_bits' (stochastic), exponents biased: emin + 127 >= 1 (ScaledCall::narrow)
   const Ints16 emin_b = Ints16{} + (p.emin + C::kExpBias), normal_drop = Ints16{} + p.normal_drop,
@@ -138,7 +138,7 @@ void run_tile(const ScaledCall& c, const ScaledCpuForms& f, const Tile& k, const
 
 }  // namespace
 
-void scaled_lanes(const ScaledCall& c, const ScaledCpuForms& f, int64_t r0, int64_t r1,
+void scaled_lanes(const ScaledCall& c, int64_t r0, int64_t r1,
                   EventCounts& counts) {
   TileScales t;
   const RoundKind kind = round_kind(c.mode);
@@ -157,7 +157,7 @@ void scaled_lanes(const ScaledCall& c, const ScaledCpuForms& f, int64_t r0, int6
             block_forms(k, 1.0, t);  // (2^±k: exact)
             if (c.block_cols != 16 && c.block_cols != 32) spread32(c, k, t);
             if constexpr (K == RoundKind::Stochastic) draw_words(c, k, t);
-            run(c, f, k, t, counts);
+            run(c, k, t, counts);
           });
         });
       });

@@ -10,7 +10,7 @@ namespace {
 // One tile: every scale is 2^k. kAdd: nearest rounding by addition (ScaledCpuForms::add32).
 // kBlock: see for_tile_elements.
 template <class In, RoundKind Kind, bool kCount, bool kParts, bool kAdd, int64_t kBlock>
-void run_tile(const ScaledCall& c, const ScaledCpuForms& f, const Tile& k, const TileScales& t,
+void run_tile(const ScaledCall& c, const Tile& k, const TileScales& t,
               EventCounts& counts) {
   const In* x = static_cast<const In*>(c.x) + k.first;
   In* y = static_cast<In*>(c.y) + k.first;
@@ -26,7 +26,7 @@ void run_tile(const ScaledCall& c, const ScaledCpuForms& f, const Tile& k, const
   auto element = [&](int64_t i, int64_t l, float s32, float inv32) {
     RoundEvents ev;
     const uint32_t rw = Kind == RoundKind::Stochastic ? t.rand[i] : 0u;
-    const float q = narrow_element<Kind, kKeep, kAdd>(Widen<uint32_t>::from(x[i]), inv32, p, rw, ev, f.addition_cap);
+    const float q = narrow_element<Kind, kKeep, kAdd>(Widen<uint32_t>::from(x[i]), inv32, p, rw, ev, c.addition_cap);
     if constexpr (kParts) q_out[i] = q;
     y[i] = store_narrow<In>(q * s32, out);  // (the product exact: ScaledCall::narrow)
     if constexpr (kCount) events.add(l, ev);
@@ -58,7 +58,7 @@ void scaled_narrow(const ScaledCall& c, const ScaledCpuForms& f, const ScaledPla
                   block_forms(k, 1.0, t);  // (2^±k: exact)
                   if (c.block_cols != 32) spread32(c, k, t);
                   if constexpr (K == RoundKind::Stochastic) draw_words(c, k, t);
-                  run(c, f, k, t, counts);
+                  run(c, k, t, counts);
                 });
               });
             });

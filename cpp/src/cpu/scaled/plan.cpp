@@ -118,14 +118,11 @@ ScaledCpuForms prepare_scaled_cpu(const ScaledRequest& r, const ScaledCall& c) {
                           max_exponent(e) + max_exponent(sf) + 2 <= 127);
   f.checked = format_scales && r.dtype == DType::Float32 && r.mode == Rounding::Nearest &&
               smallest_exponent(e) >= -22 && e.m <= 18 && exact_product;
-  f.addition_cap = max_exponent(e) + 1;
   const bool nearest = r.mode == Rounding::Nearest;
-  f.add32 = nearest && (c.narrow || f.checked) && nearest_by_addition(c.p32, f.addition_cap);
-  f.add64 = nearest && nearest_by_addition(c.p, f.addition_cap);
+  f.add32 = nearest && (c.narrow || f.checked) && nearest_by_addition(c.p32, c.addition_cap);
   f.checked = f.checked && f.add32;
   // s = S · t: S's significand bits, and the float32 tensor scale's 24
   const int32_t scale_bits = sf.m + 1 + (r.tensor_scale ? 24 : 0);
-  f.divide_once = nearest && format_scales && nearest_divides_once(e.m, scale_bits, r.dtype);
   const bool saturates = !c.p.inf_stays_inf && c.p.overflow_pos == c.p.max_bits;
   f.few = format_scales && r.dtype == DType::Float32 && nearest && saturates && !c.p.no_negative_zero &&
           e.m + 2 + scale_bits <= 53;  // (mu: m + 2 bits)

@@ -35,15 +35,12 @@ const char* scaled_strategy_name(ScaledStrategy s);
 bool scaled_strategy_named(const char* name, ScaledStrategy& s);
 
 // What the CPU strategies may use for one request, prepared with it (prepare_scaled_cpu).
-// (The float32 carrier's conditions and parameters are the call's: ScaledCall::narrow, p32, out32.)
+// (The carriers' conditions and parameters common to the CPU and GPU are the call's:
+// ScaledCall::narrow, p32, out32, addition_cap, add64, divide_once.)
 struct ScaledCpuForms {
-  // Nearest with ties to even, and round.hpp's nearest_by_addition in each carrier: E's
-  // rounding by addition (float32: p32, float64: the call's p)
-  bool add32, add64;
-  int32_t addition_cap;              // E's largest exponent + 1
-  // Nearest rounding, scales in a format, and nearest_divides_once (scaled.hpp): x / s need not
-  // be rounded to odd in the float64 carrier
-  bool divide_once;
+  // Nearest with ties to even, and round.hpp's nearest_by_addition in the float32 carrier (p32)
+  // of the narrow or checked strategy: E's rounding by addition
+  bool add32;
   // Checked: float32 inputs, scales in a format, nearest by addition in float32, E's finest
   // step at least 2^-22 and m <= 18, and q · S exact in float32 when there is a tensor scale
   bool checked;
@@ -79,30 +76,6 @@ struct ScaledPlan {
   // is done (a tile that reruns must read its inputs again).
   bool in_place;
 };
-
-// fn(type, kind, add, once) for a call's float64-carrier rounding: its storage type (In =
-// decltype(type)::type) and rounding kind, and, as std::integral_constant<bool>, whether nearest
-// rounding may go by addition (kAdd) and divide once (kOnce), scaled_element's faster forms:
-// rounding by addition finds no subnormal exponents, x / s rounded once needs an input of at most
-// 24 bits and scales in a format.
-template <class Fn>
-void with_float64_forms(const ScaledCall& c, const ScaledCpuForms& f, Fn&& fn) {
-  with_storage_type(c.dtype, [&](auto type) {
-    using In = typename decltype(type)::type;
-    with_round_kind(c.mode, [&](auto kind) {
-      constexpr bool kNearest = decltype(kind)::value == RoundKind::Nearest;
-      constexpr bool kNarrowInput = !std::is_same_v<In, double>;
-      const bool add = kNearest && !c.p.subnormal_exponent && f.add64;
-      const bool once = kNearest && c.scale.rule == ScaleRule::Format && kNarrowInput && f.divide_once;
-      with_flag(add, [&](auto add_c) {
-        with_flag(once, [&](auto once_c) {
-          fn(type, kind, std::integral_constant<bool, decltype(add_c)::value && kNearest>{},
-             std::integral_constant<bool, decltype(once_c)::value && kNearest && kNarrowInput>{});
-        });
-      });
-    });
-  });
-}
 
 // The strategies a call allows (bit s: ScaledStrategy s; Float64 always).
 uint32_t scaled_strategies(const ScaledCall& c, const ScaledCpuForms& f);

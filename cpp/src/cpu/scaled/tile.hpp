@@ -318,12 +318,12 @@ void scaled_checked(const ScaledCall& c, const ScaledCpuForms& f, const ScaledPl
                     int64_t r1, EventCounts& counts);
 void scaled_narrow(const ScaledCall& c, const ScaledCpuForms& f, const ScaledPlan& plan, int64_t r0,
                    int64_t r1, EventCounts& counts);
-void scaled_lanes(const ScaledCall& c, const ScaledCpuForms& f, int64_t r0, int64_t r1,
+void scaled_lanes(const ScaledCall& c, int64_t r0, int64_t r1,
                   EventCounts& counts);
 void scaled_few(const ScaledCall& c, const ScaledCpuForms& f, int64_t r0, int64_t r1, EventCounts& counts);
 
 // One float32 tile in the float64 carrier (Checked's rerun), its block inverses known.
-void float64_tile(const ScaledCall& c, const ScaledCpuForms& f, bool count, const Tile& k, TileScales& t,
+void float64_tile(const ScaledCall& c, bool count, const Tile& k, TileScales& t,
                   EventCounts& counts);
 
 }  // namespace LOWFP_ISA_NS
