@@ -80,11 +80,9 @@ void quantize_range(const QuantizeCall& c, int64_t begin, int64_t end, EventCoun
     using Bits = typename decltype(bits)::type;
     constexpr RoundKind K = decltype(kind)::value;
     constexpr bool kCount = decltype(count)::value, kSubExp = decltype(sub_exp)::value;
-    if constexpr (std::is_same_v<Bits, uint32_t> && K == RoundKind::Nearest && !kSubExp) {
-      if (c.nearest_by_addition)
-        return run<In, Out, Bits, K, kCount, false, true>(c, begin, end, counts);
-    }
-    run<In, Out, Bits, K, kCount, kSubExp, false>(c, begin, end, counts);
+    with_addition<Bits, K, kSubExp>(c, [&](auto add) {
+      run<In, Out, Bits, K, kCount, kSubExp, decltype(add)::value>(c, begin, end, counts);
+    });
   });
 }
 

@@ -15,13 +15,15 @@ namespace {
 // rounding draws group g's four words from Philox block offset + g (docs/design.md §3), so every word is
 // drawn once.
 // x and y are not __restrict__: quantize_(x) and out=x pass the same buffer (each element is read
-// by the thread that writes it, before it writes it).
-template <class In, class Out, class Bits, RoundKind K, bool kCount, bool kSubExp>
+// by the thread that writes it, before it writes it). kAdd: nearest rounding by addition
+// (with_addition), with the format's largest exponent + 1 e_cap.
+template <class In, class Out, class Bits, RoundKind K, bool kCount, bool kSubExp, bool kAdd>
 __global__ void __launch_bounds__(kThreads)
-quantize_kernel(const In* x, Out* y, int64_t n, RoundParams<Bits> p, uint64_t seed,
+quantize_kernel(const In* x, Out* y, int64_t n, RoundParams<Bits> p, int32_t e_cap, uint64_t seed,
                 uint64_t offset, unsigned long long* counts, bool quad_io) {
   round_elements<K, kCount>(x, y, n, quad_io, seed, offset, counts, [&](In v, uint32_t word, RoundEvents& ev) {
-    return Store<Out>::from(round_bits<K, Bits, kSubExp>(Widen<Bits>::from(v), p, word, ev));
+    if constexpr (kAdd) return Store<Out>::from(round_nearest_by_addition(Widen<Bits>::from(v), p, e_cap, ev));
+    else return Store<Out>::from(round_bits<K, Bits, kSubExp>(Widen<Bits>::from(v), p, word, ev));
   });
 }
 
@@ -78,11 +80,14 @@ void quantize_cuda(const QuantizeCall& c, int64_t* counts, int device, uintptr_t
     using Out = typename decltype(out)::type;
     using Bits = typename decltype(bits)::type;
     constexpr RoundKind K = decltype(kind)::value;
+    constexpr bool kSubExp = decltype(sub_exp)::value;
     const bool quad_io = quad_aligned<In>(c.x) && quad_aligned<Out>(c.y);
-    quantize_kernel<In, Out, Bits, K, decltype(count)::value, decltype(sub_exp)::value>
-        <<<grid_size(device, (c.n + 3) / 4), kThreads, 0, stream>>>(
-            static_cast<const In*>(c.x), static_cast<Out*>(c.y), c.n, round_params<Bits>(c), c.seed,
-            c.offset, reinterpret_cast<unsigned long long*>(counts), quad_io);
+    with_addition<Bits, K, kSubExp>(c, [&](auto add) {
+      quantize_kernel<In, Out, Bits, K, decltype(count)::value, kSubExp, decltype(add)::value>
+          <<<grid_size(device, (c.n + 3) / 4), kThreads, 0, stream>>>(
+              static_cast<const In*>(c.x), static_cast<Out*>(c.y), c.n, round_params<Bits>(c), c.addition_cap,
+              c.seed, c.offset, reinterpret_cast<unsigned long long*>(counts), quad_io);
+    });
   });
   check(cudaGetLastError(), "kernel launch");
 }

@@ -51,6 +51,17 @@ void dispatch_flags(bool a, bool b, Fn&& fn) {
   a ? with_a(Flag<true>{}) : with_a(Flag<false>{});
 }
 
+// fn(Flag<by_addition>{}) for a quantize loop of carrier Bits, rounding kind K and subnormal
+// exponents kSub: whether it rounds by addition (round_nearest_by_addition, the same results as
+// round_bits: the float32 carrier's nearest rounding where QuantizeCall::nearest_by_addition holds).
+template <class Bits, RoundKind K, bool kSub, class Fn>
+void with_addition(const QuantizeCall& c, Fn&& fn) {
+  if constexpr (std::is_same_v<Bits, uint32_t> && K == RoundKind::Nearest && !kSub) {
+    if (c.nearest_by_addition) return fn(Flag<true>{});
+  }
+  fn(Flag<false>{});
+}
+
 namespace detail {
 
 template <class Bits>
