@@ -877,7 +877,7 @@ torch.save(outs, sys.argv[1])
 
 @on_cuda
 @pytest.mark.parametrize("name", sorted(lowfp.scaled.named()) + ["rceil", "ceil", "even", "e5m2 2-D",
-                                                                  "4over6 mae 2-D"])
+                                                                  "4over6 mae 2-D", "columns"])
 @pytest.mark.parametrize("mode", ["nearest", "down", "stochastic"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_scaled_formats_match_cpu(name, mode, dtype):
@@ -886,7 +886,10 @@ def test_scaled_formats_match_cpu(name, mode, dtype):
            "even": lowfp.Scaled("float4_e2m1fn", block=32, axis=0, scale_rule="even"),
            "e5m2 2-D": lowfp.Scaled("float8_e5m2", block=(8, 16), scale="fp(5,2,0)"),
            "4over6 mae 2-D": lowfp.Scaled("float4_e2m1fn", block=(16, 16), scale="float8_e4m3fn",
-                                          tensor_scale=True, four_over_six="mae")}.get(name, name)
+                                          tensor_scale=True, four_over_six="mae"),
+           # (blocks down the columns, a GPU kernel of their own, in every mode)
+           "columns": lowfp.Scaled("float4_e2m1fn", block=(16, 1), scale="float8_e4m3fn",
+                                   tensor_scale=True)}.get(name, name)
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(64, 384, generator=g) * torch.exp2(torch.randint(-20, 20, (64, 1), generator=g).float()))
     x[0, :5] = torch.tensor([float("nan"), float("inf"), 0.0, -0.0, 1e-30])
