@@ -194,3 +194,18 @@ def test_the_environment_variable_forces_a_strategy():
     env = dict(os.environ, LOWFP_SCALED_STRATEGY="checked")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "checked"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_blocks_wider_than_a_tile_round_as_each_block_alone(strategy):
+    # Blocks of 3000 in rows of 7000: a row's tiles of 2048 share their first block's scales in
+    # some tiles and not in others (each tile's block forms are reused only for the same blocks).
+    fmt = Scaled("float8_e4m3fn", block=3000, scale="float32")
+    x = inputs(3, 7000, torch.float32, seed=11)
+    x = x * torch.exp2(torch.arange(7000) // 3000 * 6.0 - 6.0)  # each block of its own magnitude
+    with forced(strategy):
+        got = lowfp.quantize(x, fmt)
+    for c0 in range(0, 7000, 3000):
+        part = x[:, c0:c0 + 3000].contiguous()
+        want = lowfp.quantize(part, fmt)
+        assert torch.equal(got[:, c0:c0 + 3000].contiguous().view(torch.int32), want.view(torch.int32)), c0

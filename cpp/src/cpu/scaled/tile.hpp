@@ -91,9 +91,9 @@ struct TileScales {
     const uintptr_t gap = (uintptr_t(y) + kPage / 2 - uintptr_t(s32_buf)) % kPage;
     at32 = int64_t(gap & ~uintptr_t(63)) / int64_t(sizeof(float));  // (64-byte aligned)
   }
-  // The tile whose block forms (block_forms) the per-block buffers hold: its scales and length
+  // The blocks whose forms (block_forms) the per-block buffers hold: their scales and count
   const double* forms_bs = nullptr;
-  int64_t forms_len = -1;
+  int64_t forms_blocks = -1;
   bool forms_checkable = false;
 };
 
@@ -173,13 +173,14 @@ inline bool block_scales32(const Tile& k, double over_t, TileScales& t) {
 }
 
 // block_inverses and block_scales32(k, over_t, t) (its answer returned), once for a run of tiles
-// of the same blocks (the same scales, over_t the same within a call): the rows of a block row.
+// of the same blocks (the same scales and count, over_t the same within a call): the rows of a
+// block row. (A tile's forms depend on its blocks' scales alone, k.bs[0 .. k.blocks).)
 inline bool block_forms(const Tile& k, double over_t, TileScales& t) {
-  if (k.bs == t.forms_bs && k.len == t.forms_len) return t.forms_checkable;
+  if (k.bs == t.forms_bs && k.blocks == t.forms_blocks) return t.forms_checkable;
   block_inverses(k, t);
   t.forms_checkable = block_scales32(k, over_t, t);
   t.forms_bs = k.bs;
-  t.forms_len = k.len;
+  t.forms_blocks = k.blocks;
   return t.forms_checkable;
 }
 
