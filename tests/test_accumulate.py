@@ -317,13 +317,21 @@ def test_the_presets_model_hopper_and_deepseek_v3():
 
 
 @pytest.mark.parametrize("options", [
-    dict(), dict(order="pairwise", rounding="stochastic"), dict(order="blocked", block=6),
-    dict(compensated=True, rounding="up"), dict(group=8, align_bits=5, rounding="stochastic"),
+    dict(), dict(rounding="stochastic"), dict(rounding="toward_zero"), dict(rounding="down", subnormals=False),
+    dict(order="pairwise", rounding="stochastic"), dict(order="blocked", block=6),
+    dict(compensated=True, rounding="up"), dict(compensated=True, rounding="stochastic"),
+    dict(group=8, align_bits=5, rounding="stochastic"),
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "sequential")
 def test_wide_rows_take_the_vector_lanes(options):
     # (the CPU sums the columns of a row side by side, 64 and then 8 at a time, the rest one by
-    # one: 146 columns take each width, 8 columns the narrow one only)
-    acc = Accumulate(lowfp.Format(5, 3, 0), **options)
+    # one: 146 columns take each width, 8 columns the narrow one only. Stochastic lanes draw four
+    # words at a time, from one block when every lane's words start a block (sequential: K = 20
+    # words per element; compensated: 80) and from two otherwise (pairwise: 39). Sums below the
+    # format's smallest normal, which operands of many magnitudes give, take the general rounding;
+    # lanes without any take the fixed drop.)
+    options = dict(options)
+    subnormals = options.pop("subnormals", True)
+    acc = Accumulate(lowfp.Format(5, 3, 0, subnormals=subnormals), **options)
     for n in (146, 8):
         a, b = operands(2, 20, n, torch.float32, seed=14)
         check(a, b, acc)

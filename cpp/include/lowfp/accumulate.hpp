@@ -115,33 +115,71 @@ struct AccumulateLanes {
   static_assert(!kAdd || (Kind == RoundKind::Nearest && !kSub), "by addition: nearest, by_addition");
   const AccumulateParams& p;
   AccumulateCounts& counts;
-  uint64_t seed, offset;
-  uint64_t word[kLanes];  // stochastic: each lane's next word (docs/design.md §10)
-  uint64_t block_index[kLanes];
-  Philox4x32Block block[kLanes];
+  uint64_t seed;
+  // Stochastic: lane l's i-th draw is word w_l + i of the stream, w_l = (first_element + l) ·
+  // roundings per element (docs/design.md §10), in block offset + (w_l + i) / 4. Each four draws
+  // 4j .. 4j + 3 of a lane lie in its blocks first_block + j and + j + 1 (from word `phase` of
+  // the first on), so every lane takes one new block per four draws, all lanes at once and
+  // without branches per lane.
+  uint64_t first_block[kLanes];
+  uint32_t phase[kLanes];
+  uint32_t current[4][kLanes], next[4][kLanes];  // blocks first_block + j and + j + 1
+  uint32_t window[4][kLanes];                    // each lane's draws 4j .. 4j + 3
+  int64_t draws = 0;
+  bool aligned = true;  // every lane's first word is a block's first: the window is one block
+  const uint64_t smallest_normal;  // the bits of 2^emin, the accumulator's smallest normal value
 
-  LOWFP_HD AccumulateLanes(const AccumulateParams& params, AccumulateCounts& c, uint64_t s, uint64_t o,
+  LOWFP_HD AccumulateLanes(const AccumulateParams& params, AccumulateCounts& c, uint64_t s, uint64_t offset,
                            uint64_t first_element, int64_t k)
-      : p(params), counts(c), seed(s), offset(o) {
-    const uint64_t per = uint64_t(accumulate_roundings(params, k));
-    for (int l = 0; l < kLanes; ++l) {
-      word[l] = (first_element + uint64_t(l)) * per;
-      block_index[l] = ~uint64_t(0);
+      : p(params), counts(c), seed(s), smallest_normal(uint64_t(params.acc.emin + 1023) << 52) {
+    if constexpr (Kind == RoundKind::Stochastic) {
+      const uint64_t per = uint64_t(accumulate_roundings(params, k));
+      for (int l = 0; l < kLanes; ++l) {
+        const uint64_t word = (first_element + uint64_t(l)) * per;
+        first_block[l] = offset + word / 4;
+        phase[l] = uint32_t(word % 4);
+        aligned &= phase[l] == 0;
+      }
     }
+  }
+
+  // Draws 4j .. 4j + 3 of every lane into window.
+  LOWFP_HD void refill(int64_t j) {
+    uint64_t b[kLanes];
+    if (aligned) {
+      for (int l = 0; l < kLanes; ++l) b[l] = first_block[l] + uint64_t(j);
+      philox_blocks(seed, b, window);
+      return;
+    }
+    if (j == 0) {
+      for (int l = 0; l < kLanes; ++l) b[l] = first_block[l];
+      philox_blocks(seed, b, current);
+    } else {
+      for (int w = 0; w < 4; ++w)
+        for (int l = 0; l < kLanes; ++l) current[w][l] = next[w][l];
+    }
+    for (int l = 0; l < kLanes; ++l) b[l] = first_block[l] + uint64_t(j) + 1;
+    philox_blocks(seed, b, next);
+    for (int i = 0; i < 4; ++i)
+      for (int l = 0; l < kLanes; ++l) {
+        uint32_t v = current[i][l];
+        for (int q = 1; q < 4; ++q) {  // word phase + i of the two blocks side by side
+          const int at = i + q;
+          v = select(phase[l] == uint32_t(q), at < 4 ? current[at][l] : next[at - 4][l], v);
+        }
+        window[i][l] = v;
+      }
   }
 
   // Each lane's next random word (0 unless stochastic).
   LOWFP_HD void draw(uint32_t (&r)[kLanes]) {
-    for (int l = 0; l < kLanes; ++l) {
-      r[l] = 0u;
-      if constexpr (Kind == RoundKind::Stochastic) {
-        const uint64_t b = offset + word[l] / 4;
-        if (b != block_index[l]) {
-          block[l] = philox_block(seed, b);
-          block_index[l] = b;
-        }
-        r[l] = block[l].w[word[l]++ % 4];
-      }
+    if constexpr (Kind == RoundKind::Stochastic) {
+      const int i = int(draws % 4);
+      if (i == 0) refill(draws / 4);
+      for (int l = 0; l < kLanes; ++l) r[l] = window[i][l];
+      ++draws;
+    } else {
+      for (int l = 0; l < kLanes; ++l) r[l] = 0u;
     }
   }
 
@@ -150,10 +188,30 @@ struct AccumulateLanes {
   LOWFP_HD void round(double* out, const double* v, const double* before, const double* addend) {
     uint32_t r[kLanes];
     draw(r);
+    if constexpr (kAdd) {
+      round_lanes<false>(out, v, before, addend, r);
+    } else {
+      // Every value 0 or at least the format's smallest normal 2^emin (carrier infinities and
+      // NaNs included): each then drops the same normal_drop bits, which round_bits' fixed-drop
+      // form gives with a shift by one count.
+      uint64_t below = 0;
+      for (int l = 0; l < kLanes; ++l) {
+        const uint64_t a = bit_cast<uint64_t>(v[l]) & ~(uint64_t(1) << 63);
+        below |= uint64_t(a != 0) & uint64_t(a < smallest_normal);
+      }
+      if (below == 0) round_lanes<true>(out, v, before, addend, r);
+      else round_lanes<false>(out, v, before, addend, r);
+    }
+  }
+  template <bool kFixed>
+  LOWFP_HD void round_lanes(double* out, const double* v, const double* before, const double* addend,
+                            const uint32_t (&rand)[kLanes]) {
     // (local arrays, which nothing else points to: the lane loop then vectorises)
     double in[kLanes], q[kLanes], was[kLanes], added[kLanes];
+    uint32_t r[kLanes];
     for (int l = 0; l < kLanes; ++l) {
       in[l] = v[l];
+      r[l] = rand[l];
       was[l] = before != nullptr ? before[l] : 0.0;
       added[l] = addend != nullptr ? addend[l] : 0.0;
     }
@@ -162,6 +220,8 @@ struct AccumulateLanes {
       RoundEvents ev;
       if constexpr (kAdd)
         q[l] = bit_cast<double>(round_nearest_by_addition(bit_cast<uint64_t>(in[l]), p.acc, p.add_cap, ev));
+      else if constexpr (kFixed)
+        q[l] = bit_cast<double>(round_bits<Kind, uint64_t, false, true>(bit_cast<uint64_t>(in[l]), p.acc, r[l], ev));
       else
         q[l] = bit_cast<double>(round_bits<Kind, uint64_t, kSub>(bit_cast<uint64_t>(in[l]), p.acc, r[l], ev));
       swamped += int64_t(added[l] != 0.0) & int64_t(bit_cast<uint64_t>(q[l]) == bit_cast<uint64_t>(was[l]));

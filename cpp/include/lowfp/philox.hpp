@@ -55,4 +55,67 @@ LOWFP_HD Philox4x32Block philox_block(uint64_t seed, uint64_t block) {
                        uint32_t(seed >> 32));
 }
 
+// Internal linkage from here on: each file compiled for an instruction-set level (and CUDA) keeps
+// its own copy of the lane loops, where the linker would otherwise keep one of them for all.
+namespace {
+
+// kLanes Philox words side by side, each in the low half of a 64-bit lane: a word type for
+// philox4x32_10_rounds whose lane loops the CPU's compiler turns into vector instructions (a
+// 32x32->64 multiply per 64-bit lane; 32-bit lanes take shuffles around each multiply).
+template <int kLanes>
+struct PhiloxLanes {
+  uint64_t v[kLanes];
+  // (user-provided: the rounds' `W hi{}` then leaves the lanes for mulhilo to write rather than
+  // zeroing kLanes words first, each round)
+  LOWFP_HD PhiloxLanes() {}
+};
+
+template <int kLanes>
+LOWFP_HD void mulhilo(uint32_t m, const PhiloxLanes<kLanes>& x, PhiloxLanes<kLanes>& hi, PhiloxLanes<kLanes>& lo) {
+  for (int l = 0; l < kLanes; ++l) {
+    const uint64_t p = uint64_t(m) * (x.v[l] & 0xffffffffu);
+    hi.v[l] = p >> 32;
+    lo.v[l] = p & 0xffffffffu;
+  }
+}
+template <int kLanes>
+LOWFP_HD PhiloxLanes<kLanes> operator^(PhiloxLanes<kLanes> a, const PhiloxLanes<kLanes>& b) {
+  for (int l = 0; l < kLanes; ++l) a.v[l] ^= b.v[l];
+  return a;
+}
+template <int kLanes>
+LOWFP_HD PhiloxLanes<kLanes> operator^(PhiloxLanes<kLanes> a, uint32_t k) {
+  for (int l = 0; l < kLanes; ++l) a.v[l] ^= k;
+  return a;
+}
+
+// Blocks block[l] of the stream under key seed, lane by lane: word k of block[l] into w[k][l].
+// Groups of kGroup lanes run the ten rounds in turn: few enough that a group's words stay in
+// vector registers, two vectors of them so that two chains of multiplies overlap.
+template <int kLanes>
+LOWFP_HD void philox_blocks(uint64_t seed, const uint64_t (&block)[kLanes], uint32_t (&w)[4][kLanes]) {
+  if constexpr (kLanes == 1) {  // (one GPU thread: 32-bit words)
+    const Philox4x32Block r = philox_block(seed, block[0]);
+    for (int k = 0; k < 4; ++k) w[k][0] = r.w[k];
+  } else {
+    constexpr int kGroup = kLanes % 16 == 0 ? 16 : kLanes;
+    for (int g = 0; g < kLanes; g += kGroup) {
+      PhiloxLanes<kGroup> c0, c1, c2, c3;
+      for (int l = 0; l < kGroup; ++l) {
+        c0.v[l] = block[g + l] & 0xffffffffu;
+        c1.v[l] = block[g + l] >> 32;
+        c2.v[l] = c3.v[l] = 0;
+      }
+      philox4x32_10_rounds(c0, c1, c2, c3, uint32_t(seed), uint32_t(seed >> 32));
+      for (int l = 0; l < kGroup; ++l) {
+        w[0][g + l] = uint32_t(c0.v[l]);
+        w[1][g + l] = uint32_t(c1.v[l]);
+        w[2][g + l] = uint32_t(c2.v[l]);
+        w[3][g + l] = uint32_t(c3.v[l]);
+      }
+    }
+  }
+}
+
+}  // namespace
 }  // namespace lowfp
