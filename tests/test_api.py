@@ -836,6 +836,13 @@ def test_a_rounder_of_a_format_rounds_as_quantize(fmt, rounding):
             assert got.stride() == want.stride()
             assert torch.equal(s_got.counts, s_want.counts), (s_got, s_want)
     assert bool(rounder._requests) == (not isinstance(fmt, lowfp.S2FP8))  # (remembered)
+    if rounder._requests and rounding == "nearest":  # dense layouts: one pass where x lies
+        prepared = rounder._requests[(torch.float32, False)]
+        for t in (x.to(memory_format=torch.channels_last), x.transpose(1, 3), x.permute(2, 0, 3, 1)):
+            got = prepared.round(t, None)
+            assert got is not None and got.stride() == t.stride()
+            assert torch.equal(got.nan_to_num(7.0), lowfp.quantize(t, fmt).nan_to_num(7.0))
+        assert prepared.round(x[:, :2], None) is None  # (not dense: the full path)
 
 
 def test_any_stats_takes_the_counts_it_shares_with_a_rounding():

@@ -54,13 +54,13 @@ class PreparedFormat(Prepared):
     def round(self, x, counts, generator=None, out=None):
         """One pass over x's memory: x contiguous, or, without out= and for a rounding that does
         not depend on an element's index (not stochastic), densely laid out in another order
-        (channels-last), whose layout the result takes. Stochastic rounding draws by logical
-        index, so any other layout takes the full path."""
+        (channels-last, a transpose, attention's heads), whose strides the result takes (as
+        torch.empty_like gives them). Stochastic rounding draws by logical index, so any other
+        layout takes the full path."""
         if x.is_contiguous():
             layout = torch.contiguous_format
-        elif (out is None and not self.stochastic and x.dim() == 4
-              and x.is_contiguous(memory_format=torch.channels_last)):
-            layout = torch.channels_last
+        elif out is None and not self.stochastic and backends.is_dense(x):
+            layout = torch.preserve_format
         else:
             return None
         if self.stochastic:
