@@ -424,6 +424,54 @@ def test_selecting_operators_skip_a_rounding_that_changes_nothing(strategy, monk
     assert n_ref - n_skip == skippable
 
 
+class _Partitions(nn.Module):
+    """Every kind of partitioning call on one rounded tensor, and one on an unrounded input."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.fc = nn.Linear(13, 10)
+
+    def forward(self, x):
+        h = self.conv(x)
+        parts = [*h.chunk(2, dim=1), *torch.split(h, [1, 3], dim=1), h.narrow(1, 1, 2), h[:, :3],
+                 *h.unbind(1), *torch.tensor_split(h, 2, dim=3)]
+        parts.append(x[:, :, :5])  # (the model's input: no format of this forward's)
+        return self.fc(torch.stack([p.flatten(1).mean(1) for p in parts], 1))
+
+
+PARTITIONS = ("chunk", "split", "narrow", "__getitem__", "unbind", "tensor_split")
+
+
+@pytest.mark.parametrize("strategy", ["uniform", "ours"])
+def test_partitions_skip_a_rounding_that_changes_nothing(strategy, monkeypatch):
+    """Each part of a partition of a tensor rounded to the part's format: its forward rounding
+    is skipped, with the same values, gradients and counts (NaN included) as rounding it."""
+    calls = _rounder_calls(monkeypatch)
+    torch.manual_seed(3)
+    base = _Partitions()
+    x, y = batch(hw=12)
+    x[0, 0, 0, 0] = float("nan")
+    tr = A.trace(base, x, F.cross_entropy, y)
+    a = A.make(tr, strategy, **({"r": 0.3} if strategy == "ours" else {}))
+    results = []
+    for skip in (True, False):
+        calls.clear()
+        results.append(_emulated_step(copy.deepcopy(base), a, x, y, skip) + (len(calls),))
+    (out, grads, counts, seen, n_skip), (out_ref, grads_ref, counts_ref, seen_ref, n_ref) = results
+    assert torch.equal(out.nan_to_num(), out_ref.nan_to_num())
+    for g, g_ref in zip(grads, grads_ref):
+        assert torch.equal(g.nan_to_num(), g_ref.nan_to_num())
+    assert torch.equal(counts, counts_ref) and counts[:, 2].sum() > 0
+    for n in seen:
+        assert torch.equal(seen[n].nan_to_num(), seen_ref[n].nan_to_num()), n
+    partitions = [op for op in tr.ops if op.func in PARTITIONS]
+    assert sorted({op.func for op in partitions}) == sorted(PARTITIONS)
+    skippable = sum(op.inputs[0] in a.formats and a.formats[op.inputs[0]] == a.formats[o]
+                    for op in partitions for o in op.outputs)
+    assert n_ref - n_skip == skippable and skippable >= (12 if strategy == "uniform" else 1)
+
+
 @pytest.mark.parametrize("write", ["method", "view", "setitem"])
 def test_a_write_in_place_makes_selecting_operators_round_again(write):
     """A write into a tensor (whose returned value the model drops, or of a constant) leaves

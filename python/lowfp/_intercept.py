@@ -56,14 +56,20 @@ multi_dot scaled_dot_product_attention multi_head_attention_forward lstm gru rnn
 lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell
 """.split())
 
-# Operators whose floating output holds only values of their first argument and zeros (ReLU, max
-# pooling): where that argument already holds values of the output's format, rounding the output
-# changes nothing (see Emulator._round).
+# The partitioning calls (docs/design.md §6); __getitem__ is one when it cuts (see cuts).
+PARTITION_NAMES = frozenset("""
+chunk unsafe_chunk split unsafe_split split_with_sizes unsafe_split_with_sizes tensor_split hsplit
+vsplit dsplit unbind narrow narrow_copy __getitem__
+""".split())
+
+# Operators whose floating outputs hold only values of their first argument and zeros (ReLU, max
+# pooling, the partitions): where that argument already holds values of the outputs' format,
+# rounding an output changes nothing (see Emulator._round).
 SELECTING_NAMES = frozenset("""
 relu relu_ max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices
 max_pool3d_with_indices adaptive_max_pool1d adaptive_max_pool2d adaptive_max_pool3d
 adaptive_max_pool1d_with_indices adaptive_max_pool2d_with_indices adaptive_max_pool3d_with_indices
-""".split())
+""".split()) | PARTITION_NAMES
 
 _classes: Dict[object, Tuple[int, str]] = {}
 
@@ -375,8 +381,7 @@ class ForwardSession:
         self._repeats[base] = n + 1
         key = base if n == 0 else f"{base}#{n}"
         names = ["v:" + key] if len(tensors) == 1 else [f"v:{key}[{j}]" for j in range(len(tensors))]
-        new = [self._tag(self._output(t, name, source if j == 0 else None), name)
-               for j, (t, name) in enumerate(zip(tensors, names))]
+        new = [self._tag(self._output(t, name, source), name) for t, name in zip(tensors, names)]
         self._operator(key, fname, module, fname in GEMM_NAMES, inputs, names, tensors)
         return rebuild(new)
 

@@ -22,14 +22,15 @@ What is rounded where:
   weight gradient dtheta before it is accumulated into ``.grad``; backward formats let overflow
   become inf (``backward_overflow="saturate"`` hides it from the values, not from the counts).
 
-ReLU and max pooling (``_intercept.SELECTING_NAMES``) only select among their input's values and
-zeros: when the input holds results of their output's forward format, rounded in this forward with
-no in-place write by any operator since, and that format's grid is fixed (an fp(e,m,b) format that
-saturates: not S2FP8 or a scaled format), rounding their output returns it unchanged. That
-rounding is skipped and counted as it would count (its NaNs and its elements); the output's
-gradient is rounded as usual. Eager and compiled forwards skip alike, so they draw the same
-stochastic-rounding seeds. (Under torch.compile this also lets the backward of ReLU read the
-output that the next operator saves, instead of a mask of its own.)
+ReLU, max pooling and the partitions (``split``, ``chunk``, ``narrow``, a cutting slice...:
+``_intercept.SELECTING_NAMES``) only select among their input's values and zeros: when the input
+holds results of an output's forward format, rounded in this forward with no in-place write by any
+operator since, and that format's grid is fixed (an fp(e,m,b) format that saturates: not S2FP8 or
+a scaled format), rounding that output returns it unchanged. That rounding is skipped and counted
+as it would count (its NaNs and its elements); the output's gradient is rounded as usual. Eager and
+compiled forwards skip alike, so they draw the same stochastic-rounding seeds. (Under torch.compile
+this also lets the backward of ReLU read the output that the next operator saves, instead of a mask
+of its own.)
 
 One step is one training forward (grad enabled, ``model.training``) and the backward of its
 result. Each step's per-tensor overflow/underflow counts accumulate on the device in one int64
