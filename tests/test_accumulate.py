@@ -320,7 +320,7 @@ def test_the_presets_model_hopper_and_deepseek_v3():
     dict(), dict(rounding="stochastic"), dict(rounding="toward_zero"), dict(rounding="down", subnormals=False),
     dict(order="pairwise", rounding="stochastic"), dict(order="blocked", block=6),
     dict(compensated=True, rounding="up"), dict(compensated=True, rounding="stochastic"),
-    dict(group=8, align_bits=5, rounding="stochastic"),
+    dict(group=8, align_bits=5, rounding="stochastic"), dict(product="float8_e4m3fn", rounding="up"),
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "sequential")
 def test_wide_rows_take_the_vector_lanes(options):
     # (the CPU sums the columns of a row side by side, 64 and then 8 at a time, the rest one by

@@ -50,6 +50,7 @@ struct AccumulateParams {
   // results), where nearest_by_addition(acc, add_cap) holds; add_cap: the format's emax + 1
   bool by_addition;
   int32_t add_cap;
+  int32_t product_add_cap;        // > 0: the products round to nearest by addition with this e_cap
 };
 
 // Counts of one element's roundings: events as round_bits sets them, all roundings, and
@@ -253,26 +254,31 @@ struct AccumulateLanes {
   }
 };
 
-// v rounded to nearest by q (products' and outer sums' formats), counted.
+// v rounded to nearest by q (products' and outer sums' formats), counted; by addition when
+// add_cap > 0 (nearest_by_addition(q, add_cap) holds: the same results).
 template <int kLanes>
-LOWFP_HD void round_nearest_lanes(double* out, const double* v, const RoundParams<uint64_t>& q,
+LOWFP_HD void round_nearest_lanes(double* out, const double* v, const RoundParams<uint64_t>& q, int32_t add_cap,
                                   AccumulateCounts& counts) {
   int64_t over = 0, under = 0, nan = 0;
-  auto lanes = [&](auto sub) {  // (the choice made once, outside the lane loop)
+  auto lanes = [&](auto form) {  // (the choice made once, outside the lane loop)
+    constexpr int kForm = decltype(form)::value;  // 0: general, 1: with subnormal exponents, 2: by addition
     double in[kLanes], r[kLanes];
     for (int l = 0; l < kLanes; ++l) in[l] = v[l];
     for (int l = 0; l < kLanes; ++l) {
       RoundEvents ev;
-      r[l] = bit_cast<double>(
-          round_bits<RoundKind::Nearest, uint64_t, decltype(sub)::value>(bit_cast<uint64_t>(in[l]), q, 0u, ev));
+      if constexpr (kForm == 2)
+        r[l] = bit_cast<double>(round_nearest_by_addition(bit_cast<uint64_t>(in[l]), q, add_cap, ev));
+      else
+        r[l] = bit_cast<double>(round_bits<RoundKind::Nearest, uint64_t, kForm == 1>(bit_cast<uint64_t>(in[l]), q, 0u, ev));
       over += ev.overflow();
       under += ev.underflow;
       nan += ev.nan;
     }
     for (int l = 0; l < kLanes; ++l) out[l] = r[l];
   };
-  if (q.subnormal_exponent) lanes(std::true_type{});
-  else lanes(std::false_type{});
+  if (add_cap > 0) lanes(std::integral_constant<int, 2>{});
+  else if (q.subnormal_exponent) lanes(std::integral_constant<int, 1>{});
+  else lanes(std::integral_constant<int, 0>{});
   counts.overflow += over;
   counts.underflow += under;
   counts.nan += nan;
@@ -291,7 +297,7 @@ LOWFP_HD void accumulate_lanes(const AccumulateParams& p, const In* a, int64_t s
     const double x = bit_cast<double>(Widen<uint64_t>::from(a[k * sa]));
     for (int l = 0; l < kLanes; ++l)
       q[l] = x * bit_cast<double>(Widen<uint64_t>::from(b[k * sb + l * sl]));  // (exact: 48 bits)
-    if (p.has_product) round_nearest_lanes<kLanes>(q, q, p.product, counts);
+    if (p.has_product) round_nearest_lanes<kLanes>(q, q, p.product, p.product_add_cap, counts);
   };
   // A fused group of products [k0, k1) added to s (docs/design.md §10): every term, s and each
   // product (its exponent the sum of its operands'), cut toward zero to a multiple of
@@ -368,7 +374,7 @@ LOWFP_HD void accumulate_lanes(const AccumulateParams& p, const In* a, int64_t s
       int64_t swamped = 0;
       for (int l = 0; l < kLanes; ++l) v[l] = sum_to_odd(out[l], inner[l]);
       double next[kLanes];
-      round_nearest_lanes<kLanes>(next, v, p.outer, counts);
+      round_nearest_lanes<kLanes>(next, v, p.outer, 0, counts);
       for (int l = 0; l < kLanes; ++l) {
         swamped += int64_t(inner[l] != 0.0) & int64_t(bit_cast<uint64_t>(next[l]) == bit_cast<uint64_t>(out[l]));
         out[l] = next[l];

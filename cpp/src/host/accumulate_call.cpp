@@ -53,6 +53,8 @@ AccumulateParams prepare_accumulate(const AccumulateRequest& r) {
   if (r.has_product) {
     check_format(r.product, "product");
     p.product = make_round_params<uint64_t>(r.product, r.product_overflow, Rounding::Nearest, 32);
+    const int32_t cap = max_exponent(r.product) + 1;
+    if (nearest_by_addition(p.product, cap)) p.product_add_cap = cap;
   }
   if (r.order == AccumulateOrder::Blocked) {
     check_format(r.outer, "outer");
