@@ -144,8 +144,9 @@ template <class Bits, class F = typename CarrierTraits<Bits>::Float>
 LOWFP_HD F magnitude_by_addition(Bits a, const RoundParams<Bits>& p, int32_t e_cap, F& c) {
   using C = CarrierTraits<Bits>;
   using SInt = std::make_signed_t<Bits>;  // exponent arithmetic in the carrier's lane width
-  const SInt e = min_of(max_of(SInt(a >> C::kMantBits) - C::kExpBias, SInt(p.emin)), SInt(e_cap));
-  c = bit_cast<F>(Bits(e + p.normal_drop + C::kExpBias) << C::kMantBits);
+  // (e + bias, clamped as the exponent field: one add fewer each way than clamping e itself)
+  const SInt field = min_of(max_of(SInt(a >> C::kMantBits), SInt(p.emin + C::kExpBias)), SInt(e_cap + C::kExpBias));
+  c = bit_cast<F>(Bits(field + p.normal_drop) << C::kMantBits);
   return (bit_cast<F>(a) + c) - c;  // inf, NaN stay
 }
 
