@@ -182,6 +182,7 @@ class Emulator(ForwardSession):
             raise ValueError(f"assignment was recorded on another model: model has no parameters "
                              f"{unknown[:3]} of the recorded sizes")
         self.assignment = assignment.copy()   # promotions change this copy only
+        self._totals = None  # (ratio_lo, aggregate_bits) of self.assignment, until a promotion
         self.promote, self.threshold, self.top = promote, float(threshold), int(top)
         self.rounding, self.backward_overflow = rounding, backward_overflow
         self._per_module = None
@@ -456,9 +457,10 @@ class Emulator(ForwardSession):
             self._promote(name, ratio, closed.step)
         over.sort(key=lambda x: -x[1])
         under.sort(key=lambda x: -x[1])
-        a = self.assignment
-        entry = {"step": closed.step, "loss_scale": closed.loss_scale, "ratio_lo": a.ratio_lo,
-                 "aggregate_bits": a.aggregate_bits, "promotions": [n for n, _ in promoted],
+        if self._totals is None:  # (sums over every tensor: once, and after a promotion)
+            self._totals = (self.assignment.ratio_lo, self.assignment.aggregate_bits)
+        entry = {"step": closed.step, "loss_scale": closed.loss_scale, "ratio_lo": self._totals[0],
+                 "aggregate_bits": self._totals[1], "promotions": [n for n, _ in promoted],
                  "top_overflow": over[:self.top], "top_underflow": under[:self.top],
                  "backward_underflow": grad_underflow / grad_numel if grad_numel else 0.0}
         entry.update(closed.scalars)
@@ -467,6 +469,7 @@ class Emulator(ForwardSession):
 
     def _promote(self, name: str, ratio: float, step: int) -> None:
         a = self.assignment
+        self._totals = None
         old = a.formats[name]
         hi = a.formats[name] = self._hi(a.trace.tensors[name].dtype)
         a.lo.discard(name)
