@@ -393,17 +393,16 @@ def _rounder_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("strategy", ["uniform", "ours"])
-def test_selecting_operators_skip_a_rounding_that_changes_nothing(strategy, monkeypatch):
-    """ReLU and max pooling of a tensor rounded to their output's format: the forward rounding
-    of their outputs is skipped, with the same values, gradients and counts (NaN included)."""
+def _skipped_roundings(base, strategy, r, seed, monkeypatch):
+    """(trace, assignment, roundings skipped) of one emulated step of ``base`` (its input with a
+    NaN) with selecting operators skipping and without: the same output, gradients, counts
+    (NaNs among them) and observed tensors either way."""
     calls = _rounder_calls(monkeypatch)
-    torch.manual_seed(0)
-    base = _Selecting()
+    torch.manual_seed(seed)
     x, y = batch(hw=12)
     x[0, 0, 0, 0] = float("nan")
     tr = A.trace(base, x, F.cross_entropy, y)
-    a = A.make(tr, strategy, **({"r": 0.5} if strategy == "ours" else {}))
+    a = A.make(tr, strategy, **({"r": r} if strategy == "ours" else {}))
     results = []
     for skip in (True, False):
         calls.clear()
@@ -417,11 +416,20 @@ def test_selecting_operators_skip_a_rounding_that_changes_nothing(strategy, monk
     assert seen.keys() == seen_ref.keys()
     for n in seen:
         assert torch.equal(seen[n].nan_to_num(), seen_ref[n].nan_to_num()), n
+    return tr, a, n_ref - n_skip
+
+
+@pytest.mark.parametrize("strategy", ["uniform", "ours"])
+def test_selecting_operators_skip_a_rounding_that_changes_nothing(strategy, monkeypatch):
+    """ReLU and max pooling of a tensor rounded to their output's format: the forward rounding
+    of their outputs is skipped, with the same values, gradients and counts (NaN included)."""
+    torch.manual_seed(0)
+    tr, a, skipped = _skipped_roundings(_Selecting(), strategy, 0.5, 0, monkeypatch)
     selecting = [op for op in tr.ops if op.func in ("relu", "max_pool2d", "adaptive_max_pool2d")]
     # each selecting operator whose input has its output's format skips its forward rounding
     skippable = sum(a.formats[op.inputs[0]] == a.formats[op.outputs[0]] for op in selecting)
     assert len(selecting) == 4 and skippable >= (4 if strategy == "uniform" else 1)
-    assert n_ref - n_skip == skippable
+    assert skipped == skippable
 
 
 class _Partitions(nn.Module):
@@ -447,29 +455,13 @@ PARTITIONS = ("chunk", "split", "narrow", "__getitem__", "unbind", "tensor_split
 def test_partitions_skip_a_rounding_that_changes_nothing(strategy, monkeypatch):
     """Each part of a partition of a tensor rounded to the part's format: its forward rounding
     is skipped, with the same values, gradients and counts (NaN included) as rounding it."""
-    calls = _rounder_calls(monkeypatch)
     torch.manual_seed(3)
-    base = _Partitions()
-    x, y = batch(hw=12)
-    x[0, 0, 0, 0] = float("nan")
-    tr = A.trace(base, x, F.cross_entropy, y)
-    a = A.make(tr, strategy, **({"r": 0.3} if strategy == "ours" else {}))
-    results = []
-    for skip in (True, False):
-        calls.clear()
-        results.append(_emulated_step(copy.deepcopy(base), a, x, y, skip) + (len(calls),))
-    (out, grads, counts, seen, n_skip), (out_ref, grads_ref, counts_ref, seen_ref, n_ref) = results
-    assert torch.equal(out.nan_to_num(), out_ref.nan_to_num())
-    for g, g_ref in zip(grads, grads_ref):
-        assert torch.equal(g.nan_to_num(), g_ref.nan_to_num())
-    assert torch.equal(counts, counts_ref) and counts[:, 2].sum() > 0
-    for n in seen:
-        assert torch.equal(seen[n].nan_to_num(), seen_ref[n].nan_to_num()), n
+    tr, a, skipped = _skipped_roundings(_Partitions(), strategy, 0.3, 3, monkeypatch)
     partitions = [op for op in tr.ops if op.func in PARTITIONS]
     assert sorted({op.func for op in partitions}) == sorted(PARTITIONS)
     skippable = sum(op.inputs[0] in a.formats and a.formats[op.inputs[0]] == a.formats[o]
                     for op in partitions for o in op.outputs)
-    assert n_ref - n_skip == skippable and skippable >= (12 if strategy == "uniform" else 1)
+    assert skipped == skippable and skippable >= (12 if strategy == "uniform" else 1)
 
 
 @pytest.mark.parametrize("write", ["method", "view", "setitem"])
