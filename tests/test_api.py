@@ -843,6 +843,11 @@ def test_a_rounder_of_a_format_rounds_as_quantize(fmt, rounding):
             assert got is not None and got.stride() == t.stride()
             assert torch.equal(got.nan_to_num(7.0), lowfp.quantize(t, fmt).nan_to_num(7.0))
         assert prepared.round(x[:, :2], None) is None  # (not dense: the full path)
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        with FakeTensorMode():  # (a subclass: the full path's shapes and strides, no kernel)
+            for t in (torch.empty(2, 3, 4, 5), torch.empty(2, 3, 4, 5).transpose(1, 3)):
+                got = rounder(t)
+                assert got.shape == t.shape and got.stride() == t.stride()
 
 
 def test_any_stats_takes_the_counts_it_shares_with_a_rounding():

@@ -335,8 +335,9 @@ class Rounder:
 
     def __call__(self, x: torch.Tensor, stats: Optional[Stats] = None) -> torch.Tensor:
         if not torch.compiler.is_compiling():  # (first: Dynamo would guard on the table below)
-            # A dtype this rounder has rounded (checked then) on a backend it has used.
-            prepared = self._requests.get((x.dtype, x.is_cuda))
+            # A dtype this rounder has rounded (checked then) on a backend it has used, for a
+            # tensor whose memory the kernel reads (subclasses: FakeTensor, DTensor, the full path).
+            prepared = self._requests.get((x.dtype, x.is_cuda)) if backends.is_plain(x) else None
             if prepared is not None:
                 y = self._round_prepared(x, stats, prepared)
                 if y is not None:
