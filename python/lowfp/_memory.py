@@ -35,7 +35,10 @@ def new_output(like: torch.Tensor, dtype: torch.dtype,
     torch.empty_like's ``memory_format`` says), backed by huge pages where that helps.
     (empty_like: half the time of torch.empty(shape, ...) on a small tensor, whose shape
     argument torch parses on each call.)"""
-    t = torch.empty_like(like, dtype=dtype, memory_format=memory_format)
+    if dtype == like.dtype and (memory_format is torch.preserve_format or like.is_contiguous()):
+        t = torch.empty_like(like)  # (fewer arguments to parse: preserve_format keeps like's layout)
+    else:
+        t = torch.empty_like(like, dtype=dtype, memory_format=memory_format)
     nbytes = like.numel() * dtype.itemsize  # (the size first: most outputs are small)
     if nbytes >= _MIN_BYTES and _madvise is not None and t.is_cpu:
         start = (t.data_ptr() + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)

@@ -42,18 +42,18 @@ def _check_device(device: torch.device, argname: str) -> None:
 
 # The tensor types whose data_ptr() is their own memory. Subclasses (DTensor, FakeTensor, the
 # wrappers of torch.compile and torch.func) are views of something else, or of nothing.
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def is_plain(t: torch.Tensor) -> bool:
     """Whether t's data_ptr() is its own memory (not a subclass's view of something else)."""
-    return type(t) in _PLAIN_TYPES
+    return type(t) in PLAIN_TYPES
 
 
 def check_dense(t: torch.Tensor, argname: str) -> None:
     """The kernels read and write plain strided buffers through data_ptr(): tensor subclasses,
     nested, quantized, sparse and other layouts are refused by name."""
-    if type(t) not in _PLAIN_TYPES:
+    if type(t) not in PLAIN_TYPES:
         kind = f"{type(t).__module__}.{type(t).__qualname__}"
         raise TypeError(f"{argname} is a {kind}, a tensor subclass whose memory lowfp's kernels cannot "
                         "read (under FakeTensorMode, torch.export or a DTensor); pass a plain "
@@ -130,9 +130,15 @@ def native(t: torch.Tensor, argname: str):
     if t.is_cpu:  # not t.device.type: it builds a torch.device, and some callers run per parameter
         follow_torch_threads()
         return _C, -1, 0
-    _check_device(t.device, argname)
-    device = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if not (t.is_cuda and _C_cuda is not None):
+        _check_device(t.device, argname)  # (raises: no backend for t's device)
+    device = t.get_device()  # (an int, where t.device builds a torch.device)
+    if _cuda_raw_stream is not None:  # torch's raw accessor, as Inductor's generated code calls it
+        return _C_cuda, device, _cuda_raw_stream(device)
     return _C_cuda, device, torch.cuda.current_stream(device).cuda_stream
+
+
+_cuda_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (absent from CPU builds)
 
 
 # -- memory layouts -------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from . import backends
+from .backends import PLAIN_TYPES
 from ._checks import check_choice, is_dtype_in
 from ._memory import new_output
 from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODES, Plan,
@@ -336,10 +337,16 @@ class Rounder:
     def __call__(self, x: torch.Tensor, stats: Optional[Stats] = None) -> torch.Tensor:
         if not torch.compiler.is_compiling():  # (first: Dynamo would guard on the table below)
             # A dtype this rounder has rounded (checked then) on a backend it has used, for a
-            # tensor whose memory the kernel reads (subclasses: FakeTensor, DTensor, the full path).
-            prepared = self._requests.get((x.dtype, x.is_cuda)) if backends.is_plain(x) else None
+            # tensor whose memory the kernel reads (subclasses: FakeTensor, DTensor, the full path),
+            # with stats whose counts the kernel adds to (a type it takes, on x's device).
+            prepared = self._requests.get((x.dtype, x.is_cuda)) if type(x) in PLAIN_TYPES else None
             if prepared is not None:
-                y = self._round_prepared(x, stats, prepared)
+                if stats is None:
+                    y = prepared.round(x, None)
+                elif type(stats) in prepared.stats_types and backends.same_device(stats.counts, x):
+                    y = prepared.round(x, stats.counts)
+                else:
+                    y = None
                 if y is not None:
                     return y
         if self.scaled is None:
@@ -363,17 +370,6 @@ class Rounder:
                 and (x.is_cpu or x.is_cuda) and not isinstance(self.precision, S2FP8)):
             self._prepare(x)  # checked: its later calls are one native call
         return y
-
-    def _round_prepared(self, x: torch.Tensor, stats: Optional[Stats],
-                        prepared: Prepared) -> Optional[torch.Tensor]:
-        """x rounded by the prepared rounding, or None for the full path (a layout, stats or
-        device the one native call does not cover)."""
-        counts = None
-        if stats is not None:
-            if type(stats) not in prepared.stats_types or not backends.same_device(stats.counts, x):
-                return None
-            counts = stats.counts
-        return prepared.round(x, counts)
 
     def _prepare(self, x: torch.Tensor) -> None:
         """Remember the prepared rounding of x's dtype into itself on x's backend."""
