@@ -365,19 +365,23 @@ class _Selecting(nn.Module):
             h[:, 0].mul_(3.0)
         elif self.write == "setitem":
             h[:, 1] = 0.1
-        h = F.max_pool2d(F.relu(h, inplace=True), 2)
+        r = F.relu(h, inplace=True)
+        self.relu_returned_its_input = r is h  # (as torch's in-place ReLU does)
+        h = F.max_pool2d(r, 2)
         h = F.adaptive_max_pool2d(torch.relu(self.conv2(h)), 1)
         return self.fc(h.flatten(1))
 
 
-def _emulated_step(model, a, x, y, skip=True, **kw):
+def _emulated_step(model, a, x, y, skip=True, observe=True, **kw):
     """Output, parameter gradients and the step's count table (with the backward counts) of one
-    emulated training step; skip=False rounds every selecting operator's output too."""
+    emulated training step, and the rounded tensors by name (observe=False: none, the observer
+    unset); skip=False rounds every selecting operator's output too."""
     with lowfp.emulate(model, a, **kw) as em:
         if not skip:
             em._source_of = lambda t: None
         seen = {}
-        em.observer = lambda n, t: seen.setdefault(n, t.detach().clone())
+        if observe:
+            em.observer = lambda n, t: seen.setdefault(n, t.detach().clone())
         out = model(x)
         F.cross_entropy(out, y).backward()
         em._fold_grad_counts()
@@ -404,14 +408,20 @@ def _skipped_roundings(base, strategy, r, seed, monkeypatch):
     tr = A.trace(base, x, F.cross_entropy, y)
     a = A.make(tr, strategy, **({"r": r} if strategy == "ours" else {}))
     results = []
-    for skip in (True, False):
+    for skip, observe in ((True, True), (False, True), (True, False)):
         calls.clear()
-        results.append(_emulated_step(copy.deepcopy(base), a, x, y, skip) + (len(calls),))
-    (out, grads, counts, seen, n_skip), (out_ref, grads_ref, counts_ref, seen_ref, n_ref) = results
-    assert torch.equal(out.nan_to_num(), out_ref.nan_to_num())
-    for g, g_ref in zip(grads, grads_ref):
+        results.append(_emulated_step(copy.deepcopy(base), a, x, y, skip, observe) + (len(calls),))
+    (out, grads, counts, seen, n_skip), (out_ref, grads_ref, counts_ref, seen_ref, n_ref) = results[:2]
+    # without an observer, a skipped tensor is the operator's result itself, its gradient rounded
+    # by a hook: the same again
+    out_hook, grads_hook, counts_hook, _, n_hook = results[2]
+    for o in (out, out_hook):
+        assert torch.equal(o.nan_to_num(), out_ref.nan_to_num())
+    for g, g_hook, g_ref in zip(grads, grads_hook, grads_ref):
         assert torch.equal(g.nan_to_num(), g_ref.nan_to_num())
-    assert torch.equal(counts, counts_ref)
+        assert torch.equal(g_hook.nan_to_num(), g_ref.nan_to_num())
+    assert torch.equal(counts, counts_ref) and torch.equal(counts_hook, counts_ref)
+    assert n_hook == n_skip
     assert counts[:, 2].sum() > 0  # NaNs were counted where the rounding was skipped too
     assert seen.keys() == seen_ref.keys()
     for n in seen:
@@ -430,6 +440,13 @@ def test_selecting_operators_skip_a_rounding_that_changes_nothing(strategy, monk
     skippable = sum(a.formats[op.inputs[0]] == a.formats[op.outputs[0]] for op in selecting)
     assert len(selecting) == 4 and skippable >= (4 if strategy == "uniform" else 1)
     assert skipped == skippable
+    if strategy == "uniform":  # a skipped in-place ReLU returns its input, as torch's does
+        model = _Selecting()
+        x, y = batch(hw=12)
+        _emulated_step(model, a, x, y, observe=False)
+        assert model.relu_returned_its_input
+        _emulated_step(model, a, x, y, skip=False, observe=False)
+        assert not model.relu_returned_its_input  # (a rounded copy)
 
 
 class _Partitions(nn.Module):

@@ -143,17 +143,26 @@ def cuts(t, index) -> bool:
 def writes_in_place(fname: str, args, kwargs, out) -> bool:
     """Whether an operator call wrote into a tensor it was given: it returned one of its arguments
     (``add_``, ``x += y``, ``F.relu(x, inplace=True)``), or it is ``__setitem__`` or has ``out=``."""
-    if fname == "__setitem__" or kwargs.get("out") is not None:
+    if fname == "__setitem__" or (kwargs and kwargs.get("out") is not None):
         return True
+    if isinstance(out, torch.Tensor):  # (the common case: one result)
+        for a in args:
+            if a is out:
+                return True
+        return False
     outs = out if isinstance(out, (tuple, list)) else (out,)
     return any(isinstance(o, torch.Tensor) and any(o is a for a in args) for o in outs)
+
+
+def _first(new):
+    return new[0]
 
 
 def floating_outputs(out) -> Tuple[List[torch.Tensor], object]:
     """The floating tensors of an operator's result and a function that rebuilds the result with
     replacements for them (tuples, lists and torch.return_types keep their type)."""
     if isinstance(out, torch.Tensor):
-        return ([out] if out.is_floating_point() else []), (lambda new: new[0])
+        return ([out] if out.is_floating_point() else []), _first
     if isinstance(out, (tuple, list)):
         slots = [i for i, o in enumerate(out) if _floating(o)]
 

@@ -46,13 +46,15 @@ rounded but not counted.
 roundings into the model's graph, made once and reused from step to step; a step that promotes
 a tensor recompiles it once (docs/design.md §6).
 
-An in-place operator on an activation (``relu_``, ``x += y``) returns a rounded copy: code that
-uses the returned value (as nn.Modules do) sees rounded values; a tensor mutated in place and then
-used without the returned value keeps the unrounded result.
+An in-place operator on an activation (``relu_``, ``x += y``) returns a rounded copy (the tensor
+itself where its rounding is skipped, changing nothing): code that uses the returned value (as
+nn.Modules do) sees rounded values; a tensor mutated in place and then used without the returned
+value keeps the unrounded result.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -92,6 +94,24 @@ class _Round(torch.autograd.Function):
             if observe is not None:
                 observe[0](grad_name(observe[1]), grad)
         return grad, None, None, None, None, None
+
+
+def _function_apply(function):
+    """``function.apply`` less the work that only functorch's transforms need: torch's C++
+    apply itself while none is active (Function.apply then checks for them and unwraps the
+    dead wrappers they leave, a few microseconds a call), else Function.apply."""
+    native_apply = super(torch.autograd.Function, function).apply
+    unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+    transforms_active = torch._C._are_functorch_transforms_active
+
+    def apply(x, *args):
+        if transforms_active():
+            return function.apply(x, *args)
+        return native_apply(unwrap_if_dead(x), *args)
+    return apply
+
+
+_round_apply = _function_apply(_Round)
 
 
 def _unchanged_counts(t: torch.Tensor) -> torch.Tensor:
@@ -279,12 +299,9 @@ class Emulator(ForwardSession):
         self._entries[name] = (fwd, self._stats[name], bwd, self._stats.get(gname))
         self._uncounted[name] = (fwd, None, bwd, None)
 
-    def _rounders_of(self, name: str, dtype: torch.dtype):
-        """(forward rounder, its stats, backward rounder, its stats) for a v or theta name."""
-        entry = (self._entries if self._counting else self._uncounted).get(name)
-        if entry is not None:
-            return entry
-        # Not in the recorded step: keep it at hi, say so once.
+    def _unrecorded(self, name: str, dtype: torch.dtype):
+        """The rounding entry of a v or theta name that the recorded step does not have: hi,
+        said once."""
         if name not in self._unknown_warned:
             self._unknown_warned.add(name)
             warnings.warn(f"lowfp.emulate: {name} was not in the recorded step; it is rounded "
@@ -297,17 +314,30 @@ class Emulator(ForwardSession):
         """t rounded for tensor `name`. source: the rounder whose results a selecting operator's
         argument holds (ForwardSession._source_of); when it is this tensor's forward rounder, the
         forward rounding would return t unchanged, so it is skipped and only counted."""
-        fwd, fs, bwd, bs = self._rounders_of(name, t.dtype)
+        # (every training tensor passes here: one lookup, and the eager path first)
+        entry = (self._entries if self._counting else self._uncounted).get(name)
+        fwd, fs, bwd, bs = entry if entry is not None else self._unrecorded(name, t.dtype)
         if fwd is None and bwd is None:
             return t
-        unchanged = fwd is not None and source is fwd and type(t) is torch.Tensor
+        unchanged = source is not None and source is fwd and type(t) is torch.Tensor
         kernel, kernel_stats = (None, None) if unchanged else (fwd, fs)
         if torch.compiler.is_compiling():
             out = self._round_in_graph(t, name, kernel, kernel_stats, bwd, bs)
         else:
             observe = None if self.observer is None else (self.observer, name)
             if t.requires_grad and torch.is_grad_enabled():
-                out = _Round.apply(t, kernel, kernel_stats, bwd, bs, observe)
+                if (kernel is None and observe is None and not t.is_leaf
+                        and (bwd is None or bwd.rounding != "stochastic")):
+                    # Nothing to round forward (skipped, or no forward format): t itself, its
+                    # gradient rounded by a hook (on an operator's output of this forward, never
+                    # on a user's leaf, whose hooks would outlive the step). Stochastic gradients
+                    # keep their own node: a hook would run when t's producer does, which moves
+                    # their seed draws in backward's order away from the compiled step's.
+                    out = t
+                    if bwd is not None:
+                        t.register_hook(functools.partial(bwd, stats=bs))
+                else:
+                    out = _round_apply(t, kernel, kernel_stats, bwd, bs, observe)
             elif kernel is None:
                 out = t
             else:
