@@ -27,7 +27,8 @@ import torch
 from . import backends
 from ._memory import new_output
 from ._non_finite import check_non_finite
-from ._native import DTYPE_CODES, NativeCall, ROUNDING_MODES, run_quantize, run_s2fp8, seed_words
+from ._native import (DTYPE_CODES, NativeCall, ROUNDING_MODES, format_args, prepared_request,
+                      run_quantize, run_s2fp8, seed_words)
 from .formats import Format, S2FP8, to_precision
 
 __all__ = ["lib", "philox_key", "round_gradient", "s2fp8_stat_buffers"]
@@ -109,11 +110,40 @@ def _counts(x: torch.Tensor, count: bool) -> torch.Tensor:
     return torch.zeros(4 if count else 0, dtype=torch.int64, device=x.device)
 
 
+# The kernel's prepared requests of operator calls (lowfp._C.PreparedQuantize, or lowfp._C_cuda's),
+# by (fmt, rounding, sr_bits, x's dtype, the result's dtype, on CUDA): a compiled graph calls the
+# operator for every rounding of every step with a few such argument sets.
+_REQUESTS: Dict[tuple, object] = {}
+
+
+def _request(fmt: str, rounding: str, sr_bits: int, x: torch.Tensor, dtype: torch.dtype):
+    key = (fmt, rounding, sr_bits, x.dtype, dtype, x.is_cuda)
+    request = _REQUESTS.get(key)
+    if request is None:
+        if len(_REQUESTS) > 1024:
+            _REQUESTS.clear()
+        call = NativeCall(_precision(fmt), ROUNDING_MODES.index(rounding), sr_bits, 0, 0)
+        request = _REQUESTS[key] = prepared_request(x, dtype, format_args(call.fmt, call.rounding,
+                                                                          call.sr_bits))
+    return request
+
+
 def _quantize_impl(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype, count, grad_fmt,
                    grad_rounding):
     counts = _counts(x, count)
-    y = run_quantize(x, new_output(x, dtype, torch.preserve_format),
-                     _call(fmt, rounding, sr_bits, seed, drawn_seed, offset), counts if count else None)
+    y = new_output(x, dtype, torch.preserve_format)
+    if (backends.is_plain(x) and backends.is_plain(y)  # (a mode may make y a subclass: FakeTensorMode)
+            and (x.is_contiguous() or (rounding != "stochastic" and backends.is_dense(x)))):
+        # y has x's dense layout (preserve_format): element i of both buffers is the same
+        # element, so one pointer call of the prepared request rounds it (stochastic rounding's
+        # words follow the logical index: contiguous only)
+        _, device, stream = backends.native(x, "x")
+        _request(fmt, rounding, sr_bits, x, dtype)(
+            x.data_ptr(), y.data_ptr(), x.numel(), philox_key(seed, drawn_seed), offset & _U64,
+            counts.data_ptr() if count else 0, device, stream)
+        return y, counts
+    y = run_quantize(x, y, _call(fmt, rounding, sr_bits, seed, drawn_seed, offset),
+                     counts if count else None)
     return y, counts
 
 
