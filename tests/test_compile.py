@@ -76,6 +76,34 @@ def test_compiled_training_step_equals_eager_with_rounded_gradients():
         assert torch.equal(want, have)
 
 
+def test_compiled_graphs_call_lowfps_kernel_without_the_autograd_formula(monkeypatch):
+    """Where Inductor keeps lowfp's kernel, its graphs call lowfp::quantize_in_graph (the same
+    implementation, no Python autograd kernel to pass through on every call), forward and
+    backward, with the results and gradients of eager code."""
+    from torch._inductor.utils import run_and_get_code
+    monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", "0")
+    x = torch.randn(64, 8)
+
+    def forward(t):
+        return lowfp.quantize(t * 3, "fp(4,3,4)", grad_fmt="fp(5,2,15)")
+
+    def step(f):
+        t = x.clone().requires_grad_()
+        y = f(t)
+        (y * torch.arange(8.0)).sum().backward()
+        return y.detach(), t.grad
+
+    torch._dynamo.reset()
+    compiled = torch.compile(forward, fullgraph=True, backend="inductor")
+    with torch._inductor.config.patch(force_disable_caches=True):
+        (y, grad), code = run_and_get_code(step, compiled)
+    code = "\n".join(code)
+    want_y, want_grad = step(forward)
+    assert torch.equal(y, want_y) and torch.equal(grad, want_grad)
+    assert code.count("torch.ops.lowfp.quantize_in_graph.default(") == 2  # the value, its gradient
+    assert "torch.ops.lowfp.quantize.default" not in code
+
+
 def test_exported_program_runs_and_equals_eager():
     torch.manual_seed(0)
     net, x = _Net(), torch.randn(8, 16)
@@ -209,6 +237,8 @@ def _step_args(x, optimizer, rounding):
 @pytest.mark.parametrize("name,args", [
     ("quantize", lambda x: (x, "fp(4,3,4)", "stochastic", 32, 3, None, 0, torch.float64, True,
                             "fp(5,2,0)", "nearest")),
+    ("quantize_in_graph", lambda x: (x, "fp(4,3,4)", "stochastic", 32, 3, None, 0, torch.float64, True,
+                                     "fp(5,2,0)", "nearest")),
     ("quantize_into", lambda x: (x, torch.empty_like(x), "float8_e4m3fn", "nearest", 32, 0, None, 0,
                                  torch.zeros(4, dtype=torch.int64))),
     ("s2fp8", lambda x: (x, "float8_e5m2", 15.0, "stochastic", 32, 0,

@@ -31,8 +31,10 @@ def register_inductor_decompositions() -> bool:
 
         def quantize_decomposition(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype,
                                    count, grad_fmt, grad_rounding):
-            if not fuses(x.device):
-                return NotImplemented
+            if not fuses(x.device):  # lowfp's kernel, by the operator without autograd
+                return torch.ops.lowfp.quantize_in_graph.default(
+                    x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype, count, grad_fmt,
+                    grad_rounding)
             return quantize(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype, count)
 
         def scaled_decomposition(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset,
@@ -42,14 +44,16 @@ def register_inductor_decompositions() -> bool:
             return scaled_form.scaled_quantize(x, fmt, rounding, overflow, sr_bits, seed,
                                                drawn_seed, offset, count, parts)
 
-        for op, decompose in ((torch.ops.lowfp.quantize.default, quantize_decomposition),
-                              (torch.ops.lowfp.scaled_quantize.default, scaled_decomposition)):
+        for op in (torch.ops.lowfp.quantize.default, torch.ops.lowfp.quantize_in_graph.default,
+                   torch.ops.lowfp.scaled_quantize.default):
             if op not in lowering.lowerings:
                 # Where the decomposition declines, the operator reaches Inductor's lowering: give
                 # it the fallback Inductor would make for a custom operator, allowed beside the
                 # decomposition (Inductor refuses to make one for an operator that has both).
                 lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(
                     get_layout_constraint_tag(op, with_default=True)), override_decomp=True)
+        for op, decompose in ((torch.ops.lowfp.quantize.default, quantize_decomposition),
+                              (torch.ops.lowfp.scaled_quantize.default, scaled_decomposition)):
             decomposition.register_decomposition(op)(decompose)
         # Inductor caches its table merged with its random-op decompositions: rebuild it.
         decomposition.fast_random_decomps.cache_clear()

@@ -46,6 +46,11 @@ lib.define(f"quantize(Tensor x, str fmt, {_COMMON}, ScalarType dtype, bool count
            "str grad_rounding) -> (Tensor, Tensor)", tags=_ELEMENTWISE)
 lib.define(f"quantize_into(Tensor x, Tensor(a!) out, str fmt, {_COMMON}, "
            "Tensor(b!)? counts) -> ()")
+# lowfp::quantize as Inductor's graphs call it where they keep lowfp's kernel (lowfp._inductor):
+# the same implementation without an autograd formula, whose Python kernel would run on every
+# call of a compiled step (the graph's backward is traced already).
+lib.define(f"quantize_in_graph(Tensor x, str fmt, {_COMMON}, ScalarType dtype, bool count, "
+           "str? grad_fmt, str grad_rounding) -> (Tensor, Tensor)", tags=_ELEMENTWISE)
 lib.define(f"s2fp8(Tensor x, str fmt, float log_max, {_COMMON}, bool count, str? grad_fmt, "
            "str grad_rounding) -> (Tensor, Tensor, Tensor, Tensor)", tags=_ELEMENTWISE)
 lib.define(f"s2fp8_into(Tensor x, Tensor(a!) out, str fmt, float log_max, {_COMMON}, "
@@ -258,7 +263,8 @@ def _any_non_finite_impl(t):
 
 for _name, _impl in (("draw_seed", _draw_seed_impl),):
     lib.impl(_name, _impl, "CompositeExplicitAutograd")
-for _name, _impl in (("quantize", _quantize_impl), ("quantize_into", _quantize_into_impl),
+for _name, _impl in (("quantize", _quantize_impl), ("quantize_in_graph", _quantize_impl),
+                     ("quantize_into", _quantize_into_impl),
                      ("s2fp8", _s2fp8_impl), ("s2fp8_into", _s2fp8_into_impl),
                      ("extra_bits_split", _extra_bits_split_impl),
                      ("extra_bits_merge", _extra_bits_merge_impl),
@@ -275,6 +281,7 @@ def _draw_seed_fake():
     return torch.empty(2, dtype=torch.int64)
 
 
+@torch.library.register_fake("lowfp::quantize_in_graph", lib=lib)
 @torch.library.register_fake("lowfp::quantize", lib=lib)
 def _quantize_fake(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype, count, grad_fmt,
                    grad_rounding):
