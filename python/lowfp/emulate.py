@@ -114,15 +114,19 @@ def _function_apply(function):
 _round_apply = _function_apply(_Round)
 
 
-def _unchanged_counts(t: torch.Tensor) -> torch.Tensor:
-    """The counts of a rounding that returns t unchanged: its NaNs, and its elements."""
-    if t.is_cpu and not torch.compiler.is_compiling() and not check_non_finite(t, None, None):
-        # (on the CPU, with no device to wait for: one pass of lowfp's check finds the usual
-        # case, no NaN, where torch's isnan().sum() writes and then reads a mask)
-        return torch.tensor([0, 0, 0, t.numel()])
-    nan = torch.isnan(t).sum()
-    zero = torch.zeros_like(nan)
-    return torch.stack((zero, zero, nan, zero + t.numel()))
+def _count_unchanged(counts: torch.Tensor, t: torch.Tensor) -> None:
+    """Add to ``counts`` those of a rounding that returns t unchanged: its NaNs, and its
+    elements."""
+    if torch.compiler.is_compiling():  # (one add of the four counts, for Inductor to fuse)
+        nan = torch.isnan(t).sum()
+        zero = torch.zeros_like(nan)
+        counts.add_(torch.stack((zero, zero, nan, zero + t.numel())))
+        return
+    # On the CPU one pass of lowfp's check finds the usual case, no NaN, where torch's
+    # isnan().sum() writes and then reads a mask; on a GPU two launches count them, not waited for.
+    if not t.is_cpu or check_non_finite(t, None, None):
+        counts[2].add_(torch.isnan(t).sum())
+    counts[3].add_(t.numel())
 
 
 class _RoundInGraph(torch.autograd.Function):
@@ -225,6 +229,8 @@ class Emulator(ForwardSession):
         self.step = 0                          # closed training steps
         names = list(self.assignment.trace.tensors)
         self._row = {n: i for i, n in enumerate(names)}
+        # (name, row, a forward tensor) for reading a step's counts
+        self._row_roles = [(n, i, role_of(n) in FORWARD_ROLES) for n, i in self._row.items()]
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.counts = torch.zeros(len(names), 4, dtype=torch.int64, device=device)
         self._stats = {n: Stats.view(self.counts[i]) for n, i in self._row.items()}
@@ -345,7 +351,7 @@ class Emulator(ForwardSession):
             if observe is not None and fwd is not None:
                 self.observer(name, out)
         if unchanged and fs is not None:
-            fs.counts.add_(_unchanged_counts(t))
+            _count_unchanged(fs.counts, t)
         if fwd is not None and fwd.idempotent:
             self._mark(out, fwd)
         return out
@@ -474,20 +480,20 @@ class Emulator(ForwardSession):
         over, under = [], []
         promoted = []
         grad_underflow = grad_numel = 0
-        for name, i in self._row.items():
+        for name, i, forward in self._row_roles:
             o, u, _, n = rows[i]
             if n == 0:
                 continue
-            if role_of(name) in ("dv", "dtheta"):
+            if not forward:
                 grad_underflow += u
                 grad_numel += n
             if o:
                 over.append((name, o / n))
+                if (self.promote and forward and o / n > self.threshold
+                        and name in self.assignment.lo):
+                    promoted.append((name, o / n))
             if u:
                 under.append((name, u / n))
-            if (self.promote and o / n > self.threshold and role_of(name) in FORWARD_ROLES
-                    and name in self.assignment.lo):
-                promoted.append((name, o / n))
         for name, ratio in promoted:
             self._promote(name, ratio, closed.step)
         over.sort(key=lambda x: -x[1])
