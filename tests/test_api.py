@@ -731,17 +731,23 @@ def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_ch
     cases = [("fp(4,3,4)", dict()), (lowfp.formats.float8_e4m3fn, dict(rounding="toward_zero")),
              ("fp(4,3,4)", dict(rounding="stochastic")), ("fp(5,2,0)", dict(overflow="inf")),
              ("fp(4,3,4)", dict(subnormals=False)), ("fp(4,3,4)", dict(out_dtype=torch.float64)),
-             ("bfloat16", dict(rounding="nearest_away"))]
+             ("bfloat16", dict(rounding="nearest_away")), ("s2fp8", dict()),
+             (lowfp.S2FP8("float8_e4m3fn", 8.0), dict(rounding="stochastic"))]
     for dtype in (torch.float32, torch.bfloat16):
         for fmt, kwargs in cases:
             def call():
                 stats = lowfp.Stats()
-                return lowfp.quantize(x.to(dtype), fmt, stats=stats, **kwargs), stats.counts
+                y = lowfp.quantize(x.to(dtype), fmt, stats=stats, **kwargs)
+                out = x.to(dtype, copy=True)  # (rounded into itself, but where out_dtype differs)
+                if "out_dtype" not in kwargs:
+                    lowfp.quantize(out, fmt, stats=stats, out=out, **kwargs)
+                return y, out, stats.counts
             got = _cold_remembered_and_operator(call, taken)
-            ((y0, c0), r0, n0), ((y1, c1), r1, n1), ((y2, c2), r2, n2) = got
-            assert (n0, n1, n2) == (0, 1, 0), (fmt, kwargs)
-            for y, c, r in ((y1, c1, r1), (y2, c2, r2)):
+            ((y0, o0, c0), r0, n0), ((y1, o1, c1), r1, n1), ((y2, o2, c2), r2, n2) = got
+            assert (n0, n1, n2) == (0, 1 if "out_dtype" in kwargs else 2, 0), (fmt, kwargs)
+            for y, o, c, r in ((y1, o1, c1, r1), (y2, o2, c2, r2)):
                 assert y.dtype == y0.dtype and torch.equal(y.view(torch.int8), y0.view(torch.int8))
+                assert torch.equal(o.view(torch.int8), o0.view(torch.int8)), (fmt, kwargs)
                 assert torch.equal(c, c0) and torch.equal(r, r0), (fmt, kwargs)
     # a CPU generator: its draws, remembered or not (the operator's: the test above)
     draws = []
@@ -835,8 +841,8 @@ def test_a_rounder_of_a_format_rounds_as_quantize(fmt, rounding):
             assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)) and got.dtype == t.dtype
             assert got.stride() == want.stride()
             assert torch.equal(s_got.counts, s_want.counts), (s_got, s_want)
-    assert bool(rounder._requests) == (not isinstance(fmt, lowfp.S2FP8))  # (remembered)
-    if rounder._requests and rounding == "nearest":  # dense layouts: one pass where x lies
+    assert rounder._requests  # (remembered)
+    if not isinstance(fmt, lowfp.S2FP8) and rounding == "nearest":  # dense layouts: one pass where x lies
         prepared = rounder._requests[(torch.float32, False)]
         for t in (x.to(memory_format=torch.channels_last), x.transpose(1, 3), x.permute(2, 0, 3, 1)):
             got = prepared.round(t, None)

@@ -7,23 +7,24 @@ call. ``lowfp.quantize`` remembers them per argument set, the emulation's ``Roun
 and backend, and ``emulate_gemms`` per operand format:
 
 - :class:`PreparedFormat`: a plain format (``lowfp._C.PreparedQuantize``);
+- :class:`PreparedS2FP8`: S2FP8 (one native call computes each tensor's statistics and rounds
+  it with them);
 - ``lowfp.scaled.quantize.PreparedScaled``: a scaled format (``lowfp._C.PreparedScaled``).
-
-S2FP8 has none: its grid follows each tensor's statistics, which its operator computes.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
 
-from . import backends
+from . import _C, backends
 from ._memory import new_output
-from ._native import remembered_seed
+from ._native import DTYPE_CODES, remembered_seed
 from .stats import Stats
 
-__all__ = ["Prepared", "PreparedFormat"]
+__all__ = ["Prepared", "PreparedFormat", "PreparedS2FP8"]
 
 
 class Prepared:
@@ -76,5 +77,46 @@ class PreparedFormat(Prepared):
             _, device, stream = backends.native(x, "x")
         y = new_output(x, self.dtype, layout) if out is None else out
         self.request(x.data_ptr(), y.data_ptr(), x.numel(), seed, 0,
+                     0 if counts is None else counts.data_ptr(), device, stream)
+        return y
+
+
+_scratch = threading.local()  # each CPU thread's S2FP8 statistics, which the caller does not get
+
+
+class PreparedS2FP8(Prepared):
+    """S2FP8's rounding (docs/design.md §4): the native call's format and rounding arguments
+    (``format_args`` of its 8-bit format), ``log_max``, and whether it draws a stochastic seed.
+    The statistics, which these calls do not return, go to scratch buffers: on the CPU the same
+    ones each call of a thread (the kernel writes every entry before it reads any), on a GPU
+    zeroed new ones (its reduction adds into them)."""
+
+    __slots__ = ("args", "log_max", "stochastic")
+
+    def __init__(self, args: tuple, log_max: float, stochastic: bool):
+        self.args, self.log_max, self.stochastic = args, log_max, stochastic
+
+    def round(self, x, counts, generator=None, out=None):
+        """x (contiguous) rounded into a new tensor of x's dtype or ``out``; None for any other
+        layout (the statistics group consecutive elements in logical order) or a generator the
+        per-thread draw does not cover."""
+        if not x.is_contiguous():
+            return None
+        seed = remembered_seed(self.stochastic, generator)
+        if seed is None:
+            return None
+        module, device, stream = backends.native(x, "x")
+        if x.is_cpu:
+            buffers = getattr(_scratch, "buffers", None)
+            if buffers is None:
+                buffers = _scratch.buffers = (torch.empty(_C.S2FP8_SUM_SIZE, dtype=torch.int64),
+                                              torch.empty(4, dtype=torch.float64))
+            sums, params = buffers
+        else:
+            sums = torch.zeros(_C.S2FP8_SUM_SIZE, dtype=torch.int64, device=x.device)
+            params = torch.zeros(4, dtype=torch.float64, device=x.device)
+        y = new_output(x, x.dtype) if out is None else out
+        module.s2fp8(x.data_ptr(), DTYPE_CODES[x.dtype], y.data_ptr(), x.numel(), *self.args, seed, 0,
+                     self.log_max, sums.data_ptr(), params.data_ptr(),
                      0 if counts is None else counts.data_ptr(), device, stream)
         return y

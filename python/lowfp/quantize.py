@@ -18,7 +18,7 @@ from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODE
                       eager_seed, format_args, prepared_request, round_dense, run_rounding,
                       runs_natively, share_bytes)
 from ._dtensor import is_dtensor, round_dtensor
-from ._prepared import Prepared, PreparedFormat
+from ._prepared import Prepared, PreparedFormat, PreparedS2FP8
 from ._ops import s2fp8_stat_buffers
 from ._inductor import register_inductor_decompositions
 from .formats import Format, S2FP8, as_text, to_precision
@@ -74,6 +74,10 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
         y = out if out is not None else new_output(x, plan.dtype, torch.preserve_format)
         run_rounding(x, y, args, plan.rounding != "stochastic", counts)
         return y, None
+    if (plan.s2fp8 and seed is None and type(offset) is int and offset == 0 and grad_fmt is None
+            and x.is_contiguous() and runs_natively(x, out)):  # (as _remember_eager's calls)
+        _remember(_eager_key(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dtype),
+                  lambda: PreparedS2FP8(plan.native, plan.log_max, plan.rounding == "stochastic"))
     seed, drawn = call_seed(plan.rounding, seed, generator)
     common = (plan.rounding, plan.sr_bits, seed, drawn, offset)
     if not plan.s2fp8:
@@ -367,7 +371,7 @@ class Rounder:
                 y = round_tensor(x, self.precision, self.rounding, overflow=self.overflow,
                                  stats=stats)[0]
         if (not torch.compiler.is_compiling() and type(x) in (torch.Tensor, torch.nn.Parameter)
-                and (x.is_cpu or x.is_cuda) and not isinstance(self.precision, S2FP8)):
+                and (x.is_cpu or x.is_cuda)):
             self._prepare(x)  # checked: its later calls are one native call
         return y
 
@@ -375,6 +379,9 @@ class Rounder:
         """Remember the prepared rounding of x's dtype into itself on x's backend."""
         if self.scaled is not None:
             prepared = PreparedScaled(self.scaled, self.rounding, self.overflow, 32, x)
+        elif isinstance(self.precision, S2FP8):
+            prepared = PreparedS2FP8(format_args(self._call.fmt, self._call.rounding, self._call.sr_bits),
+                                     self.precision.log_max, self.rounding == "stochastic")
         else:
             prepared = PreparedFormat(prepared_request(x, x.dtype, format_args(
                 self._call.fmt, self._call.rounding, self._call.sr_bits)), x.dtype,
