@@ -167,11 +167,13 @@ class Scaled:
         e, block, axis, s, rule, t, choice = self._key
         return ("scaled", e.key, block, axis, s if isinstance(s, str) else s.key, rule, t, choice)
 
+    # (by _key, whose formats compare and hash by their own keys: what key compares, without
+    # building it; formats are dict keys of every prepared rounding)
     def __eq__(self, other) -> bool:
-        return isinstance(other, Scaled) and other.key == self.key
+        return isinstance(other, Scaled) and other._key == self._key
 
     def __hash__(self) -> int:
-        return hash(self.key)
+        return hash(self._key)
 
     def __str__(self) -> str:
         if self.name is not None:

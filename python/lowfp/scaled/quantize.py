@@ -133,8 +133,8 @@ class PreparedScaled(Prepared):
             rows = x.numel() // cols if cols else 0
             block_rows, block_cols = 1, (block or cols)
         else:
-            rows, cols, block_rows, block_cols, move, _ = kernel_layout(tuple(x.shape), self.fmt, True,
-                                                                        self.stochastic)
+            rows, cols, block_rows, block_cols, move, _ = _kernel_layout(tuple(x.shape), self.fmt, True,
+                                                                         self.stochastic)
             if move is not None:  # (a copy to another layout)
                 return None
         seed = remembered_seed(self.stochastic, generator)  # (drawn for empty tensors too, as
@@ -159,6 +159,7 @@ class PreparedScaled(Prepared):
 
 
 _scratch = threading.local()  # each thread's float64 buffer for scales that are not returned
+_kernel_layout = functools.lru_cache(maxsize=1024)(kernel_layout)  # (eager calls: shapes repeat each step)
 
 
 def _writes_directly(out: torch.Tensor, xm: torch.Tensor, move) -> bool:
