@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import lowfp
 from lowfp import assign as A
 from lowfp.experiments import models
+from devices import DEVICES
 from training import optimizer_step
 
 
@@ -42,13 +43,14 @@ CASES = {  # model factory, batch
 }
 
 
-def _train(model, assignment, x, y, steps, compile_backend=None, scaler_scale=None, **kw):
+def _train(model, assignment, x, y, steps, compile_backend=None, scaler_scale=None, mode=None, **kw):
     """Emulated SGD steps; returns (history, weights, loss scales)."""
     torch.manual_seed(1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     scales = []
     with lowfp.emulate(model, assignment, **kw) as em:
-        run = model if compile_backend is None else torch.compile(model, backend=compile_backend)
+        run = model if compile_backend is None else torch.compile(model, backend=compile_backend,
+                                                                  mode=mode)
         scaler = None if scaler_scale is None else lowfp.DynamicLossScaler(init_scale=scaler_scale,
                                                                            emulator=em)
         for _ in range(steps):
@@ -107,6 +109,22 @@ def test_inductor_compiled_emulation_equals_eager(monkeypatch, fusion):
     assert graphs == 1
     assert history.steps == eager[0].steps
     _assert_equal(weights, eager[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reduce_overhead_compiled_emulation_equals_eager(device):
+    """torch.compile(mode="reduce-overhead") inside the emulation (CUDA graphs on a GPU): the
+    steps, counts and weights of eager emulation."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(device)
+    x, y = torch.randn(32, 8, device=device), torch.randint(0, 4, (32,), device=device)
+    a = A.ours(A.trace(base, x, _loss, y), 0.5)
+    eager = _train(copy.deepcopy(base), a, x, y, 4)
+    torch._dynamo.reset()
+    compiled = _train(copy.deepcopy(base), a, x, y, 4, "inductor", mode="reduce-overhead")
+    assert compiled[0].steps == eager[0].steps
+    assert any(s["top_underflow"] for s in eager[0].steps)  # (the counts compared are not empty)
+    _assert_equal(compiled[1], eager[1])
 
 
 def _overflowing_mlp():
