@@ -76,21 +76,23 @@ def test_compiled_training_step_equals_eager_with_rounded_gradients():
         assert torch.equal(want, have)
 
 
-def test_compiled_graphs_call_lowfps_kernel_without_the_autograd_formula(monkeypatch):
-    """Where Inductor keeps lowfp's kernel, its graphs call lowfp::quantize_in_graph (the same
-    implementation, no Python autograd kernel to pass through on every call), forward and
-    backward, with the results and gradients of eager code."""
+@pytest.mark.parametrize("fmt,op", [("fp(4,3,4)", "quantize"), ("mxfp8_e4m3", "scaled_quantize")])
+def test_compiled_graphs_call_lowfps_kernel_without_the_autograd_formula(monkeypatch, fmt, op):
+    """Where Inductor keeps lowfp's kernel, its graphs call lowfp::quantize_in_graph (or
+    scaled_quantize_in_graph: the same implementation, no Python autograd kernel to pass through
+    on every call), forward and backward, with the results and gradients of eager code."""
     from torch._inductor.utils import run_and_get_code
     monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", "0")
-    x = torch.randn(64, 8)
+    x = torch.randn(64, 32)
+    grad_fmt = {"grad_fmt": "fp(5,2,15)"} if op == "quantize" else {}
 
     def forward(t):
-        return lowfp.quantize(t * 3, "fp(4,3,4)", grad_fmt="fp(5,2,15)")
+        return lowfp.quantize(t * 3, fmt, **grad_fmt)
 
     def step(f):
         t = x.clone().requires_grad_()
         y = f(t)
-        (y * torch.arange(8.0)).sum().backward()
+        (y * torch.arange(32.0)).sum().backward()
         return y.detach(), t.grad
 
     torch._dynamo.reset()
@@ -100,8 +102,9 @@ def test_compiled_graphs_call_lowfps_kernel_without_the_autograd_formula(monkeyp
     code = "\n".join(code)
     want_y, want_grad = step(forward)
     assert torch.equal(y, want_y) and torch.equal(grad, want_grad)
-    assert code.count("torch.ops.lowfp.quantize_in_graph.default(") == 2  # the value, its gradient
-    assert "torch.ops.lowfp.quantize.default" not in code
+    # the value, and for a plain format its rounded gradient
+    assert code.count(f"torch.ops.lowfp.{op}_in_graph.default(") == (2 if grad_fmt else 1)
+    assert f"torch.ops.lowfp.{op}.default" not in code
 
 
 def test_exported_program_runs_and_equals_eager():

@@ -574,6 +574,10 @@ def test_compiles_without_graph_breaks_and_traces_fake_and_meta_tensors():
                                     (torch.randn(6, 40, requires_grad=True), "nvfp4", "stochastic",
                                      "saturate", 32, 3, None, 0, True, True))
     assert set(results.values()) == {"SUCCESS"}, results
+    results = torch.library.opcheck(torch.ops.lowfp.scaled_quantize_in_graph.default,
+                                    (torch.randn(6, 40), "nvfp4", "stochastic", "saturate", 32, 3,
+                                     None, 0, True, True))
+    assert set(results.values()) == {"SUCCESS"}, results
 
 
 def test_out_and_in_place():

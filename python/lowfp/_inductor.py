@@ -1,6 +1,7 @@
 """Where Inductor decomposes lowfp's rounding operators into their torch forms
 (docs/design.md §3.1): ``lowfp::quantize`` into ``lowfp._torch_round.quantize`` and
-``lowfp::scaled_quantize`` into ``lowfp.scaled.torch_round.scaled_quantize``."""
+``lowfp::scaled_quantize`` into ``lowfp.scaled.torch_round.scaled_quantize``, and elsewhere into
+the operators' ``_in_graph`` forms, which keep lowfp's kernel without the autograd formula."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def register_inductor_decompositions() -> bool:
     """Let Inductor decompose ``lowfp::quantize`` into :func:`quantize` and
     ``lowfp::scaled_quantize`` into ``lowfp.scaled.torch_round.scaled_quantize`` (once per
     process) where :func:`fuses` says so; elsewhere, and for the tensors and scaled formats the
-    torch form does not cover, the decomposition declines and the operator stays.
+    torch form does not cover, into their ``_in_graph`` forms: the same implementations without
+    the autograd formulas, which the traced backward has applied already.
 
     Called while tracing, by the functions that put the operators in a graph: importing Inductor
     costs seconds, which eager users should not pay."""
@@ -40,12 +42,14 @@ def register_inductor_decompositions() -> bool:
         def scaled_decomposition(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset,
                                  count, parts):
             if not (fuses(x.device) and scaled_form.fuses_format(Scaled.parse(fmt), x.dtype)):
-                return NotImplemented
+                return torch.ops.lowfp.scaled_quantize_in_graph.default(
+                    x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, parts)
             return scaled_form.scaled_quantize(x, fmt, rounding, overflow, sr_bits, seed,
                                                drawn_seed, offset, count, parts)
 
         for op in (torch.ops.lowfp.quantize.default, torch.ops.lowfp.quantize_in_graph.default,
-                   torch.ops.lowfp.scaled_quantize.default):
+                   torch.ops.lowfp.scaled_quantize.default,
+                   torch.ops.lowfp.scaled_quantize_in_graph.default):
             if op not in lowering.lowerings:
                 # Where the decomposition declines, the operator reaches Inductor's lowering: give
                 # it the fallback Inductor would make for a custom operator, allowed beside the

@@ -101,8 +101,10 @@ def _function_apply(function):
     apply itself while none is active (Function.apply then checks for them and unwraps the
     dead wrappers they leave, a few microseconds a call), else Function.apply."""
     native_apply = super(torch.autograd.Function, function).apply
-    unwrap_if_dead = torch._C._functorch.unwrap_if_dead
-    transforms_active = torch._C._are_functorch_transforms_active
+    unwrap_if_dead = getattr(torch._C._functorch, "unwrap_if_dead", None)
+    transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    if unwrap_if_dead is None or transforms_active is None:  # (a torch without them)
+        return function.apply
 
     def apply(x, *args):
         if transforms_active():

@@ -39,6 +39,11 @@ lib.define("scaled_quantize(Tensor x, str fmt, str rounding, str overflow, int s
            "(Tensor, Tensor, Tensor, Tensor, Tensor)")
 lib.define("scaled_quantize_into(Tensor x, Tensor(a!) out, str fmt, str rounding, str overflow, "
            "int sr_bits, int seed, Tensor? drawn_seed, int offset, bool count) -> Tensor")
+# lowfp::scaled_quantize as Inductor's graphs call it where they keep lowfp's kernel (as
+# lowfp::quantize_in_graph for lowfp::quantize: no autograd formula, lowfp._inductor)
+lib.define("scaled_quantize_in_graph(Tensor x, str fmt, str rounding, str overflow, int sr_bits, "
+           "int seed, Tensor? drawn_seed, int offset, bool count, bool parts) -> "
+           "(Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 class ScaledStats(Stats):
@@ -233,8 +238,10 @@ def _fake(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, 
 
 for _key in ("CPU", "CUDA"):
     lib.impl("scaled_quantize", _impl, _key)
+    lib.impl("scaled_quantize_in_graph", _impl, _key)
     lib.impl("scaled_quantize_into", _into_impl, _key)
 torch.library.register_fake("lowfp::scaled_quantize", _fake, lib=lib)
+torch.library.register_fake("lowfp::scaled_quantize_in_graph", _fake, lib=lib)
 
 
 @torch.library.register_fake("lowfp::scaled_quantize_into", lib=lib)
