@@ -11,8 +11,10 @@ under the `uniform` and `ours(r=0.5)` assignments and, as a floor for the interc
 `fp32` (every operator seen, nothing rounded). Target: emulated step ≤ 1.5× the plain step on
 the CPU, ≤ 1.3× on a GPU.
 
-torch.compile: ResNet-18 on 32×32 images and a small GPT (4 blocks, width 128, 64 tokens), each
-plain, compiled plain, emulated (ours(r=0.5)) and compiled inside the emulation, the pairs compared
+torch.compile: ResNet-18 on 32×32 images and a small GPT (4 blocks, width 128, 64 tokens, batch
+16 each; on a GPU the sizes of issue 55's targets, ResNet-18 at batch 256 and a GPT of 6 blocks of
+width 384 over 256 tokens at batch 32, whose eager emulated/plain columns are its eager targets),
+each plain, compiled plain, emulated (ours(r=0.5)) and compiled inside the emulation, the pairs compared
 timed in interleaved rounds. Targets: compiled emulated ≤ eager emulated, and ≤ 1.2× compiled
 plain on the CPU (≤ 1.1× on a GPU): under Inductor the roundings are generated inside its own
 kernels (docs/design.md §3.1).
@@ -48,12 +50,28 @@ CASES = [  # name, model factory, batch, channels, image size
     ("transformer 32x32", lambda: models.TransformerClassifier(3, 10, 1.0, image_size=32, patch=4), 32, 3, 32),
 ]
 STRATEGIES = [("fp32", {}), ("uniform", {}), ("ours", {"r": 0.5})]
+def _images(n, d):
+    return torch.randn(n, 3, 32, 32, device=d), torch.randint(0, 10, (n,), device=d)
+
+
+def _tokens(t):
+    return lambda n, d: (torch.randint(0, 96, (n, t), device=d), torch.randint(0, 96, (n, t), device=d))
+
+
 COMPILE_CASES = [  # name, model factory, batch, input factory(batch, device) -> (x, target)
-    ("resnet18 32x32", lambda: models.ResNet18(3, 10), 16,
-     lambda n, d: (torch.randn(n, 3, 32, 32, device=d), torch.randint(0, 10, (n,), device=d))),
-    ("gpt 64 tokens", lambda: models.GPT(96, 64, 128, 4, 4), 16,
-     lambda n, d: (torch.randint(0, 96, (n, 64), device=d), torch.randint(0, 96, (n, 64), device=d))),
+    ("resnet18 32x32", lambda: models.ResNet18(3, 10), 16, _images),
+    ("gpt 64 tokens", lambda: models.GPT(96, 64, 128, 4, 4), 16, _tokens(64)),
 ]
+# On a GPU, the sizes of issue 55's targets: ResNet-18 at batch 256, a GPT of 6 blocks of width
+# 384 over 256 tokens at batch 32.
+GPU_COMPILE_CASES = [
+    ("resnet18 32x32 batch 256", lambda: models.ResNet18(3, 10), 256, _images),
+    ("gpt 256 tokens", lambda: models.GPT(96, 256, 384, 6, 6), 32, _tokens(256)),
+]
+
+
+def compile_cases(device: torch.device):
+    return GPU_COMPILE_CASES if device.type == "cuda" else COMPILE_CASES
 
 
 def _loss(logits, target):
@@ -102,7 +120,7 @@ def run(device: torch.device, repeats: int):
 
 
 def compile_case_model(make, n, inputs, device: torch.device):
-    """(model, x, y, step_of) for one of COMPILE_CASES: step_of(forward) is a training step (forward
+    """(model, x, y, step_of) for one of compile_cases(device): step_of(forward) is a training step (forward
     by ``forward``, the model or its compiled form; loss, backward, SGD) that waits for the
     device."""
     torch.manual_seed(0)
@@ -121,8 +139,8 @@ def compile_case_model(make, n, inputs, device: torch.device):
     return model, x, y, step_of
 
 
-def run_compile(device: torch.device, repeats: int, cases=COMPILE_CASES):
-    """Plain, compiled plain, emulated and compiled emulated steps of COMPILE_CASES. Each pair that
+def run_compile(device: torch.device, repeats: int, cases):
+    """Plain, compiled plain, emulated and compiled emulated steps of ``cases``. Each pair that
     is compared is timed in interleaved rounds (time_rounds: plain with compiled plain, then
     emulated with compiled emulated), so that both sides of a ratio meet the same interference;
     the ratios are of best steps and, per round, of paired steps (their median)."""
@@ -187,8 +205,8 @@ def host_per_rounding(device: torch.device, steps: int = 5):
 GEMM_RECIPES = ("mxfp8", "nvfp4")
 
 
-def run_gemms(device: torch.device, repeats: int, cases=COMPILE_CASES, steps: int = 3):
-    """Plain steps and steps under emulate_gemms(model, recipe) of COMPILE_CASES, eager, timed in
+def run_gemms(device: torch.device, repeats: int, cases, steps: int = 3):
+    """Plain steps and steps under emulate_gemms(model, recipe) of ``cases``, eager, timed in
     interleaved rounds; then, per recipe, the operand roundings per step and the µs of each."""
     from lowfp.scaled import gemm
     once = _once_cuda if device.type == "cuda" else _once_cpu
@@ -280,13 +298,13 @@ def main(argv=None):
     which.add_argument("--gemms-only", action="store_true", help="only the GEMM recipes table")
     ap.add_argument("--compile-case", action="append",
                     help="run only this torch.compile case (repeatable): " +
-                    ", ".join(name for name, *_ in COMPILE_CASES))
+                    ", ".join(name for name, *_ in COMPILE_CASES + GPU_COMPILE_CASES))
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     print(machine_description() if device.type == "cpu" else torch.cuda.get_device_name(device))
     result = {"device": str(device)}
     if args.gemms_only:
-        result["gemm_rows"] = rows = run_gemms(device, args.repeats)
+        result["gemm_rows"] = rows = run_gemms(device, args.repeats, compile_cases(device))
         print(gemm_table(rows))
         print("(best of", args.repeats, "interleaved rounds, and the median of per-round ratios; roundings:",
               "operand roundings per step, µs each: host time inside them",
@@ -306,9 +324,10 @@ def main(argv=None):
               f"(torch.profiler, with its overhead): forward {h['forward_cpu_us']:.1f}, backward "
               f"{h['backward_cpu_us']:.1f} ({'host time' if device.type == 'cuda' else 'host and kernel'})")
     if not args.no_compile:
-        cases = [c for c in COMPILE_CASES if not args.compile_case or c[0] in args.compile_case]
+        known = compile_cases(device)
+        cases = [c for c in known if not args.compile_case or c[0] in args.compile_case]
         if not cases:
-            ap.error(f"--compile-case must name one of: {', '.join(n for n, *_ in COMPILE_CASES)}")
+            ap.error(f"--compile-case must name one of: {', '.join(n for n, *_ in known)}")
         result["compile_rows"] = rows = run_compile(device, args.repeats, cases)
         print(compile_table(rows))
         print("(best of", args.repeats, "interleaved rounds; c.em/em: compiled emulated / emulated, target ≤ 1,",
