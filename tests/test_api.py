@@ -921,6 +921,22 @@ def test_streams_and_device_counts():
 
 
 @on_cuda
+def test_native_calls_take_torchs_current_stream_and_device():
+    """backends.native hands the kernels torch's current stream of the tensor's device (its raw
+    accessor, as Inductor's code calls it): the default stream, a side stream inside
+    torch.cuda.stream, each device's own."""
+    from lowfp import backends
+    x = torch.randn(8, device="cuda")
+    assert backends.native(x, "x")[1:] == (x.get_device(), torch.cuda.current_stream().cuda_stream)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert backends.native(x, "x")[1:] == (x.get_device(), side.cuda_stream)
+    last = torch.cuda.device_count() - 1
+    t = torch.randn(8, device=f"cuda:{last}")
+    assert backends.native(t, "t")[1:] == (last, torch.cuda.current_stream(last).cuda_stream)
+
+
+@on_cuda
 def test_more_than_2_to_the_31_elements_on_gpu():
     n = 2**31 + 9
     tail = torch.tensor([0.3] * 6 + [100.0, -7.7, 1e-4], dtype=torch.float16)
