@@ -48,6 +48,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     x = torch.randn(args.numel, device=args.device)
     out = torch.empty_like(x)
+    x_grad = x.clone().requires_grad_()  # (autograd records its roundings)
     f = lowfp.formats.float8_e4m3fn
     g = torch.Generator().manual_seed(0)
     cases = [
@@ -61,6 +62,8 @@ def main(argv=None) -> int:
         ("quantize(x, 'mxfp8_e4m3')", lambda: lowfp.quantize(x, "mxfp8_e4m3")),
         ("quantize(x, 'nvfp4')", lambda: lowfp.quantize(x, "nvfp4")),
         ("quantize(x, 's2fp8')", lambda: lowfp.quantize(x, "s2fp8")),
+        ("quantize(x requiring grad, Format)", lambda: lowfp.quantize(x_grad, f)),
+        ("(x requiring grad).to(torch.bfloat16)", lambda: x_grad.to(torch.bfloat16)),
     ]
     times = per_call_us(cases, args.device)
     base = times[cases[0][0]]

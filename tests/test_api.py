@@ -590,6 +590,36 @@ def test_eager_scaled_calls_skip_the_dispatcher_with_the_operators_bits(fmt):
             assert torch.equal(a, b), (fmt, kwargs)
 
 
+def test_recorded_eager_calls_skip_the_dispatcher_with_the_operators_results_and_gradients():
+    """An eager call whose result autograd records (x requires grad; no mode, no torch.func
+    transform) runs lowfp::quantize's implementation and formula through lowfp's own autograd
+    Function, without the operator's Python autograd kernel: the operator's values, counts,
+    gradients (straight through or rounded, every mode) and generator draws, in any layout."""
+    x0 = torch.randn(3, 50) * 30
+    x0[0, :2] = torch.tensor([1e9, 1e-9])
+    cases = [dict(), dict(grad_fmt="fp(5,2,15)"), dict(out_dtype=torch.float64, grad_fmt="fp(5,2,15)"),
+             dict(rounding="stochastic", grad_fmt="fp(5,2,0)", grad_rounding="stochastic"),
+             dict(rounding="stochastic", seed=7, generator=None, grad_fmt=lowfp.S2FP8()),
+             dict(rounding="stochastic", generator=torch.Generator().manual_seed(4), offset=5)]
+    for kwargs in cases:
+        for layout in (lambda t: t, lambda t: t.t()):
+            results = []
+            for mode in (None, _SeesOperators()):
+                kw = {k: (v.clone_state() if isinstance(v, torch.Generator) else v) for k, v in kwargs.items()}
+                torch.manual_seed(11)
+                x = layout(x0).clone().requires_grad_()
+                stats = lowfp.Stats()
+                with mode if mode is not None else contextlib.nullcontext():
+                    y = lowfp.quantize(x, "fp(4,3,4)", stats=stats, **kw)
+                    assert ("RecordedRounding" in type(y.grad_fn).__name__) == (mode is None)
+                    y.backward(torch.linspace(-3e4, 3e4, y.numel(), dtype=y.dtype).reshape(y.shape))
+                results.append((y.detach(), x.grad, stats.counts.clone(), torch.rand(1)))
+                if mode is not None:
+                    assert "lowfp.quantize.default" in mode.seen
+            for a, b in zip(*results):
+                assert a.dtype == b.dtype and torch.equal(a.nan_to_num(), b.nan_to_num()), kwargs
+
+
 def test_eager_calls_skip_the_dispatcher_with_the_operators_bits():
     """An eager call on plain tensors with nothing to record runs lowfp::quantize's own
     implementation directly; under a dispatch mode (which must see the operator) it goes through

@@ -364,6 +364,19 @@ def runs_natively(x: torch.Tensor, out: Optional[torch.Tensor]) -> bool:
             and torch._C._len_torch_dispatch_stack() == 0)
 
 
+def records_natively(x: torch.Tensor) -> bool:
+    """Whether a call whose result autograd records may skip lowfp's operator, as runs_natively's
+    calls do (eager, plain CPU or CUDA x, no torch-function or dispatch mode): x requires grad,
+    grad mode is on, and no functorch transform (torch.func) is active, which needs the
+    operator's own formula."""
+    return (not torch.compiler.is_compiling()
+            and type(x) in _PLAIN and (x.is_cpu or x.is_cuda)
+            and x.requires_grad and torch.is_grad_enabled()
+            and not torch._C._is_torch_function_mode_enabled()
+            and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._C._are_functorch_transforms_active())
+
+
 def check_writable(t: torch.Tensor, name: str) -> None:
     """What torch's own in-place ops refuse to write: an inference tensor outside inference mode
     (it has no version counter to tell autograd about the write), and a tensor whose elements

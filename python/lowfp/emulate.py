@@ -63,6 +63,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional
 
 import torch
 
+from ._autograd import function_apply
 from ._checks import check_choice, is_real
 from ._intercept import ForwardSession
 from ._non_finite import check_non_finite
@@ -96,24 +97,7 @@ class _Round(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-def _function_apply(function):
-    """``function.apply`` less the work that only functorch's transforms need: torch's C++
-    apply itself while none is active (Function.apply then checks for them and unwraps the
-    dead wrappers they leave, a few microseconds a call), else Function.apply."""
-    native_apply = super(torch.autograd.Function, function).apply
-    unwrap_if_dead = getattr(torch._C._functorch, "unwrap_if_dead", None)
-    transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    if unwrap_if_dead is None or transforms_active is None:  # (a torch without them)
-        return function.apply
-
-    def apply(x, *args):
-        if transforms_active():
-            return function.apply(x, *args)
-        return native_apply(unwrap_if_dead(x), *args)
-    return apply
-
-
-_round_apply = _function_apply(_Round)
+_round_apply = function_apply(_Round)
 
 
 def _count_unchanged(counts: torch.Tensor, t: torch.Tensor) -> None:

@@ -9,12 +9,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from . import backends
+from ._autograd import function_apply
 from .backends import PLAIN_TYPES
 from ._checks import check_choice, is_dtype_in
 from ._memory import new_output
 from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODES, Plan,
                       as_int64, call_seed, check_tensor_args, check_uint64, check_writable,
-                      into_numpy_out, make_call, numpy_as_tensor, plan_rounding,
+                      into_numpy_out, make_call, numpy_as_tensor, plan_rounding, records_natively,
                       eager_seed, format_args, prepared_request, round_dense, run_rounding,
                       runs_natively, share_bytes)
 from ._dtensor import is_dtensor, round_dtensor
@@ -62,6 +63,13 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
     if not (type(offset) is int and 0 <= offset < 2**63):  # (the common case needs no conversion)
         offset = as_int64(check_uint64(offset, "offset"))
     counts = stats.counts if stats is not None else None
+    if not plan.s2fp8 and out is None and records_natively(x):
+        # Eager, plain tensors, a result autograd records: the operator's implementation and
+        # autograd formula without the dispatcher's round trip, whose Python autograd kernel
+        # costs tens of microseconds a call (the same kernel, bits, counts and gradients).
+        args = plan.native + (eager_seed(plan.rounding, seed, generator), offset & _U64)
+        return _recorded_apply(x, plan.dtype, args, plan.rounding != "stochastic", counts,
+                               plan.grad_fmt, plan.grad_rounding), None
     if not plan.s2fp8 and runs_natively(x, out):
         # Eager, plain tensors, nothing to record: the operator's own implementation, called
         # without the dispatcher's round trip (the same kernel, bits and counts).
@@ -99,6 +107,32 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
     if out is not None:  # compiled: the functional operator (which Inductor fuses), then a copy
         return out.copy_(y), None
     return y, (S2FP8Stats(sums, params, x.numel()) if plan.s2fp8 else None)
+
+
+class _RecordedRounding(torch.autograd.Function):
+    """lowfp::quantize's implementation and autograd formula for an eager call that autograd
+    records (records_natively): forward, x rounded with the plan's native arguments; backward,
+    the gradient straight through, or rounded to grad_fmt with grad_rounding (its stochastic key
+    drawn from torch's default generator when backward runs, as the operator's formula draws it)."""
+
+    @staticmethod
+    def forward(ctx, x, dtype, args, index_free, counts, grad_fmt, grad_rounding):
+        ctx.grad_rounding = (grad_fmt, grad_rounding)
+        if x.is_contiguous():
+            return round_dense(x, new_output(x, dtype), args, counts)
+        y = new_output(x, dtype, torch.preserve_format)
+        run_rounding(x, y, args, index_free, counts)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_fmt, grad_rounding = ctx.grad_rounding
+        if grad_fmt is not None:
+            grad = quantize(grad, grad_fmt, grad_rounding)
+        return grad, None, None, None, None, None, None
+
+
+_recorded_apply = function_apply(_RecordedRounding)
 
 
 # The eager calls that are one pointer call (a contiguous plain tensor, a contiguous out= or none,
