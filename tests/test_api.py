@@ -980,3 +980,19 @@ def test_more_than_2_to_the_31_elements_on_gpu():
     assert torch.equal(x[2**31:].cpu(), want)
     del x
     torch.cuda.empty_cache()
+
+
+def test_torch_func_transforms_are_refused_by_name():
+    """A tensor of a torch.func transform (vmap's batched, grad's tracked tensors) has no memory
+    lowfp's kernels can read: a TypeError naming x, for formats, scaled formats and S2FP8 alike,
+    remembered calls included; a plain tensor rounded inside a transform still rounds."""
+    x = torch.randn(4, 32)
+    for fmt in ("fp(4,3,4)", "mxfp8_e4m3", "s2fp8"):
+        lowfp.quantize(x, fmt)  # (remembered: the next calls would take the prepared request)
+        for transform in (lambda f: torch.func.vmap(f)(x), lambda f: torch.func.grad(lambda t: f(t).sum())(x),
+                          lambda f: torch.func.vjp(f, x)):
+            with pytest.raises(TypeError, match="x is a tensor of a torch.func transform"):
+                transform(lambda t: lowfp.quantize(t, fmt))
+    w = torch.randn(4, 32)
+    grad = torch.func.grad(lambda t: (t * lowfp.quantize(w, "fp(4,3,4)")).sum())(x)
+    assert torch.equal(grad, lowfp.quantize(w, "fp(4,3,4)"))

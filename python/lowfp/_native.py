@@ -354,14 +354,15 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def runs_natively(x: torch.Tensor, out: Optional[torch.Tensor]) -> bool:
     """Whether a call may skip lowfp's operator for its implementation (the same kernel, bits
     and counts, without the dispatcher's round trip): eager (not traced, no torch-function or
-    dispatch mode that would want to see the operator), plain CPU or CUDA tensors, and no
-    autograd graph to record."""
+    dispatch mode that would want to see the operator, no torch.func transform), plain CPU or
+    CUDA tensors, and no autograd graph to record."""
     return (not torch.compiler.is_compiling()
             and type(x) in _PLAIN and (out is None or type(out) in _PLAIN)
             and (x.is_cpu or x.is_cuda)  # (not x.device.type: it builds a torch.device)
             and not (x.requires_grad and torch.is_grad_enabled())
             and not torch._C._is_torch_function_mode_enabled()
-            and torch._C._len_torch_dispatch_stack() == 0)
+            and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._C._are_functorch_transforms_active())
 
 
 def records_natively(x: torch.Tensor) -> bool:

@@ -82,8 +82,15 @@ def check_operand(t: torch.Tensor, argname: str) -> None:
             raise TypeError(f"{argname} must be a dense (torch.strided) tensor, got layout {t.layout}")
         return
     check_dense(t, argname)
+    if not torch.compiler.is_compiling() and _functorch_wrapped(t):
+        raise TypeError(f"{argname} is a tensor of a torch.func transform (vmap, grad, vjp, jvp, ...), "
+                        "which lowfp's operators do not support; call lowfp outside the transform "
+                        "(torch.autograd records lowfp's roundings)")
     if t.device.type != "meta" and not t.is_cpu:
         _check_device(t.device, argname)
+
+
+_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
 
 
 def fake_mode_of(*tensors):
