@@ -351,31 +351,30 @@ def round_dense(x: torch.Tensor, y: torch.Tensor, args: tuple,
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def _eager_and_unobserved(x: torch.Tensor) -> bool:
+    """Not traced, a plain CPU or CUDA x, and no torch-function or dispatch mode or torch.func
+    transform that must see lowfp's operator."""
+    return (not torch.compiler.is_compiling()
+            and type(x) in _PLAIN and (x.is_cpu or x.is_cuda)  # (not x.device.type: it builds a torch.device)
+            and not torch._C._is_torch_function_mode_enabled()
+            and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._C._are_functorch_transforms_active())
+
+
 def runs_natively(x: torch.Tensor, out: Optional[torch.Tensor]) -> bool:
     """Whether a call may skip lowfp's operator for its implementation (the same kernel, bits
     and counts, without the dispatcher's round trip): eager (not traced, no torch-function or
     dispatch mode that would want to see the operator, no torch.func transform), plain CPU or
     CUDA tensors, and no autograd graph to record."""
-    return (not torch.compiler.is_compiling()
-            and type(x) in _PLAIN and (out is None or type(out) in _PLAIN)
-            and (x.is_cpu or x.is_cuda)  # (not x.device.type: it builds a torch.device)
-            and not (x.requires_grad and torch.is_grad_enabled())
-            and not torch._C._is_torch_function_mode_enabled()
-            and torch._C._len_torch_dispatch_stack() == 0
-            and not torch._C._are_functorch_transforms_active())
+    return ((out is None or type(out) in _PLAIN) and not (x.requires_grad and torch.is_grad_enabled())
+            and _eager_and_unobserved(x))
 
 
 def records_natively(x: torch.Tensor) -> bool:
     """Whether a call whose result autograd records may skip lowfp's operator, as runs_natively's
-    calls do (eager, plain CPU or CUDA x, no torch-function or dispatch mode): x requires grad,
-    grad mode is on, and no functorch transform (torch.func) is active, which needs the
-    operator's own formula."""
-    return (not torch.compiler.is_compiling()
-            and type(x) in _PLAIN and (x.is_cpu or x.is_cuda)
-            and x.requires_grad and torch.is_grad_enabled()
-            and not torch._C._is_torch_function_mode_enabled()
-            and torch._C._len_torch_dispatch_stack() == 0
-            and not torch._C._are_functorch_transforms_active())
+    calls do (eager, plain CPU or CUDA x, nothing that must see the operator): x requires grad
+    and grad mode is on."""
+    return x.requires_grad and torch.is_grad_enabled() and _eager_and_unobserved(x)
 
 
 def check_writable(t: torch.Tensor, name: str) -> None:

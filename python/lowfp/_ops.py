@@ -127,9 +127,8 @@ def _request(fmt: str, rounding: str, sr_bits: int, x: torch.Tensor, dtype: torc
     if request is None:
         if len(_REQUESTS) > 1024:
             _REQUESTS.clear()
-        call = NativeCall(_precision(fmt), ROUNDING_MODES.index(rounding), sr_bits, 0, 0)
-        request = _REQUESTS[key] = prepared_request(x, dtype, format_args(call.fmt, call.rounding,
-                                                                          call.sr_bits))
+        request = _REQUESTS[key] = prepared_request(
+            x, dtype, format_args(_precision(fmt), ROUNDING_MODES.index(rounding), sr_bits))
     return request
 
 

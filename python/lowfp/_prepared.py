@@ -70,11 +70,7 @@ class PreparedFormat(Prepared):
                 return None
         else:
             seed = 0
-        if x.is_cpu and x.layout is torch.strided and not x.is_nested:  # backends.native's CPU case
-            backends.follow_torch_threads()
-            device, stream = -1, 0
-        else:
-            _, device, stream = backends.native(x, "x")
+        _, device, stream = backends.native(x, "x")
         y = new_output(x, self.dtype, layout) if out is None else out
         self.request(x.data_ptr(), y.data_ptr(), x.numel(), seed, 0,
                      0 if counts is None else counts.data_ptr(), device, stream)

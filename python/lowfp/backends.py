@@ -133,7 +133,9 @@ def same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def native(t: torch.Tensor, argname: str):
     """(module, device index, stream handle) that run raw-buffer functions on t's device."""
-    check_dense(t, argname)
+    if not (type(t) in PLAIN_TYPES and t.is_cpu and not t.is_nested and not t.is_quantized
+            and t.layout is torch.strided):  # (the common case passes check_dense's checks)
+        check_dense(t, argname)
     if t.is_cpu:  # not t.device.type: it builds a torch.device, and some callers run per parameter
         follow_torch_threads()
         return _C, -1, 0

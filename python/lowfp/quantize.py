@@ -77,11 +77,7 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
         if (seed is None and type(offset) is int and offset == 0 and grad_fmt is None
                 and x.is_contiguous()):  # (a generator is an argument of the draw alone)
             _remember_eager(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dtype, plan)
-        if out is None and x.is_contiguous():  # the common case: one pointer call, no layout work
-            return round_dense(x, new_output(x, plan.dtype), args, counts), None
-        y = out if out is not None else new_output(x, plan.dtype, torch.preserve_format)
-        run_rounding(x, y, args, plan.rounding != "stochastic", counts)
-        return y, None
+        return _round_natively(x, out, plan.dtype, args, plan.rounding != "stochastic", counts), None
     if (plan.s2fp8 and seed is None and type(offset) is int and offset == 0 and grad_fmt is None
             and x.is_contiguous() and runs_natively(x, out)):  # (as _remember_eager's calls)
         _remember(_eager_key(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dtype),
@@ -109,6 +105,17 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
     return y, (S2FP8Stats(sums, params, x.numel()) if plan.s2fp8 else None)
 
 
+def _round_natively(x: torch.Tensor, out: Optional[torch.Tensor], dtype: torch.dtype, args: tuple,
+                    index_free: bool, counts: Optional[torch.Tensor]) -> torch.Tensor:
+    """x rounded by the operator's implementation into ``out`` or a new tensor of ``dtype``
+    (args: format_args, seed, offset)."""
+    if out is None and x.is_contiguous():  # the common case: one pointer call, no layout work
+        return round_dense(x, new_output(x, dtype), args, counts)
+    y = out if out is not None else new_output(x, dtype, torch.preserve_format)
+    run_rounding(x, y, args, index_free, counts)
+    return y
+
+
 class _RecordedRounding(torch.autograd.Function):
     """lowfp::quantize's implementation and autograd formula for an eager call that autograd
     records (records_natively): forward, x rounded with the plan's native arguments; backward,
@@ -118,11 +125,7 @@ class _RecordedRounding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dtype, args, index_free, counts, grad_fmt, grad_rounding):
         ctx.grad_rounding = (grad_fmt, grad_rounding)
-        if x.is_contiguous():
-            return round_dense(x, new_output(x, dtype), args, counts)
-        y = new_output(x, dtype, torch.preserve_format)
-        run_rounding(x, y, args, index_free, counts)
-        return y
+        return _round_natively(x, None, dtype, args, index_free, counts)
 
     @staticmethod
     def backward(ctx, grad):
