@@ -287,6 +287,38 @@ def test_each_sum_is_rounded_once(rounding, device):
 
 
 @pytest.mark.parametrize("rounding", lowfp.ROUNDING_MODES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_exact_cancellations_sum_to_the_specs_zero(rounding, device):
+    # s + p == 0 exactly is +0 in every mode (-0 only from -0 + -0), rounding down too, where the
+    # CPU's sums in the rounding mode (docs/kernels.md) would give -0.
+    a = torch.tensor([[1.0, -1.0], [-0.0, -0.0], [0.5, -0.5], [-0.0, 0.0]])
+    b = torch.tensor([[1.0, 3.0, -1.0], [1.0, 3.0, -1.0]])
+    for order in ("sequential", "pairwise"):
+        check(a, b, Accumulate(lowfp.Format(5, 2, 0), rounding=rounding, order=order), device=device)
+
+
+@pytest.mark.parametrize("rounding", ["toward_zero", "up", "down", "stochastic"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_widest_accumulator_rounds_from_the_exact_sum(rounding, device):
+    # 19 mantissa bits and 32 random bits: the most that the sums' 53 bits carry (design §10),
+    # so that a sum truncated at 53 bits keeps every bit the rounding reads.
+    acc = Accumulate(lowfp.Format(8, 19, 0, specials="ieee"), rounding=rounding, sr_bits=32)
+    a, b = operands(3, 40, 70, torch.float32, seed=21, spread=30)
+    check(a, b, acc, device=device)
+
+
+@pytest.mark.parametrize("rounding", ["toward_zero", "up", "down", "stochastic"])
+def test_the_callers_rounding_mode_is_restored(rounding):
+    # (the CPU sets its threads' floating-point rounding mode for directed and stochastic sums)
+    a, b = operands(64, 50, 130, torch.float32, seed=2)
+    lowfp.gemm(a, b, Accumulate(lowfp.Format(5, 3, 0), rounding=rounding))
+    tiny = 3 * 2.0 ** -54  # (1 ± tiny rounds to 1 ± 2^-52 to nearest, to 1 toward zero)
+    assert 1.0 + tiny == 1 + 2.0 ** -52 and 1.0 - tiny == 1 - 2.0 ** -52
+    ones = torch.ones(1 << 16, dtype=torch.float64)  # (torch's threads)
+    assert torch.equal(ones + tiny, ones + 2.0 ** -52) and torch.equal(ones - tiny, ones - 2.0 ** -52)
+
+
+@pytest.mark.parametrize("rounding", lowfp.ROUNDING_MODES)
 @pytest.mark.parametrize("group,align_bits", [(1, 3), (4, 6), (32, 13)])
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_groups_equal_the_exact_reference(rounding, group, align_bits, device):
@@ -321,6 +353,7 @@ def test_the_presets_model_hopper_and_deepseek_v3():
     dict(order="pairwise", rounding="stochastic"), dict(order="blocked", block=6),
     dict(compensated=True, rounding="up"), dict(compensated=True, rounding="stochastic"),
     dict(group=8, align_bits=5, rounding="stochastic"), dict(product="float8_e4m3fn", rounding="up"),
+    dict(rounding="up"), dict(rounding="down"), dict(order="pairwise", rounding="down"),
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "sequential")
 def test_wide_rows_take_the_vector_lanes(options):
     # (the CPU sums the columns of a row side by side, 64 and then 8 at a time, the rest one by

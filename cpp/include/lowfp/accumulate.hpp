@@ -51,6 +51,20 @@ struct AccumulateParams {
   bool by_addition;
   int32_t add_cap;
   int32_t product_add_cap;        // > 0: the products round to nearest by addition with this e_cap
+  // The CPU's form for directed and stochastic rounding, where in_mode_form holds: its driver sets
+  // the floating-point unit's rounding mode for the call, and each sum and rounding is one addition
+  // in it (LaneForm::InMode). CUDA's threads take the sums rounded to odd.
+  bool in_mode;
+};
+
+// How a lane loop sums and rounds, chosen once per call.
+enum class LaneForm {
+  Bits,        // each sum rounded to odd (sum_to_odd), then round_bits: every mode and format
+  ByAddition,  // each sum rounded to odd, then nearest by addition (AccumulateParams::by_addition)
+  // Directed and stochastic rounding with the floating-point unit's rounding mode set to the
+  // accumulator's direction (toward zero for stochastic rounding): each sum is the carrier's
+  // addition in that mode, and its rounding to the format one addition more (round_in_mode).
+  InMode,
 };
 
 // Counts of one element's roundings: events as round_bits sets them, all roundings, and
@@ -108,12 +122,88 @@ LOWFP_HD int32_t aligned_exponent(double x, int32_t emin) {
 // NaN 0x7fc00000, whatever sign or payload the additions left it.
 LOWFP_HD float stored_sum(double v) { return v == v ? float(v) : bit_cast<float>(0x7fc00000u); }
 
+// LaneForm::InMode. With the carrier's rounding mode set to the accumulator's direction (toward
+// zero for stochastic rounding), a + b is the exact sum rounded in that direction at 53 bits, and
+// rounding that again in the same direction to the format's coarser grid gives the rounding of the
+// exact sum (nested grids, one direction). Stochastic rounding needs the dropped fraction's top
+// sr_bits <= 51 - m bits, which the sum truncated at 53 bits keeps. An exact zero sum is +0 in
+// every mode but downward, where the sign is fixed to the spec's (RN's: -0 only from -0 + -0).
+template <RoundKind Kind>
+LOWFP_HD double sum_in_mode(double a, double b) {
+  const double s = a + b;
+  if constexpr (Kind == RoundKind::Directed) {  // (up or down: the fix is an identity rounding up)
+    const uint64_t zero = bit_cast<uint64_t>(a) & bit_cast<uint64_t>(b) & (uint64_t(1) << 63);
+    return bit_cast<double>(select(s == 0.0, zero, bit_cast<uint64_t>(s)));
+  }
+  return s;
+}
+
+// v (a sum in the mode, or an exact value) rounded to the format in the mode, by addition as
+// round.hpp's magnitude_by_addition: c = 2^(e + 52 - m) with e = v's exponent held in [emin, e_cap]
+// has the format's step at v as its ulp, so the carrier's rounding of v + c is the rounding to
+// that step (where in_mode_form holds). Directed: (v + c') - c' with c' = c carrying v's sign,
+// whose rounding direction then acts on v itself. Stochastic: up with probability
+// floor(f 2^R) / 2^R (f: the dropped fraction, R = sr_bits; round.hpp's round_bits), that is when
+// f + (2^R - 1 - r) / 2^R >= 1 for the word's top R bits r: the magnitude plus that many 2^-R
+// steps, truncated to the step (exact: the sum keeps every bit down to 2^-R steps).
+template <RoundKind Kind>
+LOWFP_HD uint64_t round_in_mode(uint64_t x, const RoundParams<uint64_t>& p, int32_t e_cap, uint32_t rand,
+                                RoundEvents& ev) {
+  constexpr uint64_t kSign = uint64_t(1) << 63;
+  const uint64_t a = x & ~kSign;
+  const int64_t field = min_of(max_of(int64_t(a >> 52), int64_t(p.emin + 1023)), int64_t(e_cap + 1023));
+  const uint64_t c_bits = uint64_t(field + p.normal_drop) << 52;
+  const double c = bit_cast<double>(c_bits);
+  uint64_t mag;
+  if constexpr (Kind == RoundKind::Stochastic) {
+    const int64_t r_bits = 32 - int64_t(p.sr_shift);
+    const double step_fraction = bit_cast<double>(c_bits - (uint64_t(52 + r_bits) << 52));  // 2^-R steps
+    const double noise = double(~rand >> p.sr_shift) * step_fraction;                        // (exact)
+    mag = bit_cast<uint64_t>(((bit_cast<double>(a) + noise) + c) - c);
+  } else {
+    const double signed_c = bit_cast<double>(c_bits | (x & kSign));
+    mag = bit_cast<uint64_t>((bit_cast<double>(x) + signed_c) - signed_c) & ~kSign;
+  }
+  return rounded_result(x, mag, p, ev);
+}
+
+// Whether the CPU may take LaneForm::InMode (host side): directed rounding other than away from
+// zero, or stochastic; sequential or pairwise orders (the blocked outer sum and Kahan's
+// corrections need round-to-nearest sums), additions of exact products one at a time; a format
+// whose steps by addition are the ones round_bits takes (as nearest_by_addition: subnormals, c
+// normal for every exponent).
+inline bool in_mode_form(const AccumulateParams& p) {
+  const bool mode = p.mode == Rounding::TowardZero || p.mode == Rounding::Up || p.mode == Rounding::Down ||
+                    p.mode == Rounding::Stochastic;
+  const bool order = p.order == AccumulateOrder::Sequential || p.order == AccumulateOrder::Pairwise;
+  auto normal = [&](int32_t e) {
+    const int32_t field = e + p.acc.normal_drop + 1023;
+    return field >= 1 && field <= 2046;
+  };
+  const bool format = p.acc.normal_drop >= 1 && p.acc.below_drop == p.acc.normal_drop &&
+                      !p.acc.subnormal_exponent && !p.acc.fixed_drop && p.acc.emin <= p.add_cap &&
+                      normal(p.acc.emin) && normal(p.add_cap);
+  return mode && order && format && !p.compensated && p.group == 0 && !p.has_product;
+}
+
+// Where a lane loop's Philox blocks come from: philox.hpp's philox_blocks by default; the CPU's
+// kernels pass their vector-register generator (philox_lanes.hpp's philox_blocks_at).
+struct PhiloxLaneBlocks {
+  template <int kN>
+  LOWFP_HD static void fill(uint64_t seed, const uint64_t (&block)[kN], uint32_t (&w)[4][kN]) {
+    philox_blocks(seed, block, w);
+  }
+};
+
 // The sums of kLanes output elements of one row of C, in consecutive columns, side by side: each
 // step is a loop over the lanes, which the CPU's compiler turns into vector instructions (CUDA
 // runs one lane per thread). kSub: the accumulator's RoundParams::subnormal_exponent.
-template <RoundKind Kind, bool kSub, int kLanes, bool kAdd = false>
+template <RoundKind Kind, bool kSub, int kLanes, LaneForm kForm = LaneForm::Bits, class Blocks = PhiloxLaneBlocks>
 struct AccumulateLanes {
-  static_assert(!kAdd || (Kind == RoundKind::Nearest && !kSub), "by addition: nearest, by_addition");
+  static_assert(kForm != LaneForm::ByAddition || (Kind == RoundKind::Nearest && !kSub),
+                "nearest by addition: AccumulateParams::by_addition");
+  static_assert(kForm != LaneForm::InMode || (Kind != RoundKind::Nearest && !kSub),
+                "in the rounding mode: AccumulateParams::in_mode");
   const AccumulateParams& p;
   AccumulateCounts& counts;
   uint64_t seed;
@@ -149,18 +239,18 @@ struct AccumulateLanes {
     uint64_t b[kLanes];
     if (aligned) {
       for (int l = 0; l < kLanes; ++l) b[l] = first_block[l] + uint64_t(j);
-      philox_blocks(seed, b, window);
+      Blocks::fill(seed, b, window);
       return;
     }
     if (j == 0) {
       for (int l = 0; l < kLanes; ++l) b[l] = first_block[l];
-      philox_blocks(seed, b, current);
+      Blocks::fill(seed, b, current);
     } else {
       for (int w = 0; w < 4; ++w)
         for (int l = 0; l < kLanes; ++l) current[w][l] = next[w][l];
     }
     for (int l = 0; l < kLanes; ++l) b[l] = first_block[l] + uint64_t(j) + 1;
-    philox_blocks(seed, b, next);
+    Blocks::fill(seed, b, next);
     for (int i = 0; i < 4; ++i)
       for (int l = 0; l < kLanes; ++l) {
         uint32_t v = current[i][l];
@@ -189,7 +279,7 @@ struct AccumulateLanes {
   LOWFP_HD void round(double* out, const double* v, const double* before, const double* addend) {
     uint32_t r[kLanes];
     draw(r);
-    if constexpr (kAdd || kLanes < 64) {
+    if constexpr (kForm != LaneForm::Bits || kLanes < 64) {
       round_lanes<false>(out, v, before, addend, r);
     } else {
       // Every value 0 or at least the format's smallest normal 2^emin (carrier infinities and
@@ -220,8 +310,10 @@ struct AccumulateLanes {
     int64_t over = 0, under = 0, nan = 0, swamped = 0;
     for (int l = 0; l < kLanes; ++l) {
       RoundEvents ev;
-      if constexpr (kAdd)
+      if constexpr (kForm == LaneForm::ByAddition)
         q[l] = bit_cast<double>(round_nearest_by_addition(bit_cast<uint64_t>(in[l]), p.acc, p.add_cap, ev));
+      else if constexpr (kForm == LaneForm::InMode)
+        q[l] = bit_cast<double>(round_in_mode<Kind>(bit_cast<uint64_t>(in[l]), p.acc, p.add_cap, r[l], ev));
       else if constexpr (kFixed)
         q[l] = bit_cast<double>(round_bits<Kind, uint64_t, false, true>(bit_cast<uint64_t>(in[l]), p.acc, r[l], ev));
       else
@@ -242,7 +334,8 @@ struct AccumulateLanes {
   LOWFP_HD void add(double* out, const double* x, const double* y) {
     double v[kLanes], before[kLanes];
     for (int l = 0; l < kLanes; ++l) {
-      v[l] = sum_to_odd(x[l], y[l]);
+      if constexpr (kForm == LaneForm::InMode) v[l] = sum_in_mode<Kind>(x[l], y[l]);
+      else v[l] = sum_to_odd(x[l], y[l]);
       before[l] = x[l];
     }
     round(out, v, before, y);
@@ -288,17 +381,22 @@ LOWFP_HD void round_nearest_lanes(double* out, const double* v, const RoundParam
 
 // kLanes output elements: lane l sums K products a[k·sa] · b[k·sb + l·sl] as the params say
 // (docs/design.md §10), into out[l]; element first_element + l of the output (its stochastic
-// words); the roundings counted into counts. kAdd: AccumulateParams::by_addition.
-template <RoundKind Kind, bool kSub, int kLanes, bool kAdd = false, class In>
+// words); the roundings counted into counts. kForm: by_addition or in_mode, else Bits. Blocks:
+// the stochastic words' generator (PhiloxLaneBlocks).
+template <RoundKind Kind, bool kSub, int kLanes, LaneForm kForm = LaneForm::Bits, class Blocks = PhiloxLaneBlocks,
+          class In>
 LOWFP_HD void accumulate_lanes(const AccumulateParams& p, const In* a, int64_t sa, const In* b, int64_t sb,
                                int64_t sl, int64_t K, uint64_t seed, uint64_t offset,
                                uint64_t first_element, double (&out)[kLanes], AccumulateCounts& counts) {
-  AccumulateLanes<Kind, kSub, kLanes, kAdd> acc(p, counts, seed, offset, first_element, K);
+  AccumulateLanes<Kind, kSub, kLanes, kForm, Blocks> acc(p, counts, seed, offset, first_element, K);
+  // (in_mode_form leaves out products' formats, fused groups, Kahan's corrections and the blocked
+  // order: folded away here, so that its loops hold none of their branches)
+  constexpr bool kAny = kForm != LaneForm::InMode;
   auto product = [&](int64_t k, double (&q)[kLanes]) {
     const double x = bit_cast<double>(Widen<uint64_t>::from(a[k * sa]));
     for (int l = 0; l < kLanes; ++l)
       q[l] = x * bit_cast<double>(Widen<uint64_t>::from(b[k * sb + l * sl]));  // (exact: 48 bits)
-    if (p.has_product) round_nearest_lanes<kLanes>(q, q, p.product, p.product_add_cap, counts);
+    if (kAny && p.has_product) round_nearest_lanes<kLanes>(q, q, p.product, p.product_add_cap, counts);
   };
   // A fused group of products [k0, k1) added to s (docs/design.md §10): every term, s and each
   // product (its exponent the sum of its operands'), cut toward zero to a multiple of
@@ -346,13 +444,13 @@ LOWFP_HD void accumulate_lanes(const AccumulateParams& p, const In* a, int64_t s
   auto sequential = [&](int64_t k0, int64_t k1, double (&s)[kLanes]) {
     double c[kLanes], q[kLanes], y[kLanes], t[kLanes], d[kLanes];
     for (int l = 0; l < kLanes; ++l) s[l] = c[l] = 0.0;
-    if (p.group > 0) {
+    if (kAny && p.group > 0) {
       for (int64_t g = k0; g < k1; g += p.group) fused_group(g, min_of(k1, g + p.group), s);
       return;
     }
     for (int64_t k = k0; k < k1; ++k) {
       product(k, q);
-      if (p.compensated) {
+      if (kAny && p.compensated) {
         acc.sub(y, q, c);  // y = round(p - c)
         acc.add(t, s, y);  // t = round(s + y)
         acc.sub(d, t, s);  // c = round(round(t - s) - y)
@@ -367,7 +465,7 @@ LOWFP_HD void accumulate_lanes(const AccumulateParams& p, const In* a, int64_t s
     sequential(0, K, out);
     return;
   }
-  if (p.order == AccumulateOrder::Blocked) {
+  if (kAny && p.order == AccumulateOrder::Blocked) {
     double inner[kLanes], v[kLanes];
     for (int l = 0; l < kLanes; ++l) out[l] = 0.0;
     for (int64_t k0 = 0; k0 < K; k0 += p.block) {

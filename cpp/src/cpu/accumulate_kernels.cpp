@@ -3,10 +3,12 @@
 // side (lowfp/accumulate.hpp's accumulate_lanes), so that every step is a vector operation.
 #include "isa.hpp"
 
+#include <cfenv>
 #include <type_traits>
 
 #include "accumulate_call.hpp"
 #include "dispatch.hpp"
+#include "philox_lanes.hpp"
 
 namespace lowfp {
 namespace LOWFP_ISA_NS {
@@ -19,16 +21,24 @@ namespace {
 constexpr int kLanes = 64;
 constexpr int kNarrowLanes = 8;
 
-template <RoundKind Kind, bool kSub, bool kAdd, int kWidth, class In>
+// The stochastic lanes' words from vector registers (philox_lanes.hpp).
+struct VectorPhilox {
+  template <int kN>
+  static void fill(uint64_t seed, const uint64_t (&block)[kN], uint32_t (&w)[4][kN]) {
+    philox_blocks_at(seed, block, w);
+  }
+};
+
+template <RoundKind Kind, bool kSub, LaneForm kForm, int kWidth, class In>
 void columns(const AccumulateCall& c, const In* a_row, const In* b_mat, float* c_row, int64_t r, int64_t j,
              AccumulateCounts& counts) {
   double sums[kWidth];
-  accumulate_lanes<Kind, kSub, kWidth, kAdd>(c.p, a_row, c.a_k, b_mat + j * c.b_col, c.b_k, c.b_col, c.k, c.seed,
+  accumulate_lanes<Kind, kSub, kWidth, kForm, VectorPhilox>(c.p, a_row, c.a_k, b_mat + j * c.b_col, c.b_k, c.b_col, c.k, c.seed,
                                        c.offset, uint64_t(r * c.n + j), sums, counts);
   for (int l = 0; l < kWidth; ++l) c_row[j + l] = stored_sum(sums[l]);
 }
 
-template <RoundKind Kind, bool kSub, bool kAdd, class In>
+template <RoundKind Kind, bool kSub, LaneForm kForm, class In>
 void rows(const AccumulateCall& c, int64_t r0, int64_t r1, AccumulateCounts& counts) {
   const In* a = static_cast<const In*>(c.a);
   const In* b = static_cast<const In*>(c.b);
@@ -38,10 +48,51 @@ void rows(const AccumulateCall& c, int64_t r0, int64_t r1, AccumulateCounts& cou
     const In* b_mat = b + batch * c.b_batch;
     float* c_row = c.c + r * c.n;
     int64_t j = 0;
-    for (; j + kLanes <= c.n; j += kLanes) columns<Kind, kSub, kAdd, kLanes>(c, a_row, b_mat, c_row, r, j, counts);
+    for (; j + kLanes <= c.n; j += kLanes) columns<Kind, kSub, kForm, kLanes>(c, a_row, b_mat, c_row, r, j, counts);
     for (; j + kNarrowLanes <= c.n; j += kNarrowLanes)
-      columns<Kind, kSub, kAdd, kNarrowLanes>(c, a_row, b_mat, c_row, r, j, counts);
-    for (; j < c.n; ++j) columns<Kind, kSub, kAdd, 1>(c, a_row, b_mat, c_row, r, j, counts);
+      columns<Kind, kSub, kForm, kNarrowLanes>(c, a_row, b_mat, c_row, r, j, counts);
+    for (; j < c.n; ++j) columns<Kind, kSub, kForm, 1>(c, a_row, b_mat, c_row, r, j, counts);
+  }
+}
+
+// The floating-point unit's rounding mode for the rows of one thread, restored when they are done
+// (LaneForm::InMode). The rows' loops are a call of their own (rows_in_mode, never inlined), so
+// that no floating-point operation of theirs moves across the change of mode.
+class RoundingModeScope {
+ public:
+  explicit RoundingModeScope(int mode) : saved_(std::fegetround()) { std::fesetround(mode); }
+  ~RoundingModeScope() { std::fesetround(saved_); }
+  RoundingModeScope(const RoundingModeScope&) = delete;
+  RoundingModeScope& operator=(const RoundingModeScope&) = delete;
+
+ private:
+  int saved_;
+};
+
+template <RoundKind Kind, class In>
+__attribute__((noinline)) void rows_in_mode(const AccumulateCall& c, int64_t r0, int64_t r1,
+                                            AccumulateCounts& counts) {
+  rows<Kind, false, LaneForm::InMode, In>(c, r0, r1, counts);
+}
+
+template <class In>
+void in_mode(const AccumulateCall& c, int64_t r0, int64_t r1, AccumulateCounts& counts) {
+  switch (c.p.mode) {
+    case Rounding::Stochastic: {
+      const RoundingModeScope scope(FE_TOWARDZERO);
+      rows_in_mode<RoundKind::Stochastic, In>(c, r0, r1, counts);
+      return;
+    }
+    case Rounding::TowardZero: {
+      const RoundingModeScope scope(FE_TOWARDZERO);
+      rows_in_mode<RoundKind::TowardZero, In>(c, r0, r1, counts);
+      return;
+    }
+    default: {  // (up or down: in_mode_form holds for no other mode)
+      const RoundingModeScope scope(c.p.mode == Rounding::Up ? FE_UPWARD : FE_DOWNWARD);
+      rows_in_mode<RoundKind::Directed, In>(c, r0, r1, counts);
+      return;
+    }
   }
 }
 
@@ -51,16 +102,20 @@ void accumulate_range(const AccumulateCall& c, int64_t r0, int64_t r1, Accumulat
   with_storage_type(c.dtype, [&](auto type) {
     using In = typename decltype(type)::type;
     if constexpr (!std::is_same_v<In, double>) {  // (prepare_accumulate refuses float64)
+      if (c.p.in_mode) {
+        in_mode<In>(c, r0, r1, counts);
+        return;
+      }
       with_round_kind(c.p.mode, [&](auto kind) {
         constexpr RoundKind K = decltype(kind)::value;
         if constexpr (K == RoundKind::Nearest) {
           if (c.p.by_addition) {  // (which nearest_by_addition holds only without subnormal exponents)
-            rows<K, false, true, In>(c, r0, r1, counts);
+            rows<K, false, LaneForm::ByAddition, In>(c, r0, r1, counts);
             return;
           }
         }
         with_flag(c.p.acc.subnormal_exponent, [&](auto sub) {
-          rows<K, decltype(sub)::value, false, In>(c, r0, r1, counts);
+          rows<K, decltype(sub)::value, LaneForm::Bits, In>(c, r0, r1, counts);
         });
       });
     }
