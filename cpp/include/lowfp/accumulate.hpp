@@ -158,7 +158,9 @@ LOWFP_HD uint64_t round_in_mode(uint64_t x, const RoundParams<uint64_t>& p, int3
   if constexpr (Kind == RoundKind::Stochastic) {
     const int64_t r_bits = 32 - int64_t(p.sr_shift);
     const double step_fraction = bit_cast<double>(c_bits - (uint64_t(52 + r_bits) << 52));  // 2^-R steps
-    const double noise = double(~rand >> p.sr_shift) * step_fraction;                        // (exact)
+    // (the word widened first: a signed 64-bit conversion is one vector instruction, an
+    // unsigned 32-bit one is not)
+    const double noise = double(int64_t(uint64_t(~rand) >> p.sr_shift)) * step_fraction;  // (exact)
     mag = bit_cast<uint64_t>(((bit_cast<double>(a) + noise) + c) - c);
   } else {
     const double signed_c = bit_cast<double>(c_bits | (x & kSign));
@@ -279,8 +281,9 @@ struct AccumulateLanes {
   LOWFP_HD void round(double* out, const double* v, const double* before, const double* addend) {
     uint32_t r[kLanes];
     draw(r);
+    const auto value = [&](int l) { return v[l]; };
     if constexpr (kForm != LaneForm::Bits || kLanes < 64) {
-      round_lanes<false>(out, v, before, addend, r);
+      round_lanes<false>(out, value, before, addend, r);
     } else {
       // Every value 0 or at least the format's smallest normal 2^emin (carrier infinities and
       // NaNs included): each then drops the same normal_drop bits, which round_bits' fixed-drop
@@ -291,18 +294,19 @@ struct AccumulateLanes {
         const uint64_t a = bit_cast<uint64_t>(v[l]) & ~(uint64_t(1) << 63);
         below |= uint64_t(a != 0) & uint64_t(a < smallest_normal);
       }
-      if (below == 0) round_lanes<true>(out, v, before, addend, r);
-      else round_lanes<false>(out, v, before, addend, r);
+      if (below == 0) round_lanes<true>(out, value, before, addend, r);
+      else round_lanes<false>(out, value, before, addend, r);
     }
   }
-  template <bool kFixed>
-  LOWFP_HD void round_lanes(double* out, const double* v, const double* before, const double* addend,
+  // value(l): lane l's value to round.
+  template <bool kFixed, class Value>
+  LOWFP_HD void round_lanes(double* out, const Value& value, const double* before, const double* addend,
                             const uint32_t (&rand)[kLanes]) {
     // (local arrays, which nothing else points to: the lane loop then vectorises)
     double in[kLanes], q[kLanes], was[kLanes], added[kLanes];
     uint32_t r[kLanes];
     for (int l = 0; l < kLanes; ++l) {
-      in[l] = v[l];
+      in[l] = value(l);
       r[l] = rand[l];
       was[l] = before != nullptr ? before[l] : 0.0;
       added[l] = addend != nullptr ? addend[l] : 0.0;
@@ -332,13 +336,19 @@ struct AccumulateLanes {
   }
   // out = round_E(x + y), counting a swamped addition
   LOWFP_HD void add(double* out, const double* x, const double* y) {
-    double v[kLanes], before[kLanes];
-    for (int l = 0; l < kLanes; ++l) {
-      if constexpr (kForm == LaneForm::InMode) v[l] = sum_in_mode<Kind>(x[l], y[l]);
-      else v[l] = sum_to_odd(x[l], y[l]);
-      before[l] = x[l];
+    const auto sum = [&](int l) {
+      if constexpr (kForm == LaneForm::InMode) return sum_in_mode<Kind>(x[l], y[l]);
+      else return sum_to_odd(x[l], y[l]);
+    };
+    if constexpr (kForm == LaneForm::Bits && kLanes >= 64) {  // (round chooses the form per step)
+      double v[kLanes];
+      for (int l = 0; l < kLanes; ++l) v[l] = sum(l);
+      round(out, v, x, y);
+    } else {  // (the sums straight into the rounding's lane loop)
+      uint32_t r[kLanes];
+      draw(r);
+      round_lanes<false>(out, sum, x, y, r);
     }
-    round(out, v, before, y);
   }
   // out = round_E(x - y), no swamping counted (Kahan's corrections)
   LOWFP_HD void sub(double* out, const double* x, const double* y) {
