@@ -169,8 +169,8 @@ LOWFP_HD uint64_t round_in_mode(uint64_t x, const RoundParams<uint64_t>& p, int3
   return rounded_result(x, mag, p, ev);
 }
 
-// Whether the CPU may take LaneForm::InMode (host side): directed rounding other than away from
-// zero, or stochastic; sequential or pairwise orders (the blocked outer sum and Kahan's
+// Whether the CPU may take LaneForm::InMode (host side): rounding toward zero, up, down or
+// stochastic; sequential or pairwise orders (the blocked outer sum and Kahan's
 // corrections need round-to-nearest sums), additions of exact products one at a time; a format
 // whose steps by addition are the ones round_bits takes (as nearest_by_addition: subnormals, c
 // normal for every exponent).
