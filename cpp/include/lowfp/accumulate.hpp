@@ -151,8 +151,7 @@ LOWFP_HD uint64_t round_in_mode(uint64_t x, const RoundParams<uint64_t>& p, int3
                                 RoundEvents& ev) {
   constexpr uint64_t kSign = uint64_t(1) << 63;
   const uint64_t a = x & ~kSign;
-  const int64_t field = min_of(max_of(int64_t(a >> 52), int64_t(p.emin + 1023)), int64_t(e_cap + 1023));
-  const uint64_t c_bits = uint64_t(field + p.normal_drop) << 52;
+  const uint64_t c_bits = addition_constant_bits(a, p, e_cap);
   const double c = bit_cast<double>(c_bits);
   uint64_t mag;
   if constexpr (Kind == RoundKind::Stochastic) {
@@ -170,22 +169,15 @@ LOWFP_HD uint64_t round_in_mode(uint64_t x, const RoundParams<uint64_t>& p, int3
 }
 
 // Whether the CPU may take LaneForm::InMode (host side): rounding toward zero, up, down or
-// stochastic; sequential or pairwise orders (the blocked outer sum and Kahan's
-// corrections need round-to-nearest sums), additions of exact products one at a time; a format
-// whose steps by addition are the ones round_bits takes (as nearest_by_addition: subnormals, c
-// normal for every exponent).
+// stochastic; sequential or pairwise orders (the blocked outer sum and Kahan's corrections need
+// round-to-nearest sums), additions of exact products one at a time; a format whose steps by
+// addition are the ones round_bits takes (round.hpp's steps_by_addition).
 inline bool in_mode_form(const AccumulateParams& p) {
   const bool mode = p.mode == Rounding::TowardZero || p.mode == Rounding::Up || p.mode == Rounding::Down ||
                     p.mode == Rounding::Stochastic;
   const bool order = p.order == AccumulateOrder::Sequential || p.order == AccumulateOrder::Pairwise;
-  auto normal = [&](int32_t e) {
-    const int32_t field = e + p.acc.normal_drop + 1023;
-    return field >= 1 && field <= 2046;
-  };
-  const bool format = p.acc.normal_drop >= 1 && p.acc.below_drop == p.acc.normal_drop &&
-                      !p.acc.subnormal_exponent && !p.acc.fixed_drop && p.acc.emin <= p.add_cap &&
-                      normal(p.acc.emin) && normal(p.add_cap);
-  return mode && order && format && !p.compensated && p.group == 0 && !p.has_product;
+  return mode && order && steps_by_addition(p.acc, p.add_cap) && !p.compensated && p.group == 0 &&
+         !p.has_product;
 }
 
 // Where a lane loop's Philox blocks come from: philox.hpp's philox_blocks by default; the CPU's

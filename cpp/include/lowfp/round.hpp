@@ -140,13 +140,20 @@ LOWFP_HD Bits round_bits(Bits x, const RoundParams<Bits>& p, uint32_t rand, Roun
 // least emax + 1 (a larger exponent's sum still lands above max_bits). About half the vector
 // operations. magnitude_by_addition: the rounded magnitude of a = |x| as a carrier value, and c
 // (2^MB times the format's step at a).
-template <class Bits, class F = typename CarrierTraits<Bits>::Float>
-LOWFP_HD F magnitude_by_addition(Bits a, const RoundParams<Bits>& p, int32_t e_cap, F& c) {
+// The bits of c = 2^(e + MB - m) for the magnitude a (e held in [emin, e_cap]): its ulp is the
+// format's step at a (the rounding by addition's constant).
+template <class Bits>
+LOWFP_HD Bits addition_constant_bits(Bits a, const RoundParams<Bits>& p, int32_t e_cap) {
   using C = CarrierTraits<Bits>;
   using SInt = std::make_signed_t<Bits>;  // exponent arithmetic in the carrier's lane width
   // (e + bias, clamped as the exponent field: one add fewer each way than clamping e itself)
   const SInt field = min_of(max_of(SInt(a >> C::kMantBits), SInt(p.emin + C::kExpBias)), SInt(e_cap + C::kExpBias));
-  c = bit_cast<F>(Bits(field + p.normal_drop) << C::kMantBits);
+  return Bits(field + p.normal_drop) << C::kMantBits;
+}
+
+template <class Bits, class F = typename CarrierTraits<Bits>::Float>
+LOWFP_HD F magnitude_by_addition(Bits a, const RoundParams<Bits>& p, int32_t e_cap, F& c) {
+  c = bit_cast<F>(addition_constant_bits(a, p, e_cap));
   return (bit_cast<F>(a) + c) - c;  // inf, NaN stay
 }
 
@@ -158,16 +165,23 @@ LOWFP_HD Bits round_nearest_by_addition(Bits x, const RoundParams<Bits>& p, int3
   return rounded_result(x, mag, p, ev);
 }
 
+// Whether the carrier's rounding of |x| + c, c = 2^(e + MB - m) from addition_constant_bits, lands
+// on the format's grid at every x: 0 < m < MB with subnormals (the step below 2^emin is the step
+// at it), and c a normal carrier value for every e in [emin, e_cap].
 template <class Bits>
-inline bool nearest_by_addition(const RoundParams<Bits>& p, int32_t e_cap) {
+inline bool steps_by_addition(const RoundParams<Bits>& p, int32_t e_cap) {
   using C = CarrierTraits<Bits>;
   auto normal = [&](int32_t e) {
     const int32_t field = e + p.normal_drop + C::kExpBias;
     return field >= 1 && field <= 2 * C::kExpBias;
   };
-  return !p.ties_away && p.parity_mask != 0 && p.normal_drop >= 1 && p.below_drop == p.normal_drop &&
-         !p.subnormal_exponent && !p.fixed_drop && p.emin <= e_cap && normal(p.emin) &&
-         normal(e_cap);
+  return p.normal_drop >= 1 && p.below_drop == p.normal_drop && !p.subnormal_exponent && !p.fixed_drop &&
+         p.emin <= e_cap && normal(p.emin) && normal(e_cap);
+}
+
+template <class Bits>
+inline bool nearest_by_addition(const RoundParams<Bits>& p, int32_t e_cap) {
+  return !p.ties_away && p.parity_mask != 0 && steps_by_addition(p, e_cap);
 }
 
 // round_bits for float32 to bfloat16 with IEEE overflow to inf and, for stochastic rounding, 32
