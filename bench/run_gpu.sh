@@ -1,52 +1,120 @@
 #!/usr/bin/env bash
-# One device-machine session: build lowfp with the CUDA backend for the GPU at hand, run the GPU
-# tests and the GPU benchmarks. Logs go to $OUT (default bench/out/gpu). Usage, from the repo root:
-#   bash bench/run_gpu.sh [build] [test] [all-tests] [bench] [emulate] [emulate-compile] [profile]
-# (build test bench emulate when none is named; all-tests runs the whole suite with the CUDA
-# build; emulate-compile, the torch.compile table, compiles for minutes)
+# One device-machine call (issue 56): build lowfp for the GPU at hand, run the suite's CUDA tests
+# and the GPU benchmarks within a deadline, and write one log and one JSON per part to $OUT (the
+# device tool brings back 8 files at most; default bench/out/gpu):
+#   suite.log    suite.json     the build and the tests marked cuda (JSON: outcome counts, failures)
+#   kernels.log  kernels.json   element-wise rounding (2^28), scaled formats beside torchao's
+#                               compiled casts (2^26), S2FP8, accumulation, host cost per call,
+#                               roundings fused by Inductor
+#   optim.log    optim.json     the ExtraBits optimizers
+#   emulate.log  emulate.json   emulated training steps, eager and under GEMM recipes
+# Usage, from the repository root, with torchao's wheels in .whl (carried: bench/RESULTS.md says how):
+#   bash bench/run_gpu.sh [build] [kernels] [test] [optim] [emulate] [emulate-compile] [all-tests] [profile]
+# The default, build test kernels optim emulate, runs the most wanted first: the tests at most
+# LOWFP_GPU_TEST_SECONDS (default 180), so that the benchmarks follow. A step starts only while
+# the time it needs is left before the deadline (LOWFP_GPU_DEADLINE seconds from the start,
+# default 540, inside the tool's 10-minute call) and is cut off there; the logs say which.
 set -uo pipefail
 OUT=${OUT:-bench/out/gpu}
-mkdir -p "$OUT"
-steps=${*:-build test bench emulate}
+DEADLINE=${LOWFP_GPU_DEADLINE:-540}
 PY=${PYTHON:-python3}
+WORK=$(mktemp -d)  # each benchmark's JSON, merged into one per part
+trap 'rm -rf "$WORK"' EXIT
+mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+TEST_SECONDS=${LOWFP_GPU_TEST_SECONDS:-180}
+steps=${*:-build test kernels optim emulate}
+
+WHEELS=${LOWFP_GPU_WHEELS:-.whl}
+if compgen -G "$WHEELS/*.whl" >/dev/null; then  # torchao and the tests' other packages the image lacks
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/lowfp-site "$WHEELS"/*.whl && export PYTHONPATH=/tmp/lowfp-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+left() { echo $((DEADLINE - SECONDS)); }
+
+# starts PART NEED: whether step PART may start, NEED seconds being the least it needs
+starts() {
+  if (($(left) < $2)); then
+    echo "== $1: skipped at ${SECONDS} s: $(left) s left before the deadline, it needs $2" | tee -a "$OUT/$1.log"
+    return 1
+  fi
+  echo "== $1: started at ${SECONDS} s" | tee -a "$OUT/$1.log"
+  mkdir -p "$WORK/$1"
+}
+
+# run PART NAME CMD...: CMD's output appended to PART's log, interrupted at the deadline (or after
+# $CAP seconds, where CAP is set and sooner: pytest then still writes its report); NAME is the key of the JSON it writes to
+# "$WORK/PART/NAME.json" (when it writes one)
+run() {
+  local part=$1 name=$2 limit
+  shift 2
+  limit=$(left)
+  if [ -n "${CAP:-}" ] && ((CAP < limit)); then limit=$CAP; fi
+  ((limit > 0)) || limit=1  # (timeout 0 would mean none)
+  echo "-- $name: $* (at ${SECONDS} s, at most $limit s)" >>"$OUT/$part.log"
+  timeout -s INT -k 30 "$limit" "$@" 2>&1 | tee -a "$OUT/$part.log" | tail -25
+  local rc=$?
+  ((rc == 0)) || echo "-- $name: exit status $rc (124: cut off at its limit)" | tee -a "$OUT/$part.log"
+}
+
+# merge PART: its benchmarks' JSON files as one object, keyed by name, in $OUT/PART.json
+merge() { $PY bench/gpu_parts.py merge "$WORK/$1" "$OUT/$1.json"; }
+
 for step in $steps; do
   case $step in
     build)
-      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+      starts suite 120 || exit 1
+      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/suite.log"
       # One architecture, the GPU's own: a full build also embeds sm_80 and PTX.
       arch=$($PY -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'{a}{b}')")
-      CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) $PY -m pip install --no-build-isolation --no-deps -q \
-        -Ccmake.define.LOWFP_CUDA=ON -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="${arch}-real" . \
-        2>&1 | tail -30 | tee "$OUT/build.log"
-      $PY -c "import lowfp; assert lowfp.cuda_built(); print('lowfp', lowfp.__file__, 'CUDA built')" \
-        || exit 1 ;;
+      export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
+      run suite build $PY -m pip install --no-build-isolation \
+        --no-deps -q -Ccmake.define.LOWFP_CUDA=ON -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="${arch}-real" .
+      run suite check $PY -c "import lowfp; assert lowfp.cuda_built(); print('lowfp', lowfp.__file__, 'CUDA built')"
+      $PY -c "import lowfp; assert lowfp.cuda_built()" 2>/dev/null || exit 1 ;;
+    kernels)
+      starts kernels 60 || continue
+      run kernels quantize $PY bench/bench_quantize.py --device cuda --json "$WORK/kernels/quantize.json"
+      run kernels scaled $PY bench/bench_scaled.py --device cuda --json "$WORK/kernels/scaled.json"
+      run kernels s2fp8 $PY bench/bench_s2fp8.py --device cuda --json "$WORK/kernels/s2fp8.json"
+      run kernels accumulate $PY bench/bench_accumulate.py --device cuda --json "$WORK/kernels/accumulate.json"
+      run kernels host $PY bench/bench_host.py --device cuda
+      run kernels fused $PY bench/bench_fused.py --device cuda --numel 67108864
+      merge kernels ;;
     test)
       # (the tests marked cuda: each module's checks of the GPU against the CPU, and its reference
       # tests' cuda cases; tests/devices.py)
-      $PY -m pytest -q -p no:cacheprovider --timeout 300 -n 8 -m 'cuda and not long' -rf tests 2>&1 \
-        | tee "$OUT/tests.log" | tail -40 ;;
+      starts suite 90 || continue
+      CAP=$TEST_SECONDS run suite tests $PY -m pytest -q -p no:cacheprovider --timeout 300 -n 8 -m 'cuda and not long' -rf \
+        --junitxml="$WORK/suite/junit.xml" tests
+      [ -f "$WORK/suite/junit.xml" ] && $PY bench/gpu_parts.py junit "$WORK/suite/junit.xml" "$OUT/suite.json" ;;
     all-tests)
-      $PY -m pytest -q -p no:cacheprovider --timeout 600 -rf tests 2>&1 | tee "$OUT/all_tests.log" \
-        | tail -40 ;;
-    profile)
-      $PY bench/profile_gpu.py 2>&1 | tee "$OUT/profile.log" ;;
-    bench)
-      $PY bench/bench_s2fp8.py --device cuda --json "$OUT/s2fp8.json" 2>&1 | tee "$OUT/bench_s2fp8.log"
-      $PY bench/bench_optim.py --device cuda --repeats 11 --json "$OUT/optim.json" 2>&1 \
-        | tee "$OUT/bench_optim.log"
-      $PY bench/bench_host.py --device cuda 2>&1 | tee "$OUT/bench_host.log"
-      $PY bench/bench_fused.py --device cuda --numel 67108864 2>&1 | tee "$OUT/bench_fused.log"
-      $PY bench/bench_accumulate.py --device cuda --json "$OUT/accumulate.json" 2>&1 \
-        | tee "$OUT/bench_accumulate.log" ;;
+      starts suite 300 || continue
+      run suite all-tests $PY -m pytest -q -p no:cacheprovider --timeout 600 -n 8 -rf \
+        --junitxml="$WORK/suite/junit.xml" tests
+      [ -f "$WORK/suite/junit.xml" ] && $PY bench/gpu_parts.py junit "$WORK/suite/junit.xml" "$OUT/suite.json" ;;
+    optim)
+      starts optim 30 || continue
+      run optim optim $PY bench/bench_optim.py --device cuda --repeats 11 --json "$WORK/optim/optim.json"
+      merge optim ;;
     emulate)
-      $PY bench/bench_emulate.py --device cuda --no-compile --repeats 10 --json "$OUT/emulate.json" \
-        2>&1 | tee "$OUT/bench_emulate.log"
-      $PY bench/bench_emulate.py --device cuda --gemms-only --repeats 10 \
-        --json "$OUT/emulate_gemms.json" 2>&1 | tee "$OUT/bench_emulate_gemms.log" ;;
+      starts emulate 60 || continue
+      run emulate eager $PY bench/bench_emulate.py --device cuda --no-compile --repeats 10 \
+        --json "$WORK/emulate/eager.json"
+      run emulate gemms $PY bench/bench_emulate.py --device cuda --gemms-only --repeats 10 \
+        --json "$WORK/emulate/gemms.json"
+      merge emulate ;;
     emulate-compile)
-      $PY bench/bench_emulate.py --device cuda --compile-only --repeats 10 \
-        --json "$OUT/emulate_compile.json" 2>&1 | tee "$OUT/bench_emulate_compile.log" ;;
-    *) echo "unknown step $step"; exit 2 ;;
+      # (compiles for minutes)
+      starts emulate 240 || continue
+      run emulate compile $PY bench/bench_emulate.py --device cuda --compile-only --repeats 10 \
+        --json "$WORK/emulate/compile.json"
+      merge emulate ;;
+    profile)
+      starts kernels 30 || continue
+      run kernels profile $PY bench/profile_gpu.py ;;
+    *) echo "unknown step $step (steps: build kernels test all-tests optim emulate emulate-compile profile)"; exit 2 ;;
   esac
 done
+echo "== done at ${SECONDS} s; in $OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -1,0 +1,100 @@
+"""The benchmark scripts a GPU session runs in one call (bench/run_gpu.sh), checked where no GPU
+is: the parts' files (the device tool brings back 8 at most), the deadline, the JSON each part
+writes, and the GPU summaries computed from rows of the same shape."""
+
+import json
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import bench_scaled  # noqa: E402
+import gpu_parts  # noqa: E402
+
+from lowfp.experiments import bench  # noqa: E402
+
+PARTS = ("suite", "kernels", "optim", "emulate")
+
+
+def run_gpu_script(tmp_path, *steps, deadline=None):
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable,
+               LOWFP_GPU_WHEELS=str(tmp_path / "no-wheels"))
+    if deadline is not None:
+        env["LOWFP_GPU_DEADLINE"] = str(deadline)
+    r = subprocess.run(["bash", "bench/run_gpu.sh", *steps], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    return r, tmp_path / "out"
+
+
+def test_the_gpu_script_names_at_most_eight_files():
+    script = (ROOT / "bench" / "run_gpu.sh").read_text()
+    assert subprocess.run(["bash", "-n", "bench/run_gpu.sh"], cwd=ROOT).returncode == 0
+    assert set(re.findall(r"starts (\w+) \d+", script)) == set(PARTS)  # a log and a JSON each
+    named = {f"{part}.{kind}" for part in PARTS for kind in ("log", "json")}
+    assert set(re.findall(r'"\$OUT/([\w.$]+)"', script)) <= {"$1.log", "$part.log", "$1.json"} | named
+
+
+def test_the_gpu_script_runs_each_part_into_one_log_and_one_json(tmp_path):
+    # Without a GPU each benchmark refuses --device cuda at once: what is checked is the plumbing.
+    r, out = run_gpu_script(tmp_path, "optim", "emulate")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["emulate.json", "emulate.log", "optim.json", "optim.log"]
+    log = (out / "emulate.log").read_text()
+    assert "-- eager: " in log and "-- gemms: " in log and "exit status" in log
+    assert json.loads((out / "emulate.json").read_text()) == {}  # (no benchmark wrote one)
+
+
+def test_the_gpu_script_skips_what_the_deadline_leaves_no_time_for(tmp_path):
+    r, out = run_gpu_script(tmp_path, "kernels", "optim", deadline=45)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "kernels: skipped" in (out / "kernels.log").read_text()  # it needs 60 s
+    assert "optim: started" in (out / "optim.log").read_text()  # it needs 30
+
+
+def test_gpu_parts_merges_benchmarks_and_reads_pytests_report(tmp_path):
+    (tmp_path / "a.json").write_text('{"x": 1}')
+    (tmp_path / "b.json").write_text("[2]")
+    assert gpu_parts.merge(str(tmp_path)) == {"a": {"x": 1}, "b": [2]}
+    tests = tmp_path / "test_sample.py"
+    tests.write_text(
+        "import pytest\n"
+        "@pytest.fixture\n"
+        "def broken():\n    raise RuntimeError('fixture broke')\n"
+        "def test_passes():\n    pass\n"
+        "def test_fails():\n    assert 1 == 2, 'one is not two'\n"
+        "def test_errs(broken):\n    pass\n"
+        "@pytest.mark.skip(reason='not here')\n"
+        "def test_skipped():\n    pass\n")
+    xml = tmp_path / "junit.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                    f"--junitxml={xml}", str(tests)], cwd=tmp_path, capture_output=True)
+    report = gpu_parts.junit(str(xml))
+    assert report["outcome"] == {"passed": 1, "failed": 1, "error": 1, "skipped": 1}
+    messages = {f["test"].rsplit("::", 1)[1]: f["message"] for f in report["failures"]}
+    assert "one is not two" in messages["test_fails"] and "fixture broke" in messages["test_errs"]
+
+
+def test_the_quantize_gpu_summary_covers_every_target_from_a_runs_rows():
+    rows = bench._run_cases("cpu", 4096, 1, bench._once_cpu, allocating=False)
+    summary = bench.summarize_gpu(rows)
+    assert len(summary) == len(bench.GPU_TARGETS) == 10
+    for what, (ratio, target) in summary.items():
+        assert math.isfinite(ratio) and ratio > 0 and 0 < target <= 1, what
+
+
+def test_the_scaled_gpu_summary_covers_every_target_from_a_runs_rows():
+    rows = bench_scaled.run(4 * 4096, 1, "cpu")
+    summary = bench_scaled.gpu_summary(rows)
+    names = [what for what, *_ in summary]
+    for name, rounding in bench_scaled.GPU_TARGETS:
+        assert f"{name} {rounding} out= / copy" in names
+    assert {f"{n} counting cost" for n in bench_scaled.COUNTED} <= set(names)
+    # torchao's compiled casts run on a GPU only: their speedups are absent here
+    assert not any("compiled" in n for n in names)
+    for what, value, target, met in summary:
+        assert math.isfinite(value) and met == (value <= target if "counting" in what else value >= target)
