@@ -4,13 +4,16 @@
 # device tool brings back 8 files at most; default bench/out/gpu):
 #   suite.log    suite.json     the build and the tests marked cuda (JSON: outcome counts, failures)
 #   kernels.log  kernels.json   element-wise rounding (2^28), scaled formats beside torchao's
-#                               compiled casts (2^26), S2FP8, accumulation, host cost per call,
-#                               roundings fused by Inductor
+#                               compiled casts (2^26), S2FP8, accumulation, host cost per call;
+#                               roundings fused by Inductor (log only)
 #   optim.log    optim.json     the ExtraBits optimizers
 #   emulate.log  emulate.json   emulated training steps, eager and under GEMM recipes
-# Usage, from the repository root, with torchao's wheels in .whl (carried: bench/RESULTS.md says how):
-#   bash bench/run_gpu.sh [build] [kernels] [test] [optim] [emulate] [emulate-compile] [all-tests] [profile]
-# The default, build test kernels optim emulate, runs the most wanted first: the tests at most
+# Usage, from the repository root, with the wheels the device image lacks in .whl, carried (fetch
+# them here with: pip download --no-deps --only-binary=:all: --python-version 3.12
+# --implementation cp --platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0 gfloat
+# more_itertools array-api-compat):
+#   bash bench/run_gpu.sh [build] [test] [kernels] [optim] [emulate] [fused] [emulate-compile] [all-tests] [profile]
+# The default, build test kernels optim emulate fused, runs the most wanted first: the tests at most
 # LOWFP_GPU_TEST_SECONDS (default 180), so that the benchmarks follow. A step starts only while
 # the time it needs is left before the deadline (LOWFP_GPU_DEADLINE seconds from the start,
 # default 540, inside the tool's 10-minute call) and is cut off there; the logs say which.
@@ -23,7 +26,7 @@ trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 TEST_SECONDS=${LOWFP_GPU_TEST_SECONDS:-180}
-steps=${*:-build test kernels optim emulate}
+steps=${*:-build test kernels optim emulate fused}
 
 WHEELS=${LOWFP_GPU_WHEELS:-.whl}
 if compgen -G "$WHEELS/*.whl" >/dev/null; then  # torchao and the tests' other packages the image lacks
@@ -80,8 +83,11 @@ for step in $steps; do
       run kernels s2fp8 $PY bench/bench_s2fp8.py --device cuda --json "$WORK/kernels/s2fp8.json"
       run kernels accumulate $PY bench/bench_accumulate.py --device cuda --json "$WORK/kernels/accumulate.json"
       run kernels host $PY bench/bench_host.py --device cuda
-      run kernels fused $PY bench/bench_fused.py --device cuda --numel 67108864
       merge kernels ;;
+    fused)
+      # (Inductor compiles each case's rounding: minutes)
+      starts kernels 60 || continue
+      run kernels fused $PY bench/bench_fused.py --device cuda --numel 67108864 ;;
     test)
       # (the tests marked cuda: each module's checks of the GPU against the CPU, and its reference
       # tests' cuda cases; tests/devices.py)
@@ -114,7 +120,7 @@ for step in $steps; do
     profile)
       starts kernels 30 || continue
       run kernels profile $PY bench/profile_gpu.py ;;
-    *) echo "unknown step $step (steps: build kernels test all-tests optim emulate emulate-compile profile)"; exit 2 ;;
+    *) echo "unknown step $step (steps: build test kernels optim emulate fused emulate-compile all-tests profile)"; exit 2 ;;
   esac
 done
 echo "== done at ${SECONDS} s; in $OUT: $(ls "$OUT" | tr '\n' ' ')"
