@@ -30,6 +30,7 @@ kernel's too). Targets on a GPU: mxfp8 ≤ 1.5×, nvfp4 ≤ 2× the plain step.
 """
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -40,8 +41,7 @@ import torch.nn.functional as F
 import lowfp
 from lowfp import assign as A
 from lowfp.experiments import models
-from lowfp.experiments.bench import (_once_cpu, _once_cuda, _time as best, machine_description, paired_ratio,
-                                    time_rounds)
+from lowfp.experiments.bench import (_once_cpu, _once_cuda, machine_description, paired_ratio, time_rounds)
 
 CASES = [  # name, model factory, batch, channels, image size
     ("resnet 8x8", lambda: models.ResidualCNN(1, 10, 1.0), 64, 1, 8),
@@ -102,19 +102,42 @@ def training_step(case, device: torch.device):
     return model, x, y, step
 
 
+def time_in_contexts(step, contexts, repeats: int, once, rounds: int = 5):
+    """{name: [seconds of the best step of each round]}: each of ``rounds`` rounds visits every
+    entry of ``contexts`` (name: a factory of the context manager to step in, such as
+    lowfp.emulate(model, assignment), or None for the plain step), enters it, settles it with two
+    steps (its prepared roundings, the allocator), times about repeats / rounds steps, keeps the
+    best, and leaves. Entering and leaving stay outside the times; interleaving the cases lets
+    every one meet the same spells of a shared machine, so their ratios per round pair steps
+    timed moments apart (paired_ratio)."""
+    steps = max(1, -(-repeats // rounds))
+    times = {name: [] for name in contexts}
+    for _ in range(rounds):
+        for name, context in contexts.items():
+            with context() if context is not None else contextlib.nullcontext():
+                step()
+                step()
+                times[name].append(min(once(step) for _ in range(steps)))
+    return times
+
+
 def run(device: torch.device, repeats: int):
+    once = _once_cuda if device.type == "cuda" else _once_cpu
     rows = []
     for case in CASES:
         name, n = case[0], case[2]
         model, x, y, step = training_step(case, device)
-        plain = best(step, repeats)
         tr = A.trace(model, x, F.cross_entropy, y)
+        assignments = {strategy: A.make(tr, strategy, **kw) for strategy, kw in STRATEGIES}
+        contexts = {"plain": None,
+                    **{s: (lambda a=a: lowfp.emulate(model, a)) for s, a in assignments.items()}}
+        t = time_in_contexts(step, contexts, repeats, once)
         row = {"case": name, "batch": n, "operators": len(tr.ops), "tensors": len(tr.tensors),
-               "plain_ms": plain * 1e3}
-        for strategy, kw in STRATEGIES:
-            with lowfp.emulate(model, A.make(tr, strategy, **kw)):
-                row[f"{strategy}_ms"] = best(step, repeats) * 1e3
+               "plain_ms": min(t["plain"]) * 1e3}
+        for strategy, _ in STRATEGIES:
+            row[f"{strategy}_ms"] = min(t[strategy]) * 1e3
             row[f"{strategy}_ratio"] = row[f"{strategy}_ms"] / row["plain_ms"]
+            row[f"{strategy}_ratio_paired"] = paired_ratio(t[strategy], t["plain"])
         rows.append(row)
     return rows
 
@@ -215,12 +238,9 @@ def run_gemms(device: torch.device, repeats: int, cases, steps: int = 3):
         model, x, y, step_of = compile_case_model(make, n, inputs, device)
         step = step_of(model)
 
-        def under(recipe):
-            def emulated():
-                with lowfp.scaled.emulate_gemms(model, recipe):
-                    step()
-            return emulated
-        t = time_rounds({"plain": step, **{r: under(r) for r in GEMM_RECIPES}}, repeats, once)
+        contexts = {"plain": None,
+                    **{r: (lambda r=r: lowfp.scaled.emulate_gemms(model, r)) for r in GEMM_RECIPES}}
+        t = time_in_contexts(step, contexts, repeats, once)
         row = {"case": name, "batch": n, "plain_s": min(t["plain"])}
         original = gemm._q
         for recipe in GEMM_RECIPES:
@@ -279,11 +299,12 @@ def _format(lines):
 
 
 def table(rows):
-    head = ["case", "ops", "plain ms"] + [f"{s} ms (×)" for s, _ in STRATEGIES]
+    head = ["case", "ops", "plain ms"] + [f"{s} ms (×, paired)" for s, _ in STRATEGIES]
     lines = [head]
     for r in rows:
         lines.append([r["case"], str(r["operators"]), f"{r['plain_ms']:.2f}"] +
-                     [f"{r[s + '_ms']:.2f} ({r[s + '_ratio']:.2f}×)" for s, _ in STRATEGIES])
+                     [f"{r[s + '_ms']:.2f} ({r[s + '_ratio']:.2f}×, {r[s + '_ratio_paired']:.2f}×)"
+                      for s, _ in STRATEGIES])
     return _format(lines)
 
 
@@ -306,7 +327,8 @@ def main(argv=None):
     if args.gemms_only:
         result["gemm_rows"] = rows = run_gemms(device, args.repeats, compile_cases(device))
         print(gemm_table(rows))
-        print("(best of", args.repeats, "interleaved rounds, and the median of per-round ratios; roundings:",
+        print("(best of", args.repeats, "steps each in 5 interleaved rounds, and the median of per-round",
+              "ratios; roundings:",
               "operand roundings per step, µs each: host time inside them",
               f"({'kernels asynchronous' if device.type == 'cuda' else 'kernels included'});",
               "targets on a GPU: mxfp8 ≤ 1.5×, nvfp4 ≤ 2×)")
@@ -317,7 +339,9 @@ def main(argv=None):
     if not args.compile_only:
         result["rows"] = rows = run(device, args.repeats)
         print(table(rows))
-        print("(×: emulated step time / plain step time, best of", args.repeats, "; target ≤ 1.5× on CPU, 1.3× on GPU)")
+        print("(×: the best emulated step / the best plain step, of", args.repeats, "steps each in 5",
+              "interleaved rounds; paired: the median over rounds of their ratio; target ≤ 1.5× on",
+              "CPU, 1.3× on GPU)")
         result["host"] = h = host_per_rounding(device)
         print(f"{h['case']}, ours(r=0.5): {h['forward_per_step']:.0f} forward and "
               f"{h['backward_per_step']:.0f} backward roundings per step; CPU µs per rounding "
