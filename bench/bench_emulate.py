@@ -34,6 +34,7 @@ import contextlib
 import json
 import sys
 import time
+from copy import deepcopy
 
 import torch
 import torch.nn.functional as F
@@ -83,55 +84,60 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def sgd_step(model, x, y, device: torch.device, loss=F.cross_entropy):
+    """step() for ``model``: forward, ``loss``, backward and an SGD step, waiting for the device."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step():
+        value = loss(model(x), y)
+        opt.zero_grad()
+        value.backward()
+        opt.step()
+        sync(device)
+    return step
+
+
 def training_step(case, device: torch.device):
-    """(model, x, y, step) for one of CASES: step() runs forward, cross-entropy, backward and an
-    SGD step, and waits for the device."""
+    """(model, x, y, step) for one of CASES (step: sgd_step's)."""
     _, make, n, c, hw = case
     torch.manual_seed(0)
     model = make().to(device)
     x = torch.randn(n, c, hw, hw, device=device)
     y = torch.randint(0, 10, (n,), device=device)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-    def step():
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sync(device)
-    return model, x, y, step
+    return model, x, y, sgd_step(model, x, y, device)
 
 
-def time_in_contexts(step, contexts, repeats: int, once, rounds: int = 5):
-    """{name: [seconds of the best step of each round]}: each of ``rounds`` rounds visits every
-    entry of ``contexts`` (name: a factory of the context manager to step in, such as
-    lowfp.emulate(model, assignment), or None for the plain step), enters it, settles it with two
-    steps (its prepared roundings, the allocator), times about repeats / rounds steps, keeps the
-    best, and leaves. Entering and leaving stay outside the times; interleaving the cases lets
-    every one meet the same spells of a shared machine, so their ratios per round pair steps
-    timed moments apart (paired_ratio)."""
-    steps = max(1, -(-repeats // rounds))
-    times = {name: [] for name in contexts}
-    for _ in range(rounds):
+def time_side_by_side(model, x, y, device: torch.device, contexts, repeats: int, loss=F.cross_entropy):
+    """{name: [seconds of one step per round]}: each entry of ``contexts`` (name: a function of a
+    model giving the context manager to train it in, such as lowfp.emulate(m, assignment), or
+    None for the plain step) trains its own copy of ``model`` (the same weights, its own
+    optimizer) inside a context entered once for all its steps, as a training run is; the copies'
+    steps are timed in interleaved rounds (time_rounds), so that every case meets the same spells
+    of a shared machine and their ratios per round pair steps timed moments apart
+    (paired_ratio)."""
+    once = _once_cuda if device.type == "cuda" else _once_cpu
+    with contextlib.ExitStack() as stack:
+        steps = {}
         for name, context in contexts.items():
-            with context() if context is not None else contextlib.nullcontext():
-                step()
-                step()
-                times[name].append(min(once(step) for _ in range(steps)))
-    return times
+            copy = deepcopy(model)
+            if context is not None:
+                stack.enter_context(context(copy))
+            steps[name] = sgd_step(copy, x, y, device, loss)
+        for step in steps.values():
+            step()  # (its first step prepares its roundings)
+        return time_rounds(steps, repeats, once)
 
 
 def run(device: torch.device, repeats: int):
-    once = _once_cuda if device.type == "cuda" else _once_cpu
     rows = []
     for case in CASES:
         name, n = case[0], case[2]
-        model, x, y, step = training_step(case, device)
+        model, x, y, _ = training_step(case, device)
         tr = A.trace(model, x, F.cross_entropy, y)
         assignments = {strategy: A.make(tr, strategy, **kw) for strategy, kw in STRATEGIES}
         contexts = {"plain": None,
-                    **{s: (lambda a=a: lowfp.emulate(model, a)) for s, a in assignments.items()}}
-        t = time_in_contexts(step, contexts, repeats, once)
+                    **{s: (lambda m, a=a: lowfp.emulate(m, a)) for s, a in assignments.items()}}
+        t = time_side_by_side(model, x, y, device, contexts, repeats)
         row = {"case": name, "batch": n, "operators": len(tr.ops), "tensors": len(tr.tensors),
                "plain_ms": min(t["plain"]) * 1e3}
         for strategy, _ in STRATEGIES:
@@ -229,18 +235,17 @@ GEMM_RECIPES = ("mxfp8", "nvfp4")
 
 
 def run_gemms(device: torch.device, repeats: int, cases, steps: int = 3):
-    """Plain steps and steps under emulate_gemms(model, recipe) of ``cases``, eager, timed in
-    interleaved rounds; then, per recipe, the operand roundings per step and the µs of each."""
+    """Plain steps and steps under emulate_gemms(model, recipe) of ``cases``, eager, timed side by
+    side (time_side_by_side); then, per recipe, the operand roundings per step and the µs of each."""
     from lowfp.scaled import gemm
-    once = _once_cuda if device.type == "cuda" else _once_cpu
     rows = []
     for name, make, n, inputs in cases:
         model, x, y, step_of = compile_case_model(make, n, inputs, device)
         step = step_of(model)
 
         contexts = {"plain": None,
-                    **{r: (lambda r=r: lowfp.scaled.emulate_gemms(model, r)) for r in GEMM_RECIPES}}
-        t = time_in_contexts(step, contexts, repeats, once)
+                    **{r: (lambda m, r=r: lowfp.scaled.emulate_gemms(m, r)) for r in GEMM_RECIPES}}
+        t = time_side_by_side(model, x, y, device, contexts, repeats, _loss)
         row = {"case": name, "batch": n, "plain_s": min(t["plain"])}
         original = gemm._q
         for recipe in GEMM_RECIPES:
@@ -327,8 +332,8 @@ def main(argv=None):
     if args.gemms_only:
         result["gemm_rows"] = rows = run_gemms(device, args.repeats, compile_cases(device))
         print(gemm_table(rows))
-        print("(best of", args.repeats, "steps each in 5 interleaved rounds, and the median of per-round",
-              "ratios; roundings:",
+        print("(best of", args.repeats, "interleaved rounds, a copy of the model per case, and the median",
+              "of per-round ratios; roundings:",
               "operand roundings per step, µs each: host time inside them",
               f"({'kernels asynchronous' if device.type == 'cuda' else 'kernels included'});",
               "targets on a GPU: mxfp8 ≤ 1.5×, nvfp4 ≤ 2×)")
@@ -339,9 +344,9 @@ def main(argv=None):
     if not args.compile_only:
         result["rows"] = rows = run(device, args.repeats)
         print(table(rows))
-        print("(×: the best emulated step / the best plain step, of", args.repeats, "steps each in 5",
-              "interleaved rounds; paired: the median over rounds of their ratio; target ≤ 1.5× on",
-              "CPU, 1.3× on GPU)")
+        print("(×: the best emulated step / the best plain step, each case a copy of the model in its",
+              "own emulation, their steps in", args.repeats, "interleaved rounds; paired: the median",
+              "over rounds of their ratio; target ≤ 1.5× on CPU, 1.3× on GPU)")
         result["host"] = h = host_per_rounding(device)
         print(f"{h['case']}, ours(r=0.5): {h['forward_per_step']:.0f} forward and "
               f"{h['backward_per_step']:.0f} backward roundings per step; CPU µs per rounding "
