@@ -87,6 +87,32 @@ def test_every_mode_and_carrier_equals_the_native_kernel(fmt_text):
     assert checked >= 6
 
 
+@pytest.mark.parametrize("fmt_text,by_addition", [
+    ("float8_e4m3fn", True), ("float8_e5m2", True), ("fp(4,3,4)", True), ("float16", True),
+    ("fp(7,3,63)", False),  # the kernel adds, but half its smallest step, 2^-129, is subnormal
+    ("bfloat16", False),    # the kernel's constant would pass float32's range: round_bits there
+    ("fp(3,2,0,subnormals=False)", False)])
+def test_the_torch_form_rounds_by_addition_where_the_kernel_does_and_flushing_cannot_tell(
+        fmt_text, by_addition):
+    p = _torch_round.round_params(fmt_text, "nearest", 32, torch.float32, torch.float32)
+    assert _torch_round.rounds_by_addition(p, _torch_round.FLOAT32_CARRIER, "nearest") is by_addition
+    assert not _torch_round.rounds_by_addition(p, _torch_round.FLOAT32_CARRIER, "stochastic")
+    # A backend that flushes subnormals (DAZ and FTZ here, as a GPU compiler may) gives the
+    # native kernel's bits and counts: float32 subnormals and the format's own smallest steps.
+    fmt = lowfp.Format.parse(fmt_text)
+    tiny = torch.tensor([1e-45, 3e-39, 1.1754942e-38, 2.0 ** -126, 2.0 ** (fmt.emin - fmt.m),
+                         1.5 * 2.0 ** (fmt.emin - fmt.m), 2.0 ** (fmt.emin - fmt.m - 1)])
+    x = torch.cat([tiny, -tiny, boundary_values(fmt, torch.float32)])
+    want, want_counts = native(x, fmt, "nearest", None, 0, torch.float32)
+    if by_addition:
+        torch.set_flush_denormal(True)
+    try:
+        have, have_counts = torch_quantize(x, fmt_text, "nearest", 32, 0, None, 0, torch.float32, True)
+    finally:
+        torch.set_flush_denormal(False)
+    assert same_bits(have, want) and torch.equal(have_counts, want_counts)
+
+
 def test_stochastic_words_follow_the_drawn_seed_tensor():
     x = torch.randn(1000, dtype=torch.float32)
     key = 0xFEDCBA9876543210

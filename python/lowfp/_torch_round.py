@@ -6,12 +6,13 @@ the operations that produce and consume the tensor, instead of calling lowfp's n
 from Python. Eager code, ``torch.export`` and other backends keep the operator.
 
 Bit for bit the native kernels' results and counts: the functions compute, operation for
-operation, what ``round_bits`` (cpp/include/lowfp/round.hpp) and Philox4x32-10
-(cpp/include/lowfp/philox.hpp) compute, from the same constants (``lowfp._C.round_params``, the
-kernel's own RoundParams). The carrier's bits travel as their signed value in integer lanes:
-int32 for the float32 carrier's deterministic modes, int64 for the float64 carrier and for
-stochastic rounding (whose thresholds reach 2^32). Every intermediate stays inside its lane, so
-no operation depends on how a backend wraps.
+operation, what ``round_bits`` or ``round_nearest_by_addition`` (cpp/include/lowfp/round.hpp)
+and Philox4x32-10 (cpp/include/lowfp/philox.hpp) compute, from the same constants
+(``lowfp._C.round_params``, the kernel's own RoundParams and its choice of form). The carrier's
+bits travel as their signed value in integer lanes: int32 for the float32 carrier's
+deterministic modes, int64 for the float64 carrier and for stochastic rounding (whose thresholds
+reach 2^32). Every intermediate stays inside its lane, so no operation depends on how a backend
+wraps.
 
 Inductor inlines an operation into each of its uses; the rounded magnitude and the carrier bits,
 used by the result and by every count, are therefore stored (``stored``), so that each is
@@ -30,7 +31,7 @@ from ._native import DTYPE_CODES, ROUNDING_MODES, format_args
 from .formats import Format
 
 __all__ = ["quantize", "philox_block_words", "philox_words", "fuses",
-           "round_bits", "round_params", "to_storage", "stored",
+           "round_bits", "rounds_by_addition", "round_params", "to_storage", "stored",
            "lanes_of", "round_kind", "random_words", "event_counts", "Carrier", "FLOAT32_CARRIER",
            "FLOAT64_CARRIER"]
 
@@ -190,13 +191,38 @@ def _round_magnitude(a: torch.Tensor, negative: torch.Tensor, p: dict, c: Carrie
     return torch.where(d <= c.mant_bits, stepped, (-up) & p["below_step"])
 
 
+def rounds_by_addition(p: dict, c: Carrier, kind: str) -> bool:
+    """Whether the rounded magnitude is taken by addition, as the native kernel takes it
+    (round.hpp's round_nearest_by_addition, where ``p["nearest_by_addition"]`` says the kernel
+    does), and only where half the format's smallest step, the least magnitude that can round
+    to it, is a normal carrier value: a subnormal input then rounds to zero and every other
+    operand and result of the additions is normal, so a backend that flushes subnormals (a GPU
+    compiler may) gives the same bits."""
+    if kind != "nearest" or not p.get("nearest_by_addition") or c.bits != 32:
+        return False
+    m = c.mant_bits - p["normal_drop"]
+    return p["emin"] - m - 1 >= 1 - c.exp_bias
+
+
+def _magnitude_by_addition(a: torch.Tensor, p: dict, c: Carrier) -> torch.Tensor:
+    """round.hpp's magnitude_by_addition: (|x| + k) - k in the carrier's own rounding to
+    nearest, k = 2^(e + MB - m) for |x|'s exponent e held in [emin, addition_cap], whose ulp is
+    the format's step at |x| (a: the carrier magnitudes, signed int32 lanes)."""
+    field = torch.clamp(a >> c.mant_bits, p["emin"] + c.exp_bias, p["addition_cap"] + c.exp_bias)
+    k = ((field + p["normal_drop"]) << c.mant_bits).view(c.float_dtype)
+    return ((a.view(c.float_dtype) + k) - k).view(c.int_dtype)
+
+
 def round_bits(bits: torch.Tensor, p: dict, c: Carrier, kind: str, rand, lanes: Lanes):
     """round_bits and rounded_result: the result's bits and the (above_max, underflow, nan)
     events of the carrier values ``bits`` (signed, in ``lanes``)."""
     negative = bits < 0
     a = bits & (c.sign - 1)
     nan = a > c.inf
-    mag = stored(_round_magnitude(torch.clamp_max(a, c.inf), negative, p, c, kind, rand, lanes))
+    if rounds_by_addition(p, c, kind) and lanes.dtype == c.int_dtype:
+        mag = stored(_magnitude_by_addition(a, p, c))  # (inf and NaN stay above max_bits)
+    else:
+        mag = stored(_round_magnitude(torch.clamp_max(a, c.inf), negative, p, c, kind, rand, lanes))
     above_max = mag > p["max_bits"]
     underflow = (a != 0) & (mag == 0)
     sign = bits & c.signed(c.sign)  # the sign bit alone
