@@ -84,12 +84,14 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def sgd_step(model, x, y, device: torch.device, loss=F.cross_entropy):
-    """step() for ``model``: forward, ``loss``, backward and an SGD step, waiting for the device."""
+def sgd_step(model, x, y, device: torch.device, loss=F.cross_entropy, forward=None):
+    """step() for ``model``: ``forward`` (default: the model itself; or its compiled form),
+    ``loss``, backward and an SGD step, waiting for the device."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    forward = model if forward is None else forward
 
     def step():
-        value = loss(model(x), y)
+        value = loss(forward(x), y)
         opt.zero_grad()
         value.backward()
         opt.step()
@@ -107,25 +109,34 @@ def training_step(case, device: torch.device):
     return model, x, y, sgd_step(model, x, y, device)
 
 
-def time_side_by_side(model, x, y, device: torch.device, contexts, repeats: int, loss=F.cross_entropy):
-    """{name: [seconds of one step per round]}: each entry of ``contexts`` (name: a function of a
-    model giving the context manager to train it in, such as lowfp.emulate(m, assignment), or
-    None for the plain step) trains its own copy of ``model`` (the same weights, its own
-    optimizer) inside a context entered once for all its steps, as a training run is; the copies'
-    steps are timed in interleaved rounds (time_rounds), so that every case meets the same spells
-    of a shared machine and their ratios per round pair steps timed moments apart
-    (paired_ratio)."""
+def time_side_by_side(model, x, y, device: torch.device, setups, repeats: int, loss=F.cross_entropy):
+    """({name: [seconds of one step per round]}, {name: seconds of its first step}): each entry
+    of ``setups`` (name: setup(copy, stack), which enters into the ExitStack what the copy trains
+    in, such as lowfp.emulate(copy, assignment), and returns its forward, the copy or its
+    compiled form; None for the plain step) trains its own copy of ``model`` (the same weights,
+    its own optimizer) inside contexts entered once for all its steps, as a training run is.
+    The first steps (compilation, prepared roundings) are timed apart; then the copies' steps
+    in interleaved rounds (time_rounds), so that every case meets the same spells of a shared
+    machine and their ratios per round pair steps timed moments apart (paired_ratio)."""
     once = _once_cuda if device.type == "cuda" else _once_cpu
     with contextlib.ExitStack() as stack:
-        steps = {}
-        for name, context in contexts.items():
+        steps, firsts = {}, {}
+        for name, setup in setups.items():
             copy = deepcopy(model)
-            if context is not None:
-                stack.enter_context(context(copy))
-            steps[name] = sgd_step(copy, x, y, device, loss)
-        for step in steps.values():
-            step()  # (its first step prepares its roundings)
-        return time_rounds(steps, repeats, once)
+            forward = copy if setup is None else setup(copy, stack)
+            steps[name] = sgd_step(copy, x, y, device, loss, forward)
+            t0 = time.perf_counter()
+            steps[name]()
+            firsts[name] = time.perf_counter() - t0
+        return time_rounds(steps, repeats, once), firsts
+
+
+def in_context(make):
+    """A setup for time_side_by_side: the copy trained inside make(copy)."""
+    def setup(copy, stack):
+        stack.enter_context(make(copy))
+        return copy
+    return setup
 
 
 def run(device: torch.device, repeats: int):
@@ -135,9 +146,9 @@ def run(device: torch.device, repeats: int):
         model, x, y, _ = training_step(case, device)
         tr = A.trace(model, x, F.cross_entropy, y)
         assignments = {strategy: A.make(tr, strategy, **kw) for strategy, kw in STRATEGIES}
-        contexts = {"plain": None,
-                    **{s: (lambda m, a=a: lowfp.emulate(m, a)) for s, a in assignments.items()}}
-        t = time_side_by_side(model, x, y, device, contexts, repeats)
+        setups = {"plain": None,
+                  **{s: in_context(lambda m, a=a: lowfp.emulate(m, a)) for s, a in assignments.items()}}
+        t, _ = time_side_by_side(model, x, y, device, setups, repeats)
         row = {"case": name, "batch": n, "operators": len(tr.ops), "tensors": len(tr.tensors),
                "plain_ms": min(t["plain"]) * 1e3}
         for strategy, _ in STRATEGIES:
@@ -169,42 +180,48 @@ def compile_case_model(make, n, inputs, device: torch.device):
 
 
 def run_compile(device: torch.device, repeats: int, cases):
-    """Plain, compiled plain, emulated and compiled emulated steps of ``cases``. Each pair that
-    is compared is timed in interleaved rounds (time_rounds: plain with compiled plain, then
-    emulated with compiled emulated), so that both sides of a ratio meet the same interference;
-    the ratios are of best steps and, per round, of paired steps (their median)."""
+    """Plain, compiled plain, emulated and compiled emulated steps of ``cases``, each on its own
+    copy of the model, timed side by side (time_side_by_side): the ratios are of best steps and,
+    per round, of steps timed moments apart (their median)."""
     import torch._dynamo
-    once = _once_cuda if device.type == "cuda" else _once_cpu
     rows = []
     for name, make, n, inputs in cases:
-        model, x, y, step_of = compile_case_model(make, n, inputs, device)
-
-        def first(step):
-            t0 = time.perf_counter()
-            step()  # compiles when its forward is compiled
-            return time.perf_counter() - t0
-
-        torch._dynamo.reset()
-        row = {"case": name, "batch": n}
-        plain, compiled = step_of(model), step_of(torch.compile(model))
-        row["compile_plain_first_s"] = first(compiled)
-        t = time_rounds({"plain": plain, "compiled_plain": compiled}, repeats, once)
+        model, x, y, _ = compile_case_model(make, n, inputs, device)
         assignment = A.ours(A.trace(model, x, _loss, y), 0.5)
-        torch._dynamo.reset()
         counters = torch._dynamo.utils.counters
+        torch._dynamo.reset()
+
+        def recompiles():
+            return sum(counters["recompiles"].values()) if "recompiles" in counters else 0
+
+        before = {}
+
+        def emulated(copy, stack):
+            # (set up after the compiled plain copy's first step: what Dynamo counts from here
+            # on is the emulation's)
+            before.setdefault("graphs", counters["stats"]["unique_graphs"])
+            before.setdefault("recompiles", recompiles())
+            stack.enter_context(lowfp.emulate(copy, assignment))
+            return copy
+
+        def compiled_emulated(copy, stack):
+            return torch.compile(emulated(copy, stack))
+
         counters.clear()
-        with lowfp.emulate(model, assignment):
-            emulated, compiled_emulated = step_of(model), step_of(torch.compile(model))
-            row["compile_emulated_first_s"] = first(compiled_emulated)
-            t.update(time_rounds({"emulated": emulated, "compiled_emulated": compiled_emulated},
-                                 repeats, once))
+        setups = {"plain": None, "compiled_plain": lambda copy, stack: torch.compile(copy),
+                  "emulated": emulated, "compiled_emulated": compiled_emulated}
+        t, firsts = time_side_by_side(model, x, y, device, setups, repeats, _loss)
+        row = {"case": name, "batch": n, "compile_plain_first_s": firsts["compiled_plain"],
+               "compile_emulated_first_s": firsts["compiled_emulated"]}
         for k, times in t.items():
             row[f"{k}_s"] = min(times)
-        row["graphs"] = counters["stats"]["unique_graphs"]
-        row["recompiles"] = sum(counters["recompiles"].values()) if "recompiles" in counters else 0
+        row["graphs"] = counters["stats"]["unique_graphs"] - before["graphs"]
+        row["recompiles"] = recompiles() - before["recompiles"]
         row["compiled_emulated/emulated"] = row["compiled_emulated_s"] / row["emulated_s"]
         row["compiled_emulated/emulated paired"] = paired_ratio(t["compiled_emulated"], t["emulated"])
         row["compiled_emulated/compiled_plain"] = row["compiled_emulated_s"] / row["compiled_plain_s"]
+        row["compiled_emulated/compiled_plain paired"] = paired_ratio(t["compiled_emulated"],
+                                                                      t["compiled_plain"])
         rows.append(row)
     return rows
 
@@ -243,9 +260,9 @@ def run_gemms(device: torch.device, repeats: int, cases, steps: int = 3):
         model, x, y, step_of = compile_case_model(make, n, inputs, device)
         step = step_of(model)
 
-        contexts = {"plain": None,
-                    **{r: (lambda m, r=r: lowfp.scaled.emulate_gemms(m, r)) for r in GEMM_RECIPES}}
-        t = time_side_by_side(model, x, y, device, contexts, repeats, _loss)
+        setups = {"plain": None,
+                  **{r: in_context(lambda m, r=r: lowfp.scaled.emulate_gemms(m, r)) for r in GEMM_RECIPES}}
+        t, _ = time_side_by_side(model, x, y, device, setups, repeats, _loss)
         row = {"case": name, "batch": n, "plain_s": min(t["plain"])}
         original = gemm._q
         for recipe in GEMM_RECIPES:
@@ -286,13 +303,14 @@ def gemm_table(rows):
 
 def compile_table(rows):
     head = ["case", "plain ms", "compiled ms", "emulated ms", "compiled emulated ms",
-            "c.em/em", "paired", "c.em/compiled", "graphs", "first step s (plain / emulated)"]
+            "c.em/em", "paired", "c.em/compiled", "paired", "graphs", "first step s (plain / emulated)"]
     lines = [head]
     for r in rows:
         lines.append([r["case"]] + [f"{r[k] * 1e3:.1f}" for k in ("plain_s", "compiled_plain_s", "emulated_s",
                                                                   "compiled_emulated_s")] +
                      [f"{r['compiled_emulated/emulated']:.2f}", f"{r['compiled_emulated/emulated paired']:.2f}",
-                      f"{r['compiled_emulated/compiled_plain']:.2f}", str(r["graphs"]),
+                      f"{r['compiled_emulated/compiled_plain']:.2f}",
+                      f"{r['compiled_emulated/compiled_plain paired']:.2f}", str(r["graphs"]),
                       f"{r['compile_plain_first_s']:.0f} / {r['compile_emulated_first_s']:.0f}"])
     return _format(lines)
 
@@ -359,9 +377,10 @@ def main(argv=None):
             ap.error(f"--compile-case must name one of: {', '.join(n for n, *_ in known)}")
         result["compile_rows"] = rows = run_compile(device, args.repeats, cases)
         print(compile_table(rows))
-        print("(best of", args.repeats, "interleaved rounds; c.em/em: compiled emulated / emulated, target ≤ 1,",
-              "of the best steps and, paired, the median over rounds; c.em/compiled: compiled emulated /",
-              "compiled plain, target ≤ 1.2 on CPU, 1.1 on GPU; graphs: Dynamo graphs of the compiled emulated model)")
+        print("(best of", args.repeats, "interleaved rounds, a copy of the model per case; c.em/em: compiled",
+              "emulated / emulated, target ≤ 1, of the best steps and, paired, the median over rounds;",
+              "c.em/compiled: compiled emulated / compiled plain, target ≤ 1.2 on CPU, 1.1 on GPU; graphs:",
+              "Dynamo graphs of the compiled emulated model)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -98,3 +98,29 @@ def test_the_scaled_gpu_summary_covers_every_target_from_a_runs_rows():
     assert not any("compiled" in n for n in names)
     for what, value, target, met in summary:
         assert math.isfinite(value) and met == (value <= target if "counting" in what else value >= target)
+
+
+def test_emulation_benchmarks_train_a_copy_per_case_inside_its_own_context():
+    import bench_emulate
+    import torch
+
+    import lowfp
+    from lowfp import assign as A
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    before = [p.detach().clone() for p in model.parameters()]
+    assignment = A.make(A.trace(model, x, torch.nn.functional.cross_entropy, y), "uniform")
+    entered = []
+
+    def emulated(copy, stack):
+        entered.append(stack.enter_context(lowfp.emulate(copy, assignment)))
+        return copy
+    times, firsts = bench_emulate.time_side_by_side(model, x, y, torch.device("cpu"),
+                                                    {"plain": None, "emulated": emulated}, 3)
+    assert set(times) == set(firsts) == {"plain", "emulated"}
+    assert all(len(t) == 3 and min(t) > 0 for t in times.values())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))  # copies trained
+    (em,) = entered
+    assert em.step >= 3 and em.model is not model  # its own copy, every step inside the emulation
