@@ -21,8 +21,24 @@ from lowfp.experiments import bench  # noqa: E402
 PARTS = ("suite", "kernels", "optim", "emulate")
 
 
+# Stands in for python3 in the GPU script: bench/gpu_parts.py runs for real; a benchmark prints
+# its arguments, writes {"by": "stub"} where --json names a file, and exits with status 3.
+STUB_PYTHON = """#!/usr/bin/env bash
+if [ "$1" = bench/gpu_parts.py ]; then exec "%s" "$@"; fi
+echo "benchmark $*"
+while [ $# -gt 0 ]; do
+  if [ "$1" = --json ]; then echo '{"by": "stub"}' > "$2"; fi
+  shift
+done
+exit 3
+"""
+
+
 def run_gpu_script(tmp_path, *steps, deadline=None):
-    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable,
+    stub = tmp_path / "python"
+    stub.write_text(STUB_PYTHON % sys.executable)
+    stub.chmod(0o755)
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=str(stub),
                LOWFP_GPU_WHEELS=str(tmp_path / "no-wheels"))
     if deadline is not None:
         env["LOWFP_GPU_DEADLINE"] = str(deadline)
@@ -40,13 +56,17 @@ def test_the_gpu_script_names_at_most_eight_files():
 
 
 def test_the_gpu_script_runs_each_part_into_one_log_and_one_json(tmp_path):
-    # Without a GPU each benchmark refuses --device cuda at once: what is checked is the plumbing.
-    r, out = run_gpu_script(tmp_path, "optim", "emulate")
+    r, out = run_gpu_script(tmp_path, "kernels", "optim", "emulate")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["emulate.json", "emulate.log", "optim.json", "optim.log"]
-    log = (out / "emulate.log").read_text()
-    assert "-- eager: " in log and "-- gemms: " in log and "exit status" in log
-    assert json.loads((out / "emulate.json").read_text()) == {}  # (no benchmark wrote one)
+    assert sorted(p.name for p in out.iterdir()) == [
+        f"{part}.{kind}" for part in ("emulate", "kernels", "optim") for kind in ("json", "log")]
+    log = (out / "kernels.log").read_text()
+    for name in ("quantize", "scaled", "s2fp8", "accumulate", "host"):
+        assert f"-- {name}: " in log
+    assert "benchmark bench/bench_scaled.py --device cuda" in log and "exit status 3" in log
+    # the benchmarks that write JSON, merged under their names
+    assert sorted(json.loads((out / "kernels.json").read_text())) == ["accumulate", "quantize", "s2fp8", "scaled"]
+    assert sorted(json.loads((out / "emulate.json").read_text())) == ["eager", "gemms"]
 
 
 def test_the_gpu_script_skips_what_the_deadline_leaves_no_time_for(tmp_path):
@@ -54,6 +74,7 @@ def test_the_gpu_script_skips_what_the_deadline_leaves_no_time_for(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "kernels: skipped" in (out / "kernels.log").read_text()  # it needs 60 s
     assert "optim: started" in (out / "optim.log").read_text()  # it needs 30
+    assert json.loads((out / "optim.json").read_text()) == {"optim": {"by": "stub"}}
 
 
 def test_gpu_parts_merges_benchmarks_and_reads_pytests_report(tmp_path):
