@@ -3,7 +3,10 @@
     python bench/bench_emulate.py [--device cpu|cuda] [--repeats R] [--json FILE]
                                   [--no-compile | --compile-only]
 
-A step is forward, cross-entropy, backward and an SGD step.
+A step is forward, cross-entropy, backward and an SGD step. Every case of a table trains its own
+copy of the model (the same weights, its own optimizer) inside its emulation, entered once, and
+the copies' steps are timed in the same interleaved rounds (time_side_by_side): ratios of best
+steps, and the median over rounds of the per-round ratio ("paired").
 
 Strategies: a residual CNN and a small Transformer (nn.MultiheadAttention) on 8×8 one-channel
 images (the digits data of `lowfp train`) and on 32×32 three-channel images (CIFAR-sized), each
@@ -12,21 +15,20 @@ under the `uniform` and `ours(r=0.5)` assignments and, as a floor for the interc
 the CPU, ≤ 1.3× on a GPU.
 
 torch.compile: ResNet-18 on 32×32 images and a small GPT (4 blocks, width 128, 64 tokens, batch
-16 each; on a GPU the sizes of issue 55's targets, ResNet-18 at batch 256 and a GPT of 6 blocks of
-width 384 over 256 tokens at batch 32, whose eager emulated/plain columns are its eager targets),
-each plain, compiled plain, emulated (ours(r=0.5)) and compiled inside the emulation, the pairs compared
-timed in interleaved rounds. Targets: compiled emulated ≤ eager emulated, and ≤ 1.2× compiled
-plain on the CPU (≤ 1.1× on a GPU): under Inductor the roundings are generated inside its own
-kernels (docs/design.md §3.1).
+16 each; on a GPU the sizes of issue 55's targets, ResNet-18 at batch 256 and a GPT of 6 blocks
+of width 384 over 256 tokens at batch 32, whose eager emulated/plain columns are its eager
+targets), each plain, compiled plain, emulated (ours(r=0.5)) and compiled inside the emulation.
+Targets: compiled emulated ≤ eager emulated, and ≤ 1.2× compiled plain on the CPU (≤ 1.1× on a
+GPU): under Inductor the roundings are generated inside its own kernels (docs/design.md §3.1).
 
 Host cost: roundings per emulated step and the CPU µs of each (torch.profiler), printed after
 the first table.
 
 GEMM recipes (``--gemms-only``): the torch.compile cases eager under
-``lowfp.scaled.emulate_gemms`` with the mxfp8 and nvfp4 recipes against the plain step, timed in
-interleaved rounds, with the operand roundings per step and the µs of each (the time inside
-lowfp's operand rounding: on a GPU the host's, kernels being asynchronous; on the CPU the
-kernel's too). Targets on a GPU: mxfp8 ≤ 1.5×, nvfp4 ≤ 2× the plain step.
+``lowfp.scaled.emulate_gemms`` with the mxfp8 and nvfp4 recipes against the plain step, with the
+operand roundings per step and the µs of each (the time inside lowfp's operand rounding: on a
+GPU the host's, kernels being asynchronous; on the CPU the kernel's too). Targets on a GPU:
+mxfp8 ≤ 1.5×, nvfp4 ≤ 2× the plain step.
 """
 
 import argparse
