@@ -162,23 +162,11 @@ def run(device: torch.device, repeats: int):
 
 
 def compile_case_model(make, n, inputs, device: torch.device):
-    """(model, x, y, step_of) for one of compile_cases(device): step_of(forward) is a training step (forward
-    by ``forward``, the model or its compiled form; loss, backward, SGD) that waits for the
-    device."""
+    """(model, x, y) for one of compile_cases(device) (its steps: sgd_step with _loss)."""
     torch.manual_seed(0)
     model = make().to(device)
     x, y = inputs(n, device)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-    def step_of(forward):
-        def step():
-            loss = _loss(forward(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sync(device)
-        return step
-    return model, x, y, step_of
+    return model, x, y
 
 
 def run_compile(device: torch.device, repeats: int, cases):
@@ -188,7 +176,7 @@ def run_compile(device: torch.device, repeats: int, cases):
     import torch._dynamo
     rows = []
     for name, make, n, inputs in cases:
-        model, x, y, _ = compile_case_model(make, n, inputs, device)
+        model, x, y = compile_case_model(make, n, inputs, device)
         assignment = A.ours(A.trace(model, x, _loss, y), 0.5)
         counters = torch._dynamo.utils.counters
         torch._dynamo.reset()
@@ -259,8 +247,8 @@ def run_gemms(device: torch.device, repeats: int, cases, steps: int = 3):
     from lowfp.scaled import gemm
     rows = []
     for name, make, n, inputs in cases:
-        model, x, y, step_of = compile_case_model(make, n, inputs, device)
-        step = step_of(model)
+        model, x, y = compile_case_model(make, n, inputs, device)
+        step = sgd_step(model, x, y, device, _loss)
 
         setups = {"plain": None,
                   **{r: in_context(lambda m, r=r: lowfp.scaled.emulate_gemms(m, r)) for r in GEMM_RECIPES}}

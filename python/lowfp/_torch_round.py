@@ -219,7 +219,7 @@ def round_bits(bits: torch.Tensor, p: dict, c: Carrier, kind: str, rand, lanes: 
     negative = bits < 0
     a = bits & (c.sign - 1)
     nan = a > c.inf
-    if rounds_by_addition(p, c, kind) and lanes.dtype == c.int_dtype:
+    if rounds_by_addition(p, c, kind):  # (int32 lanes: float32 carrier, nearest)
         mag = stored(_magnitude_by_addition(a, p, c))  # (inf and NaN stay above max_bits)
     else:
         mag = stored(_round_magnitude(torch.clamp_max(a, c.inf), negative, p, c, kind, rand, lanes))
