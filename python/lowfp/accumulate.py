@@ -198,8 +198,8 @@ def _spec(mod, f: Format):
 
 
 @functools.lru_cache(maxsize=256)
-def _prepared(mod, acc: Accumulate, dtype: torch.dtype):
-    """The native request of ``acc`` for ``dtype`` operands, built once by keyword."""
+def _prepared(mod, acc: Accumulate):
+    """The native request of ``acc`` (float32 operands), built once by keyword."""
     overflow = acc.fmt.overflow if acc.overflow is None else acc.overflow
     return mod.PreparedAccumulate(
         accumulator=_spec(mod, acc.fmt), overflow=mod.Overflow.__members__[overflow],
@@ -209,8 +209,7 @@ def _prepared(mod, acc: Accumulate, dtype: torch.dtype):
         operand_emin=acc.operand_emin,
         product=None if acc.product is None else _spec(mod, acc.product),
         product_overflow=mod.Overflow.__members__[(acc.product or acc.fmt).overflow],
-        outer=_spec(mod, acc.outer), outer_overflow=mod.Overflow.__members__[acc.outer.overflow],
-        dtype=mod.DType.__members__[str(dtype)[6:]])
+        outer=_spec(mod, acc.outer), outer_overflow=mod.Overflow.__members__[acc.outer.overflow])
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, accumulate: Optional[Accumulate] = None, *,
@@ -283,13 +282,16 @@ def _gemm_impl(a, b, accumulate, seed, drawn_seed, count):
     acc = _parsed(accumulate)
     batch, m, k, n = _shapes(a, b)
     items = math.prod(batch)
+    # (the kernels read float32: bfloat16 and float16 widen to it exactly, and one operand type
+    # keeps the native code a third of the size)
+    a, b = a.float(), b.float()
     a3 = a.expand(*batch, m, k).reshape(items, m, k)
     b3 = b.expand(*batch, k, n).reshape(items, k, n)
     c = torch.empty(*batch, m, n, dtype=torch.float32, device=a.device)
     counts = torch.zeros(5 if count else 0, dtype=torch.int64, device=a.device)
     mod, device, stream = native(a3, "a")
     if c.numel():
-        _prepared(mod, acc, a.dtype)(
+        _prepared(mod, acc)(
             a3.data_ptr(), b3.data_ptr(), c.data_ptr(), items, m, n, k, tuple(a3.stride()),
             tuple(b3.stride()), philox_key(seed, drawn_seed), 0, counts.data_ptr() if count else 0,
             device, stream)

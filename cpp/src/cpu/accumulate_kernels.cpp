@@ -4,7 +4,6 @@
 #include "isa.hpp"
 
 #include <cfenv>
-#include <type_traits>
 
 #include "accumulate_call.hpp"
 #include "dispatch.hpp"
@@ -29,8 +28,8 @@ struct VectorPhilox {
   }
 };
 
-template <RoundKind Kind, bool kSub, LaneForm kForm, int kWidth, class In>
-void columns(const AccumulateCall& c, const In* a_row, const In* b_mat, float* c_row, int64_t r, int64_t j,
+template <RoundKind Kind, bool kSub, LaneForm kForm, int kWidth>
+void columns(const AccumulateCall& c, const float* a_row, const float* b_mat, float* c_row, int64_t r, int64_t j,
              AccumulateCounts& counts) {
   double sums[kWidth];
   accumulate_lanes<Kind, kSub, kWidth, kForm, VectorPhilox>(c.p, a_row, c.a_k, b_mat + j * c.b_col, c.b_k, c.b_col, c.k, c.seed,
@@ -38,14 +37,12 @@ void columns(const AccumulateCall& c, const In* a_row, const In* b_mat, float* c
   for (int l = 0; l < kWidth; ++l) c_row[j + l] = stored_sum(sums[l]);
 }
 
-template <RoundKind Kind, bool kSub, LaneForm kForm, class In>
+template <RoundKind Kind, bool kSub, LaneForm kForm>
 void rows(const AccumulateCall& c, int64_t r0, int64_t r1, AccumulateCounts& counts) {
-  const In* a = static_cast<const In*>(c.a);
-  const In* b = static_cast<const In*>(c.b);
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t batch = r / c.m, i = r % c.m;
-    const In* a_row = a + batch * c.a_batch + i * c.a_row;
-    const In* b_mat = b + batch * c.b_batch;
+    const float* a_row = c.a + batch * c.a_batch + i * c.a_row;
+    const float* b_mat = c.b + batch * c.b_batch;
     float* c_row = c.c + r * c.n;
     int64_t j = 0;
     for (; j + kLanes <= c.n; j += kLanes) columns<Kind, kSub, kForm, kLanes>(c, a_row, b_mat, c_row, r, j, counts);
@@ -69,28 +66,27 @@ class RoundingModeScope {
   int saved_;
 };
 
-template <RoundKind Kind, class In>
+template <RoundKind Kind>
 __attribute__((noinline)) void rows_in_mode(const AccumulateCall& c, int64_t r0, int64_t r1,
                                             AccumulateCounts& counts) {
-  rows<Kind, false, LaneForm::InMode, In>(c, r0, r1, counts);
+  rows<Kind, false, LaneForm::InMode>(c, r0, r1, counts);
 }
 
-template <class In>
 void in_mode(const AccumulateCall& c, int64_t r0, int64_t r1, AccumulateCounts& counts) {
   switch (c.p.mode) {
     case Rounding::Stochastic: {
       const RoundingModeScope scope(FE_TOWARDZERO);
-      rows_in_mode<RoundKind::Stochastic, In>(c, r0, r1, counts);
+      rows_in_mode<RoundKind::Stochastic>(c, r0, r1, counts);
       return;
     }
     case Rounding::TowardZero: {
       const RoundingModeScope scope(FE_TOWARDZERO);
-      rows_in_mode<RoundKind::TowardZero, In>(c, r0, r1, counts);
+      rows_in_mode<RoundKind::TowardZero>(c, r0, r1, counts);
       return;
     }
     default: {  // (up or down: in_mode_form holds for no other mode)
       const RoundingModeScope scope(c.p.mode == Rounding::Up ? FE_UPWARD : FE_DOWNWARD);
-      rows_in_mode<RoundKind::Directed, In>(c, r0, r1, counts);
+      rows_in_mode<RoundKind::Directed>(c, r0, r1, counts);
       return;
     }
   }
@@ -99,26 +95,20 @@ void in_mode(const AccumulateCall& c, int64_t r0, int64_t r1, AccumulateCounts& 
 }  // namespace
 
 void accumulate_range(const AccumulateCall& c, int64_t r0, int64_t r1, AccumulateCounts& counts) {
-  with_storage_type(c.dtype, [&](auto type) {
-    using In = typename decltype(type)::type;
-    if constexpr (!std::is_same_v<In, double>) {  // (prepare_accumulate refuses float64)
-      if (c.p.in_mode) {
-        in_mode<In>(c, r0, r1, counts);
+  if (c.p.in_mode) {
+    in_mode(c, r0, r1, counts);
+    return;
+  }
+  with_round_kind(c.p.mode, [&](auto kind) {
+    constexpr RoundKind K = decltype(kind)::value;
+    if constexpr (K == RoundKind::Nearest) {
+      if (c.p.by_addition) {  // (which nearest_by_addition holds only without subnormal exponents)
+        rows<K, false, LaneForm::ByAddition>(c, r0, r1, counts);
         return;
       }
-      with_round_kind(c.p.mode, [&](auto kind) {
-        constexpr RoundKind K = decltype(kind)::value;
-        if constexpr (K == RoundKind::Nearest) {
-          if (c.p.by_addition) {  // (which nearest_by_addition holds only without subnormal exponents)
-            rows<K, false, LaneForm::ByAddition, In>(c, r0, r1, counts);
-            return;
-          }
-        }
-        with_flag(c.p.acc.subnormal_exponent, [&](auto sub) {
-          rows<K, decltype(sub)::value, LaneForm::Bits, In>(c, r0, r1, counts);
-        });
-      });
     }
+    with_flag(c.p.acc.subnormal_exponent,
+              [&](auto sub) { rows<K, decltype(sub)::value, LaneForm::Bits>(c, r0, r1, counts); });
   });
 }
 

@@ -1,7 +1,5 @@
 // The emulated-accumulation GEMM: one thread per output element, grid-stride, each summing its
 // row of A and column of B by cpp/include/lowfp/accumulate.hpp as the CPU does.
-#include <type_traits>
-
 #include "accumulate_cuda.hpp"
 #include "common.cuh"
 #include "dispatch.hpp"
@@ -9,18 +7,16 @@
 namespace lowfp {
 namespace {
 
-template <RoundKind K, bool kSub, class In>
+template <RoundKind K, bool kSub>
 __global__ void __launch_bounds__(kThreads) accumulate_kernel(AccumulateCall c, unsigned long long* counts) {
-  const In* a = static_cast<const In*>(c.a);
-  const In* b = static_cast<const In*>(c.b);
   const int64_t total = c.batch * c.m * c.n;
   AccumulateCounts mine;
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
        e += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = e / c.n, j = e % c.n, batch = r / c.m, i = r % c.m;
     double sum[1];
-    accumulate_lanes<K, kSub, 1>(c.p, a + batch * c.a_batch + i * c.a_row, c.a_k,
-                                 b + batch * c.b_batch + j * c.b_col, c.b_k, c.b_col, c.k, c.seed,
+    accumulate_lanes<K, kSub, 1>(c.p, c.a + batch * c.a_batch + i * c.a_row, c.a_k,
+                                 c.b + batch * c.b_batch + j * c.b_col, c.b_k, c.b_col, c.k, c.seed,
                                  c.offset, uint64_t(e), sum, mine);
     c.c[e] = stored_sum(sum[0]);
   }
@@ -40,16 +36,11 @@ void accumulate_cuda(const AccumulateCall& c, int64_t* counts, int device, uintp
   const DeviceGuard guard(device);
   const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
   auto* cnt = reinterpret_cast<unsigned long long*>(counts);
-  with_storage_type(c.dtype, [&](auto type) {
-    using In = typename decltype(type)::type;
-    if constexpr (!std::is_same_v<In, double>) {  // (prepare_accumulate refuses float64)
-      with_round_kind(c.p.mode, [&](auto kind) {
-        with_flag(c.p.acc.subnormal_exponent, [&](auto sub) {
-          accumulate_kernel<decltype(kind)::value, decltype(sub)::value, In>
-              <<<grid_size(device, total), kThreads, 0, stream>>>(c, cnt);
-        });
-      });
-    }
+  with_round_kind(c.p.mode, [&](auto kind) {
+    with_flag(c.p.acc.subnormal_exponent, [&](auto sub) {
+      accumulate_kernel<decltype(kind)::value, decltype(sub)::value>
+          <<<grid_size(device, total), kThreads, 0, stream>>>(c, cnt);
+    });
   });
   check(cudaGetLastError(), "kernel launch");
 }

@@ -22,8 +22,6 @@ AccumulateParams prepare_accumulate(const AccumulateRequest& r) {
     if (int32_t(o) < 0 || int32_t(o) > 2) throw std::invalid_argument("bad overflow code");
   if (int32_t(r.mode) < 0 || int32_t(r.mode) > 5) throw std::invalid_argument("bad rounding code");
   if (int32_t(r.order) < 0 || int32_t(r.order) > 2) throw std::invalid_argument("bad order code");
-  if (r.dtype != DType::Float32 && r.dtype != DType::BFloat16 && r.dtype != DType::Float16)
-    throw std::invalid_argument("accumulation takes float32, bfloat16 or float16 operands");
   check_format(r.accumulator, "accumulator");
   if (r.accumulator.m > kAccumulateMaxMantissa)
     throw std::invalid_argument("an accumulator format has at most " +

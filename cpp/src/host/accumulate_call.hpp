@@ -1,6 +1,7 @@
 // One emulated-accumulation GEMM (docs/design.md §10) as the drivers see it: batches of
-// C (m × n, float32, contiguous) = A (m × k) · B (k × n), A and B of one storage type with any
-// strides, each output element summed by accumulate_element.
+// C (m × n, float32, contiguous) = A (m × k) · B (k × n), A and B float32 with any strides (the
+// caller widens bfloat16 and float16 operands, which is exact), each output element summed by
+// accumulate_lanes.
 #pragma once
 #include <cstdint>
 
@@ -10,7 +11,7 @@
 namespace lowfp {
 
 // An accumulation as the caller asks for it, without its buffers: lowfp prepares one per
-// (Accumulate, dtype) and reuses it.
+// Accumulate and reuses it.
 struct AccumulateRequest {
   FormatSpec accumulator;
   Overflow overflow;
@@ -27,14 +28,12 @@ struct AccumulateRequest {
   Overflow product_overflow;  // ... and its overflow policy
   FormatSpec outer;     // Blocked: the outer sum's format (nearest) ...
   Overflow outer_overflow;    // ... and its overflow policy
-  DType dtype;          // A's and B's (not float64: products must be exact in float64)
 };
 
 struct AccumulateCall {
   AccumulateParams p;
-  DType dtype;
-  const void* a;
-  const void* b;
+  const float* a;
+  const float* b;
   float* c;
   int64_t batch, m, n, k;
   int64_t a_batch, a_row, a_k;  // A's strides in elements: batch, row, reduction
