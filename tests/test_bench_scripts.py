@@ -145,3 +145,17 @@ def test_emulation_benchmarks_train_a_copy_per_case_inside_its_own_context():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))  # copies trained
     (em,) = entered
     assert em.step >= 3 and em.model is not model  # its own copy, every step inside the emulation
+
+
+def test_the_autograd_node_benchmark_times_every_node_against_torch_clone(capsys):
+    import bench_autograd
+    assert bench_autograd.main(["--no-cpp", "--links", "3", "--rounds", "1", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in out.splitlines()
+            if line.startswith("| ") and "---" not in line}
+    assert rows["torch.clone"][1].strip(" |") == "1.00"
+    for name in ("Python Function, Function.apply", "Python Function, torch's C++ apply",
+                 "lowfp's emulation rounding, fp(6,9,0)", "lowfp's emulation rounding, float8_e4m3fn"):
+        assert float(rows[name][0]) > 0, name
+    assert "C++ torch::autograd::Function (libtorch)" not in rows
+    assert "could not be built here: --no-cpp" in out
