@@ -194,24 +194,28 @@ def test_the_scaled_request_is_built_by_keyword():
     y = torch.empty_like(x)
     scales = torch.empty(5, dtype=torch.float64)  # 2 x 2 blocks, then the tensor scale
     counts = torch.zeros(6, dtype=torch.int64)
-    request(x.data_ptr(), y.data_ptr(), 2, 64, 1, 32, 0, 0, scales.data_ptr(), 0,
+    for bad_run in (-4, 6, 4):  # (4: not a divisor of the 2 rows)
+        with pytest.raises(ValueError, match="word_run"):
+            request(x.data_ptr(), y.data_ptr(), 2, 64, 1, 32, bad_run, 0, 0, scales.data_ptr(), 0,
+                    scales.data_ptr() + 32, counts.data_ptr(), 6, -1, 0)
+    request(x.data_ptr(), y.data_ptr(), 2, 64, 1, 32, 0, 0, 0, scales.data_ptr(), 0,
             scales.data_ptr() + 32, counts.data_ptr(), 6, -1, 0)
     stats = lowfp.scaled.ScaledStats()
     parts = lowfp.scaled.encode(x, "mxfp8_e4m3", stats=stats)
     assert torch.equal(y, parts.value) and torch.equal(scales[:4], parts.scales.flatten())
     assert torch.equal(counts, stats.counts) and stats.blocks == 4
     four = torch.zeros(5, dtype=torch.int64)  # a Stats' four counts: nothing written past them
-    request(x.data_ptr(), y.data_ptr(), 2, 64, 1, 32, 0, 0, scales.data_ptr(), 0,
+    request(x.data_ptr(), y.data_ptr(), 2, 64, 1, 32, 0, 0, 0, scales.data_ptr(), 0,
             scales.data_ptr() + 32, four.data_ptr(), 4, -1, 0)
     assert four.tolist() == stats.counts[:4].tolist() + [0]
     with pytest.raises(ValueError, match="4 or 6 counts"):
-        request(x.data_ptr(), y.data_ptr(), 2, 64, 1, 32, 0, 0, scales.data_ptr(), 0,
+        request(x.data_ptr(), y.data_ptr(), 2, 64, 1, 32, 0, 0, 0, scales.data_ptr(), 0,
                 scales.data_ptr() + 32, four.data_ptr(), 5, -1, 0)
     with pytest.raises(ValueError, match="scales buffer"):
-        request(x.data_ptr(), y.data_ptr(), 2, 64, 1, 32, 0, 0, 0, 0, scales.data_ptr(), 0, 0,
+        request(x.data_ptr(), y.data_ptr(), 2, 64, 1, 32, 0, 0, 0, 0, 0, scales.data_ptr(), 0, 0,
                 -1, 0)
     with pytest.raises(ValueError, match="block"):
-        request(x.data_ptr(), y.data_ptr(), 2, 64, 1, 0, 0, 0, scales.data_ptr(), 0,
+        request(x.data_ptr(), y.data_ptr(), 2, 64, 1, 0, 0, 0, 0, scales.data_ptr(), 0,
                 scales.data_ptr() + 32, 0, 0, -1, 0)
 
 

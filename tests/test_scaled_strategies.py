@@ -209,3 +209,27 @@ def test_blocks_wider_than_a_tile_round_as_each_block_alone(strategy):
         part = x[:, c0:c0 + 3000].contiguous()
         want = lowfp.quantize(part, fmt)
         assert torch.equal(got[:, c0:c0 + 3000].contiguous().view(torch.int32), want.view(torch.int32)), c0
+
+
+@pytest.mark.parametrize("fmt,dtype", [("mxfp8_e4m3", torch.float32), ("mxfp4_e2m1", torch.float16),
+                                       ("nvfp4", torch.float32), ("fp8_e4m3_rowwise", torch.bfloat16)])
+def test_stochastic_blocks_along_axis_0_read_in_place_draw_the_moved_layouts_words(fmt, dtype):
+    """Stochastic rounding along axis 0 of a contiguous tensor whose axis 0 is a multiple of 4
+    long is read where it lies (scaled.config.kernel_layout), its words those of the tensor with
+    axis 0 moved last (docs/design.md §9): in every strategy, the bits and counts of that moved
+    copy rounded along its last axis, on two column tiles and rows of two threads."""
+    from lowfp.scaled.config import kernel_layout
+    base = lowfp.scaled.named()[fmt]
+    along = base.with_axis(0)
+    x = inputs(64, 2100, dtype, seed=11)
+    assert kernel_layout(tuple(x.shape), along, True, True)[5] == 0  # (the column layout)
+    want_stats = ScaledStats()
+    want = lowfp.quantize(x.t().contiguous(), base, "stochastic", seed=5, offset=3, stats=want_stats).t()
+    allowed = cpu_plan(along, "stochastic", dtype, block_cols=1)["allowed"]
+    for name in [None, *allowed]:
+        with forced(name):
+            st = ScaledStats()
+            got = lowfp.quantize(x, along, "stochastic", seed=5, offset=3, stats=st)
+            assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                               want.view(torch.int16 if dtype != torch.float32 else torch.int32)), name
+            assert torch.equal(st.counts, want_stats.counts), name

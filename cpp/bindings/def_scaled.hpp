@@ -2,8 +2,9 @@
 // prepared once by keyword, then called on buffers,
 //   PreparedScaled(element=, overflow=, rounding=, sr_bits=, scale_rule=, scale_format=,
 //                  tensor_scale=, choice=, dtype=)
-//   p(x_ptr, y_ptr, rows, cols, block_rows, block_cols, seed, offset, scales_ptr, q_ptr,
+//   p(x_ptr, y_ptr, rows, cols, block_rows, block_cols, word_run, seed, offset, scales_ptr, q_ptr,
 //     tensor_scale_ptr, counts_ptr, counts_size, device, stream)
+// word_run: the stochastic words' order (ScaledCall::word_run; 0: row-major);
 // scales_ptr: float64 per block; q_ptr (or 0): float32 per element; tensor_scale_ptr: one float64;
 // counts_ptr (or 0): int64[counts_size], 4 (overflow, underflow, nan, numel: a lowfp.Stats) or 6
 // (saturated blocks and blocks too: a ScaledStats), added to. `run(call, tensor_scale, counts,
@@ -52,7 +53,8 @@ pybind11::class_<PreparedScaled<Forms>> def_scaled(pybind11::module_& mod, Prepa
           py::arg("sr_bits"), py::arg("scale_rule"), py::arg("scale_format"),
           py::arg("tensor_scale"), py::arg("choice"), py::arg("dtype"))
       .def("__call__", [run](const Prepared& p, uintptr_t x, uintptr_t y, int64_t rows,
-                             int64_t cols, int64_t block_rows, int64_t block_cols, uint64_t seed,
+                             int64_t cols, int64_t block_rows, int64_t block_cols, int64_t word_run,
+                             uint64_t seed,
                              uint64_t offset, uintptr_t scales, uintptr_t q,
                              uintptr_t tensor_scale, uintptr_t counts, int32_t counts_size,
                              int32_t device, uintptr_t stream) {
@@ -60,7 +62,7 @@ pybind11::class_<PreparedScaled<Forms>> def_scaled(pybind11::module_& mod, Prepa
           throw std::invalid_argument("scaled_quantize needs a tensor scale buffer");
         const ScaledCall call = with_buffers(
             p.call, reinterpret_cast<const void*>(x), reinterpret_cast<void*>(y), rows, cols,
-            block_rows, block_cols, seed, offset, reinterpret_cast<double*>(scales),
+            block_rows, block_cols, word_run, seed, offset, reinterpret_cast<double*>(scales),
             reinterpret_cast<float*>(q), counts != 0 ? counts_size : 0);
         py::gil_scoped_release release;
         run(call, p.forms, reinterpret_cast<double*>(tensor_scale), reinterpret_cast<int64_t*>(counts),

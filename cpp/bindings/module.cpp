@@ -66,7 +66,7 @@ PYBIND11_MODULE(_C, mod) {
       [](const PreparedScaled<ScaledCpuForms>& p, int64_t block_cols, bool parts) {
         float x = 0.0f, y = 0.0f, q = 0.0f;
         double scale = 0.0;
-        const ScaledCall call = with_buffers(p.call, &x, &y, 1, 1, 1, block_cols, 0, 0, &scale,
+        const ScaledCall call = with_buffers(p.call, &x, &y, 1, 1, 1, block_cols, 0, 0, 0, &scale,
                                              parts ? &q : nullptr, 4);
         const ScaledPlan plan = plan_scaled(call, p.forms);
         const uint32_t allowed = scaled_strategies(call, p.forms);

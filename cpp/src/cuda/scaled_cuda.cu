@@ -238,9 +238,20 @@ column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigne
     const double s = a > 0.0 ? block_scale(c.scale, a, t, sat) : empty, inv = 1.0 / s;
     c.scales[b] = s;
     saturated += sat;
-    for (int64_t i = first; i < last; i += c.cols) {
+    // Stochastic: the words of each Philox block the block's rows take in turn (with a word_run,
+    // four consecutive rows share one), each block drawn once.
+    Philox4x32Block words = {{0u, 0u, 0u, 0u}};
+    uint64_t drawn = ~uint64_t(0);
+    for (int64_t i = first, row = r0; i < last; i += c.cols, ++row) {
       uint32_t word = 0u;
-      if constexpr (K == RoundKind::Stochastic) word = philox_block(c.seed, c.offset + uint64_t(i) / 4).w[i % 4];
+      if constexpr (K == RoundKind::Stochastic) {
+        const uint64_t w = c.word_index(row, col), at = c.offset + w / 4;
+        if (at != drawn) {
+          words = philox_block(c.seed, at);
+          drawn = at;
+        }
+        word = words.w[w % 4];
+      }
       if constexpr (kNarrow) y[i] = round_narrow<In, K, kCount>(c, x[i], i, float(s), float(inv), word, tc);
       else y[i] = round_scaled<In, K, kCount, kPow2, kSubExp, kAdd, kOnce>(c, x[i], i, s, inv, word, tc);
     }
@@ -255,7 +266,7 @@ column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigne
 bool row_blocks(const ScaledCall& c) {
   const int64_t w = c.block_cols;
   const uintptr_t align = uintptr_t(min_of(16, 4 * dtype_size(c.dtype)));
-  return c.block_rows == 1 && w >= 4 && w <= 128 && (w & (w - 1)) == 0 && c.cols % w == 0 &&
+  return c.block_rows == 1 && c.word_run == 0 && w >= 4 && w <= 128 && (w & (w - 1)) == 0 && c.cols % w == 0 &&
          c.scale.choice == BlockChoice::Fixed && reinterpret_cast<uintptr_t>(c.x) % align == 0 &&
          reinterpret_cast<uintptr_t>(c.y) % align == 0;
 }
@@ -361,7 +372,10 @@ elements_kernel(ScaledCall c, unsigned long long* counts) {
     const int64_t r = i / c.cols, col = i % c.cols;
     const double s = c.scales[(r / c.block_rows) * gc + col / c.block_cols];
     uint32_t word = 0u;
-    if constexpr (K == RoundKind::Stochastic) word = philox_block(c.seed, c.offset + uint64_t(i) / 4).w[i % 4];
+    if constexpr (K == RoundKind::Stochastic) {
+      const uint64_t w = c.word_index(r, col);
+      word = philox_block(c.seed, c.offset + w / 4).w[w % 4];
+    }
     y[i] = round_scaled<In, K, kCount, kPow2, kSubExp>(c, x[i], i, s, 1.0 / s, word, tc);
   }
   if constexpr (kCount) finish_counts(tc, counts, n);

@@ -75,10 +75,12 @@ ScaledCall prepare_scaled_call(const ScaledRequest& r) {
 }
 
 ScaledCall with_buffers(ScaledCall c, const void* x, void* y, int64_t rows, int64_t cols,
-                        int64_t block_rows, int64_t block_cols, uint64_t seed, uint64_t offset,
-                        double* scales, float* q, int32_t counts_size) {
+                        int64_t block_rows, int64_t block_cols, int64_t word_run, uint64_t seed,
+                        uint64_t offset, double* scales, float* q, int32_t counts_size) {
   if (rows < 0 || cols < 0 || block_rows < 1 || block_cols < 1)
     throw std::invalid_argument("bad shape or block");
+  if (word_run < 0 || word_run % 4 != 0 || (word_run > 0 && rows % word_run != 0))
+    throw std::invalid_argument("word_run must be 0 or a multiple of 4 that divides rows");
   if (counts_size != 0 && counts_size != 4 && counts_size != 6)
     throw std::invalid_argument("a scaled rounding's counts buffer holds 4 or 6 counts");
   if (scales == nullptr) throw std::invalid_argument("scaled_quantize needs a scales buffer");
@@ -88,6 +90,7 @@ ScaledCall with_buffers(ScaledCall c, const void* x, void* y, int64_t rows, int6
   c.cols = cols;
   c.block_rows = block_rows;
   c.block_cols = block_cols;
+  c.word_run = word_run;
   c.seed = seed;
   c.offset = offset;
   c.scales = scales;

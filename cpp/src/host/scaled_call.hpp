@@ -25,8 +25,15 @@ struct ScaledCall {
   Rounding mode;
   bool count;
   bool count_blocks;             // the counts buffer holds the block counts too (6, not 4)
-  uint64_t seed, offset;         // stochastic: element i = r·cols + c takes word (offset·4 + i) % 4
-                                 // of Philox block offset + i / 4 (offset: a block offset)
+  uint64_t seed, offset;         // stochastic: element (r, c) takes word w % 4 of Philox block
+                                 // offset + w / 4, w = word_index(r, c) (offset: a block offset)
+  // 0: w = r·cols + c, the row-major index. Else the buffer is the tensor read where it lies
+  // with its blocks down the columns (scaled.config.kernel_layout's column layout), each column
+  // of each run of word_run rows one line of the axis holding the blocks, and w is the element's
+  // index with that axis moved last (docs/design.md §9): ((r / word_run)·cols + c)·word_run +
+  // r % word_run. A multiple of 4 (with_buffers), so that rows 4j .. 4j + 3 of a column take
+  // the four words of one Philox block.
+  int64_t word_run;
   double* scales;                // per block, row-major over the block grid: s (t included)
   float* q;                      // optional (nullptr): the elements q, row-major (E fits float32)
   // The float32 carrier (scaled.hpp's narrow_element): power-of-two scales, an input of at most
@@ -44,6 +51,10 @@ struct ScaledCall {
   bool add64, divide_once;
   LOWFP_HD int64_t block_grid_cols() const { return (cols + block_cols - 1) / block_cols; }
   LOWFP_HD int64_t block_grid_rows() const { return (rows + block_rows - 1) / block_rows; }
+  LOWFP_HD uint64_t word_index(int64_t r, int64_t c) const {
+    if (word_run == 0) return uint64_t(r * cols + c);
+    return uint64_t(((r / word_run) * cols + c) * word_run + r % word_run);
+  }
 };
 
 // fn(type, kind, add, once) for a call's float64-carrier rounding: its storage type (In =
@@ -90,15 +101,22 @@ LOWFP_HD double four_over_six_scale(const ScaledCall& c, int64_t b, double a, do
   // without branches, which the CPU's compiler vectorises), then added in order.
   constexpr int64_t kChunk = 16;
   double e6 = 0.0, e4 = 0.0;
+  // Stochastic: the Philox block last drawn, which the next elements take while their words
+  // (word_index) lie in it: consecutive elements of a row, or a column's rows with a word_run.
+  Philox4x32Block words = {{0u, 0u, 0u, 0u}};
+  uint64_t drawn = ~uint64_t(0);
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t i0 = r * c.cols + c0; i0 < r * c.cols + c1; i0 += kChunk) {
       const int64_t n = min_of(kChunk, r * c.cols + c1 - i0);
       uint32_t rw[kChunk] = {};
       if constexpr (Kind == RoundKind::Stochastic)
-        for (int64_t j = 0; j < n;) {  // (one Philox block per 4 consecutive elements)
-          const int64_t block = (i0 + j) / 4;
-          const Philox4x32Block words = philox_block(c.seed, c.offset + uint64_t(block));
-          for (; j < n && (i0 + j) / 4 == block; ++j) rw[j] = words.w[(i0 + j) % 4];
+        for (int64_t j = 0; j < n; ++j) {
+          const uint64_t w = c.word_index(r, i0 + j - r * c.cols), at = c.offset + w / 4;
+          if (at != drawn) {
+            words = philox_block(c.seed, at);
+            drawn = at;
+          }
+          rw[j] = words.w[w % 4];
         }
       double d6[kChunk], d4[kChunk];
       for (int64_t j = 0; j < n; ++j) {
@@ -175,10 +193,11 @@ ScaledCall prepare_scaled_call(const ScaledRequest& r);
 // A prepared call on x (rows × cols, row-major, in blocks of block_rows × block_cols) into y,
 // writing one scale per block into scales (required), the elements into q when not null,
 // counting when counts_size is 4 (element counts) or 6 (block counts too), not when it is 0;
-// seed and offset as ScaledCall's. Throws std::invalid_argument on a negative shape, an empty
-// block, a missing scales buffer or another counts size.
+// word_run, seed and offset as ScaledCall's. Throws std::invalid_argument on a negative shape,
+// an empty block, a word_run that is not 0 or a multiple of 4 dividing rows, a missing scales
+// buffer or another counts size.
 ScaledCall with_buffers(ScaledCall c, const void* x, void* y, int64_t rows, int64_t cols,
-                        int64_t block_rows, int64_t block_cols, uint64_t seed, uint64_t offset,
-                        double* scales, float* q, int32_t counts_size);
+                        int64_t block_rows, int64_t block_cols, int64_t word_run, uint64_t seed,
+                        uint64_t offset, double* scales, float* q, int32_t counts_size);
 
 }  // namespace lowfp

@@ -282,14 +282,15 @@ def layout(shape, fmt: Scaled):
 def kernel_layout(shape, fmt: Scaled, contiguous: bool, stochastic: bool):
     """(rows, cols, block_rows, block_cols, move, column_axis) of the kernel's call on a tensor of
     ``shape``: layout()'s (column_axis None), except for 1-D blocks (or per-slice scales) along an
-    axis that is not last in a deterministic rounding of a contiguous tensor, where no block spans
-    two positions of the axes before that axis (there is one, or the axis holds whole blocks).
-    Such a tensor is read where it lies, as a (rows, cols) matrix of its own row-major order whose
-    blocks are block_rows × 1 (one position of the axes after the axis, block_rows of its elements;
-    column_axis the axis), not copied with the axis moved last. Stochastic rounding keeps the copy:
-    its words follow the element indices of that layout (docs/design.md §9)."""
+    axis that is not last in a rounding of a contiguous tensor, where no block spans two positions
+    of the axes before that axis (there is one, or the axis holds whole blocks). Such a tensor is
+    read where it lies, as a (rows, cols) matrix of its own row-major order whose blocks are
+    block_rows × 1 (one position of the axes after the axis, block_rows of its elements;
+    column_axis the axis), not copied with the axis moved last. Stochastic rounding draws its
+    words by the element indices of the moved layout (docs/design.md §9), which the kernel finds
+    from the axis' length (word_run) when it is a multiple of 4; other lengths keep the copy."""
     rows, cols, brows, bcols, move = layout(shape, fmt)
-    if move is None or stochastic or not contiguous:
+    if move is None or not contiguous or (stochastic and shape[move] % 4):
         return rows, cols, brows, bcols, move, None
     along = shape[move]
     outer = 1
@@ -302,6 +303,12 @@ def kernel_layout(shape, fmt: Scaled, contiguous: bool, stochastic: bool):
     for n in shape[move + 1:]:
         inner *= n
     return outer * along, inner, block, 1, None, move
+
+
+def word_run(shape, column_axis, stochastic: bool) -> int:
+    """The kernel's word_run for kernel_layout's answer: the length of the column layout's axis
+    for a stochastic rounding (its words by the moved layout's indices), else 0."""
+    return shape[column_axis] if stochastic and column_axis is not None else 0
 
 
 def column_scales(scales, shape, axis: int, block: int):

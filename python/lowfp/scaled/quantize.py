@@ -4,8 +4,9 @@ The tensor is laid out as (rows, cols) with the block axis last (a copy when it 
 that a block is block_rows × block_cols of that matrix: 1-D blocks are (1, B), a per-slice scale
 (1, cols), 2-D blocks (B0, B1) and a per-tensor scale the whole matrix. Stochastic rounding draws
 by element index in that layout (the tensor's own row-major order when the block axis is last).
-A deterministic rounding of a contiguous tensor along another axis reads it where it lies, its
-blocks B × 1 (config.kernel_layout): the same results without the copy.
+A rounding of a contiguous tensor along another axis reads it where it lies, its blocks B × 1
+(config.kernel_layout; stochastic rounding where that axis' length is a multiple of 4, the kernel
+finding each element's index in the moved layout from it): the same results without the copy.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from .._native import (DTYPE_CODES, ROUNDING_MODES, as_int64, call_seed, check_t
                        check_uint64, eager_seed, remembered_seed, runs_natively)
 from ..formats import OVERFLOW_POLICIES, Format
 from ..stats import Stats
-from .config import Scaled, column_scales, kernel_layout, layout, scales_shape, to_scaled
+from .config import Scaled, column_scales, kernel_layout, layout, scales_shape, to_scaled, word_run
 
 __all__ = ["ScaledStats", "ScaledParts", "quantize_scaled", "encode", "hadamard", "hadamard_signs"]
 
@@ -133,15 +134,18 @@ class PreparedScaled(Prepared):
         if not x.is_contiguous():
             return None
         block = self.last_axis_block
+        run = 0
         if block is not None and x.dim():
             cols = x.shape[-1]
             rows = x.numel() // cols if cols else 0
             block_rows, block_cols = 1, (block or cols)
         else:
-            rows, cols, block_rows, block_cols, move, _ = _kernel_layout(tuple(x.shape), self.fmt, True,
-                                                                         self.stochastic)
+            shape = tuple(x.shape)
+            rows, cols, block_rows, block_cols, move, column = _kernel_layout(shape, self.fmt, True,
+                                                                              self.stochastic)
             if move is not None:  # (a copy to another layout)
                 return None
+            run = word_run(shape, column, self.stochastic)
         seed = remembered_seed(self.stochastic, generator)  # (drawn for empty tensors too, as
         if seed is None:                                      # the full path draws)
             return None
@@ -156,7 +160,7 @@ class PreparedScaled(Prepared):
             else:
                 scratch = torch.empty(blocks + 1, dtype=torch.float64, device=x.device)
             scratch_ptr = scratch.data_ptr()
-            self.request(x.data_ptr(), y.data_ptr(), rows, cols, block_rows, block_cols, seed, 0,
+            self.request(x.data_ptr(), y.data_ptr(), rows, cols, block_rows, block_cols, run, seed, 0,
                          scratch_ptr, 0, scratch_ptr + 8 * blocks,
                          0 if counts is None else counts.data_ptr(),
                          0 if counts is None else counts.numel(), device, stream)
@@ -193,7 +197,8 @@ def _impl(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, 
         mod, device, stream = backends.native(xm, "x")
         key = (int(drawn_seed[0]) | (int(drawn_seed[1]) << 32)) if drawn_seed is not None else seed & _U64
         prepared(mod, scaled, rounding, overflow, sr_bits, xm.dtype)(
-            xm.data_ptr(), y.data_ptr(), rows, cols, brows, bcols, key, offset & _U64,
+            xm.data_ptr(), y.data_ptr(), rows, cols, brows, bcols,
+            word_run(tuple(x.shape), column, rounding == "stochastic"), key, offset & _U64,
             scales.data_ptr(), q.data_ptr() if parts else 0, tensor_scale.data_ptr(),
             counts.data_ptr() if count else 0, 6, device, stream)
     if column is not None:

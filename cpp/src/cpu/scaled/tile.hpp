@@ -78,6 +78,11 @@ struct TileScales {
   alignas(64) float s32_buf[kTile + kPage / 4];
   alignas(64) float inv32_buf[kTile + kPage / 4];  // (a page longer than s32_buf: same offset)
   alignas(64) uint32_t rand[kTile + 4];
+  // Column words (ScaledCall::word_run): the Philox blocks of the tile's columns in rows 4j ..
+  // 4j + 3, which the four rows take in turn (column_words_group j, from column column_words_t0)
+  static constexpr int kWordLanes = 64;  // (blocks per philox_blocks_at call)
+  alignas(64) uint32_t column_words[4][kTile + kWordLanes];
+  int64_t column_words_group = -1, column_words_t0 = -1;
   // Per block of the tile (at most kTile + 1 blocks): 1 / s, and the float32 forms (checked).
   alignas(64) double block_inv[kTile + 1];
   alignas(64) float block_s32[kTile + 1];
@@ -215,6 +220,26 @@ inline void spread64(const ScaledCall& c, const Tile& k, TileScales& t) {
 
 // Stochastic rounding's words: element i of the tile (row-major index first + i) takes t.rand[i].
 inline void draw_words(const ScaledCall& c, const Tile& k, TileScales& t) {
+  if (c.word_run != 0) {  // column words: element (r, t0 + j) takes word r % 4 of the block of its
+                          // column in rows 4(r / 4) .. + 3 (word_run a multiple of 4)
+    const int64_t r = k.first / c.cols, group = r / 4;
+    if (group != t.column_words_group || k.t0 != t.column_words_t0) {
+      const uint64_t first = c.offset + c.word_index(4 * group, k.t0) / 4;
+      const uint64_t step = uint64_t(c.word_run / 4);  // (between consecutive columns' blocks)
+      constexpr int kN = TileScales::kWordLanes;
+      for (int64_t j0 = 0; j0 < k.len; j0 += kN) {
+        uint64_t blocks[kN];
+        uint32_t w[4][kN];
+        for (int l = 0; l < kN; ++l) blocks[l] = first + uint64_t(j0 + l) * step;
+        philox_blocks_at(c.seed, blocks, w);
+        for (int q = 0; q < 4; ++q) std::memcpy(t.column_words[q] + j0, w[q], sizeof(w[q]));
+      }
+      t.column_words_group = group;
+      t.column_words_t0 = k.t0;
+    }
+    std::memcpy(t.rand, t.column_words[r % 4], sizeof(uint32_t) * size_t(k.len));
+    return;
+  }
   const int64_t phase = k.first % 4;
   philox_fill(t.rand, c.seed, c.offset + uint64_t(k.first / 4), (phase + k.len + 3) / 4);
   // element i's word to rand[i]: indexed rand[phase + i], GCC 12 at -O3 dropped the stores of
