@@ -89,9 +89,10 @@ def run(size: int, repeats: int, device: str = "cpu"):
         stats = lowfp.scaled.ScaledStats(device)
         fns[f"{name} nearest out=, counted"] = (
             lambda n=name, s=stats: lowfp.quantize(x, n, out=y, stats=s))
-    # blocks along axis 0 (a GEMM operand along its reduction axis): read in place when
-    # deterministic, copied with the axis moved last when stochastic; the transposing copy alone
-    for name, rounding in (("mxfp8_e4m3", "nearest"), ("nvfp4", "nearest"), ("mxfp8_e4m3", "stochastic")):
+    # blocks along axis 0 (a GEMM operand along its reduction axis): read in place (stochastic
+    # too: axis 0's length is a multiple of 4); the transposing copy alone, which they replace
+    for name, rounding in (("mxfp8_e4m3", "nearest"), ("nvfp4", "nearest"), ("mxfp8_e4m3", "stochastic"),
+                           ("nvfp4", "stochastic")):
         along0 = lowfp.scaled.named()[name].with_axis(0)
         fns[f"{name} {rounding} along axis 0"] = (
             lambda f=along0, r=rounding: lowfp.quantize(x, f, r, seed=1))
