@@ -194,10 +194,11 @@ def test_the_scaled_request_is_built_by_keyword():
     y = torch.empty_like(x)
     scales = torch.empty(5, dtype=torch.float64)  # 2 x 2 blocks, then the tensor scale
     counts = torch.zeros(6, dtype=torch.int64)
-    for bad_run in (-4, 6, 4):  # (4: not a divisor of the 2 rows)
+    for rows, block_rows, bad_run in ((2, 1, -4), (2, 1, 6), (2, 1, 4), (16, 8, 4)):
+        # (4: not a divisor of the 2 rows; of 16 rows, but runs of 4 cut blocks of 8)
         with pytest.raises(ValueError, match="word_run"):
-            request(x.data_ptr(), y.data_ptr(), 2, 64, 1, 32, bad_run, 0, 0, scales.data_ptr(), 0,
-                    scales.data_ptr() + 32, counts.data_ptr(), 6, -1, 0)
+            request(x.data_ptr(), y.data_ptr(), rows, 8, block_rows, 32, bad_run, 0, 0,
+                    scales.data_ptr(), 0, scales.data_ptr() + 32, counts.data_ptr(), 6, -1, 0)
     request(x.data_ptr(), y.data_ptr(), 2, 64, 1, 32, 0, 0, 0, scales.data_ptr(), 0,
             scales.data_ptr() + 32, counts.data_ptr(), 6, -1, 0)
     stats = lowfp.scaled.ScaledStats()

@@ -7,8 +7,8 @@
 //   p(a_ptr, b_ptr, c_ptr, batch, m, n, k, a_strides, b_strides, seed, offset, counts_ptr,
 //     device, stream)
 // a_strides: A's (batch, row, reduction) strides in elements; b_strides: B's (batch, reduction,
-// column); A and B float32; C: float32, contiguous (batch, m, n); counts_ptr (or 0): int64[5] added to (overflow,
-// underflow, nan, roundings, swamped additions). `run(call, counts, device, stream)` executes the
+// column); A and B float32; C: float32, contiguous (batch, m, n); counts_ptr (or 0): int64[5]
+// added to (overflow, underflow, nan, roundings, swamped additions). `run(call, counts, device, stream)` executes the
 // call with the GIL released.
 #pragma once
 #include <pybind11/pybind11.h>

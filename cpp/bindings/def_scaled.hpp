@@ -54,8 +54,7 @@ pybind11::class_<PreparedScaled<Forms>> def_scaled(pybind11::module_& mod, Prepa
           py::arg("tensor_scale"), py::arg("choice"), py::arg("dtype"))
       .def("__call__", [run](const Prepared& p, uintptr_t x, uintptr_t y, int64_t rows,
                              int64_t cols, int64_t block_rows, int64_t block_cols, int64_t word_run,
-                             uint64_t seed,
-                             uint64_t offset, uintptr_t scales, uintptr_t q,
+                             uint64_t seed, uint64_t offset, uintptr_t scales, uintptr_t q,
                              uintptr_t tensor_scale, uintptr_t counts, int32_t counts_size,
                              int32_t device, uintptr_t stream) {
         if (tensor_scale == 0)

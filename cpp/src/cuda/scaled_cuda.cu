@@ -238,14 +238,17 @@ column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigne
     const double s = a > 0.0 ? block_scale(c.scale, a, t, sat) : empty, inv = 1.0 / s;
     c.scales[b] = s;
     saturated += sat;
-    // Stochastic: the words of each Philox block the block's rows take in turn (with a word_run,
-    // four consecutive rows share one), each block drawn once.
+    // Stochastic: each row's word w, the next one along with a word_run (a block lies within one
+    // run: with_buffers) or cols further on, and each Philox block drawn once (with a word_run,
+    // four consecutive rows share one).
     Philox4x32Block words = {{0u, 0u, 0u, 0u}};
     uint64_t drawn = ~uint64_t(0);
-    for (int64_t i = first, row = r0; i < last; i += c.cols, ++row) {
+    const uint64_t w_step = c.word_run != 0 ? 1u : uint64_t(c.cols);
+    uint64_t w = c.word_index(r0, col);
+    for (int64_t i = first; i < last; i += c.cols, w += w_step) {
       uint32_t word = 0u;
       if constexpr (K == RoundKind::Stochastic) {
-        const uint64_t w = c.word_index(row, col), at = c.offset + w / 4;
+        const uint64_t at = c.offset + w / 4;
         if (at != drawn) {
           words = philox_block(c.seed, at);
           drawn = at;
@@ -266,8 +269,8 @@ column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigne
 bool row_blocks(const ScaledCall& c) {
   const int64_t w = c.block_cols;
   const uintptr_t align = uintptr_t(min_of(16, 4 * dtype_size(c.dtype)));
-  return c.block_rows == 1 && c.word_run == 0 && w >= 4 && w <= 128 && (w & (w - 1)) == 0 && c.cols % w == 0 &&
-         c.scale.choice == BlockChoice::Fixed && reinterpret_cast<uintptr_t>(c.x) % align == 0 &&
+  return c.block_rows == 1 && c.word_run == 0 && w >= 4 && w <= 128 && (w & (w - 1)) == 0 &&
+         c.cols % w == 0 && c.scale.choice == BlockChoice::Fixed && reinterpret_cast<uintptr_t>(c.x) % align == 0 &&
          reinterpret_cast<uintptr_t>(c.y) % align == 0;
 }
 

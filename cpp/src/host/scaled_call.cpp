@@ -79,8 +79,11 @@ ScaledCall with_buffers(ScaledCall c, const void* x, void* y, int64_t rows, int6
                         uint64_t offset, double* scales, float* q, int32_t counts_size) {
   if (rows < 0 || cols < 0 || block_rows < 1 || block_cols < 1)
     throw std::invalid_argument("bad shape or block");
-  if (word_run < 0 || word_run % 4 != 0 || (word_run > 0 && rows % word_run != 0))
-    throw std::invalid_argument("word_run must be 0 or a multiple of 4 that divides rows");
+  // (a block within one run of word_run rows: the GPU's column kernel steps each block's words)
+  if (word_run < 0 || word_run % 4 != 0 ||
+      (word_run > 0 && (rows % word_run != 0 || (rows != word_run && word_run % block_rows != 0))))
+    throw std::invalid_argument("word_run must be 0 or a multiple of 4 that divides rows and, "
+                                "unless it is rows, is a multiple of block_rows");
   if (counts_size != 0 && counts_size != 4 && counts_size != 6)
     throw std::invalid_argument("a scaled rounding's counts buffer holds 4 or 6 counts");
   if (scales == nullptr) throw std::invalid_argument("scaled_quantize needs a scales buffer");

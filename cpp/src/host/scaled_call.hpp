@@ -32,7 +32,7 @@ struct ScaledCall {
   // of each run of word_run rows one line of the axis holding the blocks, and w is the element's
   // index with that axis moved last (docs/design.md §9): ((r / word_run)·cols + c)·word_run +
   // r % word_run. A multiple of 4 (with_buffers), so that rows 4j .. 4j + 3 of a column take
-  // the four words of one Philox block.
+  // the four words of one Philox block, and no block crosses a run.
   int64_t word_run;
   double* scales;                // per block, row-major over the block grid: s (t included)
   float* q;                      // optional (nullptr): the elements q, row-major (E fits float32)
@@ -194,8 +194,8 @@ ScaledCall prepare_scaled_call(const ScaledRequest& r);
 // writing one scale per block into scales (required), the elements into q when not null,
 // counting when counts_size is 4 (element counts) or 6 (block counts too), not when it is 0;
 // word_run, seed and offset as ScaledCall's. Throws std::invalid_argument on a negative shape,
-// an empty block, a word_run that is not 0 or a multiple of 4 dividing rows, a missing scales
-// buffer or another counts size.
+// an empty block, a word_run that is not 0 or a multiple of 4 dividing rows (and of block_rows,
+// unless it is rows), a missing scales buffer or another counts size.
 ScaledCall with_buffers(ScaledCall c, const void* x, void* y, int64_t rows, int64_t cols,
                         int64_t block_rows, int64_t block_cols, int64_t word_run, uint64_t seed,
                         uint64_t offset, double* scales, float* q, int32_t counts_size);
