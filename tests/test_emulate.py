@@ -2,6 +2,7 @@
 and the loss scaler seeing emulated overflows."""
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from lowfp import assign as A
 from lowfp.experiments import models
 from sync_mock import DeviceSync, device_reads_forbidden
 from training import optimizer_step
-from devices import on_cuda
+from devices import DEVICES, on_cuda
 
 
 def batch(n=16, c=1, hw=8, classes=10, seed=0):
@@ -392,8 +393,15 @@ def _emulated_step(model, a, x, y, skip=True, observe=True, **kw):
 def _rounder_calls(monkeypatch):
     from lowfp.quantize import Rounder
     calls = []
-    call = Rounder.__call__
+    call, in_place = Rounder.__call__, Rounder.round_in_place
     monkeypatch.setattr(Rounder, "__call__", lambda self, t, stats=None: calls.append(1) or call(self, t, stats))
+
+    def round_in_place(self, t, stats=None):  # (a rounding too, where it rounds)
+        done = in_place(self, t, stats)
+        if done:
+            calls.append(1)
+        return done
+    monkeypatch.setattr(Rounder, "round_in_place", round_in_place)
     return calls
 
 
@@ -657,3 +665,140 @@ def test_emulated_forward_and_backward_never_wait_for_the_gpu(case):
             opt.zero_grad()
     assert [s["step"] for s in em.history.steps] == [1, 2, 3, 4, 5]
     assert bool(em.history.promotions) == (case == "promotion")
+
+
+# One operator per autograd node that emulate rounds in place (emulate._SAVES_NO_RESULT), and
+# some whose node saves its result (which must not be): name -> f(tensors) on the device.
+def _node_cases(device):
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(device).requires_grad_()
+    x, w, a, b, s, s2 = r(4, 8, 6, 6), r(8, 8, 3, 3), r(5, 7), r(7, 3), r(2, 5, 7), r(2, 7, 3)
+    c8, c7, c3 = r(8), r(7), r(3)
+    return {
+        "conv2d": lambda: F.conv2d(x, w, padding=1), "conv_transpose2d": lambda: F.conv_transpose2d(x, w),
+        "linear": lambda: F.linear(a, b.t(), c3), "linear 3-d": lambda: F.linear(s, b.t()),
+        "mm": lambda: a @ b, "bmm": lambda: torch.bmm(s, s2), "matmul 3-d": lambda: s @ b,
+        "baddbmm": lambda: torch.baddbmm(s @ s2, s, s2),
+        "attention": lambda: F.scaled_dot_product_attention(s, s, s),
+        "add": lambda: a + a, "sub": lambda: a - 2 * a, "mul": lambda: a * a, "div": lambda: a / (a.abs() + 1),
+        "neg": lambda: -a, "batch_norm": lambda: F.batch_norm(x, torch.zeros(8, device=device),
+                                                             torch.ones(8, device=device), c8, c8, training=True),
+        "layer_norm": lambda: F.layer_norm(s, (7,), c7), "group_norm": lambda: F.group_norm(x, 2, c8, c8),
+        "mean": lambda: x.mean(), "mean dims": lambda: x.mean(dim=(2, 3)), "sum": lambda: x.sum(),
+        "sum dim": lambda: x.sum(dim=1), "avg_pool2d": lambda: F.avg_pool2d(x, 2), "gelu": lambda: F.gelu(a),
+        "silu": lambda: F.silu(a), "leaky_relu": lambda: F.leaky_relu(a), "hardswish": lambda: F.hardswish(a),
+        "cat": lambda: torch.cat([a, a]), "stack": lambda: torch.stack([a, a]),
+        "embedding": lambda: F.embedding(torch.tensor([1, 2], device=device), a),
+        "pad": lambda: F.pad(x, (1, 1)), "interpolate": lambda: F.interpolate(x, scale_factor=2),
+        # nodes that save their result
+        "relu": lambda: F.relu(a), "softmax": lambda: F.softmax(a, -1), "log_softmax": lambda: F.log_softmax(a, -1),
+        "tanh": lambda: torch.tanh(a), "sigmoid": lambda: torch.sigmoid(a), "exp": lambda: a.exp(),
+        "sqrt": lambda: (a.abs() + 1).sqrt(),
+    }
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_results_rounded_in_place_are_saved_by_no_node(device):
+    """A result whose autograd node emulate rounds in its own memory is held by nothing autograd
+    saved: every tensor its operator packs for backward (torch.autograd.graph.saved_tensors_hooks)
+    lies in other memory. Nodes that save their result are not rounded in place. On the CPU, every
+    node of the list is met."""
+    emulation = importlib.import_module("lowfp.emulate")
+    met = set()
+    for name, f in _node_cases(device).items():
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+            out = f()
+        node = out.grad_fn
+        if type(node).__name__ == "UnsafeViewBackward0":
+            node = node.next_functions[0][0]
+        met.add(type(node).__name__)
+        saved = any(p.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() for p in packed)
+        assert emulation._rounds_in_place(out) == (type(node).__name__ in emulation._SAVES_NO_RESULT), name
+        if emulation._rounds_in_place(out):
+            assert not saved, name
+        if name in ("relu", "softmax", "log_softmax", "tanh", "sigmoid", "exp", "sqrt"):
+            assert saved and not emulation._rounds_in_place(out), name
+    if device == "cpu":
+        assert emulation._SAVES_NO_RESULT <= met, sorted(emulation._SAVES_NO_RESULT - met)
+
+
+def _steps_with_and_without_rounding_in_place(model, a, x, y, monkeypatch, steps=3, rounding="nearest"):
+    """(parameters, counts, history, roundings in place) after training copies of ``model`` for
+    ``steps`` under ``a``: with results rounded in their own memory, and with each rounded into a
+    copy."""
+    emulation = importlib.import_module("lowfp.emulate")
+    check = emulation._rounds_in_place
+    results = []
+    for in_place in (True, False):
+        calls = []
+        monkeypatch.setattr(emulation, "_rounds_in_place",
+                            lambda t: calls.append(check(t)) or (in_place and calls[-1]))
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        torch.manual_seed(7)
+        with lowfp.emulate(m, a, rounding=rounding) as em:
+            for _ in range(steps):
+                loss = F.cross_entropy(m(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            counts = em.counts.clone()
+        results.append(([p.detach().clone() for p in m.parameters()], counts, em.history.steps, sum(calls)))
+    monkeypatch.setattr(emulation, "_rounds_in_place", check)
+    return results
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_results_rounded_in_place_give_the_bits_of_a_copy(name, monkeypatch):
+    """Rounding an operator's new result in its own memory (its gradient by a tensor hook) gives
+    the parameters, counts and history of rounding it into a copy (an autograd Function), and the
+    caller's input and the model's parameters outside the optimizer's step are not written."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    x, y = batch()
+    x_before = x.clone()
+    tr = A.trace(model, x, F.cross_entropy, y)
+    (params, counts, history, n), (params_ref, counts_ref, history_ref, _) = \
+        _steps_with_and_without_rounding_in_place(model, A.make(tr, "uniform"), x, y, monkeypatch)
+    assert n > 0  # some results were rounded in place
+    assert all(torch.equal(p, q) for p, q in zip(params, params_ref))
+    assert torch.equal(counts, counts_ref) and history == history_ref
+    assert torch.equal(x, x_before)
+
+
+class _ReturnsItsArgument(nn.Module):
+    """A convolution's result, which its node does not save, saved by the next convolution and
+    then passed through an operator that returns its argument (dropout in eval mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.head = nn.Linear(8 * 64, 10)
+
+    def forward(self, x):
+        h = self.conv1(x)
+        z = self.conv2(h)
+        w = F.dropout(h, 0.5, training=False)  # h itself
+        return self.head(torch.cat([z, w], 1).flatten(1))
+
+
+def test_an_operator_that_returns_its_argument_is_not_rounded_in_place(monkeypatch):
+    """The result of an operator call that returns one of its arguments is rounded into a copy:
+    rounded in place, the convolution's input that conv2 saved would change under it."""
+    torch.manual_seed(0)
+    model = _ReturnsItsArgument()
+    x, y = batch()
+    tr = A.trace(model, x, F.cross_entropy, y)
+    a = A.make(tr, "uniform")
+    dropout = next(n for n in tr.tensors if n.endswith(":dropout"))
+    formats = dict(a.formats)
+    formats[dropout] = lowfp.fp(3, 1, 2)  # coarser than conv1's result: rounding it again changes it
+    a = A.Assignment(tr, formats, a.lo, "test")
+    (params, counts, _, n), (params_ref, counts_ref, _, _) = \
+        _steps_with_and_without_rounding_in_place(model, a, x, y, monkeypatch)
+    assert n > 0
+    assert all(torch.equal(p, q) for p, q in zip(params, params_ref))
+    assert torch.equal(counts, counts_ref)

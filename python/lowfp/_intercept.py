@@ -373,7 +373,8 @@ class ForwardSession:
             out = self.gemms(func, args, kwargs)
         if out is NotImplemented:
             out = func(*args, **kwargs)
-        if kind == OP and writes_in_place(fname, args, kwargs, out):
+        wrote = kind == OP and writes_in_place(fname, args, kwargs, out)
+        if wrote:
             self.writes += 1
         if not inputs:  # constants: computed from nothing this step tracks
             return out
@@ -390,7 +391,7 @@ class ForwardSession:
         self._repeats[base] = n + 1
         key = base if n == 0 else f"{base}#{n}"
         names = ["v:" + key] if len(tensors) == 1 else [f"v:{key}[{j}]" for j in range(len(tensors))]
-        new = [self._tag(self._output(t, name, source), name) for t, name in zip(tensors, names)]
+        new = [self._tag(self._output(t, name, source, not wrote), name) for t, name in zip(tensors, names)]
         self._operator(key, fname, module, fname in GEMM_NAMES, inputs, names, tensors)
         return rebuild(new)
 
@@ -406,9 +407,10 @@ class ForwardSession:
     def _input(self, t: torch.Tensor, name: str) -> torch.Tensor:
         return t
 
-    def _output(self, t: torch.Tensor, name: str, source=None) -> torch.Tensor:
+    def _output(self, t: torch.Tensor, name: str, source=None, new: bool = False) -> torch.Tensor:
         """source: what ``_source_of`` said of the first argument of a SELECTING_NAMES operator
-        (None otherwise)."""
+        (None otherwise). new: the call returned none of the tensors it was given (t is a result
+        of its own, or a view of one)."""
         return t
 
     def _source_of(self, t: torch.Tensor):

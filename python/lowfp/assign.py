@@ -176,7 +176,7 @@ class _Recorder(ForwardSession):
         self._watch_grad(t, name)
         return t
 
-    def _output(self, t, name, source=None):
+    def _output(self, t, name, source=None, new=False):
         self._count(t, name)
         self._watch_grad(t, name)
         return t

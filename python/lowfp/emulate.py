@@ -79,6 +79,45 @@ _OVERFLOW = ("saturate", "inf", "nan")
 _MARK = "_lowfp_rounded"  # (forward serial, writes, rounder) on a tensor that holds its results
 
 
+# The autograd nodes whose operator saves none of its results for backward (it may save its
+# inputs), each checked against torch.autograd.graph.saved_tensors_hooks in tests/test_emulate.py
+# on every device there. An operator's new result with one of these nodes is rounded in its own
+# memory: nothing else holds it, so no copy is needed and no saved value changes.
+_SAVES_NO_RESULT = frozenset("""
+ConvolutionBackward0 AddmmBackward0 MmBackward0 BmmBackward0 BaddbmmBackward0 AddBackward0
+SubBackward0 MulBackward0 DivBackward0 NegBackward0 NativeBatchNormBackward0
+NativeLayerNormBackward0 NativeGroupNormBackward0 MeanBackward0 MeanBackward1 SumBackward0
+SumBackward1 AvgPool2DBackward0 GeluBackward0 SiluBackward0 LeakyReluBackward0 HardswishBackward0
+CatBackward0 StackBackward0 EmbeddingBackward0 ConstantPadNdBackward0 UpsampleNearest2DBackward0
+""".split())
+_node_saves_no_result: Dict[type, bool] = {}
+
+
+def _rounds_in_place(t: torch.Tensor) -> bool:
+    """Whether t, a new result of an operator call (not one of its arguments), may be rounded in
+    its own memory: a plain tensor, not a view, whose autograd node saves none of its results.
+    matmul, linear and attention on 3-d operands return the GEMM's result reshaped by
+    _unsafe_view (its own node, sharing the GEMM result's memory, which no node saves): their
+    node is taken when the node before it is one of these."""
+    if type(t) is not torch.Tensor or t._base is not None:
+        return False
+    node = t.grad_fn
+    kind = type(node)
+    if kind.__name__ == "UnsafeViewBackward0":
+        node = node.next_functions[0][0]
+        kind = type(node)
+    ok = _node_saves_no_result.get(kind)
+    if ok is None:
+        ok = _node_saves_no_result[kind] = kind.__name__ in _SAVES_NO_RESULT
+    return ok
+
+
+def _gradient_hook(bwd: Optional[Rounder], stats: Optional[Stats]):
+    """The tensor hook that rounds a gradient with ``bwd``, adding to ``stats`` (None without
+    bwd)."""
+    return None if bwd is None else functools.partial(bwd, stats=stats)
+
+
 class _Round(torch.autograd.Function):
     """Forward: round x with fwd (or copy it); backward: round the gradient with bwd."""
 
@@ -229,8 +268,9 @@ class Emulator(ForwardSession):
         self._rounders: Dict[tuple, Rounder] = {}
         self._plan: Dict[str, Optional[Rounder]] = {n: self._rounder_for(n) for n in names}
         # Per v or theta name, what a rounding of it takes, looked up once per call:
-        # (forward rounder, its count slot, backward rounder, its count slot) while counting,
-        # and the same without slots; rebuilt for a tensor when it is promoted.
+        # (forward rounder, its count slot, backward rounder, its count slot, the backward
+        # rounding as a tensor hook) while counting, and the same without slots; rebuilt for a
+        # tensor when it is promoted.
         self._entries: Dict[str, tuple] = {}
         self._uncounted: Dict[str, tuple] = {}
         for n in names:
@@ -288,8 +328,9 @@ class Emulator(ForwardSession):
         """The rounding entries of a v or theta name (see __init__)."""
         gname = grad_name(name)
         fwd, bwd = self._plan[name], self._plan.get(gname)
-        self._entries[name] = (fwd, self._stats[name], bwd, self._stats.get(gname))
-        self._uncounted[name] = (fwd, None, bwd, None)
+        bs = self._stats.get(gname)
+        self._entries[name] = (fwd, self._stats[name], bwd, bs, _gradient_hook(bwd, bs))
+        self._uncounted[name] = (fwd, None, bwd, None, _gradient_hook(bwd, None))
 
     def _unrecorded(self, name: str, dtype: torch.dtype):
         """The rounding entry of a v or theta name that the recorded step does not have: hi,
@@ -300,15 +341,17 @@ class Emulator(ForwardSession):
                           "to the hi candidate. Trace the model again if its structure changed.",
                           stacklevel=2)
         hi = self._hi(dtype)
-        return self._rounder(hi, True), None, self._rounder(hi, False), None
+        bwd = self._rounder(hi, False)
+        return self._rounder(hi, True), None, bwd, None, _gradient_hook(bwd, None)
 
-    def _round(self, t: torch.Tensor, name: str, source=None) -> torch.Tensor:
+    def _round(self, t: torch.Tensor, name: str, source=None, new: bool = False) -> torch.Tensor:
         """t rounded for tensor `name`. source: the rounder whose results a selecting operator's
         argument holds (ForwardSession._source_of); when it is this tensor's forward rounder, the
-        forward rounding would return t unchanged, so it is skipped and only counted."""
+        forward rounding would return t unchanged, so it is skipped and only counted. new: t is a
+        result of an operator call that returned none of its arguments (see _rounds_in_place)."""
         # (every training tensor passes here: one lookup, and the eager path first)
         entry = (self._entries if self._counting else self._uncounted).get(name)
-        fwd, fs, bwd, bs = entry if entry is not None else self._unrecorded(name, t.dtype)
+        fwd, fs, bwd, bs, hook = entry if entry is not None else self._unrecorded(name, t.dtype)
         if fwd is None and bwd is None:
             return t
         unchanged = source is not None and source is fwd and type(t) is torch.Tensor
@@ -318,17 +361,21 @@ class Emulator(ForwardSession):
         else:
             observe = None if self.observer is None else (self.observer, name)
             if t.requires_grad and torch.is_grad_enabled():
-                if (kernel is None and observe is None and not t.is_leaf
+                out = None
+                if (observe is None and not t.is_leaf
                         and (bwd is None or bwd.rounding != "stochastic")):
-                    # Nothing to round forward (skipped, or no forward format): t itself, its
-                    # gradient rounded by a hook (on an operator's output of this forward, never
-                    # on a user's leaf, whose hooks would outlive the step). Stochastic gradients
-                    # keep their own node: a hook would run when t's producer does, which moves
-                    # their seed draws in backward's order away from the compiled step's.
-                    out = t
-                    if bwd is not None:
-                        t.register_hook(functools.partial(bwd, stats=bs))
-                else:
+                    # t itself, its gradient rounded by a hook (on an operator's output of this
+                    # forward, never on a user's leaf, whose hooks would outlive the step), where
+                    # there is nothing to round forward (skipped, or no forward format) or t can
+                    # be rounded in its own memory. Stochastic gradients keep their own node: a
+                    # hook would run when t's producer does, which moves their seed draws in
+                    # backward's order away from the compiled step's.
+                    if kernel is None or (new and _rounds_in_place(t)
+                                          and kernel.round_in_place(t, kernel_stats)):
+                        out = t
+                        if hook is not None:
+                            t.register_hook(hook)
+                if out is None:
                     out = _round_apply(t, kernel, kernel_stats, bwd, bs, observe)
             elif kernel is None:
                 out = t
@@ -394,8 +441,8 @@ class Emulator(ForwardSession):
     def _input(self, t, name):
         return self._round(t, name)
 
-    def _output(self, t, name, source=None):
-        return self._round(t, name, source)
+    def _output(self, t, name, source=None, new=False):
+        return self._round(t, name, source, new)
 
     def _forward(self, inner, args, kwargs):
         try:

@@ -412,6 +412,25 @@ class Rounder:
             self._prepare(x)  # checked: its later calls are one native call
         return y
 
+    def round_in_place(self, x: torch.Tensor, stats: Optional[Stats] = None) -> bool:
+        """Round x into its own memory, adding its counts to ``stats``, where this rounder's
+        prepared call takes it (eager; a plain, contiguous tensor of a dtype it has rounded on that
+        backend; a format, or S2FP8, not a scaled format; stats of a type the kernel adds to).
+        False, with nothing drawn or written, otherwise. No autograd: the caller makes sure no
+        other tensor, and nothing autograd saved, holds x's memory."""
+        if self.scaled is not None or type(x) is not torch.Tensor or torch.compiler.is_compiling():
+            return False
+        prepared = self._requests.get((x.dtype, x.is_cuda))
+        if prepared is None or not x.is_contiguous():
+            return False
+        if stats is None:
+            counts = None
+        elif type(stats) in prepared.stats_types and backends.same_device(stats.counts, x):
+            counts = stats.counts
+        else:
+            return False
+        return prepared.round(x, counts, out=x) is not None
+
     def _prepare(self, x: torch.Tensor) -> None:
         """Remember the prepared rounding of x's dtype into itself on x's backend."""
         if self.scaled is not None:

@@ -43,7 +43,7 @@ int get_num_threads();
 // Threads worth starting for n elements: at most get_num_threads(), and at least kMinPerThread
 // elements each (below that, starting threads costs more than it saves). Per-thread outputs are
 // sized by it too, so a large set_num_threads costs nothing.
-constexpr int64_t kMinPerThread = 1 << 15;
+constexpr int64_t kMinPerThread = 1 << 13;
 int threads_for(int64_t n);
 
 // Runs fn(thread, begin, end) over contiguous ranges of whole tiles (so every range starts on a
