@@ -221,16 +221,29 @@ def host_per_rounding(device: torch.device, steps: int = 5):
     ``_RoundBackward`` events, which hold the rounding call from Python down to the kernel: on
     a GPU the host's time, which the GPU waits for when the step is host-bound; on the CPU the
     kernel's too) for the first CASES model under ours(r=0.5). Skipped roundings (ReLU's output,
-    docs/design.md §6) are not events."""
+    docs/design.md §6) are not events, nor are results rounded in their own memory (no node of
+    lowfp's: counted apart, as ``in_place_per_step``)."""
     from torch.profiler import ProfilerActivity, profile
+    from lowfp.quantize import Rounder
     model, x, y, step = training_step(CASES[0], device)
+    in_place = Rounder.round_in_place
+    done = []
+
+    def counted(self, t, stats=None):
+        result = in_place(self, t, stats)
+        done.append(result)
+        return result
     with lowfp.emulate(model, A.ours(A.trace(model, x, F.cross_entropy, y), 0.5)):
         for _ in range(3):
             step()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                step()
-    row = {"case": CASES[0][0]}
+        Rounder.round_in_place = counted
+        try:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(steps):
+                    step()
+        finally:
+            Rounder.round_in_place = in_place
+    row = {"case": CASES[0][0], "in_place_per_step": sum(done) / steps}
     for key, label in (("_Round", "forward"), ("_RoundBackward", "backward")):
         events = [e for e in prof.key_averages() if e.key == key]
         row[f"{label}_per_step"] = events[0].count / steps if events else 0
@@ -356,9 +369,10 @@ def main(argv=None):
               "own emulation, their steps in", args.repeats, "interleaved rounds; paired: the median",
               "over rounds of their ratio; target ≤ 1.5× on CPU, 1.3× on GPU)")
         result["host"] = h = host_per_rounding(device)
-        print(f"{h['case']}, ours(r=0.5): {h['forward_per_step']:.0f} forward and "
-              f"{h['backward_per_step']:.0f} backward roundings per step; CPU µs per rounding "
-              f"(torch.profiler, with its overhead): forward {h['forward_cpu_us']:.1f}, backward "
+        print(f"{h['case']}, ours(r=0.5), per step: {h['in_place_per_step']:.0f} forward roundings in "
+              f"place (no node of lowfp's), {h['forward_per_step']:.0f} forward and "
+              f"{h['backward_per_step']:.0f} backward roundings through lowfp's node; CPU µs per rounding "
+              f"of the node (torch.profiler, with its overhead): forward {h['forward_cpu_us']:.1f}, backward "
               f"{h['backward_cpu_us']:.1f} ({'host time' if device.type == 'cuda' else 'host and kernel'})")
     if not args.no_compile:
         known = compile_cases(device)

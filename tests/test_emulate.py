@@ -761,6 +761,12 @@ def test_results_rounded_in_place_give_the_bits_of_a_copy(name, monkeypatch):
     x, y = batch()
     x_before = x.clone()
     tr = A.trace(model, x, F.cross_entropy, y)
+    before = [p.detach().clone() for p in model.parameters()]
+    with lowfp.emulate(model, A.make(tr, "uniform")):
+        for _ in range(2):  # (the second forward's roundings are prepared)
+            F.cross_entropy(model(x), y).backward()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    model.zero_grad()
     (params, counts, history, n), (params_ref, counts_ref, history_ref, _) = \
         _steps_with_and_without_rounding_in_place(model, A.make(tr, "uniform"), x, y, monkeypatch)
     assert n > 0  # some results were rounded in place
