@@ -177,6 +177,18 @@ def floating_outputs(out) -> Tuple[List[torch.Tensor], object]:
     return [], None
 
 
+def _named_forward(forward, name: str, stack: List[str]):
+    """A submodule's forward that has its path ``name`` on ``stack`` while it runs."""
+    def named(*args, **kwargs):
+        stack.append(name)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            if stack:  # (a forward's start empties it)
+                stack.pop()
+    return named
+
+
 class _Mode(TorchFunctionMode):
     """The torch-function mode pushed while the model's forward runs; it hands every call to
     its session (kept apart so that sessions can be context managers of their own)."""
@@ -217,10 +229,12 @@ class ForwardSession:
         self._repeats: Dict[str, int] = {}
         self.serial = 0
         self.writes = 0  # operator calls of this forward that wrote into a tensor they were given
-        self._hooks = []
+        self._saved_forwards: List[tuple] = []  # (submodule, its own instance forward or None)
         self._installed = False
         self._saved_forward = None
         self._mode = _Mode(self)
+        # (the emulation records nothing per operator: call skips its _operator)
+        self._records_operators = type(self)._operator is not ForwardSession._operator
         # The GEMMs' emulation (lowfp.scaled.gemm.GemmHandler) or None: called, with the mapped
         # arguments, in place of the functions GEMM_NAMES names; NotImplemented passes a call on.
         self.gemms = None
@@ -233,11 +247,13 @@ class ForwardSession:
         if model.__dict__.get("_lowfp_session") is not None:
             raise ValueError("model is already traced or emulated by another lowfp session; "
                              "close that one first")
+        # Each submodule's forward, wrapped to keep its path on the stack while it runs (an
+        # instance attribute, which nn.Module.__call__ calls as it would the method; hooks would
+        # take __call__'s slow path for every module).
         for name, module in model.named_modules():
-            self._hooks.append(module.register_forward_pre_hook(
-                lambda mod, args, name=name: self._module_stack.append(name)))
-            self._hooks.append(module.register_forward_hook(
-                lambda mod, args, out: self._pop_module(), always_call=True))
+            if module is not model:
+                self._saved_forwards.append((module, module.__dict__.get("forward")))
+                module.forward = _named_forward(module.forward, name, self._module_stack)
         self._saved_forward = model.__dict__.get("forward")
         inner = model.forward
         session = self
@@ -251,9 +267,12 @@ class ForwardSession:
     def remove(self) -> None:
         if not self._installed:
             return
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        for module, saved in reversed(self._saved_forwards):
+            if saved is not None:
+                module.forward = saved
+            else:
+                del module.forward
+        self._saved_forwards.clear()
         model = self.model
         if self._saved_forward is not None:
             model.forward = self._saved_forward
@@ -261,10 +280,6 @@ class ForwardSession:
             del model.forward
         model.__dict__.pop("_lowfp_session", None)
         self._installed = False
-
-    def _pop_module(self) -> None:
-        if self._module_stack:
-            self._module_stack.pop()
 
     # -- one forward -----------------------------------------------------------------------
     def _begin(self) -> None:
@@ -297,28 +312,30 @@ class ForwardSession:
             return items if isinstance(a, list) else tuple(items)
         return a
 
-    def _tag(self, t: torch.Tensor, name: str) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # Dynamo cannot set attributes on tensors
-            self._traced[t] = name
+    def _tag(self, t: torch.Tensor, name: str, compiling: Optional[bool] = None) -> torch.Tensor:
+        """t tagged as tensor ``name`` of this forward (compiling: torch.compiler.is_compiling(),
+        where the caller knows it)."""
+        if torch.compiler.is_compiling() if compiling is None else compiling:
+            self._traced[t] = name  # (Dynamo cannot set attributes on tensors)
         else:
             setattr(t, _TAG, (self.serial, name))
         return t
 
-    def tracked_name(self, t: torch.Tensor) -> Optional[str]:
-        if torch.compiler.is_compiling():
+    def tracked_name(self, t: torch.Tensor, compiling: Optional[bool] = None) -> Optional[str]:
+        if torch.compiler.is_compiling() if compiling is None else compiling:
             return self._traced.get(t)
         tag = getattr(t, _TAG, None)
         return tag[1] if tag is not None and tag[0] == self.serial else None
 
-    def _map_args(self, args, inputs: List[str]):
+    def _map_args(self, args, inputs: List[str], compiling: bool):
         """args with parameters replaced by self._param(...); TS names of tracked tensors are
         appended to inputs. Returns args itself when nothing was replaced."""
         new = None
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
-                r = self._see(a, inputs)
+                r = self._see(a, inputs, compiling)
             elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
-                r = self._map_args(a, inputs)
+                r = self._map_args(a, inputs, compiling)
             else:
                 continue
             if r is not a:
@@ -329,10 +346,16 @@ class ForwardSession:
             return args
         return new if isinstance(args, list) else tuple(new)
 
-    def _see(self, t: torch.Tensor, inputs: List[str]) -> torch.Tensor:
-        name = self.tracked_name(t)
+    def _see(self, t: torch.Tensor, inputs: List[str], compiling: bool) -> torch.Tensor:
+        if compiling:
+            name = self._traced.get(t)
+        else:
+            tag = getattr(t, _TAG, None)
+            name = tag[1] if tag is not None and tag[0] == self.serial else None
         if name is not None:
             inputs.append(name)
+            return t
+        if type(t) is torch.Tensor:  # (never a Parameter: isinstance would ask Parameter's metaclass)
             return t
         if isinstance(t, torch.nn.Parameter):
             pname = self.param_names.get(id(t))
@@ -353,19 +376,23 @@ class ForwardSession:
     def call(self, func, args, kwargs):
         """One torch-function call made by the model's forward (see the module docs)."""
         kwargs = kwargs or {}
-        kind, fname = classify(func)
+        try:
+            kind, fname = _classes[func]
+        except (KeyError, TypeError):
+            kind, fname = classify(func)
         if kind == PASS:
             return func(*args, **kwargs)
         if fname == "__getitem__" and len(args) == 2 and cuts(args[0], args[1]):
             kind = OP  # a strict part of a dim: a partition, as narrow (docs/design.md §6)
+        compiling = torch.compiler.is_compiling()
         inputs: List[str] = []
-        args = self._map_args(args, inputs)
+        args = self._map_args(args, inputs, compiling)
         # (before the call, which may change it in place)
         source = (self._source_of(args[0]) if fname in SELECTING_NAMES and args
                   and isinstance(args[0], torch.Tensor) else None)
         if kwargs:
             values = list(kwargs.values())
-            mapped = self._map_args(values, inputs)
+            mapped = self._map_args(values, inputs, compiling)
             if mapped is not values:
                 kwargs = dict(zip(kwargs.keys(), mapped))
         out = NotImplemented
@@ -383,16 +410,24 @@ class ForwardSession:
             return out
         if kind == VIEW:
             for t in tensors:
-                self._tag(t, inputs[0])
+                self._tag(t, inputs[0], compiling)
             return out
         module = self._module_stack[-1] if self._module_stack else ""
         base = f"{module}:{fname}" if module else fname
         n = self._repeats.get(base, 0)
         self._repeats[base] = n + 1
         key = base if n == 0 else f"{base}#{n}"
+        if len(tensors) == 1 and rebuild is _first:  # (the usual case: one tensor)
+            name = "v:" + key
+            result = self._tag(self._output(out, name, source, not wrote), name, compiling)
+            if self._records_operators:
+                self._operator(key, fname, module, fname in GEMM_NAMES, inputs, [name], tensors)
+            return result
         names = ["v:" + key] if len(tensors) == 1 else [f"v:{key}[{j}]" for j in range(len(tensors))]
-        new = [self._tag(self._output(t, name, source, not wrote), name) for t, name in zip(tensors, names)]
-        self._operator(key, fname, module, fname in GEMM_NAMES, inputs, names, tensors)
+        new = [self._tag(self._output(t, name, source, not wrote), name, compiling)
+               for t, name in zip(tensors, names)]
+        if self._records_operators:
+            self._operator(key, fname, module, fname in GEMM_NAMES, inputs, names, tensors)
         return rebuild(new)
 
     # -- what subclasses decide ------------------------------------------------------------

@@ -15,7 +15,7 @@ import sys
 import torch
 
 _HUGE_PAGE = 1 << 21
-_MIN_BYTES = 2 * _HUGE_PAGE
+HUGE_PAGE_MIN_BYTES = 2 * _HUGE_PAGE  # smaller buffers are plain torch.empty_like
 _MADV_HUGEPAGE = 14
 
 _madvise = None
@@ -40,7 +40,7 @@ def new_output(like: torch.Tensor, dtype: torch.dtype,
     else:
         t = torch.empty_like(like, dtype=dtype, memory_format=memory_format)
     nbytes = like.numel() * dtype.itemsize  # (the size first: most outputs are small)
-    if nbytes >= _MIN_BYTES and _madvise is not None and t.is_cpu:
+    if nbytes >= HUGE_PAGE_MIN_BYTES and _madvise is not None and t.is_cpu:
         start = (t.data_ptr() + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
         end = (t.data_ptr() + nbytes) & ~(_HUGE_PAGE - 1)
         if end > start:

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from . import _C, backends
-from ._memory import new_output
+from ._memory import HUGE_PAGE_MIN_BYTES, new_output
 from ._native import DTYPE_CODES, remembered_seed
 from .stats import Stats
 
@@ -58,6 +58,8 @@ class PreparedFormat(Prepared):
         (channels-last, a transpose, attention's heads), whose strides the result takes (as
         torch.empty_like gives them). Stochastic rounding draws by logical index, so any other
         layout takes the full path."""
+        # (every eager rounding of the emulation passes here: the usual case, a contiguous CPU
+        # tensor into a new one of its dtype, first and in few steps)
         if x.is_contiguous():
             layout = torch.contiguous_format
         elif out is None and not self.stochastic and backends.is_dense(x):
@@ -70,11 +72,24 @@ class PreparedFormat(Prepared):
                 return None
         else:
             seed = 0
-        _, device, stream = backends.native(x, "x")
-        y = new_output(x, self.dtype, layout) if out is None else out
+        if x.is_cpu and not x.is_nested and x.layout is torch.strided:
+            if torch.get_num_threads() != backends._torch_threads:  # (follow_torch_threads, inline)
+                backends.follow_torch_threads()
+            device, stream = -1, 0
+        else:
+            _, device, stream = backends.native(x, "x")
+        if out is not None:
+            y = out
+        elif self.dtype is x.dtype and x.numel() < _SMALL:  # (no huge pages to ask for)
+            y = torch.empty_like(x)  # (x's layout, contiguous or dense)
+        else:
+            y = new_output(x, self.dtype, layout)
         self.request(x.data_ptr(), y.data_ptr(), x.numel(), seed, 0,
                      0 if counts is None else counts.data_ptr(), device, stream)
         return y
+
+
+_SMALL = HUGE_PAGE_MIN_BYTES // 8  # elements below new_output's huge-page size in any dtype
 
 
 _scratch = threading.local()  # each CPU thread's S2FP8 statistics, which the caller does not get

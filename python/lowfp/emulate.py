@@ -54,6 +54,7 @@ value keeps the unrounded result.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import json
@@ -61,6 +62,7 @@ import logging
 import warnings
 from typing import Dict, List, Mapping, NamedTuple, Optional
 
+import numpy as np
 import torch
 
 from ._autograd import function_apply
@@ -90,7 +92,7 @@ NativeLayerNormBackward0 NativeGroupNormBackward0 MeanBackward0 MeanBackward1 Su
 SumBackward1 AvgPool2DBackward0 GeluBackward0 SiluBackward0 LeakyReluBackward0 HardswishBackward0
 CatBackward0 StackBackward0 EmbeddingBackward0 ConstantPadNdBackward0 UpsampleNearest2DBackward0
 """.split())
-_node_saves_no_result: Dict[type, bool] = {}
+_node_saves_no_result: Dict[type, object] = {}
 
 
 def _rounds_in_place(t: torch.Tensor) -> bool:
@@ -102,20 +104,52 @@ def _rounds_in_place(t: torch.Tensor) -> bool:
     if type(t) is not torch.Tensor or t._base is not None:
         return False
     node = t.grad_fn
-    kind = type(node)
-    if kind.__name__ == "UnsafeViewBackward0":
-        node = node.next_functions[0][0]
-        kind = type(node)
-    ok = _node_saves_no_result.get(kind)
+    ok = _node_saves_no_result.get(type(node))
     if ok is None:
-        ok = _node_saves_no_result[kind] = kind.__name__ in _SAVES_NO_RESULT
+        ok = _node_saves_no_result[type(node)] = (
+            _UNSAFE_VIEW if type(node).__name__ == "UnsafeViewBackward0"
+            else type(node).__name__ in _SAVES_NO_RESULT)
+    if ok is _UNSAFE_VIEW:
+        node = node.next_functions[0][0]
+        ok = type(node).__name__ in _SAVES_NO_RESULT
     return ok
 
 
-def _gradient_hook(bwd: Optional[Rounder], stats: Optional[Stats]):
-    """The tensor hook that rounds a gradient with ``bwd``, adding to ``stats`` (None without
-    bwd)."""
-    return None if bwd is None else functools.partial(bwd, stats=stats)
+_UNSAFE_VIEW = "unsafe view"  # (_node_saves_no_result's entry for _unsafe_view's node)
+
+
+_HOOKS_KEY = "lowfp"  # (never one of torch's RemovableHandle ids, which are ints)
+
+
+def _add_gradient_hook(t: torch.Tensor, hook) -> None:
+    """t.register_hook(hook) for an operator's result of this forward, which has no hooks yet:
+    the same dict of hooks on t and the same registration with t's node, without the handle
+    that register_hook builds (the emulation never removes its hooks: they go with the step's
+    graph). A later t.register_hook adds to that dict, after this one."""
+    global _lean_hooks
+    if _lean_hooks and t._backward_hooks is None:
+        try:
+            t._backward_hooks = hooks = collections.OrderedDict()
+            hooks[_HOOKS_KEY] = hook
+            t.grad_fn._register_hook_dict(t)
+            return
+        except AttributeError:  # (a torch without these: register_hook from now on)
+            t._backward_hooks = None
+            _lean_hooks = False
+    t.register_hook(hook)
+
+
+_lean_hooks = True
+
+
+def _entry(fwd: Optional[Rounder], fs: Optional[Stats], bwd: Optional[Rounder], bs: Optional[Stats]):
+    """What a rounding of a v or theta tensor takes (Emulator._round): its forward rounder and
+    count slot, its backward rounder and count slot, the backward rounding as a tensor hook (None
+    without one), whether the gradient may be rounded by that hook (not stochastic: see _round),
+    and whether the forward rounding's results are marked (an idempotent rounder)."""
+    hook = None if bwd is None else functools.partial(bwd, stats=bs)
+    return (fwd, fs, bwd, bs, hook, bwd is None or bwd.rounding != "stochastic",
+            fwd is not None and fwd.idempotent)
 
 
 class _Round(torch.autograd.Function):
@@ -254,8 +288,9 @@ class Emulator(ForwardSession):
         self.step = 0                          # closed training steps
         names = list(self.assignment.trace.tensors)
         self._row = {n: i for i, n in enumerate(names)}
-        # (name, row, a forward tensor) for reading a step's counts
-        self._row_roles = [(n, i, role_of(n) in FORWARD_ROLES) for n, i in self._row.items()]
+        # per row, (name, a forward tensor), and the rows of gradients, for reading a step's counts
+        self._row_roles = [(n, role_of(n) in FORWARD_ROLES) for n in names]
+        self._gradient_rows = np.array([not forward for _, forward in self._row_roles], dtype=bool)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.counts = torch.zeros(len(names), 4, dtype=torch.int64, device=device)
         self._stats = {n: Stats.view(self.counts[i]) for n, i in self._row.items()}
@@ -329,8 +364,8 @@ class Emulator(ForwardSession):
         gname = grad_name(name)
         fwd, bwd = self._plan[name], self._plan.get(gname)
         bs = self._stats.get(gname)
-        self._entries[name] = (fwd, self._stats[name], bwd, bs, _gradient_hook(bwd, bs))
-        self._uncounted[name] = (fwd, None, bwd, None, _gradient_hook(bwd, None))
+        self._entries[name] = _entry(fwd, self._stats[name], bwd, bs)
+        self._uncounted[name] = _entry(fwd, None, bwd, None)
 
     def _unrecorded(self, name: str, dtype: torch.dtype):
         """The rounding entry of a v or theta name that the recorded step does not have: hi,
@@ -341,8 +376,7 @@ class Emulator(ForwardSession):
                           "to the hi candidate. Trace the model again if its structure changed.",
                           stacklevel=2)
         hi = self._hi(dtype)
-        bwd = self._rounder(hi, False)
-        return self._rounder(hi, True), None, bwd, None, _gradient_hook(bwd, None)
+        return _entry(self._rounder(hi, True), None, self._rounder(hi, False), None)
 
     def _round(self, t: torch.Tensor, name: str, source=None, new: bool = False) -> torch.Tensor:
         """t rounded for tensor `name`. source: the rounder whose results a selecting operator's
@@ -351,42 +385,45 @@ class Emulator(ForwardSession):
         result of an operator call that returned none of its arguments (see _rounds_in_place)."""
         # (every training tensor passes here: one lookup, and the eager path first)
         entry = (self._entries if self._counting else self._uncounted).get(name)
-        fwd, fs, bwd, bs, hook = entry if entry is not None else self._unrecorded(name, t.dtype)
+        fwd, fs, bwd, bs, hook, hookable, marked = (entry if entry is not None
+                                                    else self._unrecorded(name, t.dtype))
         if fwd is None and bwd is None:
             return t
         unchanged = source is not None and source is fwd and type(t) is torch.Tensor
         kernel, kernel_stats = (None, None) if unchanged else (fwd, fs)
         if torch.compiler.is_compiling():
             out = self._round_in_graph(t, name, kernel, kernel_stats, bwd, bs)
-        else:
-            observe = None if self.observer is None else (self.observer, name)
-            if t.requires_grad and torch.is_grad_enabled():
-                out = None
-                if (observe is None and not t.is_leaf
-                        and (bwd is None or bwd.rounding != "stochastic")):
-                    # t itself, its gradient rounded by a hook (on an operator's output of this
-                    # forward, never on a user's leaf, whose hooks would outlive the step), where
-                    # there is nothing to round forward (skipped, or no forward format) or t can
-                    # be rounded in its own memory. Stochastic gradients keep their own node: a
-                    # hook would run when t's producer does, which moves their seed draws in
-                    # backward's order away from the compiled step's.
-                    if kernel is None or (new and _rounds_in_place(t)
-                                          and kernel.round_in_place(t, kernel_stats)):
-                        out = t
-                        if hook is not None:
-                            t.register_hook(hook)
-                if out is None:
-                    out = _round_apply(t, kernel, kernel_stats, bwd, bs, observe)
-            elif kernel is None:
+            if unchanged and fs is not None:
+                _count_unchanged(fs.counts, t)
+            if marked:
+                self._mark(out, fwd)
+            return out
+        observe = None if self.observer is None else (self.observer, name)
+        if t.requires_grad and torch.is_grad_enabled():
+            # t itself, its gradient rounded by a hook (on an operator's output of this forward,
+            # never on a user's leaf, whose hooks would outlive the step), where there is nothing
+            # to round forward (skipped, or no forward format) or t can be rounded in its own
+            # memory. Stochastic gradients keep their own node: a hook would run when t's
+            # producer does, which moves their seed draws in backward's order away from the
+            # compiled step's.
+            if (hookable and observe is None and not t.is_leaf
+                    and (kernel is None or (new and _rounds_in_place(t)
+                                            and kernel.round_in_place(t, kernel_stats)))):
                 out = t
+                if hook is not None:
+                    _add_gradient_hook(t, hook)
             else:
-                out = kernel(t, kernel_stats)
-            if observe is not None and fwd is not None:
-                self.observer(name, out)
+                out = _round_apply(t, kernel, kernel_stats, bwd, bs, observe)
+        elif kernel is None:
+            out = t
+        else:
+            out = kernel(t, kernel_stats)
+        if observe is not None and fwd is not None:
+            self.observer(name, out)
         if unchanged and fs is not None:
             _count_unchanged(fs.counts, t)
-        if fwd is not None and fwd.idempotent:
-            self._mark(out, fwd)
+        if marked:
+            setattr(out, _MARK, (self.serial, self.writes, fwd))  # (_mark, eager)
         return out
 
     def _mark(self, t: torch.Tensor, rounder: Rounder) -> None:
@@ -503,30 +540,27 @@ class Emulator(ForwardSession):
             closed = self._closed.pop(0)
             if closed.copied is not None:
                 closed.copied.synchronize()
-            rows = closed.table.tolist()
+            entry = self._read_step(closed, closed.table.numpy())
             self._host_tables.append(closed.table)
-            entry = self._read_step(closed, rows)
         return entry
 
-    def _read_step(self, closed: "_ClosedStep", rows: List[List[int]]) -> dict:
-        """Promotions and the history entry of one closed step from its count rows."""
+    def _read_step(self, closed: "_ClosedStep", rows: np.ndarray) -> dict:
+        """Promotions and the history entry of one closed step from its count rows (int64,
+        (tensors, 4)); only the rows that overflowed or underflowed are visited."""
+        o, u, n = rows[:, 0], rows[:, 1], rows[:, 3]
+        grad_underflow, grad_numel = int(u[self._gradient_rows].sum()), int(n[self._gradient_rows].sum())
         over, under = [], []
         promoted = []
-        grad_underflow = grad_numel = 0
-        for name, i, forward in self._row_roles:
-            o, u, _, n = rows[i]
-            if n == 0:
-                continue
-            if not forward:
-                grad_underflow += u
-                grad_numel += n
-            if o:
-                over.append((name, o / n))
-                if (self.promote and forward and o / n > self.threshold
+        for i in np.flatnonzero(((o != 0) | (u != 0)) & (n != 0)).tolist():
+            name, forward = self._row_roles[i]
+            oi, ui, ni = int(o[i]), int(u[i]), int(n[i])
+            if oi:
+                over.append((name, oi / ni))
+                if (self.promote and forward and oi / ni > self.threshold
                         and name in self.assignment.lo):
-                    promoted.append((name, o / n))
-            if u:
-                under.append((name, u / n))
+                    promoted.append((name, oi / ni))
+            if ui:
+                under.append((name, ui / ni))
         for name, ratio in promoted:
             self._promote(name, ratio, closed.step)
         over.sort(key=lambda x: -x[1])

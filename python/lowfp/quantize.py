@@ -384,7 +384,8 @@ class Rounder:
             if prepared is not None:
                 if stats is None:
                     y = prepared.round(x, None)
-                elif type(stats) in prepared.stats_types and backends.same_device(stats.counts, x):
+                elif type(stats) in prepared.stats_types and (
+                        stats.counts.is_cpu if x.is_cpu else backends.same_device(stats.counts, x)):
                     y = prepared.round(x, stats.counts)
                 else:
                     y = None
