@@ -21,8 +21,9 @@ a ``torch.nn.functional`` function or a Tensor method — from nn.Modules and fr
 
 One call is one operator: a Python-level composite that torch dispatches as a single function is
 one operator too (``F.multi_head_attention_forward`` for nn.MultiheadAttention, ``torch.lstm`` for
-nn.LSTM, ``F.layer_norm``). Operators are named ``<module path>:<function>`` (``#n`` for the n-th
-repeat inside the same module in one forward), which stays the same from step to step.
+nn.LSTM, ``F.layer_norm``). Operators are named ``<module path>:<function>`` (the innermost
+submodule whose forward is running, called as ``module(x)`` or ``module.forward(x)``; ``#n`` for
+the n-th repeat inside the same module in one forward), which stays the same from step to step.
 """
 
 from __future__ import annotations
@@ -333,6 +334,11 @@ class ForwardSession:
         new = None
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
+                if not compiling:  # (_see's first case inline: an activation of this forward)
+                    tag = getattr(a, _TAG, None)
+                    if tag is not None and tag[0] == self.serial:
+                        inputs.append(tag[1])
+                        continue
                 r = self._see(a, inputs, compiling)
             elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
                 r = self._map_args(a, inputs, compiling)
