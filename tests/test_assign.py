@@ -233,7 +233,31 @@ def test_trace_leaves_the_model_as_it_was():
     assert all(torch.all(p.grad == 7.0) for p in model.parameters())
     assert torch.equal(torch.get_rng_state(), rng)
     assert "forward" not in model.__dict__ and model.training
+    assert all("forward" not in m.__dict__ for m in model.modules())  # (submodules' too)
     assert not hasattr(x, "_lowfp_ts")
+
+
+class _CallsForwardDirectly(torch.nn.Module):
+    """A block whose submodules run through nn.Module.__call__, through .forward, and one with an
+    instance forward of the user's own."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.direct, self.own = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.own.forward = lambda x: torch.tanh(torch.nn.Linear.forward(self.own, x))
+
+    def forward(self, x):
+        return self.own(self.direct.forward(self.inner(x)))
+
+
+def test_operators_are_named_by_the_submodule_whose_forward_runs():
+    """An operator's name holds the innermost submodule whose forward runs, called as module(x)
+    or module.forward(x); a user's own instance forward is kept and put back."""
+    model = _CallsForwardDirectly()
+    own = model.own.forward
+    tr = A.trace(model, torch.randn(3, 4), lambda out: out.sum())
+    assert [o.key for o in tr.ops] == ["inner:linear", "direct:linear", "own:linear", "own:tanh"]
+    assert model.own.forward is own and "forward" not in model.inner.__dict__
 
 
 def test_errors():
