@@ -15,8 +15,8 @@ cases:
   ``torch.utils.cpp_extension.load_inline``: the node an extension linked against libtorch could
   give lowfp's roundings (left out with --no-cpp, and, said, where it cannot be built: no
   compiler or no ninja);
-- lowfp's emulation rounding (``lowfp.emulate``'s ``_Round`` node: a prepared ``Rounder`` forward
-  and backward, with counts), to fp(6,9,0) and float8_e4m3fn, nearest.
+- lowfp's emulation rounding (``lowfp.emulate``'s ``_Round`` node: a ``BoundRounder`` forward and
+  backward, with counts), to fp(6,9,0) and float8_e4m3fn, nearest.
 The first compile of the C++ extension takes about half a minute (torch's extension cache keeps
 it)."""
 
@@ -29,7 +29,7 @@ import torch
 
 import lowfp
 from lowfp.emulate import _round_apply
-from lowfp.quantize import Rounder
+from lowfp.quantize import BoundRounder, Rounder
 
 _CPP = r"""
 #include <torch/extension.h>
@@ -106,10 +106,10 @@ def main(argv=None) -> int:
     if cpp is not None:
         cases.append(("C++ torch::autograd::Function (libtorch)", cpp))
     for name in ("fp(6,9,0)", "float8_e4m3fn"):
-        fwd, bwd = Rounder(name), Rounder(name)
-        fs, bs = lowfp.Stats(x.device), lowfp.Stats(x.device)
+        fwd = BoundRounder(Rounder(name), lowfp.Stats(x.device))
+        bwd = BoundRounder(Rounder(name), lowfp.Stats(x.device))
         cases.append((f"lowfp's emulation rounding, {name}",
-                      lambda y, fwd=fwd, bwd=bwd, fs=fs, bs=bs: _round_apply(y, fwd, fs, bwd, bs, None)))
+                      lambda y, fwd=fwd, bwd=bwd: _round_apply(y, fwd, bwd, None)))
     times = {name: per_link_us(fn, x, args.links, args.rounds, args.steps) for name, fn in cases}
     base = times["torch.clone"]
     print(f"| node ({args.numel} float32 elements, {args.device}, chains of {args.links}) "

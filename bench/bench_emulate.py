@@ -1,7 +1,7 @@
 """Time of an emulated training step against the same step without emulation, in the same run.
 
     python bench/bench_emulate.py [--device cpu|cuda] [--repeats R] [--json FILE]
-                                  [--no-compile | --compile-only]
+                                  [--no-compile | --compile-only | --gemms-only | --python-opcodes]
 
 A step is forward, cross-entropy, backward and an SGD step. Every case of a table trains its own
 copy of the model (the same weights, its own optimizer) inside its emulation, entered once, and
@@ -22,7 +22,9 @@ Targets: compiled emulated ≤ eager emulated, and ≤ 1.2× compiled plain on t
 GPU): under Inductor the roundings are generated inside its own kernels (docs/design.md §3.1).
 
 Host cost: roundings per emulated step and the CPU µs of each (torch.profiler), printed after
-the first table.
+the first table. ``--python-opcodes``: the Python bytecode instructions per step of the first
+case at batch 2, plain and under each strategy (sys.settrace), a count of the host's Python work
+that a shared machine's noise leaves as it is.
 
 GEMM recipes (``--gemms-only``): the torch.compile cases eager under
 ``lowfp.scaled.emulate_gemms`` with the mxfp8 and nvfp4 recipes against the plain step, with the
@@ -37,6 +39,7 @@ import json
 import sys
 import time
 from copy import deepcopy
+from typing import List
 
 import torch
 import torch.nn.functional as F
@@ -251,6 +254,46 @@ def host_per_rounding(device: torch.device, steps: int = 5):
     return row
 
 
+def python_opcodes(case=None, batch: int = 2, steps: int = 5, top: int = 8) -> List[dict]:
+    """Python bytecode instructions per training step (sys.settrace's opcode events: a count of
+    the host's Python work that no other load on the machine changes) of a CASES model at a small
+    batch, plain and under each of STRATEGIES, and the functions that run most of them."""
+    import collections
+    name, make, _, c, hw = case or CASES[0]
+    rows = []
+    for strategy, kw in [("plain", None)] + STRATEGIES:
+        torch.manual_seed(0)
+        model = make()
+        x, y = torch.randn(batch, c, hw, hw), torch.randint(0, 10, (batch,))
+        step = sgd_step(model, x, y, torch.device("cpu"))
+        with contextlib.ExitStack() as stack:
+            if kw is not None:
+                stack.enter_context(lowfp.emulate(model, A.make(A.trace(model, x, F.cross_entropy, y),
+                                                                strategy, **kw)))
+            for _ in range(3):  # (the first steps prepare the roundings)
+                step()
+            counts = collections.Counter()
+
+            def tracer(frame, event, arg):
+                if event == "call":
+                    frame.f_trace_opcodes = True
+                elif event == "opcode":
+                    code = frame.f_code
+                    counts[f"{code.co_filename.rsplit('site-packages/', 1)[-1]}:{code.co_name}"] += 1
+                return tracer
+            previous = sys.gettrace()
+            sys.settrace(tracer)
+            try:
+                for _ in range(steps):
+                    step()
+            finally:
+                sys.settrace(previous)
+        rows.append({"case": name, "batch": batch, "setup": strategy,
+                     "opcodes_per_step": sum(counts.values()) / steps,
+                     "top": [(f, n / steps) for f, n in counts.most_common(top)]})
+    return rows
+
+
 GEMM_RECIPES = ("mxfp8", "nvfp4")
 
 
@@ -343,6 +386,8 @@ def main(argv=None):
     which.add_argument("--no-compile", action="store_true", help="skip the torch.compile table")
     which.add_argument("--compile-only", action="store_true", help="only the torch.compile table")
     which.add_argument("--gemms-only", action="store_true", help="only the GEMM recipes table")
+    which.add_argument("--python-opcodes", action="store_true",
+                       help="only the Python bytecode instructions per step of the first case, at batch 2")
     ap.add_argument("--compile-case", action="append",
                     help="run only this torch.compile case (repeatable): " +
                     ", ".join(name for name, *_ in COMPILE_CASES + GPU_COMPILE_CASES))
@@ -350,6 +395,19 @@ def main(argv=None):
     device = torch.device(args.device)
     print(machine_description() if device.type == "cpu" else torch.cuda.get_device_name(device))
     result = {"device": str(device)}
+    if args.python_opcodes:
+        result["python_opcodes"] = rows = python_opcodes()
+        plain = rows[0]["opcodes_per_step"]
+        print(f"| setup ({rows[0]['case']}, batch {rows[0]['batch']}, cpu) | Python opcodes per step | "
+              "added to plain | most of them |")
+        print("|---|---:|---:|---|")
+        for r in rows:
+            print(f"| {r['setup']} | {r['opcodes_per_step']:.0f} | {r['opcodes_per_step'] - plain:.0f} | "
+                  + ", ".join(f"{f} {n:.0f}" for f, n in r["top"][:3]) + " |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return 0
     if args.gemms_only:
         result["gemm_rows"] = rows = run_gemms(device, args.repeats, compile_cases(device))
         print(gemm_table(rows))

@@ -159,3 +159,12 @@ def test_the_autograd_node_benchmark_times_every_node_against_torch_clone(capsys
         assert float(rows[name][0]) > 0, name
     assert "C++ torch::autograd::Function (libtorch)" not in rows
     assert "could not be built here: --no-cpp" in out
+
+
+def test_the_python_opcode_count_of_a_step_is_smallest_for_the_plain_step():
+    import bench_emulate
+    rows = bench_emulate.python_opcodes(steps=1, top=3)
+    assert [r["setup"] for r in rows] == ["plain"] + [s for s, _ in bench_emulate.STRATEGIES]
+    plain = rows[0]["opcodes_per_step"]
+    assert plain > 0 and all(r["opcodes_per_step"] > plain for r in rows[1:])
+    assert all(len(r["top"]) == 3 and all(n > 0 for _, n in r["top"]) for r in rows)

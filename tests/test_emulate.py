@@ -14,7 +14,7 @@ from lowfp import assign as A
 from lowfp.experiments import models
 from sync_mock import DeviceSync, device_reads_forbidden
 from training import optimizer_step
-from devices import DEVICES, on_cuda
+from devices import DEVICES, on_cuda, same_bits
 
 
 def batch(n=16, c=1, hw=8, classes=10, seed=0):
@@ -391,17 +391,19 @@ def _emulated_step(model, a, x, y, skip=True, observe=True, **kw):
 
 
 def _rounder_calls(monkeypatch):
-    from lowfp.quantize import Rounder
+    """A list that gets an entry for each rounding the emulation makes (each goes through a
+    BoundRounder: a call, or a rounding in place that rounds)."""
+    from lowfp.quantize import BoundRounder
     calls = []
-    call, in_place = Rounder.__call__, Rounder.round_in_place
-    monkeypatch.setattr(Rounder, "__call__", lambda self, t, stats=None: calls.append(1) or call(self, t, stats))
+    call, in_place = BoundRounder.__call__, BoundRounder.round_in_place
+    monkeypatch.setattr(BoundRounder, "__call__", lambda self, t: calls.append(1) or call(self, t))
 
-    def round_in_place(self, t, stats=None):  # (a rounding too, where it rounds)
-        done = in_place(self, t, stats)
+    def round_in_place(self, t):
+        done = in_place(self, t)
         if done:
             calls.append(1)
         return done
-    monkeypatch.setattr(Rounder, "round_in_place", round_in_place)
+    monkeypatch.setattr(BoundRounder, "round_in_place", round_in_place)
     return calls
 
 
@@ -808,3 +810,39 @@ def test_an_operator_that_returns_its_argument_is_not_rounded_in_place(monkeypat
     assert n > 0
     assert all(torch.equal(p, q) for p, q in zip(params, params_ref))
     assert torch.equal(counts, counts_ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt, rounding, dtype", [("fp(4,3,4)", "nearest", torch.float32),
+                                                  ("float8_e5m2", "nearest", torch.bfloat16),
+                                                  ("fp(5,2,0)", "stochastic", torch.float32),
+                                                  ("s2fp8", "nearest", torch.float32)])
+def test_a_bound_rounder_gives_its_rounders_bits_and_counts(device, fmt, rounding, dtype):
+    """BoundRounder(rounder, stats)(x) and .round_in_place(x), the emulation's calls, give the
+    bits and counts of rounder(x, stats), on every call (the first learns the prepared request),
+    for contiguous and transposed tensors and Parameters; stochastic rounding draws its seeds
+    from torch's generator as the rounder does."""
+    from lowfp.quantize import BoundRounder, Rounder
+    rounder = Rounder(fmt, rounding, "saturate")
+    g = torch.Generator().manual_seed(0)
+    base = (torch.randn(64, 48, generator=g) * torch.exp2(torch.randint(-20, 20, (64, 48), generator=g))).to(dtype)
+    base[0, :3] = torch.tensor([float("nan"), float("inf"), 1e30])
+    for x in (base.to(device), base.to(device).t(), torch.nn.Parameter(base.to(device))):
+        bound_stats, stats = lowfp.Stats(device), lowfp.Stats(device)
+        bound = BoundRounder(rounder, bound_stats)
+        for call in range(3):
+            torch.manual_seed(call)
+            y = bound(x)
+            torch.manual_seed(call)
+            assert same_bits(y, rounder(x, stats)) and y.shape == x.shape
+            assert torch.equal(bound_stats.counts, stats.counts)
+            if type(x) is torch.Tensor and x.is_contiguous():
+                z = x.clone()
+                torch.manual_seed(call)
+                done = bound.round_in_place(z)
+                torch.manual_seed(call)
+                if done:
+                    assert same_bits(z, rounder(x, stats))
+                    assert torch.equal(bound_stats.counts, stats.counts)
+                else:
+                    assert torch.equal(z, x)

@@ -24,7 +24,7 @@ from ._memory import HUGE_PAGE_MIN_BYTES, new_output
 from ._native import DTYPE_CODES, remembered_seed
 from .stats import Stats
 
-__all__ = ["Prepared", "PreparedFormat", "PreparedS2FP8"]
+__all__ = ["Prepared", "PreparedFormat", "PreparedS2FP8", "SMALL_OUTPUT"]
 
 
 class Prepared:
@@ -80,7 +80,7 @@ class PreparedFormat(Prepared):
             _, device, stream = backends.native(x, "x")
         if out is not None:
             y = out
-        elif self.dtype is x.dtype and x.numel() < _SMALL:  # (no huge pages to ask for)
+        elif self.dtype is x.dtype and x.numel() < SMALL_OUTPUT:  # (no huge pages to ask for)
             y = torch.empty_like(x)  # (x's layout, contiguous or dense)
         else:
             y = new_output(x, self.dtype, layout)
@@ -89,7 +89,7 @@ class PreparedFormat(Prepared):
         return y
 
 
-_SMALL = HUGE_PAGE_MIN_BYTES // 8  # elements below new_output's huge-page size in any dtype
+SMALL_OUTPUT = HUGE_PAGE_MIN_BYTES // 8  # elements below new_output's huge-page size in any dtype
 
 
 _scratch = threading.local()  # each CPU thread's S2FP8 statistics, which the caller does not get

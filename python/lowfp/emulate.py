@@ -55,7 +55,6 @@ value keeps the unrounded result.
 from __future__ import annotations
 
 import collections
-import functools
 import itertools
 import json
 import logging
@@ -71,7 +70,7 @@ from ._intercept import ForwardSession
 from ._non_finite import check_non_finite
 from .assign import FORWARD_ROLES, Assignment, grad_name, role_of
 from .formats import Precision
-from .quantize import Rounder
+from .quantize import BoundRounder, Rounder
 from .stats import Stats
 
 __all__ = ["emulate", "Emulator", "History"]
@@ -144,30 +143,32 @@ _lean_hooks = True
 
 def _entry(fwd: Optional[Rounder], fs: Optional[Stats], bwd: Optional[Rounder], bs: Optional[Stats]):
     """What a rounding of a v or theta tensor takes (Emulator._round): its forward rounder and
-    count slot, its backward rounder and count slot, the backward rounding as a tensor hook (None
-    without one), whether the gradient may be rounded by that hook (not stochastic: see _round),
-    and whether the forward rounding's results are marked (an idempotent rounder)."""
-    hook = None if bwd is None else functools.partial(bwd, stats=bs)
-    return (fwd, fs, bwd, bs, hook, bwd is None or bwd.rounding != "stochastic",
+    count slot, its backward rounder and count slot, the two bound to their slots (BoundRounder;
+    None without a rounder: the backward one is the gradient's tensor hook), whether the gradient
+    may be rounded by that hook (not stochastic: see _round), and whether the forward rounding's
+    results are marked (an idempotent rounder)."""
+    return (fwd, fs, bwd, bs, None if fwd is None else BoundRounder(fwd, fs),
+            None if bwd is None else BoundRounder(bwd, bs), bwd is None or bwd.rounding != "stochastic",
             fwd is not None and fwd.idempotent)
 
 
 class _Round(torch.autograd.Function):
-    """Forward: round x with fwd (or copy it); backward: round the gradient with bwd."""
+    """Forward: round x with fwd (or copy it); backward: round the gradient with bwd (each a
+    BoundRounder or None)."""
 
     @staticmethod
-    def forward(ctx, x, fwd, fwd_stats, bwd, bwd_stats, observe):
-        ctx.bwd = (bwd, bwd_stats, observe)
-        return x.clone() if fwd is None else fwd(x, fwd_stats)
+    def forward(ctx, x, fwd, bwd, observe):
+        ctx.bwd = (bwd, observe)
+        return x.clone() if fwd is None else fwd(x)
 
     @staticmethod
     def backward(ctx, grad):
-        bwd, stats, observe = ctx.bwd
+        bwd, observe = ctx.bwd
         if bwd is not None:
-            grad = bwd(grad, stats)
+            grad = bwd(grad)
             if observe is not None:
                 observe[0](grad_name(observe[1]), grad)
-        return grad, None, None, None, None, None
+        return grad, None, None, None
 
 
 _round_apply = function_apply(_Round)
@@ -385,14 +386,14 @@ class Emulator(ForwardSession):
         result of an operator call that returned none of its arguments (see _rounds_in_place)."""
         # (every training tensor passes here: one lookup, and the eager path first)
         entry = (self._entries if self._counting else self._uncounted).get(name)
-        fwd, fs, bwd, bs, hook, hookable, marked = (entry if entry is not None
-                                                    else self._unrecorded(name, t.dtype))
+        fwd, fs, bwd, bs, fwd_bound, bwd_bound, hookable, marked = (
+            entry if entry is not None else self._unrecorded(name, t.dtype))
         if fwd is None and bwd is None:
             return t
         unchanged = source is not None and source is fwd and type(t) is torch.Tensor
-        kernel, kernel_stats = (None, None) if unchanged else (fwd, fs)
         if torch.compiler.is_compiling():
-            out = self._round_in_graph(t, name, kernel, kernel_stats, bwd, bs)
+            out = self._round_in_graph(t, name, None if unchanged else fwd, None if unchanged else fs,
+                                       bwd, bs)
             if unchanged and fs is not None:
                 _count_unchanged(fs.counts, t)
             if marked:
@@ -406,18 +407,18 @@ class Emulator(ForwardSession):
             # memory. Stochastic gradients keep their own node: a hook would run when t's
             # producer does, which moves their seed draws in backward's order away from the
             # compiled step's.
+            kernel = None if unchanged else fwd_bound
             if (hookable and observe is None and not t.is_leaf
-                    and (kernel is None or (new and _rounds_in_place(t)
-                                            and kernel.round_in_place(t, kernel_stats)))):
+                    and (kernel is None or (new and _rounds_in_place(t) and kernel.round_in_place(t)))):
                 out = t
-                if hook is not None:
-                    _add_gradient_hook(t, hook)
+                if bwd_bound is not None:
+                    _add_gradient_hook(t, bwd_bound)
             else:
-                out = _round_apply(t, kernel, kernel_stats, bwd, bs, observe)
-        elif kernel is None:
+                out = _round_apply(t, kernel, bwd_bound, observe)
+        elif unchanged or fwd_bound is None:
             out = t
         else:
-            out = kernel(t, kernel_stats)
+            out = fwd_bound(t)
         if observe is not None and fwd is not None:
             self.observer(name, out)
         if unchanged and fs is not None:

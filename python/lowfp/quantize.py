@@ -19,7 +19,7 @@ from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODE
                       eager_seed, format_args, prepared_request, round_dense, run_rounding,
                       runs_natively, share_bytes)
 from ._dtensor import is_dtensor, round_dtensor
-from ._prepared import Prepared, PreparedFormat, PreparedS2FP8
+from ._prepared import SMALL_OUTPUT, Prepared, PreparedFormat, PreparedS2FP8
 from ._ops import s2fp8_stat_buffers
 from ._inductor import register_inductor_decompositions
 from .formats import Format, S2FP8, as_text, to_precision
@@ -447,3 +447,63 @@ class Rounder:
 
     def __repr__(self) -> str:
         return f"Rounder({self.precision}, {self.rounding!r}, overflow={self.overflow!r})"
+
+
+class BoundRounder:
+    """``rounder(x, stats)`` with ``stats`` fixed, as a one-argument callable (a gradient's tensor
+    hook; an emulated tensor's rounding), and ``round_in_place(x)``.
+
+    The emulation makes one per tensor and direction, so what a call of the rounder checks each
+    time is known here once: a contiguous CPU tensor or Parameter of a dtype that the rounder
+    has rounded with a deterministic plain format (its prepared request learned then) takes one
+    native call, with the counts' address taken at construction. Any other call is the
+    rounder's own (stochastic rounding draws its seed there; CUDA tensors, other layouts,
+    tensor subclasses)."""
+
+    __slots__ = ("rounder", "stats", "_counts", "_requests")
+
+    def __init__(self, rounder: Rounder, stats: Optional[Stats] = None):
+        self.rounder, self.stats = rounder, stats
+        # the counts' address for the CPU kernel (None: counts it cannot add to directly)
+        self._counts = (0 if stats is None else stats.counts.data_ptr()
+                        if type(stats) is Stats and stats.counts.is_cpu else None)
+        self._requests: Dict[torch.dtype, object] = {}  # dtype -> the prepared CPU request
+
+    def _request(self, x: torch.Tensor):
+        """The CPU request that takes x as it is, or None."""
+        request = self._requests.get(x.dtype) if type(x) in PLAIN_TYPES else None
+        if (request is not None and x.is_cpu and x.layout is torch.strided and not x.is_nested
+                and x.is_contiguous()):
+            if torch.get_num_threads() != backends._torch_threads:
+                backends.follow_torch_threads()
+            return request
+        return None
+
+    def _learn(self, x: torch.Tensor) -> None:
+        """Remember the rounder's prepared CPU request for x's dtype, once it has one."""
+        if self._counts is None or torch.compiler.is_compiling() or x.dtype in self._requests:
+            return
+        prepared = self.rounder._requests.get((x.dtype, False))
+        if type(prepared) is PreparedFormat and not prepared.stochastic and prepared.dtype is x.dtype:
+            self._requests[x.dtype] = prepared.request
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        request = self._request(x)
+        if request is None:
+            y = self.rounder(x, self.stats)
+            self._learn(x)
+            return y
+        y = torch.empty_like(x) if x.numel() < SMALL_OUTPUT else new_output(x, x.dtype)
+        request(x.data_ptr(), y.data_ptr(), x.numel(), 0, 0, self._counts, -1, 0)
+        return y
+
+    def round_in_place(self, x: torch.Tensor) -> bool:
+        """``rounder.round_in_place(x, stats)``."""
+        request = self._request(x)
+        if request is None:
+            done = self.rounder.round_in_place(x, self.stats)
+            if done:
+                self._learn(x)
+            return done
+        request(x.data_ptr(), x.data_ptr(), x.numel(), 0, 0, self._counts, -1, 0)
+        return True
