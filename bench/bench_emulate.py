@@ -227,25 +227,25 @@ def host_per_rounding(device: torch.device, steps: int = 5):
     docs/design.md §6) are not events, nor are results rounded in their own memory (no node of
     lowfp's: counted apart, as ``in_place_per_step``)."""
     from torch.profiler import ProfilerActivity, profile
-    from lowfp.quantize import Rounder
+    from lowfp.quantize import BoundRounder
     model, x, y, step = training_step(CASES[0], device)
-    in_place = Rounder.round_in_place
+    in_place = BoundRounder.round_in_place
     done = []
 
-    def counted(self, t, stats=None):
-        result = in_place(self, t, stats)
+    def counted(self, t):
+        result = in_place(self, t)
         done.append(result)
         return result
     with lowfp.emulate(model, A.ours(A.trace(model, x, F.cross_entropy, y), 0.5)):
         for _ in range(3):
             step()
-        Rounder.round_in_place = counted
+        BoundRounder.round_in_place = counted
         try:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(steps):
                     step()
         finally:
-            Rounder.round_in_place = in_place
+            BoundRounder.round_in_place = in_place
     row = {"case": CASES[0][0], "in_place_per_step": sum(done) / steps}
     for key, label in (("_Round", "forward"), ("_RoundBackward", "backward")):
         events = [e for e in prof.key_averages() if e.key == key]

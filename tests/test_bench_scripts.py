@@ -168,3 +168,13 @@ def test_the_python_opcode_count_of_a_step_is_smallest_for_the_plain_step():
     plain = rows[0]["opcodes_per_step"]
     assert plain > 0 and all(r["opcodes_per_step"] > plain for r in rows[1:])
     assert all(len(r["top"]) == 3 and all(n > 0 for _, n in r["top"]) for r in rows)
+
+
+def test_the_host_cost_line_counts_roundings_in_place_and_through_lowfps_node():
+    import bench_emulate
+    import torch
+    h = bench_emulate.host_per_rounding(torch.device("cpu"), steps=1)
+    # ResNet 8x8 under ours(0.5): 58 forward roundings a step, made in place or through the node
+    assert h["in_place_per_step"] > 0 and h["forward_per_step"] > 0
+    assert h["in_place_per_step"] + h["forward_per_step"] == 58
+    assert h["backward_per_step"] == h["forward_per_step"] and h["forward_cpu_us"] > 0
