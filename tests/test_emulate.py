@@ -846,3 +846,23 @@ def test_a_bound_rounder_gives_its_rounders_bits_and_counts(device, fmt, roundin
                     assert torch.equal(bound_stats.counts, stats.counts)
                 else:
                     assert torch.equal(z, x)
+
+
+def test_a_bound_rounder_takes_what_a_stack_passes_or_names_the_problem():
+    """Empty and non-contiguous tensors, meta and FakeTensors round (through the rounder where
+    its one native call does not take them); other types and integer tensors are named errors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lowfp.quantize import BoundRounder, Rounder
+    bound = BoundRounder(Rounder("fp(4,3,4)"), lowfp.Stats())
+    bound(torch.randn(4))  # (learns the prepared request)
+    assert bound(torch.empty(0)).shape == (0,) and bound.round_in_place(torch.empty(0))
+    x = torch.randn(3, 4).t()
+    assert torch.equal(bound(x), lowfp.quantize(x, "fp(4,3,4)", overflow="saturate"))
+    assert BoundRounder(Rounder("fp(4,3,4)"))(torch.randn(4, device="meta")).device.type == "meta"
+    with FakeTensorMode():
+        assert BoundRounder(Rounder("fp(4,3,4)"))(torch.randn(4)).shape == (4,)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        bound([1.0])
+    with pytest.raises(ValueError, match="cannot be rounded"):
+        bound(torch.arange(3))

@@ -15,7 +15,7 @@ import sys
 import torch
 
 _HUGE_PAGE = 1 << 21
-HUGE_PAGE_MIN_BYTES = 2 * _HUGE_PAGE  # smaller buffers are plain torch.empty_like
+_MIN_BYTES = 2 * _HUGE_PAGE
 _MADV_HUGEPAGE = 14
 
 _madvise = None
@@ -35,12 +35,14 @@ def new_output(like: torch.Tensor, dtype: torch.dtype,
     torch.empty_like's ``memory_format`` says), backed by huge pages where that helps.
     (empty_like: half the time of torch.empty(shape, ...) on a small tensor, whose shape
     argument torch parses on each call.)"""
-    if dtype == like.dtype and (memory_format is torch.preserve_format or like.is_contiguous()):
+    nbytes = like.numel() * dtype.itemsize  # (the size first: most outputs are small)
+    if dtype is like.dtype and (memory_format is torch.preserve_format or like.is_contiguous()):
         t = torch.empty_like(like)  # (fewer arguments to parse: preserve_format keeps like's layout)
+        if nbytes < _MIN_BYTES:
+            return t
     else:
         t = torch.empty_like(like, dtype=dtype, memory_format=memory_format)
-    nbytes = like.numel() * dtype.itemsize  # (the size first: most outputs are small)
-    if nbytes >= HUGE_PAGE_MIN_BYTES and _madvise is not None and t.is_cpu:
+    if nbytes >= _MIN_BYTES and _madvise is not None and t.is_cpu:
         start = (t.data_ptr() + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
         end = (t.data_ptr() + nbytes) & ~(_HUGE_PAGE - 1)
         if end > start:

@@ -20,11 +20,11 @@ from typing import Optional
 import torch
 
 from . import _C, backends
-from ._memory import HUGE_PAGE_MIN_BYTES, new_output
+from ._memory import new_output
 from ._native import DTYPE_CODES, remembered_seed
 from .stats import Stats
 
-__all__ = ["Prepared", "PreparedFormat", "PreparedS2FP8", "SMALL_OUTPUT"]
+__all__ = ["Prepared", "PreparedFormat", "PreparedS2FP8"]
 
 
 class Prepared:
@@ -58,13 +58,7 @@ class PreparedFormat(Prepared):
         (channels-last, a transpose, attention's heads), whose strides the result takes (as
         torch.empty_like gives them). Stochastic rounding draws by logical index, so any other
         layout takes the full path."""
-        # (every eager rounding of the emulation passes here: the usual case, a contiguous CPU
-        # tensor into a new one of its dtype, first and in few steps)
-        if x.is_contiguous():
-            layout = torch.contiguous_format
-        elif out is None and not self.stochastic and backends.is_dense(x):
-            layout = torch.preserve_format
-        else:
+        if not x.is_contiguous() and (out is not None or self.stochastic or not backends.is_dense(x)):
             return None
         if self.stochastic:
             seed = remembered_seed(True, generator)
@@ -72,24 +66,14 @@ class PreparedFormat(Prepared):
                 return None
         else:
             seed = 0
-        if x.is_cpu and not x.is_nested and x.layout is torch.strided:
-            if torch.get_num_threads() != backends._torch_threads:  # (follow_torch_threads, inline)
-                backends.follow_torch_threads()
+        if backends.ready_on_cpu(x):
             device, stream = -1, 0
         else:
             _, device, stream = backends.native(x, "x")
-        if out is not None:
-            y = out
-        elif self.dtype is x.dtype and x.numel() < SMALL_OUTPUT:  # (no huge pages to ask for)
-            y = torch.empty_like(x)  # (x's layout, contiguous or dense)
-        else:
-            y = new_output(x, self.dtype, layout)
+        y = new_output(x, self.dtype, torch.preserve_format) if out is None else out  # (x's layout)
         self.request(x.data_ptr(), y.data_ptr(), x.numel(), seed, 0,
                      0 if counts is None else counts.data_ptr(), device, stream)
         return y
-
-
-SMALL_OUTPUT = HUGE_PAGE_MIN_BYTES // 8  # elements below new_output's huge-page size in any dtype
 
 
 _scratch = threading.local()  # each CPU thread's S2FP8 statistics, which the caller does not get

@@ -131,6 +131,17 @@ def same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device
 
 
+def ready_on_cpu(t: torch.Tensor) -> bool:
+    """Whether t (a plain tensor, checked by the caller) is a strided CPU tensor the CPU
+    kernels read as native() would hand it to them (torch's thread count followed): the prepared
+    calls' common case, without native()'s checks."""
+    if t.is_cpu and not t.is_nested and t.layout is torch.strided:
+        if torch.get_num_threads() != _torch_threads:
+            follow_torch_threads()
+        return True
+    return False
+
+
 def native(t: torch.Tensor, argname: str):
     """(module, device index, stream handle) that run raw-buffer functions on t's device."""
     if not (type(t) in PLAIN_TYPES and t.is_cpu and not t.is_nested and not t.is_quantized

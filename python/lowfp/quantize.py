@@ -19,7 +19,7 @@ from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODE
                       eager_seed, format_args, prepared_request, round_dense, run_rounding,
                       runs_natively, share_bytes)
 from ._dtensor import is_dtensor, round_dtensor
-from ._prepared import SMALL_OUTPUT, Prepared, PreparedFormat, PreparedS2FP8
+from ._prepared import Prepared, PreparedFormat, PreparedS2FP8
 from ._ops import s2fp8_stat_buffers
 from ._inductor import register_inductor_decompositions
 from .formats import Format, S2FP8, as_text, to_precision
@@ -391,6 +391,8 @@ class Rounder:
                     y = None
                 if y is not None:
                     return y
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if self.scaled is None:
             self._check_dtype(x.dtype)
         if torch.compiler.is_compiling() and type(self.precision) is Format:
@@ -472,12 +474,7 @@ class BoundRounder:
     def _request(self, x: torch.Tensor):
         """The CPU request that takes x as it is, or None."""
         request = self._requests.get(x.dtype) if type(x) in PLAIN_TYPES else None
-        if (request is not None and x.is_cpu and x.layout is torch.strided and not x.is_nested
-                and x.is_contiguous()):
-            if torch.get_num_threads() != backends._torch_threads:
-                backends.follow_torch_threads()
-            return request
-        return None
+        return request if request is not None and backends.ready_on_cpu(x) and x.is_contiguous() else None
 
     def _learn(self, x: torch.Tensor) -> None:
         """Remember the rounder's prepared CPU request for x's dtype, once it has one."""
@@ -493,7 +490,7 @@ class BoundRounder:
             y = self.rounder(x, self.stats)
             self._learn(x)
             return y
-        y = torch.empty_like(x) if x.numel() < SMALL_OUTPUT else new_output(x, x.dtype)
+        y = new_output(x, x.dtype, torch.preserve_format)  # (x is contiguous)
         request(x.data_ptr(), y.data_ptr(), x.numel(), 0, 0, self._counts, -1, 0)
         return y
 
