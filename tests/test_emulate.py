@@ -866,3 +866,72 @@ def test_a_bound_rounder_takes_what_a_stack_passes_or_names_the_problem():
         bound([1.0])
     with pytest.raises(ValueError, match="cannot be rounded"):
         bound(torch.arange(3))
+
+
+class _EveryCallKind(nn.Module):
+    """Calls of every shape the interception meets: tensors given by keyword and in lists, a
+    parameter read directly, views, a partition and a cut, results that are tuples or not floating,
+    writes into a tensor (a method, __setitem__, out=), metadata queries, and a GEMM."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.scale = nn.Parameter(torch.full((4, 1, 1), 1.5))
+        self.fc = nn.Linear(4 * 36 + 3, 10)
+
+    def forward(self, x):
+        h = self.conv(x)
+        assert h.dim() == 4 and h.size(1) == 4
+        h = torch.add(h, other=self.scale)           # a parameter by keyword
+        a, b = h.chunk(2, dim=1)                     # a tuple result (a partition)
+        h = torch.cat([b, a], dim=1) * self.scale    # a list argument; a parameter read directly
+        h[:, 0] = 0.25                               # __setitem__
+        h.mul_(1.5)                                  # a write by a method
+        top = h[:, :3].amax(dim=(1, 2, 3))           # a cut
+        best = h.flatten(1).argmax(dim=1)            # a result that is not floating
+        s = torch.empty_like(top)
+        torch.mul(top.detach(), 2.0, out=s)          # out=
+        values, _ = h.flatten(2).max(dim=2)          # a tuple of a floating and an integer result
+        feat = torch.cat([h.flatten(1), s[:, None], values[:, :2] + best[:, None]], dim=1)
+        return self.fc(input=feat)                   # the GEMM's input by keyword
+
+
+@pytest.mark.parametrize("name", sorted(MODELS) + ["every call kind"])
+def test_the_native_interception_gives_the_python_methods_results(name, monkeypatch):
+    """ForwardSession.call's eager path in C (lowfp._C.intercept_call) and the Python method
+    record the same trace and train the same bits: parameters, counts and history, with nearest
+    and stochastic rounding and with GEMMs emulated."""
+    intercept = importlib.import_module("lowfp._intercept")
+    native = intercept._C.intercept_call
+    make = MODELS.get(name, _EveryCallKind)
+    x, y = batch()
+    runs = []
+    for call in (native, None):
+        monkeypatch.setattr(intercept._C, "intercept_call", call)
+        torch.manual_seed(0)
+        model = make()
+        tr = A.trace(model, x, F.cross_entropy, y)
+        got = [tr.ops, tr.tensors]
+        for rounding, recipe in (("nearest", None), ("stochastic", None), ("nearest", "mxfp8")):
+            m = copy.deepcopy(model)
+            opt = torch.optim.SGD(m.parameters(), lr=0.05)
+            torch.manual_seed(1)
+            with lowfp.emulate(m, A.make(tr, "ours", r=0.5), rounding=rounding, gemm_recipe=recipe) as em:
+                assert (em._mode.native is None) == (call is None)
+                for _ in range(3):
+                    loss = F.cross_entropy(m(x), y)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+            got += [[p.detach().clone() for p in m.parameters()], em.counts.clone(), em.history.steps]
+        runs.append(got)
+    native_run, python_run = runs
+    assert native_run[0] == python_run[0] and native_run[1] == python_run[1]
+    assert len(native_run[0]) > 5
+    for got, want in zip(native_run[2:], python_run[2:]):
+        if isinstance(got, list) and got and isinstance(got[0], torch.Tensor):
+            assert all(same_bits(p, q) for p, q in zip(got, want))
+        elif isinstance(got, torch.Tensor):
+            assert torch.equal(got, want)
+        else:
+            assert got == want

@@ -4,7 +4,9 @@
 
 #include "accumulate_cpu.hpp"
 #include "def_accumulate.hpp"
+#include "def_bound_round.hpp"
 #include "def_extra_bits.hpp"
+#include "def_intercept.hpp"
 #include "def_quantize.hpp"
 #include "def_scaled.hpp"
 #include "driver.hpp"
@@ -47,11 +49,14 @@ py::tuple philox(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0
 PYBIND11_MODULE(_C, mod) {
   mod.doc() = "lowfp CPU core (raw-buffer interface; use the lowfp package)";
   def_contract(mod);
+  lowfp::intercept::def_intercept(mod);
   mod.def("format_info", &format_info);
   mod.attr("S2FP8_SUM_SIZE") = int(kSumSize);  // int64 accumulators an s2fp8 call writes
   def_quantize(mod, [](const QuantizeCall& call, int64_t* counts, int32_t, uintptr_t) {
     quantize_cpu(call, counts);  // (device and stream are the CUDA module's)
   });
+  lowfp::bound_round::def_bound_round(
+      mod, [](const QuantizeCall& call, int64_t* counts) { quantize_cpu(call, counts); });
   def_s2fp8(mod, [](const S2fp8Call& call, int64_t* sums, double* params, int64_t* counts,
                     int32_t, uintptr_t) { s2fp8_cpu(call, sums, params, counts); });
   auto prepared_scaled = def_scaled<ScaledCpuForms>(
@@ -120,6 +125,15 @@ PYBIND11_MODULE(_C, mod) {
     const bool found = any_non_finite_cpu(DType(dtype), reinterpret_cast<const void*>(x), n);
     *reinterpret_cast<bool*>(out) = found;
     for (int64_t i = 0; i < n_counts; ++i) reinterpret_cast<int64_t*>(counts)[i] += found;
+  });
+  // count_unchanged_cpu: the counts of a rounding that returns the n elements at x unchanged
+  // (their NaNs, their number) added to the int64[4] at counts.
+  mod.def("count_unchanged", [](uintptr_t x, int32_t dtype, int64_t n, uintptr_t counts) {
+    if (dtype < 0 || dtype > 3) throw std::invalid_argument("bad dtype code");
+    if (n < 0) throw std::invalid_argument("negative element count");
+    pybind11::gil_scoped_release release;
+    count_unchanged_cpu(DType(dtype), reinterpret_cast<const void*>(x), n,
+                        reinterpret_cast<int64_t*>(counts));
   });
   // Reorders packed extra bits (extra_bits_gather_cpu): element i of dst = element index[i] of
   // src. Rare (a parameter's layout changed), so the CPU alone; the caller checked the indices.

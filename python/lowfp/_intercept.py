@@ -24,6 +24,10 @@ one operator too (``F.multi_head_attention_forward`` for nn.MultiheadAttention, 
 nn.LSTM, ``F.layer_norm``). Operators are named ``<module path>:<function>`` (the innermost
 submodule whose forward is running, called as ``module(x)`` or ``module.forward(x)``; ``#n`` for
 the n-th repeat inside the same module in one forward), which stays the same from step to step.
+
+``ForwardSession.call`` is the definition of what a call becomes, and what torch.compile traces;
+an eager call takes the same algorithm in C (``lowfp._C.intercept_call``, cpp/bindings/
+def_intercept.hpp), which hands results that are not one tensor back to ``_outputs_of``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
+
+from . import _C
 
 PASS, VIEW, OP = 0, 1, 2
 
@@ -178,6 +184,10 @@ def floating_outputs(out) -> Tuple[List[torch.Tensor], object]:
     return [], None
 
 
+_C.intercept_setup(_classes, classify, cuts, SELECTING_NAMES, GEMM_NAMES, torch.Tensor,
+                   torch.nn.Parameter, _TAG, (PASS, VIEW, OP))
+
+
 def _named_forward(forward, name: str, stack: List[str]):
     """A submodule's forward that has its path ``name`` on ``stack`` while it runs."""
     def named(*args, **kwargs):
@@ -197,9 +207,14 @@ class _Mode(TorchFunctionMode):
     def __init__(self, session: "ForwardSession"):
         super().__init__()
         self.session = session
+        # ForwardSession.call's eager path in C (lowfp._C.intercept_call, the same algorithm);
+        # None: every call takes the Python method, which torch.compile traces in any case.
+        self.native = _C.intercept_call
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        return self.session.call(func, args, kwargs)
+        if self.native is None or torch.compiler.is_compiling():
+            return self.session.call(func, args, kwargs)
+        return self.native(self.session, func, args, kwargs)
 
 
 @torch.compiler.disable
@@ -217,7 +232,8 @@ def _forward_outside_graphs(session: "ForwardSession", inner, args, kwargs):
 class ForwardSession:
     """Runs a model's forward with every torch-function call classified and tracked tensors
     tagged. Subclasses decide what a parameter, a model input and an operator output become:
-    ``_param(p, name)``, ``_input(t, name)``, ``_output(t, name)`` and ``_operator(op)``."""
+    ``_param(p, name, compiling)``, ``_input(t, name)``, ``_output(t, name, source, new,
+    compiling)`` and ``_operator(...)``."""
 
     def __init__(self, model: torch.nn.Module):
         if not isinstance(model, torch.nn.Module):
@@ -375,8 +391,8 @@ class ForwardSession:
             if pname is not None:
                 name = "theta:" + pname
                 inputs.append(name)
-                r = self._param(t, name)
-                return self._tag(r, name) if r is not t else r  # never tag the user's Parameter
+                r = self._param(t, name, compiling)
+                return self._tag(r, name, compiling) if r is not t else r  # never tag the user's Parameter
         return t
 
     def call(self, func, args, kwargs):
@@ -411,6 +427,12 @@ class ForwardSession:
             self.writes += 1
         if not inputs:  # constants: computed from nothing this step tracks
             return out
+        return self._outputs_of(out, kind, fname, inputs, source, wrote, compiling)
+
+    def _outputs_of(self, out, kind: int, fname: str, inputs: List[str], source, wrote: bool,
+                    compiling: bool):
+        """The rest of ``call`` once the function ran on tracked tensors: its floating results
+        named, decided (``_output``) and tagged (a view's take its input's name)."""
         tensors, rebuild = floating_outputs(out)
         if not tensors:
             return out
@@ -425,12 +447,12 @@ class ForwardSession:
         key = base if n == 0 else f"{base}#{n}"
         if len(tensors) == 1 and rebuild is _first:  # (the usual case: one tensor)
             name = "v:" + key
-            result = self._tag(self._output(out, name, source, not wrote), name, compiling)
+            result = self._tag(self._output(out, name, source, not wrote, compiling), name, compiling)
             if self._records_operators:
                 self._operator(key, fname, module, fname in GEMM_NAMES, inputs, [name], tensors)
             return result
         names = ["v:" + key] if len(tensors) == 1 else [f"v:{key}[{j}]" for j in range(len(tensors))]
-        new = [self._tag(self._output(t, name, source, not wrote), name, compiling)
+        new = [self._tag(self._output(t, name, source, not wrote, compiling), name, compiling)
                for t, name in zip(tensors, names)]
         if self._records_operators:
             self._operator(key, fname, module, fname in GEMM_NAMES, inputs, names, tensors)
@@ -442,16 +464,18 @@ class ForwardSession:
         it eagerly (one graph break)."""
         return True
 
-    def _param(self, p: torch.nn.Parameter, name: str) -> torch.Tensor:
+    def _param(self, p: torch.nn.Parameter, name: str, compiling: bool = False) -> torch.Tensor:
         return p
 
     def _input(self, t: torch.Tensor, name: str) -> torch.Tensor:
         return t
 
-    def _output(self, t: torch.Tensor, name: str, source=None, new: bool = False) -> torch.Tensor:
+    def _output(self, t: torch.Tensor, name: str, source=None, new: bool = False,
+                compiling: bool = False) -> torch.Tensor:
         """source: what ``_source_of`` said of the first argument of a SELECTING_NAMES operator
         (None otherwise). new: the call returned none of the tensors it was given (t is a result
-        of its own, or a view of one)."""
+        of its own, or a view of one). compiling: whether torch.compile traces the call (the
+        caller knows)."""
         return t
 
     def _source_of(self, t: torch.Tensor):

@@ -165,7 +165,7 @@ class _Recorder(ForwardSession):
         self.numel[name] = t.numel()
         self.dtype[name] = str(t.dtype).replace("torch.", "")
 
-    def _param(self, p, name):
+    def _param(self, p, name, compiling=False):
         self._count(p, name)
         return p
 
@@ -176,7 +176,7 @@ class _Recorder(ForwardSession):
         self._watch_grad(t, name)
         return t
 
-    def _output(self, t, name, source=None, new=False):
+    def _output(self, t, name, source=None, new=False, compiling=False):
         self._count(t, name)
         self._watch_grad(t, name)
         return t

@@ -64,10 +64,12 @@ from typing import Dict, List, Mapping, NamedTuple, Optional
 import numpy as np
 import torch
 
+from . import _C
 from ._autograd import function_apply
+from ._native import DTYPE_CODES
+from .backends import is_dense, is_plain
 from ._checks import check_choice, is_real
 from ._intercept import ForwardSession
-from ._non_finite import check_non_finite
 from .assign import FORWARD_ROLES, Assignment, grad_name, role_of
 from .formats import Precision
 from .quantize import BoundRounder, Rounder
@@ -182,10 +184,13 @@ def _count_unchanged(counts: torch.Tensor, t: torch.Tensor) -> None:
         zero = torch.zeros_like(nan)
         counts.add_(torch.stack((zero, zero, nan, zero + t.numel())))
         return
-    # On the CPU one pass of lowfp's check finds the usual case, no NaN, where torch's
-    # isnan().sum() writes and then reads a mask; on a GPU two launches count them, not waited for.
-    if not t.is_cpu or check_non_finite(t, None, None):
-        counts[2].add_(torch.isnan(t).sum())
+    if t.is_cpu and counts.is_cpu and t.dtype in DTYPE_CODES and is_plain(t) and is_dense(t):
+        # one native call: a vectorised pass finds the usual case, no NaN, and the counts are
+        # added in place, where torch would take a mask, a sum and two adds
+        _C.count_unchanged(t.data_ptr(), DTYPE_CODES[t.dtype], t.numel(), counts.data_ptr())
+        return
+    # elsewhere two launches count them, not waited for
+    counts[2].add_(torch.isnan(t).sum())
     counts[3].add_(t.numel())
 
 
@@ -379,11 +384,13 @@ class Emulator(ForwardSession):
         hi = self._hi(dtype)
         return _entry(self._rounder(hi, True), None, self._rounder(hi, False), None)
 
-    def _round(self, t: torch.Tensor, name: str, source=None, new: bool = False) -> torch.Tensor:
+    def _round(self, t: torch.Tensor, name: str, source=None, new: bool = False,
+               compiling: Optional[bool] = None) -> torch.Tensor:
         """t rounded for tensor `name`. source: the rounder whose results a selecting operator's
         argument holds (ForwardSession._source_of); when it is this tensor's forward rounder, the
         forward rounding would return t unchanged, so it is skipped and only counted. new: t is a
-        result of an operator call that returned none of its arguments (see _rounds_in_place)."""
+        result of an operator call that returned none of its arguments (see _rounds_in_place).
+        compiling: torch.compiler.is_compiling(), where the caller knows it."""
         # (every training tensor passes here: one lookup, and the eager path first)
         entry = (self._entries if self._counting else self._uncounted).get(name)
         fwd, fs, bwd, bs, fwd_bound, bwd_bound, hookable, marked = (
@@ -391,7 +398,7 @@ class Emulator(ForwardSession):
         if fwd is None and bwd is None:
             return t
         unchanged = source is not None and source is fwd and type(t) is torch.Tensor
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() if compiling is None else compiling:
             out = self._round_in_graph(t, name, None if unchanged else fwd, None if unchanged else fs,
                                        bwd, bs)
             if unchanged and fs is not None:
@@ -470,17 +477,17 @@ class Emulator(ForwardSession):
     def _compilable(self) -> bool:
         return self.observer is None  # an observer is Python called with each rounded tensor
 
-    def _param(self, p, name):
+    def _param(self, p, name, compiling=None):
         q = self._params.get(id(p))
         if q is None:
-            q = self._params[id(p)] = self._round(p, name)
+            q = self._params[id(p)] = self._round(p, name, compiling=compiling)
         return q
 
     def _input(self, t, name):
         return self._round(t, name)
 
-    def _output(self, t, name, source=None, new=False):
-        return self._round(t, name, source, new)
+    def _output(self, t, name, source=None, new=False, compiling=None):
+        return self._round(t, name, source, new, compiling)
 
     def _forward(self, inner, args, kwargs):
         try:

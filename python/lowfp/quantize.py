@@ -8,11 +8,11 @@ import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from . import backends
+from . import _C, backends
 from ._autograd import function_apply
 from .backends import PLAIN_TYPES
 from ._checks import check_choice, is_dtype_in
-from ._memory import new_output
+from ._memory import _MIN_BYTES, new_output
 from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODES, Plan,
                       as_int64, call_seed, check_tensor_args, check_uint64, check_writable,
                       into_numpy_out, make_call, numpy_as_tensor, plan_rounding, records_natively,
@@ -451,6 +451,14 @@ class Rounder:
         return f"Rounder({self.precision}, {self.rounding!r}, overflow={self.overflow!r})"
 
 
+# BoundRounder's native call (cpp/bindings/def_bound_round.hpp): a plain contiguous CPU tensor
+# that backends.ready_on_cpu passes, rounded by its dtype's prepared request into a tensor that
+# new_output would make (torch.empty_like below its huge-page size).
+_C.round_bound_setup(PLAIN_TYPES, backends, torch.get_num_threads, torch.strided, torch.empty_like,
+                     new_output, _MIN_BYTES, torch.preserve_format)
+_round_bound = _C.round_bound
+
+
 class BoundRounder:
     """``rounder(x, stats)`` with ``stats`` fixed, as a one-argument callable (a gradient's tensor
     hook; an emulated tensor's rounding), and ``round_in_place(x)``.
@@ -471,11 +479,6 @@ class BoundRounder:
                         if type(stats) is Stats and stats.counts.is_cpu else None)
         self._requests: Dict[torch.dtype, object] = {}  # dtype -> the prepared CPU request
 
-    def _request(self, x: torch.Tensor):
-        """The CPU request that takes x as it is, or None."""
-        request = self._requests.get(x.dtype) if type(x) in PLAIN_TYPES else None
-        return request if request is not None and backends.ready_on_cpu(x) and x.is_contiguous() else None
-
     def _learn(self, x: torch.Tensor) -> None:
         """Remember the rounder's prepared CPU request for x's dtype, once it has one."""
         if self._counts is None or torch.compiler.is_compiling() or x.dtype in self._requests:
@@ -485,22 +488,18 @@ class BoundRounder:
             self._requests[x.dtype] = prepared.request
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        request = self._request(x)
-        if request is None:
+        # (lowfp._C.round_bound: the native call where it takes x, else None)
+        y = None if self._counts is None else _round_bound(self._requests, x, self._counts, None)
+        if y is None:
             y = self.rounder(x, self.stats)
             self._learn(x)
-            return y
-        y = new_output(x, x.dtype, torch.preserve_format)  # (x is contiguous)
-        request(x.data_ptr(), y.data_ptr(), x.numel(), 0, 0, self._counts, -1, 0)
         return y
 
     def round_in_place(self, x: torch.Tensor) -> bool:
         """``rounder.round_in_place(x, stats)``."""
-        request = self._request(x)
-        if request is None:
-            done = self.rounder.round_in_place(x, self.stats)
-            if done:
-                self._learn(x)
-            return done
-        request(x.data_ptr(), x.data_ptr(), x.numel(), 0, 0, self._counts, -1, 0)
-        return True
+        if self._counts is not None and _round_bound(self._requests, x, self._counts, x) is not None:
+            return True
+        done = self.rounder.round_in_place(x, self.stats)
+        if done:
+            self._learn(x)
+        return done

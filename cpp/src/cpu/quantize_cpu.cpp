@@ -1,6 +1,9 @@
 #include "quantize_cpu.hpp"
 
+#include <cmath>
+
 #include "driver.hpp"
+#include "lowfp/storage.hpp"
 
 namespace lowfp {
 
@@ -20,6 +23,32 @@ bool any_non_finite_cpu(DType t, const void* x, int64_t n) {
   for (const Slot<bool>& f : found)
     if (f.v) return true;
   return false;
+}
+
+namespace {
+
+template <class T>
+int64_t count_nans(const void* x, int64_t n) {
+  const T* p = static_cast<const T*>(x);
+  int64_t nans = 0;
+  for (int64_t i = 0; i < n; ++i) nans += std::isnan(bit_cast<double>(Widen<uint64_t>::from(p[i])));
+  return nans;
+}
+
+}  // namespace
+
+void count_unchanged_cpu(DType t, const void* x, int64_t n, int64_t* counts) {
+  int64_t nans = 0;
+  if (any_non_finite_cpu(t, x, n)) {  // (the usual case, no NaN, in one vectorised pass)
+    switch (t) {
+      case DType::Float16: nans = count_nans<Half>(x, n); break;
+      case DType::BFloat16: nans = count_nans<BFloat>(x, n); break;
+      case DType::Float32: nans = count_nans<float>(x, n); break;
+      case DType::Float64: nans = count_nans<double>(x, n); break;
+    }
+  }
+  counts[2] += nans;
+  counts[3] += n;
 }
 
 }  // namespace lowfp

@@ -15,4 +15,8 @@ void quantize_cpu(const QuantizeCall& call, int64_t* counts);
 // or a NaN.
 bool any_non_finite_cpu(DType t, const void* x, int64_t n);
 
+// Adds to counts {overflow, underflow, nan, numel} those of a rounding that returns x unchanged:
+// its NaNs and its n elements (the emulation's skipped roundings, docs/design.md §6).
+void count_unchanged_cpu(DType t, const void* x, int64_t n, int64_t* counts);
+
 }  // namespace lowfp
