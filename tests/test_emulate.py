@@ -935,3 +935,29 @@ def test_the_native_interception_gives_the_python_methods_results(name, monkeypa
             assert torch.equal(got, want)
         else:
             assert got == want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided"])
+def test_a_skipped_rounding_counts_its_nans_and_elements(device, dtype, layout):
+    """The counts a skipped rounding adds (emulate._count_unchanged): the tensor's NaNs (not its
+    infinities) and its element count, added to what the row held, for every dtype and layout."""
+    emulation = importlib.import_module("lowfp.emulate")
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(33, 40, generator=g, dtype=torch.float64)
+    base[base > 1.5] = float("nan")
+    base[base < -1.8] = float("inf")
+    t = base.to(dtype).to(device)
+    t = {"contiguous": t, "transposed": t.t(), "strided": t[::2, 1::3]}[layout]
+    for counts_before in ([0, 0, 0, 0], [3, 1, 4, 1]):
+        counts = torch.tensor(counts_before, dtype=torch.int64, device=device)
+        emulation._count_unchanged(counts, t)
+        want = list(counts_before)
+        want[2] += int(torch.isnan(t).sum())
+        want[3] += t.numel()
+        assert counts.tolist() == want and want[2] > 0
+    clean = torch.zeros(5, 7, dtype=dtype, device=device)
+    counts = torch.zeros(4, dtype=torch.int64, device=device)
+    emulation._count_unchanged(counts, clean)
+    assert counts.tolist() == [0, 0, 0, 35]
