@@ -55,6 +55,30 @@ LOWFP_HD Bits rounded_result(Bits x, Bits mag, const RoundParams<Bits>& p, Round
   return select(ev.nan, x, select(ev.above_max, overflowed, rounded));
 }
 
+// Whether rounded_result_symmetric gives rounded_result's results under p: a zero keeps its sign
+// (not fnuz), an overflow of either sign is that sign with overflow_pos's bits, and infinite
+// inputs saturate with finite ones or overflow_pos is the infinity they stay (policies saturate
+// and, in the nearest modes, inf).
+template <class Bits>
+LOWFP_HD bool symmetric_overflow(const RoundParams<Bits>& p) {
+  using C = CarrierTraits<Bits>;
+  return !p.no_negative_zero && p.overflow_neg == (C::kSign | p.overflow_pos) &&
+         (p.overflow_pos & C::kSign) == 0 && (!p.inf_stays_inf || p.overflow_pos == C::kInf);
+}
+
+// rounded_result where symmetric_overflow(p) holds: the sign of x on the magnitude mag, on
+// overflow_pos above max (infinite inputs included), on |x| for NaN. The same events; about half
+// the vector operations.
+template <class Bits>
+LOWFP_HD Bits rounded_result_symmetric(Bits x, Bits mag, const RoundParams<Bits>& p, RoundEvents& ev) {
+  using C = CarrierTraits<Bits>;
+  const Bits a = x & ~C::kSign;
+  ev.nan = a > C::kInf;
+  ev.above_max = mag > p.max_bits;
+  ev.underflow = (a != 0) & (mag == 0);
+  return (x & C::kSign) | select(ev.nan, a, select(ev.above_max, p.overflow_pos, mag));
+}
+
 // rand: one 32-bit Philox word (ignored unless Kind is Stochastic).
 // kSubnormalExponent must equal p.subnormal_exponent (a template parameter so that the common
 // formats skip the work; drivers dispatch on it). kFixedDrop may be set when p.fixed_drop holds:
@@ -157,12 +181,14 @@ LOWFP_HD F magnitude_by_addition(Bits a, const RoundParams<Bits>& p, int32_t e_c
   return (bit_cast<F>(a) + c) - c;  // inf, NaN stay
 }
 
-template <class Bits>
+// kSymmetric: symmetric_overflow(p) holds (rounded_result_symmetric).
+template <class Bits, bool kSymmetric = false>
 LOWFP_HD Bits round_nearest_by_addition(Bits x, const RoundParams<Bits>& p, int32_t e_cap,
                                         RoundEvents& ev) {
   typename CarrierTraits<Bits>::Float c;
   const Bits mag = bit_cast<Bits>(magnitude_by_addition(x & ~CarrierTraits<Bits>::kSign, p, e_cap, c));
-  return rounded_result(x, mag, p, ev);
+  if constexpr (kSymmetric) return rounded_result_symmetric(x, mag, p, ev);
+  else return rounded_result(x, mag, p, ev);
 }
 
 // Whether the carrier's rounding of |x| + c, c = 2^(e + MB - m) from addition_constant_bits, lands

@@ -18,8 +18,10 @@ namespace {
 template <class T, class Bits>
 constexpr bool kViaFloat = kF16cTiles<T> && std::is_same_v<Bits, uint32_t>;
 
-// kAdd: nearest by addition (QuantizeCall::nearest_by_addition).
-template <class In, class Out, class Bits, RoundKind Kind, bool kCount, bool kSubExp, bool kAdd>
+// kAdd: nearest by addition (QuantizeCall::nearest_by_addition); kSym: with the overflow policy's
+// symmetric form (QuantizeCall::symmetric_overflow).
+template <class In, class Out, class Bits, RoundKind Kind, bool kCount, bool kSubExp, bool kAdd,
+          bool kSym>
 void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts) {
   constexpr bool kInViaFloat = kViaFloat<In, Bits>, kOutViaFloat = kViaFloat<Out, Bits>;
   using Src = std::conditional_t<kInViaFloat, float, In>;
@@ -49,7 +51,7 @@ void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts)
       const uint32_t r = Kind == RoundKind::Stochastic ? rand[i] : 0u;
       Bits v;
       if constexpr (kAdd)
-        v = round_nearest_by_addition(Widen<Bits>::from(xt[i]), p, c.addition_cap, ev);
+        v = round_nearest_by_addition<Bits, kSym>(Widen<Bits>::from(xt[i]), p, c.addition_cap, ev);
       else
         v = round_bits<Kind, Bits, kSubExp>(Widen<Bits>::from(xt[i]), p, r, ev);
       yt[i] = Store<Dst>::from(v);
@@ -81,7 +83,11 @@ void quantize_range(const QuantizeCall& c, int64_t begin, int64_t end, EventCoun
     constexpr RoundKind K = decltype(kind)::value;
     constexpr bool kCount = decltype(count)::value, kSubExp = decltype(sub_exp)::value;
     with_addition<Bits, K, kSubExp>(c, [&](auto add) {
-      run<In, Out, Bits, K, kCount, kSubExp, decltype(add)::value>(c, begin, end, counts);
+      constexpr bool kAdd = decltype(add)::value;
+      if (kAdd && c.symmetric_overflow)
+        run<In, Out, Bits, K, kCount, kSubExp, kAdd, kAdd>(c, begin, end, counts);
+      else
+        run<In, Out, Bits, K, kCount, kSubExp, kAdd, false>(c, begin, end, counts);
     });
   });
 }

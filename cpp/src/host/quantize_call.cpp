@@ -39,6 +39,7 @@ QuantizeCall make_quantize_call(const QuantizeRequest& r, const void* x, void* y
   c.addition_cap = max_exponent(r.spec) + 1;
   c.nearest_by_addition = !c.wide && r.mode == Rounding::Nearest &&
                           nearest_by_addition(c.p32, c.addition_cap);
+  c.symmetric_overflow = c.nearest_by_addition && symmetric_overflow(c.p32);
   c.mode = r.mode;
   c.seed = r.seed;
   c.offset = r.offset;

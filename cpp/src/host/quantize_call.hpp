@@ -20,6 +20,9 @@ struct QuantizeCall {
   // (round.hpp): the loop rounds by addition
   bool nearest_by_addition;
   int32_t addition_cap;          // the format's largest exponent + 1
+  // rounding by addition and symmetric_overflow(p32) (round.hpp): the loop takes
+  // rounded_result_symmetric
+  bool symmetric_overflow;
   Rounding mode;
   uint64_t seed, offset;
   bool count;                    // accumulate overflow/underflow/nan/numel counts
