@@ -860,6 +860,12 @@ def test_a_bound_rounder_takes_what_a_stack_passes_or_names_the_problem():
     x = torch.randn(3, 4).t()
     assert torch.equal(bound(x), lowfp.quantize(x, "fp(4,3,4)", overflow="saturate"))
     assert BoundRounder(Rounder("fp(4,3,4)"))(torch.randn(4, device="meta")).device.type == "meta"
+    for precision in ("fp(4,3,4)", "s2fp8", "mxfp8_e4m3"):  # meta after the rounder has a CPU request
+        rounder = Rounder(precision)
+        for _ in range(2):
+            rounder(torch.randn(2, 32))
+        assert rounder(torch.randn(2, 32, device="meta")).device.type == "meta"
+        assert not rounder.round_in_place(torch.randn(2, 32, device="meta"))
     with FakeTensorMode():
         assert BoundRounder(Rounder("fp(4,3,4)"))(torch.randn(4)).shape == (4,)
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):

@@ -380,7 +380,9 @@ class Rounder:
             # A dtype this rounder has rounded (checked then) on a backend it has used, for a
             # tensor whose memory the kernel reads (subclasses: FakeTensor, DTensor, the full path),
             # with stats whose counts the kernel adds to (a type it takes, on x's device).
-            prepared = self._requests.get((x.dtype, x.is_cuda)) if type(x) in PLAIN_TYPES else None
+            # (keyed by is_cuda: a meta tensor, which no kernel reads, takes the full path)
+            prepared = (self._requests.get((x.dtype, x.is_cuda))
+                        if type(x) in PLAIN_TYPES and not x.is_meta else None)
             if prepared is not None:
                 if stats is None:
                     y = prepared.round(x, None)
@@ -423,7 +425,7 @@ class Rounder:
         other tensor, and nothing autograd saved, holds x's memory."""
         if self.scaled is not None or type(x) is not torch.Tensor or torch.compiler.is_compiling():
             return False
-        prepared = self._requests.get((x.dtype, x.is_cuda))
+        prepared = self._requests.get((x.dtype, x.is_cuda)) if not x.is_meta else None
         if prepared is None or not x.is_contiguous():
             return False
         if stats is None:
