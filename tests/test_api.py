@@ -252,6 +252,57 @@ def test_stats_accumulate():
     assert s.numel == 0 and s.ratio("nan") == 0.0
 
 
+# The CPU kernel counts a tile's overflows and NaNs only where its largest magnitude passes the
+# format's largest (cpp/src/cpu/quantize_kernels.cpp, kTile elements a tile); these tiles hold an
+# event or none in every arrangement it must get right.
+_TILE = 2048
+
+
+def _tiles_with_and_without_events(fmt, dtype):
+    g = torch.Generator().manual_seed(3)
+    tiles = [torch.randn(_TILE, generator=g, dtype=torch.float64) * fmt.max / 8 for _ in range(10)]
+    tiles[0][::97] = fmt.smallest / 3  # underflows only
+    tiles[1][-1] = fmt.max * 4  # one overflow, the tile's last element
+    tiles[2][5] = fmt.max  # the largest value itself: no event
+    tiles[3][1000] = float("nan")
+    tiles[4][7] = fmt.max * (1 + fmt.eps / 8)  # above max, rounds to it in nearest
+    tiles[5][::3] = -fmt.max * 2  # two tiles of many overflows, then a quiet one
+    tiles[6][1::2] = fmt.max * 2
+    tiles[8][0] = float("inf")
+    tiles[9] = tiles[9][:1001]  # a partial tile, its last element an overflow
+    tiles[9][-1] = -fmt.max * 3
+    return torch.cat(tiles).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize("mode", ["nearest", "toward_zero", "stochastic"])
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_counts_of_tiles_with_and_without_events(dtype, mode, in_place, threads):
+    fmt = lowfp.formats.float8_e5m2  # overflows to inf: the counts can be read off the result
+    x = _tiles_with_and_without_events(fmt, dtype)
+    before = x.clone()
+    saved = lowfp.get_num_threads()
+    try:
+        lowfp.set_num_threads(threads)
+        want = lowfp.quantize(x, fmt, mode, seed=9)  # no counts: the loop that counts nothing
+        stats = lowfp.Stats()
+        got = lowfp.quantize_(x, fmt, mode, seed=9, stats=stats) if in_place else \
+            lowfp.quantize(x, fmt, mode, seed=9, stats=stats)
+    finally:
+        lowfp.set_num_threads(saved)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert in_place or torch.equal(x.view(torch.uint8), before.view(torch.uint8))
+    nan = before.isnan()
+    # overflow to inf, except toward zero, which stops at max (from max + ulp up)
+    overflowed = (before.double().abs() >= fmt.max + 2.0**(fmt.emax - fmt.m) if mode == "toward_zero"
+                  else want.isinf())
+    assert stats.as_dict() == {"overflow": int((overflowed & ~nan).sum()),
+                               "underflow": int(((want == 0) & (before != 0)).sum()),
+                               "nan": int(nan.sum()), "numel": before.numel()}
+    assert stats.overflow > 0 and stats.underflow > 0  # (the tiles hold what they should)
+
+
 # -- autograd -----------------------------------------------------------------------------------
 
 def test_straight_through_gradient():

@@ -4,6 +4,7 @@
 // parameters (dispatch.hpp) so no branch on them remains inside the loop.
 #include "isa.hpp"
 
+#include <cstring>
 #include <type_traits>
 
 #include "dispatch.hpp"
@@ -18,8 +19,54 @@ namespace {
 template <class T, class Bits>
 constexpr bool kViaFloat = kF16cTiles<T> && std::is_same_v<Bits, uint32_t>;
 
+// What a tile's loop counts. Overflow and NaN need a magnitude above max_bits (a rounding lands
+// on one of |x|'s two grid neighbours or past the largest), which few tiles hold; underflow is
+// common (any distribution around zero), so:
+//  - Underflow: underflows and the tile's largest magnitude, whose test after the loop says
+//    whether the tile needs the loop again with All (two vector operations fewer per counter);
+//  - All: every event, and the largest magnitude too (see run).
+enum class Counting { None, Underflow, All };
+
+template <class Bits>
+struct TileCounts {
+  // In the carrier's lane width (a tile cannot overflow them): int64 sums would halve the vector
+  // width of the whole loop.
+  Bits above_max = 0, underflow = 0, nan = 0;
+  Bits largest = 0;  // the largest carrier magnitude (Counting::Underflow and All)
+};
+
 // kAdd: nearest by addition (QuantizeCall::nearest_by_addition); kSym: with the overflow policy's
-// symmetric form (QuantizeCall::symmetric_overflow).
+// symmetric form (QuantizeCall::symmetric_overflow). Not inlined: a counting run calls two forms.
+template <class Src, class Dst, class Bits, RoundKind Kind, Counting kCounts, bool kSubExp,
+          bool kAdd, bool kSym>
+__attribute__((noinline)) TileCounts<Bits> round_tile(const QuantizeCall& c,
+                                                      const RoundParams<Bits>& p, const Src* xt,
+                                                      Dst* yt, const uint32_t* rand, int64_t len) {
+  using C = CarrierTraits<Bits>;
+  TileCounts<Bits> t;
+  for (int64_t i = 0; i < len; ++i) {
+    RoundEvents ev;
+    const uint32_t r = Kind == RoundKind::Stochastic ? rand[i] : 0u;
+    const Bits x = Widen<Bits>::from(xt[i]);
+    Bits v;
+    if constexpr (kAdd)
+      v = round_nearest_by_addition<Bits, kSym>(x, p, c.addition_cap, ev);
+    else
+      v = round_bits<Kind, Bits, kSubExp>(x, p, r, ev);
+    yt[i] = Store<Dst>::from(v);
+    if constexpr (kCounts != Counting::None) {
+      const Bits a = x & ~C::kSign;
+      t.largest = t.largest > a ? t.largest : a;
+      t.underflow += Bits(ev.underflow);
+    }
+    if constexpr (kCounts == Counting::All) {
+      t.above_max += Bits(ev.above_max);
+      t.nan += Bits(ev.nan);
+    }
+  }
+  return t;
+}
+
 template <class In, class Out, class Bits, RoundKind Kind, bool kCount, bool kSubExp, bool kAdd,
           bool kSym>
 void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts) {
@@ -32,6 +79,18 @@ void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts)
   alignas(64) uint32_t rand[kTile];
   alignas(64) Src in_tile[kInViaFloat ? kTile : 1];
   alignas(64) float out_tile[kOutViaFloat ? kTile : 1];
+  // A tile rounded with Counting::Underflow that turns out to hold a magnitude above max_bits is
+  // rounded again with All, from its input. Where the result overwrites the input, each tile's
+  // results are staged in a buffer (in L1) and copied out after the tile's counts are known.
+  // After such a tile the next ones count All until one holds none (a tensor with many overflows
+  // pays one comparison per element, not every tile twice).
+  const auto* x_bytes = static_cast<const unsigned char*>(c.x);
+  const auto* y_bytes = static_cast<const unsigned char*>(c.y);
+  const bool stage_results = kCount && !kOutViaFloat &&
+                             !(x_bytes + c.n * int64_t(sizeof(In)) <= y_bytes ||
+                               y_bytes + c.n * int64_t(sizeof(Out)) <= x_bytes);
+  alignas(64) Dst staged[kCount && !kOutViaFloat ? kTile : 1];
+  bool count_all = false;
   int64_t overflow = 0, underflow = 0, nan = 0;
   for (int64_t t0 = begin; t0 < end; t0 += kTile) {
     const int64_t len = min_of(kTile, end - t0);
@@ -42,31 +101,29 @@ void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts)
     const Src* xt = readable_tile(x + t0, len, in_tile);
     Dst* yt;
     if constexpr (kOutViaFloat) yt = out_tile;
-    else yt = y + t0;
-    // Per-tile counts in the carrier's lane width (a tile cannot overflow them): int64 sums
-    // would halve the vector width of the whole loop.
-    Bits tile_above_max = 0, tile_underflow = 0, tile_nan = 0;
-    for (int64_t i = 0; i < len; ++i) {
-      RoundEvents ev;
-      const uint32_t r = Kind == RoundKind::Stochastic ? rand[i] : 0u;
-      Bits v;
-      if constexpr (kAdd)
-        v = round_nearest_by_addition<Bits, kSym>(Widen<Bits>::from(xt[i]), p, c.addition_cap, ev);
-      else
-        v = round_bits<Kind, Bits, kSubExp>(Widen<Bits>::from(xt[i]), p, r, ev);
-      yt[i] = Store<Dst>::from(v);
-      if constexpr (kCount) {
-        tile_above_max += Bits(ev.above_max);
-        tile_underflow += Bits(ev.underflow);
-        tile_nan += Bits(ev.nan);
+    else yt = kCount && stage_results ? staged : y + t0;
+    if constexpr (kCount) {
+      TileCounts<Bits> t;
+      if (!count_all) {
+        t = round_tile<Src, Dst, Bits, Kind, Counting::Underflow, kSubExp, kAdd, kSym>(c, p, xt, yt, rand, len);
+        count_all = t.largest > p.max_bits;
       }
+      if (count_all) {
+        t = round_tile<Src, Dst, Bits, Kind, Counting::All, kSubExp, kAdd, kSym>(c, p, xt, yt, rand, len);
+        count_all = t.largest > p.max_bits;
+      }
+      overflow += int64_t(t.above_max) - int64_t(t.nan);  // see RoundEvents
+      underflow += int64_t(t.underflow);
+      nan += int64_t(t.nan);
+      if constexpr (!kOutViaFloat) {
+        if (stage_results) std::memcpy(y + t0, staged, size_t(len) * sizeof(Dst));
+      }
+    } else {
+      round_tile<Src, Dst, Bits, Kind, Counting::None, kSubExp, kAdd, kSym>(c, p, xt, yt, rand, len);
     }
     if constexpr (kOutViaFloat) {
       float_tile_to_half(out_tile, y + t0, len);
     }
-    overflow += int64_t(tile_above_max) - int64_t(tile_nan);  // see RoundEvents
-    underflow += int64_t(tile_underflow);
-    nan += int64_t(tile_nan);
   }
   counts.overflow += overflow;
   counts.underflow += underflow;
