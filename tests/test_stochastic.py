@@ -48,6 +48,30 @@ def test_results_follow_the_specified_stream_exactly(seed, offset, sr_bits, devi
     np.testing.assert_array_equal(got, np.array(want, dtype=np.float32))
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sr_bits", [32, 9])
+def test_bfloat16_follows_the_specified_stream_exactly(out_dtype, sr_bits):
+    """The bfloat16 format from float32 (the CPU kernel's folded form where sr_bits is 32): every
+    element as the spec says, subnormals and overflow included, and the counts."""
+    rng = np.random.default_rng(sr_bits)
+    n = 5003  # three CPU tiles
+    x = rng.standard_normal(n) * 2.0 ** rng.integers(-140, 120, n)  # finite in float32
+    x[::13] = 3.398e38  # between bfloat16's max and the step above it: overflow or max
+    x = x.astype(np.float32)
+    stats = lowfp.Stats()
+    got = lowfp.quantize(torch.from_numpy(x), lowfp.formats.bfloat16, "stochastic", seed=11,
+                         offset=3, sr_bits=sr_bits, stats=stats, out_dtype=out_dtype)
+    spec = Spec(8, 7, 0, "ieee")
+    bf16_max = float(lowfp.formats.bfloat16.max)
+    want = np.array([stochastic_exact(float(v), spec, philox_word(11, 3, i), sr_bits)
+                     for i, v in enumerate(x)])
+    want = np.where(np.abs(want) > bf16_max, np.copysign(np.inf, want), want)  # overflow to inf
+    np.testing.assert_array_equal(got.float().numpy(), want.astype(np.float32))
+    assert stats.as_dict() == {"overflow": int(np.isinf(want).sum()), "nan": 0, "numel": n,
+                               "underflow": int(((want == 0) & (x != 0)).sum())}
+    assert stats.overflow > 0 and stats.underflow > 0
+
+
 @pytest.mark.parametrize("x", [0.3, 1.0 + 2**-5, -5.1, 300.0, 2.0**-8, 3 * 2.0**-11, -2.0**-10 * 1.7])
 def test_only_neighbours_and_unbiased_mean(x):
     """Results are the two neighbours; the mean of many draws is within 5 sigma of x."""

@@ -35,10 +35,21 @@ struct TileCounts {
   Bits largest = 0;  // the largest carrier magnitude (Counting::Underflow and All)
 };
 
-// kAdd: nearest by addition (QuantizeCall::nearest_by_addition); kSym: with the overflow policy's
-// symmetric form (QuantizeCall::symmetric_overflow). Not inlined: a counting run calls two forms.
+// How an element is rounded, chosen once per call (QuantizeCall): round_bits; nearest by
+// addition (nearest_by_addition), with the overflow policy's symmetric form
+// (symmetric_overflow); bfloat16 with its parameters folded in (bfloat16_by_bits).
+enum class ElementForm { General, Addition, AdditionSymmetric, Bfloat16 };
+
+// Where the bfloat16 form is compiled: float32 in, float32 or bfloat16 out, nearest or stochastic.
+template <class In, class Out, class Bits, RoundKind Kind, bool kSubExp>
+constexpr bool kHasBfloat16Form =
+    std::is_same_v<In, float> && (std::is_same_v<Out, float> || std::is_same_v<Out, BFloat>) &&
+    std::is_same_v<Bits, uint32_t> && (Kind == RoundKind::Nearest || Kind == RoundKind::Stochastic) &&
+    !kSubExp;
+
+// Not inlined: a counting run calls two forms.
 template <class Src, class Dst, class Bits, RoundKind Kind, Counting kCounts, bool kSubExp,
-          bool kAdd, bool kSym>
+          ElementForm kForm>
 __attribute__((noinline)) TileCounts<Bits> round_tile(const QuantizeCall& c,
                                                       const RoundParams<Bits>& p, const Src* xt,
                                                       Dst* yt, const uint32_t* rand, int64_t len) {
@@ -49,10 +60,12 @@ __attribute__((noinline)) TileCounts<Bits> round_tile(const QuantizeCall& c,
     const uint32_t r = Kind == RoundKind::Stochastic ? rand[i] : 0u;
     const Bits x = Widen<Bits>::from(xt[i]);
     Bits v;
-    if constexpr (kAdd)
-      v = round_nearest_by_addition<Bits, kSym>(x, p, c.addition_cap, ev);
-    else
+    if constexpr (kForm == ElementForm::Bfloat16)
+      v = round_to_bfloat16_bits<Kind>(x, r, ev);
+    else if constexpr (kForm == ElementForm::General)
       v = round_bits<Kind, Bits, kSubExp>(x, p, r, ev);
+    else
+      v = round_nearest_by_addition<Bits, kForm == ElementForm::AdditionSymmetric>(x, p, c.addition_cap, ev);
     yt[i] = Store<Dst>::from(v);
     if constexpr (kCounts != Counting::None) {
       const Bits a = x & ~C::kSign;
@@ -67,8 +80,8 @@ __attribute__((noinline)) TileCounts<Bits> round_tile(const QuantizeCall& c,
   return t;
 }
 
-template <class In, class Out, class Bits, RoundKind Kind, bool kCount, bool kSubExp, bool kAdd,
-          bool kSym>
+template <class In, class Out, class Bits, RoundKind Kind, bool kCount, bool kSubExp,
+          ElementForm kForm>
 void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts) {
   constexpr bool kInViaFloat = kViaFloat<In, Bits>, kOutViaFloat = kViaFloat<Out, Bits>;
   using Src = std::conditional_t<kInViaFloat, float, In>;
@@ -105,11 +118,11 @@ void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts)
     if constexpr (kCount) {
       TileCounts<Bits> t;
       if (!count_all) {
-        t = round_tile<Src, Dst, Bits, Kind, Counting::Underflow, kSubExp, kAdd, kSym>(c, p, xt, yt, rand, len);
+        t = round_tile<Src, Dst, Bits, Kind, Counting::Underflow, kSubExp, kForm>(c, p, xt, yt, rand, len);
         count_all = t.largest > p.max_bits;
       }
       if (count_all) {
-        t = round_tile<Src, Dst, Bits, Kind, Counting::All, kSubExp, kAdd, kSym>(c, p, xt, yt, rand, len);
+        t = round_tile<Src, Dst, Bits, Kind, Counting::All, kSubExp, kForm>(c, p, xt, yt, rand, len);
         count_all = t.largest > p.max_bits;
       }
       overflow += int64_t(t.above_max) - int64_t(t.nan);  // see RoundEvents
@@ -119,7 +132,7 @@ void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts)
         if (stage_results) std::memcpy(y + t0, staged, size_t(len) * sizeof(Dst));
       }
     } else {
-      round_tile<Src, Dst, Bits, Kind, Counting::None, kSubExp, kAdd, kSym>(c, p, xt, yt, rand, len);
+      round_tile<Src, Dst, Bits, Kind, Counting::None, kSubExp, kForm>(c, p, xt, yt, rand, len);
     }
     if constexpr (kOutViaFloat) {
       float_tile_to_half(out_tile, y + t0, len);
@@ -140,11 +153,17 @@ void quantize_range(const QuantizeCall& c, int64_t begin, int64_t end, EventCoun
     constexpr RoundKind K = decltype(kind)::value;
     constexpr bool kCount = decltype(count)::value, kSubExp = decltype(sub_exp)::value;
     with_addition<Bits, K, kSubExp>(c, [&](auto add) {
-      constexpr bool kAdd = decltype(add)::value;
-      if (kAdd && c.symmetric_overflow)
-        run<In, Out, Bits, K, kCount, kSubExp, kAdd, kAdd>(c, begin, end, counts);
-      else
-        run<In, Out, Bits, K, kCount, kSubExp, kAdd, false>(c, begin, end, counts);
+      if constexpr (decltype(add)::value) {
+        if (c.symmetric_overflow)
+          return run<In, Out, Bits, K, kCount, kSubExp, ElementForm::AdditionSymmetric>(c, begin, end, counts);
+        return run<In, Out, Bits, K, kCount, kSubExp, ElementForm::Addition>(c, begin, end, counts);
+      } else {
+        if constexpr (kHasBfloat16Form<In, Out, Bits, K, kSubExp>) {
+          if (c.bfloat16_by_bits)
+            return run<In, Out, Bits, K, kCount, kSubExp, ElementForm::Bfloat16>(c, begin, end, counts);
+        }
+        run<In, Out, Bits, K, kCount, kSubExp, ElementForm::General>(c, begin, end, counts);
+      }
     });
   });
 }

@@ -40,6 +40,13 @@ QuantizeCall make_quantize_call(const QuantizeRequest& r, const void* x, void* y
   c.nearest_by_addition = !c.wide && r.mode == Rounding::Nearest &&
                           nearest_by_addition(c.p32, c.addition_cap);
   c.symmetric_overflow = c.nearest_by_addition && symmetric_overflow(c.p32);
+  const FormatSpec bf16 = storage_spec(DType::BFloat16);
+  c.bfloat16_by_bits = !c.wide && r.x_dtype == DType::Float32 &&
+                       (r.y_dtype == DType::Float32 || r.y_dtype == DType::BFloat16) &&
+                       r.spec.e == bf16.e && r.spec.m == bf16.m && r.spec.b == bf16.b &&
+                       r.spec.specials == bf16.specials && r.spec.subnormals == bf16.subnormals &&
+                       r.overflow == Overflow::Inf && c.p32.fixed_drop &&
+                       (r.mode == Rounding::Nearest || (r.mode == Rounding::Stochastic && r.sr_bits == 32));
   c.mode = r.mode;
   c.seed = r.seed;
   c.offset = r.offset;

@@ -23,6 +23,10 @@ struct QuantizeCall {
   // rounding by addition and symmetric_overflow(p32) (round.hpp): the loop takes
   // rounded_result_symmetric
   bool symmetric_overflow;
+  // float32 in, float32 or bfloat16 out, the bfloat16 format with overflow to inf, nearest or
+  // stochastic with 32 random bits: the CPU loop takes round_to_bfloat16_bits (round.hpp), whose
+  // folded parameters these are
+  bool bfloat16_by_bits;
   Rounding mode;
   uint64_t seed, offset;
   bool count;                    // accumulate overflow/underflow/nan/numel counts
