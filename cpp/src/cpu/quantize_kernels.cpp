@@ -114,7 +114,7 @@ void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts)
     const Src* xt = readable_tile(x + t0, len, in_tile);
     Dst* yt;
     if constexpr (kOutViaFloat) yt = out_tile;
-    else yt = kCount && stage_results ? staged : y + t0;
+    else yt = stage_results ? staged : y + t0;
     if constexpr (kCount) {
       TileCounts<Bits> t;
       if (!count_all) {
