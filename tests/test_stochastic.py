@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import lowfp
+from lowfp._native import DTYPE_CODES, ROUNDING_MODES, format_args
 from reference import Spec, philox4x32_10, philox_word, stochastic_exact
 from devices import DEVICES
 
@@ -70,6 +71,81 @@ def test_bfloat16_follows_the_specified_stream_exactly(out_dtype, sr_bits):
     assert stats.as_dict() == {"overflow": int(np.isinf(want).sum()), "nan": 0, "numel": n,
                                "underflow": int(((want == 0) & (x != 0)).sum())}
     assert stats.overflow > 0 and stats.underflow > 0
+
+
+# Formats whose float32 rounding the kernels take by steps (round.hpp's round_stochastic_by_steps:
+# True) or by round_bits (False: fnuz has no symmetric overflow form), m = 0 among them.
+STEPS_CASES = {
+    "fp(4,3,4)": (Spec(4, 3, 4, "none"), True),
+    "float8_e5m2": (Spec(5, 2, 0, "ieee"), True),
+    "fp(5,0,3)": (Spec(5, 0, 3, "none"), True),
+    "fp(6,9,0)": (Spec(6, 9, 0, "none"), True),
+    "float8_e4m3fnuz": (Spec(4, 3, 1, "fnuz"), False),
+}
+
+
+def _stochastic_reference(x: np.ndarray, fmt: "lowfp.Format", spec: Spec, seed: int, offset: int,
+                          sr_bits: int):
+    """(result, counts) of docs/design.md §3 for every element of float32 x: stochastic_exact's
+    value, then the overflow policy beyond max, fnuz's unsigned zero, NaN kept."""
+    out, counts = [], {"overflow": 0, "underflow": 0, "nan": 0, "numel": len(x)}
+    mx = float(fmt.max)
+    for i, v in enumerate(x.tolist()):
+        if math.isnan(v):
+            out.append(v)
+            counts["nan"] += 1
+            continue
+        r = v if math.isinf(v) else stochastic_exact(v, spec, philox_word(seed, offset, i), sr_bits)
+        if abs(r) > mx:
+            r = {"saturate": math.copysign(mx, v), "inf": math.copysign(math.inf, v),
+                 "nan": math.nan}[fmt.overflow]
+            counts["overflow"] += 1
+        elif r == 0 and v != 0:
+            counts["underflow"] += 1
+        if r == 0 and spec.unsigned_zero:
+            r = 0.0
+        out.append(r)
+    return np.array(out, dtype=np.float32), counts
+
+
+def _same_bits(got: np.ndarray, want: np.ndarray) -> bool:
+    """Equal bit patterns, the sign of zero included; any NaN equals any NaN."""
+    nan = np.isnan(want)
+    return bool(np.array_equal(np.isnan(got), nan)
+                and np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32)))
+
+
+@pytest.mark.parametrize("sr_bits", [32, 9, 1])
+@pytest.mark.parametrize("name", list(STEPS_CASES))
+def test_formats_follow_the_specified_stream_exactly(name, sr_bits):
+    """float32 inputs across the whole range (carrier subnormals, below the format's smallest step,
+    its subnormals, normals, the band above max, infinities, NaN, zeros of both signs): every
+    element and the counts as the spec says, and the same as the float64 carrier's rounding."""
+    spec, by_steps = STEPS_CASES[name]
+    fmt = lowfp.Format.parse(name)
+    f32 = DTYPE_CODES[torch.float32]
+    params = lowfp._C.round_params(f32, f32, *format_args(fmt, ROUNDING_MODES.index("stochastic"), sr_bits))
+    assert params["stochastic_by_steps"] == by_steps  # (the form this case exercises)
+    rng = np.random.default_rng(sr_bits)
+    n = 5003  # three CPU tiles
+    smallest = 2.0 ** (spec.emin - spec.m)
+    x = rng.standard_normal(n) * np.exp2(rng.uniform(math.log2(smallest) - 40, math.log2(float(fmt.max)) + 2, n))
+    x[::29] = rng.uniform(-1, 1, len(x[::29])) * smallest  # below the smallest step
+    x[::31] = rng.uniform(-1, 1, len(x[::31])) * 2.0**-126  # carrier subnormals
+    x[::37] = np.round(x[::37])
+    x[5:11] = [0.0, -0.0, np.inf, -np.inf, np.nan, float(fmt.max)]
+    x = x.astype(np.float32)
+    seed, offset = 0x9E3779B97F4A7C15 + sr_bits, 5
+    stats = lowfp.Stats()
+    got = lowfp.quantize(torch.from_numpy(x), fmt, "stochastic", seed=seed, offset=offset,
+                         sr_bits=sr_bits, stats=stats).numpy()
+    want, counts = _stochastic_reference(x, fmt, spec, seed, offset, sr_bits)
+    assert _same_bits(got, want)
+    assert stats.as_dict() == counts
+    assert counts["overflow"] > 0 and counts["underflow"] > 0
+    wide = lowfp.quantize(torch.from_numpy(x).double(), fmt, "stochastic", seed=seed, offset=offset,
+                          sr_bits=sr_bits).float().numpy()
+    assert _same_bits(wide, got)
 
 
 @pytest.mark.parametrize("x", [0.3, 1.0 + 2**-5, -5.1, 300.0, 2.0**-8, 3 * 2.0**-11, -2.0**-10 * 1.7])

@@ -59,9 +59,10 @@ void def_quantize(pybind11::module_& mod, Run run) {
     run(call, reinterpret_cast<int64_t*>(counts), device, stream);
   });
   // The element kernel's RoundParams of a request (same arguments as quantize, without the
-  // buffers), and whether the kernel rounds it to nearest by addition (with the exponent cap of
-  // the constant), for lowfp's torch form of the rounding (python/lowfp/_torch_round.py), which
-  // must compute what the kernel computes from the same constants. Bit patterns are unsigned.
+  // buffers), whether the kernel rounds it to nearest by addition (with the exponent cap of the
+  // constant) and whether stochastically by steps (dispatch.hpp's element forms), for lowfp's
+  // torch form of the rounding (python/lowfp/_torch_round.py), which must compute what the kernel
+  // computes from the same constants, and for tests. Bit patterns are unsigned.
   mod.def("round_params", [](int32_t x_dtype, int32_t y_dtype, int32_t e, int32_t m, int32_t b,
                              int32_t specials, bool subnormals, int32_t overflow, int32_t rounding,
                              int32_t sr_bits) {
@@ -95,6 +96,7 @@ void def_quantize(pybind11::module_& mod, Run run) {
     d["carrier_bits"] = call.wide ? 64 : 32;
     d["nearest_by_addition"] = call.nearest_by_addition;
     d["addition_cap"] = call.addition_cap;
+    d["stochastic_by_steps"] = call.stochastic_by_steps;
     return d;
   });
 }

@@ -35,18 +35,6 @@ struct TileCounts {
   Bits largest = 0;  // the largest carrier magnitude (Counting::Underflow and All)
 };
 
-// How an element is rounded, chosen once per call (QuantizeCall): round_bits; nearest by
-// addition (nearest_by_addition), with the overflow policy's symmetric form
-// (symmetric_overflow); bfloat16 with its parameters folded in (bfloat16_by_bits).
-enum class ElementForm { General, Addition, AdditionSymmetric, Bfloat16 };
-
-// Where the bfloat16 form is compiled: float32 in, float32 or bfloat16 out, nearest or stochastic.
-template <class In, class Out, class Bits, RoundKind Kind, bool kSubExp>
-constexpr bool kHasBfloat16Form =
-    std::is_same_v<In, float> && (std::is_same_v<Out, float> || std::is_same_v<Out, BFloat>) &&
-    std::is_same_v<Bits, uint32_t> && (Kind == RoundKind::Nearest || Kind == RoundKind::Stochastic) &&
-    !kSubExp;
-
 // Not inlined: a counting run calls two forms.
 template <class Src, class Dst, class Bits, RoundKind Kind, Counting kCounts, bool kSubExp,
           ElementForm kForm>
@@ -59,14 +47,7 @@ __attribute__((noinline)) TileCounts<Bits> round_tile(const QuantizeCall& c,
     RoundEvents ev;
     const uint32_t r = Kind == RoundKind::Stochastic ? rand[i] : 0u;
     const Bits x = Widen<Bits>::from(xt[i]);
-    Bits v;
-    if constexpr (kForm == ElementForm::Bfloat16)
-      v = round_to_bfloat16_bits<Kind>(x, r, ev);
-    else if constexpr (kForm == ElementForm::General)
-      v = round_bits<Kind, Bits, kSubExp>(x, p, r, ev);
-    else
-      v = round_nearest_by_addition<Bits, kForm == ElementForm::AdditionSymmetric>(x, p, c.addition_cap, ev);
-    yt[i] = Store<Dst>::from(v);
+    yt[i] = Store<Dst>::from(round_element<Kind, Bits, kSubExp, kForm>(x, p, r, c.addition_cap, ev));
     if constexpr (kCounts != Counting::None) {
       const Bits a = x & ~C::kSign;
       t.largest = t.largest > a ? t.largest : a;
@@ -152,18 +133,8 @@ void quantize_range(const QuantizeCall& c, int64_t begin, int64_t end, EventCoun
     using Bits = typename decltype(bits)::type;
     constexpr RoundKind K = decltype(kind)::value;
     constexpr bool kCount = decltype(count)::value, kSubExp = decltype(sub_exp)::value;
-    with_addition<Bits, K, kSubExp>(c, [&](auto add) {
-      if constexpr (decltype(add)::value) {
-        if (c.symmetric_overflow)
-          return run<In, Out, Bits, K, kCount, kSubExp, ElementForm::AdditionSymmetric>(c, begin, end, counts);
-        return run<In, Out, Bits, K, kCount, kSubExp, ElementForm::Addition>(c, begin, end, counts);
-      } else {
-        if constexpr (kHasBfloat16Form<In, Out, Bits, K, kSubExp>) {
-          if (c.bfloat16_by_bits)
-            return run<In, Out, Bits, K, kCount, kSubExp, ElementForm::Bfloat16>(c, begin, end, counts);
-        }
-        run<In, Out, Bits, K, kCount, kSubExp, ElementForm::General>(c, begin, end, counts);
-      }
+    with_element_form<In, Out, Bits, K, kSubExp>(c, [&](auto form) {
+      run<In, Out, Bits, K, kCount, kSubExp, decltype(form)::value>(c, begin, end, counts);
     });
   });
 }

@@ -15,15 +15,14 @@ namespace {
 // rounding draws group g's four words from Philox block offset + g (docs/design.md §3), so every word is
 // drawn once.
 // x and y are not __restrict__: quantize_(x) and out=x pass the same buffer (each element is read
-// by the thread that writes it, before it writes it). kAdd: nearest rounding by addition
-// (with_addition), with the format's largest exponent + 1 e_cap.
-template <class In, class Out, class Bits, RoundKind K, bool kCount, bool kSubExp, bool kAdd>
+// by the thread that writes it, before it writes it). kForm: the call's element form
+// (with_element_form), with the format's largest exponent + 1 e_cap.
+template <class In, class Out, class Bits, RoundKind K, bool kCount, bool kSubExp, ElementForm kForm>
 __global__ void __launch_bounds__(kThreads)
 quantize_kernel(const In* x, Out* y, int64_t n, RoundParams<Bits> p, int32_t e_cap, uint64_t seed,
                 uint64_t offset, unsigned long long* counts, bool quad_io) {
   round_elements<K, kCount>(x, y, n, quad_io, seed, offset, counts, [&](In v, uint32_t word, RoundEvents& ev) {
-    if constexpr (kAdd) return Store<Out>::from(round_nearest_by_addition(Widen<Bits>::from(v), p, e_cap, ev));
-    else return Store<Out>::from(round_bits<K, Bits, kSubExp>(Widen<Bits>::from(v), p, word, ev));
+    return Store<Out>::from(round_element<K, Bits, kSubExp, kForm>(Widen<Bits>::from(v), p, word, e_cap, ev));
   });
 }
 
@@ -82,8 +81,8 @@ void quantize_cuda(const QuantizeCall& c, int64_t* counts, int device, uintptr_t
     constexpr RoundKind K = decltype(kind)::value;
     constexpr bool kSubExp = decltype(sub_exp)::value;
     const bool quad_io = quad_aligned<In>(c.x) && quad_aligned<Out>(c.y);
-    with_addition<Bits, K, kSubExp>(c, [&](auto add) {
-      quantize_kernel<In, Out, Bits, K, decltype(count)::value, kSubExp, decltype(add)::value>
+    with_element_form<In, Out, Bits, K, kSubExp>(c, [&](auto form) {
+      quantize_kernel<In, Out, Bits, K, decltype(count)::value, kSubExp, decltype(form)::value>
           <<<grid_size(device, (c.n + 3) / 4), kThreads, 0, stream>>>(
               static_cast<const In*>(c.x), static_cast<Out*>(c.y), c.n, round_params<Bits>(c), c.addition_cap,
               c.seed, c.offset, reinterpret_cast<unsigned long long*>(counts), quad_io);

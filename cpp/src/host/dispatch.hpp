@@ -1,8 +1,8 @@
 // Run-time choices as template arguments, for the CPU and CUDA drivers alike: a flag
-// (with_flag), a rounding mode's kind (with_round_kind), and a QuantizeCall's storage types,
+// (with_flag), a rounding mode's kind (with_round_kind), a QuantizeCall's storage types,
 // carrier, rounding kind, counting and whether carrier subnormals need their true exponent
 // (dispatch_quantize: fn(Type<In>{}, Type<Out>{}, Type<Bits>{}, Kind<k>{}, Flag<count>{},
-// Flag<subnormal_exponent>{})).
+// Flag<subnormal_exponent>{})), and its element form (with_element_form).
 #pragma once
 #include <type_traits>
 
@@ -51,15 +51,60 @@ void dispatch_flags(bool a, bool b, Fn&& fn) {
   a ? with_a(Flag<true>{}) : with_a(Flag<false>{});
 }
 
-// fn(Flag<by_addition>{}) for a quantize loop of carrier Bits, rounding kind K and subnormal
-// exponents kSub: whether it rounds by addition (round_nearest_by_addition, the same results as
-// round_bits: the float32 carrier's nearest rounding where QuantizeCall::nearest_by_addition holds).
-template <class Bits, RoundKind K, bool kSub, class Fn>
-void with_addition(const QuantizeCall& c, Fn&& fn) {
-  if constexpr (std::is_same_v<Bits, uint32_t> && K == RoundKind::Nearest && !kSub) {
-    if (c.nearest_by_addition) return fn(Flag<true>{});
+// How a quantize loop rounds each element, chosen once per call (QuantizeCall) for the CPU and
+// CUDA loops alike; every form gives round_bits' results and events where the call selects it:
+//  - General: round_bits;
+//  - Addition, AdditionSymmetric: nearest by addition (round_nearest_by_addition), the second
+//    with the overflow policy's symmetric form (rounded_result_symmetric);
+//  - StochasticStepsSymmetric: stochastic rounding as a sum (round_stochastic_by_steps), with the
+//    symmetric form;
+//  - Bfloat16: the bfloat16 format with its parameters folded in (round_to_bfloat16_bits).
+enum class ElementForm { General, Addition, AdditionSymmetric, StochasticStepsSymmetric, Bfloat16 };
+template <ElementForm F> struct Form { static constexpr ElementForm value = F; };
+
+// Where the bfloat16 form is compiled: float32 in, float32 or bfloat16 out, nearest or stochastic
+// (QuantizeCall::bfloat16_by_bits).
+template <class In, class Out, class Bits, RoundKind K, bool kSubExp>
+constexpr bool kHasBfloat16Form =
+    std::is_same_v<In, float> && (std::is_same_v<Out, float> || std::is_same_v<Out, BFloat>) &&
+    std::is_same_v<Bits, uint32_t> && (K == RoundKind::Nearest || K == RoundKind::Stochastic) && !kSubExp;
+
+// One element of a quantize loop of carrier Bits, rounding kind K and subnormal exponents kSubExp,
+// in the form kForm (with_element_form); rand: its Philox word (stochastic rounding), e_cap:
+// QuantizeCall::addition_cap.
+template <RoundKind K, class Bits, bool kSubExp, ElementForm kForm>
+LOWFP_HD Bits round_element(Bits x, const RoundParams<Bits>& p, uint32_t rand, int32_t e_cap, RoundEvents& ev) {
+  if constexpr (kForm == ElementForm::General) {
+    return round_bits<K, Bits, kSubExp>(x, p, rand, ev);
+  } else if constexpr (kForm == ElementForm::Bfloat16) {
+    return round_to_bfloat16_bits<K>(x, rand, ev);
+  } else if constexpr (kForm == ElementForm::StochasticStepsSymmetric) {
+    return round_stochastic_by_steps<true>(x, p, rand, ev);
+  } else {
+    return round_nearest_by_addition<Bits, kForm == ElementForm::AdditionSymmetric>(x, p, e_cap, ev);
   }
-  fn(Flag<false>{});
+}
+
+// fn(Form<f>{}) with f the element form of call c for a loop of storage types In, Out, carrier
+// Bits, rounding kind K and subnormal exponents kSubExp (the forms other than General exist for
+// the float32 carrier only).
+template <class In, class Out, class Bits, RoundKind K, bool kSubExp, class Fn>
+void with_element_form(const QuantizeCall& c, Fn&& fn) {
+  if constexpr (std::is_same_v<Bits, uint32_t> && !kSubExp) {
+    if constexpr (K == RoundKind::Nearest) {
+      if (c.nearest_by_addition) {
+        if (c.symmetric_overflow) return fn(Form<ElementForm::AdditionSymmetric>{});
+        return fn(Form<ElementForm::Addition>{});
+      }
+    }
+    if constexpr (K == RoundKind::Stochastic) {
+      if (c.stochastic_by_steps) return fn(Form<ElementForm::StochasticStepsSymmetric>{});
+    }
+    if constexpr (kHasBfloat16Form<In, Out, Bits, K, kSubExp>) {
+      if (c.bfloat16_by_bits) return fn(Form<ElementForm::Bfloat16>{});
+    }
+  }
+  fn(Form<ElementForm::General>{});
 }
 
 namespace detail {
