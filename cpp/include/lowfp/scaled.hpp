@@ -222,13 +222,16 @@ LOWFP_HD double scaled_element(double x, double s, double inv, const RoundParams
 // for inv = 2^-k as a float32 (x · inv exact, or below float32's normal range, where only its sign
 // and being nonzero decide), its events in ev. kKeep: a quotient that underflowed to 0 stays
 // nonzero (nonzero_quotient), which only nearest rounding that does not count may skip. kAdd: E's
-// nearest rounding by addition (where nearest_by_addition(p32, e_cap) holds).
-template <RoundKind Kind, bool kKeep, bool kAdd = false>
+// nearest rounding by addition (where nearest_by_addition(p32, e_cap) holds). kSteps: stochastic
+// rounding by steps (round_stochastic_by_steps, where stochastic_by_steps(p32) holds).
+template <RoundKind Kind, bool kKeep, bool kAdd = false, bool kSteps = false>
 LOWFP_HD float narrow_element(uint32_t x, float inv, const RoundParams<uint32_t>& p32, uint32_t rand,
                               RoundEvents& ev, int32_t e_cap = 0) {
+  static_assert(!kSteps || Kind == RoundKind::Stochastic, "steps: stochastic rounding");
   const uint32_t qb = bit_cast<uint32_t>(bit_cast<float>(x) * inv);
   const uint32_t quotient = kKeep ? nonzero_quotient(qb, x) : qb;
   if constexpr (kAdd) return bit_cast<float>(round_nearest_by_addition(quotient, p32, e_cap, ev));
+  else if constexpr (kSteps) return bit_cast<float>(round_stochastic_by_steps<false>(quotient, p32, rand, ev));
   else return bit_cast<float>(round_bits<Kind, uint32_t, false>(quotient, p32, rand, ev));
 }
 

@@ -135,14 +135,14 @@ __device__ In round_scaled(const ScaledCall& c, In x, int64_t i, double s, doubl
 }
 
 // round_scaled in the float32 carrier (ScaledCall::narrow), given the block's scale and inverse
-// as float32 (2^±k: exact).
-template <class In, RoundKind K, bool kCount>
+// as float32 (2^±k: exact). kSteps: stochastic rounding by steps (ScaledCall::steps32).
+template <class In, RoundKind K, bool kCount, bool kSteps>
 __device__ In round_narrow(const ScaledCall& c, In x, int64_t i, float s32, float inv32, uint32_t word,
                            ThreadCounts& tc) {
   // (a quotient that underflowed to 0 kept nonzero unless only its nearest rounding is wanted)
   constexpr bool kKeep = kCount || K != RoundKind::Nearest;
   RoundEvents ev;
-  const float q = narrow_element<K, kKeep>(Widen<uint32_t>::from(x), inv32, c.p32, word, ev);
+  const float q = narrow_element<K, kKeep, false, kSteps>(Widen<uint32_t>::from(x), inv32, c.p32, word, ev);
   if (c.q != nullptr) c.q[i] = q;
   if (kCount) tc.add(ev);
   return store_narrow<In>(q * s32, c.out32);
@@ -151,9 +151,10 @@ __device__ In round_narrow(const ScaledCall& c, In x, int64_t i, float s32, floa
 // The one-pass form (row_blocks): blocks of c.block_cols = 4 · lanes consecutive elements, block b
 // holding elements b · block_cols ... (row-major), so quad g (elements 4g .. 4g + 3) lies in block
 // g / lanes and takes Philox block offset + g. A warp takes 32 / lanes blocks at a time (its loop
-// bound the same for all its lanes, which all shuffle). kNarrow: the float32 carrier; kAdd, kOnce:
-// round_scaled's.
-template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kNarrow, bool kAdd, bool kOnce>
+// bound the same for all its lanes, which all shuffle). kNarrow: the float32 carrier, kSteps:
+// round_narrow's; kAdd, kOnce: round_scaled's.
+template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kNarrow, bool kAdd, bool kOnce,
+          bool kSteps = false>
 __global__ void __launch_bounds__(kThreads)
 row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
   using U = RawOf<In>;
@@ -194,7 +195,7 @@ row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned l
       if constexpr (kNarrow) {
         const float s32 = float(s), inv32 = float(inv);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) out.v[k] = round_narrow<In, K, kCount>(c, in.v[k], 4 * g + k, s32, inv32, r.w[k], tc);
+        for (int k = 0; k < 4; ++k) out.v[k] = round_narrow<In, K, kCount, kSteps>(c, in.v[k], 4 * g + k, s32, inv32, r.w[k], tc);
       } else {
 #pragma unroll
         for (int k = 0; k < 4; ++k)
@@ -212,7 +213,8 @@ row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned l
 // axis, scaled.config.kernel_layout): a thread per block, consecutive threads on consecutive
 // columns (coalesced), reading its block_rows elements for the maximum and again (from cache)
 // to round them. Template parameters: row_blocks_kernel's.
-template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kNarrow, bool kAdd, bool kOnce>
+template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kNarrow, bool kAdd, bool kOnce,
+          bool kSteps = false>
 __global__ void __launch_bounds__(kThreads)
 column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
   using U = RawOf<In>;
@@ -255,7 +257,7 @@ column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigne
         }
         word = words.w[w % 4];
       }
-      if constexpr (kNarrow) y[i] = round_narrow<In, K, kCount>(c, x[i], i, float(s), float(inv), word, tc);
+      if constexpr (kNarrow) y[i] = round_narrow<In, K, kCount, kSteps>(c, x[i], i, float(s), float(inv), word, tc);
       else y[i] = round_scaled<In, K, kCount, kPow2, kSubExp, kAdd, kOnce>(c, x[i], i, s, inv, word, tc);
     }
   }
@@ -298,10 +300,15 @@ void one_pass(const ScaledCall& c, int device, cudaStream_t stream, unsigned lon
     with_flag(c.count, [&](auto count) {
       constexpr bool kCount = decltype(count)::value;
       if (c.narrow && !kWide) {
-        if (rows_form)
-          row_blocks_kernel<In, K, kCount, true, false, !kWide, false, false><<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
-        else
-          column_blocks_kernel<In, K, kCount, true, false, !kWide, false, false><<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
+        with_flag(K == RoundKind::Stochastic && c.steps32, [&](auto steps) {
+          constexpr bool kSteps = decltype(steps)::value && K == RoundKind::Stochastic;
+          if (rows_form)
+            row_blocks_kernel<In, K, kCount, true, false, !kWide, false, false, kSteps>
+                <<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
+          else
+            column_blocks_kernel<In, K, kCount, true, false, !kWide, false, false, kSteps>
+                <<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
+        });
         return;
       }
       with_flag(c.scale.rule != ScaleRule::Format, [&](auto pow2) {

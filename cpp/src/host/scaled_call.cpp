@@ -45,6 +45,7 @@ ScaledCall prepare_scaled_call(const ScaledRequest& r) {
   }
   c.narrow = r.rule != ScaleRule::Format && r.dtype != DType::Float64 && smallest_exponent(r.element) >= -22;
   if (r.dtype != DType::Float64) c.p32 = make_round_params<uint32_t>(r.element, r.overflow, r.mode, r.sr_bits);
+  c.steps32 = c.narrow && r.mode == Rounding::Stochastic && stochastic_by_steps(c.p32);
   if (r.dtype == DType::Float16 || r.dtype == DType::BFloat16)
     c.out32 = make_round_params<uint32_t>(storage_spec(r.dtype), Overflow::Inf, Rounding::Nearest, 32);
   if (!in_range(int32_t(r.choice), 0, 2)) throw std::invalid_argument("bad block choice code");

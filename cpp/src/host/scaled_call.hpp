@@ -43,6 +43,9 @@ struct ScaledCall {
   // (p32 set whenever the input is not float64)
   bool narrow;
   RoundParams<uint32_t> p32, out32;
+  // narrow, stochastic, and round.hpp's stochastic_by_steps(p32): the float32 carrier rounds E
+  // by steps (round_stochastic_by_steps)
+  bool steps32;
   // The float64 carrier's faster forms of nearest rounding (scaled_element's kAdd and kOnce,
   // with_float64_forms): E's rounding by addition where nearest_by_addition(p, addition_cap)
   // holds (add64), x / s rounded once where nearest_divides_once holds (divide_once: scales in a

@@ -1,15 +1,15 @@
 // ScaledStrategy::Lanes: Narrow's float32 carrier for float32 inputs rounded to nearest by
-// addition or stochastically, without q, written lane by lane in vectors of 16.
+// addition or stochastically by steps, without q, written lane by lane in vectors of 16.
 #include "scaled/tile.hpp"
 
 namespace lowfp {
 namespace LOWFP_ISA_NS {
 namespace {
 
-// One tile, in GCC vectors of 16 lanes: round.hpp's magnitude_by_addition (nearest) or round_bits (stochastic,
-// with no subnormal exponent, as ScaledCall::narrow implies) and rounded_result, lane by lane, so
-// that kCount's events come from the masks the rounding computes anyway (no per-lane counters in
-// memory, no separate counting pass). kBlock 16 or 32: each block's 2^±k broadcast (the tile starts a block); 0:
+// One tile, in GCC vectors of 16 lanes: round.hpp's magnitude_by_addition (nearest) or
+// round_stochastic_by_steps (stochastic, where ScaledCall::steps32 holds) and rounded_result,
+// lane by lane, so that kCount's events come from the masks the rounding computes anyway (no
+// per-lane counters in memory, no separate counting pass). kBlock 16 or 32: each block's 2^±k broadcast (the tile starts a block); 0:
 // from the per-element buffers (place32). A ragged end is padded with zeros, which count nothing.
 // kSignedZero: E has -0 (RoundParams::no_negative_zero false); kInfStays: inf_stays_inf.
 template <RoundKind Kind, bool kCount, bool kSignedZero, bool kInfStays, int64_t kBlock>
@@ -23,18 +23,21 @@ void run_tile(const ScaledCall& c, const Tile& k, const TileScales& t,
   float* y = static_cast<float*>(c.y) + first;
   const RoundParams<uint32_t>& p = c.p32;
   const Lanes16 magnitude = Lanes16{} + ~C::kSign, sign_bit = Lanes16{} + C::kSign,
-                inf = Lanes16{} + C::kInf, one = Lanes16{} + 1u,
+                inf = Lanes16{} + C::kInf,
                 max_bits = Lanes16{} + p.max_bits, over_pos = Lanes16{} + p.overflow_pos,
                 over_neg = Lanes16{} + p.overflow_neg;
   // magnitude_by_addition's exponent clamp and step, on biased exponent fields
   const Lanes16 e_low = Lanes16{} + uint32_t(p.emin + C::kExpBias),
                 e_high = Lanes16{} + uint32_t(c.addition_cap + C::kExpBias),
                 drop = Lanes16{} + uint32_t(p.normal_drop);
-  // round_bits' (stochastic), exponents biased: emin + 127 >= 1 (ScaledCall::narrow)
-  const Ints16 emin_b = Ints16{} + (p.emin + C::kExpBias), normal_drop = Ints16{} + p.normal_drop,
-               below_drop = Ints16{} + p.below_drop, r_bits = Ints16{} + (32 - int32_t(p.sr_shift)),
-               max_shift = Ints16{} + C::kMaxShift, mant_bits = Ints16{} + C::kMantBits;
-  const Lanes16 below_step = Lanes16{} + p.below_step;
+  // round_stochastic_by_steps' constants (ScaledCall::steps32)
+  const int32_t m = C::kMantBits - p.normal_drop;
+  const Ints16 drop_at_zero = Ints16{} + (p.normal_drop + p.emin + C::kExpBias),
+               normal_drop = Ints16{} + p.normal_drop, max_shift = Ints16{} + C::kMaxShift,
+               mant_bits = Ints16{} + C::kMantBits, thirty_two = Ints16{} + 32;
+  const Lanes16 low_bits = Lanes16{} + ((1u << p.sr_shift) - 1u), below_step = Lanes16{} + p.below_step,
+                below_max = below_step - 1u;
+  const Floats16 to_fraction = Floats16{} + bit_cast<float>(uint32_t(C::kExpBias + 32 + m - p.emin) << C::kMantBits);
   LaneTally above, under, nans;
   auto vector = [&](const float* src, float* dst, const uint32_t* rand, const Floats16& s,
                     const Floats16& inv) {
@@ -57,20 +60,15 @@ void run_tile(const ScaledCall& c, const Tile& k, const TileScales& t,
       Lanes16 rw;
       std::memcpy(&rw, rand, sizeof rw);
       const Ints16 ex = Ints16(a >> C::kMantBits);
-      const Ints16 e_eff = ex < 1 ? Ints16{} + 1 : ex;  // carrier subnormals share 2^(1 - bias)
-      const Lanes16 sig = (a & C::kMantMask) | (ex != 0 ? Lanes16{} + C::kImplicit : Lanes16{});
-      const Ints16 d = e_eff < emin_b ? below_drop + (emin_b - e_eff) : normal_drop;
+      const Ints16 d = drop_at_zero - ex < normal_drop ? normal_drop : drop_at_zero - ex;
+      const Lanes16 r = rw | low_bits;
       const Lanes16 dm = Lanes16(d < max_shift ? d : max_shift);
-      const Lanes16 unit = one << dm;
-      const Lanes16 rem = sig & (unit - 1u);
-      // up with probability floor(f · 2^R) / 2^R: R random bits against the top R of rem / 2^d
-      const Ints16 wide = r_bits - d, tight = d - r_bits;
-      const Lanes16 widened = rem << Lanes16(wide < 0 ? Ints16{} : (wide > max_shift ? max_shift : wide));
-      const Lanes16 narrowed = rem >> Lanes16(tight < 0 ? Ints16{} : (tight > max_shift ? max_shift : tight));
-      const Lanes16 threshold = d <= r_bits ? widened : narrowed;
-      const Lanes16 drawn = rw >> p.sr_shift;
-      const Lanes16 stepped = (a & ~(unit - 1u)) + (drawn < threshold ? unit : Lanes16{});
-      mag = d <= mant_bits ? stepped : (drawn < threshold ? below_step : Lanes16{});
+      const Ints16 noise_shift = thirty_two - d;
+      const Lanes16 noise = ~r >> Lanes16(noise_shift < 0 ? Ints16{} : noise_shift);
+      const Lanes16 stepped = ((a + noise) >> dm) << dm;
+      const Lanes16 below = __builtin_convertvector(
+          bit_cast<Floats16>(a < below_step ? a : below_max) * to_fraction, Lanes16);
+      mag = d <= mant_bits ? stepped : (r < below ? below_step : Lanes16{});
     }
     // rounded_result. (Each mask written where it is used: GCC then keeps it in a mask register,
     // where a named vector of it made a vector and compared it again at every use.)

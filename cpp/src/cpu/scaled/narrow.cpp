@@ -7,9 +7,9 @@ namespace lowfp {
 namespace LOWFP_ISA_NS {
 namespace {
 
-// One tile: every scale is 2^k. kAdd: nearest rounding by addition (ScaledCpuForms::add32).
-// kBlock: see for_tile_elements.
-template <class In, RoundKind Kind, bool kCount, bool kParts, bool kAdd, int64_t kBlock>
+// One tile: every scale is 2^k. kAdd: nearest rounding by addition (ScaledCpuForms::add32);
+// kSteps: stochastic rounding by steps (ScaledCall::steps32). kBlock: see for_tile_elements.
+template <class In, RoundKind Kind, bool kCount, bool kParts, bool kAdd, bool kSteps, int64_t kBlock>
 void run_tile(const ScaledCall& c, const Tile& k, const TileScales& t,
               EventCounts& counts) {
   const In* x = static_cast<const In*>(c.x) + k.first;
@@ -26,7 +26,7 @@ void run_tile(const ScaledCall& c, const Tile& k, const TileScales& t,
   auto element = [&](int64_t i, int64_t l, float s32, float inv32) {
     RoundEvents ev;
     const uint32_t rw = Kind == RoundKind::Stochastic ? t.rand[i] : 0u;
-    const float q = narrow_element<Kind, kKeep, kAdd>(Widen<uint32_t>::from(x[i]), inv32, p, rw, ev, c.addition_cap);
+    const float q = narrow_element<Kind, kKeep, kAdd, kSteps>(Widen<uint32_t>::from(x[i]), inv32, p, rw, ev, c.addition_cap);
     if constexpr (kParts) q_out[i] = q;
     y[i] = store_narrow<In>(q * s32, out);  // (the product exact: ScaledCall::narrow)
     if constexpr (kCount) events.add(l, ev);
@@ -47,11 +47,14 @@ void scaled_narrow(const ScaledCall& c, const ScaledCpuForms& f, const ScaledPla
         constexpr RoundKind K = decltype(kind)::value;
         with_flag(c.count && !plan.count_by_comparison, [&](auto count) {
           with_flag(c.q != nullptr, [&](auto parts) {
-            with_flag(K == RoundKind::Nearest && f.add32, [&](auto add) {
+            // (one flag for the two faster forms: nearest by addition, stochastic by steps)
+            const bool faster = K == RoundKind::Nearest ? f.add32 : K == RoundKind::Stochastic && c.steps32;
+            with_flag(faster, [&](auto fast) {
               constexpr bool kCount = decltype(count)::value, kParts = decltype(parts)::value,
-                             kAdd = decltype(add)::value && K == RoundKind::Nearest;
-              const auto run = c.block_cols == 32 ? run_tile<In, K, kCount, kParts, kAdd, 32>
-                                                  : run_tile<In, K, kCount, kParts, kAdd, 0>;
+                             kAdd = decltype(fast)::value && K == RoundKind::Nearest,
+                             kSteps = decltype(fast)::value && K == RoundKind::Stochastic;
+              const auto run = c.block_cols == 32 ? run_tile<In, K, kCount, kParts, kAdd, kSteps, 32>
+                                                  : run_tile<In, K, kCount, kParts, kAdd, kSteps, 0>;
               for_each_tile(c, r0, r1, [&](const Tile& k) {
                 round_tile(c, f, plan, k, t, counts, [&] {
                   t.place32(static_cast<In*>(c.y) + k.first);

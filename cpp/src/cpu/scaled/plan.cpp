@@ -148,8 +148,8 @@ uint32_t scaled_strategies(const ScaledCall& c, const ScaledCpuForms& f) {
   uint32_t allowed = bit(ScaledStrategy::Float64);
   if (f.checked) allowed |= bit(ScaledStrategy::Checked);
   if (c.narrow) allowed |= bit(ScaledStrategy::Narrow);
-  // (the vector loops round to nearest by addition, or stochastically)
-  if (c.narrow && float32_whole && (kind == RoundKind::Stochastic || f.add32))
+  // (the vector loops round to nearest by addition, or stochastically by steps)
+  if (c.narrow && float32_whole && ((kind == RoundKind::Stochastic && c.steps32) || f.add32))
     allowed |= bit(ScaledStrategy::Lanes);
   // (a block a whole number of vectors; the comparisons count as they round)
   if (f.few && f.count_by_comparison && float32_whole && (c.block_cols == 16 || c.block_cols == 32))
