@@ -1,23 +1,63 @@
 // ScaledStrategy::Narrow: power-of-two scales and inputs of at most 32 bits in the float32
 // carrier, where x · 2^-k is exact (or below 2^-126, where only its sign and being nonzero decide)
 // and so is s · q; element by element, any rounding mode, q written if asked.
+#include "half_lanes.hpp"
 #include "scaled/tile.hpp"
 
 namespace lowfp {
 namespace LOWFP_ISA_NS {
 namespace {
 
+// A 16-bit tile of x as float32 (the bits Widen<uint32_t> gives), into buffer.
+template <class In>
+void widen_tile(const In* x, float* buffer, int64_t n) {
+  if constexpr (kF16cTiles<In>) {
+    half_tile_to_float(x, buffer, n);
+  } else {
+    for (int64_t i = 0; i < n; ++i) buffer[i] = bit_cast<float>(Widen<uint32_t>::from(x[i]));
+  }
+}
+
+// store_narrow<In> of a tile of float32 values: their nearest rounding to In's grid in the
+// float32 carrier, then the exact conversion (F16C for float16 where the kernel has it).
+template <class In>
+void store_tile(float* v, In* y, int64_t n, const RoundParams<uint32_t>& out) {
+  if constexpr (kF16cTiles<In>) {
+    for (int64_t i = 0; i < n; ++i) {
+      RoundEvents ev;
+      v[i] = bit_cast<float>(round_bits<RoundKind::Nearest, uint32_t, false>(bit_cast<uint32_t>(v[i]), out, 0u, ev));
+    }
+    float_tile_to_half(v, y, n);
+  } else {
+    for (int64_t i = 0; i < n; ++i) y[i] = store_narrow<In>(v[i], out);
+  }
+}
+
 // One tile: every scale is 2^k. kAdd: nearest rounding by addition (ScaledCpuForms::add32);
 // kSteps: stochastic rounding by steps (ScaledCall::steps32). kBlock: see for_tile_elements.
+// A 16-bit tile is widened into a float32 buffer first and its results stored from another
+// (three loops that vectorise, where the element loop on 16-bit storage did not).
 template <class In, RoundKind Kind, bool kCount, bool kParts, bool kAdd, bool kSteps, int64_t kBlock>
 void run_tile(const ScaledCall& c, const Tile& k, const TileScales& t,
               EventCounts& counts) {
-  const In* x = static_cast<const In*>(c.x) + k.first;
-  In* y = static_cast<In*>(c.y) + k.first;
+  constexpr bool kStaged = !std::is_same_v<In, float>;
+  const In* x_in = static_cast<const In*>(c.x) + k.first;
+  In* y_out = static_cast<In*>(c.y) + k.first;
   float* q_out = kParts ? c.q + k.first : nullptr;
   const int64_t n = k.len;
+  alignas(64) float x_tile[kStaged ? kTile : 1];
+  alignas(64) float y_tile[kStaged ? kTile : 1];
+  const float* x;
+  float* y;
+  if constexpr (kStaged) {
+    widen_tile(x_in, x_tile, n);
+    x = x_tile;
+    y = y_tile;
+  } else {
+    x = x_in;
+    y = y_out;
+  }
   const RoundParams<uint32_t> p = c.p32;
-  const RoundParams<uint32_t> out = c.out32;
   constexpr int64_t kLanes = kBlock > 0 ? kBlock : 1;
   TileEvents<int32_t, kLanes> events;
   // (a quotient that underflowed to 0 kept nonzero except where only its rounding to nearest, a
@@ -26,12 +66,13 @@ void run_tile(const ScaledCall& c, const Tile& k, const TileScales& t,
   auto element = [&](int64_t i, int64_t l, float s32, float inv32) {
     RoundEvents ev;
     const uint32_t rw = Kind == RoundKind::Stochastic ? t.rand[i] : 0u;
-    const float q = narrow_element<Kind, kKeep, kAdd, kSteps>(Widen<uint32_t>::from(x[i]), inv32, p, rw, ev, c.addition_cap);
+    const float q = narrow_element<Kind, kKeep, kAdd, kSteps>(bit_cast<uint32_t>(x[i]), inv32, p, rw, ev, c.addition_cap);
     if constexpr (kParts) q_out[i] = q;
-    y[i] = store_narrow<In>(q * s32, out);  // (the product exact: ScaledCall::narrow)
+    y[i] = q * s32;  // (exact: ScaledCall::narrow)
     if constexpr (kCount) events.add(l, ev);
   };
   for_tile_elements<kBlock>(n, t, element);
+  if constexpr (kStaged) store_tile(y_tile, y_out, n, c.out32);
   events.into(counts);
 }
 
