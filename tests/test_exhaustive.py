@@ -103,37 +103,42 @@ def test_all_float32_patterns(name, mode):
     assert checked == 2**32
 
 
-# Stochastic rounding: the float32 carrier's form (the kernels round these formats by steps,
-# round.hpp's round_stochastic_by_steps) against the float64 carrier's round_bits, element by
-# element with the same Philox words, and the counts. (The float64 rounding is checked against
-# the exact reference in tests/test_stochastic.py.)
+# Stochastic rounding: the native kernels (which round these formats by steps, round.hpp's
+# round_stochastic_by_steps, in the float32 carrier and, for float64 inputs, the float64 one)
+# against the torch form of round_bits (lowfp._torch_round, eager: torch operations on the
+# carrier's bits, sharing no code with the kernels), element by element with the same Philox
+# words, and the counts.
 STOCHASTIC_CASES = [("fp(4,3,4)", 32), ("float8_e5m2", 9), ("fp(5,0,3)", 32), ("float16", 1)]
 
 
-@pytest.mark.parametrize("stride", [pytest.param(1, marks=pytest.mark.long), 251])
+@pytest.mark.parametrize("stride", [pytest.param(61, marks=pytest.mark.long), 4093])
 @pytest.mark.parametrize("name,sr_bits", STOCHASTIC_CASES)
-def test_stochastic_float32_patterns_match_the_float64_carrier(name, sr_bits, stride):
-    """Every float32 pattern (stride 1, -m long) or every 251st: the same results, NaNs aside (a
-    NaN stays NaN), and the same counts."""
+def test_stochastic_float32_patterns_match_the_torch_form(name, sr_bits, stride):
+    """Every 4093rd float32 pattern (every 61st with -m long), as float32 and as float64 inputs:
+    the same results, NaNs aside (a NaN stays NaN), and the same counts."""
+    from lowfp._torch_round import quantize as torch_form
+
     fmt = lowfp.Format.parse(name)
-    per_chunk = CHUNK // stride
+    per_chunk = 1 << 20
     base = np.arange(per_chunk, dtype=np.uint64) * np.uint64(stride)
     checked = 0
     for chunk, lo in enumerate(range(0, 1 << 32, per_chunk * stride)):
-        pattern = (base + np.uint64(lo))
+        pattern = base + np.uint64(lo)
         pattern = pattern[pattern < 2**32].astype(np.uint32)
-        x = torch.from_numpy(pattern.view(np.float32))
-        kwargs = dict(seed=0x5DEECE66D + chunk, offset=chunk * per_chunk, sr_bits=sr_bits)
-        s32, s64 = lowfp.Stats(), lowfp.Stats()
-        got = lowfp.quantize(x, fmt, "stochastic", stats=s32, **kwargs).numpy()
-        want = lowfp.quantize(x.double(), fmt, "stochastic", stats=s64, **kwargs).float().numpy()
-        nan = np.isnan(want)
-        same = np.array_equal(np.isnan(got), nan) and np.array_equal(
-            got[~nan].view(np.uint32), want[~nan].view(np.uint32))
-        if not same:
-            i = np.flatnonzero((got.view(np.uint32) != want.view(np.uint32)) & ~nan)[:4]
-            pytest.fail(f"{name} sr_bits={sr_bits}: patterns {[hex(int(p)) for p in pattern[i]]} "
-                        f"got {got[i]} want {want[i]}")
-        assert s32.as_dict() == s64.as_dict()
+        x32 = torch.from_numpy(pattern.view(np.float32))
+        seed, offset = 0x5DEECE66D + chunk, chunk * per_chunk
+        for x in (x32, x32.double()):
+            stats = lowfp.Stats()
+            got = lowfp.quantize(x, fmt, "stochastic", seed=seed, offset=offset, sr_bits=sr_bits, stats=stats)
+            want, counts = torch_form(x, str(fmt), "stochastic", sr_bits, seed, None, offset, x.dtype, True)
+            got, want = got.float().numpy(), want.float().numpy()
+            nan = np.isnan(want)
+            same = np.array_equal(np.isnan(got), nan) and np.array_equal(
+                got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+            if not same:
+                i = np.flatnonzero((got.view(np.uint32) != want.view(np.uint32)) & ~nan)[:4]
+                pytest.fail(f"{name} sr_bits={sr_bits} {x.dtype}: patterns {[hex(int(p)) for p in pattern[i]]} "
+                            f"got {got[i]} want {want[i]}")
+            assert stats.counts.tolist() == counts.tolist()
         checked += len(pattern)
     assert checked == -(-2**32 // stride)

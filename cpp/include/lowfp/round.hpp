@@ -210,43 +210,49 @@ inline bool nearest_by_addition(const RoundParams<Bits>& p, int32_t e_cap) {
   return !p.ties_away && p.parity_mask != 0 && steps_by_addition(p, e_cap);
 }
 
-// Stochastic rounding in the float32 carrier as a sum: round_bits' results and events, about half
-// its vector operations, where stochastic_by_steps(p) holds (subnormals on, m < MB, and
-// 32 + m - emin <= 126). With d the bits dropped at |x| (normal_drop, plus one per binade below
-// 2^emin), rem the dropped part and r the random word with its low sr_shift bits set, round_bits
-// steps up exactly when r < floor(rem 2^32 / 2^d), that is when (r >> (32 - d)) < rem (d <= 32),
-// that is when rem + (~r >> (32 - d)) carries into bit d: so for d <= MB the magnitude is
-// (|x| + (~r >> (32 - d))) with its low d bits cleared (a carry steps into the next binade).
-// Below the smallest step u = 2^(emin - m) (d > MB) the result is u or 0, up when r is below
-// floor(|x| 2^32 / u): |x| times that power of two, exact, converted by truncation (|x| clamped
-// below u first, so every lane converts a value below 2^32). The bound on m - emin keeps the
-// power finite and every carrier subnormal below u 2^-32 (floor 0, so the result holds whether or
-// not the FPU flushes subnormal inputs to zero).
-inline bool stochastic_by_steps(const RoundParams<uint32_t>& p) {
-  const int32_t m = CarrierTraits<uint32_t>::kMantBits - p.normal_drop;
-  return p.normal_drop >= 1 && p.below_drop == p.normal_drop && !p.subnormal_exponent &&
-         !p.fixed_drop && 32 + m - p.emin <= 126;
+// Stochastic rounding as a sum: round_bits' results and events, about half its vector
+// operations, where stochastic_by_steps(p) holds (subnormals on, m < MB, and 32 + m - emin at
+// most the carrier's bias - 1). With d the bits dropped at |x| (normal_drop, plus one per binade
+// below 2^emin), rem the dropped part and r the random word with its low sr_shift bits set,
+// round_bits steps up exactly when r < floor(rem 2^32 / 2^d), that is when rem + noise carries
+// into bit d, noise = (~r >> (32 - d)) for d <= 32 and (~r << (d - 32)) above (~r: its 32 bits,
+// less than 2^d either way). So for d <= MB the magnitude is |x| + noise with its low d bits
+// cleared (a carry steps into the next binade). Below the smallest step u = 2^(emin - m) (d > MB)
+// the result is u or 0, up when r is below floor(|x| 2^32 / u): |x| times that power of two,
+// exact, converted by truncation (|x| clamped below u first, so every lane converts a value below
+// 2^32). The bound on m - emin keeps the power finite and every carrier subnormal below u 2^-32
+// (floor 0, so the result holds whether or not the FPU flushes subnormal inputs to zero).
+template <class Bits>
+LOWFP_HD bool stochastic_by_steps(const RoundParams<Bits>& p) {
+  using C = CarrierTraits<Bits>;
+  const int32_t m = C::kMantBits - p.normal_drop;
+  return p.normal_drop >= 1 && p.below_drop == p.normal_drop && !p.subnormal_exponent && !p.fixed_drop &&
+         32 + m - p.emin <= C::kExpBias - 1;
 }
 
 // kSymmetric: symmetric_overflow(p) holds (rounded_result_symmetric).
-template <bool kSymmetric>
-LOWFP_HD uint32_t round_stochastic_by_steps(uint32_t x, const RoundParams<uint32_t>& p, uint32_t rand,
-                                            RoundEvents& ev) {
-  using C = CarrierTraits<uint32_t>;
-  const int32_t m = C::kMantBits - p.normal_drop;
+template <bool kSymmetric, class Bits>
+LOWFP_HD Bits round_stochastic_by_steps(Bits x, const RoundParams<Bits>& p, uint32_t rand, RoundEvents& ev) {
+  using C = CarrierTraits<Bits>;
+  using SInt = std::make_signed_t<Bits>;  // (exponent arithmetic in the carrier's lane width)
+  using F = typename C::Float;
   // (all loop-invariant: computed once per call by the compiler)
-  const int32_t drop_at_zero = p.normal_drop + p.emin + C::kExpBias;  // d for exponent field 0
-  const uint32_t low_bits = (1u << p.sr_shift) - 1u;
-  const float to_fraction = bit_cast<float>(uint32_t(C::kExpBias + 32 + m - p.emin) << C::kMantBits);
-  const uint32_t a = x & ~C::kSign;
-  const int32_t d = max_of(drop_at_zero - int32_t(a >> C::kMantBits), p.normal_drop);
-  const uint32_t r = rand | low_bits;
-  // (shift counts kept in range for the lanes whose result the select drops)
-  const uint32_t dm = uint32_t(min_of(d, C::kMaxShift));
-  const uint32_t noise = ~r >> uint32_t(max_of(32 - d, 0));
-  const uint32_t stepped = ((a + noise) >> dm) << dm;
-  const uint32_t below = uint32_t(bit_cast<float>(min_of(a, p.below_step - 1u)) * to_fraction);
-  const uint32_t mag = select(d <= C::kMantBits, stepped, select(r < below, p.below_step, 0u));
+  const SInt m = SInt(C::kMantBits - p.normal_drop), normal_drop = SInt(p.normal_drop);
+  const SInt drop_at_zero = normal_drop + SInt(p.emin) + C::kExpBias;  // d for exponent field 0
+  const Bits low_bits = Bits((1u << p.sr_shift) - 1u);
+  const F to_fraction = bit_cast<F>(Bits(C::kExpBias + 32 + m - p.emin) << C::kMantBits);
+  const Bits a = x & ~C::kSign;
+  const SInt d = max_of(drop_at_zero - SInt(a >> C::kMantBits), normal_drop);
+  const Bits r = Bits(rand) | low_bits;
+  const Bits not_r = r ^ Bits(0xffffffffu);
+  // (shift counts kept in range for the lanes whose result a select drops)
+  Bits noise = not_r >> Bits(max_of(SInt(32) - d, SInt(0)));
+  if constexpr (sizeof(Bits) == 8)
+    noise = select(d <= 32, noise, not_r << Bits(min_of(max_of(d - SInt(32), SInt(0)), SInt(C::kMaxShift))));
+  const Bits dm = Bits(min_of(d, SInt(C::kMaxShift)));
+  const Bits stepped = ((a + noise) >> dm) << dm;
+  const Bits below = Bits(uint32_t(bit_cast<F>(min_of(a, p.below_step - 1u)) * to_fraction));
+  const Bits mag = select(d <= SInt(C::kMantBits), stepped, select(r < below, p.below_step, Bits(0)));
   if constexpr (kSymmetric) return rounded_result_symmetric(x, mag, p, ev);
   else return rounded_result(x, mag, p, ev);
 }

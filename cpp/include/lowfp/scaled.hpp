@@ -203,17 +203,22 @@ LOWFP_HD double block_scale(const ScaleSpec& sp, double a, double t, bool& satur
 }
 
 // One element in the float64 carrier: q = round_E(x / s) (kPow2: s is a power of two, whose
-// inverse multiplies exactly), its events in ev. kAdd: E's nearest rounding by addition
-// (round_nearest_by_addition, when nearest_by_addition(p, e_cap) holds; the same results).
-// kOnce: x / s rounded to nearest, not to odd (nearest rounding where nearest_divides_once holds).
-template <RoundKind Kind, bool kPow2, bool kSubExp, bool kAdd = false, bool kOnce = false>
+// inverse multiplies exactly), its events in ev. kFaster: E's faster form of the rounding, the
+// same results: nearest by addition (round_nearest_by_addition, where nearest_by_addition(p,
+// e_cap) holds), stochastic by steps (round_stochastic_by_steps, where stochastic_by_steps(p)
+// holds). kOnce: x / s rounded to nearest, not to odd (where nearest_divides_once holds).
+template <RoundKind Kind, bool kPow2, bool kSubExp, bool kFaster = false, bool kOnce = false>
 LOWFP_HD double scaled_element(double x, double s, double inv, const RoundParams<uint64_t>& p,
                                uint32_t rand, RoundEvents& ev, int32_t e_cap = 0) {
   static_assert(!kOnce || Kind == RoundKind::Nearest, "only nearest rounding divides once");
+  static_assert(!kFaster || Kind == RoundKind::Nearest || Kind == RoundKind::Stochastic, "no faster form");
   const uint64_t quotient = kPow2    ? nonzero_quotient(bit_cast<uint64_t>(x * inv), bit_cast<uint64_t>(x))
                             : kOnce ? bit_cast<uint64_t>(x / s)
                                     : divide_nudged(x, s);
-  if constexpr (kAdd) return bit_cast<double>(round_nearest_by_addition(quotient, p, e_cap, ev));
+  if constexpr (kFaster && Kind == RoundKind::Nearest)
+    return bit_cast<double>(round_nearest_by_addition(quotient, p, e_cap, ev));
+  else if constexpr (kFaster)
+    return bit_cast<double>(round_stochastic_by_steps<false>(quotient, p, rand, ev));
   else return bit_cast<double>(round_bits<Kind, uint64_t, kSubExp>(quotient, p, rand, ev));
 }
 

@@ -82,17 +82,17 @@ void choose_block_scales(const ScaledCall& call, double t,
   const int64_t blocks = call.block_grid_rows() * call.block_grid_cols();
   const double empty = empty_block_scale(call.scale, t);
   // (the candidates' elements by the float64 strategy's forms of rounding: the same bits)
-  with_float64_forms(call, [&](auto type, auto kind, auto add_c, auto once_c) {
+  with_float64_forms(call, [&](auto type, auto kind, auto faster_c, auto once_c) {
     using In = typename decltype(type)::type;
     constexpr RoundKind K = decltype(kind)::value;
-    constexpr bool kAdd = decltype(add_c)::value, kOnce = decltype(once_c)::value;
+    constexpr bool kFaster = decltype(faster_c)::value, kOnce = decltype(once_c)::value;
     const int64_t work = blocks * call.block_rows * call.block_cols * 2;  // (two roundings each)
     PerThread<int64_t> chosen_saturated(threads_for(work));
     parallel_items(blocks, work, [&](int th, int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const double a = call.scales[b];
         bool sat = false;
-        call.scales[b] = a > 0.0 ? four_over_six_scale<In, K, kAdd, kOnce>(call, b, a, t, sat) : empty;
+        call.scales[b] = a > 0.0 ? four_over_six_scale<In, K, kFaster, kOnce>(call, b, a, t, sat) : empty;
         chosen_saturated[th].v += int64_t(sat);
       }
     });

@@ -121,13 +121,13 @@ __device__ void count_blocks(const ScaledCall& c, uint64_t saturated, int64_t bl
 }
 
 // One element's rounding given its block's scale s (inverse inv) and random word: q into c.q when
-// asked, s · q returned in the storage type, its events into tc when kCount. kAdd, kOnce:
-// scaled_element's faster forms of nearest rounding (with_float64_forms).
-template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kAdd = false, bool kOnce = false>
+// asked, s · q returned in the storage type, its events into tc when kCount. kFaster, kOnce:
+// scaled_element's faster forms (with_float64_forms).
+template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kFaster = false, bool kOnce = false>
 __device__ In round_scaled(const ScaledCall& c, In x, int64_t i, double s, double inv, uint32_t word,
                            ThreadCounts& tc) {
   RoundEvents ev;
-  const double q = scaled_element<K, kPow2, kSubExp, kAdd, kOnce>(bit_cast<double>(Widen<uint64_t>::from(x)), s,
+  const double q = scaled_element<K, kPow2, kSubExp, kFaster, kOnce>(bit_cast<double>(Widen<uint64_t>::from(x)), s,
                                                                   inv, c.p, word, ev, c.addition_cap);
   if (c.q != nullptr) c.q[i] = float(q);
   if (kCount) tc.add(ev);
@@ -152,8 +152,8 @@ __device__ In round_narrow(const ScaledCall& c, In x, int64_t i, float s32, floa
 // holding elements b · block_cols ... (row-major), so quad g (elements 4g .. 4g + 3) lies in block
 // g / lanes and takes Philox block offset + g. A warp takes 32 / lanes blocks at a time (its loop
 // bound the same for all its lanes, which all shuffle). kNarrow: the float32 carrier, kSteps:
-// round_narrow's; kAdd, kOnce: round_scaled's.
-template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kNarrow, bool kAdd, bool kOnce,
+// round_narrow's; kFaster, kOnce: round_scaled's.
+template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kNarrow, bool kFaster, bool kOnce,
           bool kSteps = false>
 __global__ void __launch_bounds__(kThreads)
 row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
@@ -199,7 +199,7 @@ row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned l
       } else {
 #pragma unroll
         for (int k = 0; k < 4; ++k)
-          out.v[k] = round_scaled<In, K, kCount, kPow2, kSubExp, kAdd, kOnce>(c, in.v[k], 4 * g + k, s, inv,
+          out.v[k] = round_scaled<In, K, kCount, kPow2, kSubExp, kFaster, kOnce>(c, in.v[k], 4 * g + k, s, inv,
                                                                            r.w[k], tc);
       }
       y[g] = out;
@@ -213,7 +213,7 @@ row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned l
 // axis, scaled.config.kernel_layout): a thread per block, consecutive threads on consecutive
 // columns (coalesced), reading its block_rows elements for the maximum and again (from cache)
 // to round them. Template parameters: row_blocks_kernel's.
-template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kNarrow, bool kAdd, bool kOnce,
+template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kNarrow, bool kFaster, bool kOnce,
           bool kSteps = false>
 __global__ void __launch_bounds__(kThreads)
 column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
@@ -258,7 +258,7 @@ column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigne
         word = words.w[w % 4];
       }
       if constexpr (kNarrow) y[i] = round_narrow<In, K, kCount, kSteps>(c, x[i], i, float(s), float(inv), word, tc);
-      else y[i] = round_scaled<In, K, kCount, kPow2, kSubExp, kAdd, kOnce>(c, x[i], i, s, inv, word, tc);
+      else y[i] = round_scaled<In, K, kCount, kPow2, kSubExp, kFaster, kOnce>(c, x[i], i, s, inv, word, tc);
     }
   }
   if constexpr (kCount) finish_counts(tc, counts, c.rows * c.cols);
@@ -290,7 +290,7 @@ void one_pass(const ScaledCall& c, int device, cudaStream_t stream, unsigned lon
   const int64_t n = c.rows * c.cols;
   const bool rows_form = row_blocks(c);
   const int grid = grid_size(device, rows_form ? n / 4 : c.block_grid_rows() * c.cols);
-  with_float64_forms(c, [&](auto type, auto kind, auto add_c, auto once_c) {
+  with_float64_forms(c, [&](auto type, auto kind, auto faster_c, auto once_c) {
     using In = typename decltype(type)::type;
     constexpr RoundKind K = decltype(kind)::value;
     constexpr bool kWide = std::is_same_v<In, double>;
@@ -314,12 +314,12 @@ void one_pass(const ScaledCall& c, int device, cudaStream_t stream, unsigned lon
       with_flag(c.scale.rule != ScaleRule::Format, [&](auto pow2) {
         with_flag(c.p.subnormal_exponent, [&](auto sub) {
           constexpr bool kPow2 = decltype(pow2)::value, kSub = decltype(sub)::value;
-          // (by addition: no subnormal exponents; dividing once: scales in a format)
-          constexpr bool kAdd = decltype(add_c)::value && !kSub, kOnce = decltype(once_c)::value && !kPow2;
+          // (the faster forms: no subnormal exponents; dividing once: scales in a format)
+          constexpr bool kFaster = decltype(faster_c)::value && !kSub, kOnce = decltype(once_c)::value && !kPow2;
           if (rows_form)
-            row_blocks_kernel<In, K, kCount, kPow2, kSub, false, kAdd, kOnce><<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
+            row_blocks_kernel<In, K, kCount, kPow2, kSub, false, kFaster, kOnce><<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
           else
-            column_blocks_kernel<In, K, kCount, kPow2, kSub, false, kAdd, kOnce><<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
+            column_blocks_kernel<In, K, kCount, kPow2, kSub, false, kFaster, kOnce><<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
         });
       });
     });

@@ -86,19 +86,19 @@ LOWFP_HD Bits round_element(Bits x, const RoundParams<Bits>& p, uint32_t rand, i
 }
 
 // fn(Form<f>{}) with f the element form of call c for a loop of storage types In, Out, carrier
-// Bits, rounding kind K and subnormal exponents kSubExp (the forms other than General exist for
-// the float32 carrier only).
+// Bits, rounding kind K and subnormal exponents kSubExp (nearest by addition and bfloat16 folded
+// exist for the float32 carrier only).
 template <class In, class Out, class Bits, RoundKind K, bool kSubExp, class Fn>
 void with_element_form(const QuantizeCall& c, Fn&& fn) {
+  if constexpr (K == RoundKind::Stochastic && !kSubExp) {
+    if (c.stochastic_by_steps) return fn(Form<ElementForm::StochasticStepsSymmetric>{});
+  }
   if constexpr (std::is_same_v<Bits, uint32_t> && !kSubExp) {
     if constexpr (K == RoundKind::Nearest) {
       if (c.nearest_by_addition) {
         if (c.symmetric_overflow) return fn(Form<ElementForm::AdditionSymmetric>{});
         return fn(Form<ElementForm::Addition>{});
       }
-    }
-    if constexpr (K == RoundKind::Stochastic) {
-      if (c.stochastic_by_steps) return fn(Form<ElementForm::StochasticStepsSymmetric>{});
     }
     if constexpr (kHasBfloat16Form<In, Out, Bits, K, kSubExp>) {
       if (c.bfloat16_by_bits) return fn(Form<ElementForm::Bfloat16>{});

@@ -39,9 +39,9 @@ QuantizeCall make_quantize_call(const QuantizeRequest& r, const void* x, void* y
   c.addition_cap = max_exponent(r.spec) + 1;
   c.nearest_by_addition = !c.wide && r.mode == Rounding::Nearest &&
                           nearest_by_addition(c.p32, c.addition_cap);
-  c.symmetric_overflow = !c.wide && symmetric_overflow(c.p32);
-  c.stochastic_by_steps = !c.wide && r.mode == Rounding::Stochastic && c.symmetric_overflow &&
-                          stochastic_by_steps(c.p32);
+  c.symmetric_overflow = c.wide ? symmetric_overflow(c.p64) : symmetric_overflow(c.p32);
+  c.stochastic_by_steps = r.mode == Rounding::Stochastic && c.symmetric_overflow &&
+                          (c.wide ? stochastic_by_steps(c.p64) : stochastic_by_steps(c.p32));
   const FormatSpec bf16 = storage_spec(DType::BFloat16);
   c.bfloat16_by_bits = !c.wide && r.x_dtype == DType::Float32 &&
                        (r.y_dtype == DType::Float32 || r.y_dtype == DType::BFloat16) &&

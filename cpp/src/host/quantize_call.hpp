@@ -20,11 +20,11 @@ struct QuantizeCall {
   // (round.hpp): the loop rounds by addition
   bool nearest_by_addition;
   int32_t addition_cap;          // the format's largest exponent + 1
-  // float32 carrier and symmetric_overflow(p32) (round.hpp): the forms that round by addition or
-  // by steps take rounded_result_symmetric
+  // symmetric_overflow of the carrier's RoundParams (round.hpp): the forms that round by addition
+  // or by steps take rounded_result_symmetric
   bool symmetric_overflow;
-  // float32 carrier, stochastic, stochastic_by_steps(p32) and symmetric_overflow (round.hpp): the
-  // loop rounds by steps (round_stochastic_by_steps)
+  // stochastic, stochastic_by_steps of the carrier's RoundParams and symmetric_overflow
+  // (round.hpp): the loop rounds by steps (round_stochastic_by_steps)
   bool stochastic_by_steps;
   // float32 in, float32 or bfloat16 out, the bfloat16 format with overflow to inf, nearest or
   // stochastic with 32 random bits: the loop takes round_to_bfloat16_bits (round.hpp), whose

@@ -65,6 +65,7 @@ ScaledCall prepare_scaled_call(const ScaledRequest& r) {
   const bool nearest = r.mode == Rounding::Nearest;
   c.addition_cap = max_exponent(r.element) + 1;
   c.add64 = nearest && nearest_by_addition(c.p, c.addition_cap);
+  c.steps64 = r.mode == Rounding::Stochastic && stochastic_by_steps(c.p);
   // s = S · t: S's significand bits, and the float32 tensor scale's 24
   const int32_t scale_bits = r.scale_format.m + 1 + (r.tensor_scale ? 24 : 0);
   c.divide_once = nearest && r.rule == ScaleRule::Format && nearest_divides_once(r.element.m, scale_bits, r.dtype);

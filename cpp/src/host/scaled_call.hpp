@@ -46,12 +46,13 @@ struct ScaledCall {
   // narrow, stochastic, and round.hpp's stochastic_by_steps(p32): the float32 carrier rounds E
   // by steps (round_stochastic_by_steps)
   bool steps32;
-  // The float64 carrier's faster forms of nearest rounding (scaled_element's kAdd and kOnce,
-  // with_float64_forms): E's rounding by addition where nearest_by_addition(p, addition_cap)
-  // holds (add64), x / s rounded once where nearest_divides_once holds (divide_once: scales in a
-  // format); addition_cap: E's largest exponent + 1
+  // The float64 carrier's faster forms (scaled_element's kFaster and kOnce, with_float64_forms):
+  // E's nearest rounding by addition where nearest_by_addition(p, addition_cap) holds (add64),
+  // its stochastic rounding by steps where stochastic_by_steps(p) holds (steps64), x / s rounded
+  // once where nearest_divides_once holds (divide_once: scales in a format); addition_cap: E's
+  // largest exponent + 1
   int32_t addition_cap;
-  bool add64, divide_once;
+  bool add64, steps64, divide_once;
   LOWFP_HD int64_t block_grid_cols() const { return (cols + block_cols - 1) / block_cols; }
   LOWFP_HD int64_t block_grid_rows() const { return (rows + block_rows - 1) / block_rows; }
   LOWFP_HD uint64_t word_index(int64_t r, int64_t c) const {
@@ -60,23 +61,24 @@ struct ScaledCall {
   }
 };
 
-// fn(type, kind, add, once) for a call's float64-carrier rounding: its storage type (In =
-// decltype(type)::type) and rounding kind, and, as std::integral_constant<bool>, whether nearest
-// rounding may go by addition (kAdd) and divide once (kOnce), scaled_element's faster forms:
-// rounding by addition finds no subnormal exponents, x / s rounded once needs an input of at most
-// 24 bits and scales in a format.
+// fn(type, kind, faster, once) for a call's float64-carrier rounding: its storage type (In =
+// decltype(type)::type) and rounding kind, and, as std::integral_constant<bool>, whether E's
+// rounding may take its faster form (kFaster: nearest by addition, stochastic by steps) and x / s
+// be rounded once (kOnce), scaled_element's faster forms: neither faster form finds subnormal
+// exponents, x / s rounded once needs an input of at most 24 bits and scales in a format.
 template <class Fn>
 void with_float64_forms(const ScaledCall& c, Fn&& fn) {
   with_storage_type(c.dtype, [&](auto type) {
     using In = typename decltype(type)::type;
     with_round_kind(c.mode, [&](auto kind) {
       constexpr bool kNearest = decltype(kind)::value == RoundKind::Nearest;
+      constexpr bool kStochastic = decltype(kind)::value == RoundKind::Stochastic;
       constexpr bool kNarrowInput = !std::is_same_v<In, double>;
-      const bool add = kNearest && !c.p.subnormal_exponent && c.add64;
+      const bool faster = !c.p.subnormal_exponent && ((kNearest && c.add64) || (kStochastic && c.steps64));
       const bool once = kNearest && c.scale.rule == ScaleRule::Format && kNarrowInput && c.divide_once;
-      with_flag(add, [&](auto add_c) {
+      with_flag(faster, [&](auto faster_c) {
         with_flag(once, [&](auto once_c) {
-          fn(type, kind, std::integral_constant<bool, decltype(add_c)::value && kNearest>{},
+          fn(type, kind, std::integral_constant<bool, decltype(faster_c)::value && (kNearest || kStochastic)>{},
              std::integral_constant<bool, decltype(once_c)::value && kNearest && kNarrowInput>{});
         });
       });
@@ -87,10 +89,10 @@ void with_float64_forms(const ScaledCall& c, Fn&& fn) {
 // 4over6 (BlockChoice): the scale of block b (block-grid row-major) whose largest finite magnitude
 // is a > 0, under the tensor scale t: the map-to-6 candidate (the rule's) unless the map-to-4 one
 // leaves a smaller error. Each candidate's elements are rounded as the element pass rounds them
-// (the call's rounding, overflow and random words, scaled_element in the float64 carrier; kAdd
-// and kOnce its faster forms of nearest rounding where they hold, the same bits), so the chosen
-// candidate's q are the ones the call then writes. saturated: the chosen scale's.
-template <class In, RoundKind Kind, bool kAdd = false, bool kOnce = false>
+// (the call's rounding, overflow and random words, scaled_element in the float64 carrier; kFaster
+// and kOnce its faster forms where they hold, the same bits), so the chosen candidate's q are the
+// ones the call then writes. saturated: the chosen scale's.
+template <class In, RoundKind Kind, bool kFaster = false, bool kOnce = false>
 LOWFP_HD double four_over_six_scale(const ScaledCall& c, int64_t b, double a, double t, bool& saturated) {
   bool sat6, sat4;
   const double s6 = format_block_scale(c.scale, a, t, sat6);
@@ -127,8 +129,8 @@ LOWFP_HD double four_over_six_scale(const ScaledCall& c, int64_t b, double a, do
         // inf and NaN, which any scale leaves, add nothing: they are rounded as 0
         const double xf = xv - xv == 0.0 ? xv : 0.0;
         RoundEvents ev;
-        const double q6 = scaled_element<Kind, false, true, kAdd, kOnce>(xf, s6, 1.0 / s6, c.p, rw[j], ev, e_cap);
-        const double q4 = scaled_element<Kind, false, true, kAdd, kOnce>(xf, s4, 1.0 / s4, c.p, rw[j], ev, e_cap);
+        const double q6 = scaled_element<Kind, false, true, kFaster, kOnce>(xf, s6, 1.0 / s6, c.p, rw[j], ev, e_cap);
+        const double q4 = scaled_element<Kind, false, true, kFaster, kOnce>(xf, s4, 1.0 / s4, c.p, rw[j], ev, e_cap);
         d6[j] = choice_error(c.scale.choice, xf, q6 * s6);
         d4[j] = choice_error(c.scale.choice, xf, q4 * s4);
       }

@@ -1,6 +1,6 @@
 // ScaledStrategy::Float64: every element in the float64 carrier, by scaled.hpp's scaled_element
-// (x / s rounded to odd, or once where nearest_divides_once holds; E's nearest rounding by
-// addition where it gives the same bits), s · q exact in float64 and stored as store_scaled does.
+// (x / s rounded to odd, or once where nearest_divides_once holds; E's rounding in its faster
+// forms where they give the same bits), s · q exact in float64 and stored as store_scaled does.
 #include "scaled/tile.hpp"
 
 namespace lowfp {
@@ -9,9 +9,9 @@ namespace {
 
 // One tile, its per-element scales and inverses spread (spread64) and, stochastic, its words
 // drawn. kPow2: every scale a power of two, so that x · (1 / s) is the exact quotient. kParts:
-// write q. kAdd: nearest rounding by addition (ScaledCall::add64). kOnce: x / s rounded once
+// write q. kFaster: E's faster form (ScaledCall::add64, steps64). kOnce: x / s rounded once
 // (ScaledCall::divide_once).
-template <class In, RoundKind Kind, bool kCount, bool kPow2, bool kSubExp, bool kParts, bool kAdd,
+template <class In, RoundKind Kind, bool kCount, bool kPow2, bool kSubExp, bool kParts, bool kFaster,
           bool kOnce>
 void run_tile(const ScaledCall& c, const Tile& k, const TileScales& t,
               EventCounts& counts) {
@@ -25,7 +25,7 @@ void run_tile(const ScaledCall& c, const Tile& k, const TileScales& t,
     const double xv = bit_cast<double>(Widen<uint64_t>::from(x[i]));
     RoundEvents ev;
     const uint32_t rw = Kind == RoundKind::Stochastic ? t.rand[i] : 0u;
-    const double q = scaled_element<Kind, kPow2, kSubExp, kAdd, kOnce>(xv, t.s[i], t.inv[i], p, rw, ev,
+    const double q = scaled_element<Kind, kPow2, kSubExp, kFaster, kOnce>(xv, t.s[i], t.inv[i], p, rw, ev,
                                                                       c.addition_cap);
     if constexpr (kParts) q_out[i] = float(q);
     y[i] = store_scaled<In>(q * t.s[i], out);
@@ -37,17 +37,17 @@ void run_tile(const ScaledCall& c, const Tile& k, const TileScales& t,
 // fn(a run_tile instantiation) for the call: its storage type, rounding kind and flags.
 template <class Fn>
 void with_run_tile(const ScaledCall& c, bool count, Fn&& fn) {
-  with_float64_forms(c, [&](auto type, auto kind, auto add_c, auto once_c) {
+  with_float64_forms(c, [&](auto type, auto kind, auto faster_c, auto once_c) {
     using In = typename decltype(type)::type;
     constexpr RoundKind K = decltype(kind)::value;
     with_flag(count, [&](auto count_c) {
       with_flag(c.scale.rule != ScaleRule::Format, [&](auto pow2) {
         with_flag(c.p.subnormal_exponent, [&](auto sub) {
           with_flag(c.q != nullptr, [&](auto parts) {
-            constexpr bool kAdd = decltype(add_c)::value && !decltype(sub)::value;
+            constexpr bool kFaster = decltype(faster_c)::value && !decltype(sub)::value;
             constexpr bool kOnce = decltype(once_c)::value && !decltype(pow2)::value;
             fn(run_tile<In, K, decltype(count_c)::value, decltype(pow2)::value, decltype(sub)::value,
-                        decltype(parts)::value, kAdd, kOnce>);
+                        decltype(parts)::value, kFaster, kOnce>);
           });
         });
       });
