@@ -226,30 +226,34 @@ LOWFP_HD double scaled_element(double x, double s, double inv, const RoundParams
 // scales s = 2^k, inputs of at most 32 bits, E's finest step at least 2^-22): q = round_E(x · inv)
 // for inv = 2^-k as a float32 (x · inv exact, or below float32's normal range, where only its sign
 // and being nonzero decide), its events in ev. kKeep: a quotient that underflowed to 0 stays
-// nonzero (nonzero_quotient), which only nearest rounding that does not count may skip. kAdd: E's
-// nearest rounding by addition (where nearest_by_addition(p32, e_cap) holds). kSteps: stochastic
-// rounding by steps (round_stochastic_by_steps, where stochastic_by_steps(p32) holds).
-template <RoundKind Kind, bool kKeep, bool kAdd = false, bool kSteps = false>
+// nonzero (nonzero_quotient), which only nearest rounding that does not count may skip. kFaster:
+// E's faster form of the rounding, as scaled_element's (nearest by addition where
+// nearest_by_addition(p32, e_cap) holds, stochastic by steps where stochastic_by_steps(p32) does).
+template <RoundKind Kind, bool kKeep, bool kFaster = false>
 LOWFP_HD float narrow_element(uint32_t x, float inv, const RoundParams<uint32_t>& p32, uint32_t rand,
                               RoundEvents& ev, int32_t e_cap = 0) {
-  static_assert(!kSteps || Kind == RoundKind::Stochastic, "steps: stochastic rounding");
+  static_assert(!kFaster || Kind == RoundKind::Nearest || Kind == RoundKind::Stochastic, "no faster form");
   const uint32_t qb = bit_cast<uint32_t>(bit_cast<float>(x) * inv);
   const uint32_t quotient = kKeep ? nonzero_quotient(qb, x) : qb;
-  if constexpr (kAdd) return bit_cast<float>(round_nearest_by_addition(quotient, p32, e_cap, ev));
-  else if constexpr (kSteps) return bit_cast<float>(round_stochastic_by_steps<false>(quotient, p32, rand, ev));
+  if constexpr (kFaster && Kind == RoundKind::Nearest)
+    return bit_cast<float>(round_nearest_by_addition(quotient, p32, e_cap, ev));
+  else if constexpr (kFaster)
+    return bit_cast<float>(round_stochastic_by_steps<false>(quotient, p32, rand, ev));
   else return bit_cast<float>(round_bits<Kind, uint32_t, false>(quotient, p32, rand, ev));
 }
 
+// A float32 value on a 16-bit storage type's grid: lowfp's nearest rounding to it (out32).
+LOWFP_HD float onto_storage_grid(float v, const RoundParams<uint32_t>& out32) {
+  RoundEvents ev;
+  return bit_cast<float>(round_bits<RoundKind::Nearest, uint32_t, false>(bit_cast<uint32_t>(v), out32, 0u, ev));
+}
+
 // s · q of the float32 carrier (exact there) in the storage type: float32 as it is, 16-bit types
-// rounded to their grid by lowfp's nearest rounding (out32).
+// rounded to their grid (onto_storage_grid) and converted.
 template <class Out>
 LOWFP_HD Out store_narrow(float v, const RoundParams<uint32_t>& out32) {
-  if constexpr (std::is_same_v<Out, float>) {
-    return v;
-  } else {
-    RoundEvents ev;
-    return Store<Out>::from(round_bits<RoundKind::Nearest, uint32_t, false>(bit_cast<uint32_t>(v), out32, 0u, ev));
-  }
+  if constexpr (std::is_same_v<Out, float>) return v;
+  else return Store<Out>::from(bit_cast<uint32_t>(onto_storage_grid(v, out32)));
 }
 
 // Element formats with few magnitudes (FP4 E2M1: 0, 0.5, 1, 1.5, 2, 3, 4, 6): nearest rounding of

@@ -142,7 +142,7 @@ __device__ In round_narrow(const ScaledCall& c, In x, int64_t i, float s32, floa
   // (a quotient that underflowed to 0 kept nonzero unless only its nearest rounding is wanted)
   constexpr bool kKeep = kCount || K != RoundKind::Nearest;
   RoundEvents ev;
-  const float q = narrow_element<K, kKeep, false, kSteps>(Widen<uint32_t>::from(x), inv32, c.p32, word, ev);
+  const float q = narrow_element<K, kKeep, kSteps>(Widen<uint32_t>::from(x), inv32, c.p32, word, ev);
   if (c.q != nullptr) c.q[i] = q;
   if (kCount) tc.add(ev);
   return store_narrow<In>(q * s32, c.out32);

@@ -9,8 +9,10 @@ namespace {
 // One tile, in GCC vectors of 16 lanes: round.hpp's magnitude_by_addition (nearest) or
 // round_stochastic_by_steps (stochastic, where ScaledCall::steps32 holds) and rounded_result,
 // lane by lane, so that kCount's events come from the masks the rounding computes anyway (no
-// per-lane counters in memory, no separate counting pass). kBlock 16 or 32: each block's 2^±k broadcast (the tile starts a block); 0:
-// from the per-element buffers (place32). A ragged end is padded with zeros, which count nothing.
+// per-lane counters in memory, no separate counting pass). kBlock 16 or 32: each block's 2^±k
+// broadcast (the tile starts a block); 0: from the per-element buffers (place32). A ragged end is
+// padded with zeros, which count nothing. (The stochastic lanes repeat round_stochastic_by_steps'
+// formula on GCC vectors, whose comparisons give masks, not the header's bools.)
 // kSignedZero: E has -0 (RoundParams::no_negative_zero false); kInfStays: inf_stays_inf.
 template <RoundKind Kind, bool kCount, bool kSignedZero, bool kInfStays, int64_t kBlock>
 void run_tile(const ScaledCall& c, const Tile& k, const TileScales& t,

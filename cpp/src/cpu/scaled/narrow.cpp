@@ -23,21 +23,18 @@ void widen_tile(const In* x, float* buffer, int64_t n) {
 template <class In>
 void store_tile(float* v, In* y, int64_t n, const RoundParams<uint32_t>& out) {
   if constexpr (kF16cTiles<In>) {
-    for (int64_t i = 0; i < n; ++i) {
-      RoundEvents ev;
-      v[i] = bit_cast<float>(round_bits<RoundKind::Nearest, uint32_t, false>(bit_cast<uint32_t>(v[i]), out, 0u, ev));
-    }
+    for (int64_t i = 0; i < n; ++i) v[i] = onto_storage_grid(v[i], out);
     float_tile_to_half(v, y, n);
   } else {
     for (int64_t i = 0; i < n; ++i) y[i] = store_narrow<In>(v[i], out);
   }
 }
 
-// One tile: every scale is 2^k. kAdd: nearest rounding by addition (ScaledCpuForms::add32);
-// kSteps: stochastic rounding by steps (ScaledCall::steps32). kBlock: see for_tile_elements.
+// One tile: every scale is 2^k. kFaster: narrow_element's (ScaledCpuForms::add32 for nearest,
+// ScaledCall::steps32 for stochastic). kBlock: see for_tile_elements.
 // A 16-bit tile is widened into a float32 buffer first and its results stored from another
 // (three loops that vectorise, where the element loop on 16-bit storage did not).
-template <class In, RoundKind Kind, bool kCount, bool kParts, bool kAdd, bool kSteps, int64_t kBlock>
+template <class In, RoundKind Kind, bool kCount, bool kParts, bool kFaster, int64_t kBlock>
 void run_tile(const ScaledCall& c, const Tile& k, const TileScales& t,
               EventCounts& counts) {
   constexpr bool kStaged = !std::is_same_v<In, float>;
@@ -66,7 +63,7 @@ void run_tile(const ScaledCall& c, const Tile& k, const TileScales& t,
   auto element = [&](int64_t i, int64_t l, float s32, float inv32) {
     RoundEvents ev;
     const uint32_t rw = Kind == RoundKind::Stochastic ? t.rand[i] : 0u;
-    const float q = narrow_element<Kind, kKeep, kAdd, kSteps>(bit_cast<uint32_t>(x[i]), inv32, p, rw, ev, c.addition_cap);
+    const float q = narrow_element<Kind, kKeep, kFaster>(bit_cast<uint32_t>(x[i]), inv32, p, rw, ev, c.addition_cap);
     if constexpr (kParts) q_out[i] = q;
     y[i] = q * s32;  // (exact: ScaledCall::narrow)
     if constexpr (kCount) events.add(l, ev);
@@ -88,14 +85,13 @@ void scaled_narrow(const ScaledCall& c, const ScaledCpuForms& f, const ScaledPla
         constexpr RoundKind K = decltype(kind)::value;
         with_flag(c.count && !plan.count_by_comparison, [&](auto count) {
           with_flag(c.q != nullptr, [&](auto parts) {
-            // (one flag for the two faster forms: nearest by addition, stochastic by steps)
+            // (the faster forms: nearest by addition, stochastic by steps)
             const bool faster = K == RoundKind::Nearest ? f.add32 : K == RoundKind::Stochastic && c.steps32;
-            with_flag(faster, [&](auto fast) {
+            with_flag(faster, [&](auto faster_c) {
               constexpr bool kCount = decltype(count)::value, kParts = decltype(parts)::value,
-                             kAdd = decltype(fast)::value && K == RoundKind::Nearest,
-                             kSteps = decltype(fast)::value && K == RoundKind::Stochastic;
-              const auto run = c.block_cols == 32 ? run_tile<In, K, kCount, kParts, kAdd, kSteps, 32>
-                                                  : run_tile<In, K, kCount, kParts, kAdd, kSteps, 0>;
+                             kFaster = decltype(faster_c)::value && K != RoundKind::Directed;
+              const auto run = c.block_cols == 32 ? run_tile<In, K, kCount, kParts, kFaster, 32>
+                                                  : run_tile<In, K, kCount, kParts, kFaster, 0>;
               for_each_tile(c, r0, r1, [&](const Tile& k) {
                 round_tile(c, f, plan, k, t, counts, [&] {
                   t.place32(static_cast<In*>(c.y) + k.first);
