@@ -3,6 +3,8 @@ the plan picks each where its conditions hold, and each, forced on every call th
 gives the float64 strategy's values, counts and elements, new, into out= and in place."""
 
 import contextlib
+from fractions import Fraction
+import math
 import os
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import lowfp
 from lowfp import _C
 from lowfp.scaled import Scaled, ScaledStats
 from lowfp.scaled.quantize import prepared
+from reference import Spec, philox_word, positive_values
 
 STRATEGIES = ("float64", "checked", "narrow", "lanes", "few")
 
@@ -57,7 +60,12 @@ PLANS = [  # format, rounding, dtype, elements written, the strategy the plan ta
     ("mxfp8_e4m3", "nearest", torch.float64, False, "float64"),
     ("nvfp4", "toward_zero", torch.float32, False, "float64"),
     ("nvfp4", "nearest", torch.bfloat16, False, "float64"),
-    ("nvfp4", "stochastic", torch.float32, False, "float64"),
+    ("nvfp4", "stochastic", torch.float32, False, "checked"),
+    ("fp8_e4m3_rowwise", "stochastic", torch.float32, True, "checked"),
+    (Scaled("float6_e3m2fn", block=16, scale="float8_e4m3fn"), "stochastic", torch.float32, False, "checked"),
+    # (m = 7: the margin of 2^(m + 13) would rerun most tiles)
+    (Scaled("fp(5,7,0)", block=16, scale="float8_e4m3fn"), "stochastic", torch.float32, False, "float64"),
+    ("nvfp4", "stochastic", torch.bfloat16, False, "float64"),
 ]
 
 
@@ -105,6 +113,8 @@ FORCED = [  # format, rounding, dtype: together they allow every strategy
     (("mxfp8_e5m2", "inf"), "nearest", torch.float32),
     ("mxfp8_e4m3", "stochastic", torch.float32),
     ("mxfp4_e2m1", "stochastic", torch.float32),
+    ("nvfp4", "stochastic", torch.float32),
+    ("fp8_e4m3_rowwise", "stochastic", torch.float32),
     ("mxfp8_e4m3", "toward_zero", torch.float32),
     ("mxfp8_e4m3", "up", torch.bfloat16),
     ("mxfp4_e2m1", "stochastic", torch.float16),
@@ -163,6 +173,83 @@ def test_every_strategy_gives_the_float64_strategys_bits(fmt, rounding, dtype, s
             if wc is not None:
                 assert torch.equal(c, wc), (name, how, c, wc)
     assert len(tried) > 2  # (the plan, float64 and at least one other)
+
+
+# Checked's stochastic rounding against exact arithmetic: element formats, their grids
+CHECKED_STOCHASTIC = {"nvfp4": Spec(2, 1, 0, "none"), "fp8_e4m3_rowwise": Spec(4, 3, 0, "fn")}
+
+
+def near_decisions(fmt, sr_bits, seed):
+    """A float32 tensor whose elements' exact quotients x / s lie within float32's rounding of
+    s · (g + (r' + 1) 2^-32 step) (g on E's grid, r' element i's Philox word with its low bits
+    set), where the decision for its own word changes; each block's scale pinned by a larger
+    first element. Returns x and the words r'."""
+    g = torch.Generator().manual_seed(seed)
+    scaled = Scaled.parse(fmt)
+    rows, cols = 4, 4096
+    block = scaled.block if isinstance(scaled.block, int) else cols
+    base = torch.rand(rows, cols, generator=g, dtype=torch.float64) * 0.1
+    base[:, ::block] = 1.0 + torch.rand(rows, cols // block, generator=g, dtype=torch.float64)
+    base *= torch.exp2(torch.randint(-12, 12, (rows, cols // block), generator=g).double()).repeat_interleave(block, 1)
+    x = base.float()
+    s = lowfp.scaled.encode(x, fmt).scales.repeat_interleave(block, 1)  # (float64 s = S · t)
+    grid = [v for v in positive_values(CHECKED_STOCHASTIC[fmt]) if v * 2 <= positive_values(CHECKED_STOCHASTIC[fmt])[-1]]
+    low = (1 << (32 - sr_bits)) - 1
+    words = [philox_word(7, 0, i) | low for i in range(rows * cols)]
+    picks = torch.randint(0, len(grid) - 1, (rows * cols,), generator=g).tolist()
+    signs = torch.randint(0, 2, (rows * cols,), generator=g).tolist()
+    flat, sf = x.view(-1), s.reshape(-1).tolist()
+    for i in range(rows * cols):
+        if i % cols % block == 0:
+            continue  # (the block's largest, which sets its scale)
+        lo, hi = grid[picks[i]], grid[picks[i] + 1]
+        v = float(lo) + (words[i] + 1) * 2.0 ** -32 * float(hi - lo)  # (exact in float64)
+        flat[i] = (-1.0) ** signs[i] * v * sf[i]  # (to float32 on assignment)
+    assert torch.equal(lowfp.scaled.encode(x, fmt).scales.repeat_interleave(block, 1), s)
+    return x, s, words
+
+
+def stochastic_q(quotients, words, spec):
+    """Each exact quotient's q: up from its grid point when r' is below its position
+    floor(2^32 (|q| - g) / step)."""
+    grid = positive_values(spec)
+    out = []
+    for q, r in zip(quotients, words):
+        a = abs(q)
+        k = max(j for j in range(len(grid)) if grid[j] <= a)
+        if k + 1 == len(grid):
+            out.append(math.copysign(float(grid[k]), q))  # (only the blocks' largest)
+            continue
+        lo, hi = grid[k], grid[k + 1]
+        up = r < math.floor((a - lo) / (hi - lo) * 2**32)
+        out.append(math.copysign(float(hi if up else lo), q))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("sr_bits", [32, 9])
+@pytest.mark.parametrize("fmt", sorted(CHECKED_STOCHASTIC))
+def test_checked_stochastic_reruns_the_tiles_whose_quotients_lie_at_their_words_decisions(fmt, sr_bits):
+    x, s, words = near_decisions(fmt, sr_bits, seed=sr_bits)
+    spec = CHECKED_STOCHASTIC[fmt]
+    exact = [Fraction(v) / Fraction(d) for v, d in zip(x.view(-1).tolist(), s.reshape(-1).tolist())]
+    want = stochastic_q(exact, words, spec).view(x.shape)
+    # The float32 quotient Checked rounds (x · fl(1 / s)) decides otherwise for many elements
+    approx = (x * (1.0 / s).float()).view(-1).tolist()
+    wrong = (stochastic_q([Fraction(a) for a in approx], words, spec).view(x.shape) != want).sum().item()
+    assert wrong > 20
+    assert cpu_plan(fmt, "stochastic", torch.float32)["strategy"] == "checked"
+    kw = dict(seed=7, sr_bits=sr_bits)
+    results = {}
+    for name in (None, "checked", "float64"):
+        with forced(name):
+            st = ScaledStats()
+            results[name] = (lowfp.quantize(x, fmt, "stochastic", stats=st, **kw), st.counts.clone(),
+                             lowfp.scaled.encode(x, fmt, "stochastic", **kw).q)
+    for name in (None, "checked"):
+        y, counts, q = results[name]
+        assert torch.equal(y.view(torch.int32), results["float64"][0].view(torch.int32)), name
+        assert torch.equal(counts, results["float64"][1]), name
+        assert torch.equal(q.double(), want), name
 
 
 def test_the_forced_strategies_cover_every_strategy():

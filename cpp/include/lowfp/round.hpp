@@ -230,19 +230,37 @@ LOWFP_HD bool stochastic_by_steps(const RoundParams<Bits>& p) {
          32 + m - p.emin <= C::kExpBias - 1;
 }
 
+// The bits the steps form drops at magnitude a (stochastic_by_steps): normal_drop, plus one per
+// binade below 2^emin; above the carrier's mantissa bits, a lies below E's smallest step.
+template <class Bits>
+LOWFP_HD std::make_signed_t<Bits> steps_drop(Bits a, const RoundParams<Bits>& p) {
+  using C = CarrierTraits<Bits>;
+  using SInt = std::make_signed_t<Bits>;  // (exponent arithmetic in the carrier's lane width)
+  const SInt normal_drop = SInt(p.normal_drop);
+  const SInt drop_at_zero = normal_drop + SInt(p.emin) + C::kExpBias;  // d for exponent field 0
+  return max_of(drop_at_zero - SInt(a >> C::kMantBits), normal_drop);
+}
+
+// The bound below E's smallest step u: floor(min(a, u-) 2^32 / u), |x| times a power of two,
+// exact, converted by truncation (a clamped below u first, so every lane converts a value below
+// 2^32).
+template <class Bits>
+LOWFP_HD Bits steps_below_bound(Bits a, const RoundParams<Bits>& p) {
+  using C = CarrierTraits<Bits>;
+  using F = typename C::Float;
+  const int32_t m = C::kMantBits - p.normal_drop;
+  const F to_fraction = bit_cast<F>(Bits(C::kExpBias + 32 + m - p.emin) << C::kMantBits);
+  return Bits(uint32_t(bit_cast<F>(min_of(a, p.below_step - 1u)) * to_fraction));
+}
+
 // kSymmetric: symmetric_overflow(p) holds (rounded_result_symmetric).
 template <bool kSymmetric, class Bits>
 LOWFP_HD Bits round_stochastic_by_steps(Bits x, const RoundParams<Bits>& p, uint32_t rand, RoundEvents& ev) {
   using C = CarrierTraits<Bits>;
-  using SInt = std::make_signed_t<Bits>;  // (exponent arithmetic in the carrier's lane width)
-  using F = typename C::Float;
-  // (all loop-invariant: computed once per call by the compiler)
-  const SInt m = SInt(C::kMantBits - p.normal_drop), normal_drop = SInt(p.normal_drop);
-  const SInt drop_at_zero = normal_drop + SInt(p.emin) + C::kExpBias;  // d for exponent field 0
-  const Bits low_bits = Bits((1u << p.sr_shift) - 1u);
-  const F to_fraction = bit_cast<F>(Bits(C::kExpBias + 32 + m - p.emin) << C::kMantBits);
+  using SInt = std::make_signed_t<Bits>;
+  const Bits low_bits = Bits((1u << p.sr_shift) - 1u);  // (loop-invariant: once per call)
   const Bits a = x & ~C::kSign;
-  const SInt d = max_of(drop_at_zero - SInt(a >> C::kMantBits), normal_drop);
+  const SInt d = steps_drop(a, p);
   const Bits r = Bits(rand) | low_bits;
   const Bits not_r = r ^ Bits(0xffffffffu);
   // (shift counts kept in range for the lanes whose result a select drops)
@@ -251,10 +269,25 @@ LOWFP_HD Bits round_stochastic_by_steps(Bits x, const RoundParams<Bits>& p, uint
     noise = select(d <= 32, noise, not_r << Bits(min_of(max_of(d - SInt(32), SInt(0)), SInt(C::kMaxShift))));
   const Bits dm = Bits(min_of(d, SInt(C::kMaxShift)));
   const Bits stepped = ((a + noise) >> dm) << dm;
-  const Bits below = Bits(uint32_t(bit_cast<F>(min_of(a, p.below_step - 1u)) * to_fraction));
-  const Bits mag = select(d <= SInt(C::kMantBits), stepped, select(r < below, p.below_step, Bits(0)));
+  const Bits mag = select(d <= SInt(C::kMantBits), stepped, select(r < steps_below_bound(a, p), p.below_step, Bits(0)));
   if constexpr (kSymmetric) return rounded_result_symmetric(x, mag, p, ev);
   else return rounded_result(x, mag, p, ev);
+}
+
+// Where magnitude a lies between its neighbours on E's grid (continued past max), as the 32-bit
+// fraction the steps form compares: X = floor(2^32 rem / 2^d) (rem: the d dropped bits), or the
+// bound below E's smallest step, so that round_stochastic_by_steps steps up exactly when r < X
+// (r: the random word with its low sr_shift bits set). Where stochastic_by_steps(p) holds.
+template <class Bits>
+LOWFP_HD uint32_t steps_position(Bits a, const RoundParams<Bits>& p) {
+  using C = CarrierTraits<Bits>;
+  using SInt = std::make_signed_t<Bits>;
+  const SInt d = steps_drop(a, p);
+  const Bits dm = Bits(min_of(d, SInt(C::kMaxShift)));
+  const Bits rem = a & ((Bits(1) << dm) - 1u);
+  Bits x = rem << Bits(max_of(SInt(32) - d, SInt(0)));
+  if constexpr (sizeof(Bits) == 8) x = select(d <= 32, x, rem >> Bits(max_of(d - SInt(32), SInt(0))));
+  return uint32_t(select(d <= SInt(C::kMantBits), x, steps_below_bound(a, p)));
 }
 
 // round_bits for float32 to bfloat16 with IEEE overflow to inf and, for stochastic rounding, 32

@@ -116,11 +116,15 @@ ScaledCpuForms prepare_scaled_cpu(const ScaledRequest& r, const ScaledCall& c) {
   const bool exact_product =  // q · S: at most 24 significand bits, within float32's normal range
       !r.tensor_scale || (e.m + sf.m + 2 <= 24 && smallest_exponent(e) + smallest_exponent(sf) >= -126 &&
                           max_exponent(e) + max_exponent(sf) + 2 <= 127);
-  f.checked = format_scales && r.dtype == DType::Float32 && r.mode == Rounding::Nearest &&
-              smallest_exponent(e) >= -22 && e.m <= 18 && exact_product;
+  const bool checkable = format_scales && r.dtype == DType::Float32 && smallest_exponent(e) >= -22 &&
+                         e.m <= 18 && exact_product;
   const bool nearest = r.mode == Rounding::Nearest;
-  f.add32 = nearest && (c.narrow || f.checked) && nearest_by_addition(c.p32, c.addition_cap);
-  f.checked = f.checked && f.add32;
+  f.add32 = nearest && (c.narrow || checkable) && nearest_by_addition(c.p32, c.addition_cap);
+  // (stochastic: a margin of 2^(m + 13) in 2^32, so that few tiles rerun)
+  const bool stochastic_checked = r.mode == Rounding::Stochastic && e.m <= kCheckedStochasticMaxM &&
+                                  stochastic_by_steps(c.p32);
+  f.checked = checkable && (f.add32 || stochastic_checked);
+  f.checked_margin = uint32_t(1) << (e.m + 13);
   // s = S · t: S's significand bits, and the float32 tensor scale's 24
   const int32_t scale_bits = sf.m + 1 + (r.tensor_scale ? 24 : 0);
   const bool saturates = !c.p.inf_stays_inf && c.p.overflow_pos == c.p.max_bits;

@@ -15,8 +15,9 @@ enum class ScaledStrategy : int32_t {
   // Every element in the float64 carrier (scaled.hpp's scaled_element): the reference, for
   // every call.
   Float64 = 0,
-  // Float32 inputs, scales in a format, nearest: the float32 carrier, each tile's quotients
-  // checked against E's decision points and the tile rerun in float64 where one lies too near.
+  // Float32 inputs, scales in a format, nearest or stochastic: the float32 carrier, each tile's
+  // quotients checked against E's decision points (stochastic: each element's own, where its
+  // random word puts it) and the tile rerun in float64 where one lies too near.
   Checked = 1,
   // Power-of-two scales and inputs of at most 32 bits: the float32 carrier, where x · 2^-k and
   // s · q are exact; element by element (any rounding mode, the elements q written if asked).
@@ -41,9 +42,13 @@ struct ScaledCpuForms {
   // Nearest with ties to even, and round.hpp's nearest_by_addition in the float32 carrier (p32)
   // of the narrow or checked strategy: E's rounding by addition
   bool add32;
-  // Checked: float32 inputs, scales in a format, nearest by addition in float32, E's finest
-  // step at least 2^-22 and m <= 18, and q · S exact in float32 when there is a tensor scale
+  // Checked: float32 inputs, scales in a format, E's finest step at least 2^-22 and m <= 18, q · S
+  // exact in float32 when there is a tensor scale, and E's rounding nearest by addition or
+  // stochastic by steps (m at most kCheckedStochasticMaxM) in float32
   bool checked;
+  // Checked's stochastic rounding: a tile reruns where an approximate quotient's steps_position
+  // lies within this of r + 1 (circularly, in 2^32), the point where the decision changes
+  uint32_t checked_margin;
   // Few: float32 inputs, scales in a format, nearest rounding that saturates, E with at most
   // kFewMagnitudes magnitudes and a signed zero, and every mu · s exact in float64 (scaled.hpp)
   bool few;
@@ -59,6 +64,10 @@ struct ScaledCpuForms {
   bool count_by_comparison;
   EventPoints events;
 };
+
+// Checked's stochastic rounding needs a margin of 2^(m + 13) of the 2^32 positions: beyond m = 5
+// most tiles would rerun.
+constexpr int32_t kCheckedStochasticMaxM = 5;
 
 // At most this many keys of scale values for Few's cache of thresholds (E4M3: 144).
 constexpr int64_t kFewKeys = 1024;
