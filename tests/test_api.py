@@ -899,6 +899,41 @@ def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_ch
     assert len(taken) == 1
 
 
+def test_seeds_and_offsets_of_repeated_calls_take_the_remembered_request(monkeypatch):
+    """seed= and offset= are each call's own: a call that passes them is one prepared kernel call
+    once its other arguments passed every check, with the operator's bits, counts and (none
+    drawn for a seed) generator draws; a bad seed or offset is still refused."""
+    from lowfp.scaled import ScaledStats
+    taken = _spy_remembered(monkeypatch, "_round_remembered")
+    x = torch.randn(4, 64) * 30
+    x[0, :2] = torch.tensor([float("nan"), 1e9])
+    for fmt, stats_type in (("fp(4,3,4)", lowfp.Stats), ("nvfp4", ScaledStats),
+                            ("mxfp4_e2m1", ScaledStats), (lowfp.S2FP8(), lowfp.Stats)):
+        for rounding, kwargs in (("stochastic", dict(seed=3)), ("stochastic", dict(seed=2**64 - 1, offset=5)),
+                                 ("stochastic", dict(offset=2**64 - 1)), ("nearest", dict(seed=4, offset=9))):
+            def call():
+                stats = stats_type()
+                return lowfp.quantize(x, fmt, rounding, stats=stats, **kwargs), stats.counts
+            sys.modules["lowfp.quantize"]._EAGER.clear()  # (cold again)
+            got = _cold_remembered_and_operator(call, taken)
+            ((y0, c0), r0, n0), ((y1, c1), r1, n1), ((y2, c2), r2, n2) = got
+            assert (n0, n1, n2) == (0, 1, 0), (fmt, kwargs)
+            for y, c, r in ((y1, c1, r1), (y2, c2, r2)):
+                assert torch.equal(y.view(torch.int32), y0.view(torch.int32)), (fmt, kwargs)
+                assert torch.equal(c, c0) and torch.equal(r, r0), (fmt, kwargs)
+        other = lowfp.quantize(x, fmt, "stochastic", seed=3, offset=1)  # (warm)
+        assert not torch.equal(other, lowfp.quantize(x, fmt, "stochastic", seed=3))
+        taken.clear()
+        with pytest.raises(ValueError, match="not both"):
+            lowfp.quantize(x, fmt, "stochastic", seed=1, generator=torch.Generator())
+        for bad, error in ((-1, ValueError), (2**64, ValueError), (1.5, TypeError), (True, TypeError)):
+            with pytest.raises(error, match="seed"):
+                lowfp.quantize(x, fmt, "stochastic", seed=bad)
+            with pytest.raises(error, match="offset"):
+                lowfp.quantize(x, fmt, "stochastic", offset=bad)
+        assert taken == []
+
+
 @pytest.mark.parametrize("fmt", ["fp(4,3,4)", "float8_e5m2", lowfp.S2FP8()])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_a_rounder_of_a_format_rounds_as_quantize(fmt, rounding):

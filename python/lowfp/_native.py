@@ -77,6 +77,8 @@ def draw_seed(generator: Optional[torch.Generator] = None) -> int:
     return lo | (hi << 32)
 
 
+_U64 = (1 << 64) - 1
+
 _draws = threading.local()  # each thread's two-word buffer for draw_seed_eager
 
 
@@ -91,10 +93,16 @@ def draw_seed_eager(generator: Optional[torch.Generator] = None) -> int:
     return lo | (hi << 32)
 
 
-def remembered_seed(stochastic: bool, generator: Optional[torch.Generator]) -> Optional[int]:
+def remembered_seed(stochastic: bool, generator: Optional[torch.Generator],
+                    seed: Optional[int] = None) -> Optional[int]:
     """The seed of a rounding that skips the argument checks (a remembered call): 0 for a
-    deterministic rounding, else drawn from a CPU generator (default: torch's) by
-    draw_seed_eager; None for another generator (the call takes the full path)."""
+    deterministic rounding, else the caller's ``seed``, or one drawn from a CPU generator
+    (default: torch's) by draw_seed_eager; None for another generator, or a seed that is not an
+    int in [0, 2**64) or comes with a generator (the call takes the full path, which raises)."""
+    if seed is not None:
+        if type(seed) is not int or not 0 <= seed <= _U64 or generator is not None:
+            return None
+        return seed if stochastic else 0
     if not stochastic:
         return 0
     if generator is not None and generator.device.type != "cpu":

@@ -35,11 +35,13 @@ class Prepared:
     stats_types: tuple = (Stats,)
 
     def round(self, x: torch.Tensor, counts: Optional[torch.Tensor],
-              generator: Optional[torch.Generator] = None,
-              out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+              generator: Optional[torch.Generator] = None, out: Optional[torch.Tensor] = None,
+              seed: Optional[int] = None, offset: int = 0) -> Optional[torch.Tensor]:
         """x (eager, plain, of the prepared dtype and backend) rounded into a new tensor or
-        ``out`` (checked by the caller), adding to ``counts`` (a stats_types' counts or None);
-        None, with nothing drawn or written, when the call needs the full path."""
+        ``out`` (checked by the caller), adding to ``counts`` (a stats_types' counts or None),
+        stochastic rounding keyed by ``seed`` (remembered_seed) from Philox block ``offset`` (an
+        int in [0, 2**64), checked by the caller); None, with nothing drawn or written, when the
+        call needs the full path."""
         raise NotImplementedError
 
 
@@ -52,7 +54,7 @@ class PreparedFormat(Prepared):
     def __init__(self, request, dtype: torch.dtype, stochastic: bool):
         self.request, self.dtype, self.stochastic = request, dtype, stochastic
 
-    def round(self, x, counts, generator=None, out=None):
+    def round(self, x, counts, generator=None, out=None, seed=None, offset=0):
         """One pass over x's memory: x contiguous, or, without out= and for a rounding that does
         not depend on an element's index (not stochastic), densely laid out in another order
         (channels-last, a transpose, attention's heads), whose strides the result takes (as
@@ -60,18 +62,15 @@ class PreparedFormat(Prepared):
         layout takes the full path."""
         if not x.is_contiguous() and (out is not None or self.stochastic or not backends.is_dense(x)):
             return None
-        if self.stochastic:
-            seed = remembered_seed(True, generator)
-            if seed is None:
-                return None
-        else:
-            seed = 0
+        seed = remembered_seed(self.stochastic, generator, seed)
+        if seed is None:
+            return None
         if backends.ready_on_cpu(x):
             device, stream = -1, 0
         else:
             _, device, stream = backends.native(x, "x")
         y = new_output(x, self.dtype, torch.preserve_format) if out is None else out  # (x's layout)
-        self.request(x.data_ptr(), y.data_ptr(), x.numel(), seed, 0,
+        self.request(x.data_ptr(), y.data_ptr(), x.numel(), seed, offset,
                      0 if counts is None else counts.data_ptr(), device, stream)
         return y
 
@@ -91,13 +90,13 @@ class PreparedS2FP8(Prepared):
     def __init__(self, args: tuple, log_max: float, stochastic: bool):
         self.args, self.log_max, self.stochastic = args, log_max, stochastic
 
-    def round(self, x, counts, generator=None, out=None):
+    def round(self, x, counts, generator=None, out=None, seed=None, offset=0):
         """x (contiguous) rounded into a new tensor of x's dtype or ``out``; None for any other
         layout (the statistics group consecutive elements in logical order) or a generator the
         per-thread draw does not cover."""
         if not x.is_contiguous():
             return None
-        seed = remembered_seed(self.stochastic, generator)
+        seed = remembered_seed(self.stochastic, generator, seed)
         if seed is None:
             return None
         module, device, stream = backends.native(x, "x")
@@ -111,7 +110,7 @@ class PreparedS2FP8(Prepared):
             sums = torch.zeros(_C.S2FP8_SUM_SIZE, dtype=torch.int64, device=x.device)
             params = torch.zeros(4, dtype=torch.float64, device=x.device)
         y = new_output(x, x.dtype) if out is None else out
-        module.s2fp8(x.data_ptr(), DTYPE_CODES[x.dtype], y.data_ptr(), x.numel(), *self.args, seed, 0,
+        module.s2fp8(x.data_ptr(), DTYPE_CODES[x.dtype], y.data_ptr(), x.numel(), *self.args, seed, offset,
                      self.log_max, sums.data_ptr(), params.data_ptr(),
                      0 if counts is None else counts.data_ptr(), device, stream)
         return y

@@ -74,12 +74,11 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
         # Eager, plain tensors, nothing to record: the operator's own implementation, called
         # without the dispatcher's round trip (the same kernel, bits and counts).
         args = plan.native + (eager_seed(plan.rounding, seed, generator), offset & _U64)
-        if (seed is None and type(offset) is int and offset == 0 and grad_fmt is None
-                and x.is_contiguous()):  # (a generator is an argument of the draw alone)
+        if grad_fmt is None and x.is_contiguous():  # (seed, offset and generator: arguments of each call)
             _remember_eager(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dtype, plan)
         return _round_natively(x, out, plan.dtype, args, plan.rounding != "stochastic", counts), None
-    if (plan.s2fp8 and seed is None and type(offset) is int and offset == 0 and grad_fmt is None
-            and x.is_contiguous() and runs_natively(x, out)):  # (as _remember_eager's calls)
+    if (plan.s2fp8 and grad_fmt is None and x.is_contiguous()
+            and runs_natively(x, out)):  # (as _remember_eager's calls)
         _remember(_eager_key(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dtype),
                   lambda: PreparedS2FP8(plan.native, plan.log_max, plan.rounding == "stochastic"))
     seed, drawn = call_seed(plan.rounding, seed, generator)
@@ -139,8 +138,8 @@ _recorded_apply = function_apply(_RecordedRounding)
 
 
 # The eager calls that are one pointer call (a contiguous plain tensor, a contiguous out= or none,
-# no seed, offset or grad_fmt, a CPU generator or none), by the arguments as the caller passed
-# them (_eager_key): such a call skips the argument checks and the plan lookup.
+# no grad_fmt, a CPU generator or none), by the arguments as the caller passed them (_eager_key;
+# seed and offset are each call's own): such a call skips the argument checks and the plan lookup.
 _EAGER: Dict[tuple, Prepared] = {}
 
 
@@ -199,14 +198,14 @@ def _one_call_counts(x: torch.Tensor, out, stats, stats_types: tuple):
 
 
 def _round_remembered(x: torch.Tensor, entry: Prepared, stats, out,
-                      generator: Optional[torch.Generator]) -> Optional[torch.Tensor]:
+                      generator: Optional[torch.Generator], seed, offset: int) -> Optional[torch.Tensor]:
     """The rounding of a remembered call, or None when this call needs the full path (a layout,
-    mode, autograd, out=, stats or generator that the one pointer call does not cover, or an
-    error to raise)."""
+    mode, autograd, out=, stats, seed or generator that the one pointer call does not cover, or
+    an error to raise)."""
     counts = _one_call_counts(x, out, stats, entry.stats_types)
     if counts is _FULL_PATH:
         return None
-    y = entry.round(x, counts, generator, out)
+    y = entry.round(x, counts, generator, out, seed, offset)
     if y is not None and out is not None:  # written through its pointer: tell autograd, as
         torch.autograd.graph.increment_version(out)  # torch's out= ops do
     return y
@@ -268,16 +267,16 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
         grad_fmt, grad_rounding: the gradient passes straight through, or is rounded to
             ``grad_fmt`` with ``grad_rounding`` when given.
     """
-    if (type(x) is torch.Tensor and (out is None or type(out) is torch.Tensor) and seed is None
+    if (type(x) is torch.Tensor and (out is None or type(out) is torch.Tensor)
             and (generator is None or type(generator) is torch.Generator)
-            and type(offset) is int and offset == 0 and grad_fmt is None):  # see _EAGER
+            and type(offset) is int and 0 <= offset <= _U64 and grad_fmt is None):  # see _EAGER
         try:
             entry = _EAGER.get(_eager_key(fmt, rounding, overflow, subnormals, sr_bits, x, out,
                                           out_dtype))
         except TypeError:  # an unhashable argument
             entry = None
         if entry is not None:
-            y = _round_remembered(x, entry, stats, out, generator)
+            y = _round_remembered(x, entry, stats, out, generator, seed, offset)
             if y is not None:
                 return y
     if isinstance(x, np.floating):  # numpy scalar in, numpy scalar out (as numpy ufuncs do)
@@ -303,8 +302,7 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
         y = quantize_scaled(x, scaled, rounding, overflow=overflow, seed=seed,
                             generator=generator, offset=offset, sr_bits=sr_bits, stats=stats,
                             out=out)
-        if (seed is None and type(offset) is int and offset == 0
-                and (generator is None or type(generator) is torch.Generator)):  # see _EAGER
+        if generator is None or type(generator) is torch.Generator:  # see _EAGER
             _remember_scaled(fmt, scaled, rounding, overflow, sr_bits, x, out)
         return y
     return round_tensor(x, fmt, rounding, overflow=overflow, subnormals=subnormals, seed=seed,

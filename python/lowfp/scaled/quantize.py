@@ -124,7 +124,7 @@ class PreparedScaled(Prepared):
         if fmt.axis == -1 and not isinstance(fmt.block, tuple):
             self.last_axis_block = fmt.block or 0
 
-    def round(self, x, counts, generator=None, out=None):
+    def round(self, x, counts, generator=None, out=None, seed=None, offset=0):
         """x (contiguous) rounded into a new tensor or ``out`` (contiguous, x's dtype), adding to
         counts (4 or 6 int64, or None); None, with nothing allocated, drawn or written, when the
         call needs the full path (a layout other than blocks along the last axis, a generator
@@ -146,7 +146,7 @@ class PreparedScaled(Prepared):
             if move is not None:  # (a copy to another layout)
                 return None
             run = word_run(shape, column, self.stochastic)
-        seed = remembered_seed(self.stochastic, generator)  # (drawn for empty tensors too, as
+        seed = remembered_seed(self.stochastic, generator, seed)  # (drawn for empty tensors too, as
         if seed is None:                                      # the full path draws)
             return None
         y = new_output(x, x.dtype) if out is None else out
@@ -160,7 +160,7 @@ class PreparedScaled(Prepared):
             else:
                 scratch = torch.empty(blocks + 1, dtype=torch.float64, device=x.device)
             scratch_ptr = scratch.data_ptr()
-            self.request(x.data_ptr(), y.data_ptr(), rows, cols, block_rows, block_cols, run, seed, 0,
+            self.request(x.data_ptr(), y.data_ptr(), rows, cols, block_rows, block_cols, run, seed, offset,
                          scratch_ptr, 0, scratch_ptr + 8 * blocks,
                          0 if counts is None else counts.data_ptr(),
                          0 if counts is None else counts.numel(), device, stream)
