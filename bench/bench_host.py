@@ -59,6 +59,7 @@ def main(argv=None) -> int:
         ("quantize(x, Format, out=)", lambda: lowfp.quantize(x, f, out=out)),
         ("quantize(x, Format, 'stochastic')", lambda: lowfp.quantize(x, f, "stochastic")),
         ("quantize(x, Format, 'stochastic', generator=)", lambda: lowfp.quantize(x, f, "stochastic", generator=g)),
+        ("quantize(x, Format, 'stochastic', seed=)", lambda: lowfp.quantize(x, f, "stochastic", seed=12345)),
         ("quantize(x, 'mxfp8_e4m3')", lambda: lowfp.quantize(x, "mxfp8_e4m3")),
         ("quantize(x, 'nvfp4')", lambda: lowfp.quantize(x, "nvfp4")),
         ("quantize(x, 's2fp8')", lambda: lowfp.quantize(x, "s2fp8")),

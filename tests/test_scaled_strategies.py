@@ -91,7 +91,8 @@ def test_few_needs_blocks_of_whole_vectors():
 def inputs(rows, cols, dtype, seed):
     """Values of many magnitudes (a scale per row), tiny ones whose quotients underflow, the
     special values, and ties of E4M3 and E2M1 under a block scale of 1 (a block whose largest
-    magnitude is 448, or 6), where Checked's check fails and its tile reruns in float64."""
+    magnitude is 448, or 6), where Checked's check fails and the element is rounded again in
+    float64."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, cols, generator=g, dtype=torch.float64)
     x = x * torch.exp2(torch.randint(-24, 24, (rows, 1), generator=g).double())
@@ -99,6 +100,7 @@ def inputs(rows, cols, dtype, seed):
     x[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0])
     x[1, :8] = torch.tensor([448.0, 1.0625, -1.0625, 3.625, 0.0, 2.0 ** -10, 13.0, -208.0])
     x[2, :8] = torch.tensor([6.0, 0.25, -0.75, 1.25, 2.5, -5.0, 0.0, 3.5])
+    x[1, 16] = 464.0  # (E4M3's overflow threshold, under a block scale of 1 in blocks of 16)
     return x.clamp(-6e4, 6e4).to(dtype)
 
 
@@ -115,6 +117,7 @@ FORCED = [  # format, rounding, dtype: together they allow every strategy
     ("mxfp4_e2m1", "stochastic", torch.float32),
     ("nvfp4", "stochastic", torch.float32),
     ("fp8_e4m3_rowwise", "stochastic", torch.float32),
+    ("fp8_e4m3_block128x128", "stochastic", torch.float32),
     ("mxfp8_e4m3", "toward_zero", torch.float32),
     ("mxfp8_e4m3", "up", torch.bfloat16),
     ("mxfp4_e2m1", "stochastic", torch.float16),
@@ -179,11 +182,12 @@ def test_every_strategy_gives_the_float64_strategys_bits(fmt, rounding, dtype, s
 CHECKED_STOCHASTIC = {"nvfp4": Spec(2, 1, 0, "none"), "fp8_e4m3_rowwise": Spec(4, 3, 0, "fn")}
 
 
-def near_decisions(fmt, sr_bits, seed):
+def near_decisions(fmt, sr_bits, seed, midpoints=False):
     """A float32 tensor whose elements' exact quotients x / s lie within float32's rounding of
     s · (g + (r' + 1) 2^-32 step) (g on E's grid, r' element i's Philox word with its low bits
-    set), where the decision for its own word changes; each block's scale pinned by a larger
-    first element. Returns x and the words r'."""
+    set), where the decision for its own word changes (midpoints: r' + 1 = 2^31, E's midpoints,
+    where nearest rounding decides); each block's scale pinned by a larger first element. Returns
+    x, s and the words r'."""
     g = torch.Generator().manual_seed(seed)
     scaled = Scaled.parse(fmt)
     rows, cols = 4, 4096
@@ -195,7 +199,7 @@ def near_decisions(fmt, sr_bits, seed):
     s = lowfp.scaled.encode(x, fmt).scales.repeat_interleave(block, 1)  # (float64 s = S · t)
     grid = [v for v in positive_values(CHECKED_STOCHASTIC[fmt]) if v * 2 <= positive_values(CHECKED_STOCHASTIC[fmt])[-1]]
     low = (1 << (32 - sr_bits)) - 1
-    words = [philox_word(7, 0, i) | low for i in range(rows * cols)]
+    words = [2**31 - 1 if midpoints else philox_word(7, 0, i) | low for i in range(rows * cols)]
     picks = torch.randint(0, len(grid) - 1, (rows * cols,), generator=g).tolist()
     signs = torch.randint(0, 2, (rows * cols,), generator=g).tolist()
     flat, sf = x.view(-1), s.reshape(-1).tolist()
@@ -226,9 +230,47 @@ def stochastic_q(quotients, words, spec):
     return torch.tensor(out, dtype=torch.float64)
 
 
+def nearest_q(quotients, spec):
+    """Each exact quotient's nearest value on E's grid, ties to the even code (saturating)."""
+    grid = positive_values(spec)
+    out = []
+    for q in quotients:
+        a = abs(q)
+        k = max(j for j in range(len(grid)) if grid[j] <= a)
+        if k + 1 == len(grid):
+            out.append(math.copysign(float(grid[k]), q))
+            continue
+        below, above = a - grid[k], grid[k + 1] - a
+        up = above < below or (above == below and k % 2 == 1)
+        out.append(math.copysign(float(grid[k + 1] if up else grid[k]), q))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("fmt", sorted(CHECKED_STOCHASTIC))
+def test_checked_nearest_rounds_again_the_quotients_at_e_midpoints(fmt):
+    x, s, _ = near_decisions(fmt, 32, seed=11, midpoints=True)
+    spec = CHECKED_STOCHASTIC[fmt]
+    exact = [Fraction(v) / Fraction(d) for v, d in zip(x.view(-1).tolist(), s.reshape(-1).tolist())]
+    want = nearest_q(exact, spec).view(x.shape)
+    approx = (x * (1.0 / s).float()).view(-1).tolist()  # (the float32 quotient Checked rounds)
+    assert (nearest_q([Fraction(a) for a in approx], spec).view(x.shape) != want).sum().item() > 20
+    results = {}
+    for name in (None, "checked", "float64"):  # (None: the plan's, counting by comparison)
+        with forced(name):
+            st = ScaledStats()
+            y = lowfp.quantize(x, fmt, stats=st)
+            inplace = lowfp.quantize_(x.clone(), fmt)
+            results[name] = (y, st.counts.clone(), inplace, lowfp.scaled.encode(x, fmt).q)
+    assert results["float64"][1][1] > 100  # (underflows: the midpoints of 0 and E's smallest)
+    assert torch.equal(results["checked"][3].double(), want)
+    for name in (None, "checked"):
+        for got, wanted in zip(results[name], results["float64"]):
+            assert torch.equal(got.view(torch.uint8), wanted.view(torch.uint8)), name
+
+
 @pytest.mark.parametrize("sr_bits", [32, 9])
 @pytest.mark.parametrize("fmt", sorted(CHECKED_STOCHASTIC))
-def test_checked_stochastic_reruns_the_tiles_whose_quotients_lie_at_their_words_decisions(fmt, sr_bits):
+def test_checked_stochastic_rounds_again_the_quotients_at_their_words_decisions(fmt, sr_bits):
     x, s, words = near_decisions(fmt, sr_bits, seed=sr_bits)
     spec = CHECKED_STOCHASTIC[fmt]
     exact = [Fraction(v) / Fraction(d) for v, d in zip(x.view(-1).tolist(), s.reshape(-1).tolist())]

@@ -19,14 +19,21 @@ void widen_tile(const In* x, float* buffer, int64_t n) {
 }
 
 // store_narrow<In> of a tile of float32 values: their nearest rounding to In's grid in the
-// float32 carrier, then the exact conversion (F16C for float16 where the kernel has it).
+// float32 carrier (ScaledCall::out32's, in the forms with its parameters folded in:
+// round_to_bfloat16_bits, float16_round_params), then the exact conversion (F16C for float16
+// where the kernel has it).
 template <class In>
-void store_tile(float* v, In* y, int64_t n, const RoundParams<uint32_t>& out) {
-  if constexpr (kF16cTiles<In>) {
-    for (int64_t i = 0; i < n; ++i) v[i] = onto_storage_grid(v[i], out);
-    float_tile_to_half(v, y, n);
+void store_tile(float* v, In* y, int64_t n) {
+  RoundEvents ev;
+  if constexpr (std::is_same_v<In, BFloat>) {
+    for (int64_t i = 0; i < n; ++i)
+      y[i] = Store<In>::from(round_to_bfloat16_bits<RoundKind::Nearest>(bit_cast<uint32_t>(v[i]), 0u, ev));
   } else {
-    for (int64_t i = 0; i < n; ++i) y[i] = store_narrow<In>(v[i], out);
+    constexpr RoundParams<uint32_t> p16 = float16_round_params<RoundKind::Nearest>();
+    for (int64_t i = 0; i < n; ++i)
+      v[i] = bit_cast<float>(round_bits<RoundKind::Nearest, uint32_t, false>(bit_cast<uint32_t>(v[i]), p16, 0u, ev));
+    if constexpr (kF16cTiles<In>) float_tile_to_half(v, y, n);
+    else for (int64_t i = 0; i < n; ++i) y[i] = Store<In>::from(bit_cast<uint32_t>(v[i]));
   }
 }
 
@@ -69,7 +76,7 @@ void run_tile(const ScaledCall& c, const Tile& k, const TileScales& t,
     if constexpr (kCount) events.add(l, ev);
   };
   for_tile_elements<kBlock>(n, t, element);
-  if constexpr (kStaged) store_tile(y_tile, y_out, n, c.out32);
+  if constexpr (kStaged) store_tile(y_tile, y_out, n);
   events.into(counts);
 }
 

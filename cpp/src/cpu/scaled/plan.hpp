@@ -15,9 +15,9 @@ enum class ScaledStrategy : int32_t {
   // Every element in the float64 carrier (scaled.hpp's scaled_element): the reference, for
   // every call.
   Float64 = 0,
-  // Float32 inputs, scales in a format, nearest or stochastic: the float32 carrier, each tile's
-  // quotients checked against E's decision points (stochastic: each element's own, where its
-  // random word puts it) and the tile rerun in float64 where one lies too near.
+  // Float32 inputs, scales in a format, nearest or stochastic: the float32 carrier, each quotient
+  // checked against E's decision points (stochastic: the element's own, where its random word
+  // puts it) and rounded again in float64 where it lies too near.
   Checked = 1,
   // Power-of-two scales and inputs of at most 32 bits: the float32 carrier, where x · 2^-k and
   // s · q are exact; element by element (any rounding mode, the elements q written if asked).
@@ -46,8 +46,8 @@ struct ScaledCpuForms {
   // exact in float32 when there is a tensor scale, and E's rounding nearest by addition or
   // stochastic by steps (m at most kCheckedStochasticMaxM) in float32
   bool checked;
-  // Checked's stochastic rounding: a tile reruns where an approximate quotient's steps_position
-  // lies within this of r + 1 (circularly, in 2^32), the point where the decision changes
+  // Checked's stochastic rounding: an element is rounded again where its approximate quotient's
+  // steps_position lies within this of r + 1 (circularly, in 2^32), where the decision changes
   uint32_t checked_margin;
   // Few: float32 inputs, scales in a format, nearest rounding that saturates, E with at most
   // kFewMagnitudes magnitudes and a signed zero, and every mu · s exact in float64 (scaled.hpp)
@@ -66,7 +66,7 @@ struct ScaledCpuForms {
 };
 
 // Checked's stochastic rounding needs a margin of 2^(m + 13) of the 2^32 positions: beyond m = 5
-// most tiles would rerun.
+// more than one element in 2^12 would be rounded twice.
 constexpr int32_t kCheckedStochasticMaxM = 5;
 
 // At most this many keys of scale values for Few's cache of thresholds (E4M3: 144).

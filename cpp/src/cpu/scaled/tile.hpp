@@ -115,6 +115,13 @@ struct TileEvents {
     under[l] += ev.underflow;
     nans[l] += ev.nan;
   }
+  // add(l, ev) unless skip is 1 (an element counted elsewhere)
+  void add_unless(int64_t l, const RoundEvents& ev, uint32_t skip) {
+    const T keep = T(1u - skip);
+    above[l] += T(ev.above_max) & keep;
+    under[l] += T(ev.underflow) & keep;
+    nans[l] += T(ev.nan) & keep;
+  }
   void into(EventCounts& counts) const {
     for (int64_t l = 0; l < kLanes; ++l) {
       counts.overflow += int64_t(above[l]) - int64_t(nans[l]);  // see RoundEvents
