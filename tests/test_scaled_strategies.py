@@ -197,7 +197,8 @@ def near_decisions(fmt, sr_bits, seed, midpoints=False):
     base *= torch.exp2(torch.randint(-12, 12, (rows, cols // block), generator=g).double()).repeat_interleave(block, 1)
     x = base.float()
     s = lowfp.scaled.encode(x, fmt).scales.repeat_interleave(block, 1)  # (float64 s = S · t)
-    grid = [v for v in positive_values(CHECKED_STOCHASTIC[fmt]) if v * 2 <= positive_values(CHECKED_STOCHASTIC[fmt])[-1]]
+    values = positive_values(CHECKED_STOCHASTIC[fmt])
+    grid = [v for v in values if v * 2 <= values[-1]]
     low = (1 << (32 - sr_bits)) - 1
     words = [2**31 - 1 if midpoints else philox_word(7, 0, i) | low for i in range(rows * cols)]
     picks = torch.randint(0, len(grid) - 1, (rows * cols,), generator=g).tolist()
