@@ -77,8 +77,6 @@ def draw_seed(generator: Optional[torch.Generator] = None) -> int:
     return lo | (hi << 32)
 
 
-_U64 = (1 << 64) - 1
-
 _draws = threading.local()  # each thread's two-word buffer for draw_seed_eager
 
 
@@ -100,7 +98,7 @@ def remembered_seed(stochastic: bool, generator: Optional[torch.Generator],
     (default: torch's) by draw_seed_eager; None for another generator, or a seed that is not an
     int in [0, 2**64) or comes with a generator (the call takes the full path, which raises)."""
     if seed is not None:
-        if type(seed) is not int or not 0 <= seed <= _U64 or generator is not None:
+        if type(seed) is not int or not 0 <= seed < 2**64 or generator is not None:
             return None
         return seed if stochastic else 0
     if not stochastic:

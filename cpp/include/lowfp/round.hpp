@@ -269,7 +269,8 @@ LOWFP_HD Bits round_stochastic_by_steps(Bits x, const RoundParams<Bits>& p, uint
     noise = select(d <= 32, noise, not_r << Bits(min_of(max_of(d - SInt(32), SInt(0)), SInt(C::kMaxShift))));
   const Bits dm = Bits(min_of(d, SInt(C::kMaxShift)));
   const Bits stepped = ((a + noise) >> dm) << dm;
-  const Bits mag = select(d <= SInt(C::kMantBits), stepped, select(r < steps_below_bound(a, p), p.below_step, Bits(0)));
+  const Bits below = select(r < steps_below_bound(a, p), p.below_step, Bits(0));
+  const Bits mag = select(d <= SInt(C::kMantBits), stepped, below);
   if constexpr (kSymmetric) return rounded_result_symmetric(x, mag, p, ev);
   else return rounded_result(x, mag, p, ev);
 }

@@ -146,8 +146,9 @@ class PreparedScaled(Prepared):
             if move is not None:  # (a copy to another layout)
                 return None
             run = word_run(shape, column, self.stochastic)
-        seed = remembered_seed(self.stochastic, generator, seed)  # (drawn for empty tensors too, as
-        if seed is None:                                      # the full path draws)
+        # (drawn for empty tensors too, as the full path draws)
+        seed = remembered_seed(self.stochastic, generator, seed)
+        if seed is None:
             return None
         y = new_output(x, x.dtype) if out is None else out
         if rows and cols:

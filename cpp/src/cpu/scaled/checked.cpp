@@ -75,32 +75,20 @@ void run_tile(const ScaledCall& c, const ScaledCpuForms& f, const Tile& k, const
   uint32_t rounded_again = 0;
   for (int64_t l = 0; l < kLanes; ++l) rounded_again |= any_again[l];
   if (rounded_again != 0) {
-    EventCounts again_counts{};
     for (int64_t i = 0; i < n; ++i) {
-      if (i % 16 == 0 && i + 16 <= n) {  // (16 flags at a time: most are 0)
-        uint32_t any = 0;
-        for (int64_t j = 0; j < 16; ++j) any |= again[i + j];
-        if (any == 0) {
-          i += 15;
-          continue;
-        }
-      }
       if (again[i] == 0) continue;
       // element i's block: the tile starts at column t0 in block j0 (a block per element for
       // blocks down the columns, where j0 = t0)
       const int64_t b = (k.t0 + i) / c.block_cols - k.j0;
-      const double s = k.bs[b], inv = t.block_inv[b];
-      const uint32_t rw = Kind == RoundKind::Stochastic ? t.rand[i] : 0u;
+      const double s = k.bs[b];
       RoundEvents ev;
-      const double q = c.p.subnormal_exponent ? scaled_element<Kind, false, true>(double(x[i]), s, inv, c.p, rw, ev)
-                                              : scaled_element<Kind, false, false>(double(x[i]), s, inv, c.p, rw, ev);
+      // (E's finest step of at least 2^-22: no float64 subnormal needs its true exponent)
+      const double q = scaled_element<Kind, false, false>(double(x[i]), s, t.block_inv[b], c.p,
+                                                          Kind == RoundKind::Stochastic ? t.rand[i] : 0u, ev);
       if constexpr (kParts) q_out[i] = float(q);
       y[i] = float(q * s);  // (store_scaled<float>)
-      again_counts.overflow += int64_t(ev.overflow());
-      again_counts.underflow += int64_t(ev.underflow);
-      again_counts.nan += int64_t(ev.nan);
+      if constexpr (kCount) events.add(0, ev);
     }
-    if constexpr (kCount) counts.add(again_counts);
   }
   if constexpr (kCount) events.into(counts);
 }
