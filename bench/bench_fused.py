@@ -1,13 +1,15 @@
 """A rounding between two element-wise operations, eager and compiled by Inductor, in one run.
 
-    python bench/bench_fused.py [--device cpu|cuda] [--numel N] [--repeats R]
+    python bench/bench_fused.py [--device cpu|cuda] [--numel N] [--repeats R] [--lane-bitcasts]
 
 f(x) = relu(quantize(sin(x) * 300, fmt, mode)) with counts, on N float32 elements shaped (N / 4096,
 4096): eager (three passes, lowfp's native kernel for the rounding), compiled (Inductor generates
 the rounding inside its kernels, docs/design.md §3.1) and, as the floor, the compiled
 relu(sin(x) * 300) without a rounding. Ratios are against that floor. Formats: float8_e4m3fn in
 four modes, and scaled formats (MX, NVFP4, per-row FP8), whose blocks' maxima Inductor reduces
-before it rounds.
+before it rounds. ``--lane-bitcasts`` leaves Inductor's CPU bitcasts lane by lane, as Inductor
+makes them without lowfp._inductor.vectorize_cpu_bitcasts (the comparison behind it). Inductor's
+cache is off: every case is generated under this run's settings.
 """
 
 import argparse
@@ -20,6 +22,7 @@ os.environ.setdefault("LOWFP_INDUCTOR_FUSION", "1")  # fused on the CPU too (aut
 import torch
 
 import lowfp
+from lowfp import _inductor
 from lowfp.experiments.bench import machine_description
 
 CASES = [("float8_e4m3fn", mode) for mode in ("nearest", "toward_zero", "down", "stochastic")] + [
@@ -46,7 +49,12 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--numel", type=int, default=1 << 22)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--lane-bitcasts", action="store_true",
+                    help="keep Inductor's lane-by-lane CPU bitcasts (no vectorize_cpu_bitcasts)")
     args = ap.parse_args(argv)
+    if args.lane_bitcasts:
+        _inductor.vectorize_cpu_bitcasts = lambda: False  # read when lowfp registers
+    torch._inductor.config.force_disable_caches = True
     device = torch.device(args.device)
     print(machine_description() if device.type == "cpu" else torch.cuda.get_device_name(device))
     x = torch.randn(args.numel // 4096, 4096, device=device)

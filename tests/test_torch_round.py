@@ -180,6 +180,26 @@ def test_compiled_rounding_is_fused_into_inductors_kernel(fused):
     assert sum(s.overflow for s in want_stats) > 0
 
 
+def test_inductor_casts_the_bitcasts_of_the_torch_forms_in_vector_registers():
+    """lowfp._inductor.vectorize_cpu_bitcasts: float32/int32 and float64/int64 views in Inductor's
+    CPU code are vector casts (one vector per lane group, two for float64 lanes of a float32
+    kernel), not a loop over the lanes, and give eager's bits (a length with a vector tail)."""
+    from lowfp._inductor import vectorize_cpu_bitcasts
+
+    vectorize_cpu_bitcasts()
+
+    def f(t):
+        wide = (t * 3).to(torch.float64)
+        trimmed = (wide.view(torch.int64) & ~0xFFFF).view(torch.float64).to(torch.float32)
+        return trimmed + ((t.view(torch.int32) ^ 0x1).view(torch.float32))
+
+    x = torch.randn(1003) * 1e5
+    got, code = compiled_code(f, x)
+    assert same_bits(got, f(x))
+    assert "at::vec::cast<int64_t, double>" in code and "at::vec::cast<float, int32_t>" in code
+    assert "bit_cast" not in code  # Inductor's lane-by-lane fallback
+
+
 def test_compiled_out_and_in_place_forms_equal_eager(fused):
     x = torch.randn(513) * 100
 

@@ -1,7 +1,13 @@
 """Where Inductor decomposes lowfp's rounding operators into their torch forms
 (docs/design.md §3.1): ``lowfp::quantize`` into ``lowfp._torch_round.quantize`` and
 ``lowfp::scaled_quantize`` into ``lowfp.scaled.torch_round.scaled_quantize``, and elsewhere into
-the operators' ``_in_graph`` forms, which keep lowfp's kernel without the autograd formula."""
+the operators' ``_in_graph`` forms, which keep lowfp's kernel without the autograd formula.
+
+Inductor's C++ backend (torch 2.13) has no vector form of a bitcast (``Tensor.view(dtype)``): it
+stores the vector, converts its lanes one by one and loads them again, which costs more than the
+rest of a fused rounding together. :func:`vectorize_cpu_bitcasts` gives it one, ATen's
+``at::vec::cast`` (the same bits in a register of the other type), for the bitcasts the torch
+forms make; what it generates is otherwise unchanged."""
 
 from __future__ import annotations
 
@@ -9,9 +15,51 @@ import torch
 
 from ._torch_round import fuses, quantize
 
-__all__ = ["register_inductor_decompositions"]
+__all__ = ["register_inductor_decompositions", "vectorize_cpu_bitcasts"]
 
 _registered = False
+
+# The bitcasts between types of one width that ATen's at::vec::cast reinterprets in a register.
+_VECTOR_BITCASTS = {(torch.float32, torch.int32), (torch.int32, torch.float32),
+                    (torch.float64, torch.int64), (torch.int64, torch.float64)}
+
+
+def vectorize_cpu_bitcasts() -> bool:
+    """Give Inductor's C++ vector code generator a vector form of ``to_dtype_bitcast`` between
+    float32 and int32 and between float64 and int64 (the vectors that hold a kernel's lanes cast
+    one by one); every other bitcast keeps Inductor's own code. Done only where Inductor's is
+    the element-by-element fallback (``CppVecOverrides._scalarize``), so a torch that vectorizes
+    bitcasts itself keeps its own; returns whether it was done (once per process).
+
+    The generated kernels compute the same bits either way (a bitcast moves no bit), so a kernel
+    in Inductor's cache from before is still right, only slower."""
+    try:
+        from torch._inductor.codegen import cpp
+        from torch._inductor.codegen.cpp_utils import DTYPE_TO_CPP
+        from torch._inductor.virtualized import V
+    except ImportError:  # a torch laid out otherwise: Inductor's own code
+        return False
+
+    vec = getattr(cpp, "CppVecOverrides", None)
+    fallback = None if vec is None else vec.__dict__.get("to_dtype_bitcast")
+    if not isinstance(fallback, staticmethod) or "_scalarize" not in fallback.__func__.__qualname__:
+        return False
+    element_by_element = fallback.__func__
+
+    def to_dtype_bitcast(x, dtype, src_dtype):
+        if (src_dtype, dtype) not in _VECTOR_BITCASTS:
+            return element_by_element(x, dtype, src_dtype)
+        n = V.kernel._get_num_vectors(src_dtype)  # (the same for dtype: one width)
+        cast = f"at::vec::cast<{DTYPE_TO_CPP[dtype]}, {DTYPE_TO_CPP[src_dtype]}>"
+        if n == 1:
+            return f"{cast}({x})"
+        # lanes in n vectors (float64 lanes of a float32 kernel): each vector cast in turn
+        parts = "; ".join(f"r[{i}] = {cast}({x}[{i}])" for i in range(n))
+        return (f"[&]() {{ at::vec::VectorizedN<{DTYPE_TO_CPP[dtype]}, {n}> r; {parts}; "
+                "return r; }()")
+
+    vec.to_dtype_bitcast = staticmethod(to_dtype_bitcast)
+    return True
 
 
 @torch.compiler.assume_constant_result  # runs at trace time, outside the traced code
@@ -61,5 +109,6 @@ def register_inductor_decompositions() -> bool:
             decomposition.register_decomposition(op)(decompose)
         # Inductor caches its table merged with its random-op decompositions: rebuild it.
         decomposition.fast_random_decomps.cache_clear()
+        vectorize_cpu_bitcasts()
         _registered = True
     return True
