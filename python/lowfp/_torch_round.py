@@ -285,7 +285,9 @@ def quantize(x: torch.Tensor, fmt: str, rounding: str, sr_bits: int, seed: int,
     c = FLOAT64_CARRIER if p["carrier_bits"] == 64 else FLOAT32_CARRIER
     kind = round_kind(rounding)
     lanes = lanes_of(c, kind)
-    bits = stored(x.to(c.float_dtype).view(c.int_dtype).to(lanes.dtype))
+    # x itself is stored, not its bits: a GEMM's result, already a buffer, is then read in
+    # place instead of copied into a buffer of its bits
+    bits = stored(x).to(c.float_dtype).view(c.int_dtype).to(lanes.dtype)
     rand = random_words(x.shape, x.device, seed, drawn_seed, offset) if kind == "stochastic" else None
     result, above_max, underflow, nan = round_bits(bits, p, c, kind, rand, lanes)
     y = to_storage(result, c, dtype)
