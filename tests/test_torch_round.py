@@ -155,6 +155,29 @@ def test_non_contiguous_inputs_draw_by_the_logical_index():
     assert same_bits(y, lowfp.quantize(x, "fp(4,3,4)", "stochastic", seed=99, offset=5))
 
 
+@pytest.mark.parametrize("view", ["columns", "offset", "transposed", "expanded", "bfloat16", "empty"])
+def test_compiled_views_round_where_they_lie(fused, view):
+    """The torch form reads its input where it lies (it stores x itself, not a copy of its bits):
+    views with strides, a storage offset, a zero stride, a 16-bit dtype or no elements give the
+    native bits, counts and layout, nearest and stochastic."""
+    base = torch.randn(64, 130) * 100
+    x = {"columns": base[:, 1::2], "offset": base[3:, 5:], "transposed": base.t(),
+         "expanded": base[0].expand(8, 130), "bfloat16": base.to(torch.bfloat16)[:, 2:],
+         "empty": base[:0]}[view]
+
+    def f(t):
+        stats = [lowfp.Stats(), lowfp.Stats()]
+        ys = [lowfp.quantize(t, "fp(4,3,4)", "nearest", stats=stats[0]),
+              lowfp.quantize(t, "fp(4,3,4)", "stochastic", seed=3, stats=stats[1])]
+        return ys, [s.counts for s in stats]
+
+    (got, got_counts), code = compiled_code(f, x)
+    want, want_counts = f(x)
+    assert "lowfp" not in code
+    for g, w, gc, wc in zip(got, want, got_counts, want_counts):
+        assert same_bits(g, w) and g.stride() == w.stride() and torch.equal(gc, wc)
+
+
 def test_compiled_rounding_is_fused_into_inductors_kernel(fused):
     """For every mode: no lowfp operator in the generated code, the rounding inside the kernel
     that also computes its producer, its counts and its consumer, and the native result (one

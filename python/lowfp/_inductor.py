@@ -42,8 +42,9 @@ def vectorize_cpu_bitcasts() -> bool:
 
     vec = getattr(cpp, "CppVecOverrides", None)
     fallback = None if vec is None else vec.__dict__.get("to_dtype_bitcast")
-    if not isinstance(fallback, staticmethod) or "_scalarize" not in fallback.__func__.__qualname__:
-        return False
+    if (not isinstance(fallback, staticmethod) or "_scalarize" not in fallback.__func__.__qualname__
+            or not hasattr(getattr(cpp, "CppVecKernel", None), "_get_num_vectors")):
+        return False  # (not the code generator this form is written for)
     element_by_element = fallback.__func__
 
     def to_dtype_bitcast(x, dtype, src_dtype):
