@@ -257,6 +257,41 @@ def test_compiled_gradient_rounding_is_fused_too(fused):
     assert same_bits(got, x.grad)
 
 
+@pytest.mark.parametrize("fmt_text,masks", [
+    ("float8_e4m3fn", True), ("fp(4,3,4)", True),  # saturation
+    ("float8_e5m2", True), ("fp(4,3,4,overflow='inf')", True),  # infinity
+    ("fp(5,2,0,overflow='nan')", False),  # +NaN for either sign
+    ("float8_e4m3fnuz", False),  # no negative zero
+    ("bfloat16", False)])  # not by addition
+def test_nearest_by_addition_takes_its_choices_by_masks_where_the_overflow_keeps_the_sign(
+        fmt_text, masks):
+    """round_by_addition (lane masks, Events in mask form) where the overflow is the sign over one
+    magnitude; both forms give the native kernel's bits and counts, signalling NaNs, NaN
+    payloads, infinities and zeros of both signs among the inputs."""
+    c = _torch_round.FLOAT32_CARRIER
+    p = _torch_round.round_params(fmt_text, "nearest", 32, torch.float32, torch.float32)
+    takes_masks = _torch_round.rounds_by_addition(p, c, "nearest") and \
+        _torch_round.keeps_sign_on_overflow(p, c)
+    assert takes_masks is masks
+    fmt = lowfp.Format.parse(fmt_text)
+    specials = torch.tensor([0x7F800001, 0x7FA00000, 0x7FC00000, 0x7FFFFFFF, 0x7F800000, 0, 1],
+                            dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.cat([specials, -specials, boundary_values(fmt, torch.float32)])
+    want, want_counts = native(x, fmt, "nearest", None, 0, torch.float32)
+    have, have_counts = torch_quantize(x, fmt_text, "nearest", 32, 0, None, 0, torch.float32, True)
+    assert same_bits(have, want) and torch.equal(have_counts, want_counts)
+    assert have_counts[0] > 0 and have_counts[2] == torch.isnan(x).sum() >= 8  # both signs
+    if masks:  # the flag form of the same rounding agrees with the mask form
+        bits = x.view(torch.int32)
+        by_masks, events = _torch_round.round_by_addition(bits, p, c)
+        by_flags, *flags = _torch_round.round_bits(bits, p, c, "nearest", None,
+                                                  _torch_round.lanes_of(c, "nearest"))
+        assert torch.equal(by_masks, by_flags)
+        assert events.masks and all(set(e.unique().tolist()) <= {-1, 0} for e in events[:3])
+        assert torch.equal(torch.stack(_torch_round.event_counts(*events[:3], x.numel(), True)),
+                           torch.stack(_torch_round.event_counts(*flags, x.numel())))
+
+
 @pytest.mark.slow
 def test_all_float32_patterns_compiled_equal_native(fused):
     """Every float32 bit pattern through the Inductor-compiled rounding (CPU backend), nearest,

@@ -31,7 +31,8 @@ from ._native import DTYPE_CODES, ROUNDING_MODES, format_args
 from .formats import Format
 
 __all__ = ["quantize", "philox_block_words", "philox_words", "fuses",
-           "round_bits", "rounds_by_addition", "round_params", "to_storage", "stored",
+           "round_bits", "round_by_addition", "keeps_sign_on_overflow", "Events",
+           "rounds_by_addition", "round_params", "to_storage", "stored",
            "lanes_of", "round_kind", "random_words", "event_counts", "Carrier", "FLOAT32_CARRIER",
            "FLOAT64_CARRIER"]
 
@@ -213,6 +214,50 @@ def _magnitude_by_addition(a: torch.Tensor, p: dict, c: Carrier) -> torch.Tensor
     return ((a.view(c.float_dtype) + k) - k).view(c.int_dtype)
 
 
+def keeps_sign_on_overflow(p: dict, c: Carrier) -> bool:
+    """Whether an overflow gives the input's sign on one magnitude (saturation to max, or
+    infinity, which an infinite input then overflows to as well) and zeros keep their sign:
+    round_bits' result is then the sign bit over a magnitude, and its choices can be taken by
+    masks (round_by_addition)."""
+    pos, neg = p["overflow_pos"], p["overflow_neg"]
+    return (neg == pos | c.sign and not p["no_negative_zero"]
+            and (not p["inf_stays_inf"] or pos == c.inf))
+
+
+def _take(mask: torch.Tensor, new, old: torch.Tensor) -> torch.Tensor:
+    """new where the lane mask (-1 or 0) is -1, else old: torch.where without a boolean, which
+    Inductor's CPU vector code converts between mask registers and vectors on every use."""
+    return old ^ ((old ^ new) & mask)
+
+
+class Events(NamedTuple):
+    """A rounding's events, each a tensor over the elements. In flag form (``masks`` false):
+    booleans (above_max, underflow, nan), above_max excluding NaN. In mask form: int lanes, -1
+    where the event happened and 0 elsewhere, whose above_max also holds the NaNs (subtracted
+    from its sum): a mask is summed as it is, with no conversion from a boolean."""
+    above_max: torch.Tensor
+    underflow: torch.Tensor
+    nan: torch.Tensor
+    masks: bool = False
+
+
+def round_by_addition(bits: torch.Tensor, p: dict, c: Carrier) -> Tuple[torch.Tensor, Events]:
+    """round_bits where rounds_by_addition and keeps_sign_on_overflow hold, its choices made with
+    lane masks: the result's bits and the Events in mask form (int32 lanes, float32 carrier)."""
+    top = c.bits - 1
+    a = bits & (c.sign - 1)
+    mag = stored(_magnitude_by_addition(a, p, c))  # (a NaN stays a NaN, above max_bits)
+    nan = (c.inf - a) >> top
+    above_max = (p["max_bits"] - mag) >> top
+    if p["overflow_pos"] == p["max_bits"]:  # saturation
+        limited = torch.clamp_max(mag, p["max_bits"])
+    else:
+        limited = _take(above_max, p["overflow_pos"], mag)
+    rounded = (bits & c.signed(c.sign)) | limited
+    underflow = ((mag - 1) & -a) >> top  # mag is 0 and a is not
+    return _take(nan, bits, rounded), Events(above_max, underflow, nan, masks=True)
+
+
 def round_bits(bits: torch.Tensor, p: dict, c: Carrier, kind: str, rand, lanes: Lanes):
     """round_bits and rounded_result: the result's bits and the (above_max, underflow, nan)
     events of the carrier values ``bits`` (signed, in ``lanes``)."""
@@ -268,12 +313,18 @@ def random_words(shape, device, seed: int, drawn_seed: Optional[torch.Tensor],
 
 
 def event_counts(above_max: torch.Tensor, underflow: torch.Tensor, nan: torch.Tensor,
-                 numel: int) -> list:
-    """The rounding counts (overflow, underflow, NaN, numel) as four int64 0-d tensors."""
+                 numel: int, masks: bool = False) -> list:
+    """The rounding counts (overflow, underflow, NaN, numel) as four int64 0-d tensors, from
+    the Events' tensors (``masks``: in mask form)."""
     # Summed in int32 lanes where no count can pass them (half the vector work of int64).
     acc = torch.int32 if numel < 2**31 else torch.int64
+    total = torch.full((), numel, dtype=torch.int64, device=nan.device)
+    if masks:
+        above_or_nan, under, nans = (m.to(acc).sum(dtype=acc).to(torch.int64)
+                                     for m in (above_max, underflow, nan))
+        return [nans - above_or_nan, -under, -nans, total]
     return ([flag.to(acc).sum(dtype=acc).to(torch.int64) for flag in (above_max & ~nan, underflow, nan)]
-            + [torch.full((), numel, dtype=torch.int64, device=nan.device)])
+            + [total])
 
 
 def quantize(x: torch.Tensor, fmt: str, rounding: str, sr_bits: int, seed: int,
@@ -289,11 +340,16 @@ def quantize(x: torch.Tensor, fmt: str, rounding: str, sr_bits: int, seed: int,
     # place instead of copied into a buffer of its bits
     bits = stored(x).to(c.float_dtype).view(c.int_dtype).to(lanes.dtype)
     rand = random_words(x.shape, x.device, seed, drawn_seed, offset) if kind == "stochastic" else None
-    result, above_max, underflow, nan = round_bits(bits, p, c, kind, rand, lanes)
+    if rounds_by_addition(p, c, kind) and keeps_sign_on_overflow(p, c):
+        result, events = round_by_addition(bits, p, c)
+    else:
+        result, *flags = round_bits(bits, p, c, kind, rand, lanes)
+        events = Events(*flags)
     y = to_storage(result, c, dtype)
     if not count:
         return y, x.new_empty(0, dtype=torch.int64)
-    return y, torch.stack(event_counts(above_max, underflow, nan, x.numel()))
+    return y, torch.stack(event_counts(events.above_max, events.underflow, events.nan, x.numel(),
+                                       events.masks))
 
 
 _FUSION_CHOICES = ("auto", "1", "0")
