@@ -259,8 +259,8 @@ def round_by_addition(bits: torch.Tensor, p: dict, c: Carrier) -> Tuple[torch.Te
 
 
 def round_bits(bits: torch.Tensor, p: dict, c: Carrier, kind: str, rand, lanes: Lanes):
-    """round_bits and rounded_result: the result's bits and the (above_max, underflow, nan)
-    events of the carrier values ``bits`` (signed, in ``lanes``)."""
+    """round_bits and rounded_result: the result's bits and the Events, in flag form, of the
+    carrier values ``bits`` (signed, in ``lanes``)."""
     negative = bits < 0
     a = bits & (c.sign - 1)
     nan = a > c.inf
@@ -279,7 +279,7 @@ def round_bits(bits: torch.Tensor, p: dict, c: Carrier, kind: str, rand, lanes: 
     if p["inf_stays_inf"]:
         overflowed = torch.where(a == c.inf, bits, overflowed)
     result = torch.where(nan, bits, torch.where(above_max, overflowed, rounded))
-    return result, above_max, underflow, nan
+    return result, Events(above_max, underflow, nan)
 
 
 def to_storage(result: torch.Tensor, c: Carrier, dtype: torch.dtype) -> torch.Tensor:
@@ -312,19 +312,19 @@ def random_words(shape, device, seed: int, drawn_seed: Optional[torch.Tensor],
     return philox_words(shape, device, key, offset & ((1 << 64) - 1))
 
 
-def event_counts(above_max: torch.Tensor, underflow: torch.Tensor, nan: torch.Tensor,
-                 numel: int, masks: bool = False) -> list:
-    """The rounding counts (overflow, underflow, NaN, numel) as four int64 0-d tensors, from
-    the Events' tensors (``masks``: in mask form)."""
+def event_counts(events: Events, numel: int) -> list:
+    """The rounding counts (overflow, underflow, NaN, numel) of ``numel`` elements' Events as
+    four int64 0-d tensors."""
     # Summed in int32 lanes where no count can pass them (half the vector work of int64).
     acc = torch.int32 if numel < 2**31 else torch.int64
-    total = torch.full((), numel, dtype=torch.int64, device=nan.device)
-    if masks:
-        above_or_nan, under, nans = (m.to(acc).sum(dtype=acc).to(torch.int64)
-                                     for m in (above_max, underflow, nan))
-        return [nans - above_or_nan, -under, -nans, total]
-    return ([flag.to(acc).sum(dtype=acc).to(torch.int64) for flag in (above_max & ~nan, underflow, nan)]
-            + [total])
+    above_max, underflow, nan = events.above_max, events.underflow, events.nan
+    if not events.masks:
+        above_max = above_max & ~nan
+    above, under, nans = (t.to(acc).sum(dtype=acc).to(torch.int64)
+                          for t in (above_max, underflow, nan))
+    if events.masks:  # sums of -1s, the NaNs among the overflows
+        above, under, nans = nans - above, -under, -nans
+    return [above, under, nans, torch.full((), numel, dtype=torch.int64, device=nan.device)]
 
 
 def quantize(x: torch.Tensor, fmt: str, rounding: str, sr_bits: int, seed: int,
@@ -343,13 +343,11 @@ def quantize(x: torch.Tensor, fmt: str, rounding: str, sr_bits: int, seed: int,
     if rounds_by_addition(p, c, kind) and keeps_sign_on_overflow(p, c):
         result, events = round_by_addition(bits, p, c)
     else:
-        result, *flags = round_bits(bits, p, c, kind, rand, lanes)
-        events = Events(*flags)
+        result, events = round_bits(bits, p, c, kind, rand, lanes)
     y = to_storage(result, c, dtype)
     if not count:
         return y, x.new_empty(0, dtype=torch.int64)
-    return y, torch.stack(event_counts(events.above_max, events.underflow, events.nan, x.numel(),
-                                       events.masks))
+    return y, torch.stack(event_counts(events, x.numel()))
 
 
 _FUSION_CHOICES = ("auto", "1", "0")

@@ -177,9 +177,9 @@ def _format_scales(sp: _Spec, a: torch.Tensor, t) -> Tuple[torch.Tensor, torch.T
     want = quotient(a, sp.max_e * t, odd=True)  # max_E · t: exact
     lanes = lanes_of(FLOAT64_CARRIER, "nearest")
     p = round_params(sp.scale, "nearest", 32, torch.float64, torch.float64)
-    bits, above_max, _, _ = round_bits(want.view(torch.int64), p, FLOAT64_CARRIER, "nearest", None, lanes)
+    bits, events = round_bits(want.view(torch.int64), p, FLOAT64_CARRIER, "nearest", None, lanes)
     s = bits.view(torch.float64)
-    return torch.where(s == 0, sp.s_smallest, s) * t, above_max | (s == 0)
+    return torch.where(s == 0, sp.s_smallest, s) * t, events.above_max | (s == 0)
 
 
 def _tensor_scale(sp: _Spec, amax: torch.Tensor) -> torch.Tensor:
@@ -196,8 +196,8 @@ def _store(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.float32:
         return v.to(torch.float32)
     p = round_params(str(_STORAGE[dtype]), "nearest", 32, torch.float64, torch.float64)
-    bits, _, _, _ = round_bits(v.view(torch.int64), p, FLOAT64_CARRIER, "nearest", None,
-                               lanes_of(FLOAT64_CARRIER, "nearest"))
+    bits, _ = round_bits(v.view(torch.int64), p, FLOAT64_CARRIER, "nearest", None,
+                         lanes_of(FLOAT64_CARRIER, "nearest"))
     narrow = bits.view(torch.float64).to(torch.float32).view(torch.int32)
     return to_storage(narrow, FLOAT32_CARRIER, dtype)
 
@@ -252,8 +252,7 @@ def scaled_quantize(x: torch.Tensor, fmt: str, rounding: str, overflow: str, sr_
     rand = (random_words(torch.Size((rows, cols)), x.device, seed, drawn_seed, offset)
             if kind == "stochastic" else None)
     p = round_params(sp.element, rounding, sr_bits, torch.float64, torch.float64)
-    bits, above_max, underflow, nan = round_bits(stored(q.view(torch.int64)), p, FLOAT64_CARRIER,
-                                                 kind, rand, lanes)
+    bits, events = round_bits(stored(q.view(torch.int64)), p, FLOAT64_CARRIER, kind, rand, lanes)
     qv = bits.view(torch.float64)
     y = _store(qv * per_element(scales), x.dtype).reshape(moved.shape)
     q_part = (qv.to(torch.float32).reshape(moved.shape) if parts
@@ -264,7 +263,7 @@ def scaled_quantize(x: torch.Tensor, fmt: str, rounding: str, overflow: str, sr_
             q_part = q_part.movedim(-1, move)
     counts = x.new_empty((0,), dtype=torch.int64)
     if count:
-        counts = torch.stack(event_counts(above_max, underflow, nan, x.numel()) + [
+        counts = torch.stack(event_counts(events, x.numel()) + [
             saturated.sum(dtype=torch.int64),
             torch.full((), grid_rows * grid_cols, dtype=torch.int64, device=x.device)])
     return y, q_part, scales_shape(scales, moved.shape, sp.fmt, move), t, counts
