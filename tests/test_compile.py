@@ -78,9 +78,10 @@ def test_compiled_training_step_equals_eager_with_rounded_gradients():
 
 @pytest.mark.parametrize("fmt,op", [("fp(4,3,4)", "quantize"), ("mxfp8_e4m3", "scaled_quantize")])
 def test_compiled_graphs_call_lowfps_kernel_without_the_autograd_formula(monkeypatch, fmt, op):
-    """Where Inductor keeps lowfp's kernel, its graphs call lowfp::quantize_in_graph (or
-    scaled_quantize_in_graph: the same implementation, no Python autograd kernel to pass through
-    on every call), forward and backward, with the results and gradients of eager code."""
+    """Where Inductor keeps lowfp's kernel, its graphs call lowfp::quantize_into on buffers of
+    the graph (lowfp::quantize_in_graph's lowering) or scaled_quantize_in_graph (the same
+    implementation, no Python autograd kernel to pass through on every call), forward and
+    backward, with the results and gradients of eager code."""
     from torch._inductor.utils import run_and_get_code
     monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", "0")
     x = torch.randn(64, 32)
@@ -103,8 +104,88 @@ def test_compiled_graphs_call_lowfps_kernel_without_the_autograd_formula(monkeyp
     want_y, want_grad = step(forward)
     assert torch.equal(y, want_y) and torch.equal(grad, want_grad)
     # the value, and for a plain format its rounded gradient
-    assert code.count(f"torch.ops.lowfp.{op}_in_graph.default(") == (2 if grad_fmt else 1)
+    called = "quantize_into" if op == "quantize" else f"{op}_in_graph"
+    assert code.count(f"torch.ops.lowfp.{called}.default(") == (2 if grad_fmt else 1)
     assert f"torch.ops.lowfp.{op}.default" not in code
+    if op == "quantize":
+        assert "quantize_in_graph.default(" not in code
+
+
+def _quantize_into_operands(code: str):
+    """The first two arguments (x, out) of each lowfp::quantize_into call in generated code."""
+    calls = []
+    for line in code.splitlines():
+        _, found, rest = line.partition("torch.ops.lowfp.quantize_into.default(")
+        if not found:
+            continue
+        depth, args, current = 0, [], ""
+        for ch in rest:
+            if ch == "," and depth == 0:
+                args.append(current.strip())
+                current = ""
+                if len(args) == 2:
+                    break
+                continue
+            depth += (ch == "(") - (ch == ")")
+            current += ch
+        calls.append(tuple(args))
+    return calls
+
+
+_W = torch.randn(32, 32)
+_ROUNDED_WHERE = {  # the rounding of f(t, stats), and whether it may overwrite its input
+    "a GEMM's result, read by nothing else": (
+        lambda t, st: lowfp.quantize(t @ _W, F434, stats=st) * 2, True),
+    "through a view": (
+        lambda t, st: lowfp.quantize((t @ _W).view(4, 16, 32), F434, stats=st) * 2, True),
+    "Inductor's kernel's result": (
+        lambda t, st: lowfp.quantize(t * 300, "float8_e4m3fn", stats=st).relu(), True),
+    "read again after": (
+        lambda t, st: (lambda a: lowfp.quantize(a, F434, stats=st) + a)(t @ _W), False),
+    "its view read again after": (
+        lambda t, st: (lambda a: lowfp.quantize(a.view(2, 32, 32), F434, stats=st).sum() + a)(t @ _W),
+        False),
+    "a graph input": (lambda t, st: lowfp.quantize(t, F434, stats=st) * 2, False),
+    "into another dtype": (
+        lambda t, st: lowfp.quantize(t @ _W, F434, out_dtype=torch.bfloat16, stats=st).float(), False),
+    "a part of it": (lambda t, st: lowfp.quantize((t @ _W)[:, :16], F434, stats=st) * 2, False),
+}
+
+
+@pytest.mark.parametrize("case", list(_ROUNDED_WHERE))
+def test_compiled_rounding_overwrites_its_input_only_where_nothing_else_reads_it(monkeypatch, case):
+    """lowfp::quantize_in_graph's lowering rounds into the input's own buffer where the graph's
+    operator that made it is read by nothing else (directly or through views) and the result
+    takes its dtype and layout; elsewhere into a new buffer. Either way eager's bits and counts."""
+    from torch._inductor.utils import run_and_get_code
+    monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", "0")
+    f, in_place = _ROUNDED_WHERE[case]
+    x = torch.randn(64, 32) * 3
+    want_stats, stats = lowfp.Stats(), lowfp.Stats()
+    want = f(x, want_stats)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        got, code = run_and_get_code(torch.compile(f, fullgraph=True), x, stats)
+    assert torch.equal(got, want) and torch.equal(stats.counts, want_stats.counts)
+    assert stats.numel > 0
+    (operands,) = _quantize_into_operands("\n".join(code))
+    assert (operands[0] == operands[1]) == in_place, operands
+
+
+def test_compiled_rounding_of_dynamic_shapes_keeps_the_functional_operator(monkeypatch):
+    """Shapes that are not concrete: the functional lowfp::quantize_in_graph, eager's bits."""
+    from torch._inductor.utils import run_and_get_code
+    monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", "0")
+    f = torch.compile(lambda t: lowfp.quantize(t @ _W, F434) * 2, fullgraph=True, dynamic=True)
+    torch._dynamo.reset()
+    codes = []
+    for rows in (5, 9):
+        x = torch.randn(rows, 32)
+        with torch._inductor.config.patch(force_disable_caches=True):
+            got, code = run_and_get_code(f, x)
+        assert torch.equal(got, lowfp.quantize(x @ _W, F434) * 2)
+        codes += code
+    assert codes and all("torch.ops.lowfp.quantize_in_graph.default(" in c for c in codes)
 
 
 def test_exported_program_runs_and_equals_eager():

@@ -7,7 +7,13 @@ Inductor's C++ backend (torch 2.13) has no vector form of a bitcast (``Tensor.vi
 stores the vector, converts its lanes one by one and loads them again, which costs more than the
 rest of a fused rounding together. :func:`vectorize_cpu_bitcasts` gives it one, ATen's
 ``at::vec::cast`` (the same bits in a register of the other type), for the bitcasts the torch
-forms make; what it generates is otherwise unchanged."""
+forms make; what it generates is otherwise unchanged.
+
+Where a graph keeps lowfp's kernel, ``lowfp::quantize_in_graph`` is lowered to
+``lowfp::quantize_into`` on buffers of the graph (:func:`quantize_into_planned_buffers`): the
+rounding overwrites its input where nothing else reads it (most GEMM results), which saves a
+pass's worth of memory traffic and a new tensor per call, and elsewhere writes a buffer that
+Inductor's memory planner allocates, as for its own kernels."""
 
 from __future__ import annotations
 
@@ -15,7 +21,8 @@ import torch
 
 from ._torch_round import fuses, quantize
 
-__all__ = ["register_inductor_decompositions", "vectorize_cpu_bitcasts"]
+__all__ = ["quantize_into_planned_buffers", "register_inductor_decompositions",
+           "vectorize_cpu_bitcasts"]
 
 _registered = False
 
@@ -63,6 +70,77 @@ def vectorize_cpu_bitcasts() -> bool:
     return True
 
 
+def _concrete(values) -> bool:
+    return all(isinstance(v, int) or getattr(v, "is_Integer", False) for v in values)
+
+
+def quantize_into_planned_buffers(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype,
+                                  count, grad_fmt, grad_rounding):
+    """Inductor's lowering of ``lowfp::quantize_in_graph``: ``lowfp::quantize_into`` writes the
+    result into x itself where :func:`_dies_here` allows it, else into a new buffer of the graph
+    in x's layout (the operator's empty_like with preserve_format), and adds the counts to a
+    buffer of zeros. Shapes or strides that are not concrete keep the functional operator's
+    fallback."""
+    from torch._inductor import ir, lowering
+
+    stored = ir.ExternKernel.realize_input(x)
+    if ir.is_storage_and_layout(stored):
+        ir.as_storage_and_layout(stored, freeze=True)  # (the result's strides follow these)
+    size, stride = stored.get_size(), stored.get_stride()
+    if not (_concrete(size) and _concrete(stride)):
+        return _functional_fallback(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype,
+                                    count, grad_fmt, grad_rounding)
+    size, stride = [int(v) for v in size], [int(v) for v in stride]
+    device = stored.get_device()
+    result_stride = list(torch.empty_like(torch.empty_strided(size, stride, device="meta"),
+                                          dtype=dtype).stride())
+    if _dies_here(stored, dtype, result_stride):  # rounded where it lies
+        y = x
+    else:
+        y = lowering.empty_strided(size, result_stride, dtype=dtype, device=device)
+    counts = (lowering.full([4], 0, dtype=torch.int64, device=device) if count
+              else lowering.empty_strided([0], None, dtype=torch.int64, device=device))
+    _quantize_into(stored, y, fmt, rounding, sr_bits, seed, drawn_seed, offset,
+                   counts if count else None)
+    return y, counts
+
+
+def _returns_view(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def _dies_here(stored, dtype, result_stride) -> bool:
+    """Whether the rounding being lowered may overwrite its input ``stored`` (realized) in place
+    of a new result: the input is in the result's dtype and layout, and it is the buffer that one
+    of this graph's operators made (Inductor's kernel, or an extern kernel's out=, such as a
+    GEMM's; not an input, a constant, or a buffer an operator passed through from its own
+    inputs), read by nothing else, directly or through views, but this rounding."""
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    node = V.graph.current_node
+    source = node.args[0] if node is not None and node.args else None
+    while True:  # (through views, each the only use of the tensor it views)
+        if not (isinstance(source, torch.fx.Node) and source.op == "call_function"
+                and len(source.users) == 1):
+            return False
+        if not _returns_view(source):
+            break
+        source = source.args[0]
+    buffer = stored.data if isinstance(stored, (ir.StorageBox, ir.ReinterpretView)) else None
+    if isinstance(buffer, ir.StorageBox):
+        buffer = buffer.data
+    if not (isinstance(source.target, torch._ops.OpOverload)
+            and isinstance(buffer, (ir.ComputedBuffer, ir.ExternKernelOut))):
+        return False
+    return (source in buffer.origins  # (made while lowering it)
+            and stored.get_dtype() == dtype and list(stored.get_stride()) == result_stride)
+
+
+_functional_fallback = _quantize_into = None  # (Inductor's fallbacks, made when registering)
+
+
 @torch.compiler.assume_constant_result  # runs at trace time, outside the traced code
 def register_inductor_decompositions() -> bool:
     """Let Inductor decompose ``lowfp::quantize`` into :func:`quantize` and
@@ -73,7 +151,7 @@ def register_inductor_decompositions() -> bool:
 
     Called while tracing, by the functions that put the operators in a graph: importing Inductor
     costs seconds, which eager users should not pay."""
-    global _registered
+    global _registered, _functional_fallback, _quantize_into
     if not _registered:
         from torch._inductor import decomposition, lowering
         from torch._library.utils import get_layout_constraint_tag
@@ -105,6 +183,11 @@ def register_inductor_decompositions() -> bool:
                 # decomposition (Inductor refuses to make one for an operator that has both).
                 lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(
                     get_layout_constraint_tag(op, with_default=True)), override_decomp=True)
+        _functional_fallback = lowering.lowerings[torch.ops.lowfp.quantize_in_graph.default]
+        _quantize_into = lowering.fallback_handler(torch.ops.lowfp.quantize_into.default,
+                                                   add_to_fallback_set=False)
+        lowering.register_lowering(torch.ops.lowfp.quantize_in_graph.default,
+                                   type_promotion_kind=None)(quantize_into_planned_buffers)
         for op, decompose in ((torch.ops.lowfp.quantize.default, quantize_decomposition),
                               (torch.ops.lowfp.scaled_quantize.default, scaled_decomposition)):
             decomposition.register_decomposition(op)(decompose)

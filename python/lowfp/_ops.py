@@ -28,7 +28,7 @@ from . import backends
 from ._memory import new_output
 from ._non_finite import check_non_finite
 from ._native import (DTYPE_CODES, NativeCall, ROUNDING_MODES, format_args, prepared_request,
-                      run_quantize, run_s2fp8, seed_words)
+                      run_quantize, run_s2fp8, same_dense_layout, seed_words, share_bytes)
 from .formats import Format, S2FP8, to_precision
 
 __all__ = ["lib", "philox_key", "round_gradient", "s2fp8_stat_buffers"]
@@ -132,27 +132,40 @@ def _request(fmt: str, rounding: str, sr_bits: int, x: torch.Tensor, dtype: torc
     return request
 
 
+def _round_prepared(x, y, fmt, rounding, sr_bits, seed, drawn_seed, offset, counts) -> bool:
+    """Round x into y by one pointer call of the prepared request where their buffers allow it
+    (plain tensors of one dense layout, element i of both buffers the same element; contiguous
+    for stochastic rounding, whose words follow the logical index; y is x or shares none of its
+    memory), adding the counts to ``counts`` when given; whether it did."""
+    if not (backends.is_plain(x) and backends.is_plain(y)  # (a mode may make y a subclass: FakeTensorMode)
+            and (x.is_contiguous() and y.is_contiguous()
+                 or rounding != "stochastic" and same_dense_layout(x, y))
+            and (x.data_ptr() == y.data_ptr() and x.dtype == y.dtype or not share_bytes(x, y))):
+        return False
+    _, device, stream = backends.native(x, "x")
+    _request(fmt, rounding, sr_bits, x, y.dtype)(
+        x.data_ptr(), y.data_ptr(), x.numel(), philox_key(seed, drawn_seed), offset & _U64,
+        0 if counts is None else counts.data_ptr(), device, stream)
+    return True
+
+
 def _quantize_impl(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype, count, grad_fmt,
                    grad_rounding):
     counts = _counts(x, count)
-    y = new_output(x, dtype, torch.preserve_format)
-    if (backends.is_plain(x) and backends.is_plain(y)  # (a mode may make y a subclass: FakeTensorMode)
-            and (x.is_contiguous() or (rounding != "stochastic" and backends.is_dense(x)))):
-        # y has x's dense layout (preserve_format): element i of both buffers is the same
-        # element, so one pointer call of the prepared request rounds it (stochastic rounding's
-        # words follow the logical index: contiguous only)
-        _, device, stream = backends.native(x, "x")
-        _request(fmt, rounding, sr_bits, x, dtype)(
-            x.data_ptr(), y.data_ptr(), x.numel(), philox_key(seed, drawn_seed), offset & _U64,
-            counts.data_ptr() if count else 0, device, stream)
-        return y, counts
-    y = run_quantize(x, y, _call(fmt, rounding, sr_bits, seed, drawn_seed, offset),
+    y = new_output(x, dtype, torch.preserve_format)  # (x's layout where x is dense)
+    if not _round_prepared(x, y, fmt, rounding, sr_bits, seed, drawn_seed, offset,
+                           counts if count else None):
+        run_quantize(x, y, _call(fmt, rounding, sr_bits, seed, drawn_seed, offset),
                      counts if count else None)
     return y, counts
 
 
 def _quantize_into_impl(x, out, fmt, rounding, sr_bits, seed, drawn_seed, offset, counts):
-    run_quantize(x, out, _call(fmt, rounding, sr_bits, seed, drawn_seed, offset), counts)
+    if _round_prepared(x, out, fmt, rounding, sr_bits, seed, drawn_seed, offset, counts):
+        # Written through its pointer: tell autograd, as torch's in-place ops do.
+        torch.autograd.graph.increment_version(out)
+    else:
+        run_quantize(x, out, _call(fmt, rounding, sr_bits, seed, drawn_seed, offset), counts)
 
 
 def s2fp8_stat_buffers(x: torch.Tensor):
