@@ -104,19 +104,25 @@ def test_compiled_graphs_call_lowfps_kernel_without_the_autograd_formula(monkeyp
     want_y, want_grad = step(forward)
     assert torch.equal(y, want_y) and torch.equal(grad, want_grad)
     # the value, and for a plain format its rounded gradient
-    called = "quantize_into" if op == "quantize" else f"{op}_in_graph"
-    assert code.count(f"torch.ops.lowfp.{called}.default(") == (2 if grad_fmt else 1)
+    if op == "quantize":
+        assert len(_rounding_operands(code)) == 2
+    else:
+        assert code.count(f"torch.ops.lowfp.{op}_in_graph.default(") == 1
     assert f"torch.ops.lowfp.{op}.default" not in code
     if op == "quantize":
         assert "quantize_in_graph.default(" not in code
 
 
-def _quantize_into_operands(code: str):
-    """The first two arguments (x, out) of each lowfp::quantize_into call in generated code."""
+_ROUNDING_CALLS = ("torch.ops.lowfp.quantize_into.default(", "lowfp_round_in_graph(")
+
+
+def _rounding_operands(code: str):
+    """The first two arguments (x, out) of each rounding call in Inductor's generated code
+    (lowfp::quantize_into, or lowfp._ops.round_in_graph where the lowering calls it directly)."""
     calls = []
     for line in code.splitlines():
-        _, found, rest = line.partition("torch.ops.lowfp.quantize_into.default(")
-        if not found:
+        rest = next((line.partition(c)[2] for c in _ROUNDING_CALLS if c in line), None)
+        if rest is None or "import" in line:
             continue
         depth, args, current = 0, [], ""
         for ch in rest:
@@ -168,8 +174,44 @@ def test_compiled_rounding_overwrites_its_input_only_where_nothing_else_reads_it
         got, code = run_and_get_code(torch.compile(f, fullgraph=True), x, stats)
     assert torch.equal(got, want) and torch.equal(stats.counts, want_stats.counts)
     assert stats.numel > 0
-    (operands,) = _quantize_into_operands("\n".join(code))
+    (operands,) = _rounding_operands("\n".join(code))
     assert (operands[0] == operands[1]) == in_place, operands
+
+
+_CALLED_AS = {  # a rounding of f(t, stats), and whether the graph calls round_in_graph directly
+    "nearest": (lambda t, st: lowfp.quantize(t @ _W, F434, stats=st) * 2, True),
+    "stochastic, its seed given": (
+        lambda t, st: lowfp.quantize(t @ _W, F434, "stochastic", seed=7, offset=3, stats=st) * 2, True),
+    "stochastic, its seed drawn": (
+        lambda t, st: lowfp.quantize(t @ _W, F434, "stochastic", stats=st) * 2, False),
+    "a dense transposed input": (lambda t, st: lowfp.quantize(t.t(), F434, "up", stats=st) * 2, True),
+    "stochastic, a transposed input": (
+        lambda t, st: lowfp.quantize(t.t(), F434, "stochastic", seed=5, stats=st) * 2, False),
+    "an input with gaps": (lambda t, st: lowfp.quantize(t[:, ::2], F434, stats=st) * 2, False),
+}
+
+
+@pytest.mark.parametrize("case", list(_CALLED_AS))
+def test_compiled_rounding_calls_the_prepared_request_where_its_layouts_allow(monkeypatch, case):
+    """The lowering calls lowfp._ops.round_in_graph (the prepared request, no dispatcher) where a
+    CPU rounding's seed is known when compiling and its buffers share one dense layout
+    (contiguous for stochastic rounding); elsewhere lowfp::quantize_into. Eager's bits and counts
+    either way."""
+    from torch._inductor.utils import run_and_get_code
+    monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", "0")
+    f, direct = _CALLED_AS[case]
+    x = torch.randn(64, 32) * 3
+    want_stats, stats = lowfp.Stats(), lowfp.Stats()
+    torch.manual_seed(1)
+    want = f(x, want_stats)
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        got, code = run_and_get_code(torch.compile(f, fullgraph=True), x, stats)
+    code = "\n".join(code)
+    assert torch.equal(got, want) and torch.equal(stats.counts, want_stats.counts)
+    assert code.count("lowfp_round_in_graph(") == (1 if direct else 0)
+    assert ("torch.ops.lowfp.quantize_into.default(" in code) != direct
 
 
 def test_compiled_rounding_of_dynamic_shapes_keeps_the_functional_operator(monkeypatch):
