@@ -183,7 +183,7 @@ _CALLED_AS = {  # a rounding of f(t, stats), and whether the graph calls round_i
     "stochastic, its seed given": (
         lambda t, st: lowfp.quantize(t @ _W, F434, "stochastic", seed=7, offset=3, stats=st) * 2, True),
     "stochastic, its seed drawn": (
-        lambda t, st: lowfp.quantize(t @ _W, F434, "stochastic", stats=st) * 2, False),
+        lambda t, st: lowfp.quantize(t @ _W, F434, "stochastic", stats=st) * 2, True),
     "a dense transposed input": (lambda t, st: lowfp.quantize(t.t(), F434, "up", stats=st) * 2, True),
     "stochastic, a transposed input": (
         lambda t, st: lowfp.quantize(t.t(), F434, "stochastic", seed=5, stats=st) * 2, False),
@@ -194,9 +194,8 @@ _CALLED_AS = {  # a rounding of f(t, stats), and whether the graph calls round_i
 @pytest.mark.parametrize("case", list(_CALLED_AS))
 def test_compiled_rounding_calls_the_prepared_request_where_its_layouts_allow(monkeypatch, case):
     """The lowering calls lowfp._ops.round_in_graph (the prepared request, no dispatcher) where a
-    CPU rounding's seed is known when compiling and its buffers share one dense layout
-    (contiguous for stochastic rounding); elsewhere lowfp::quantize_into. Eager's bits and counts
-    either way."""
+    CPU rounding's buffers share one dense layout (contiguous for stochastic rounding); elsewhere
+    lowfp::quantize_into. Eager's bits, counts and generator draws either way."""
     from torch._inductor.utils import run_and_get_code
     monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", "0")
     f, direct = _CALLED_AS[case]
@@ -210,6 +209,10 @@ def test_compiled_rounding_calls_the_prepared_request_where_its_layouts_allow(mo
         got, code = run_and_get_code(torch.compile(f, fullgraph=True), x, stats)
     code = "\n".join(code)
     assert torch.equal(got, want) and torch.equal(stats.counts, want_stats.counts)
+    after_compiled = torch.rand(3)
+    torch.manual_seed(1)
+    f(x, lowfp.Stats())
+    assert torch.equal(torch.rand(3), after_compiled)  # the same draws from the generator
     assert code.count("lowfp_round_in_graph(") == (1 if direct else 0)
     assert ("torch.ops.lowfp.quantize_into.default(" in code) != direct
 

@@ -14,7 +14,7 @@ Where a graph keeps lowfp's kernel, ``lowfp::quantize_in_graph`` is lowered to
 rounding overwrites its input where nothing else reads it (most GEMM results), which saves a
 pass's worth of memory traffic and a new tensor per call, and elsewhere writes a buffer that
 Inductor's memory planner allocates, as for its own kernels. Where the layouts, fixed when
-compiling, and the seed allow it, the generated code calls the prepared request itself
+compiling, allow it, the generated code calls the prepared request itself
 (``lowfp._ops.round_in_graph``) instead of the operator, whose dispatch into Python costs more
 than the kernel on small tensors."""
 
@@ -103,8 +103,8 @@ def quantize_into_planned_buffers(x, fmt, rounding, sr_bits, seed, drawn_seed, o
         y = lowering.empty_strided(size, result_stride, dtype=dtype, device=device)
     counts = (lowering.full([4], 0, dtype=torch.int64, device=device) if count
               else lowering.empty_strided([0], None, dtype=torch.int64, device=device))
-    if _calls_directly(stored.get_device(), drawn_seed, rounding, size, stride, result_stride):
-        _round_in_graph_node()(stored, y, counts if count else None,
+    if _calls_directly(stored.get_device(), rounding, size, stride, result_stride):
+        _round_in_graph_node()(stored, y, counts if count else None, drawn_seed,
                                (fmt, rounding, sr_bits, seed, offset))
     else:
         _quantize_into(stored, y, fmt, rounding, sr_bits, seed, drawn_seed, offset,
@@ -112,18 +112,18 @@ def quantize_into_planned_buffers(x, fmt, rounding, sr_bits, seed, drawn_seed, o
     return y, counts
 
 
-def _calls_directly(device, drawn_seed, rounding, size, stride, result_stride) -> bool:
+def _calls_directly(device, rounding, size, stride, result_stride) -> bool:
     """Whether the graph may call lowfp._ops.round_in_graph in place of lowfp::quantize_into:
-    Python wrapper code, CPU tensors, a seed known when compiling (or none), and buffers of one
-    dense layout (contiguous for stochastic rounding, whose words follow the logical index),
-    which Inductor's layouts fix for every call. Both buffers are x, or x and one the graph
-    allocated while x was alive: they share no memory."""
+    Python wrapper code, CPU tensors, and buffers of one dense layout (contiguous for stochastic
+    rounding, whose words follow the logical index), which Inductor's layouts fix for every
+    call. Both buffers are x, or x and one the graph allocated while x was alive: they share no
+    memory."""
     from torch._inductor.virtualized import V
 
     from ._native import dense_layout
 
-    if (device.type != "cpu" or drawn_seed is not None or V.graph.cpp_wrapper
-            or getattr(V.graph, "aot_mode", False) or stride != result_stride):
+    if (device.type != "cpu" or V.graph.cpp_wrapper or getattr(V.graph, "aot_mode", False)
+            or stride != result_stride):
         return False
     t = torch.empty_strided(size, stride, device="meta")
     return t.is_contiguous() if rounding == "stochastic" else dense_layout(t)
@@ -133,8 +133,9 @@ _NODE = None
 
 
 def _round_in_graph_node():
-    """Inductor's IR node for a call of lowfp._ops.round_in_graph(x, out, counts, *constants)
-    that writes out and counts (a class made once: Inductor's modules load when first needed)."""
+    """Inductor's IR node for a call of lowfp._ops.round_in_graph(x, out, counts, *constants,
+    drawn_seed) that writes out and counts (a class made once: Inductor's modules load when first
+    needed)."""
     global _NODE
     if _NODE is None:
         from torch._inductor import ir
@@ -142,16 +143,17 @@ def _round_in_graph_node():
         from torch.utils._ordered_set import OrderedSet
 
         class RoundInGraph(ir.ExternKernel):
-            def __init__(self, x, out, counts, constants):
-                inputs = [self.realize_input(t) for t in [x, out] + ([] if counts is None else [counts])]
+            def __init__(self, x, out, counts, drawn_seed, constants):
+                optional = [t for t in (counts, drawn_seed) if t is not None]
+                inputs = [self.realize_input(t) for t in [x, out, *optional]]
                 super().__init__(None, ir.NoneLayout(device=x.get_device()),
                                  self.unwrap_storage(inputs), constants)
-                self.has_counts = counts is not None
+                self.has_counts, self.has_drawn_seed = counts is not None, drawn_seed is not None
                 self.name = V.graph.register_buffer(self)
                 V.graph.register_operation(self)
                 # each written buffer as a mutation of its own, as Inductor's fallback kernels
                 # of operators that write their arguments record them
-                written = self.inputs[1:]
+                written = self.inputs[1:2 + self.has_counts]
                 self.alias_names = [t.get_name() for t in written]
                 self.mutation_outputs = [ir.MutationOutput(ir.NoneLayout(device=t.get_device()), t, self)
                                          for t in written]
@@ -160,8 +162,10 @@ def _round_in_graph_node():
                 wrapper.add_import_once("from lowfp._ops import round_in_graph as lowfp_round_in_graph")
                 refs = [t.codegen_reference() for t in self.inputs]
                 counts = refs[2] if self.has_counts else "None"
+                drawn_seed = refs[-1] if self.has_drawn_seed else "None"
                 constants = ", ".join(map(repr, self.constant_args))
-                wrapper.writeline(f"lowfp_round_in_graph({refs[0]}, {refs[1]}, {counts}, {constants})")
+                wrapper.writeline(f"lowfp_round_in_graph({refs[0]}, {refs[1]}, {counts}, "
+                                  f"{constants}, {drawn_seed})")
 
             def should_allocate(self) -> bool:
                 return False

@@ -150,15 +150,15 @@ def _round_prepared(x, y, fmt, rounding, sr_bits, seed, drawn_seed, offset, coun
 
 
 def round_in_graph(x, out, counts, fmt: str, rounding: str, sr_bits: int, seed: int,
-                   offset: int) -> None:
-    """lowfp::quantize_into (without a drawn seed) as Inductor's generated code calls it on CPU
-    tensors where its lowering has checked, once, what _round_prepared checks on every call
-    (lowfp._inductor): one pointer call of the prepared request, without the dispatcher's round
-    trip through Python. Inductor's cache keeps generated code that calls it across lowfp
-    versions: keep its name and arguments."""
+                   offset: int, drawn_seed=None) -> None:
+    """lowfp::quantize_into as Inductor's generated code calls it on CPU tensors where its
+    lowering has checked, once, what _round_prepared checks on every call (lowfp._inductor):
+    one pointer call of the prepared request, without the dispatcher's round trip through
+    Python. Inductor's cache keeps generated code that calls it across lowfp versions: keep its
+    name and arguments."""
     backends.ready_on_cpu(x)  # (torch's thread count followed)
     _request(fmt, rounding, sr_bits, x, out.dtype)(
-        x.data_ptr(), out.data_ptr(), x.numel(), seed & _U64, offset & _U64,
+        x.data_ptr(), out.data_ptr(), x.numel(), philox_key(seed, drawn_seed), offset & _U64,
         0 if counts is None else counts.data_ptr(), -1, 0)
 
 
