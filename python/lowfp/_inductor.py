@@ -219,6 +219,19 @@ def _dies_here(stored, dtype, result_stride) -> bool:
 _functional_fallback = _quantize_into = None  # (Inductor's fallbacks, made when registering)
 
 
+def _writes_into_buffers_here() -> bool:
+    """Whether this torch's Inductor has what quantize_into_planned_buffers and its IR node use;
+    elsewhere lowfp::quantize_in_graph keeps the functional fallback (the same bits)."""
+    from torch._inductor import ir, lowering
+
+    return (all(hasattr(ir, n) for n in ("ExternKernel", "ExternKernelOut", "ComputedBuffer",
+                                         "MutationOutput", "NoneLayout", "ReinterpretView",
+                                         "StorageBox", "as_storage_and_layout",
+                                         "is_storage_and_layout"))
+            and all(hasattr(lowering, n) for n in ("empty_strided", "full", "fallback_handler"))
+            and hasattr(ir.ExternKernel, "realize_input"))
+
+
 @torch.compiler.assume_constant_result  # runs at trace time, outside the traced code
 def register_inductor_decompositions() -> bool:
     """Let Inductor decompose ``lowfp::quantize`` into :func:`quantize` and
@@ -261,11 +274,12 @@ def register_inductor_decompositions() -> bool:
                 # decomposition (Inductor refuses to make one for an operator that has both).
                 lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(
                     get_layout_constraint_tag(op, with_default=True)), override_decomp=True)
-        _functional_fallback = lowering.lowerings[torch.ops.lowfp.quantize_in_graph.default]
-        _quantize_into = lowering.fallback_handler(torch.ops.lowfp.quantize_into.default,
-                                                   add_to_fallback_set=False)
-        lowering.register_lowering(torch.ops.lowfp.quantize_in_graph.default,
-                                   type_promotion_kind=None)(quantize_into_planned_buffers)
+        if _writes_into_buffers_here():
+            _functional_fallback = lowering.lowerings[torch.ops.lowfp.quantize_in_graph.default]
+            _quantize_into = lowering.fallback_handler(torch.ops.lowfp.quantize_into.default,
+                                                       add_to_fallback_set=False)
+            lowering.register_lowering(torch.ops.lowfp.quantize_in_graph.default,
+                                       type_promotion_kind=None)(quantize_into_planned_buffers)
         for op, decompose in ((torch.ops.lowfp.quantize.default, quantize_decomposition),
                               (torch.ops.lowfp.scaled_quantize.default, scaled_decomposition)):
             decomposition.register_decomposition(op)(decompose)
