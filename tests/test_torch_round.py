@@ -327,7 +327,7 @@ def test_the_setting_chooses_fusion_or_the_operator(monkeypatch, setting, fused_
         monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", setting)
     x = torch.randn(100) * 40
     y, code = compiled_code(lambda t: lowfp.quantize(t, "fp(4,3,4)").relu(), x)
-    assert ("lowfp.quantize" not in code) == fused_here
+    assert ("lowfp" not in code) == fused_here  # (no call of lowfp's kernel where fused)
     assert same_bits(y, lowfp.quantize(x, "fp(4,3,4)").relu())
     assert _torch_round.fuses(torch.device("cuda")) == (setting != "0")
     monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", "auto")  # the default, said: as None above
