@@ -79,11 +79,11 @@ def _concrete(values) -> bool:
 
 def quantize_into_planned_buffers(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype,
                                   count, grad_fmt, grad_rounding):
-    """Inductor's lowering of ``lowfp::quantize_in_graph``: ``lowfp::quantize_into`` writes the
-    result into x itself where :func:`_dies_here` allows it, else into a new buffer of the graph
-    in x's layout (the operator's empty_like with preserve_format), and adds the counts to a
-    buffer of zeros. Shapes or strides that are not concrete keep the functional operator's
-    fallback."""
+    """Inductor's lowering of ``lowfp::quantize_in_graph``: ``lowfp::quantize_into`` (or
+    ``lowfp._ops.round_in_graph`` where :func:`_calls_directly` allows it) writes the result
+    into x itself where :func:`_dies_here` allows it, else into a new buffer of the graph in x's
+    layout (the operator's empty_like with preserve_format), and adds the counts to a buffer of
+    zeros. Shapes or strides that are not concrete keep the functional operator's fallback."""
     from torch._inductor import ir, lowering
 
     stored = ir.ExternKernel.realize_input(x)
@@ -103,7 +103,7 @@ def quantize_into_planned_buffers(x, fmt, rounding, sr_bits, seed, drawn_seed, o
         y = lowering.empty_strided(size, result_stride, dtype=dtype, device=device)
     counts = (lowering.full([4], 0, dtype=torch.int64, device=device) if count
               else lowering.empty_strided([0], None, dtype=torch.int64, device=device))
-    if _calls_directly(stored.get_device(), rounding, size, stride, result_stride):
+    if _calls_directly(device, rounding, size, stride, result_stride):
         _round_in_graph_node()(stored, y, counts if count else None, drawn_seed,
                                (fmt, rounding, sr_bits, seed, offset))
     else:
