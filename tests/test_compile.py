@@ -217,6 +217,12 @@ def test_compiled_rounding_calls_the_prepared_request_where_its_layouts_allow(mo
     assert ("torch.ops.lowfp.quantize_into.default(" in code) != direct
 
 
+def test_quantize_into_operator_refuses_an_out_of_another_shape():
+    x = torch.randn(4, 6)[:, ::2]
+    with pytest.raises(ValueError, match="out must have x's shape"):
+        torch.ops.lowfp.quantize_into(x, torch.empty(3), "fp(4,3,4)", "nearest", 32, 0, None, 0, None)
+
+
 def test_compiled_rounding_of_dynamic_shapes_keeps_the_functional_operator(monkeypatch):
     """Shapes that are not concrete: the functional lowfp::quantize_in_graph, eager's bits."""
     from torch._inductor.utils import run_and_get_code

@@ -174,6 +174,8 @@ def _quantize_impl(x, fmt, rounding, sr_bits, seed, drawn_seed, offset, dtype, c
 
 
 def _quantize_into_impl(x, out, fmt, rounding, sr_bits, seed, drawn_seed, offset, counts):
+    if out.shape != x.shape:  # (the public functions check this first; the operator is reachable too)
+        raise ValueError(f"out must have x's shape {tuple(x.shape)}, got {tuple(out.shape)}")
     if _round_prepared(x, out, fmt, rounding, sr_bits, seed, drawn_seed, offset, counts):
         # Written through its pointer: tell autograd, as torch's in-place ops do.
         torch.autograd.graph.increment_version(out)
