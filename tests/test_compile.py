@@ -9,6 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import lowfp
 from devices import on_cuda
+from lowfp.scaled import Scaled
 
 F434 = lowfp.fp(4, 3, 4)
 S2 = lowfp.S2FP8("float8_e4m3fn", log_max=8.0)
@@ -78,10 +79,10 @@ def test_compiled_training_step_equals_eager_with_rounded_gradients():
 
 @pytest.mark.parametrize("fmt,op", [("fp(4,3,4)", "quantize"), ("mxfp8_e4m3", "scaled_quantize")])
 def test_compiled_graphs_call_lowfps_kernel_without_the_autograd_formula(monkeypatch, fmt, op):
-    """Where Inductor keeps lowfp's kernel, its graphs call lowfp::quantize_into on buffers of
-    the graph (lowfp::quantize_in_graph's lowering) or scaled_quantize_in_graph (the same
-    implementation, no Python autograd kernel to pass through on every call), forward and
-    backward, with the results and gradients of eager code."""
+    """Where Inductor keeps lowfp's kernel, its graphs call the kernel on buffers of the graph
+    (the lowerings of lowfp::quantize_in_graph and lowfp::scaled_quantize_in_graph: no Python
+    autograd kernel to pass through on every call), forward and backward, with the results and
+    gradients of eager code."""
     from torch._inductor.utils import run_and_get_code
     monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", "0")
     x = torch.randn(64, 32)
@@ -107,10 +108,9 @@ def test_compiled_graphs_call_lowfps_kernel_without_the_autograd_formula(monkeyp
     if op == "quantize":
         assert len(_rounding_operands(code)) == 2
     else:
-        assert code.count(f"torch.ops.lowfp.{op}_in_graph.default(") == 1
+        assert code.count("lowfp_scaled_round_in_graph(") == 1
     assert f"torch.ops.lowfp.{op}.default" not in code
-    if op == "quantize":
-        assert "quantize_in_graph.default(" not in code
+    assert f"{op}_in_graph.default(" not in code
 
 
 _ROUNDING_CALLS = ("torch.ops.lowfp.quantize_into.default(", "lowfp_round_in_graph(")
@@ -215,6 +215,65 @@ def test_compiled_rounding_calls_the_prepared_request_where_its_layouts_allow(mo
     assert torch.equal(torch.rand(3), after_compiled)  # the same draws from the generator
     assert code.count("lowfp_round_in_graph(") == (1 if direct else 0)
     assert ("torch.ops.lowfp.quantize_into.default(" in code) != direct
+
+
+_BLOCKS_ALONG_0 = Scaled("float8_e4m3fn", block=4, axis=0)
+_SCALED_CALLED_AS = {  # a scaled rounding of f(t, stats): called directly, and into its input
+    "mxfp8 of a GEMM's result": (lambda t, st: lowfp.quantize(t @ _W, "mxfp8_e4m3", stats=st) * 2,
+                                 True, True),
+    "nvfp4 stochastic, its seed drawn": (
+        lambda t, st: lowfp.quantize(t @ _W, "nvfp4", "stochastic", stats=st) * 2, True, True),
+    "nvfp4 stochastic, its seed given": (
+        lambda t, st: lowfp.quantize(t @ _W, "nvfp4", "stochastic", seed=9, offset=5, stats=st) * 2,
+        True, True),
+    "a scale per row": (
+        lambda t, st: lowfp.quantize(t * 3, "fp8_e4m3_rowwise", "up", stats=st).relu(), True, True),
+    "a scale per tensor": (
+        lambda t, st: lowfp.quantize(t @ _W, Scaled("float8_e5m2", axis=None), stats=st) * 2, True, True),
+    "2-D blocks": (
+        lambda t, st: lowfp.quantize(t @ _W, "fp8_e4m3_block128x128", stats=st) * 2, True, True),
+    "blocks along axis 0, read where they lie": (
+        lambda t, st: lowfp.quantize(t @ _W, _BLOCKS_ALONG_0, "stochastic", seed=3, stats=st) * 2,
+        True, True),
+    "a graph input": (lambda t, st: lowfp.quantize(t, "mxfp8_e4m3", stats=st) * 2, True, False),
+    "read again after": (
+        lambda t, st: (lambda a: lowfp.quantize(a, "mxfp4_e2m1", stats=st) + a)(t @ _W), True, False),
+    "a transposed input": (lambda t, st: lowfp.quantize(t.t(), "mxfp8_e4m3", stats=st) * 2, False, False),
+    "its parts": (lambda t, st: lowfp.scaled.encode(t @ _W, "mxfp8_e4m3").scales * 2, False, False),
+}
+
+
+@pytest.mark.parametrize("case", list(_SCALED_CALLED_AS))
+def test_compiled_scaled_rounding_calls_the_prepared_request_on_the_graphs_buffers(monkeypatch, case):
+    """lowfp::scaled_quantize_in_graph's lowering on the CPU: the graph calls
+    lowfp.scaled.quantize.round_in_graph (the prepared request, no dispatcher) on buffers it
+    allocates, writing into the input itself where nothing else reads it, wherever the kernel
+    reads a contiguous input where it lies and no q is asked for; elsewhere the functional
+    operator. Eager's values, scales, counts and generator draws either way."""
+    from torch._inductor.utils import run_and_get_code
+    monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", "0")
+    f, direct, in_place = _SCALED_CALLED_AS[case]
+    x = torch.randn(64, 32) * 3
+    want_stats, stats = lowfp.scaled.ScaledStats(), lowfp.scaled.ScaledStats()
+    torch.manual_seed(1)
+    want = f(x, want_stats)
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        got, code = run_and_get_code(torch.compile(f, fullgraph=True), x, stats)
+    code = "\n".join(code)
+    assert torch.equal(got, want) and torch.equal(stats.counts, want_stats.counts)
+    after_compiled = torch.rand(3)
+    torch.manual_seed(1)
+    f(x, lowfp.scaled.ScaledStats())
+    assert torch.equal(torch.rand(3), after_compiled)  # the same draws from the generator
+    calls = [line for line in code.splitlines()
+             if "lowfp_scaled_round_in_graph(" in line and "import" not in line]
+    assert len(calls) == (1 if direct else 0), calls
+    assert ("torch.ops.lowfp.scaled_quantize_in_graph.default(" in code) != direct
+    if direct:
+        x_arg, out_arg = calls[0].partition("(")[2].split(", ")[:2]
+        assert (x_arg == out_arg) == in_place, calls[0]
 
 
 def test_quantize_into_operator_refuses_an_out_of_another_shape():

@@ -16,7 +16,9 @@ pass's worth of memory traffic and a new tensor per call, and elsewhere writes a
 Inductor's memory planner allocates, as for its own kernels. Where the layouts, fixed when
 compiling, allow it, the generated code calls the prepared request itself
 (``lowfp._ops.round_in_graph``) instead of the operator, whose dispatch into Python costs more
-than the kernel on small tensors."""
+than the kernel on small tensors. ``lowfp::scaled_quantize_in_graph`` of a contiguous CPU tensor
+whose blocks the kernel reads where they lie is lowered likewise to a direct call
+(:func:`scaled_into_planned_buffers`)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 from ._torch_round import fuses, quantize
 
 __all__ = ["quantize_into_planned_buffers", "register_inductor_decompositions",
-           "vectorize_cpu_bitcasts"]
+           "scaled_into_planned_buffers", "vectorize_cpu_bitcasts"]
 
 _registered = False
 
@@ -104,7 +106,7 @@ def quantize_into_planned_buffers(x, fmt, rounding, sr_bits, seed, drawn_seed, o
     counts = (lowering.full([4], 0, dtype=torch.int64, device=device) if count
               else lowering.empty_strided([0], None, dtype=torch.int64, device=device))
     if _calls_directly(device, rounding, size, stride, result_stride):
-        _round_in_graph_node()(stored, y, counts if count else None, drawn_seed,
+        _round_in_graph_node()(_ROUND_IN_GRAPH, stored, [y, counts if count else None], drawn_seed,
                                (fmt, rounding, sr_bits, seed, offset))
     else:
         _quantize_into(stored, y, fmt, rounding, sr_bits, seed, drawn_seed, offset,
@@ -118,23 +120,81 @@ def _calls_directly(device, rounding, size, stride, result_stride) -> bool:
     rounding, whose words follow the logical index), which Inductor's layouts fix for every
     call. Both buffers are x, or x and one the graph allocated while x was alive: they share no
     memory."""
-    from torch._inductor.virtualized import V
-
     from ._native import dense_layout
 
-    if (device.type != "cpu" or V.graph.cpp_wrapper or getattr(V.graph, "aot_mode", False)
-            or stride != result_stride):
+    if not _python_wrapper_on_cpu(device) or stride != result_stride:
         return False
     t = torch.empty_strided(size, stride, device="meta")
     return t.is_contiguous() if rounding == "stochastic" else dense_layout(t)
 
 
+def _python_wrapper_on_cpu(device) -> bool:
+    """Whether the graph being lowered runs as Python wrapper code (not cpp_wrapper or AOT),
+    which may call a Python function of lowfp's on CPU tensors."""
+    from torch._inductor.virtualized import V
+
+    return device.type == "cpu" and not V.graph.cpp_wrapper and not getattr(V.graph, "aot_mode", False)
+
+
+def scaled_into_planned_buffers(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset,
+                                count, parts):
+    """Inductor's lowering of ``lowfp::scaled_quantize_in_graph`` on the CPU: the generated code
+    calls the prepared request (``lowfp.scaled.quantize.round_in_graph``), which writes the
+    result into x itself where :func:`_dies_here` allows it, else into a new buffer of the graph,
+    and the scales, the tensor scale and the counts into buffers of the graph. Where that call
+    does not cover the rounding (a tensor that is not contiguous, or whose blocks the kernel
+    reads from a copy, ``parts``, an empty tensor, shapes that are not concrete, another device
+    or wrapper) the functional operator's fallback."""
+    from torch._inductor import ir, lowering
+
+    from .scaled.config import kernel_layout
+    from .scaled.quantize import _fake, _parsed
+
+    def fallback():
+        return _scaled_functional_fallback(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed,
+                                           offset, count, parts)
+
+    stored = ir.ExternKernel.realize_input(x)
+    if ir.is_storage_and_layout(stored):
+        ir.as_storage_and_layout(stored, freeze=True)
+    size, stride = stored.get_size(), stored.get_stride()
+    device, dtype = stored.get_device(), stored.get_dtype()
+    if parts or not (_concrete(size) and _concrete(stride)) or not _python_wrapper_on_cpu(device):
+        return fallback()
+    size, stride = [int(v) for v in size], [int(v) for v in stride]
+    meta = torch.empty_strided(size, stride, dtype=dtype, device="meta")
+    if not meta.numel() or not meta.is_contiguous():
+        return fallback()
+    if kernel_layout(tuple(size), _parsed(fmt), True, rounding == "stochastic")[4] is not None:
+        return fallback()  # (the kernel reads a copy with the block axis moved last)
+    _, _, scales, _, _ = _fake(meta, fmt, rounding, overflow, sr_bits, seed, None, offset, count, False)
+    if not scales.is_contiguous():
+        return fallback()  # (the kernel writes its grid of scales in row-major order)
+    y = x if _dies_here(stored, dtype, stride) else lowering.empty_strided(size, stride, dtype=dtype,
+                                                                           device=device)
+    q = lowering.empty_strided([0], None, dtype=torch.float32, device=device)
+    scales = lowering.empty_strided(list(scales.shape), list(scales.stride()), dtype=torch.float64,
+                                    device=device)
+    tensor_scale = lowering.empty_strided([], [], dtype=torch.float64, device=device)
+    counts = (lowering.full([6], 0, dtype=torch.int64, device=device) if count
+              else lowering.empty_strided([0], None, dtype=torch.int64, device=device))
+    _round_in_graph_node()(_SCALED_ROUND_IN_GRAPH, stored,
+                           [y, scales, tensor_scale, counts if count else None], drawn_seed,
+                           (fmt, rounding, overflow, sr_bits, seed, offset))
+    return y, q, scales, tensor_scale, counts
+
+
 _NODE = None
+# the functions the generated code calls, as it imports them (module, name, the name it uses)
+_ROUND_IN_GRAPH = ("lowfp._ops", "round_in_graph", "lowfp_round_in_graph")
+_SCALED_ROUND_IN_GRAPH = ("lowfp.scaled.quantize", "round_in_graph", "lowfp_scaled_round_in_graph")
 
 
 def _round_in_graph_node():
-    """Inductor's IR node for a call of lowfp._ops.round_in_graph(x, out, counts, *constants,
-    drawn_seed) that writes out and counts (a class made once: Inductor's modules load when first
+    """Inductor's IR node for a call ``alias(x, *written, *constants, drawn_seed)`` of the
+    function ``name`` of ``module`` (``kernel``: the three names), which writes the buffers
+    ``written`` (None where the call passes none) from x: lowfp._ops.round_in_graph and
+    lowfp.scaled.quantize.round_in_graph (a class made once: Inductor's modules load when first
     needed)."""
     global _NODE
     if _NODE is None:
@@ -143,29 +203,33 @@ def _round_in_graph_node():
         from torch.utils._ordered_set import OrderedSet
 
         class RoundInGraph(ir.ExternKernel):
-            def __init__(self, x, out, counts, drawn_seed, constants):
-                optional = [t for t in (counts, drawn_seed) if t is not None]
-                inputs = [self.realize_input(t) for t in [x, out, *optional]]
+            def __init__(self, kernel, x, written, drawn_seed, constants):
+                self.kernel = kernel
+                self.passed = [t is not None for t in written]
+                given = [t for t in written if t is not None]
+                optional = [] if drawn_seed is None else [drawn_seed]
+                inputs = [self.realize_input(t) for t in [x, *given, *optional]]
                 super().__init__(None, ir.NoneLayout(device=x.get_device()),
                                  self.unwrap_storage(inputs), constants)
-                self.has_counts, self.has_drawn_seed = counts is not None, drawn_seed is not None
+                self.has_drawn_seed = drawn_seed is not None
                 self.name = V.graph.register_buffer(self)
                 V.graph.register_operation(self)
                 # each written buffer as a mutation of its own, as Inductor's fallback kernels
                 # of operators that write their arguments record them
-                written = self.inputs[1:2 + self.has_counts]
-                self.alias_names = [t.get_name() for t in written]
+                written_buffers = self.inputs[1:1 + len(given)]
+                self.alias_names = [t.get_name() for t in written_buffers]
                 self.mutation_outputs = [ir.MutationOutput(ir.NoneLayout(device=t.get_device()), t, self)
-                                         for t in written]
+                                         for t in written_buffers]
 
             def codegen(self, wrapper) -> None:
-                wrapper.add_import_once("from lowfp._ops import round_in_graph as lowfp_round_in_graph")
+                module, name, alias = self.kernel
+                wrapper.add_import_once(f"from {module} import {name} as {alias}")
                 refs = [t.codegen_reference() for t in self.inputs]
-                counts = refs[2] if self.has_counts else "None"
+                given = iter(refs[1:1 + sum(self.passed)])
+                written = [next(given) if passed else "None" for passed in self.passed]
                 drawn_seed = refs[-1] if self.has_drawn_seed else "None"
-                constants = ", ".join(map(repr, self.constant_args))
-                wrapper.writeline(f"lowfp_round_in_graph({refs[0]}, {refs[1]}, {counts}, "
-                                  f"{constants}, {drawn_seed})")
+                args = [refs[0], *written, *map(repr, self.constant_args), drawn_seed]
+                wrapper.writeline(f"{alias}({', '.join(args)})")
 
             def should_allocate(self) -> bool:
                 return False
@@ -216,7 +280,8 @@ def _dies_here(stored, dtype, result_stride) -> bool:
             and stored.get_dtype() == dtype and list(stored.get_stride()) == result_stride)
 
 
-_functional_fallback = _quantize_into = None  # (Inductor's fallbacks, made when registering)
+# (Inductor's fallbacks, made when registering)
+_functional_fallback = _scaled_functional_fallback = _quantize_into = None
 
 
 def _writes_into_buffers_here() -> bool:
@@ -242,7 +307,7 @@ def register_inductor_decompositions() -> bool:
 
     Called while tracing, by the functions that put the operators in a graph: importing Inductor
     costs seconds, which eager users should not pay."""
-    global _registered, _functional_fallback, _quantize_into
+    global _registered, _functional_fallback, _scaled_functional_fallback, _quantize_into
     if not _registered:
         from torch._inductor import decomposition, lowering
         from torch._library.utils import get_layout_constraint_tag
@@ -280,6 +345,9 @@ def register_inductor_decompositions() -> bool:
                                                        add_to_fallback_set=False)
             lowering.register_lowering(torch.ops.lowfp.quantize_in_graph.default,
                                        type_promotion_kind=None)(quantize_into_planned_buffers)
+            _scaled_functional_fallback = lowering.lowerings[torch.ops.lowfp.scaled_quantize_in_graph.default]
+            lowering.register_lowering(torch.ops.lowfp.scaled_quantize_in_graph.default,
+                                       type_promotion_kind=None)(scaled_into_planned_buffers)
         for op, decompose in ((torch.ops.lowfp.quantize.default, quantize_decomposition),
                               (torch.ops.lowfp.scaled_quantize.default, scaled_decomposition)):
             decomposition.register_decomposition(op)(decompose)

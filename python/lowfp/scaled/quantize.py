@@ -22,6 +22,7 @@ from .. import backends
 from .._checks import check_choice
 from .._dtensor import is_dtensor
 from .._memory import new_output
+from .._ops import philox_key
 from .._prepared import Prepared
 from .._inductor import register_inductor_decompositions
 from .._native import (DTYPE_CODES, ROUNDING_MODES, as_int64, call_seed, check_tensor_args,
@@ -217,6 +218,26 @@ def _impl(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, 
         # backward that saved out raises instead of reading the new values.
         torch.autograd.graph.increment_version(out)
     return y, q, scales, tensor_scale, counts
+
+
+def round_in_graph(x, out, scales, tensor_scale, counts, fmt: str, rounding: str, overflow: str,
+                   sr_bits: int, seed: int, offset: int, drawn_seed=None) -> None:
+    """lowfp::scaled_quantize_in_graph as Inductor's generated code calls it on CPU tensors where
+    its lowering has checked, once, that the kernel reads x where it lies (contiguous, not
+    empty, its blocks in the kernel's layout, no q) and allocated the buffers
+    (lowfp._inductor.scaled_into_planned_buffers): one pointer call of the prepared request,
+    writing out (x itself, or a buffer apart from it), the scales' grid, the tensor scale and
+    the counts (6, or None), without the dispatcher's round trip through Python. Inductor's
+    cache keeps generated code that calls it across lowfp versions: keep its name and arguments."""
+    mod, device, stream = backends.native(x, "x")  # (torch's thread count followed)
+    scaled = _parsed(fmt)
+    stochastic = rounding == "stochastic"
+    shape = tuple(x.shape)
+    rows, cols, brows, bcols, _, column = _kernel_layout(shape, scaled, True, stochastic)
+    prepared(mod, scaled, rounding, overflow, sr_bits, x.dtype)(
+        x.data_ptr(), out.data_ptr(), rows, cols, brows, bcols, word_run(shape, column, stochastic),
+        philox_key(seed, drawn_seed), offset & _U64, scales.data_ptr(), 0, tensor_scale.data_ptr(),
+        0 if counts is None else counts.data_ptr(), 6, device, stream)
 
 
 def _into_impl(x, out, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count):
