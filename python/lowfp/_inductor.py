@@ -147,8 +147,7 @@ def scaled_into_planned_buffers(x, fmt, rounding, overflow, sr_bits, seed, drawn
     or wrapper) the functional operator's fallback."""
     from torch._inductor import ir, lowering
 
-    from .scaled.config import kernel_layout
-    from .scaled.quantize import _fake, _parsed
+    from .scaled.config import Scaled, kernel_layout, kernel_scales
 
     def fallback():
         return _scaled_functional_fallback(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed,
@@ -165,9 +164,12 @@ def scaled_into_planned_buffers(x, fmt, rounding, overflow, sr_bits, seed, drawn
     meta = torch.empty_strided(size, stride, dtype=dtype, device="meta")
     if not meta.numel() or not meta.is_contiguous():
         return fallback()
-    if kernel_layout(tuple(size), _parsed(fmt), True, rounding == "stochastic")[4] is not None:
+    scaled = Scaled.parse(fmt)
+    rows, cols, brows, bcols, move, column = kernel_layout(tuple(size), scaled, True, rounding == "stochastic")
+    if move is not None:
         return fallback()  # (the kernel reads a copy with the block axis moved last)
-    _, _, scales, _, _ = _fake(meta, fmt, rounding, overflow, sr_bits, seed, None, offset, count, False)
+    grid = torch.empty(-(-rows // brows), -(-cols // bcols), dtype=torch.float64, device="meta")
+    scales = kernel_scales(grid, tuple(size), scaled, None, column, brows)
     if not scales.is_contiguous():
         return fallback()  # (the kernel writes its grid of scales in row-major order)
     y = x if _dies_here(stored, dtype, stride) else lowering.empty_strided(size, stride, dtype=dtype,

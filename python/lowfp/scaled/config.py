@@ -317,6 +317,15 @@ def column_scales(scales, shape, axis: int, block: int):
     return scales.reshape(*shape[:axis], -(-shape[axis] // block), *shape[axis + 1:])
 
 
+def kernel_scales(grid_scales, shape, fmt: Scaled, move, column_axis, block_rows: int):
+    """The grid of scales of kernel_layout's call on a tensor of ``shape`` (its move, column
+    axis and block rows) shaped as the tensor's scales: column_scales or scales_shape."""
+    if column_axis is not None:
+        return column_scales(grid_scales, shape, column_axis, block_rows)
+    moved = tuple(shape) if move is None else (*shape[:move], *shape[move + 1:], shape[move])
+    return scales_shape(grid_scales, moved, fmt, move)
+
+
 def scales_shape(scales, moved_shape, fmt: Scaled, move):
     """The (grid rows, grid cols) scales shaped as the tensor, its block axis (axes) holding the
     blocks; 0-d for a per-tensor scale."""

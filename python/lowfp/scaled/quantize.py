@@ -29,7 +29,7 @@ from .._native import (DTYPE_CODES, ROUNDING_MODES, as_int64, call_seed, check_t
                        check_uint64, eager_seed, remembered_seed, runs_natively)
 from ..formats import OVERFLOW_POLICIES, Format
 from ..stats import Stats
-from .config import Scaled, column_scales, kernel_layout, layout, scales_shape, to_scaled, word_run
+from .config import Scaled, kernel_layout, kernel_scales, layout, to_scaled, word_run
 
 __all__ = ["ScaledStats", "ScaledParts", "quantize_scaled", "encode", "hadamard", "hadamard_signs"]
 
@@ -203,10 +203,7 @@ def _impl(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, 
             word_run(tuple(x.shape), column, rounding == "stochastic"), key, offset & _U64,
             scales.data_ptr(), q.data_ptr() if parts else 0, tensor_scale.data_ptr(),
             counts.data_ptr() if count else 0, 6, device, stream)
-    if column is not None:
-        scales = column_scales(scales, x.shape, column, brows)
-    else:
-        scales = scales_shape(scales, xm.shape, scaled, move)
+    scales = kernel_scales(scales, x.shape, scaled, move, column, brows)
     if move is not None:
         y = y.movedim(-1, move)
         if parts:
@@ -251,9 +248,7 @@ def _fake(x, fmt, rounding, overflow, sr_bits, seed, drawn_seed, offset, count, 
                                                            rounding == "stochastic")
     moved = x if move is None else x.movedim(move, -1)
     grid = (-(-rows // brows) if rows else 0, -(-cols // bcols) if cols else 0)
-    grid_scales = x.new_empty(grid, dtype=torch.float64)
-    scales = (column_scales(grid_scales, x.shape, column, brows) if column is not None
-              else scales_shape(grid_scales, moved.shape, scaled, move))
+    scales = kernel_scales(x.new_empty(grid, dtype=torch.float64), x.shape, scaled, move, column, brows)
     y = torch.empty_like(moved, memory_format=torch.contiguous_format)
     q = x.new_empty(moved.shape if parts else (0,), dtype=torch.float32)
     if move is not None:
