@@ -420,3 +420,16 @@ def test_a_list_of_slices_cuts_as_a_tuple_does():
     x = torch.zeros(2, 8, 3)
     assert cuts(x, [slice(None), slice(None, 4), slice(None)]) and cuts(x, (slice(None), slice(4, None)))
     assert not cuts(x, [slice(None), slice(None), slice(None)]) and not cuts(x, [0, 1])
+
+
+def test_a_slices_length_is_pythons():
+    # cuts measures a slice by plain arithmetic (Dynamo traces it on every torch): the length
+    # range(*s.indices(size)) gives, for every bound and step near and past a dim's ends
+    import itertools
+
+    from lowfp._intercept import slice_length
+    bounds = [None] + list(range(-9, 10))
+    for size in range(7):
+        for start, stop, step in itertools.product(bounds, bounds, [None, 1, 2, 3, 7, -1, -2, -3, -7]):
+            s = slice(start, stop, step)
+            assert slice_length(s, size) == len(range(*s.indices(size))), (s, size)

@@ -112,12 +112,42 @@ def classify(func) -> Tuple[int, str]:
     return kind, name
 
 
+@torch.compiler.assume_constant_result
+def classify_while_tracing(func) -> Tuple[int, str]:
+    """classify(func) where Dynamo traces a forward: run when tracing, its result a constant of
+    the graph, so that Dynamo guards on nothing of the table (where it guards on its keys in
+    order, an entry added later by eager code fails the graph's guards)."""
+    return classify(func)
+
+
 _TAG = "_lowfp_ts"          # (forward serial, TS name) on every tensor the current forward tracks
 _serials = itertools.count(1)
 
 
 def _floating(t) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def slice_length(s: slice, size: int) -> int:
+    """len(range(*s.indices(size))) for int (or None) bounds, by Python's clamping rules in plain
+    arithmetic, which Dynamo traces (it does not trace slice.indices on every torch); a step of 0,
+    which torch refuses, counts as the whole dim."""
+    step = 1 if s.step is None else s.step
+    if step == 0:
+        return size
+    lo, hi = (0, size) if step > 0 else (-1, size - 1)  # (where a bound past either end clamps)
+
+    def bound(v, default):
+        if v is None:
+            return default
+        if v < 0:
+            return max(v + size, lo)
+        return min(v, hi)
+
+    start, stop = bound(s.start, lo if step > 0 else hi), bound(s.stop, hi if step > 0 else lo)
+    if step > 0:
+        return max(0, (stop - start + step - 1) // step)
+    return max(0, (start - stop - step - 1) // -step)
 
 
 def cuts(t, index) -> bool:
@@ -139,7 +169,7 @@ def cuts(t, index) -> bool:
             if dim >= t.dim():
                 return False  # (torch raises the IndexError)
             size = int(t.shape[dim])
-            if len(range(*i.indices(size))) < size:
+            if slice_length(i, size) < size:
                 return True
             dim += 1
         elif i is not None:
@@ -313,6 +343,7 @@ class ForwardSession:
         return self._forward(inner, args, kwargs)
 
     def _forward(self, inner, args, kwargs):
+        self._start()
         args = tuple(self._map_input(a, f"input[{i}]") for i, a in enumerate(args))
         kwargs = {k: self._map_input(v, f"input[{k}]") for k, v in kwargs.items()}
         try:
@@ -320,6 +351,15 @@ class ForwardSession:
                 return inner(*args, **kwargs)
         finally:
             self._traced.clear()
+            self._end()
+
+    def _start(self) -> None:
+        """Called as each forward starts, inside a compiled graph too: where Dynamo traces it,
+        subclasses give their per-forward caches new dicts here (a dict made by the trace, whose
+        contents Dynamo guards on nowhere), and in _end once it ends."""
+
+    def _end(self) -> None:
+        """Called after each forward, inside a compiled graph too (see _start)."""
 
     def _map_input(self, a, name):
         if _floating(a):  # an alias, so that neither tags nor hooks land on the caller's tensor
@@ -398,10 +438,13 @@ class ForwardSession:
     def call(self, func, args, kwargs):
         """One torch-function call made by the model's forward (see the module docs)."""
         kwargs = kwargs or {}
-        try:
-            kind, fname = _classes[func]
-        except (KeyError, TypeError):
-            kind, fname = classify(func)
+        if torch.compiler.is_compiling():
+            kind, fname = classify_while_tracing(func)
+        else:
+            try:
+                kind, fname = _classes[func]
+            except (KeyError, TypeError):
+                kind, fname = classify(func)
         if kind == PASS:
             return func(*args, **kwargs)
         if fname == "__getitem__" and len(args) == 2 and cuts(args[0], args[1]):

@@ -474,6 +474,12 @@ class Emulator(ForwardSession):
         self._counting = training
         self._params.clear()
 
+    def _start(self) -> None:
+        if torch.compiler.is_compiling():
+            self._params = {}
+
+    _end = _start
+
     def _compilable(self) -> bool:
         return self.observer is None  # an observer is Python called with each rounded tensor
 

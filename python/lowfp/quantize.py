@@ -141,6 +141,7 @@ _recorded_apply = function_apply(_RecordedRounding)
 # no grad_fmt, a CPU generator or none), by the arguments as the caller passed them (_eager_key;
 # seed and offset are each call's own): such a call skips the argument checks and the plan lookup.
 _EAGER: Dict[tuple, Prepared] = {}
+_is_compiling = torch.compiler.is_compiling
 
 
 def _eager_key(fmt, rounding, overflow, subnormals, sr_bits, x: torch.Tensor, out,
@@ -269,7 +270,8 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
     """
     if (type(x) is torch.Tensor and (out is None or type(out) is torch.Tensor)
             and (generator is None or type(generator) is torch.Generator)
-            and type(offset) is int and 0 <= offset <= _U64 and grad_fmt is None):  # see _EAGER
+            and type(offset) is int and 0 <= offset <= _U64 and grad_fmt is None
+            and not _is_compiling()):  # see _EAGER (whose keys a tracing Dynamo may not hash)
         try:
             entry = _EAGER.get(_eager_key(fmt, rounding, overflow, subnormals, sr_bits, x, out,
                                           out_dtype))

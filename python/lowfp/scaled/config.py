@@ -160,7 +160,7 @@ class Scaled:
 
     @property
     def name(self) -> Optional[str]:
-        return _NAME_OF.get(self._key)
+        return _NAME_OF.get(self.key)  # (a tuple of constants: Dynamo traces its hash)
 
     @property
     def key(self) -> Tuple:
@@ -230,7 +230,7 @@ _NAMED: Dict[str, Scaled] = {
     "fp8_e4m3_block128": Scaled(_F["float8_e4m3fn"], block=128, scale="float32"),
     "fp8_e4m3_block128x128": Scaled(_F["float8_e4m3fn"], block=(128, 128), scale="float32"),
 }
-_NAME_OF = {f._key: name for name, f in _NAMED.items()}
+_NAME_OF = {f.key: name for name, f in _NAMED.items()}
 
 
 def named() -> Dict[str, Scaled]:
