@@ -262,6 +262,13 @@ def _prepared(fmt: Scaled, rounding: str, t: torch.Tensor) -> PreparedScaled:
     return entry
 
 
+def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in ``dtype``, t itself where it has it: a Function's forward returns no .to() of a
+    tensor to its own dtype (traced, an alias of it, whose gradients torch 2.11's compiled
+    autograd.Function loses: zeros for every input)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, gemm: str) -> torch.Tensor:
     """a @ b (torch.matmul's broadcasting; a and b of at least 2 dims for an emulated
     accumulation), summed as the recipe's accumulation of ``gemm`` says, in a's dtype."""
@@ -269,7 +276,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, gemm: str) -> torc
     if acc is None or a.dim() < 2 or b.dim() < 2:
         return torch.matmul(a, b)
     with torch.no_grad():  # (promote_types: torch.result_type's dtype would break a compiled graph)
-        return accumulated_gemm(a, b, acc).to(torch.promote_types(a.dtype, b.dtype))
+        return _in_dtype(accumulated_gemm(a, b, acc), torch.promote_types(a.dtype, b.dtype))
 
 
 class _Linear(torch.autograd.Function):
@@ -282,7 +289,7 @@ class _Linear(torch.autograd.Function):
         if recipe.accumulation("fprop") is None:
             return F.linear(xq, wq, b)
         y = _mm(xq, wq.t(), recipe, "fprop")
-        return y if b is None else (y.float() + b).to(y.dtype)
+        return y if b is None else _in_dtype(y.float() + b, y.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -469,7 +476,7 @@ class _Conv(torch.autograd.Function):
         wq = _q_conv_weight(w, recipe.weight, 1, groups, h)
         if recipe.accumulation("fprop") is not None:
             y = _conv_accumulated(xq, wq, stride, pad, dilation, groups, recipe)
-            return y if b is None else (y.float() + b.view(-1, *[1] * (w.dim() - 2))).to(y.dtype)
+            return y if b is None else _in_dtype(y.float() + b.view(-1, *[1] * (w.dim() - 2)), y.dtype)
         conv = (F.conv1d, F.conv2d, F.conv3d)[w.dim() - 3]
         return conv(xq, wq, b, stride, pad, dilation, groups)
 
@@ -538,7 +545,7 @@ class _ConvTranspose(torch.autograd.Function):
         y_shape = (x.shape[0], w.shape[1] * groups, *[o + 2 * p for o, p in zip(out, pad)])
         y = _conv_input_grad_accumulated(xq, y_shape, wq, stride_, [0] * nd, dilation_, groups, recipe, "fprop")
         y = y[(slice(None), slice(None)) + tuple(slice(p, p + o) for p, o in zip(pad, out))]
-        return y if b is None else (y.float() + b.view(-1, *[1] * nd)).to(y.dtype)
+        return y if b is None else _in_dtype(y.float() + b.view(-1, *[1] * nd), y.dtype)
 
     @staticmethod
     def backward(ctx, grad):
