@@ -39,6 +39,17 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The 16-bit dtypes' grids, as the native kernels round s · q to them (nearest, overflow to inf).
 _STORAGE = {torch.bfloat16: Format(8, 7, 0, specials="ieee", overflow="inf"),
             torch.float16: Format(5, 10, 0, specials="ieee", overflow="inf")}
+_FLOAT32_GRID = Format(8, 23, 0, specials="ieee", overflow="inf")  # (float32's own values)
+
+
+def _to_float32_grid(d: torch.Tensor) -> torch.Tensor:
+    """Float64 d rounded to float32's values (nearest, ties to even), kept in float64: the
+    value of d.to(torch.float32).to(torch.float64) without that pair of casts, which Inductor
+    may drop as a no-op (torch 2.11's did)."""
+    p = round_params(str(_FLOAT32_GRID), "nearest", 32, torch.float64, torch.float64)
+    bits, _ = round_bits(d.view(torch.int64), p, FLOAT64_CARRIER, "nearest", None,
+                         lanes_of(FLOAT64_CARRIER, "nearest"))
+    return bits.view(torch.float64)
 
 
 def _significand_bits(v: float) -> int:
@@ -155,7 +166,7 @@ def _pow2_scales(sp: _Spec, a: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor
     """pow2_block_scale's exponent k (clamped to [-127, 127]) and whether it was clamped, for
     block maxima a > 0."""
     if sp.rule == "rceil":
-        d = quotient(a, sp.max_e, odd=False).to(torch.float32).to(torch.float64)
+        d = _to_float32_grid(quotient(a, sp.max_e, odd=False))
         above = ~(d <= _FLOAT32_MAX)
         dn = torch.where((d == 0) | above, 1.0, d)
         not_pow2 = ((dn.view(torch.int64) & _MANTISSA) != 0).to(torch.int64)
@@ -187,7 +198,7 @@ def _tensor_scale(sp: _Spec, amax: torch.Tensor) -> torch.Tensor:
     range; 1 without a finite nonzero value."""
     d = quotient(torch.where(amax > 0, amax, 1.0), sp.s_max * sp.max_e, odd=False)
     held = torch.where(d >= _FLOAT32_MAX, _FLOAT32_MAX,
-                       torch.clamp_min(d.to(torch.float32).to(torch.float64), 2.0**-149))
+                       torch.clamp_min(_to_float32_grid(d), 2.0**-149))
     return torch.where(amax > 0, held, 1.0)
 
 
