@@ -180,6 +180,26 @@ def test_compiled_rounding_overwrites_its_input_only_where_nothing_else_reads_it
     assert (operands[0] == operands[1]) == in_place, operands
 
 
+def _compiled_code_as_eager(f, stats_type) -> str:
+    """Inductor's generated code for f(x, stats) on a 64 × 32 tensor, checked to give eager's
+    results, counts and draws from torch's generator (each run from the same manual seed)."""
+    from torch._inductor.utils import run_and_get_code
+    x = torch.randn(64, 32) * 3
+    want_stats, stats = stats_type(), stats_type()
+    torch.manual_seed(1)
+    want = f(x, want_stats)
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        got, code = run_and_get_code(torch.compile(f, fullgraph=True), x, stats)
+    assert torch.equal(got, want) and torch.equal(stats.counts, want_stats.counts)
+    after_compiled = torch.rand(3)
+    torch.manual_seed(1)
+    f(x, stats_type())
+    assert torch.equal(torch.rand(3), after_compiled)  # the same draws from the generator
+    return "\n".join(code)
+
+
 _CALLED_AS = {  # a rounding of f(t, stats), and whether the graph calls round_in_graph directly
     "nearest": (lambda t, st: lowfp.quantize(t @ _W, F434, stats=st) * 2, True),
     "stochastic, its seed given": (
@@ -198,23 +218,9 @@ def test_compiled_rounding_calls_the_prepared_request_where_its_layouts_allow(mo
     """The lowering calls lowfp._ops.round_in_graph (the prepared request, no dispatcher) where a
     CPU rounding's buffers share one dense layout (contiguous for stochastic rounding); elsewhere
     lowfp::quantize_into. Eager's bits, counts and generator draws either way."""
-    from torch._inductor.utils import run_and_get_code
     monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", "0")
     f, direct = _CALLED_AS[case]
-    x = torch.randn(64, 32) * 3
-    want_stats, stats = lowfp.Stats(), lowfp.Stats()
-    torch.manual_seed(1)
-    want = f(x, want_stats)
-    torch._dynamo.reset()
-    torch.manual_seed(1)
-    with torch._inductor.config.patch(force_disable_caches=True):
-        got, code = run_and_get_code(torch.compile(f, fullgraph=True), x, stats)
-    code = "\n".join(code)
-    assert torch.equal(got, want) and torch.equal(stats.counts, want_stats.counts)
-    after_compiled = torch.rand(3)
-    torch.manual_seed(1)
-    f(x, lowfp.Stats())
-    assert torch.equal(torch.rand(3), after_compiled)  # the same draws from the generator
+    code = _compiled_code_as_eager(f, lowfp.Stats)
     assert code.count("lowfp_round_in_graph(") == (1 if direct else 0)
     assert ("torch.ops.lowfp.quantize_into.default(" in code) != direct
 
@@ -252,23 +258,9 @@ def test_compiled_scaled_rounding_calls_the_prepared_request_on_the_graphs_buffe
     allocates, writing into the input itself where nothing else reads it, wherever the kernel
     reads a contiguous input where it lies and no q is asked for; elsewhere the functional
     operator. Eager's values, scales, counts and generator draws either way."""
-    from torch._inductor.utils import run_and_get_code
     monkeypatch.setenv("LOWFP_INDUCTOR_FUSION", "0")
     f, direct, in_place = _SCALED_CALLED_AS[case]
-    x = torch.randn(64, 32) * 3
-    want_stats, stats = lowfp.scaled.ScaledStats(), lowfp.scaled.ScaledStats()
-    torch.manual_seed(1)
-    want = f(x, want_stats)
-    torch._dynamo.reset()
-    torch.manual_seed(1)
-    with torch._inductor.config.patch(force_disable_caches=True):
-        got, code = run_and_get_code(torch.compile(f, fullgraph=True), x, stats)
-    code = "\n".join(code)
-    assert torch.equal(got, want) and torch.equal(stats.counts, want_stats.counts)
-    after_compiled = torch.rand(3)
-    torch.manual_seed(1)
-    f(x, lowfp.scaled.ScaledStats())
-    assert torch.equal(torch.rand(3), after_compiled)  # the same draws from the generator
+    code = _compiled_code_as_eager(f, lowfp.scaled.ScaledStats)
     calls = [line for line in code.splitlines()
              if "lowfp_scaled_round_in_graph(" in line and "import" not in line]
     assert len(calls) == (1 if direct else 0), calls
