@@ -3,6 +3,8 @@
 included), fake and meta tensors give the results' shapes and dtypes, and torch.library's own
 operator checks pass."""
 
+import pathlib
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -562,3 +564,38 @@ def test_compiled_and_exported_roundings_on_gpu_equal_eager():
     ref = net(xs)
     torch.manual_seed(5)
     assert torch.equal(program.module()(xs), ref)
+
+
+def test_compile_caches_key_on_lowfps_generating_code(monkeypatch, tmp_path):
+    """torch's compile caches hash the traced graph, which holds lowfp's operators, not what lowfp
+    lowers them to: lowfp adds a hash of that code to torch.compiler.config.cache_key_tag, after
+    the user's own tag (set before or after lowfp's first compile), once."""
+    import shutil
+
+    import torch.compiler.config as cconfig
+
+    import lowfp._inductor as inductor
+    # (set and restored by hand: monkeypatch sees no attribute in a config module's __dict__ and
+    # would delete the setting afterwards, which hides it from torch's own compile)
+    before = cconfig.cache_key_tag
+    try:
+        cconfig.cache_key_tag = "mine"
+        torch.compile(lambda t: lowfp.quantize(t, F434) * 2, fullgraph=True)(torch.randn(8))
+        key = inductor.generating_source_key()
+        assert cconfig.cache_key_tag == f"mine+lowfp-{key}"
+        inductor.tag_compile_caches()  # (a second time: the tag stays as it was)
+        assert cconfig.cache_key_tag == f"mine+lowfp-{key}"
+        cconfig.cache_key_tag = "later"  # a tag set after the first compile is extended too
+        torch.compile(lambda t: lowfp.quantize(t, F434) * 3, fullgraph=True)(torch.randn(8))
+        assert cconfig.cache_key_tag == f"later+lowfp-{key}"
+    finally:
+        cconfig.cache_key_tag = before
+    assert cconfig.cache_key_tag == before
+    # the key follows the sources: a copy of the package with one torch form changed has another
+    package = pathlib.Path(inductor.__file__).resolve().parent
+    copy = tmp_path / "lowfp"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    monkeypatch.setattr(inductor, "__file__", str(copy / "_inductor.py"))
+    assert inductor.generating_source_key() == key
+    (copy / "scaled" / "torch_round.py").write_text((copy / "scaled" / "torch_round.py").read_text() + "\n#\n")
+    assert inductor.generating_source_key() != key

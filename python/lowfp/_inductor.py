@@ -22,12 +22,15 @@ whose blocks the kernel reads where they lie is lowered likewise to a direct cal
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ._torch_round import fuses, quantize
 
-__all__ = ["quantize_into_planned_buffers", "register_inductor_decompositions",
-           "scaled_into_planned_buffers", "vectorize_cpu_bitcasts"]
+__all__ = ["generating_source_key", "quantize_into_planned_buffers",
+           "register_inductor_decompositions", "scaled_into_planned_buffers", "tag_compile_caches",
+           "vectorize_cpu_bitcasts"]
 
 _registered = False
 
@@ -299,6 +302,55 @@ def _writes_into_buffers_here() -> bool:
             and hasattr(ir.ExternKernel, "realize_input"))
 
 
+# The modules whose code Inductor's generated code follows: the torch forms, the lowerings and
+# the functions the generated code calls.
+_GENERATING_MODULES = ("_inductor.py", "_torch_round.py", "_ops.py", "_native.py", "formats.py",
+                       "scaled/torch_round.py", "scaled/quantize.py", "scaled/config.py")
+
+
+def generating_source_key() -> str:
+    """A hash of the sources of _GENERATING_MODULES: what compiled code made by this lowfp
+    depends on beyond the graph Inductor is handed."""
+    import hashlib
+    import pathlib
+
+    from . import __version__
+
+    root = pathlib.Path(__file__).resolve().parent
+    digest = hashlib.sha256(__version__.encode())
+    for name in _GENERATING_MODULES:
+        try:
+            source = (root / name).read_bytes()
+        except OSError:  # (an install without its sources: the version alone)
+            source = b""
+        digest.update(name.encode() + b"\0" + source)
+    return digest.hexdigest()[:16]
+
+
+_cache_tag: Optional[str] = None  # "lowfp-" + generating_source_key(), computed once
+
+
+def tag_compile_caches() -> bool:
+    """Add lowfp's key (generating_source_key) to ``torch.compiler.config.cache_key_tag``, which
+    torch's compile caches (Inductor's FX graph cache, AOTAutograd's) put in their keys: they
+    hash the graph as Dynamo traced it, holding lowfp's operators, not the torch forms and
+    lowerings lowfp substitutes, so without it code compiled by another lowfp would be reused.
+    The user's own tag is kept in front; returns whether this torch has the setting. Called on
+    each trace that puts a lowfp operator in a graph, so that a tag the user sets later is
+    extended too."""
+    global _cache_tag
+    from torch.compiler import config
+
+    current = getattr(config, "cache_key_tag", None)
+    if not isinstance(current, str):
+        return False
+    if _cache_tag is None:
+        _cache_tag = "lowfp-" + generating_source_key()
+    if _cache_tag not in current:
+        config.cache_key_tag = f"{current}+{_cache_tag}" if current else _cache_tag
+    return True
+
+
 @torch.compiler.assume_constant_result  # runs at trace time, outside the traced code
 def register_inductor_decompositions() -> bool:
     """Let Inductor decompose ``lowfp::quantize`` into :func:`quantize` and
@@ -357,4 +409,5 @@ def register_inductor_decompositions() -> bool:
         decomposition.fast_random_decomps.cache_clear()
         vectorize_cpu_bitcasts()
         _registered = True
+    tag_compile_caches()
     return True
