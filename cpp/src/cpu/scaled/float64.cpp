@@ -8,16 +8,17 @@ namespace LOWFP_ISA_NS {
 namespace {
 
 // One tile, its per-element scales and inverses spread (spread64) and, stochastic, its words
-// drawn. kPow2: every scale a power of two, so that x · (1 / s) is the exact quotient. kParts:
-// write q. kFaster: E's faster form (ScaledCall::add64, steps64). kOnce: x / s rounded once
-// (ScaledCall::divide_once).
-template <class In, RoundKind Kind, bool kCount, bool kPow2, bool kSubExp, bool kParts, bool kFaster,
-          bool kOnce>
+// drawn. kPow2: every scale a power of two, so that x · (1 / s) is the exact quotient. kFaster:
+// E's faster form (ScaledCall::add64, steps64). kOnce: x / s rounded once
+// (ScaledCall::divide_once). q goes to c.q, or to a scratch tile when the call does not ask for
+// it: one store more per element (to L1) in place of a second instantiation of every form.
+template <class In, RoundKind Kind, bool kCount, bool kPow2, bool kSubExp, bool kFaster, bool kOnce>
 void run_tile(const ScaledCall& c, const Tile& k, const TileScales& t,
               EventCounts& counts) {
   const In* x = static_cast<const In*>(c.x) + k.first;
   In* y = static_cast<In*>(c.y) + k.first;
-  float* q_out = kParts ? c.q + k.first : nullptr;
+  alignas(64) float q_scratch[kTile];
+  float* q_out = c.q != nullptr ? c.q + k.first : q_scratch;
   const RoundParams<uint64_t> p = c.p;
   const RoundParams<uint64_t> out = c.out;
   TileEvents<int64_t> events;
@@ -27,7 +28,7 @@ void run_tile(const ScaledCall& c, const Tile& k, const TileScales& t,
     const uint32_t rw = Kind == RoundKind::Stochastic ? t.rand[i] : 0u;
     const double q = scaled_element<Kind, kPow2, kSubExp, kFaster, kOnce>(xv, t.s[i], t.inv[i], p, rw, ev,
                                                                       c.addition_cap);
-    if constexpr (kParts) q_out[i] = float(q);
+    q_out[i] = float(q);
     y[i] = store_scaled<In>(q * t.s[i], out);
     if constexpr (kCount) events.add(0, ev);
   }
@@ -43,12 +44,10 @@ void with_run_tile(const ScaledCall& c, bool count, Fn&& fn) {
     with_flag(count, [&](auto count_c) {
       with_flag(c.scale.rule != ScaleRule::Format, [&](auto pow2) {
         with_flag(c.p.subnormal_exponent, [&](auto sub) {
-          with_flag(c.q != nullptr, [&](auto parts) {
-            constexpr bool kFaster = decltype(faster_c)::value && !decltype(sub)::value;
-            constexpr bool kOnce = decltype(once_c)::value && !decltype(pow2)::value;
-            fn(run_tile<In, K, decltype(count_c)::value, decltype(pow2)::value, decltype(sub)::value,
-                        decltype(parts)::value, kFaster, kOnce>);
-          });
+          constexpr bool kFaster = decltype(faster_c)::value && !decltype(sub)::value;
+          constexpr bool kOnce = decltype(once_c)::value && !decltype(pow2)::value;
+          fn(run_tile<In, K, decltype(count_c)::value, decltype(pow2)::value, decltype(sub)::value,
+                      kFaster, kOnce>);
         });
       });
     });
