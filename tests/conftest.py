@@ -6,6 +6,23 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def _worker_threads() -> None:
+    """Under pytest-xdist, each worker (and the processes its tests start) gets an equal share of
+    the CPUs as its thread count, unless OMP_NUM_THREADS says otherwise: every worker's torch
+    and lowfp at the machine's full thread count oversubscribe it (OpenMP threads waiting on each
+    other, a quarter more time for the suite on 2 cores). Tests of threading set their own."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers < 1 or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+
+
+_worker_threads()
+
+
 @pytest.fixture
 def fused(monkeypatch):
     """Roundings fused by Inductor on the CPU too (where LOWFP_INDUCTOR_FUSION=auto keeps
