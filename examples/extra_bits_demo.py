@@ -1,6 +1,7 @@
 """16-bit weights + extra bits against an fp32 master, on scikit-learn's handwritten digits.
 
     python examples/extra_bits_demo.py [--epochs N] [--data digits|synthetic] [--model mlp|resnet]
+                                       [--train-examples N]
 
 A small version of the method's ResNet-18/CIFAR-10 table: the same model (a residual MLP, or
 with --model resnet lowfp's small ResNet with BatchNorm, on the 8x8 images) trained with SGD
@@ -91,8 +92,14 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=0.002)
     p.add_argument("--data", choices=("digits", "synthetic"), default="digits")
     p.add_argument("--model", choices=("mlp", "resnet"), default="mlp")
+    p.add_argument("--train-examples", type=int, default=None,
+                   help="train on the first N training examples only (default: all)")
     args = p.parse_args(argv)
+    if args.train_examples is not None and args.train_examples < 1:
+        p.error(f"--train-examples must be at least 1, got {args.train_examples}")
     train_set, test_set = load(args.data)
+    if args.train_examples is not None:
+        train_set = (train_set[0][:args.train_examples], train_set[1][:args.train_examples])
     base = make_model(args.model)
     n = sum(p.numel() for p in base.parameters())
     sgd = dict(lr=args.lr, momentum=0.9)

@@ -160,8 +160,9 @@ def test_demo_runs(model):
     from pathlib import Path
     demo = Path(__file__).resolve().parents[1] / "examples" / "extra_bits_demo.py"
     out = subprocess.run([sys.executable, str(demo), "--data", "synthetic", "--epochs", "1",
-                          "--model", model], capture_output=True, text=True, check=True).stdout
-    assert "pure bfloat16" in out and "fp16 + 13" in out and out.count("\n") >= 8
+                          "--model", model, "--train-examples", "320"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "320 training" in out and "pure bfloat16" in out and "fp16 + 13" in out and out.count("\n") >= 8
     assert ("ResNet" in out) == (model == "resnet")
 
 
