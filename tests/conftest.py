@@ -10,7 +10,7 @@ def _worker_threads() -> None:
     """Under pytest-xdist, each worker (and the processes its tests start) gets an equal share of
     the CPUs as its thread count, unless OMP_NUM_THREADS says otherwise: every worker's torch
     and lowfp at the machine's full thread count oversubscribe it (OpenMP threads waiting on each
-    other, a quarter more time for the suite on 2 cores). Tests of threading set their own."""
+    other). Tests of threading set their own counts."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if workers < 1 or "OMP_NUM_THREADS" in os.environ:
         return
