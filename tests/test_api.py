@@ -700,34 +700,38 @@ def test_eager_calls_skip_the_dispatcher_with_the_operators_bits():
         assert torch.equal(c1, c2) and torch.equal(r1, r2), kwargs  # (r: the generator after)
 
 
-def _spy_remembered(monkeypatch, name: str) -> list:
-    """Empties lowfp.quantize's table of remembered calls and returns a list that gets an entry
-    each time its function ``name`` rounds a remembered call (rather than handing it back)."""
+def _spy_remembered(monkeypatch) -> list:
+    """Empties lowfp.quantize's table of remembered calls and returns a list that gets the name
+    of the function that rounds a remembered call (rather than handing it back): the Python
+    path, _round_remembered, or its shortcut in C, _round_remembered_in_c."""
     import sys
     module = sys.modules["lowfp.quantize"]
     taken = []
-    original = getattr(module, name)
-    def spy(*args):
-        y = original(*args)
-        if y is not None:  # (None: this call needs the full path)
-            taken.append(1)
-        return y
-    monkeypatch.setattr(module, name, spy)
+    def spy_on(name: str):
+        original = getattr(module, name)
+        def spy(*args):
+            y = original(*args)
+            if y is not None:  # (None: this call needs the full path)
+                taken.append(name)
+            return y
+        monkeypatch.setattr(module, name, spy)
+    spy_on("_round_remembered")
+    spy_on("_round_remembered_in_c")
     monkeypatch.setattr(module, "_EAGER", {})  # cold: nothing remembered from other tests
     return taken
 
 
 def _cold_remembered_and_operator(call, taken: list) -> list:
     """call() three times, each after torch.manual_seed(5): cold, remembered, and under a mode
-    (through the operator); per time (its result, the next draw of torch's generator, how many
-    calls were rounded as remembered)."""
+    (through the operator); per time (its result, the next draw of torch's generator, the
+    functions that rounded its remembered calls)."""
     got = []
     for mode in (None, None, _SeesOperators()):
         taken.clear()
         torch.manual_seed(5)
         with mode if mode is not None else contextlib.nullcontext():
             result = call()
-        got.append((result, torch.rand(1), len(taken)))
+        got.append((result, torch.rand(1), tuple(taken)))
     return got
 
 
@@ -736,7 +740,7 @@ def test_repeated_scaled_calls_take_the_remembered_request_with_the_same_bits(mo
     the next time: the bits, block counts and generator draws of the operator, for every kind of
     block; layouts and stats it does not cover take the full path."""
     from lowfp.scaled import Scaled, ScaledStats
-    taken = _spy_remembered(monkeypatch, "_round_remembered")
+    taken = _spy_remembered(monkeypatch)
     x = torch.randn(6, 64) * torch.logspace(-3, 3, 64)
     x[0, :3] = torch.tensor([float("nan"), float("inf"), 0.0])
     cases = [("mxfp8_e4m3", dict()), ("nvfp4", dict()), ("mxfp4_e2m1", dict(rounding="stochastic")),
@@ -754,7 +758,7 @@ def test_repeated_scaled_calls_take_the_remembered_request_with_the_same_bits(mo
                 return y, out, stats.counts
             got = _cold_remembered_and_operator(call, taken)
             ((y0, o0, c0), r0, n0), ((y1, o1, c1), r1, n1), ((y2, o2, c2), r2, n2) = got
-            assert (n0, n1, n2) == (0, 2, 0), (fmt, kwargs)
+            assert (len(n0), len(n1), len(n2)) == (0, 2, 0), (fmt, kwargs)
             if kwargs.get("rounding") != "stochastic":  # (two draws otherwise)
                 assert torch.equal(o0.view(torch.int16), y0.view(torch.int16)), (fmt, kwargs)
             for y, o, c, r in ((y1, o1, c1, r1), (y2, o2, c2, r2)):
@@ -806,7 +810,7 @@ def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_ch
     """A call whose arguments passed every check once is one prepared kernel call the next time
     (lowfp.quantize's _EAGER): the bits, counts and generator draws of the operator, and every
     argument error and special tensor still handled as on the first call."""
-    taken = _spy_remembered(monkeypatch, "_round_remembered")
+    taken = _spy_remembered(monkeypatch)
     x = torch.randn(4, 300) * 30
     x[0, :3] = torch.tensor([float("nan"), 1e9, 1e-9])
     cases = [("fp(4,3,4)", dict()), (lowfp.formats.float8_e4m3fn, dict(rounding="toward_zero")),
@@ -825,7 +829,9 @@ def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_ch
                 return y, out, stats.counts
             got = _cold_remembered_and_operator(call, taken)
             ((y0, o0, c0), r0, n0), ((y1, o1, c1), r1, n1), ((y2, o2, c2), r2, n2) = got
-            assert (n0, n1, n2) == (0, 1 if "out_dtype" in kwargs else 2, 0), (fmt, kwargs)
+            assert (len(n0), len(n1), len(n2)) == (0, 1 if "out_dtype" in kwargs else 2, 0), (fmt, kwargs)
+            if fmt != "s2fp8" and not isinstance(fmt, lowfp.S2FP8):  # (C takes a plain format's call)
+                assert n1[0] == "_round_remembered_in_c" and n1[1:] in ((), ("_round_remembered",)), n1
             for y, o, c, r in ((y1, o1, c1, r1), (y2, o2, c2, r2)):
                 assert y.dtype == y0.dtype and torch.equal(y.view(torch.int8), y0.view(torch.int8))
                 assert torch.equal(o.view(torch.int8), o0.view(torch.int8)), (fmt, kwargs)
@@ -904,7 +910,7 @@ def test_seeds_and_offsets_of_repeated_calls_take_the_remembered_request(monkeyp
     once its other arguments passed every check, with the operator's bits, counts and (none
     drawn for a seed) generator draws; a bad seed or offset is still refused."""
     from lowfp.scaled import ScaledStats
-    taken = _spy_remembered(monkeypatch, "_round_remembered")
+    taken = _spy_remembered(monkeypatch)
     x = torch.randn(4, 64) * 30
     x[0, :2] = torch.tensor([float("nan"), 1e9])
     for fmt, stats_type in (("fp(4,3,4)", lowfp.Stats), ("nvfp4", ScaledStats),
@@ -917,7 +923,7 @@ def test_seeds_and_offsets_of_repeated_calls_take_the_remembered_request(monkeyp
             sys.modules["lowfp.quantize"]._EAGER.clear()  # (cold again)
             got = _cold_remembered_and_operator(call, taken)
             ((y0, c0), r0, n0), ((y1, c1), r1, n1), ((y2, c2), r2, n2) = got
-            assert (n0, n1, n2) == (0, 1, 0), (fmt, kwargs)
+            assert (len(n0), len(n1), len(n2)) == (0, 1, 0), (fmt, kwargs)
             for y, c, r in ((y1, c1, r1), (y2, c2, r2)):
                 assert torch.equal(y.view(torch.int32), y0.view(torch.int32)), (fmt, kwargs)
                 assert torch.equal(c, c0) and torch.equal(r, r0), (fmt, kwargs)

@@ -216,6 +216,25 @@ def test_seeds_and_generators():
     assert torch.equal(state, torch.get_rng_state())
 
 
+@pytest.mark.parametrize("generator", [None, "cpu"])
+def test_the_eager_draw_takes_the_words_and_advance_of_torch_randint(generator):
+    """The remembered calls' draw (a per-thread buffer filled by random_()) against
+    draw_seed (torch.randint(0, 2**32)): the same seeds, words at and above 2**31 included, and
+    the generator left where it leaves it."""
+    from lowfp._native import draw_seed, draw_seed_eager
+
+    def draws(fn):
+        torch.manual_seed(11)
+        g = torch.Generator().manual_seed(5) if generator else None
+        seeds = [fn(g) for _ in range(2000)]
+        return seeds, (torch.get_rng_state() if g is None else g.get_state())
+
+    (want, want_state), (got, got_state) = draws(draw_seed), draws(draw_seed_eager)
+    assert got == want and torch.equal(got_state, want_state)
+    assert all(0 <= s < 2**64 for s in got)
+    assert any(s >> 63 for s in got) and any(s & 0x80000000 for s in got)  # (the words' high bits)
+
+
 def test_stochastic_in_each_carrier_dtype_agrees():
     """float16/bfloat16/float32/float64 inputs of the same values give the same draws."""
     x32 = (torch.randn(5000) * 4).bfloat16().float()  # representable in every dtype

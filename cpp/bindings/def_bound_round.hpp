@@ -4,8 +4,18 @@
 // (None: a new tensor like x, as _memory.new_output makes it), adding its counts at the address
 // `counts` (0: none); the result, or None where the call does not take x (nothing was done).
 //
-// lowfp._C.round_bound_setup(plain_types, backends, get_num_threads, strided, empty_like,
-// new_output, min_bytes, preserve_format) hands it, once, the Python objects it calls (kept for the process's life).
+// lowfp._C.round_remembered(request, dtype, x, stats, seed, offset): lowfp.quantize's remembered
+// call of a plain format (PreparedFormat.round with no out= or generator) in C, where x is a
+// plain, contiguous CPU tensor that runs_natively passes (no autograd to record, no mode or
+// transform that must see lowfp's operator), and stats is None or a lowfp.Stats on the CPU: x
+// rounded into a new tensor of `dtype`; None, with nothing drawn or written, for any other call
+// (the Python path decides it, or raises).
+//
+// A stochastic request draws its seed as lowfp._native.draw_seed_eager does, from the calling
+// thread's buffer (the same words and generator advance), unless the call gives `seed`.
+//
+// lowfp._C.round_bound_setup(...) hands them, once, the Python objects they call (kept for the
+// process's life).
 #pragma once
 #include <Python.h>
 #include <pybind11/pybind11.h>
@@ -23,6 +33,7 @@ using intercept::truth;
 struct Objects {
   PyObject* tensor = nullptr;      // torch.Tensor
   PyObject* parameter = nullptr;   // torch.nn.Parameter
+  PyObject* stats_type = nullptr;  // lowfp.Stats
   PyObject* ready_on_cpu = nullptr;
   PyObject* empty_like = nullptr;
   PyObject* new_output = nullptr;  // new_output(like, dtype, memory_format), from min_bytes on
@@ -31,8 +42,14 @@ struct Objects {
   PyObject* backends = nullptr;       // lowfp.backends (its _torch_threads)
   PyObject* get_num_threads = nullptr;
   PyObject* strided = nullptr;        // torch.strided
+  // lowfp._native.draw_buffer(): the calling thread's (words, view, words.random_, address)
+  PyObject* draw_buffer = nullptr;
+  // no-argument calls whose answers must be false (or 0) for a remembered call to skip the
+  // operator: torch.is_grad_enabled is asked only of an x that requires grad
+  PyObject* is_grad_enabled = nullptr;
+  PyObject* unobserved[3] = {nullptr, nullptr, nullptr};  // function mode, dispatch stack, functorch
   PyObject *dtype, *is_contiguous, *data_ptr, *numel, *element_size, *is_cpu, *is_nested, *layout,
-      *torch_threads;
+      *torch_threads, *requires_grad, *counts;
 };
 
 inline Objects& objects() {
@@ -59,44 +76,41 @@ inline bool ready_on_cpu(PyObject* x) {
   return truth(PyObject_IsTrue(steal(PyObject_CallOneArg(o.ready_on_cpu, x)).ptr()));
 }
 
+// The seed of a stochastic call without one: torch's default CPU generator's next two words, as
+// lowfp._native.draw_seed_eager draws them (random_() into the thread's int64 buffer, the low 32
+// bits of each word).
+inline uint64_t draw_seed() {
+  py::object buffer = steal(PyObject_CallNoArgs(objects().draw_buffer));
+  if (!PyTuple_Check(buffer.ptr()) || PyTuple_GET_SIZE(buffer.ptr()) != 4)
+    throw std::runtime_error("lowfp._native.draw_buffer must return (words, view, random_, address)");
+  steal(PyObject_CallNoArgs(PyTuple_GET_ITEM(buffer.ptr(), 2)));
+  const auto* words = reinterpret_cast<const int64_t*>(
+      as_int(py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(buffer.ptr(), 3))));
+  return (uint64_t(words[0]) & 0xffffffffu) | ((uint64_t(words[1]) & 0xffffffffu) << 32);
+}
+
+// The prepared call on x (a plain tensor that ready_on_cpu passed, contiguous, checked by the
+// caller) into out (None: a new tensor of dtype, as _memory.new_output makes it), adding counts at
+// count_at (0: none), keyed by *seed (nullptr: drawn here when the call is stochastic).
 template <class Run>
-py::object round_bound(PyObject* requests, PyObject* x, PyObject* counts, PyObject* out, Run& run) {
+py::object run_prepared(QuantizeCall call, PyObject* x, PyObject* x_dtype, PyObject* dtype, int64_t count_at,
+                        PyObject* out, const uint64_t* seed, uint64_t offset, Run& run) {
   const Objects& o = objects();
-  if (o.tensor == nullptr) throw std::runtime_error("lowfp._C.round_bound_setup was not called");
-  PyTypeObject* type = Py_TYPE(x);
-  if (type != reinterpret_cast<PyTypeObject*>(o.tensor) &&
-      type != reinterpret_cast<PyTypeObject*>(o.parameter))
-    return py::none();
-  py::object dtype = attr(x, o.dtype);
-  PyObject* request = PyDict_GetItemWithError(requests, dtype.ptr());
-  if (request == nullptr) {
-    if (PyErr_Occurred()) throw py::error_already_set();
-    return py::none();
-  }
-  py::object keep_request = py::reinterpret_borrow<py::object>(request);
-  QuantizeCall call;
-  try {
-    call = py::cast<const PreparedQuantize&>(py::handle(request)).call;
-  } catch (const py::cast_error&) {
-    return py::none();  // (another module's request)
-  }
-  if (!ready_on_cpu(x) || !truth(PyObject_IsTrue(steal(PyObject_CallMethodNoArgs(x, o.is_contiguous)).ptr())))
-    return py::none();
   const int64_t n = as_int(steal(PyObject_CallMethodNoArgs(x, o.numel)));
   py::object y;
   if (out != Py_None) {
     y = py::reinterpret_borrow<py::object>(out);
-  } else if (n * as_int(steal(PyObject_CallMethodNoArgs(x, o.element_size))) < o.min_bytes) {
+  } else if (dtype == x_dtype && n * as_int(steal(PyObject_CallMethodNoArgs(x, o.element_size))) < o.min_bytes) {
     y = steal(PyObject_CallOneArg(o.empty_like, x));
   } else {
-    y = steal(PyObject_CallFunctionObjArgs(o.new_output, x, dtype.ptr(), o.preserve_format, nullptr));
+    y = steal(PyObject_CallFunctionObjArgs(o.new_output, x, dtype, o.preserve_format, nullptr));
   }
+  const bool stochastic = call.mode == Rounding::Stochastic;
+  call.seed = !stochastic ? 0 : seed != nullptr ? *seed : draw_seed();
+  call.offset = offset;
   call.x = reinterpret_cast<const void*>(as_int(steal(PyObject_CallMethodNoArgs(x, o.data_ptr))));
   call.y = reinterpret_cast<void*>(as_int(steal(PyObject_CallMethodNoArgs(y.ptr(), o.data_ptr))));
   call.n = n;
-  call.seed = 0;
-  call.offset = 0;
-  const int64_t count_at = as_int(py::reinterpret_borrow<py::object>(counts));
   call.count = count_at != 0;
   {
     py::gil_scoped_release release;
@@ -105,15 +119,97 @@ py::object round_bound(PyObject* requests, PyObject* x, PyObject* counts, PyObje
   return y;
 }
 
+// The QuantizeCall of request, a PreparedQuantize of this module; false for anything else.
+inline bool prepared_call(PyObject* request, QuantizeCall& call) {
+  try {
+    call = py::cast<const PreparedQuantize&>(py::handle(request)).call;
+    return true;
+  } catch (const py::cast_error&) {
+    return false;  // (another module's request)
+  }
+}
+
+inline bool plain_tensor(PyObject* x) {
+  const Objects& o = objects();
+  PyTypeObject* type = Py_TYPE(x);
+  return type == reinterpret_cast<PyTypeObject*>(o.tensor) || type == reinterpret_cast<PyTypeObject*>(o.parameter);
+}
+
+inline bool contiguous_on_cpu(PyObject* x) {
+  return ready_on_cpu(x) &&
+         truth(PyObject_IsTrue(steal(PyObject_CallMethodNoArgs(x, objects().is_contiguous)).ptr()));
+}
+
+template <class Run>
+py::object round_bound(PyObject* requests, PyObject* x, PyObject* counts, PyObject* out, Run& run) {
+  const Objects& o = objects();
+  if (o.tensor == nullptr) throw std::runtime_error("lowfp._C.round_bound_setup was not called");
+  if (!plain_tensor(x)) return py::none();
+  py::object dtype = attr(x, o.dtype);
+  PyObject* request = PyDict_GetItemWithError(requests, dtype.ptr());
+  if (request == nullptr) {
+    if (PyErr_Occurred()) throw py::error_already_set();
+    return py::none();
+  }
+  py::object keep_request = py::reinterpret_borrow<py::object>(request);
+  QuantizeCall call;
+  if (!prepared_call(request, call) || !contiguous_on_cpu(x)) return py::none();
+  return run_prepared(call, x, dtype.ptr(), dtype.ptr(), as_int(py::reinterpret_borrow<py::object>(counts)), out,
+                      nullptr, 0, run);
+}
+
+// Whether a call of no arguments answers false (or 0).
+inline bool answers_no(PyObject* fn) { return !truth(PyObject_IsTrue(steal(PyObject_CallNoArgs(fn)).ptr())); }
+
+// An int in [0, 2**64) into *v; false for anything else (with no Python error left).
+inline bool as_uint64(PyObject* v, uint64_t& r) {
+  if (!PyLong_CheckExact(v)) return false;
+  r = PyLong_AsUnsignedLongLong(v);
+  if (r == static_cast<uint64_t>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();  // (negative, or 2**64 and above: the Python path raises)
+    return false;
+  }
+  return true;
+}
+
+template <class Run>
+py::object round_remembered(PyObject* request, PyObject* dtype, PyObject* x, PyObject* stats, PyObject* seed_arg,
+                            PyObject* offset_arg, Run& run) {
+  const Objects& o = objects();
+  if (o.tensor == nullptr) throw std::runtime_error("lowfp._C.round_bound_setup was not called");
+  QuantizeCall call;
+  if (!plain_tensor(x) || !prepared_call(request, call)) return py::none();
+  // runs_natively: no autograd to record, nothing that must see the operator
+  if (attr(x, o.requires_grad).ptr() == Py_True && !answers_no(o.is_grad_enabled)) return py::none();
+  for (PyObject* fn : o.unobserved)
+    if (!answers_no(fn)) return py::none();
+  if (!contiguous_on_cpu(x)) return py::none();
+  int64_t count_at = 0;
+  if (stats != Py_None) {
+    if (Py_TYPE(stats) != reinterpret_cast<PyTypeObject*>(o.stats_type)) return py::none();
+    py::object counts = attr(stats, o.counts);
+    if (attr(counts.ptr(), o.is_cpu).ptr() != Py_True) return py::none();
+    count_at = as_int(steal(PyObject_CallMethodNoArgs(counts.ptr(), o.data_ptr)));
+  }
+  uint64_t seed = 0, offset = 0;
+  if ((seed_arg != Py_None && !as_uint64(seed_arg, seed)) || !as_uint64(offset_arg, offset)) return py::none();
+  py::object x_dtype = attr(x, o.dtype);
+  return run_prepared(call, x, x_dtype.ptr(), dtype, count_at, Py_None, seed_arg == Py_None ? nullptr : &seed,
+                      offset, run);
+}
+
 template <class Run>
 void def_bound_round(py::module_& mod, Run run) {
-  mod.def("round_bound_setup", [](py::tuple plain_types, py::object backends, py::object get_num_threads,
-                                  py::object strided, py::object empty_like, py::object new_output,
-                                  int64_t min_bytes, py::object preserve_format) {
+  mod.def("round_bound_setup", [](py::tuple plain_types, py::object stats_type, py::object backends,
+                                  py::object get_num_threads, py::object strided, py::object empty_like,
+                                  py::object new_output, int64_t min_bytes, py::object preserve_format,
+                                  py::object draw_buffer, py::object is_grad_enabled, py::tuple unobserved) {
     if (plain_types.size() != 2) throw std::invalid_argument("plain_types: (Tensor, Parameter)");
+    if (unobserved.size() != 3) throw std::invalid_argument("unobserved: three functions of no arguments");
     Objects& o = objects();
     o.tensor = py::object(plain_types[0]).release().ptr();
     o.parameter = py::object(plain_types[1]).release().ptr();
+    o.stats_type = stats_type.inc_ref().ptr();
     o.backends = backends.inc_ref().ptr();
     o.ready_on_cpu = py::object(backends.attr("ready_on_cpu")).release().ptr();
     o.get_num_threads = get_num_threads.inc_ref().ptr();
@@ -126,11 +222,16 @@ void def_bound_round(py::module_& mod, Run run) {
     o.new_output = new_output.inc_ref().ptr();
     o.preserve_format = preserve_format.inc_ref().ptr();
     o.min_bytes = min_bytes;
+    o.draw_buffer = draw_buffer.inc_ref().ptr();
+    o.is_grad_enabled = is_grad_enabled.inc_ref().ptr();
+    for (int i = 0; i < 3; ++i) o.unobserved[i] = py::object(unobserved[i]).release().ptr();
     o.dtype = intercept::intern("dtype");
     o.is_contiguous = intercept::intern("is_contiguous");
     o.data_ptr = intercept::intern("data_ptr");
     o.numel = intercept::intern("numel");
     o.element_size = intercept::intern("element_size");
+    o.requires_grad = intercept::intern("requires_grad");
+    o.counts = intercept::intern("counts");
   });
   static Run kept = run;
   static PyMethodDef methods[] = {
@@ -155,6 +256,25 @@ void def_bound_round(py::module_& mod, Run run) {
              return nullptr;
            })),
        METH_FASTCALL, "round_bound(requests, x, counts, out): BoundRounder's native call"},
+      {"round_remembered",
+       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(
+           +[](PyObject*, PyObject* const* argv, Py_ssize_t argc) -> PyObject* {
+             if (argc != 6) {
+               PyErr_SetString(PyExc_TypeError, "round_remembered(request, dtype, x, stats, seed, offset)");
+               return nullptr;
+             }
+             try {
+               return round_remembered(argv[0], argv[1], argv[2], argv[3], argv[4], argv[5], kept)
+                   .release()
+                   .ptr();
+             } catch (py::error_already_set& e) {
+               e.restore();
+             } catch (const std::exception& e) {
+               PyErr_SetString(PyExc_RuntimeError, e.what());
+             }
+             return nullptr;
+           })),
+       METH_FASTCALL, "round_remembered(request, dtype, x, stats, seed, offset): quantize's remembered call"},
       {nullptr, nullptr, 0, nullptr}};
   if (PyModule_AddFunctions(mod.ptr(), methods) < 0) throw py::error_already_set();
 }

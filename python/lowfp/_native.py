@@ -5,6 +5,7 @@ rounding and S2FP8 kernels on contiguous buffers. Nothing here is public API."""
 from __future__ import annotations
 
 import struct
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -78,21 +79,36 @@ def draw_seed(generator: Optional[torch.Generator] = None) -> int:
     return lo | (hi << 32)
 
 
-_draws = threading.local()  # each thread's two-word buffer for draw_seed_eager, and its bytes
-_TWO_WORDS = struct.Struct("=qq")  # (the buffer's two int64 words as Python ints)
+_draws = threading.local()  # each thread's two-word buffer for draw_seed_eager (draw_buffer)
+# The low 32 bits of each of the buffer's two int64 words, as Python ints (native byte order).
+_LOW_WORDS = struct.Struct("=I4xI4x" if sys.byteorder == "little" else "=4xI4xI")
+
+
+def draw_buffer() -> tuple:
+    """The calling thread's draw buffer: (two int64 words, a view of their bytes, the words'
+    random_, their address), made on the thread's first draw. lowfp._C's remembered calls draw
+    through it too (cpp/bindings/def_bound_round.hpp)."""
+    try:
+        return _draws.buffer
+    except AttributeError:
+        words = torch.empty(2, dtype=torch.int64)
+        _draws.buffer = (words, memoryview(words.numpy()), words.random_, words.data_ptr())
+        return _draws.buffer
 
 
 def draw_seed_eager(generator: Optional[torch.Generator] = None) -> int:
     """draw_seed(generator) for a CPU generator (default: torch's) in an eager call with no mode
-    active (the same words: torch.randint fills a new tensor with random_), into a buffer kept
-    per thread instead of a new tensor per draw, read back through the buffer's bytes (which
-    costs less than tolist)."""
-    buffer = getattr(_draws, "buffer", None)
-    if buffer is None:
-        words = torch.empty(2, dtype=torch.int64)
-        buffer = _draws.buffer = (words, memoryview(words.numpy()))
-    buffer[0].random_(0, 2**32, generator=generator)
-    lo, hi = _TWO_WORDS.unpack_from(buffer[1])
+    active, into the thread's draw buffer instead of a new tensor per draw. The same words and
+    the same advance of the generator as seed_words: torch.randint(0, 2**32) takes each word as
+    the low 32 bits of one random64() of the generator, and random_() with no range takes one
+    random64() per int64 element too, keeping its low 63 bits (fewer arguments to parse); the
+    buffer is read back through its bytes, which costs less than tolist."""
+    words, view, random_, _ = draw_buffer()
+    if generator is None:
+        random_()
+    else:
+        random_(generator=generator)
+    lo, hi = _LOW_WORDS.unpack_from(view)
     return lo | (hi << 32)
 
 

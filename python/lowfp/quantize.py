@@ -17,7 +17,7 @@ from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODE
                       as_int64, call_seed, check_tensor_args, check_uint64, check_writable,
                       into_numpy_out, make_call, numpy_as_tensor, plan_rounding, records_natively,
                       eager_seed, format_args, prepared_request, round_dense, run_rounding,
-                      runs_natively, share_bytes)
+                      runs_natively, share_bytes, draw_buffer)
 from ._dtensor import is_dtensor, round_dtensor
 from ._prepared import Prepared, PreparedFormat, PreparedS2FP8
 from ._ops import s2fp8_stat_buffers
@@ -278,7 +278,12 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
         except TypeError:  # an unhashable argument
             entry = None
         if entry is not None:
-            y = _round_remembered(x, entry, stats, out, generator, seed, offset)
+            # (the common call of a plain format in C, where it takes it: _round_remembered's
+            # checks and call on a contiguous CPU x with no out= or generator)
+            y = (_round_remembered_in_c(entry.request, entry.dtype, x, stats, seed, offset)
+                 if out is None and generator is None and type(entry) is PreparedFormat else None)
+            if y is None:
+                y = _round_remembered(x, entry, stats, out, generator, seed, offset)
             if y is not None:
                 return y
     if isinstance(x, np.floating):  # numpy scalar in, numpy scalar out (as numpy ufuncs do)
@@ -456,9 +461,15 @@ class Rounder:
 # BoundRounder's native call (cpp/bindings/def_bound_round.hpp): a plain contiguous CPU tensor
 # that backends.ready_on_cpu passes, rounded by its dtype's prepared request into a tensor that
 # new_output would make (torch.empty_like below its huge-page size).
-_C.round_bound_setup(PLAIN_TYPES, backends, torch.get_num_threads, torch.strided, torch.empty_like,
-                     new_output, _MIN_BYTES, torch.preserve_format)
+# quantize's remembered call of a plain format, the same checks and call in C where they take it
+# (runs_natively's, PreparedFormat.round's on a contiguous CPU x, a Stats on the CPU); a stochastic
+# request draws its seed as draw_seed_eager does, from the thread's draw_buffer.
+_C.round_bound_setup(PLAIN_TYPES, Stats, backends, torch.get_num_threads, torch.strided, torch.empty_like,
+                     new_output, _MIN_BYTES, torch.preserve_format, draw_buffer, torch.is_grad_enabled,
+                     (torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack,
+                      torch._C._are_functorch_transforms_active))
 _round_bound = _C.round_bound
+_round_remembered_in_c = _C.round_remembered
 
 
 class BoundRounder:
@@ -467,10 +478,10 @@ class BoundRounder:
 
     The emulation makes one per tensor and direction, so what a call of the rounder checks each
     time is known here once: a contiguous CPU tensor or Parameter of a dtype that the rounder
-    has rounded with a deterministic plain format (its prepared request learned then) takes one
-    native call, with the counts' address taken at construction. Any other call is the
-    rounder's own (stochastic rounding draws its seed there; CUDA tensors, other layouts,
-    tensor subclasses)."""
+    has rounded with a plain format (its prepared request learned then) takes one native call,
+    with the counts' address taken at construction (stochastic rounding draws its seed there, as
+    the rounder's own call would). Any other call is the rounder's own (CUDA tensors, other
+    layouts, tensor subclasses)."""
 
     __slots__ = ("rounder", "stats", "_counts", "_requests")
 
@@ -486,7 +497,7 @@ class BoundRounder:
         if self._counts is None or torch.compiler.is_compiling() or x.dtype in self._requests:
             return
         prepared = self.rounder._requests.get((x.dtype, False))
-        if type(prepared) is PreparedFormat and not prepared.stochastic and prepared.dtype is x.dtype:
+        if type(prepared) is PreparedFormat and prepared.dtype is x.dtype:
             self._requests[x.dtype] = prepared.request
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
