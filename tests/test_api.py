@@ -831,7 +831,7 @@ def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_ch
             ((y0, o0, c0), r0, n0), ((y1, o1, c1), r1, n1), ((y2, o2, c2), r2, n2) = got
             assert (len(n0), len(n1), len(n2)) == (0, 1 if "out_dtype" in kwargs else 2, 0), (fmt, kwargs)
             if fmt != "s2fp8" and not isinstance(fmt, lowfp.S2FP8):  # (C takes a plain format's call)
-                assert n1[0] == "_round_remembered_in_c" and n1[1:] in ((), ("_round_remembered",)), n1
+                assert set(n1) == {"_round_remembered_in_c"}, n1
             for y, o, c, r in ((y1, o1, c1, r1), (y2, o2, c2, r2)):
                 assert y.dtype == y0.dtype and torch.equal(y.view(torch.int8), y0.view(torch.int8))
                 assert torch.equal(o.view(torch.int8), o0.view(torch.int8)), (fmt, kwargs)
@@ -903,6 +903,45 @@ def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_ch
     with pytest.raises(ValueError, match="out is an inference tensor"):
         lowfp.quantize(x, "fp(4,3,4)", out=frozen)
     assert len(taken) == 1
+
+
+def test_the_c_shortcut_hands_back_every_call_it_does_not_take():
+    """lowfp._C.round_remembered answers None, drawing and writing nothing, for what the Python
+    path must decide: another object than a CPU request, a tensor subclass, autograd, a mode,
+    a layout, stats of another type or device, a seed or offset out of range."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lowfp import _C
+    from lowfp._prepared import PreparedFormat
+    from lowfp.scaled import ScaledStats
+    module = sys.modules["lowfp.quantize"]
+    x = torch.randn(4, 32)
+    lowfp.quantize(x, "fp(4,3,4)", "stochastic")  # (remembered)
+    entry = module._EAGER[module._eager_key("fp(4,3,4)", "stochastic", None, None, 32, x, None, None)]
+    assert type(entry) is PreparedFormat
+
+    class Sub(torch.Tensor):
+        pass
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def call(request=entry.request, x=x, stats=None, seed=None, offset=0):
+        return _C.round_remembered(request, entry.dtype, x, stats, seed, offset, None)
+
+    state = torch.get_rng_state()
+    for args in (dict(request=object()), dict(request=lowfp.Format(4, 3, 4)), dict(x=x.as_subclass(Sub)),
+                 dict(x=x.clone().requires_grad_()), dict(x=x.t()), dict(x=x.to("meta")),
+                 dict(stats=ScaledStats()), dict(stats=lowfp.Stats("meta")), dict(seed=-1),
+                 dict(seed=2**64), dict(seed=1.0), dict(seed=True), dict(offset=-1), dict(offset=2**64)):
+        assert call(**args) is None, args
+    with Seen():
+        assert call() is None
+    assert torch.equal(torch.get_rng_state(), state)  # (nothing drawn)
+    with torch.no_grad():  # a tensor requiring grad, with nothing to record: taken
+        assert call(x=x.clone().requires_grad_(), seed=5) is not None
+    assert torch.equal(call(seed=5), lowfp.quantize(x, "fp(4,3,4)", "stochastic", seed=5))
 
 
 def test_seeds_and_offsets_of_repeated_calls_take_the_remembered_request(monkeypatch):

@@ -4,12 +4,13 @@
 // (None: a new tensor like x, as _memory.new_output makes it), adding its counts at the address
 // `counts` (0: none); the result, or None where the call does not take x (nothing was done).
 //
-// lowfp._C.round_remembered(request, dtype, x, stats, seed, offset): lowfp.quantize's remembered
-// call of a plain format (PreparedFormat.round with no out= or generator) in C, where x is a
+// lowfp._C.round_remembered(request, dtype, x, stats, seed, offset, out): lowfp.quantize's
+// remembered call of a plain format with no generator (PreparedFormat.round) in C, where x is a
 // plain, contiguous CPU tensor that runs_natively passes (no autograd to record, no mode or
 // transform that must see lowfp's operator), and stats is None or a lowfp.Stats on the CPU: x
-// rounded into a new tensor of `dtype`; None, with nothing drawn or written, for any other call
-// (the Python path decides it, or raises).
+// rounded into `out` (which the caller checked: quantize's _writable_in_one_call) or, for None, a
+// new tensor of `dtype`; None, with nothing drawn or written, for any other call (the Python
+// path decides it, or raises).
 //
 // A stochastic request draws its seed as lowfp._native.draw_seed_eager does, from the calling
 // thread's buffer (the same words and generator advance), unless the call gives `seed`.
@@ -121,12 +122,10 @@ py::object run_prepared(QuantizeCall call, PyObject* x, PyObject* x_dtype, PyObj
 
 // The QuantizeCall of request, a PreparedQuantize of this module; false for anything else.
 inline bool prepared_call(PyObject* request, QuantizeCall& call) {
-  try {
-    call = py::cast<const PreparedQuantize&>(py::handle(request)).call;
-    return true;
-  } catch (const py::cast_error&) {
-    return false;  // (another module's request)
-  }
+  const py::handle h(request);
+  if (!py::isinstance<PreparedQuantize>(h)) return false;  // (another module's: a CUDA request)
+  call = h.cast<const PreparedQuantize&>().call;
+  return true;
 }
 
 inline bool plain_tensor(PyObject* x) {
@@ -174,7 +173,7 @@ inline bool as_uint64(PyObject* v, uint64_t& r) {
 
 template <class Run>
 py::object round_remembered(PyObject* request, PyObject* dtype, PyObject* x, PyObject* stats, PyObject* seed_arg,
-                            PyObject* offset_arg, Run& run) {
+                            PyObject* offset_arg, PyObject* out, Run& run) {
   const Objects& o = objects();
   if (o.tensor == nullptr) throw std::runtime_error("lowfp._C.round_bound_setup was not called");
   QuantizeCall call;
@@ -194,8 +193,8 @@ py::object round_remembered(PyObject* request, PyObject* dtype, PyObject* x, PyO
   uint64_t seed = 0, offset = 0;
   if ((seed_arg != Py_None && !as_uint64(seed_arg, seed)) || !as_uint64(offset_arg, offset)) return py::none();
   py::object x_dtype = attr(x, o.dtype);
-  return run_prepared(call, x, x_dtype.ptr(), dtype, count_at, Py_None, seed_arg == Py_None ? nullptr : &seed,
-                      offset, run);
+  return run_prepared(call, x, x_dtype.ptr(), dtype, count_at, out, seed_arg == Py_None ? nullptr : &seed, offset,
+                      run);
 }
 
 template <class Run>
@@ -259,12 +258,12 @@ void def_bound_round(py::module_& mod, Run run) {
       {"round_remembered",
        reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(
            +[](PyObject*, PyObject* const* argv, Py_ssize_t argc) -> PyObject* {
-             if (argc != 6) {
-               PyErr_SetString(PyExc_TypeError, "round_remembered(request, dtype, x, stats, seed, offset)");
+             if (argc != 7) {
+               PyErr_SetString(PyExc_TypeError, "round_remembered(request, dtype, x, stats, seed, offset, out)");
                return nullptr;
              }
              try {
-               return round_remembered(argv[0], argv[1], argv[2], argv[3], argv[4], argv[5], kept)
+               return round_remembered(argv[0], argv[1], argv[2], argv[3], argv[4], argv[5], argv[6], kept)
                    .release()
                    .ptr();
              } catch (py::error_already_set& e) {
@@ -274,7 +273,7 @@ void def_bound_round(py::module_& mod, Run run) {
              }
              return nullptr;
            })),
-       METH_FASTCALL, "round_remembered(request, dtype, x, stats, seed, offset): quantize's remembered call"},
+       METH_FASTCALL, "round_remembered(request, dtype, x, stats, seed, offset, out): quantize's remembered call"},
       {nullptr, nullptr, 0, nullptr}};
   if (PyModule_AddFunctions(mod.ptr(), methods) < 0) throw py::error_already_set();
 }

@@ -279,11 +279,15 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
             entry = None
         if entry is not None:
             # (the common call of a plain format in C, where it takes it: _round_remembered's
-            # checks and call on a contiguous CPU x with no out= or generator)
-            y = (_round_remembered_in_c(entry.request, entry.dtype, x, stats, seed, offset)
-                 if out is None and generator is None and type(entry) is PreparedFormat else None)
-            if y is None:
-                y = _round_remembered(x, entry, stats, out, generator, seed, offset)
+            # checks and call on a contiguous CPU x with no generator)
+            if (generator is None and type(entry) is PreparedFormat
+                    and (out is None or _writable_in_one_call(x, out))):
+                y = _round_remembered_in_c(entry.request, entry.dtype, x, stats, seed, offset, out)
+                if y is not None:
+                    if out is not None:  # (as _round_remembered does)
+                        torch.autograd.graph.increment_version(out)
+                    return y
+            y = _round_remembered(x, entry, stats, out, generator, seed, offset)
             if y is not None:
                 return y
     if isinstance(x, np.floating):  # numpy scalar in, numpy scalar out (as numpy ufuncs do)
