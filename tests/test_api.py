@@ -645,17 +645,19 @@ def test_recorded_eager_calls_skip_the_dispatcher_with_the_operators_results_and
     """An eager call whose result autograd records (x requires grad; no mode, no torch.func
     transform) runs lowfp::quantize's implementation and formula through lowfp's own autograd
     Function, without the operator's Python autograd kernel: the operator's values, counts,
-    gradients (straight through or rounded, every mode) and generator draws, in any layout."""
+    gradients (straight through or rounded, every mode) and generator draws, in any layout; the
+    first call and the next, remembered one (no grad_fmt: the prepared rounding in the Function)."""
     x0 = torch.randn(3, 50) * 30
     x0[0, :2] = torch.tensor([1e9, 1e-9])
     cases = [dict(), dict(grad_fmt="fp(5,2,15)"), dict(out_dtype=torch.float64, grad_fmt="fp(5,2,15)"),
              dict(rounding="stochastic", grad_fmt="fp(5,2,0)", grad_rounding="stochastic"),
              dict(rounding="stochastic", seed=7, generator=None, grad_fmt=lowfp.S2FP8()),
-             dict(rounding="stochastic", generator=torch.Generator().manual_seed(4), offset=5)]
+             dict(rounding="stochastic", generator=torch.Generator().manual_seed(4), offset=5),
+             dict(rounding="stochastic", seed=2**64 - 1), dict(rounding="toward_zero", out_dtype=torch.float64)]
     for kwargs in cases:
         for layout in (lambda t: t, lambda t: t.t()):
             results = []
-            for mode in (None, _SeesOperators()):
+            for mode in (None, None, _SeesOperators()):
                 kw = {k: (v.clone_state() if isinstance(v, torch.Generator) else v) for k, v in kwargs.items()}
                 torch.manual_seed(11)
                 x = layout(x0).clone().requires_grad_()
@@ -667,8 +669,9 @@ def test_recorded_eager_calls_skip_the_dispatcher_with_the_operators_results_and
                 results.append((y.detach(), x.grad, stats.counts.clone(), torch.rand(1)))
                 if mode is not None:
                     assert "lowfp.quantize.default" in mode.seen
-            for a, b in zip(*results):
-                assert a.dtype == b.dtype and torch.equal(a.nan_to_num(), b.nan_to_num()), kwargs
+            for got in results[:2]:  # (first and remembered calls against the operator's)
+                for a, b in zip(got, results[2]):
+                    assert a.dtype == b.dtype and torch.equal(a.nan_to_num(), b.nan_to_num()), kwargs
 
 
 def test_eager_calls_skip_the_dispatcher_with_the_operators_bits():
@@ -861,9 +864,14 @@ def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_ch
     t = x.t()  # not contiguous: the layout path, same values
     assert torch.equal(lowfp.quantize(t, "fp(4,3,4)").view(torch.int32),
                        lowfp.quantize(x, "fp(4,3,4)").t().view(torch.int32))
-    w = x.clone().requires_grad_(True)  # autograd: through the operator, with a gradient
-    lowfp.quantize(w, "fp(4,3,4)").sum().backward()
+    assert taken == ["_round_remembered_in_c"]  # only the contiguous call
+    w = x.clone().requires_grad_(True)  # autograd: the prepared rounding in lowfp's Function
+    y = lowfp.quantize(w, "fp(4,3,4)")
+    assert "RecordedRounding" in type(y.grad_fn).__name__ and taken[-1] == "_round_remembered"
+    assert torch.equal(y.detach().view(torch.int32), lowfp.quantize(x, "fp(4,3,4)").view(torch.int32))
+    y.sum().backward()
     assert torch.equal(w.grad, torch.ones_like(x))
+    taken.clear()
     sparse = x.to_sparse()
     with pytest.raises(TypeError, match="dense"):
         lowfp.quantize(sparse, "fp(4,3,4)")
@@ -875,9 +883,9 @@ def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_ch
     assert fake.shape == x.shape
     with pytest.raises(ValueError, match="stats lives on"):
         lowfp.quantize(x, "fp(4,3,4)", stats=lowfp.Stats("meta"))
-    assert len(taken) == 1  # only the contiguous call
+    assert taken == []
     empty = torch.empty(0, 3)
-    assert lowfp.quantize(empty, "fp(4,3,4)").shape == (0, 3) and len(taken) == 2
+    assert lowfp.quantize(empty, "fp(4,3,4)").shape == (0, 3) and len(taken) == 1
     # out=: remembered by out's dtype; taken for a contiguous out apart from x or x itself
     want = lowfp.quantize(x, "fp(4,3,4)").view(torch.int32)
     for _ in range(2):

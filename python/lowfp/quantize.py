@@ -17,7 +17,7 @@ from ._native import (ALLOWED_DTYPES, DTYPE_CODES, NUMPY_TO_TORCH, ROUNDING_MODE
                       as_int64, call_seed, check_tensor_args, check_uint64, check_writable,
                       into_numpy_out, make_call, numpy_as_tensor, plan_rounding, records_natively,
                       eager_seed, format_args, prepared_request, round_dense, run_rounding,
-                      runs_natively, share_bytes, draw_buffer)
+                      runs_natively, share_bytes, draw_buffer, remembered_seed)
 from ._dtensor import is_dtensor, round_dtensor
 from ._prepared import Prepared, PreparedFormat, PreparedS2FP8
 from ._ops import s2fp8_stat_buffers
@@ -68,7 +68,9 @@ def round_tensor(x: torch.Tensor, fmt, rounding: str = "nearest", *, overflow=No
         # autograd formula without the dispatcher's round trip, whose Python autograd kernel
         # costs tens of microseconds a call (the same kernel, bits, counts and gradients).
         args = plan.native + (eager_seed(plan.rounding, seed, generator), offset & _U64)
-        return _recorded_apply(x, plan.dtype, args, plan.rounding != "stochastic", counts,
+        if grad_fmt is None and x.is_contiguous():  # (as below: the next such call is remembered)
+            _remember_eager(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dtype, plan)
+        return _recorded_apply(x, _round_natively, (None, plan.dtype, args, plan.rounding != "stochastic", counts),
                                plan.grad_fmt, plan.grad_rounding), None
     if not plan.s2fp8 and runs_natively(x, out):
         # Eager, plain tensors, nothing to record: the operator's own implementation, called
@@ -122,16 +124,18 @@ class _RecordedRounding(torch.autograd.Function):
     drawn from torch's default generator when backward runs, as the operator's formula draws it)."""
 
     @staticmethod
-    def forward(ctx, x, dtype, args, index_free, counts, grad_fmt, grad_rounding):
+    def forward(ctx, x, round_x, round_args, grad_fmt, grad_rounding):
+        """round_x(x, *round_args): the rounding, into a new tensor (_round_natively with the
+        plan's arguments, or a remembered call's Prepared.round with checked arguments)."""
         ctx.grad_rounding = (grad_fmt, grad_rounding)
-        return _round_natively(x, None, dtype, args, index_free, counts)
+        return round_x(x, *round_args)
 
     @staticmethod
     def backward(ctx, grad):
         grad_fmt, grad_rounding = ctx.grad_rounding
         if grad_fmt is not None:
             grad = quantize(grad, grad_fmt, grad_rounding)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None
 
 
 _recorded_apply = function_apply(_RecordedRounding)
@@ -182,12 +186,13 @@ def _remember(key: tuple, entry) -> None:
 _FULL_PATH = object()  # (_one_call_counts: this call cannot be one pointer call)
 
 
-def _one_call_counts(x: torch.Tensor, out, stats, stats_types: tuple):
+def _one_call_counts(x: torch.Tensor, out, stats, stats_types: tuple, recorded: bool = False):
     """The counts buffer of a remembered call (None without stats), or _FULL_PATH when the call
     needs the full path: a layout, mode, autograd or out= that one pointer call does not cover,
-    stats of another type than ``stats_types`` or on another device."""
+    stats of another type than ``stats_types`` or on another device. ``recorded``: a call whose
+    result autograd records (records_natively, checked by the caller)."""
     if not (x.layout is torch.strided and not x.is_nested and x.is_contiguous()
-            and runs_natively(x, out)):
+            and (recorded or runs_natively(x, out))):
         return _FULL_PATH
     if out is not None and not _writable_in_one_call(x, out):
         return _FULL_PATH
@@ -203,6 +208,14 @@ def _round_remembered(x: torch.Tensor, entry: Prepared, stats, out,
     """The rounding of a remembered call, or None when this call needs the full path (a layout,
     mode, autograd, out=, stats, seed or generator that the one pointer call does not cover, or
     an error to raise)."""
+    if out is None and type(entry) is PreparedFormat and records_natively(x):
+        # a result autograd records: the prepared rounding in lowfp's autograd Function (the
+        # gradient straight through: remembered calls have no grad_fmt)
+        counts = _one_call_counts(x, None, stats, entry.stats_types, recorded=True)
+        seed = None if counts is _FULL_PATH else remembered_seed(entry.stochastic, generator, seed)
+        if seed is None:
+            return None
+        return _recorded_apply(x, _round_prepared, (entry, stats, counts, seed, offset), None, "nearest")
     counts = _one_call_counts(x, out, stats, entry.stats_types)
     if counts is _FULL_PATH:
         return None
@@ -210,6 +223,13 @@ def _round_remembered(x: torch.Tensor, entry: Prepared, stats, out,
     if y is not None and out is not None:  # written through its pointer: tell autograd, as
         torch.autograd.graph.increment_version(out)  # torch's out= ops do
     return y
+
+
+def _round_prepared(x: torch.Tensor, entry: PreparedFormat, stats, counts, seed: int, offset: int) -> torch.Tensor:
+    """entry's rounding of x into a new tensor, its arguments checked by the caller (counts:
+    stats' buffer; seed: remembered_seed's): in C where it takes x, else entry.round."""
+    y = _round_remembered_in_c(entry.request, entry.dtype, x, stats, seed, offset, None)
+    return y if y is not None else entry.round(x, counts, None, None, seed, offset)
 
 
 def _writable_in_one_call(x: torch.Tensor, out: torch.Tensor) -> bool:
