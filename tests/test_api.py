@@ -950,6 +950,10 @@ def test_the_c_shortcut_hands_back_every_call_it_does_not_take():
     with torch.no_grad():  # a tensor requiring grad, with nothing to record: taken
         assert call(x=x.clone().requires_grad_(), seed=5) is not None
     assert torch.equal(call(seed=5), lowfp.quantize(x, "fp(4,3,4)", "stochastic", seed=5))
+    with pytest.raises(TypeError, match=r"round_remembered\(request"):  # (internal, but never a crash)
+        _C.round_remembered(entry.request, entry.dtype, x)
+    with pytest.raises(TypeError, match="requests must be a dict"):
+        _C.round_bound([], x, 0, None)
 
 
 def test_seeds_and_offsets_of_repeated_calls_take_the_remembered_request(monkeypatch):

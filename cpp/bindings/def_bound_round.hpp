@@ -143,6 +143,10 @@ template <class Run>
 py::object round_bound(PyObject* requests, PyObject* x, PyObject* counts, PyObject* out, Run& run) {
   const Objects& o = objects();
   if (o.tensor == nullptr) throw std::runtime_error("lowfp._C.round_bound_setup was not called");
+  if (!PyDict_Check(requests)) {
+    PyErr_SetString(PyExc_TypeError, "round_bound: requests must be a dict");
+    throw py::error_already_set();
+  }
   if (!plain_tensor(x)) return py::none();
   py::object dtype = attr(x, o.dtype);
   PyObject* request = PyDict_GetItemWithError(requests, dtype.ptr());
@@ -197,6 +201,24 @@ py::object round_remembered(PyObject* request, PyObject* dtype, PyObject* x, PyO
                       run);
 }
 
+// A METH_FASTCALL function's body: f()'s object as a new reference, or null with the Python error
+// set (a TypeError with `usage` for another argument count than `want`, else from what f threw).
+template <class F>
+PyObject* fastcall(Py_ssize_t argc, Py_ssize_t want, const char* usage, F&& f) {
+  if (argc != want) {
+    PyErr_SetString(PyExc_TypeError, usage);
+    return nullptr;
+  }
+  try {
+    return f().release().ptr();
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
 template <class Run>
 void def_bound_round(py::module_& mod, Run run) {
   mod.def("round_bound_setup", [](py::tuple plain_types, py::object stats_type, py::object backends,
@@ -237,41 +259,16 @@ void def_bound_round(py::module_& mod, Run run) {
       {"round_bound",
        reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(
            +[](PyObject*, PyObject* const* argv, Py_ssize_t argc) -> PyObject* {
-             if (argc != 4) {
-               PyErr_SetString(PyExc_TypeError, "round_bound(requests, x, counts, out)");
-               return nullptr;
-             }
-             if (!PyDict_Check(argv[0])) {
-               PyErr_SetString(PyExc_TypeError, "round_bound: requests must be a dict");
-               return nullptr;
-             }
-             try {
-               return round_bound(argv[0], argv[1], argv[2], argv[3], kept).release().ptr();
-             } catch (py::error_already_set& e) {
-               e.restore();
-             } catch (const std::exception& e) {
-               PyErr_SetString(PyExc_RuntimeError, e.what());
-             }
-             return nullptr;
+             return fastcall(argc, 4, "round_bound(requests, x, counts, out)",
+                             [&] { return round_bound(argv[0], argv[1], argv[2], argv[3], kept); });
            })),
        METH_FASTCALL, "round_bound(requests, x, counts, out): BoundRounder's native call"},
       {"round_remembered",
        reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(
            +[](PyObject*, PyObject* const* argv, Py_ssize_t argc) -> PyObject* {
-             if (argc != 7) {
-               PyErr_SetString(PyExc_TypeError, "round_remembered(request, dtype, x, stats, seed, offset, out)");
-               return nullptr;
-             }
-             try {
-               return round_remembered(argv[0], argv[1], argv[2], argv[3], argv[4], argv[5], argv[6], kept)
-                   .release()
-                   .ptr();
-             } catch (py::error_already_set& e) {
-               e.restore();
-             } catch (const std::exception& e) {
-               PyErr_SetString(PyExc_RuntimeError, e.what());
-             }
-             return nullptr;
+             return fastcall(argc, 7, "round_remembered(request, dtype, x, stats, seed, offset, out)", [&] {
+               return round_remembered(argv[0], argv[1], argv[2], argv[3], argv[4], argv[5], argv[6], kept);
+             });
            })),
        METH_FASTCALL, "round_remembered(request, dtype, x, stats, seed, offset, out): quantize's remembered call"},
       {nullptr, nullptr, 0, nullptr}};
