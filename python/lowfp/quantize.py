@@ -119,14 +119,15 @@ def _round_natively(x: torch.Tensor, out: Optional[torch.Tensor], dtype: torch.d
 
 class _RecordedRounding(torch.autograd.Function):
     """lowfp::quantize's implementation and autograd formula for an eager call that autograd
-    records (records_natively): forward, x rounded with the plan's native arguments; backward,
-    the gradient straight through, or rounded to grad_fmt with grad_rounding (its stochastic key
-    drawn from torch's default generator when backward runs, as the operator's formula draws it)."""
+    records (records_natively): forward, x rounded by the plan's native arguments or by a
+    remembered call's prepared rounding; backward, the gradient straight through, or rounded to
+    grad_fmt with grad_rounding (its stochastic key drawn from torch's default generator when
+    backward runs, as the operator's formula draws it)."""
 
     @staticmethod
     def forward(ctx, x, round_x, round_args, grad_fmt, grad_rounding):
         """round_x(x, *round_args): the rounding, into a new tensor (_round_natively with the
-        plan's arguments, or a remembered call's Prepared.round with checked arguments)."""
+        plan's arguments, or _round_prepared with a remembered call's checked arguments)."""
         ctx.grad_rounding = (grad_fmt, grad_rounding)
         return round_x(x, *round_args)
 
