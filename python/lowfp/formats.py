@@ -59,7 +59,7 @@ class Format:
     default: saturate for none/fn, inf for ieee and p3109, nan for fnuz).
     """
 
-    __slots__ = ("_key", "_info")
+    __slots__ = ("_key", "_hash", "_info")
 
     def __init__(self, e: int, m: int, b: int = 0, *, specials: str = "none",
                  subnormals: bool = True, overflow: Optional[str] = None):
@@ -71,6 +71,7 @@ class Format:
             overflow = DEFAULT_OVERFLOW[specials]
         check_choice(overflow, OVERFLOW_POLICIES, "overflow")
         self._key = (e, m, b, specials, subnormals, overflow)
+        self._hash = hash(self._key)  # (each remembered quantize call hashes its format)
         self._info = _format_info(e, m, b, specials, subnormals)
 
     # -- parameters -------------------------------------------------------------------------
@@ -163,7 +164,7 @@ class Format:
         return isinstance(other, Format) and other._key == self._key
 
     def __hash__(self) -> int:
-        return hash(self._key)
+        return self._hash
 
     def __str__(self) -> str:
         if self.name is not None:
