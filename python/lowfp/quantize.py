@@ -208,7 +208,7 @@ def _round_remembered(x: torch.Tensor, entry: Prepared, stats, out,
                       generator: Optional[torch.Generator], seed, offset: int) -> Optional[torch.Tensor]:
     """The rounding of a remembered call, or None when this call needs the full path (a layout,
     mode, autograd, out=, stats, seed or generator that the one pointer call does not cover, or
-    an error to raise)."""
+    an error to raise). The caller tells autograd about a write into ``out``."""
     if out is None and type(entry) is PreparedFormat and records_natively(x):
         # a result autograd records: the prepared rounding in lowfp's autograd Function (the
         # gradient straight through: remembered calls have no grad_fmt)
@@ -220,10 +220,7 @@ def _round_remembered(x: torch.Tensor, entry: Prepared, stats, out,
     counts = _one_call_counts(x, out, stats, entry.stats_types)
     if counts is _FULL_PATH:
         return None
-    y = entry.round(x, counts, generator, out, seed, offset)
-    if y is not None and out is not None:  # written through its pointer: tell autograd, as
-        torch.autograd.graph.increment_version(out)  # torch's out= ops do
-    return y
+    return entry.round(x, counts, generator, out, seed, offset)
 
 
 def _round_prepared(x: torch.Tensor, entry: PreparedFormat, stats, counts, seed: int, offset: int) -> torch.Tensor:
@@ -301,15 +298,14 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
         if entry is not None:
             # (the common call of a plain format in C, where it takes it: _round_remembered's
             # checks and call on a contiguous CPU x with no generator)
-            if (generator is None and type(entry) is PreparedFormat
-                    and (out is None or _writable_in_one_call(x, out))):
-                y = _round_remembered_in_c(entry.request, entry.dtype, x, stats, seed, offset, out)
-                if y is not None:
-                    if out is not None:  # (as _round_remembered does)
-                        torch.autograd.graph.increment_version(out)
-                    return y
-            y = _round_remembered(x, entry, stats, out, generator, seed, offset)
+            y = (_round_remembered_in_c(entry.request, entry.dtype, x, stats, seed, offset, out)
+                 if (generator is None and type(entry) is PreparedFormat
+                     and (out is None or _writable_in_one_call(x, out))) else None)
+            if y is None:
+                y = _round_remembered(x, entry, stats, out, generator, seed, offset)
             if y is not None:
+                if out is not None:  # written through its pointer: tell autograd, as torch's
+                    torch.autograd.graph.increment_version(out)  # out= ops do
                 return y
     if isinstance(x, np.floating):  # numpy scalar in, numpy scalar out (as numpy ufuncs do)
         if out is not None:
