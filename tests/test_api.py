@@ -706,19 +706,22 @@ def test_eager_calls_skip_the_dispatcher_with_the_operators_bits():
 def _spy_remembered(monkeypatch) -> list:
     """Empties lowfp.quantize's table of remembered calls and returns a list that gets the name
     of the function that rounds a remembered call (rather than handing it back): the Python
-    path, _round_remembered, or its shortcut in C, _round_remembered_in_c."""
+    path, _round_remembered; quantize's look-up in C, _quantize_remembered, where it rounds the
+    call itself (a tensor back, not the table's entry); or the C call of a prepared rounding
+    inside lowfp's autograd Function, _round_remembered_in_c."""
     import sys
     module = sys.modules["lowfp.quantize"]
     taken = []
-    def spy_on(name: str):
+    def spy_on(name: str, rounded=lambda y: y is not None):  # (None: this call needs the full path)
         original = getattr(module, name)
         def spy(*args):
             y = original(*args)
-            if y is not None:  # (None: this call needs the full path)
+            if rounded(y):
                 taken.append(name)
             return y
         monkeypatch.setattr(module, name, spy)
     spy_on("_round_remembered")
+    spy_on("_quantize_remembered", lambda y: type(y) is torch.Tensor)
     spy_on("_round_remembered_in_c")
     monkeypatch.setattr(module, "_EAGER", {})  # cold: nothing remembered from other tests
     return taken
@@ -834,16 +837,18 @@ def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_ch
             ((y0, o0, c0), r0, n0), ((y1, o1, c1), r1, n1), ((y2, o2, c2), r2, n2) = got
             assert (len(n0), len(n1), len(n2)) == (0, 1 if "out_dtype" in kwargs else 2, 0), (fmt, kwargs)
             if fmt != "s2fp8" and not isinstance(fmt, lowfp.S2FP8):  # (C takes a plain format's call)
-                assert set(n1) == {"_round_remembered_in_c"}, n1
+                assert set(n1) == {"_quantize_remembered"}, n1
             for y, o, c, r in ((y1, o1, c1, r1), (y2, o2, c2, r2)):
                 assert y.dtype == y0.dtype and torch.equal(y.view(torch.int8), y0.view(torch.int8))
                 assert torch.equal(o.view(torch.int8), o0.view(torch.int8)), (fmt, kwargs)
                 assert torch.equal(c, c0) and torch.equal(r, r0), (fmt, kwargs)
-    # a CPU generator: its draws, remembered or not (the operator's: the test above)
+    # a CPU generator: its draws, remembered (in C) or not (the operator's: the test above)
     draws = []
+    taken.clear()
     for _ in range(2):
         g = torch.Generator().manual_seed(9)
         draws.append((lowfp.quantize(x, "fp(4,3,4)", "stochastic", generator=g), g.get_state()))
+    assert taken == ["_quantize_remembered"] * 2  # (remembered by the cases above)
     bits = [d[0].view(torch.int32) for d in draws]
     assert torch.equal(bits[0], bits[1]) and torch.equal(draws[0][1], draws[1][1])
     g = torch.Generator().manual_seed(9)
@@ -864,7 +869,7 @@ def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_ch
     t = x.t()  # not contiguous: the layout path, same values
     assert torch.equal(lowfp.quantize(t, "fp(4,3,4)").view(torch.int32),
                        lowfp.quantize(x, "fp(4,3,4)").t().view(torch.int32))
-    assert taken == ["_round_remembered_in_c"]  # only the contiguous call
+    assert taken == ["_quantize_remembered"]  # only the contiguous call
     w = x.clone().requires_grad_(True)  # autograd: the prepared rounding in lowfp's Function
     y = lowfp.quantize(w, "fp(4,3,4)")
     assert "RecordedRounding" in type(y.grad_fn).__name__ and taken[-1] == "_round_remembered"
@@ -913,36 +918,45 @@ def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_ch
     assert len(taken) == 1
 
 
-def test_the_c_shortcut_hands_back_every_call_it_does_not_take():
+def test_the_c_shortcut_hands_back_every_call_it_does_not_take(monkeypatch):
     """lowfp._C.round_remembered answers None, drawing and writing nothing, for what the Python
     path must decide: another object than a CPU request, a tensor subclass, autograd, a mode,
-    a layout, stats of another type or device, a seed or offset out of range."""
+    a layout, stats of another type or device, a seed or offset out of range, a seed with a
+    generator, another generator type; quantize's look-up in C (quantize_remembered) answers
+    None for a call it cannot remember and the table's entry for one it does not round."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from lowfp import _C
     from lowfp._prepared import PreparedFormat
     from lowfp.scaled import ScaledStats
     module = sys.modules["lowfp.quantize"]
+    monkeypatch.setattr(module, "_EAGER", {})  # (nothing remembered from other tests)
     x = torch.randn(4, 32)
     lowfp.quantize(x, "fp(4,3,4)", "stochastic")  # (remembered)
-    entry = module._EAGER[module._eager_key("fp(4,3,4)", "stochastic", None, None, 32, x, None, None)]
+    key = module._eager_key("fp(4,3,4)", "stochastic", None, None, 32, x, None, None)
+    entry = module._EAGER[key]
     assert type(entry) is PreparedFormat
 
     class Sub(torch.Tensor):
+        pass
+
+    class SubGenerator(torch.Generator):
         pass
 
     class Seen(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
-    def call(request=entry.request, x=x, stats=None, seed=None, offset=0):
-        return _C.round_remembered(request, entry.dtype, x, stats, seed, offset, None)
+    def call(request=entry.request, x=x, stats=None, seed=None, generator=None, offset=0):
+        return _C.round_remembered(request, entry.dtype, x, stats, seed, generator, offset, None)
 
     state = torch.get_rng_state()
     for args in (dict(request=object()), dict(request=lowfp.Format(4, 3, 4)), dict(x=x.as_subclass(Sub)),
                  dict(x=x.clone().requires_grad_()), dict(x=x.t()), dict(x=x.to("meta")),
                  dict(stats=ScaledStats()), dict(stats=lowfp.Stats("meta")), dict(seed=-1),
-                 dict(seed=2**64), dict(seed=1.0), dict(seed=True), dict(offset=-1), dict(offset=2**64)):
+                 dict(seed=2**64), dict(seed=1.0), dict(seed=True), dict(offset=-1), dict(offset=2**64),
+                 dict(seed=1, generator=torch.Generator()), dict(generator=SubGenerator()),
+                 dict(generator=object())):
         assert call(**args) is None, args
     with Seen():
         assert call() is None
@@ -950,10 +964,40 @@ def test_the_c_shortcut_hands_back_every_call_it_does_not_take():
     with torch.no_grad():  # a tensor requiring grad, with nothing to record: taken
         assert call(x=x.clone().requires_grad_(), seed=5) is not None
     assert torch.equal(call(seed=5), lowfp.quantize(x, "fp(4,3,4)", "stochastic", seed=5))
+    g = torch.Generator().manual_seed(3)  # a CPU generator: drawn from, as draw_seed draws
+    want = lowfp.quantize(x, "fp(4,3,4)", "stochastic", seed=lowfp.draw_seed(torch.Generator().manual_seed(3)))
+    assert torch.equal(call(generator=g), want) and torch.equal(torch.get_rng_state(), state)
     with pytest.raises(TypeError, match=r"round_remembered\(request"):  # (internal, but never a crash)
         _C.round_remembered(entry.request, entry.dtype, x)
     with pytest.raises(TypeError, match="requests must be a dict"):
         _C.round_bound([], x, 0, None)
+
+    # quantize's look-up, in quantize's argument order
+    def look_up(x=x, fmt="fp(4,3,4)", seed=None, generator=None, offset=0, sr_bits=32, out=None,
+                grad_fmt=None, table=module._EAGER):
+        return _C.quantize_remembered(table, x, fmt, "stochastic", None, None, seed, generator, offset,
+                                      sr_bits, None, out, None, grad_fmt)
+    for args in (dict(x=x.as_subclass(Sub)), dict(x=x.numpy()), dict(x=x.tolist()),
+                 dict(out=torch.empty_like(x).as_subclass(Sub)), dict(generator=SubGenerator()),
+                 dict(offset=-1), dict(offset=2**64), dict(offset=True), dict(grad_fmt="bfloat16"),
+                 dict(sr_bits=[32]), dict(fmt="fp(4,3,5)"), dict(table={})):
+        assert look_up(**args) is None, args
+    assert look_up(seed=-1) is entry and look_up(x=x.t()) is entry  # (the Python path decides)
+    assert look_up(out=torch.empty(4, 31)) is None  # (no entry for this out= dtype yet)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(look_up(seed=5), want_5 := lowfp.quantize(x, "fp(4,3,4)", "stochastic", seed=5))
+    out = torch.empty_like(x)
+    lowfp.quantize(x, "fp(4,3,4)", "stochastic", seed=5, out=out)  # (remembers out='s dtype)
+    out_entry = module._EAGER[module._eager_key("fp(4,3,4)", "stochastic", None, None, 32, x, out, None)]
+    assert look_up(out=torch.empty(4, 31)) is out_entry  # (a shape that _writable_in_one_call refuses)
+    assert look_up(seed=5, out=out) is out and torch.equal(out, want_5)
+    with pytest.raises(TypeError, match=r"quantize_remembered\(table"):
+        _C.quantize_remembered(module._EAGER, x)
+    with pytest.raises(TypeError, match="table must be a dict"):
+        look_up(table=[])
+    assert module._eager_key("fp(4,3,4)", "stochastic", None, None, 32, x, None, None) == key
+    assert module._eager_key("fp(4,3,4)", "stochastic", None, None, True, x, None, None) != \
+        module._eager_key("fp(4,3,4)", "stochastic", None, None, 1, x, None, None)
 
 
 def test_seeds_and_offsets_of_repeated_calls_take_the_remembered_request(monkeypatch):

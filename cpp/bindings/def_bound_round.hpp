@@ -4,19 +4,30 @@
 // (None: a new tensor like x, as _memory.new_output makes it), adding its counts at the address
 // `counts` (0: none); the result, or None where the call does not take x (nothing was done).
 //
-// lowfp._C.round_remembered(request, dtype, x, stats, seed, offset, out): lowfp.quantize's
-// remembered call of a plain format with no generator (PreparedFormat.round) in C, where x is a
+// lowfp._C.round_remembered(request, dtype, x, stats, seed, generator, offset, out):
+// lowfp.quantize's remembered call of a plain format (PreparedFormat.round) in C, where x is a
 // plain, contiguous CPU tensor that runs_natively passes (no autograd to record, no mode or
-// transform that must see lowfp's operator), and stats is None or a lowfp.Stats on the CPU: x
-// rounded into `out` (which the caller checked: quantize's _writable_in_one_call) or, for None, a
-// new tensor of `dtype`; None, with nothing drawn or written, for any other call (the Python
-// path decides it, or raises).
+// transform that must see lowfp's operator), stats is None or a lowfp.Stats on the CPU, and the
+// seed comes from `seed` or a CPU generator (None: torch's default): x rounded into `out` (which
+// the caller checked: quantize's _writable_in_one_call) or, for None, a new tensor of `dtype`;
+// None, with nothing drawn or written, for any other call (the Python path decides it, or raises).
+//
+// lowfp._C.eager_key(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dtype): the key of
+// quantize's table of remembered calls (quantize._EAGER), from the arguments as the caller passed
+// them.
+//
+// lowfp._C.quantize_remembered(table, x, fmt, rounding, overflow, subnormals, seed, generator,
+// offset, sr_bits, stats, out, out_dtype, grad_fmt): lowfp.quantize's look-up of a remembered
+// call, with its arguments in quantize's order. None where the call cannot be remembered (x not a
+// plain tensor, out= not one, a generator that is not a torch.Generator, an offset outside
+// [0, 2^64), grad_fmt) or is not (its key is unhashable or absent); the result where
+// round_remembered takes it; else the table's entry, which the Python path runs.
 //
 // A stochastic request draws its seed as lowfp._native.draw_seed_eager does, from the calling
 // thread's buffer (the same words and generator advance), unless the call gives `seed`.
 //
-// lowfp._C.round_bound_setup(...) hands them, once, the Python objects they call (kept for the
-// process's life).
+// lowfp._C.round_bound_setup(**objects) hands them, once, the Python objects they call (kept for
+// the process's life); see def_bound_round for the names.
 #pragma once
 #include <Python.h>
 #include <pybind11/pybind11.h>
@@ -49,8 +60,12 @@ struct Objects {
   // operator: torch.is_grad_enabled is asked only of an x that requires grad
   PyObject* is_grad_enabled = nullptr;
   PyObject* unobserved[3] = {nullptr, nullptr, nullptr};  // function mode, dispatch stack, functorch
-  PyObject *dtype, *is_contiguous, *data_ptr, *numel, *element_size, *is_cpu, *is_nested, *layout,
-      *torch_threads, *requires_grad, *counts;
+  PyObject* generator_type = nullptr;        // torch.Generator
+  PyObject* prepared_format = nullptr;       // lowfp._prepared.PreparedFormat
+  PyObject* writable_in_one_call = nullptr;  // lowfp.quantize._writable_in_one_call(x, out)
+  PyObject* generator_keyword = nullptr;     // ("generator",): random_'s keyword
+  PyObject *dtype, *is_contiguous, *data_ptr, *numel, *element_size, *is_cpu, *is_cuda, *is_nested, *layout,
+      *torch_threads, *requires_grad, *counts, *request, *device, *type, *cpu;
 };
 
 inline Objects& objects() {
@@ -77,14 +92,21 @@ inline bool ready_on_cpu(PyObject* x) {
   return truth(PyObject_IsTrue(steal(PyObject_CallOneArg(o.ready_on_cpu, x)).ptr()));
 }
 
-// The seed of a stochastic call without one: torch's default CPU generator's next two words, as
-// lowfp._native.draw_seed_eager draws them (random_() into the thread's int64 buffer, the low 32
-// bits of each word).
-inline uint64_t draw_seed() {
-  py::object buffer = steal(PyObject_CallNoArgs(objects().draw_buffer));
+// The seed of a stochastic call without one: the next two words of `generator` (a CPU
+// torch.Generator, or None: torch's default), as lowfp._native.draw_seed_eager draws them
+// (random_() into the thread's int64 buffer, the low 32 bits of each word).
+inline uint64_t draw_seed(PyObject* generator) {
+  const Objects& o = objects();
+  py::object buffer = steal(PyObject_CallNoArgs(o.draw_buffer));
   if (!PyTuple_Check(buffer.ptr()) || PyTuple_GET_SIZE(buffer.ptr()) != 4)
     throw std::runtime_error("lowfp._native.draw_buffer must return (words, view, random_, address)");
-  steal(PyObject_CallNoArgs(PyTuple_GET_ITEM(buffer.ptr(), 2)));
+  PyObject* random_ = PyTuple_GET_ITEM(buffer.ptr(), 2);
+  if (generator == Py_None) {
+    steal(PyObject_CallNoArgs(random_));
+  } else {  // random_(generator=generator)
+    PyObject* args[2] = {nullptr, generator};
+    steal(PyObject_Vectorcall(random_, args + 1, 0 | PY_VECTORCALL_ARGUMENTS_OFFSET, o.generator_keyword));
+  }
   const auto* words = reinterpret_cast<const int64_t*>(
       as_int(py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(buffer.ptr(), 3))));
   return (uint64_t(words[0]) & 0xffffffffu) | ((uint64_t(words[1]) & 0xffffffffu) << 32);
@@ -92,10 +114,11 @@ inline uint64_t draw_seed() {
 
 // The prepared call on x (a plain tensor that ready_on_cpu passed, contiguous, checked by the
 // caller) into out (None: a new tensor of dtype, as _memory.new_output makes it), adding counts at
-// count_at (0: none), keyed by *seed (nullptr: drawn here when the call is stochastic).
+// count_at (0: none), keyed by *seed (nullptr: drawn here from `generator` when the call is
+// stochastic).
 template <class Run>
 py::object run_prepared(QuantizeCall call, PyObject* x, PyObject* x_dtype, PyObject* dtype, int64_t count_at,
-                        PyObject* out, const uint64_t* seed, uint64_t offset, Run& run) {
+                        PyObject* out, const uint64_t* seed, PyObject* generator, uint64_t offset, Run& run) {
   const Objects& o = objects();
   const int64_t n = as_int(steal(PyObject_CallMethodNoArgs(x, o.numel)));
   py::object y;
@@ -107,7 +130,7 @@ py::object run_prepared(QuantizeCall call, PyObject* x, PyObject* x_dtype, PyObj
     y = steal(PyObject_CallFunctionObjArgs(o.new_output, x, dtype, o.preserve_format, nullptr));
   }
   const bool stochastic = call.mode == Rounding::Stochastic;
-  call.seed = !stochastic ? 0 : seed != nullptr ? *seed : draw_seed();
+  call.seed = !stochastic ? 0 : seed != nullptr ? *seed : draw_seed(generator);
   call.offset = offset;
   call.x = reinterpret_cast<const void*>(as_int(steal(PyObject_CallMethodNoArgs(x, o.data_ptr))));
   call.y = reinterpret_cast<void*>(as_int(steal(PyObject_CallMethodNoArgs(y.ptr(), o.data_ptr))));
@@ -158,7 +181,7 @@ py::object round_bound(PyObject* requests, PyObject* x, PyObject* counts, PyObje
   QuantizeCall call;
   if (!prepared_call(request, call) || !contiguous_on_cpu(x)) return py::none();
   return run_prepared(call, x, dtype.ptr(), dtype.ptr(), as_int(py::reinterpret_borrow<py::object>(counts)), out,
-                      nullptr, 0, run);
+                      nullptr, Py_None, 0, run);
 }
 
 // Whether a call of no arguments answers false (or 0).
@@ -175,9 +198,16 @@ inline bool as_uint64(PyObject* v, uint64_t& r) {
   return true;
 }
 
+// Whether `generator` (a torch.Generator) draws on the CPU.
+inline bool cpu_generator(PyObject* generator) {
+  const Objects& o = objects();
+  py::object device = attr(generator, o.device);
+  return intercept::same_str(attr(device.ptr(), o.type).ptr(), o.cpu);
+}
+
 template <class Run>
 py::object round_remembered(PyObject* request, PyObject* dtype, PyObject* x, PyObject* stats, PyObject* seed_arg,
-                            PyObject* offset_arg, PyObject* out, Run& run) {
+                            PyObject* generator, PyObject* offset_arg, PyObject* out, Run& run) {
   const Objects& o = objects();
   if (o.tensor == nullptr) throw std::runtime_error("lowfp._C.round_bound_setup was not called");
   QuantizeCall call;
@@ -194,11 +224,65 @@ py::object round_remembered(PyObject* request, PyObject* dtype, PyObject* x, PyO
     if (attr(counts.ptr(), o.is_cpu).ptr() != Py_True) return py::none();
     count_at = as_int(steal(PyObject_CallMethodNoArgs(counts.ptr(), o.data_ptr)));
   }
+  // the seed as remembered_seed (lowfp._native) takes it: seed= alone, or drawn from a CPU generator
   uint64_t seed = 0, offset = 0;
-  if ((seed_arg != Py_None && !as_uint64(seed_arg, seed)) || !as_uint64(offset_arg, offset)) return py::none();
+  if (seed_arg != Py_None && (generator != Py_None || !as_uint64(seed_arg, seed))) return py::none();
+  if (generator != Py_None && (Py_TYPE(generator) != reinterpret_cast<PyTypeObject*>(o.generator_type) ||
+                               (call.mode == Rounding::Stochastic && !cpu_generator(generator))))
+    return py::none();
+  if (!as_uint64(offset_arg, offset)) return py::none();
   py::object x_dtype = attr(x, o.dtype);
-  return run_prepared(call, x, x_dtype.ptr(), dtype, count_at, out, seed_arg == Py_None ? nullptr : &seed, offset,
-                      run);
+  return run_prepared(call, x, x_dtype.ptr(), dtype, count_at, out, seed_arg == Py_None ? nullptr : &seed,
+                      generator, offset, run);
+}
+
+inline py::object eager_key(PyObject* fmt, PyObject* rounding, PyObject* overflow, PyObject* subnormals,
+                            PyObject* sr_bits, PyObject* x, PyObject* out, PyObject* out_dtype) {
+  const Objects& o = objects();
+  if (o.tensor == nullptr) throw std::runtime_error("lowfp._C.round_bound_setup was not called");
+  // The types too: True == 1 == 1.0 as keys, but only some of them pass the checks.
+  py::object x_dtype = attr(x, o.dtype), on_cuda = attr(x, o.is_cuda);
+  py::object out_of = out == Py_None ? py::none() : attr(out, o.dtype);
+  return steal(PyTuple_Pack(11, fmt, rounding, overflow, subnormals, reinterpret_cast<PyObject*>(Py_TYPE(subnormals)),
+                            sr_bits, reinterpret_cast<PyObject*>(Py_TYPE(sr_bits)), x_dtype.ptr(), on_cuda.ptr(),
+                            out_of.ptr(), out_dtype));
+}
+
+template <class Run>
+py::object quantize_remembered(PyObject* const* argv, Run& run) {
+  const Objects& o = objects();
+  if (o.tensor == nullptr) throw std::runtime_error("lowfp._C.round_bound_setup was not called");
+  PyObject *table = argv[0], *x = argv[1], *fmt = argv[2], *rounding = argv[3], *overflow = argv[4],
+           *subnormals = argv[5], *seed = argv[6], *generator = argv[7], *offset = argv[8], *sr_bits = argv[9],
+           *stats = argv[10], *out = argv[11], *out_dtype = argv[12], *grad_fmt = argv[13];
+  if (!PyDict_Check(table)) {
+    PyErr_SetString(PyExc_TypeError, "quantize_remembered: table must be a dict");
+    throw py::error_already_set();
+  }
+  const auto tensor = reinterpret_cast<PyTypeObject*>(o.tensor);
+  uint64_t offset_value = 0;
+  if (Py_TYPE(x) != tensor || (out != Py_None && Py_TYPE(out) != tensor) || grad_fmt != Py_None ||
+      (generator != Py_None && Py_TYPE(generator) != reinterpret_cast<PyTypeObject*>(o.generator_type)) ||
+      !as_uint64(offset, offset_value))
+    return py::none();
+  py::object key = eager_key(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dtype);
+  PyObject* entry = PyDict_GetItemWithError(table, key.ptr());
+  if (entry == nullptr) {
+    if (PyErr_Occurred()) {
+      if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();
+      PyErr_Clear();  // an unhashable argument (a list for sr_bits...): checked on each call
+    }
+    return py::none();
+  }
+  py::object found = py::reinterpret_borrow<py::object>(entry);
+  if (Py_TYPE(entry) == reinterpret_cast<PyTypeObject*>(o.prepared_format) &&
+      (out == Py_None || truth(PyObject_IsTrue(steal(PyObject_CallFunctionObjArgs(o.writable_in_one_call, x, out,
+                                                                                   nullptr)).ptr())))) {
+    py::object y = round_remembered(attr(entry, o.request).ptr(), attr(entry, o.dtype).ptr(), x, stats, seed,
+                                    generator, offset, out, run);
+    if (!y.is_none()) return y;
+  }
+  return found;
 }
 
 // A METH_FASTCALL function's body: f()'s object as a new reference, or null with the Python error
@@ -221,31 +305,46 @@ PyObject* fastcall(Py_ssize_t argc, Py_ssize_t want, const char* usage, F&& f) {
 
 template <class Run>
 void def_bound_round(py::module_& mod, Run run) {
-  mod.def("round_bound_setup", [](py::tuple plain_types, py::object stats_type, py::object backends,
-                                  py::object get_num_threads, py::object strided, py::object empty_like,
-                                  py::object new_output, int64_t min_bytes, py::object preserve_format,
-                                  py::object draw_buffer, py::object is_grad_enabled, py::tuple unobserved) {
-    if (plain_types.size() != 2) throw std::invalid_argument("plain_types: (Tensor, Parameter)");
+  // The objects, by name: tensor, parameter (the plain tensor types), stats_type (lowfp.Stats),
+  // backends (lowfp.backends), get_num_threads, strided, empty_like, new_output, min_bytes,
+  // preserve_format, draw_buffer, is_grad_enabled, unobserved (the function mode's, dispatch
+  // stack's and functorch's no-argument checks), generator_type, prepared_format,
+  // writable_in_one_call.
+  mod.def("round_bound_setup", [](py::kwargs given) {
+    auto take = [&given](const char* name) {
+      if (!given.contains(name)) throw std::invalid_argument(std::string("round_bound_setup: no ") + name + "=");
+      py::object v = given[name];
+      PyDict_DelItemString(given.ptr(), name);
+      return v.release().ptr();  // (kept for the process's life)
+    };
+    Objects o;  // (published whole, below, once every name was given)
+    o.tensor = take("tensor");
+    o.parameter = take("parameter");
+    o.stats_type = take("stats_type");
+    o.backends = take("backends");
+    o.ready_on_cpu = attr(o.backends, intercept::intern("ready_on_cpu")).release().ptr();
+    o.get_num_threads = take("get_num_threads");
+    o.strided = take("strided");
+    o.empty_like = take("empty_like");
+    o.new_output = take("new_output");
+    o.min_bytes = as_int(py::reinterpret_steal<py::object>(take("min_bytes")));
+    o.preserve_format = take("preserve_format");
+    o.draw_buffer = take("draw_buffer");
+    o.is_grad_enabled = take("is_grad_enabled");
+    py::tuple unobserved = py::reinterpret_steal<py::object>(take("unobserved"));
     if (unobserved.size() != 3) throw std::invalid_argument("unobserved: three functions of no arguments");
-    Objects& o = objects();
-    o.tensor = py::object(plain_types[0]).release().ptr();
-    o.parameter = py::object(plain_types[1]).release().ptr();
-    o.stats_type = stats_type.inc_ref().ptr();
-    o.backends = backends.inc_ref().ptr();
-    o.ready_on_cpu = py::object(backends.attr("ready_on_cpu")).release().ptr();
-    o.get_num_threads = get_num_threads.inc_ref().ptr();
-    o.strided = strided.inc_ref().ptr();
+    for (int i = 0; i < 3; ++i) o.unobserved[i] = py::object(unobserved[i]).release().ptr();
+    o.generator_type = take("generator_type");
+    o.prepared_format = take("prepared_format");
+    o.writable_in_one_call = take("writable_in_one_call");
+    if (PyDict_Size(given.ptr()) != 0)
+      throw std::invalid_argument("round_bound_setup: unknown " + py::str(py::list(given)).cast<std::string>());
+    o.generator_keyword = py::make_tuple("generator").release().ptr();
     o.is_cpu = intercept::intern("is_cpu");
+    o.is_cuda = intercept::intern("is_cuda");
     o.is_nested = intercept::intern("is_nested");
     o.layout = intercept::intern("layout");
     o.torch_threads = intercept::intern("_torch_threads");
-    o.empty_like = empty_like.inc_ref().ptr();
-    o.new_output = new_output.inc_ref().ptr();
-    o.preserve_format = preserve_format.inc_ref().ptr();
-    o.min_bytes = min_bytes;
-    o.draw_buffer = draw_buffer.inc_ref().ptr();
-    o.is_grad_enabled = is_grad_enabled.inc_ref().ptr();
-    for (int i = 0; i < 3; ++i) o.unobserved[i] = py::object(unobserved[i]).release().ptr();
     o.dtype = intercept::intern("dtype");
     o.is_contiguous = intercept::intern("is_contiguous");
     o.data_ptr = intercept::intern("data_ptr");
@@ -253,6 +352,11 @@ void def_bound_round(py::module_& mod, Run run) {
     o.element_size = intercept::intern("element_size");
     o.requires_grad = intercept::intern("requires_grad");
     o.counts = intercept::intern("counts");
+    o.request = intercept::intern("request");
+    o.device = intercept::intern("device");
+    o.type = intercept::intern("type");
+    o.cpu = intercept::intern("cpu");
+    objects() = o;
   });
   static Run kept = run;
   static PyMethodDef methods[] = {
@@ -266,11 +370,32 @@ void def_bound_round(py::module_& mod, Run run) {
       {"round_remembered",
        reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(
            +[](PyObject*, PyObject* const* argv, Py_ssize_t argc) -> PyObject* {
-             return fastcall(argc, 7, "round_remembered(request, dtype, x, stats, seed, offset, out)", [&] {
-               return round_remembered(argv[0], argv[1], argv[2], argv[3], argv[4], argv[5], argv[6], kept);
+             return fastcall(argc, 8, "round_remembered(request, dtype, x, stats, seed, generator, offset, out)", [&] {
+               return round_remembered(argv[0], argv[1], argv[2], argv[3], argv[4], argv[5], argv[6], argv[7],
+                                       kept);
              });
            })),
-       METH_FASTCALL, "round_remembered(request, dtype, x, stats, seed, offset, out): quantize's remembered call"},
+       METH_FASTCALL,
+       "round_remembered(request, dtype, x, stats, seed, generator, offset, out): quantize's remembered call"},
+      {"eager_key",
+       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(
+           +[](PyObject*, PyObject* const* argv, Py_ssize_t argc) -> PyObject* {
+             return fastcall(argc, 8, "eager_key(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dtype)",
+                             [&] {
+                               return eager_key(argv[0], argv[1], argv[2], argv[3], argv[4], argv[5], argv[6],
+                                                argv[7]);
+                             });
+           })),
+       METH_FASTCALL, "eager_key(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dtype): a table key"},
+      {"quantize_remembered",
+       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(
+           +[](PyObject*, PyObject* const* argv, Py_ssize_t argc) -> PyObject* {
+             return fastcall(argc, 14,
+                             "quantize_remembered(table, x, fmt, rounding, overflow, subnormals, seed, generator, "
+                             "offset, sr_bits, stats, out, out_dtype, grad_fmt)",
+                             [&] { return quantize_remembered(argv, kept); });
+           })),
+       METH_FASTCALL, "quantize_remembered(table, x, fmt, ...): quantize's look-up of a remembered call"},
       {nullptr, nullptr, 0, nullptr}};
   if (PyModule_AddFunctions(mod.ptr(), methods) < 0) throw py::error_already_set();
 }

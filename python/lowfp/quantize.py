@@ -143,17 +143,12 @@ _recorded_apply = function_apply(_RecordedRounding)
 
 
 # The eager calls that are one pointer call (a contiguous plain tensor, a contiguous out= or none,
-# no grad_fmt, a CPU generator or none), by the arguments as the caller passed them (_eager_key;
-# seed and offset are each call's own): such a call skips the argument checks and the plan lookup.
+# no grad_fmt, a CPU generator or none), by the arguments as the caller passed them (_eager_key,
+# in C: lowfp._C.eager_key; seed and offset are each call's own): such a call skips the argument
+# checks and the plan lookup (quantize's look-up: lowfp._C.quantize_remembered).
 _EAGER: Dict[tuple, Prepared] = {}
 _is_compiling = torch.compiler.is_compiling
-
-
-def _eager_key(fmt, rounding, overflow, subnormals, sr_bits, x: torch.Tensor, out,
-               out_dtype) -> tuple:
-    # The types too: True == 1 == 1.0 as keys, but only some of them pass the checks.
-    return (fmt, rounding, overflow, subnormals, type(subnormals), sr_bits, type(sr_bits), x.dtype,
-            x.is_cuda, None if out is None else out.dtype, out_dtype)
+_eager_key = _C.eager_key
 
 
 def _remember_eager(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dtype, plan) -> None:
@@ -226,7 +221,7 @@ def _round_remembered(x: torch.Tensor, entry: Prepared, stats, out,
 def _round_prepared(x: torch.Tensor, entry: PreparedFormat, stats, counts, seed: int, offset: int) -> torch.Tensor:
     """entry's rounding of x into a new tensor, its arguments checked by the caller (counts:
     stats' buffer; seed: remembered_seed's): in C where it takes x, else entry.round."""
-    y = _round_remembered_in_c(entry.request, entry.dtype, x, stats, seed, offset, None)
+    y = _round_remembered_in_c(entry.request, entry.dtype, x, stats, seed, None, offset, None)
     return y if y is not None else entry.round(x, counts, None, None, seed, offset)
 
 
@@ -286,23 +281,14 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
         grad_fmt, grad_rounding: the gradient passes straight through, or is rounded to
             ``grad_fmt`` with ``grad_rounding`` when given.
     """
-    if (type(x) is torch.Tensor and (out is None or type(out) is torch.Tensor)
-            and (generator is None or type(generator) is torch.Generator)
-            and type(offset) is int and 0 <= offset <= _U64 and grad_fmt is None
-            and not _is_compiling()):  # see _EAGER (whose keys a tracing Dynamo may not hash)
-        try:
-            entry = _EAGER.get(_eager_key(fmt, rounding, overflow, subnormals, sr_bits, x, out,
-                                          out_dtype))
-        except TypeError:  # an unhashable argument
-            entry = None
-        if entry is not None:
-            # (the common call of a plain format in C, where it takes it: _round_remembered's
-            # checks and call on a contiguous CPU x with no generator)
-            y = (_round_remembered_in_c(entry.request, entry.dtype, x, stats, seed, offset, out)
-                 if (generator is None and type(entry) is PreparedFormat
-                     and (out is None or _writable_in_one_call(x, out))) else None)
-            if y is None:
-                y = _round_remembered(x, entry, stats, out, generator, seed, offset)
+    if not _is_compiling():  # see _EAGER (whose keys a tracing Dynamo may not hash)
+        # a remembered call: rounded in C where it takes it (a plain format on a contiguous CPU
+        # x: _round_remembered's checks and call), else its table entry for the Python path
+        found = _quantize_remembered(_EAGER, x, fmt, rounding, overflow, subnormals, seed, generator,
+                                     offset, sr_bits, stats, out, out_dtype, grad_fmt)
+        if found is not None:
+            y = found if type(found) is torch.Tensor else _round_remembered(
+                x, found, stats, out, generator, seed, offset)
             if y is not None:
                 if out is not None:  # written through its pointer: tell autograd, as torch's
                     torch.autograd.graph.increment_version(out)  # out= ops do
@@ -485,12 +471,18 @@ class Rounder:
 # quantize's remembered call of a plain format, the same checks and call in C where they take it
 # (runs_natively's, PreparedFormat.round's on a contiguous CPU x, a Stats on the CPU); a stochastic
 # request draws its seed as draw_seed_eager does, from the thread's draw_buffer.
-_C.round_bound_setup(PLAIN_TYPES, Stats, backends, torch.get_num_threads, torch.strided, torch.empty_like,
-                     new_output, _MIN_BYTES, torch.preserve_format, draw_buffer, torch.is_grad_enabled,
-                     (torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack,
-                      torch._C._are_functorch_transforms_active))
+_C.round_bound_setup(
+    tensor=torch.Tensor, parameter=torch.nn.Parameter, stats_type=Stats, backends=backends,
+    get_num_threads=torch.get_num_threads, strided=torch.strided, empty_like=torch.empty_like,
+    new_output=new_output, min_bytes=_MIN_BYTES, preserve_format=torch.preserve_format,
+    draw_buffer=draw_buffer, is_grad_enabled=torch.is_grad_enabled,
+    unobserved=(torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack,
+                torch._C._are_functorch_transforms_active),
+    generator_type=torch.Generator, prepared_format=PreparedFormat,
+    writable_in_one_call=_writable_in_one_call)
 _round_bound = _C.round_bound
 _round_remembered_in_c = _C.round_remembered
+_quantize_remembered = _C.quantize_remembered
 
 
 class BoundRounder:
