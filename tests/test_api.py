@@ -641,12 +641,14 @@ def test_eager_scaled_calls_skip_the_dispatcher_with_the_operators_bits(fmt):
             assert torch.equal(a, b), (fmt, kwargs)
 
 
-def test_recorded_eager_calls_skip_the_dispatcher_with_the_operators_results_and_gradients():
+def test_recorded_eager_calls_skip_the_dispatcher_with_the_operators_results_and_gradients(monkeypatch):
     """An eager call whose result autograd records (x requires grad; no mode, no torch.func
     transform) runs lowfp::quantize's implementation and formula through lowfp's own autograd
     Function, without the operator's Python autograd kernel: the operator's values, counts,
     gradients (straight through or rounded, every mode) and generator draws, in any layout; the
-    first call and the next, remembered one (no grad_fmt: the prepared rounding in the Function)."""
+    first call and the next, remembered one (no grad_fmt: the prepared rounding in the Function,
+    set up in C for a contiguous x)."""
+    taken = _spy_remembered(monkeypatch)
     x0 = torch.randn(3, 50) * 30
     x0[0, :2] = torch.tensor([1e9, 1e-9])
     cases = [dict(), dict(grad_fmt="fp(5,2,15)"), dict(out_dtype=torch.float64, grad_fmt="fp(5,2,15)"),
@@ -655,16 +657,21 @@ def test_recorded_eager_calls_skip_the_dispatcher_with_the_operators_results_and
              dict(rounding="stochastic", generator=torch.Generator().manual_seed(4), offset=5),
              dict(rounding="stochastic", seed=2**64 - 1), dict(rounding="toward_zero", out_dtype=torch.float64)]
     for kwargs in cases:
-        for layout in (lambda t: t, lambda t: t.t()):
+        for contiguous, layout in ((True, lambda t: t), (False, lambda t: t.t())):
             results = []
-            for mode in (None, None, _SeesOperators()):
+            sys.modules["lowfp.quantize"]._EAGER.clear()  # (the first call cold)
+            for call, mode in enumerate((None, None, _SeesOperators())):
                 kw = {k: (v.clone_state() if isinstance(v, torch.Generator) else v) for k, v in kwargs.items()}
                 torch.manual_seed(11)
                 x = layout(x0).clone().requires_grad_()
                 stats = lowfp.Stats()
+                taken.clear()
                 with mode if mode is not None else contextlib.nullcontext():
                     y = lowfp.quantize(x, "fp(4,3,4)", stats=stats, **kw)
                     assert ("RecordedRounding" in type(y.grad_fn).__name__) == (mode is None)
+                    remembered_in_c = call == 1 and contiguous and "grad_fmt" not in kwargs
+                    assert taken == (["_round_remembered_in_c", "_quantize_remembered"] if remembered_in_c
+                                     else []), (kwargs, contiguous, call, taken)
                     y.backward(torch.linspace(-3e4, 3e4, y.numel(), dtype=y.dtype).reshape(y.shape))
                 results.append((y.detach(), x.grad, stats.counts.clone(), torch.rand(1)))
                 if mode is not None:
@@ -707,8 +714,8 @@ def _spy_remembered(monkeypatch) -> list:
     """Empties lowfp.quantize's table of remembered calls and returns a list that gets the name
     of the function that rounds a remembered call (rather than handing it back): the Python
     path, _round_remembered; quantize's look-up in C, _quantize_remembered, where it rounds the
-    call itself (a tensor back, not the table's entry); or the C call of a prepared rounding
-    inside lowfp's autograd Function, _round_remembered_in_c."""
+    call itself or sets up lowfp's autograd Function around it (a tensor back, not the table's
+    entry); or the C call of a prepared rounding inside that Function, _round_remembered_in_c."""
     import sys
     module = sys.modules["lowfp.quantize"]
     taken = []
@@ -872,7 +879,8 @@ def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_ch
     assert taken == ["_quantize_remembered"]  # only the contiguous call
     w = x.clone().requires_grad_(True)  # autograd: the prepared rounding in lowfp's Function
     y = lowfp.quantize(w, "fp(4,3,4)")
-    assert "RecordedRounding" in type(y.grad_fn).__name__ and taken[-1] == "_round_remembered"
+    assert "RecordedRounding" in type(y.grad_fn).__name__
+    assert taken[-2:] == ["_round_remembered_in_c", "_quantize_remembered"]  # (inside the Function first)
     assert torch.equal(y.detach().view(torch.int32), lowfp.quantize(x, "fp(4,3,4)").view(torch.int32))
     y.sum().backward()
     assert torch.equal(w.grad, torch.ones_like(x))
@@ -991,6 +999,15 @@ def test_the_c_shortcut_hands_back_every_call_it_does_not_take(monkeypatch):
     out_entry = module._EAGER[module._eager_key("fp(4,3,4)", "stochastic", None, None, 32, x, out, None)]
     assert look_up(out=torch.empty(4, 31)) is out_entry  # (a shape that _writable_in_one_call refuses)
     assert look_up(seed=5, out=out) is out and torch.equal(out, want_5)
+    # x requiring grad: lowfp's autograd Function around the prepared rounding, same checks
+    w = x.clone().requires_grad_()
+    recorded = look_up(x=w, seed=5)
+    assert "RecordedRounding" in type(recorded.grad_fn).__name__ and torch.equal(recorded.detach(), want_5)
+    with Seen():
+        assert look_up(x=w, seed=5) is entry
+    assert look_up(x=w.t(), seed=5) is entry and look_up(x=w, seed=-1) is entry
+    assert look_up(x=w, out=out) is out_entry  # (out= does not record: the Python path raises)
+    assert torch.equal(torch.get_rng_state(), state)
     with pytest.raises(TypeError, match=r"quantize_remembered\(table"):
         _C.quantize_remembered(module._EAGER, x)
     with pytest.raises(TypeError, match="table must be a dict"):

@@ -21,7 +21,9 @@
 // call, with its arguments in quantize's order. None where the call cannot be remembered (x not a
 // plain tensor, out= not one, a generator that is not a torch.Generator, an offset outside
 // [0, 2^64), grad_fmt) or is not (its key is unhashable or absent); the result where
-// round_remembered takes it; else the table's entry, which the Python path runs.
+// round_remembered takes it, or, for an x whose result autograd records (no out=), the same checks
+// and lowfp's autograd Function around the prepared rounding; else the table's entry, which the
+// Python path runs.
 //
 // A stochastic request draws its seed as lowfp._native.draw_seed_eager does, from the calling
 // thread's buffer (the same words and generator advance), unless the call gives `seed`.
@@ -64,6 +66,9 @@ struct Objects {
   PyObject* prepared_format = nullptr;       // lowfp._prepared.PreparedFormat
   PyObject* writable_in_one_call = nullptr;  // lowfp.quantize._writable_in_one_call(x, out)
   PyObject* generator_keyword = nullptr;     // ("generator",): random_'s keyword
+  PyObject* recorded_apply = nullptr;        // lowfp.quantize._recorded_apply
+  PyObject* round_prepared = nullptr;        // lowfp.quantize._round_prepared
+  PyObject* nearest = nullptr;               // "nearest"
   PyObject *dtype, *is_contiguous, *data_ptr, *numel, *element_size, *is_cpu, *is_cuda, *is_nested, *layout,
       *torch_threads, *requires_grad, *counts, *request, *device, *type, *cpu;
 };
@@ -205,35 +210,73 @@ inline bool cpu_generator(PyObject* generator) {
   return intercept::same_str(attr(device.ptr(), o.type).ptr(), o.cpu);
 }
 
+// A remembered call's arguments past x, checked as the Python path's remembered calls check them.
+struct RememberedArgs {
+  QuantizeCall call;
+  bool recorded = false;  // x requires grad and grad mode is on: lowfp's autograd Function records it
+  py::object counts;      // stats.counts (None: no stats)
+  int64_t count_at = 0;   // its address (0: none)
+  bool has_seed = false;  // seed= given (else drawn from the generator, where stochastic)
+  uint64_t seed = 0, offset = 0;
+};
+
+// Whether x, a plain contiguous CPU tensor, and the rest of a call of request take the C path:
+// nothing that must see lowfp's operator (a mode or functorch transform; autograd sets
+// a.recorded: records_natively rather than runs_natively), stats None or a Stats on the CPU, and
+// the seed as remembered_seed (lowfp._native) takes it: seed= alone, or drawn from a CPU
+// generator (None: torch's default).
+inline bool remembered_args(PyObject* request, PyObject* x, PyObject* stats, PyObject* seed_arg, PyObject* generator,
+                            PyObject* offset_arg, RememberedArgs& a) {
+  const Objects& o = objects();
+  if (o.tensor == nullptr) throw std::runtime_error("lowfp._C.round_bound_setup was not called");
+  if (!plain_tensor(x) || !prepared_call(request, a.call)) return false;
+  a.recorded = attr(x, o.requires_grad).ptr() == Py_True && !answers_no(o.is_grad_enabled);
+  for (PyObject* fn : o.unobserved)
+    if (!answers_no(fn)) return false;
+  if (!contiguous_on_cpu(x)) return false;
+  a.counts = py::none();
+  if (stats != Py_None) {
+    if (Py_TYPE(stats) != reinterpret_cast<PyTypeObject*>(o.stats_type)) return false;
+    a.counts = attr(stats, o.counts);
+    if (attr(a.counts.ptr(), o.is_cpu).ptr() != Py_True) return false;
+    a.count_at = as_int(steal(PyObject_CallMethodNoArgs(a.counts.ptr(), o.data_ptr)));
+  }
+  a.has_seed = seed_arg != Py_None;
+  if (a.has_seed && (generator != Py_None || !as_uint64(seed_arg, a.seed))) return false;
+  if (generator != Py_None && (Py_TYPE(generator) != reinterpret_cast<PyTypeObject*>(o.generator_type) ||
+                               (a.call.mode == Rounding::Stochastic && !cpu_generator(generator))))
+    return false;
+  return as_uint64(offset_arg, a.offset);
+}
+
+// The checked call (not recorded) run into out (None: a new tensor of dtype).
+template <class Run>
+py::object run_remembered(const RememberedArgs& a, PyObject* dtype, PyObject* x, PyObject* generator, PyObject* out,
+                          Run& run) {
+  py::object x_dtype = attr(x, objects().dtype);
+  return run_prepared(a.call, x, x_dtype.ptr(), dtype, a.count_at, out, a.has_seed ? &a.seed : nullptr, generator,
+                      a.offset, run);
+}
+
 template <class Run>
 py::object round_remembered(PyObject* request, PyObject* dtype, PyObject* x, PyObject* stats, PyObject* seed_arg,
                             PyObject* generator, PyObject* offset_arg, PyObject* out, Run& run) {
+  RememberedArgs a;
+  if (!remembered_args(request, x, stats, seed_arg, generator, offset_arg, a) || a.recorded) return py::none();
+  return run_remembered(a, dtype, x, generator, out, run);
+}
+
+// A checked call whose result autograd records (no out=), as _round_remembered makes it:
+// _recorded_apply(x, _round_prepared, (entry, stats, counts, seed, offset), None, "nearest"), the
+// seed drawn here.
+inline py::object record_remembered(const RememberedArgs& a, PyObject* entry, PyObject* x, PyObject* stats,
+                                    PyObject* generator) {
   const Objects& o = objects();
-  if (o.tensor == nullptr) throw std::runtime_error("lowfp._C.round_bound_setup was not called");
-  QuantizeCall call;
-  if (!plain_tensor(x) || !prepared_call(request, call)) return py::none();
-  // runs_natively: no autograd to record, nothing that must see the operator
-  if (attr(x, o.requires_grad).ptr() == Py_True && !answers_no(o.is_grad_enabled)) return py::none();
-  for (PyObject* fn : o.unobserved)
-    if (!answers_no(fn)) return py::none();
-  if (!contiguous_on_cpu(x)) return py::none();
-  int64_t count_at = 0;
-  if (stats != Py_None) {
-    if (Py_TYPE(stats) != reinterpret_cast<PyTypeObject*>(o.stats_type)) return py::none();
-    py::object counts = attr(stats, o.counts);
-    if (attr(counts.ptr(), o.is_cpu).ptr() != Py_True) return py::none();
-    count_at = as_int(steal(PyObject_CallMethodNoArgs(counts.ptr(), o.data_ptr)));
-  }
-  // the seed as remembered_seed (lowfp._native) takes it: seed= alone, or drawn from a CPU generator
-  uint64_t seed = 0, offset = 0;
-  if (seed_arg != Py_None && (generator != Py_None || !as_uint64(seed_arg, seed))) return py::none();
-  if (generator != Py_None && (Py_TYPE(generator) != reinterpret_cast<PyTypeObject*>(o.generator_type) ||
-                               (call.mode == Rounding::Stochastic && !cpu_generator(generator))))
-    return py::none();
-  if (!as_uint64(offset_arg, offset)) return py::none();
-  py::object x_dtype = attr(x, o.dtype);
-  return run_prepared(call, x, x_dtype.ptr(), dtype, count_at, out, seed_arg == Py_None ? nullptr : &seed,
-                      generator, offset, run);
+  const uint64_t seed = a.call.mode != Rounding::Stochastic ? 0 : a.has_seed ? a.seed : draw_seed(generator);
+  py::object args = steal(Py_BuildValue("(OOOKK)", entry, stats, a.counts.ptr(), static_cast<unsigned long long>(seed),
+                                        static_cast<unsigned long long>(a.offset)));
+  return steal(PyObject_CallFunctionObjArgs(o.recorded_apply, x, o.round_prepared, args.ptr(), Py_None, o.nearest,
+                                            nullptr));
 }
 
 inline py::object eager_key(PyObject* fmt, PyObject* rounding, PyObject* overflow, PyObject* subnormals,
@@ -275,12 +318,16 @@ py::object quantize_remembered(PyObject* const* argv, Run& run) {
     return py::none();
   }
   py::object found = py::reinterpret_borrow<py::object>(entry);
+  RememberedArgs a;
   if (Py_TYPE(entry) == reinterpret_cast<PyTypeObject*>(o.prepared_format) &&
-      (out == Py_None || truth(PyObject_IsTrue(steal(PyObject_CallFunctionObjArgs(o.writable_in_one_call, x, out,
-                                                                                   nullptr)).ptr())))) {
-    py::object y = round_remembered(attr(entry, o.request).ptr(), attr(entry, o.dtype).ptr(), x, stats, seed,
-                                    generator, offset, out, run);
-    if (!y.is_none()) return y;
+      remembered_args(attr(entry, o.request).ptr(), x, stats, seed, generator, offset, a)) {
+    if (a.recorded) {
+      if (out == Py_None) return record_remembered(a, entry, x, stats, generator);
+    } else if (out == Py_None || truth(PyObject_IsTrue(
+                                     steal(PyObject_CallFunctionObjArgs(o.writable_in_one_call, x, out, nullptr))
+                                         .ptr()))) {
+      return run_remembered(a, attr(entry, o.dtype).ptr(), x, generator, out, run);
+    }
   }
   return found;
 }
@@ -309,7 +356,7 @@ void def_bound_round(py::module_& mod, Run run) {
   // backends (lowfp.backends), get_num_threads, strided, empty_like, new_output, min_bytes,
   // preserve_format, draw_buffer, is_grad_enabled, unobserved (the function mode's, dispatch
   // stack's and functorch's no-argument checks), generator_type, prepared_format,
-  // writable_in_one_call.
+  // writable_in_one_call, recorded_apply, round_prepared.
   mod.def("round_bound_setup", [](py::kwargs given) {
     auto take = [&given](const char* name) {
       if (!given.contains(name)) throw std::invalid_argument(std::string("round_bound_setup: no ") + name + "=");
@@ -337,6 +384,8 @@ void def_bound_round(py::module_& mod, Run run) {
     o.generator_type = take("generator_type");
     o.prepared_format = take("prepared_format");
     o.writable_in_one_call = take("writable_in_one_call");
+    o.recorded_apply = take("recorded_apply");
+    o.round_prepared = take("round_prepared");
     if (PyDict_Size(given.ptr()) != 0)
       throw std::invalid_argument("round_bound_setup: unknown " + py::str(py::list(given)).cast<std::string>());
     o.generator_keyword = py::make_tuple("generator").release().ptr();
@@ -356,6 +405,7 @@ void def_bound_round(py::module_& mod, Run run) {
     o.device = intercept::intern("device");
     o.type = intercept::intern("type");
     o.cpu = intercept::intern("cpu");
+    o.nearest = intercept::intern("nearest");
     objects() = o;
   });
   static Run kept = run;

@@ -479,7 +479,8 @@ _C.round_bound_setup(
     unobserved=(torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack,
                 torch._C._are_functorch_transforms_active),
     generator_type=torch.Generator, prepared_format=PreparedFormat,
-    writable_in_one_call=_writable_in_one_call)
+    writable_in_one_call=_writable_in_one_call, recorded_apply=_recorded_apply,
+    round_prepared=_round_prepared)
 _round_bound = _C.round_bound
 _round_remembered_in_c = _C.round_remembered
 _quantize_remembered = _C.quantize_remembered
