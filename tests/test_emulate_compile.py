@@ -151,6 +151,36 @@ def test_promotion_recompiles_once_and_steps_as_eager():
     _assert_equal(weights, eager_weights)
 
 
+def test_compiled_plans_name_the_entries_rounders_and_count_rows():
+    """A compiled forward reads each tensor's rounding from _graph_plans (rounder indices into
+    one list, so that Dynamo guards a rounder's state once, and count-table rows); they name the
+    eager entries' rounders and Stats rows, after a promotion too."""
+    from lowfp.assign import grad_name
+    base, x, y = _overflowing_mlp()
+    a = A.uniform(A.trace(base, x, _loss, y))
+    with lowfp.emulate(copy.deepcopy(base), a) as em:
+        def check():
+            assert set(em._graph_plans) == set(em._entries)
+            for name, (f, f_row, b, b_row, marked) in em._graph_plans.items():
+                fwd, fs, bwd, bs, *_, entry_marked = em._entries[name]
+                assert (None if f < 0 else em._rounder_list[f]) is fwd
+                assert (None if b < 0 else em._rounder_list[b]) is bwd
+                assert fs.counts.data_ptr() == em.counts[f_row].data_ptr() and f_row == em._row[name]
+                if bs is None:
+                    assert b_row == -1
+                else:
+                    assert bs.counts.data_ptr() == em.counts[b_row].data_ptr()
+                    assert b_row == em._row[grad_name(name)]
+                assert marked == entry_marked
+            assert len({id(r) for r in em._rounder_list}) == len(em._rounder_list)
+        check()
+        rounders = len(em._rounder_list)
+        em._promote("v:0:linear", 1.0, 0)
+        check()
+        assert len(em._rounder_list) > rounders  # (the hi format's rounder, new)
+        assert em._rounder_list[em._graph_plans["v:0:linear"][0]] is em._plan["v:0:linear"]
+
+
 def test_loss_scaler_sees_the_compiled_backward_counts():
     torch.manual_seed(4)
     base = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))

@@ -307,6 +307,10 @@ class Emulator(ForwardSession):
                                             if role_of(n) in ("dv", "dtheta")],
                                            dtype=torch.int64, device=device)
         self._rounders: Dict[tuple, Rounder] = {}
+        # Each rounder once, and its index there: a compiled forward reaches a rounder through
+        # this list alone, so that Dynamo guards its state once, not once per tensor that uses it.
+        self._rounder_list: List[Rounder] = []
+        self._rounder_slots: Dict[int, int] = {}
         self._plan: Dict[str, Optional[Rounder]] = {n: self._rounder_for(n) for n in names}
         # Per v or theta name, what a rounding of it takes, looked up once per call:
         # (forward rounder, its count slot, backward rounder, its count slot, the backward
@@ -314,6 +318,10 @@ class Emulator(ForwardSession):
         # tensor when it is promoted.
         self._entries: Dict[str, tuple] = {}
         self._uncounted: Dict[str, tuple] = {}
+        # The same for a compiled forward, in plain numbers whose guards are cheap (the rounders'
+        # indices in _rounder_list and the rows of the count tables, -1 for none; whether the
+        # results are marked): (forward rounder, its row, backward rounder, its row, marked).
+        self._graph_plans: Dict[str, tuple] = {}
         for n in names:
             if role_of(n) in FORWARD_ROLES:
                 self._prepare_entry(n)
@@ -336,8 +344,14 @@ class Emulator(ForwardSession):
         key = (fmt, forward)
         if key not in self._rounders:
             overflow = "saturate" if forward else self.backward_overflow
-            self._rounders[key] = Rounder(fmt, self.rounding, overflow)
+            rounder = self._rounders[key] = Rounder(fmt, self.rounding, overflow)
+            self._rounder_slots[id(rounder)] = len(self._rounder_list)
+            self._rounder_list.append(rounder)
         return self._rounders[key]
+
+    def _slot(self, rounder: Optional[Rounder]) -> int:
+        """rounder's index in _rounder_list (-1: None)."""
+        return -1 if rounder is None else self._rounder_slots[id(rounder)]
 
     def _check_fits(self, params: Dict[str, torch.Tensor]) -> None:
         """Every tensor's format fits its dtype (a parameter's as it is now, the others' as
@@ -372,6 +386,8 @@ class Emulator(ForwardSession):
         bs = self._stats.get(gname)
         self._entries[name] = _entry(fwd, self._stats[name], bwd, bs)
         self._uncounted[name] = _entry(fwd, None, bwd, None)
+        self._graph_plans[name] = (self._slot(fwd), self._row[name], self._slot(bwd),
+                                   -1 if bs is None else self._row[gname], self._entries[name][7])
 
     def _unrecorded(self, name: str, dtype: torch.dtype):
         """The rounding entry of a v or theta name that the recorded step does not have: hi,
@@ -391,21 +407,15 @@ class Emulator(ForwardSession):
         forward rounding would return t unchanged, so it is skipped and only counted. new: t is a
         result of an operator call that returned none of its arguments (see _rounds_in_place).
         compiling: torch.compiler.is_compiling(), where the caller knows it."""
-        # (every training tensor passes here: one lookup, and the eager path first)
+        if torch.compiler.is_compiling() if compiling is None else compiling:
+            return self._round_compiled(t, name, source)
+        # (every training tensor passes here: one lookup)
         entry = (self._entries if self._counting else self._uncounted).get(name)
         fwd, fs, bwd, bs, fwd_bound, bwd_bound, hookable, marked = (
             entry if entry is not None else self._unrecorded(name, t.dtype))
         if fwd is None and bwd is None:
             return t
         unchanged = source is not None and source is fwd and type(t) is torch.Tensor
-        if torch.compiler.is_compiling() if compiling is None else compiling:
-            out = self._round_in_graph(t, name, None if unchanged else fwd, None if unchanged else fs,
-                                       bwd, bs)
-            if unchanged and fs is not None:
-                _count_unchanged(fs.counts, t)
-            if marked:
-                self._mark(out, fwd)
-            return out
         observe = None if self.observer is None else (self.observer, name)
         if t.requires_grad and torch.is_grad_enabled():
             # t itself, its gradient rounded by a hook (on an operator's output of this forward,
@@ -451,15 +461,39 @@ class Emulator(ForwardSession):
         mark = getattr(t, _MARK, None)
         return mark[2] if mark is not None and mark[:2] == (self.serial, self.writes) else None
 
-    def _round_in_graph(self, t, name, fwd, fs, bwd, bs):
-        """_round in a graph torch.compile records: lowfp's operators; the forward counts are
-        added to the table by the graph, the backward counts arrive as ``_grad_counts.grad``."""
+    def _round_compiled(self, t: torch.Tensor, name: str, source) -> torch.Tensor:
+        """_round in a graph torch.compile records, from the name's _graph_plans entry (a name
+        the recorded step lacks: _unrecorded's rounders, uncounted)."""
+        plan = self._graph_plans.get(name)
+        if plan is not None:
+            f, fs_row, b, bs_row, marked = plan
+            fwd = None if f < 0 else self._rounder_list[f]
+            bwd = None if b < 0 else self._rounder_list[b]
+            if not self._counting:
+                fs_row = bs_row = -1
+        else:
+            fwd, _, bwd, _, _, _, _, marked = self._unrecorded(name, t.dtype)
+            fs_row = bs_row = -1
+        if fwd is None and bwd is None:
+            return t
+        unchanged = source is not None and source is fwd and type(t) is torch.Tensor
+        out = self._round_in_graph(t, None if unchanged else fwd, -1 if unchanged else fs_row, bwd, bs_row)
+        if unchanged and fs_row >= 0:
+            _count_unchanged(self.counts[fs_row], t)
+        if marked:
+            self._mark(out, fwd)
+        return out
+
+    def _round_in_graph(self, t, fwd, fs_row, bwd, bs_row):
+        """A compiled rounding by lowfp's operators: the forward counts are added to row fs_row
+        of the table by the graph, the backward counts arrive as row bs_row of
+        ``_grad_counts.grad`` (-1: not counted)."""
         if not (t.requires_grad and torch.is_grad_enabled()):
-            return t if fwd is None else fwd(t, fs)
-        sink = None if bs is None else self._grad_counts[self._row[grad_name(name)]]
-        out, counts = _RoundInGraph.apply(t, sink, fwd, fs is not None, bwd)
-        if fs is not None:
-            fs.counts.add_(counts)
+            return t if fwd is None else fwd(t, None if fs_row < 0 else Stats.view(self.counts[fs_row]))
+        sink = None if bs_row < 0 else self._grad_counts[bs_row]
+        out, counts = _RoundInGraph.apply(t, sink, fwd, fs_row >= 0, bwd)
+        if fs_row >= 0:
+            self.counts[fs_row].add_(counts)
         return out
 
     # -- ForwardSession decisions -----------------------------------------------------------
