@@ -323,6 +323,61 @@ def test_bfloat16_model_with_extra_bits_optimizer_and_scaler():
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
 
 
+def _read_step_by_rows(em, rows):
+    """What a closed step's count rows give, row by row in Python's ints (the reference for
+    Emulator._read_step): (promotions, top_overflow, top_underflow, backward_underflow)."""
+    over, under, promoted = [], [], []
+    grad_underflow = grad_numel = 0
+    for i, (name, forward) in enumerate(em._row_roles):
+        o, u, _, n = (int(v) for v in rows[i])
+        if not forward:
+            grad_underflow, grad_numel = grad_underflow + u, grad_numel + n
+        if n == 0:
+            continue
+        if o:
+            over.append((name, o / n))
+            if em.promote and forward and o / n > em.threshold and name in em.assignment.lo:
+                promoted.append(name)
+        if u:
+            under.append((name, u / n))
+    over.sort(key=lambda x: -x[1])  # (stable: ties in row order)
+    under.sort(key=lambda x: -x[1])
+    return promoted, over[:em.top], under[:em.top], grad_underflow / grad_numel if grad_numel else 0.0
+
+
+@pytest.mark.parametrize("promote", [True, False])
+def test_a_closed_steps_counts_give_the_row_by_row_history(promote):
+    """Emulator._read_step gives the history entry and promotions of a plain row-by-row reading
+    of the count table, ties and all: random tables, with rows that counted nothing, ratios that
+    tie, overflows on both sides of the threshold, promotion on and off."""
+    from lowfp.emulate import _ClosedStep
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    g = torch.Generator().manual_seed(7)
+    promotions = ties = 0
+    for trial in range(20):
+        a = A.ours(A.trace(model, x, F.cross_entropy, y), 0.5)
+        with lowfp.emulate(copy.deepcopy(model), a, promote=promote) as em:
+            em.top = 3  # (fewer than the rows with events)
+            rows_n = len(em._row_roles)
+            n = torch.randint(0, 4, (rows_n,), generator=g) * 25  # (0: a row that counted nothing)
+            over = torch.minimum(torch.randint(0, 4, (rows_n,), generator=g), n)
+            under = torch.minimum(torch.randint(0, 3, (rows_n,), generator=g) * 5, n - over)
+            rows = torch.stack((over, under, torch.zeros_like(n), n), 1).numpy()
+            promoted, top_over, top_under, lost = _read_step_by_rows(em, rows)
+            entry = em._read_step(_ClosedStep(trial + 1, None, None, None, {}), rows)
+            assert entry["promotions"] == promoted
+            assert entry["top_overflow"] == top_over and entry["top_underflow"] == top_under
+            assert entry["backward_underflow"] == lost
+            assert all(type(r) is float for _, r in top_over + entry["top_overflow"])
+            assert [p["tensor"] for p in em.history.promotions] == promoted
+            assert all(name not in em.assignment.lo for name in promoted)
+            promotions += len(promoted)
+            ratios = [r for _, r in top_over]
+            ties += len(ratios) - len(set(ratios))
+    assert (promotions > 0) == promote and ties > 0  # (the cases the table is made to hold)
+
+
 def test_history_records_the_share_of_gradients_lost_to_underflow():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
