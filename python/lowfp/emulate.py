@@ -386,8 +386,9 @@ class Emulator(ForwardSession):
         bs = self._stats.get(gname)
         self._entries[name] = _entry(fwd, self._stats[name], bwd, bs)
         self._uncounted[name] = _entry(fwd, None, bwd, None)
+        *_, marked = self._entries[name]
         self._graph_plans[name] = (self._slot(fwd), self._row[name], self._slot(bwd),
-                                   -1 if bs is None else self._row[gname], self._entries[name][7])
+                                   -1 if bs is None else self._row[gname], marked)
 
     def _unrecorded(self, name: str, dtype: torch.dtype):
         """The rounding entry of a v or theta name that the recorded step does not have: hi,
