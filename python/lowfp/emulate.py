@@ -321,6 +321,8 @@ class Emulator(ForwardSession):
         # The same for a compiled forward, in plain numbers whose guards are cheap (the rounders'
         # indices in _rounder_list and the rows of the count tables, -1 for none; whether the
         # results are marked): (forward rounder, its row, backward rounder, its row, marked).
+        # Dynamo guards each by value, so a promotion, which changes an index, recompiles (the
+        # changed index becomes a symbol there, which indexing the list specializes again).
         self._graph_plans: Dict[str, tuple] = {}
         for n in names:
             if role_of(n) in FORWARD_ROLES:
