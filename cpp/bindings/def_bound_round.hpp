@@ -217,16 +217,16 @@ struct RememberedArgs {
   py::object counts;      // stats.counts (None: no stats)
   int64_t count_at = 0;   // its address (0: none)
   bool has_seed = false;  // seed= given (else drawn from the generator, where stochastic)
-  uint64_t seed = 0, offset = 0;
+  uint64_t seed = 0, offset = 0;  // (offset: checked by the caller)
 };
 
 // Whether x, a plain contiguous CPU tensor, and the rest of a call of request take the C path:
 // nothing that must see lowfp's operator (a mode or functorch transform; autograd sets
 // a.recorded: records_natively rather than runs_natively), stats None or a Stats on the CPU, and
 // the seed as remembered_seed (lowfp._native) takes it: seed= alone, or drawn from a CPU
-// generator (None: torch's default).
+// generator (None: torch's default). The offset is the caller's, already in [0, 2^64).
 inline bool remembered_args(PyObject* request, PyObject* x, PyObject* stats, PyObject* seed_arg, PyObject* generator,
-                            PyObject* offset_arg, RememberedArgs& a) {
+                            uint64_t offset, RememberedArgs& a) {
   const Objects& o = objects();
   if (o.tensor == nullptr) throw std::runtime_error("lowfp._C.round_bound_setup was not called");
   if (!plain_tensor(x) || !prepared_call(request, a.call)) return false;
@@ -246,7 +246,8 @@ inline bool remembered_args(PyObject* request, PyObject* x, PyObject* stats, PyO
   if (generator != Py_None && (Py_TYPE(generator) != reinterpret_cast<PyTypeObject*>(o.generator_type) ||
                                (a.call.mode == Rounding::Stochastic && !cpu_generator(generator))))
     return false;
-  return as_uint64(offset_arg, a.offset);
+  a.offset = offset;
+  return true;
 }
 
 // The checked call (not recorded) run into out (None: a new tensor of dtype).
@@ -262,7 +263,10 @@ template <class Run>
 py::object round_remembered(PyObject* request, PyObject* dtype, PyObject* x, PyObject* stats, PyObject* seed_arg,
                             PyObject* generator, PyObject* offset_arg, PyObject* out, Run& run) {
   RememberedArgs a;
-  if (!remembered_args(request, x, stats, seed_arg, generator, offset_arg, a) || a.recorded) return py::none();
+  uint64_t offset = 0;
+  if (!as_uint64(offset_arg, offset) || !remembered_args(request, x, stats, seed_arg, generator, offset, a) ||
+      a.recorded)
+    return py::none();
   return run_remembered(a, dtype, x, generator, out, run);
 }
 
@@ -303,7 +307,7 @@ py::object quantize_remembered(PyObject* const* argv, Run& run) {
     throw py::error_already_set();
   }
   const auto tensor = reinterpret_cast<PyTypeObject*>(o.tensor);
-  uint64_t offset_value = 0;
+  uint64_t offset_value = 0;  // (parsed once: the C path's offset)
   if (Py_TYPE(x) != tensor || (out != Py_None && Py_TYPE(out) != tensor) || grad_fmt != Py_None ||
       (generator != Py_None && Py_TYPE(generator) != reinterpret_cast<PyTypeObject*>(o.generator_type)) ||
       !as_uint64(offset, offset_value))
@@ -320,7 +324,7 @@ py::object quantize_remembered(PyObject* const* argv, Run& run) {
   py::object found = py::reinterpret_borrow<py::object>(entry);
   RememberedArgs a;
   if (Py_TYPE(entry) == reinterpret_cast<PyTypeObject*>(o.prepared_format) &&
-      remembered_args(attr(entry, o.request).ptr(), x, stats, seed, generator, offset, a)) {
+      remembered_args(attr(entry, o.request).ptr(), x, stats, seed, generator, offset_value, a)) {
     if (a.recorded) {
       if (out == Py_None) return record_remembered(a, entry, x, stats, generator);
     } else if (out == Py_None || truth(PyObject_IsTrue(

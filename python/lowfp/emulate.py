@@ -154,6 +154,12 @@ def _entry(fwd: Optional[Rounder], fs: Optional[Stats], bwd: Optional[Rounder], 
             fwd is not None and fwd.idempotent)
 
 
+def _unchanged(source, fwd: Optional[Rounder], t: torch.Tensor) -> bool:
+    """Whether t holds results of its own forward rounder (source: ForwardSession._source_of),
+    so that rounding it again would return it unchanged."""
+    return source is not None and source is fwd and type(t) is torch.Tensor
+
+
 class _Round(torch.autograd.Function):
     """Forward: round x with fwd (or copy it); backward: round the gradient with bwd (each a
     BoundRounder or None)."""
@@ -418,7 +424,7 @@ class Emulator(ForwardSession):
             entry if entry is not None else self._unrecorded(name, t.dtype))
         if fwd is None and bwd is None:
             return t
-        unchanged = source is not None and source is fwd and type(t) is torch.Tensor
+        unchanged = _unchanged(source, fwd, t)
         observe = None if self.observer is None else (self.observer, name)
         if t.requires_grad and torch.is_grad_enabled():
             # t itself, its gradient rounded by a hook (on an operator's output of this forward,
@@ -479,7 +485,7 @@ class Emulator(ForwardSession):
             fs_row = bs_row = -1
         if fwd is None and bwd is None:
             return t
-        unchanged = source is not None and source is fwd and type(t) is torch.Tensor
+        unchanged = _unchanged(source, fwd, t)
         out = self._round_in_graph(t, None if unchanged else fwd, -1 if unchanged else fs_row, bwd, bs_row)
         if unchanged and fs_row >= 0:
             _count_unchanged(self.counts[fs_row], t)
