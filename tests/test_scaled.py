@@ -909,20 +909,27 @@ def test_scaled_formats_match_cpu(name, mode, dtype):
 
 
 @on_cuda
-@pytest.mark.parametrize("layout", ["rows", "short last block", "misaligned", "in place", "one row", "1-D",
-                                    "along axis 0"])
-@pytest.mark.parametrize("name", ["mxfp8_e4m3", "nvfp4", "fp8_e4m3_block128", "fp8_e4m3_tensorwise"])
+@pytest.mark.parametrize("layout, name", [
+    (layout, name)
+    for layout in ["rows", "short last block", "misaligned", "in place", "one row", "1-D", "along axis 0",
+                   "odd row length"]
+    for name in ["mxfp8_e4m3", "nvfp4", "fp8_e4m3_block128", "fp8_e4m3_tensorwise", "fp8_e4m3_rowwise",
+                 "fp8_e4m3_block128x128"]
+    # (2-D blocks need two dims and lie along the last two)
+    if not (layout in ("1-D", "along axis 0") and name == "fp8_e4m3_block128x128")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_scaled_layouts_match_cpu(layout, name, dtype):
-    # The GPU rounds 1-D blocks that cut each row evenly, from aligned buffers, in one pass, blocks
-    # down the columns (along axis 0, in place) in one pass, and every other layout in passes
-    # over the blocks' maxima, the scales and the elements: all give the CPU's bits, scales and
-    # counts.
+    # The GPU rounds 1-D blocks that cut each row evenly, from aligned buffers, in one pass (MX,
+    # NVFP4, 1×128), blocks down the columns (along axis 0, in place) in one pass, blocks of 256
+    # to 2^16 elements in rows of whole quads, aligned, in one pass a block (rowwise, 128×128,
+    # the rows and the short last block here), and every other layout in passes over the blocks'
+    # maxima, the scales and the elements: all give the CPU's bits, scales and counts.
     fmt = lowfp.scaled.named()[name]
     if layout == "along axis 0" and fmt.axis is not None:
         name = fmt.with_axis(0)
     g = torch.Generator().manual_seed(3)
-    shape = {"short last block": (48, 200), "one row": (1, 4096), "1-D": (1000,)}.get(layout, (48, 256))
+    shape = {"short last block": (48, 200), "one row": (1, 4096), "1-D": (1000,),
+             "odd row length": (40, 203)}.get(layout, (48, 256))
     numel = 1
     for d in shape:
         numel *= d

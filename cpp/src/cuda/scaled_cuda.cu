@@ -1,13 +1,16 @@
 // Scaled formats on the GPU (docs/design.md §9), with the element and scale math of
 // cpp/include/lowfp/scaled.hpp; elements take the float64 carrier, or the CPU's float32 carrier
 // where a call allows it (ScaledCall::narrow, in the one-pass forms), whose results the CPU's
-// other carriers equal (tests/test_scaled.py), so CPU = GPU bit for bit. Three forms of a call:
+// other carriers equal (tests/test_scaled.py), so CPU = GPU bit for bit. Four forms of a call:
 // - 1-D blocks along the rows whose width is a power of two from 4 to 128 dividing the row (MX,
 //   NVFP4) and a single scale candidate: one pass (row_blocks_kernel), a group of lanes per block
 //   holding four consecutive elements each, the block's largest magnitude by shuffles, its scale
 //   and elements from registers; a tensor scale takes a coalesced reduction first.
 // - Blocks down the columns (block_cols 1, a GEMM operand along its reduction axis): one pass
 //   (column_blocks_kernel), a thread per block, consecutive threads on consecutive columns.
+// - Blocks of 256 to 2^16 elements whose rows are whole quads (a row's scale, 128 × 128 tiles) and
+//   a single scale candidate: one pass a block (tile_blocks_kernel), a thread block reading the
+//   block coalesced for its largest magnitude and again to round it.
 // - Any other blocks: each block's largest finite magnitude by a thread block of its own reading
 //   its rows coalesced (the whole grid for a single block), the scales in place, then the elements
 //   in a grid-stride loop.
@@ -74,9 +77,51 @@ tensor_amax_kernel(ScaledCall c, bool quad_io, unsigned long long* target, unsig
   if (also != nullptr) warp_max_into(also, a);
 }
 
+// A thread's share of one block of `units` units a row (a unit: an element, or a quad of four
+// consecutive ones): rows row0, row0 + down, ... of the block and, in each, units unit0,
+// unit0 + across, ... Consecutive threads take consecutive units of a row (coalesced), as many
+// rows at a time as the thread block covers; threads past across · down take none. (One division
+// a thread and block, none an element.)
+struct BlockShare {
+  int64_t across, down, row0, unit0;
+  __device__ explicit BlockShare(int64_t units) {
+    across = min_of<int64_t>(units, blockDim.x);
+    down = blockDim.x / unsigned(across);
+    row0 = threadIdx.x / unsigned(across);
+    unit0 = threadIdx.x % unsigned(across);
+  }
+  // fn(r, u) for this thread's units (r, u) of a block of h rows of `units` units
+  template <class Fn>
+  __device__ void each(int64_t h, int64_t units, Fn&& fn) const {
+    if (row0 >= down) return;
+    for (int64_t r = row0; r < h; r += down)
+      for (int64_t u = unit0; u < units; u += across) fn(r, u);
+  }
+};
+
+// Block b's geometry: its first row and column, its rows and columns (the last ones short).
+struct BlockAt {
+  int64_t r0, c0, h, w;
+  __device__ BlockAt(const ScaledCall& c, int64_t b, int64_t grid_cols)
+      : r0((b / grid_cols) * c.block_rows), c0((b % grid_cols) * c.block_cols),
+        h(min_of(c.rows, r0 + c.block_rows) - r0), w(min_of(c.cols, c0 + c.block_cols) - c0) {}
+};
+
+// The largest of this thread block's values m (raw bits of nonnegative doubles), through
+// `maxima` (one slot a warp); every thread calls it, thread 0 gets the answer. The caller
+// synchronises before `maxima` is written again.
+__device__ uint64_t thread_block_max(uint64_t m, uint64_t* maxima) {
+  m = group_max(m, 32);
+  if ((threadIdx.x & 31) == 0) maxima[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x != 0) return 0;
+  for (int i = 0; i < kThreads / 32; ++i) m = max_of(m, maxima[i]);
+  return m;
+}
+
 // Each block's largest finite magnitude into c.scales, one thread block per block (grid-stride
-// over the blocks), its threads reading the block row by row (consecutive threads, consecutive
-// columns); the tensor's into *tensor_max when not null (zeroed before).
+// over the blocks), its threads reading the block row by row (BlockShare); the tensor's into
+// *tensor_max when not null (zeroed before).
 template <class In>
 __global__ void __launch_bounds__(kThreads)
 block_amax_kernel(ScaledCall c, unsigned long long* tensor_max) {
@@ -87,20 +132,14 @@ block_amax_kernel(ScaledCall c, unsigned long long* tensor_max) {
   __shared__ uint64_t warp_maxima[kThreads / 32];
   U tensor_m = 0;
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
-    const int64_t r0 = (b / gc) * c.block_rows, c0 = (b % gc) * c.block_cols;
-    const int64_t h = min_of(c.rows, r0 + c.block_rows) - r0, w = min_of(c.cols, c0 + c.block_cols) - c0;
+    const BlockAt at(c, b, gc);
     U m = 0;
-    for (int64_t e = threadIdx.x; e < h * w; e += blockDim.x)
-      m = max_of(m, finite_magnitude(x[(r0 + e / w) * c.cols + c0 + e % w], exponent));
+    BlockShare(at.w).each(at.h, at.w, [&](int64_t r, int64_t u) {
+      m = max_of(m, finite_magnitude(x[(at.r0 + r) * c.cols + at.c0 + u], exponent));
+    });
     tensor_m = max_of(tensor_m, m);
-    const uint64_t wm = group_max(bit_cast<uint64_t>(raw_value<In>(m)), 32);
-    if ((threadIdx.x & 31) == 0) warp_maxima[threadIdx.x / 32] = wm;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      uint64_t bm = 0;
-      for (int i = 0; i < kThreads / 32; ++i) bm = max_of(bm, warp_maxima[i]);
-      c.scales[b] = bit_cast<double>(bm);
-    }
+    const uint64_t bm = thread_block_max(bit_cast<uint64_t>(raw_value<In>(m)), warp_maxima);
+    if (threadIdx.x == 0) c.scales[b] = bit_cast<double>(bm);
     __syncthreads();
   }
   if (tensor_max != nullptr) warp_max_into(tensor_max, raw_value<In>(tensor_m));
@@ -265,6 +304,73 @@ column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigne
   count_blocks(c, saturated, blocks, counts);
 }
 
+// The one-pass form of blocks of kThreads to kTileMost elements (a row's scale, 128 × 128 tiles:
+// tile_blocks): a thread block per block (grid-stride over the blocks) reads the block for its
+// largest magnitude (BlockShare over its quads: coalesced vector loads), takes its scale, and
+// rounds the block's elements, read again (from the L2 cache where it holds the block), a Philox
+// block a quad. Template parameters: row_blocks_kernel's.
+template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kNarrow, bool kFaster, bool kOnce,
+          bool kSteps>
+__global__ void __launch_bounds__(kThreads)
+tile_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
+  using U = RawOf<In>;
+  const In* x = static_cast<const In*>(c.x);
+  In* y = static_cast<In*>(c.y);
+  const int64_t gc = c.block_grid_cols(), blocks = c.block_grid_rows() * gc;
+  const U exponent = U(exponent_mask(c.dtype));
+  const double t = tensor_scale_of(c, tensor_max), empty = empty_block_scale(c.scale, t);
+  __shared__ uint64_t warp_maxima[kThreads / 32];
+  __shared__ double block_s;
+  ThreadCounts tc;
+  uint64_t saturated = 0;
+  for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+    const BlockAt at(c, b, gc);
+    const BlockShare share(at.w / 4);
+    // quad (r, u) of the block starts at element first(r, u)
+    auto first = [&](int64_t r, int64_t u) { return (at.r0 + r) * c.cols + at.c0 + 4 * u; };
+    U m = 0;
+    share.each(at.h, at.w / 4, [&](int64_t r, int64_t u) {
+      const Quad<In> in = *reinterpret_cast<const Quad<In>*>(x + first(r, u));
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        U bits;
+        memcpy(&bits, &in.v[k], sizeof(U));
+        m = max_of(m, finite_magnitude(bits, exponent));
+      }
+    });
+    const uint64_t bm = thread_block_max(bit_cast<uint64_t>(raw_value<In>(m)), warp_maxima);
+    if (threadIdx.x == 0) {
+      const double a = bit_cast<double>(bm);
+      bool sat = false;
+      block_s = a > 0.0 ? block_scale(c.scale, a, t, sat) : empty;
+      c.scales[b] = block_s;
+      saturated += sat;
+    }
+    __syncthreads();
+    const double s = block_s, inv = 1.0 / s;
+    share.each(at.h, at.w / 4, [&](int64_t r, int64_t u) {
+      const int64_t i = first(r, u);
+      const Quad<In> in = *reinterpret_cast<const Quad<In>*>(x + i);
+      // (element i takes word i % 4 of Philox block offset + i / 4: row-major words, i % 4 == 0)
+      Philox4x32Block words = {{0u, 0u, 0u, 0u}};
+      if constexpr (K == RoundKind::Stochastic) words = philox_block(c.seed, c.offset + uint64_t(i / 4));
+      Quad<In> out;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if constexpr (kNarrow)
+          out.v[k] = round_narrow<In, K, kCount, kSteps>(c, in.v[k], i + k, float(s), float(inv), words.w[k], tc);
+        else
+          out.v[k] = round_scaled<In, K, kCount, kPow2, kSubExp, kFaster, kOnce>(c, in.v[k], i + k, s, inv,
+                                                                              words.w[k], tc);
+      }
+      *reinterpret_cast<Quad<In>*>(y + i) = out;
+    });
+    __syncthreads();  // (before block_s and warp_maxima are written again)
+  }
+  if constexpr (kCount) finish_counts(tc, counts, c.rows * c.cols);
+  count_blocks(c, saturated, blocks, counts);
+}
+
 // Whether a call takes row_blocks_kernel: 1-D blocks along the rows of 4 · 2^k elements (at most
 // 128: a warp's lanes hold a block) that cut each row evenly, one scale candidate, and x and y
 // aligned for quads (of 16 bytes at most).
@@ -281,15 +387,37 @@ bool column_blocks(const ScaledCall& c) {
   return c.block_cols == 1 && c.scale.choice == BlockChoice::Fixed;
 }
 
-// Enqueues a call of one of the one-pass forms (row_blocks or column_blocks): the tensor's
-// largest magnitude first for a tensor scale, then the kernel's instantiation for the call
-// (with_float64_forms: its storage type, rounding kind, faster forms; the float32 carrier where
-// ScaledCall::narrow holds, which needs neither the power-of-two flag nor subnormal exponents).
-void one_pass(const ScaledCall& c, int device, cudaStream_t stream, unsigned long long* tmax,
+// The most elements of a block that tile_blocks_kernel takes: a larger block would keep one
+// multiprocessor busy alone for long (the passes over the maxima, the scales and the elements
+// spread it over the grid).
+constexpr int64_t kTileMost = int64_t(1) << 16;
+
+// Whether a call takes tile_blocks_kernel (when neither row_blocks nor column_blocks does): one
+// scale candidate, row-major words, at least two blocks, each of kThreads to kTileMost elements,
+// rows and blocks of whole quads, an input of at most 32 bits, x and y aligned for quads.
+bool tile_blocks(const ScaledCall& c) {
+  const int64_t h = min_of(c.rows, c.block_rows), w = min_of(c.cols, c.block_cols);
+  const uintptr_t align = uintptr_t(4 * dtype_size(c.dtype));
+  return c.scale.choice == BlockChoice::Fixed && c.word_run == 0 && c.block_grid_rows() * c.block_grid_cols() > 1 &&
+         h * w >= kThreads && h * w <= kTileMost && c.cols % 4 == 0 && c.block_cols % 4 == 0 &&
+         c.dtype != DType::Float64 && reinterpret_cast<uintptr_t>(c.x) % align == 0 &&
+         reinterpret_cast<uintptr_t>(c.y) % align == 0;
+}
+
+enum class OnePass { Rows, Columns, Tiles };
+
+// Enqueues a call of one of the one-pass forms (row_blocks, column_blocks, tile_blocks): the
+// tensor's largest magnitude first for a tensor scale, then the kernel's instantiation for the
+// call (with_float64_forms: its storage type, rounding kind, faster forms; the float32 carrier
+// where ScaledCall::narrow holds, which needs neither the power-of-two flag nor subnormal
+// exponents).
+void one_pass(const ScaledCall& c, OnePass form, int device, cudaStream_t stream, unsigned long long* tmax,
               const unsigned long long* tmax_in, unsigned long long* cnt) {
   const int64_t n = c.rows * c.cols;
-  const bool rows_form = row_blocks(c);
-  const int grid = grid_size(device, rows_form ? n / 4 : c.block_grid_rows() * c.cols);
+  const int64_t blocks = c.block_grid_rows() * c.block_grid_cols();
+  const int grid = grid_size(device, form == OnePass::Rows      ? n / 4
+                                     : form == OnePass::Columns ? c.block_grid_rows() * c.cols
+                                                                : blocks * kThreads);
   with_float64_forms(c, [&](auto type, auto kind, auto faster_c, auto once_c) {
     using In = typename decltype(type)::type;
     constexpr RoundKind K = decltype(kind)::value;
@@ -297,17 +425,29 @@ void one_pass(const ScaledCall& c, int device, cudaStream_t stream, unsigned lon
     if (c.tensor_scale)
       tensor_amax_kernel<In><<<grid_size(device, (n + 3) / 4), kThreads, 0, stream>>>(c, quad_aligned<In>(c.x),
                                                                                      tmax, nullptr);
+    // the form's kernel for the remaining template parameters (kCount, kPow2, kSubExp, kNarrow,
+    // kFaster, kOnce, kSteps)
+    auto launch = [&](auto count, auto pow2, auto sub, auto narrow, auto faster, auto once, auto steps) {
+      constexpr bool kCount = decltype(count)::value, kPow2 = decltype(pow2)::value, kSub = decltype(sub)::value,
+                     kNarrow = decltype(narrow)::value, kFaster = decltype(faster)::value,
+                     kOnce = decltype(once)::value, kSteps = decltype(steps)::value;
+      if (form == OnePass::Rows)
+        row_blocks_kernel<In, K, kCount, kPow2, kSub, kNarrow, kFaster, kOnce, kSteps>
+            <<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
+      else if (form == OnePass::Columns)
+        column_blocks_kernel<In, K, kCount, kPow2, kSub, kNarrow, kFaster, kOnce, kSteps>
+            <<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
+      else if constexpr (!kWide)  // (tile_blocks: no float64 inputs)
+        tile_blocks_kernel<In, K, kCount, kPow2, kSub, kNarrow, kFaster, kOnce, kSteps>
+            <<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
+    };
+    using No = Flag<false>;
     with_flag(c.count, [&](auto count) {
-      constexpr bool kCount = decltype(count)::value;
       if (c.narrow && !kWide) {
         with_flag(K == RoundKind::Stochastic && c.steps32, [&](auto steps) {
-          constexpr bool kSteps = decltype(steps)::value && K == RoundKind::Stochastic;
-          if (rows_form)
-            row_blocks_kernel<In, K, kCount, true, false, !kWide, false, false, kSteps>
-                <<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
-          else
-            column_blocks_kernel<In, K, kCount, true, false, !kWide, false, false, kSteps>
-                <<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
+          // (!kWide: float64 inputs never come here; no float32-carrier instance of them)
+          launch(count, Flag<true>{}, No{}, Flag<!kWide>{}, No{}, No{},
+                 Flag<decltype(steps)::value && K == RoundKind::Stochastic>{});
         });
         return;
       }
@@ -315,11 +455,8 @@ void one_pass(const ScaledCall& c, int device, cudaStream_t stream, unsigned lon
         with_flag(c.p.subnormal_exponent, [&](auto sub) {
           constexpr bool kPow2 = decltype(pow2)::value, kSub = decltype(sub)::value;
           // (the faster forms: no subnormal exponents; dividing once: scales in a format)
-          constexpr bool kFaster = decltype(faster_c)::value && !kSub, kOnce = decltype(once_c)::value && !kPow2;
-          if (rows_form)
-            row_blocks_kernel<In, K, kCount, kPow2, kSub, false, kFaster, kOnce><<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
-          else
-            column_blocks_kernel<In, K, kCount, kPow2, kSub, false, kFaster, kOnce><<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
+          launch(count, pow2, sub, No{}, Flag<decltype(faster_c)::value && !kSub>{},
+                 Flag<decltype(once_c)::value && !kPow2>{}, No{});
         });
       });
     });
@@ -376,16 +513,21 @@ elements_kernel(ScaledCall c, unsigned long long* counts) {
   const In* x = static_cast<const In*>(c.x);
   In* y = static_cast<In*>(c.y);
   const int64_t n = c.rows * c.cols, gc = c.block_grid_cols();
+  // (one scale and row-major words, a tensor's scale: no element's row and column wanted)
+  const bool single = gc * c.block_grid_rows() == 1 && c.word_run == 0;
   ThreadCounts tc;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / c.cols, col = i % c.cols;
-    const double s = c.scales[(r / c.block_rows) * gc + col / c.block_cols];
-    uint32_t word = 0u;
-    if constexpr (K == RoundKind::Stochastic) {
-      const uint64_t w = c.word_index(r, col);
-      word = philox_block(c.seed, c.offset + w / 4).w[w % 4];
+    int64_t block = 0;
+    uint64_t w = uint64_t(i);
+    if (!single) {
+      const int64_t r = i / c.cols, col = i % c.cols;
+      block = (r / c.block_rows) * gc + col / c.block_cols;
+      w = c.word_index(r, col);
     }
+    const double s = c.scales[block];
+    uint32_t word = 0u;
+    if constexpr (K == RoundKind::Stochastic) word = philox_block(c.seed, c.offset + w / 4).w[w % 4];
     y[i] = round_scaled<In, K, kCount, kPow2, kSubExp>(c, x[i], i, s, 1.0 / s, word, tc);
   }
   if constexpr (kCount) finish_counts(tc, counts, n);
@@ -408,8 +550,9 @@ void scaled_cuda(const ScaledCall& c, double* tensor_scale, int64_t* counts, int
     check(cudaGetLastError(), "kernel launch");
     return;
   }
-  if (row_blocks(c) || column_blocks(c)) {
-    one_pass(c, device, stream, tmax, tmax_in, cnt);
+  if (row_blocks(c) || column_blocks(c) || tile_blocks(c)) {
+    one_pass(c, row_blocks(c) ? OnePass::Rows : column_blocks(c) ? OnePass::Columns : OnePass::Tiles, device, stream,
+             tmax, tmax_in, cnt);
   } else {
     with_storage_type(c.dtype, [&](auto type) {
       using In = typename decltype(type)::type;
