@@ -63,6 +63,7 @@ struct Objects {
   PyObject* is_grad_enabled = nullptr;
   PyObject* unobserved[3] = {nullptr, nullptr, nullptr};  // function mode, dispatch stack, functorch
   PyObject* generator_type = nullptr;        // torch.Generator
+  PyObject* cpu_device = nullptr;            // torch.device("cpu")
   PyObject* prepared_format = nullptr;       // lowfp._prepared.PreparedFormat
   PyObject* writable_in_one_call = nullptr;  // lowfp.quantize._writable_in_one_call(x, out)
   PyObject* generator_keyword = nullptr;     // ("generator",): random_'s keyword
@@ -70,7 +71,7 @@ struct Objects {
   PyObject* round_prepared = nullptr;        // lowfp.quantize._round_prepared
   PyObject* nearest = nullptr;               // "nearest"
   PyObject *dtype, *is_contiguous, *data_ptr, *numel, *element_size, *is_cpu, *is_cuda, *is_nested, *layout,
-      *torch_threads, *requires_grad, *counts, *request, *device, *type, *cpu;
+      *torch_threads, *requires_grad, *counts, *request, *device;
 };
 
 inline Objects& objects() {
@@ -203,11 +204,12 @@ inline bool as_uint64(PyObject* v, uint64_t& r) {
   return true;
 }
 
-// Whether `generator` (a torch.Generator) draws on the CPU.
+// Whether `generator` (a torch.Generator) draws on the CPU: its device equals torch.device("cpu")
+// (a device's comparison costs less than making its type's string; a "cpu:0" generator, unequal,
+// takes the Python path).
 inline bool cpu_generator(PyObject* generator) {
-  const Objects& o = objects();
-  py::object device = attr(generator, o.device);
-  return intercept::same_str(attr(device.ptr(), o.type).ptr(), o.cpu);
+  py::object device = attr(generator, objects().device);
+  return truth(PyObject_RichCompareBool(device.ptr(), objects().cpu_device, Py_EQ));
 }
 
 // A remembered call's arguments past x, checked as the Python path's remembered calls check them.
@@ -359,7 +361,7 @@ void def_bound_round(py::module_& mod, Run run) {
   // The objects, by name: tensor, parameter (the plain tensor types), stats_type (lowfp.Stats),
   // backends (lowfp.backends), get_num_threads, strided, empty_like, new_output, min_bytes,
   // preserve_format, draw_buffer, is_grad_enabled, unobserved (the function mode's, dispatch
-  // stack's and functorch's no-argument checks), generator_type, prepared_format,
+  // stack's and functorch's no-argument checks), generator_type, cpu_device, prepared_format,
   // writable_in_one_call, recorded_apply, round_prepared.
   mod.def("round_bound_setup", [](py::kwargs given) {
     auto take = [&given](const char* name) {
@@ -386,6 +388,7 @@ void def_bound_round(py::module_& mod, Run run) {
     if (unobserved.size() != 3) throw std::invalid_argument("unobserved: three functions of no arguments");
     for (int i = 0; i < 3; ++i) o.unobserved[i] = py::object(unobserved[i]).release().ptr();
     o.generator_type = take("generator_type");
+    o.cpu_device = take("cpu_device");
     o.prepared_format = take("prepared_format");
     o.writable_in_one_call = take("writable_in_one_call");
     o.recorded_apply = take("recorded_apply");
@@ -407,8 +410,6 @@ void def_bound_round(py::module_& mod, Run run) {
     o.counts = intercept::intern("counts");
     o.request = intercept::intern("request");
     o.device = intercept::intern("device");
-    o.type = intercept::intern("type");
-    o.cpu = intercept::intern("cpu");
     o.nearest = intercept::intern("nearest");
     objects() = o;
   });

@@ -478,7 +478,7 @@ _C.round_bound_setup(
     draw_buffer=draw_buffer, is_grad_enabled=torch.is_grad_enabled,
     unobserved=(torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack,
                 torch._C._are_functorch_transforms_active),
-    generator_type=torch.Generator, prepared_format=PreparedFormat,
+    generator_type=torch.Generator, cpu_device=torch.device("cpu"), prepared_format=PreparedFormat,
     writable_in_one_call=_writable_in_one_call, recorded_apply=_recorded_apply,
     round_prepared=_round_prepared)
 _round_bound = _C.round_bound
