@@ -136,3 +136,22 @@ def test_named_formats_match_cpu(mode, dtype):
             a, b, ca, cb = cpu_and_gpu(x, fmt, mode, overflow=policy, out_dtype=out_dtype)
             assert same_bits(a, b), (name, mode, policy, dtype)
             assert ca == cb
+
+
+@on_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", ["nearest", "stochastic"])
+def test_16_bit_inputs_over_many_grid_strides_match_cpu(dtype, mode):
+    # A GPU thread loads two groups of four 16-bit elements a stride apart before rounding them:
+    # enough elements for several strides of a whole grid, a last group of three, and a buffer
+    # one element off the vector alignment (element by element).
+    base = bit_patterns(3 * 2**22 + 8, dtype, seed=4)
+    base_gpu = base.cuda()
+    fmt = lowfp.formats.float8_e4m3fn
+    for start in (0, 1):
+        x, x_gpu = base[start:start + len(base) - 1], base_gpu[start:start + len(base) - 1]
+        s_cpu, s_gpu = lowfp.Stats(), lowfp.Stats("cuda")
+        a = lowfp.quantize(x, fmt, mode, seed=77, stats=s_cpu)
+        b = lowfp.quantize(x_gpu, fmt, mode, seed=77, stats=s_gpu)
+        assert same_bits(a, b), (dtype, mode, start)
+        assert s_cpu.as_dict() == s_gpu.as_dict()

@@ -88,12 +88,22 @@ __device__ void store_group(T* y, int64_t g, int64_t n, int64_t full_groups, con
 // This thread's groups of four elements, grid-stride: y's group g = fn(g, x's group g), read
 // and written as whole quads in the first n / 4 groups when quad_io (the caller checked
 // alignment). x and y may be the same buffer: each group is read before it is written.
+// A thread loads kInFlight groups (g, g + stride, ...) before it transforms them: 16-bit inputs
+// take two, so that each thread has as many bytes of loads in flight (16) as a float32 quad.
 template <class In, class Out, class Fn>
 __device__ void transform_groups(const In* x, Out* y, int64_t n, bool quad_io, Fn&& fn) {
+  constexpr int kInFlight = sizeof(In) == 2 ? 2 : 1;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t groups = (n + 3) / 4, full_groups = quad_io ? n / 4 : 0;
-  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride)
-    store_group(y, g, n, full_groups, fn(g, load_group(x, g, n, full_groups)));
+  for (int64_t g0 = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g0 < groups; g0 += kInFlight * stride) {
+    Quad<In> in[kInFlight];
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j)
+      if (g0 + j * stride < groups) in[j] = load_group(x, g0 + j * stride, n, full_groups);
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j)
+      if (g0 + j * stride < groups) store_group(y, g0 + j * stride, n, full_groups, fn(g0 + j * stride, in[j]));
+  }
 }
 
 // The end of a counting kernel: this thread's events, and numel once per launch.
