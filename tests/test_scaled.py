@@ -923,13 +923,14 @@ def test_scaled_layouts_match_cpu(layout, name, dtype):
     # NVFP4, 1×128), blocks down the columns (along axis 0, in place) in one pass, blocks of 256
     # to 2^16 elements in rows of whole quads, aligned, in one pass a block (rowwise, 128×128,
     # the rows and the short last block here), and every other layout in passes over the blocks'
-    # maxima, the scales and the elements: all give the CPU's bits, scales and counts.
+    # maxima, the scales and the elements (a tensor's scale: its elements in groups of four, the
+    # odd row length's last one short): all give the CPU's bits, scales and counts.
     fmt = lowfp.scaled.named()[name]
     if layout == "along axis 0" and fmt.axis is not None:
         name = fmt.with_axis(0)
     g = torch.Generator().manual_seed(3)
     shape = {"short last block": (48, 200), "one row": (1, 4096), "1-D": (1000,),
-             "odd row length": (40, 203)}.get(layout, (48, 256))
+             "odd row length": (41, 203)}.get(layout, (48, 256))
     numel = 1
     for d in shape:
         numel *= d

@@ -507,28 +507,40 @@ __global__ void tensor_scale_kernel(ScaledCall c, const unsigned long long* tens
   *reinterpret_cast<double*>(out) = t;
 }
 
-template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp>
+// The elements pass, after the scales. kSingle: one scale and row-major words (a tensor's scale):
+// groups of four consecutive elements, one vector access (quad_io) and one Philox block a group;
+// else an element a thread, its block's scale found from its row and column.
+template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kSingle>
 __global__ void __launch_bounds__(kThreads)
-elements_kernel(ScaledCall c, unsigned long long* counts) {
+elements_kernel(ScaledCall c, bool quad_io, unsigned long long* counts) {
   const In* x = static_cast<const In*>(c.x);
   In* y = static_cast<In*>(c.y);
   const int64_t n = c.rows * c.cols, gc = c.block_grid_cols();
-  // (one scale and row-major words, a tensor's scale: no element's row and column wanted)
-  const bool single = gc * c.block_grid_rows() == 1 && c.word_run == 0;
   ThreadCounts tc;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    int64_t block = 0;
-    uint64_t w = uint64_t(i);
-    if (!single) {
+  if constexpr (kSingle) {
+    const double s = c.scales[0], inv = 1.0 / s;
+    transform_groups(x, y, n, quad_io, [&](int64_t g, const Quad<In>& in) {
+      Philox4x32Block words = {{0u, 0u, 0u, 0u}};
+      if constexpr (K == RoundKind::Stochastic) words = philox_block(c.seed, c.offset + uint64_t(g));
+      Quad<In> out = in;
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (4 * g + k < n)  // (a short last group's padding is neither rounded nor stored)
+          out.v[k] = round_scaled<In, K, kCount, kPow2, kSubExp>(c, in.v[k], 4 * g + k, s, inv, words.w[k], tc);
+      return out;
+    });
+  } else {
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+         i += int64_t(gridDim.x) * blockDim.x) {
       const int64_t r = i / c.cols, col = i % c.cols;
-      block = (r / c.block_rows) * gc + col / c.block_cols;
-      w = c.word_index(r, col);
+      const double s = c.scales[(r / c.block_rows) * gc + col / c.block_cols];
+      uint32_t word = 0u;
+      if constexpr (K == RoundKind::Stochastic) {
+        const uint64_t w = c.word_index(r, col);
+        word = philox_block(c.seed, c.offset + w / 4).w[w % 4];
+      }
+      y[i] = round_scaled<In, K, kCount, kPow2, kSubExp>(c, x[i], i, s, 1.0 / s, word, tc);
     }
-    const double s = c.scales[block];
-    uint32_t word = 0u;
-    if constexpr (K == RoundKind::Stochastic) word = philox_block(c.seed, c.offset + w / 4).w[w % 4];
-    y[i] = round_scaled<In, K, kCount, kPow2, kSubExp>(c, x[i], i, s, 1.0 / s, word, tc);
   }
   if constexpr (kCount) finish_counts(tc, counts, n);
 }
@@ -572,12 +584,17 @@ void scaled_cuda(const ScaledCall& c, double* tensor_scale, int64_t* counts, int
               <<<grid_size(device, blocks), kThreads, 0, stream>>>(c, tmax_in, cnt);
         });
       }
+      const bool single = blocks == 1 && c.word_run == 0;
       with_round_kind(c.mode, [&](auto kind) {
         with_flag(c.count, [&](auto count) {
           with_flag(c.scale.rule != ScaleRule::Format, [&](auto pow2) {
             with_flag(c.p.subnormal_exponent, [&](auto sub) {
-              elements_kernel<In, decltype(kind)::value, decltype(count)::value, decltype(pow2)::value,
-                              decltype(sub)::value><<<grid_size(device, n), kThreads, 0, stream>>>(c, cnt);
+              with_flag(single, [&](auto single_c) {
+                elements_kernel<In, decltype(kind)::value, decltype(count)::value, decltype(pow2)::value,
+                                decltype(sub)::value, decltype(single_c)::value>
+                    <<<grid_size(device, single ? (n + 3) / 4 : n), kThreads, 0, stream>>>(
+                        c, quad_aligned<In>(c.x) && quad_aligned<In>(c.y), cnt);
+              });
             });
           });
         });
