@@ -13,7 +13,7 @@
 //   block coalesced for its largest magnitude and again to round it.
 // - Any other blocks: each block's largest finite magnitude by a thread block of its own reading
 //   its rows coalesced (the whole grid for a single block), the scales in place, then the elements
-//   in a grid-stride loop.
+//   in a grid-stride loop (a single block's in groups of four).
 #include <type_traits>
 
 #include "common.cuh"
