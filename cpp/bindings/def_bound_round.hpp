@@ -22,8 +22,8 @@
 // plain tensor, out= not one, a generator that is not a torch.Generator, an offset outside
 // [0, 2^64), grad_fmt) or is not (its key is unhashable or absent); the result where
 // round_remembered takes it, or, for an x whose result autograd records (no out=), the same checks
-// and lowfp's autograd Function around the prepared rounding; else the table's entry, which the
-// Python path runs.
+// and lowfp's autograd Function around the prepared rounding (quantize._remembered_apply); else the
+// table's entry, which the Python path runs.
 //
 // A stochastic request draws its seed as lowfp._native.draw_seed_eager does, from the calling
 // thread's buffer (the same words and generator advance), unless the call gives `seed`.
@@ -67,9 +67,7 @@ struct Objects {
   PyObject* prepared_format = nullptr;       // lowfp._prepared.PreparedFormat
   PyObject* writable_in_one_call = nullptr;  // lowfp.quantize._writable_in_one_call(x, out)
   PyObject* generator_keyword = nullptr;     // ("generator",): random_'s keyword
-  PyObject* recorded_apply = nullptr;        // lowfp.quantize._recorded_apply
-  PyObject* round_prepared = nullptr;        // lowfp.quantize._round_prepared
-  PyObject* nearest = nullptr;               // "nearest"
+  PyObject* remembered_apply = nullptr;      // lowfp.quantize._remembered_apply
   PyObject *dtype, *is_contiguous, *data_ptr, *numel, *element_size, *is_cpu, *is_cuda, *is_nested, *layout,
       *torch_threads, *requires_grad, *counts, *request, *device;
 };
@@ -273,16 +271,14 @@ py::object round_remembered(PyObject* request, PyObject* dtype, PyObject* x, PyO
 }
 
 // A checked call whose result autograd records (no out=), as _round_remembered makes it:
-// _recorded_apply(x, _round_prepared, (entry, stats, counts, seed, offset), None, "nearest"), the
-// seed drawn here.
+// _remembered_apply(x, entry, stats, counts, seed, offset), the seed drawn here.
 inline py::object record_remembered(const RememberedArgs& a, PyObject* entry, PyObject* x, PyObject* stats,
                                     PyObject* generator) {
-  const Objects& o = objects();
   const uint64_t seed = a.call.mode != Rounding::Stochastic ? 0 : a.has_seed ? a.seed : draw_seed(generator);
-  py::object args = steal(Py_BuildValue("(OOOKK)", entry, stats, a.counts.ptr(), static_cast<unsigned long long>(seed),
-                                        static_cast<unsigned long long>(a.offset)));
-  return steal(PyObject_CallFunctionObjArgs(o.recorded_apply, x, o.round_prepared, args.ptr(), Py_None, o.nearest,
-                                            nullptr));
+  py::object seed_of = steal(PyLong_FromUnsignedLongLong(seed));
+  py::object offset_of = steal(PyLong_FromUnsignedLongLong(a.offset));
+  PyObject* args[7] = {nullptr, x, entry, stats, a.counts.ptr(), seed_of.ptr(), offset_of.ptr()};
+  return steal(PyObject_Vectorcall(objects().remembered_apply, args + 1, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
 }
 
 inline py::object eager_key(PyObject* fmt, PyObject* rounding, PyObject* overflow, PyObject* subnormals,
@@ -362,7 +358,7 @@ void def_bound_round(py::module_& mod, Run run) {
   // backends (lowfp.backends), get_num_threads, strided, empty_like, new_output, min_bytes,
   // preserve_format, draw_buffer, is_grad_enabled, unobserved (the function mode's, dispatch
   // stack's and functorch's no-argument checks), generator_type, cpu_device, prepared_format,
-  // writable_in_one_call, recorded_apply, round_prepared.
+  // writable_in_one_call, remembered_apply.
   mod.def("round_bound_setup", [](py::kwargs given) {
     auto take = [&given](const char* name) {
       if (!given.contains(name)) throw std::invalid_argument(std::string("round_bound_setup: no ") + name + "=");
@@ -391,8 +387,7 @@ void def_bound_round(py::module_& mod, Run run) {
     o.cpu_device = take("cpu_device");
     o.prepared_format = take("prepared_format");
     o.writable_in_one_call = take("writable_in_one_call");
-    o.recorded_apply = take("recorded_apply");
-    o.round_prepared = take("round_prepared");
+    o.remembered_apply = take("remembered_apply");
     if (PyDict_Size(given.ptr()) != 0)
       throw std::invalid_argument("round_bound_setup: unknown " + py::str(py::list(given)).cast<std::string>());
     o.generator_keyword = py::make_tuple("generator").release().ptr();
@@ -410,7 +405,6 @@ void def_bound_round(py::module_& mod, Run run) {
     o.counts = intercept::intern("counts");
     o.request = intercept::intern("request");
     o.device = intercept::intern("device");
-    o.nearest = intercept::intern("nearest");
     objects() = o;
   });
   static Run kept = run;
