@@ -99,14 +99,6 @@ struct BlockShare {
   }
 };
 
-// Block b's geometry: its first row and column, its rows and columns (the last ones short).
-struct BlockAt {
-  int64_t r0, c0, h, w;
-  __device__ BlockAt(const ScaledCall& c, int64_t b, int64_t grid_cols)
-      : r0((b / grid_cols) * c.block_rows), c0((b % grid_cols) * c.block_cols),
-        h(min_of(c.rows, r0 + c.block_rows) - r0), w(min_of(c.cols, c0 + c.block_cols) - c0) {}
-};
-
 // The largest of this thread block's values m (raw bits of nonnegative doubles), through
 // `maxima` (one slot a warp); every thread calls it, thread 0 gets the answer. The caller
 // synchronises before `maxima` is written again.
@@ -132,7 +124,7 @@ block_amax_kernel(ScaledCall c, unsigned long long* tensor_max) {
   __shared__ uint64_t warp_maxima[kThreads / 32];
   U tensor_m = 0;
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
-    const BlockAt at(c, b, gc);
+    const ScaledBlock at = c.block(b);
     U m = 0;
     BlockShare(at.w).each(at.h, at.w, [&](int64_t r, int64_t u) {
       m = max_of(m, finite_magnitude(x[(at.r0 + r) * c.cols + at.c0 + u], exponent));
@@ -324,7 +316,7 @@ tile_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned 
   ThreadCounts tc;
   uint64_t saturated = 0;
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
-    const BlockAt at(c, b, gc);
+    const ScaledBlock at = c.block(b);
     const BlockShare share(at.w / 4);
     // quad (r, u) of the block starts at element first(r, u)
     auto first = [&](int64_t r, int64_t u) { return (at.r0 + r) * c.cols + at.c0 + 4 * u; };
@@ -562,9 +554,9 @@ void scaled_cuda(const ScaledCall& c, double* tensor_scale, int64_t* counts, int
     check(cudaGetLastError(), "kernel launch");
     return;
   }
-  if (row_blocks(c) || column_blocks(c) || tile_blocks(c)) {
-    one_pass(c, row_blocks(c) ? OnePass::Rows : column_blocks(c) ? OnePass::Columns : OnePass::Tiles, device, stream,
-             tmax, tmax_in, cnt);
+  const bool rows = row_blocks(c), columns = !rows && column_blocks(c), tiles = !rows && !columns && tile_blocks(c);
+  if (rows || columns || tiles) {
+    one_pass(c, rows ? OnePass::Rows : columns ? OnePass::Columns : OnePass::Tiles, device, stream, tmax, tmax_in, cnt);
   } else {
     with_storage_type(c.dtype, [&](auto type) {
       using In = typename decltype(type)::type;

@@ -12,6 +12,12 @@
 
 namespace lowfp {
 
+// Block b of a call (row-major over the block grid): its first row and column, and its rows and
+// columns (the grid's last ones may be short).
+struct ScaledBlock {
+  int64_t r0, c0, h, w;
+};
+
 struct ScaledCall {
   const void* x;
   void* y;                       // s · q in x's dtype (may be x)
@@ -55,6 +61,10 @@ struct ScaledCall {
   bool add64, steps64, divide_once;
   LOWFP_HD int64_t block_grid_cols() const { return (cols + block_cols - 1) / block_cols; }
   LOWFP_HD int64_t block_grid_rows() const { return (rows + block_rows - 1) / block_rows; }
+  LOWFP_HD ScaledBlock block(int64_t b) const {
+    const int64_t gc = block_grid_cols(), r0 = (b / gc) * block_rows, c0 = (b % gc) * block_cols;
+    return {r0, c0, min_of(rows, r0 + block_rows) - r0, min_of(cols, c0 + block_cols) - c0};
+  }
   LOWFP_HD uint64_t word_index(int64_t r, int64_t c) const {
     if (word_run == 0) return uint64_t(r * cols + c);
     return uint64_t(((r / word_run) * cols + c) * word_run + r % word_run);
@@ -97,9 +107,8 @@ LOWFP_HD double four_over_six_scale(const ScaledCall& c, int64_t b, double a, do
   bool sat6, sat4;
   const double s6 = format_block_scale(c.scale, a, t, sat6);
   const double s4 = map_to_four_scale(c.scale, a, t, sat4);
-  const int64_t gc = c.block_grid_cols();
-  const int64_t r0 = (b / gc) * c.block_rows, c0 = (b % gc) * c.block_cols;
-  const int64_t r1 = min_of(c.rows, r0 + c.block_rows), c1 = min_of(c.cols, c0 + c.block_cols);
+  const ScaledBlock at = c.block(b);
+  const int64_t r0 = at.r0, c0 = at.c0, r1 = r0 + at.h, c1 = c0 + at.w;
   const In* x = static_cast<const In*>(c.x);
   const int32_t e_cap = c.addition_cap;
   // Each run of up to kChunk elements of a row: the shares of the error side by side (a loop
