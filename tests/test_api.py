@@ -646,8 +646,8 @@ def test_recorded_eager_calls_skip_the_dispatcher_with_the_operators_results_and
     transform) runs lowfp::quantize's implementation and formula through lowfp's own autograd
     Function, without the operator's Python autograd kernel: the operator's values, counts,
     gradients (straight through or rounded, every mode) and generator draws, in any layout; the
-    first call and the next, remembered one (no grad_fmt: the prepared rounding in the Function,
-    set up in C for a contiguous x)."""
+    first call and the next, remembered one (no grad_fmt: set up in C for a contiguous x, the
+    prepared rounding in torch's clone of this small x, or in the Function for out_dtype)."""
     taken = _spy_remembered(monkeypatch)
     x0 = torch.randn(3, 50) * 30
     x0[0, :2] = torch.tensor([1e9, 1e-9])
@@ -668,9 +668,13 @@ def test_recorded_eager_calls_skip_the_dispatcher_with_the_operators_results_and
                 taken.clear()
                 with mode if mode is not None else contextlib.nullcontext():
                     y = lowfp.quantize(x, "fp(4,3,4)", stats=stats, **kw)
-                    assert ("RecordedRounding" in type(y.grad_fn).__name__) == (mode is None)
                     remembered_in_c = call == 1 and contiguous and "grad_fmt" not in kwargs
-                    assert taken == (["_round_remembered_in_c", "_quantize_remembered"] if remembered_in_c
+                    in_clone = remembered_in_c and "out_dtype" not in kwargs  # (a small x of its dtype)
+                    node = type(y.grad_fn).__name__
+                    assert (node == "CloneBackward0" if in_clone
+                            else ("RecordedRounding" in node) == (mode is None)), (kwargs, call, node)
+                    assert taken == (["_quantize_remembered"] if in_clone
+                                     else ["_round_remembered_in_c", "_quantize_remembered"] if remembered_in_c
                                      else []), (kwargs, contiguous, call, taken)
                     y.backward(torch.linspace(-3e4, 3e4, y.numel(), dtype=y.dtype).reshape(y.shape))
                 results.append((y.detach(), x.grad, stats.counts.clone(), torch.rand(1)))
@@ -877,10 +881,10 @@ def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_ch
     assert torch.equal(lowfp.quantize(t, "fp(4,3,4)").view(torch.int32),
                        lowfp.quantize(x, "fp(4,3,4)").t().view(torch.int32))
     assert taken == ["_quantize_remembered"]  # only the contiguous call
-    w = x.clone().requires_grad_(True)  # autograd: the prepared rounding in lowfp's Function
+    w = x.clone().requires_grad_(True)  # autograd: the prepared rounding in torch's clone of w
     y = lowfp.quantize(w, "fp(4,3,4)")
-    assert "RecordedRounding" in type(y.grad_fn).__name__
-    assert taken[-2:] == ["_round_remembered_in_c", "_quantize_remembered"]  # (inside the Function first)
+    assert type(y.grad_fn).__name__ == "CloneBackward0"
+    assert taken[-1:] == ["_quantize_remembered"]
     assert torch.equal(y.detach().view(torch.int32), lowfp.quantize(x, "fp(4,3,4)").view(torch.int32))
     y.sum().backward()
     assert torch.equal(w.grad, torch.ones_like(x))
@@ -999,10 +1003,10 @@ def test_the_c_shortcut_hands_back_every_call_it_does_not_take(monkeypatch):
     out_entry = module._EAGER[module._eager_key("fp(4,3,4)", "stochastic", None, None, 32, x, out, None)]
     assert look_up(out=torch.empty(4, 31)) is out_entry  # (a shape that _writable_in_one_call refuses)
     assert look_up(seed=5, out=out) is out and torch.equal(out, want_5)
-    # x requiring grad: lowfp's autograd Function around the prepared rounding, same checks
+    # x requiring grad: the prepared rounding recorded straight through, same checks
     w = x.clone().requires_grad_()
     recorded = look_up(x=w, seed=5)
-    assert "RecordedRounding" in type(recorded.grad_fn).__name__ and torch.equal(recorded.detach(), want_5)
+    assert recorded.grad_fn is not None and torch.equal(recorded.detach(), want_5)
     with Seen():
         assert look_up(x=w, seed=5) is entry
     assert look_up(x=w.t(), seed=5) is entry and look_up(x=w, seed=-1) is entry
@@ -1015,6 +1019,46 @@ def test_the_c_shortcut_hands_back_every_call_it_does_not_take(monkeypatch):
     assert module._eager_key("fp(4,3,4)", "stochastic", None, None, 32, x, None, None) == key
     assert module._eager_key("fp(4,3,4)", "stochastic", None, None, True, x, None, None) != \
         module._eager_key("fp(4,3,4)", "stochastic", None, None, 1, x, None, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_remembered_call_that_autograd_records_gives_the_operators_bits_counts_and_gradient(
+        monkeypatch, dtype):
+    """A remembered call whose result autograd records: on a small CPU tensor rounded in torch's
+    clone of x (a node that saves nothing), on a larger one or into another dtype in lowfp's
+    autograd Function. Either way the bits, counts and generator draws of the call without
+    autograd, the gradient straight through, x unchanged."""
+    import sys
+    module = sys.modules["lowfp.quantize"]
+    monkeypatch.setattr(module, "_EAGER", {})
+    threshold = 1 << 16  # (def_bound_round.hpp: kCloneRoundBytes)
+    size = torch.empty(0, dtype=dtype).element_size()
+    cases = [(threshold // size, {}, "CloneBackward0"),
+             (threshold // size + 1, {}, "_RememberedRecordedRoundingBackward"),
+             (64, dict(out_dtype=torch.float64), "_RememberedRecordedRoundingBackward")]
+    if dtype == torch.float64:
+        cases.pop()  # (out_dtype float64 is x's own dtype here)
+    for n, kwargs, node in cases:
+        x = (torch.randn(n, dtype=torch.float64) * 30).to(dtype)
+        x[:4] = torch.tensor([float("nan"), 1e9, 1e-9, -0.0])
+        for rounding in ("nearest", "stochastic"):
+            w = torch.nn.Parameter(x.clone())  # (a Parameter, as a model's weight)
+            lowfp.quantize(w, "fp(4,3,4)", rounding, **kwargs)  # (remembers the call)
+            got = []
+            for source in (w, x):
+                stats = lowfp.Stats()
+                torch.manual_seed(3)
+                y = lowfp.quantize(source, "fp(4,3,4)", rounding, stats=stats, **kwargs)
+                got.append((y, stats.counts.clone(), torch.rand(1)))
+            (y, counts, after), (want, want_counts, want_after) = got
+            assert type(y.grad_fn).__name__ == node, (n, kwargs)
+            assert y.dtype == want.dtype and torch.equal(y.detach().view(torch.uint8), want.view(torch.uint8))
+            assert torch.equal(counts, want_counts) and int(counts[1]) > 0  # (1e-9 underflows)
+            assert torch.equal(after, want_after)  # (the same draws of torch's generator)
+            assert torch.equal(w.detach().view(torch.uint8), x.view(torch.uint8))  # x unchanged
+            grad = torch.randn(n, dtype=y.dtype)
+            y.backward(grad)
+            assert w.grad.dtype == dtype and torch.equal(w.grad, grad.to(dtype))
 
 
 def test_seeds_and_offsets_of_repeated_calls_take_the_remembered_request(monkeypatch):

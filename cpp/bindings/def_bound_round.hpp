@@ -19,11 +19,12 @@
 // lowfp._C.quantize_remembered(table, x, fmt, rounding, overflow, subnormals, seed, generator,
 // offset, sr_bits, stats, out, out_dtype, grad_fmt): lowfp.quantize's look-up of a remembered
 // call, with its arguments in quantize's order. None where the call cannot be remembered (x not a
-// plain tensor, out= not one, a generator that is not a torch.Generator, an offset outside
+// plain tensor or Parameter, out= not one, a generator that is not a torch.Generator, an offset outside
 // [0, 2^64), grad_fmt) or is not (its key is unhashable or absent); the result where
 // round_remembered takes it, or, for an x whose result autograd records (no out=), the same checks
-// and lowfp's autograd Function around the prepared rounding (quantize._remembered_apply); else the
-// table's entry, which the Python path runs.
+// and the prepared rounding recorded straight through (record_remembered: in torch's clone of a
+// small x, else in lowfp's autograd Function, quantize._remembered_apply); else the table's entry,
+// which the Python path runs.
 //
 // A stochastic request draws its seed as lowfp._native.draw_seed_eager does, from the calling
 // thread's buffer (the same words and generator advance), unless the call gives `seed`.
@@ -69,7 +70,7 @@ struct Objects {
   PyObject* generator_keyword = nullptr;     // ("generator",): random_'s keyword
   PyObject* remembered_apply = nullptr;      // lowfp.quantize._remembered_apply
   PyObject *dtype, *is_contiguous, *data_ptr, *numel, *element_size, *is_cpu, *is_cuda, *is_nested, *layout,
-      *torch_threads, *requires_grad, *counts, *request, *device;
+      *torch_threads, *requires_grad, *counts, *request, *device, *clone;
 };
 
 inline Objects& objects() {
@@ -270,15 +271,33 @@ py::object round_remembered(PyObject* request, PyObject* dtype, PyObject* x, PyO
   return run_remembered(a, dtype, x, generator, out, run);
 }
 
-// A checked call whose result autograd records (no out=), as _round_remembered makes it:
-// _remembered_apply(x, entry, stats, counts, seed, offset), the seed drawn here.
-inline py::object record_remembered(const RememberedArgs& a, PyObject* entry, PyObject* x, PyObject* stats,
-                                    PyObject* generator) {
+// A checked call whose result autograd records (no out=). Where the result keeps x's dtype and x
+// holds at most kCloneRoundBytes, x's copy by torch's clone (a node that saves nothing and passes
+// the gradient straight through, recorded by torch in C++) is rounded in place: the operator's
+// formula for a call without grad_fmt, for less than lowfp's Python autograd Function costs. A
+// larger x would pay the copy's pass over memory more than the Function's call, so it takes the
+// Function as _round_remembered makes it: _remembered_apply(x, entry, stats, counts, seed, offset),
+// the seed drawn here.
+constexpr int64_t kCloneRoundBytes = int64_t(1) << 16;
+
+template <class Run>
+py::object record_remembered(const RememberedArgs& a, PyObject* entry, PyObject* x, PyObject* stats,
+                             PyObject* generator, Run& run) {
+  const Objects& o = objects();
+  py::object x_dtype = attr(x, o.dtype), dtype = attr(entry, o.dtype);
+  if (x_dtype.ptr() == dtype.ptr() &&  // (torch.dtype objects are one per dtype)
+      as_int(steal(PyObject_CallMethodNoArgs(x, o.numel))) *
+              as_int(steal(PyObject_CallMethodNoArgs(x, o.element_size))) <=
+          kCloneRoundBytes) {
+    py::object y = steal(PyObject_CallMethodNoArgs(x, o.clone));
+    return run_prepared(a.call, y.ptr(), dtype.ptr(), dtype.ptr(), a.count_at, y.ptr(), a.has_seed ? &a.seed : nullptr,
+                        generator, a.offset, run);
+  }
   const uint64_t seed = a.call.mode != Rounding::Stochastic ? 0 : a.has_seed ? a.seed : draw_seed(generator);
   py::object seed_of = steal(PyLong_FromUnsignedLongLong(seed));
   py::object offset_of = steal(PyLong_FromUnsignedLongLong(a.offset));
   PyObject* args[7] = {nullptr, x, entry, stats, a.counts.ptr(), seed_of.ptr(), offset_of.ptr()};
-  return steal(PyObject_Vectorcall(objects().remembered_apply, args + 1, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
+  return steal(PyObject_Vectorcall(o.remembered_apply, args + 1, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
 }
 
 inline py::object eager_key(PyObject* fmt, PyObject* rounding, PyObject* overflow, PyObject* subnormals,
@@ -306,7 +325,7 @@ py::object quantize_remembered(PyObject* const* argv, Run& run) {
   }
   const auto tensor = reinterpret_cast<PyTypeObject*>(o.tensor);
   uint64_t offset_value = 0;  // (parsed once: the C path's offset)
-  if (Py_TYPE(x) != tensor || (out != Py_None && Py_TYPE(out) != tensor) || grad_fmt != Py_None ||
+  if (!plain_tensor(x) || (out != Py_None && Py_TYPE(out) != tensor) || grad_fmt != Py_None ||
       (generator != Py_None && Py_TYPE(generator) != reinterpret_cast<PyTypeObject*>(o.generator_type)) ||
       !as_uint64(offset, offset_value))
     return py::none();
@@ -324,7 +343,7 @@ py::object quantize_remembered(PyObject* const* argv, Run& run) {
   if (Py_TYPE(entry) == reinterpret_cast<PyTypeObject*>(o.prepared_format) &&
       remembered_args(attr(entry, o.request).ptr(), x, stats, seed, generator, offset_value, a)) {
     if (a.recorded) {
-      if (out == Py_None) return record_remembered(a, entry, x, stats, generator);
+      if (out == Py_None) return record_remembered(a, entry, x, stats, generator, run);
     } else if (out == Py_None || truth(PyObject_IsTrue(
                                      steal(PyObject_CallFunctionObjArgs(o.writable_in_one_call, x, out, nullptr))
                                          .ptr()))) {
@@ -405,6 +424,7 @@ void def_bound_round(py::module_& mod, Run run) {
     o.counts = intercept::intern("counts");
     o.request = intercept::intern("request");
     o.device = intercept::intern("device");
+    o.clone = intercept::intern("clone");
     objects() = o;
   });
   static Run kept = run;
