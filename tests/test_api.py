@@ -274,7 +274,7 @@ def _tiles_with_and_without_events(fmt, dtype):
     return torch.cat(tiles).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("mode", ["nearest", "toward_zero", "stochastic"])
 @pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])

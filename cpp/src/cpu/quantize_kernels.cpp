@@ -24,8 +24,9 @@ constexpr bool kViaFloat = kF16cTiles<T> && std::is_same_v<Bits, uint32_t>;
 // common (any distribution around zero), so:
 //  - Underflow: underflows and the tile's largest magnitude, whose test after the loop says
 //    whether the tile needs the loop again with All (two vector operations fewer per counter);
+//  - UnderflowOnly: underflows, in a tile whose largest magnitude is known not to pass max_bits;
 //  - All: every event, and the largest magnitude too (see run).
-enum class Counting { None, Underflow, All };
+enum class Counting { None, Underflow, UnderflowOnly, All };
 
 template <class Bits>
 struct TileCounts {
@@ -48,17 +49,28 @@ __attribute__((noinline)) TileCounts<Bits> round_tile(const QuantizeCall& c,
     const uint32_t r = Kind == RoundKind::Stochastic ? rand[i] : 0u;
     const Bits x = Widen<Bits>::from(xt[i]);
     yt[i] = Store<Dst>::from(round_element<Kind, Bits, kSubExp, kForm>(x, p, r, c.addition_cap, ev));
-    if constexpr (kCounts != Counting::None) {
+    if constexpr (kCounts == Counting::Underflow || kCounts == Counting::All) {
       const Bits a = x & ~C::kSign;
       t.largest = t.largest > a ? t.largest : a;
-      t.underflow += Bits(ev.underflow);
     }
+    if constexpr (kCounts != Counting::None) t.underflow += Bits(ev.underflow);
     if constexpr (kCounts == Counting::All) {
       t.above_max += Bits(ev.above_max);
       t.nan += Bits(ev.nan);
     }
   }
   return t;
+}
+
+// The largest carrier magnitude among a tile's elements.
+template <class Src, class Bits>
+Bits tile_largest(const Src* xt, int64_t len) {
+  Bits largest = 0;
+  for (int64_t i = 0; i < len; ++i) {
+    const Bits a = Widen<Bits>::from(xt[i]) & ~CarrierTraits<Bits>::kSign;
+    largest = largest > a ? largest : a;
+  }
+  return largest;
 }
 
 template <class In, class Out, class Bits, RoundKind Kind, bool kCount, bool kSubExp,
@@ -74,13 +86,16 @@ void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts)
   alignas(64) Src in_tile[kInViaFloat ? kTile : 1];
   alignas(64) float out_tile[kOutViaFloat ? kTile : 1];
   // A tile rounded with Counting::Underflow that turns out to hold a magnitude above max_bits is
-  // rounded again with All, from its input. Where the result overwrites the input, each tile's
+  // rounded again with All, from its input. After such a tile the next ones count All until one
+  // holds none (a tensor with many overflows pays one comparison per element, not every tile
+  // twice). Where the result overwrites the input element for element (in place), a first pass
+  // over the tile finds its largest magnitude, which leaves the tile in L1 for the one rounding
+  // pass that counts what it holds. Where the result overlaps the input otherwise, each tile's
   // results are staged in a buffer (in L1) and copied out after the tile's counts are known.
-  // After such a tile the next ones count All until one holds none (a tensor with many overflows
-  // pays one comparison per element, not every tile twice).
   const auto* x_bytes = static_cast<const unsigned char*>(c.x);
   const auto* y_bytes = static_cast<const unsigned char*>(c.y);
-  const bool stage_results = kCount && !kOutViaFloat &&
+  const bool in_place = kCount && !kOutViaFloat && !kInViaFloat && sizeof(In) == sizeof(Out) && c.x == c.y;
+  const bool stage_results = kCount && !kOutViaFloat && !in_place &&
                              !(x_bytes + c.n * int64_t(sizeof(In)) <= y_bytes ||
                                y_bytes + c.n * int64_t(sizeof(Out)) <= x_bytes);
   alignas(64) Dst staged[kCount && !kOutViaFloat ? kTile : 1];
@@ -98,7 +113,11 @@ void run(const QuantizeCall& c, int64_t begin, int64_t end, EventCounts& counts)
     else yt = stage_results ? staged : y + t0;
     if constexpr (kCount) {
       TileCounts<Bits> t;
-      if (!count_all) {
+      if (in_place) {
+        t = tile_largest<Src, Bits>(xt, len) > p.max_bits
+                ? round_tile<Src, Dst, Bits, Kind, Counting::All, kSubExp, kForm>(c, p, xt, yt, rand, len)
+                : round_tile<Src, Dst, Bits, Kind, Counting::UnderflowOnly, kSubExp, kForm>(c, p, xt, yt, rand, len);
+      } else if (!count_all) {
         t = round_tile<Src, Dst, Bits, Kind, Counting::Underflow, kSubExp, kForm>(c, p, xt, yt, rand, len);
         count_all = t.largest > p.max_bits;
       }
