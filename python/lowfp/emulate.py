@@ -209,9 +209,10 @@ class _RoundInGraph(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, sink, fwd, count, bwd):
         ctx.bwd, ctx.count = bwd, sink is not None
-        stats = Stats(x.device) if count else None
-        y = x.clone() if fwd is None else fwd(x, stats)
-        counts = stats.counts if count else x.new_zeros(0, dtype=torch.int64)
+        if fwd is None:
+            y, counts = x.clone(), x.new_zeros(4 if count else 0, dtype=torch.int64)
+        else:
+            y, counts = fwd.in_graph(x, count)
         ctx.mark_non_differentiable(counts)
         return y, counts
 
@@ -220,9 +221,8 @@ class _RoundInGraph(torch.autograd.Function):
         bwd = ctx.bwd
         if bwd is None:
             return grad, None, None, None, None
-        stats = Stats(grad.device) if ctx.count else None
-        grad = bwd(grad, stats)
-        return grad, (stats.counts.to(torch.float64) if ctx.count else None), None, None, None
+        grad, counts = bwd.in_graph(grad, ctx.count)
+        return grad, (counts.to(torch.float64) if ctx.count else None), None, None, None
 
 
 class _ClosedStep(NamedTuple):
@@ -498,7 +498,12 @@ class Emulator(ForwardSession):
         of the table by the graph, the backward counts arrive as row bs_row of
         ``_grad_counts.grad`` (-1: not counted)."""
         if not (t.requires_grad and torch.is_grad_enabled()):
-            return t if fwd is None else fwd(t, None if fs_row < 0 else Stats.view(self.counts[fs_row]))
+            if fwd is None:
+                return t
+            out, counts = fwd.in_graph(t, fs_row >= 0)
+            if fs_row >= 0:
+                self.counts[fs_row].add_(counts)
+            return out
         sink = None if bs_row < 0 else self._grad_counts[bs_row]
         out, counts = _RoundInGraph.apply(t, sink, fwd, fs_row >= 0, bwd)
         if fs_row >= 0:

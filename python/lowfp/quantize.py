@@ -378,6 +378,9 @@ class Rounder:
         self._call = make_call(fmt, rounding, overflow, None, 0, None, 0, 32)
         self._fmt = str(self._call.fmt)
         self._fits: dict = {}
+        # What a graph checks (in_graph), made here so that tracing reads a constant rather
+        # than calling fit_error: the dtypes whose tensors this format fits.
+        self._fitting = frozenset(d for d in DTYPE_CODES if self.fit_error(d) is None)
 
     def fit_error(self, dtype: torch.dtype) -> Optional[str]:
         """Why tensors of ``dtype`` cannot be rounded by this rounder in their own dtype, or None."""
@@ -440,6 +443,23 @@ class Rounder:
                 and (x.is_cpu or x.is_cuda)):
             self._prepare(x)  # checked: its later calls are one native call
         return y
+
+    def in_graph(self, x: torch.Tensor, count: bool):
+        """(x rounded, its counts) where torch.compile records a graph: counts an int64 tensor of
+        overflow, underflow, NaN and numel, or of no element when not ``count``. A format's
+        rounding is the operator's node itself, its dtype checked against a set made at
+        construction (a few steps to trace where ``self(x, stats)`` builds a Stats and checks
+        the format again); other precisions take ``self(x, stats)``."""
+        if type(self.precision) is Format and isinstance(x, torch.Tensor):
+            if x.dtype not in self._fitting:
+                raise ValueError(self.fit_error(x.dtype))
+            register_inductor_decompositions()
+            drawn = torch.ops.lowfp.draw_seed() if self.rounding == "stochastic" else None
+            return torch.ops.lowfp.quantize(x, self._fmt, self.rounding, 32, 0, drawn, 0, x.dtype, count,
+                                            None, "nearest")
+        stats = Stats(x.device) if count else None
+        y = self(x, stats)
+        return y, (stats.counts if count else x.new_zeros(0, dtype=torch.int64))
 
     def round_in_place(self, x: torch.Tensor, stats: Optional[Stats] = None) -> bool:
         """Round x into its own memory, adding its counts to ``stats``, where this rounder's
