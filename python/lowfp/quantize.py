@@ -377,9 +377,8 @@ class Rounder:
         self.idempotent = isinstance(self.precision, Format) and (overflow or fmt.overflow) == "saturate"
         self._call = make_call(fmt, rounding, overflow, None, 0, None, 0, 32)
         self._fmt = str(self._call.fmt)
-        self._fits: dict = {}
-        # What a graph checks (in_graph), made here so that tracing reads a constant rather
-        # than calling fit_error: the dtypes whose tensors this format fits.
+        # The dtypes whose tensors this format fits, found once: a graph that torch.compile
+        # records reads a constant rather than tracing fit_error.
         self._fitting = frozenset(d for d in DTYPE_CODES if self.fit_error(d) is None)
 
     def fit_error(self, dtype: torch.dtype) -> Optional[str]:
@@ -393,14 +392,8 @@ class Rounder:
         return None
 
     def _check_dtype(self, dtype: torch.dtype) -> None:
-        if torch.compiler.is_compiling():  # checked once per graph, and no cache to mutate
-            reason = self.fit_error(dtype)
-        else:
-            if dtype not in self._fits:  # (None: it fits)
-                self._fits[dtype] = self.fit_error(dtype)
-            reason = self._fits[dtype]
-        if reason:
-            raise ValueError(reason)
+        if dtype not in self._fitting:
+            raise ValueError(self.fit_error(dtype))
 
     def __call__(self, x: torch.Tensor, stats: Optional[Stats] = None) -> torch.Tensor:
         if not torch.compiler.is_compiling():  # (first: Dynamo would guard on the table below)
@@ -451,8 +444,7 @@ class Rounder:
         construction (a few steps to trace where ``self(x, stats)`` builds a Stats and checks
         the format again); other precisions take ``self(x, stats)``."""
         if type(self.precision) is Format and isinstance(x, torch.Tensor):
-            if x.dtype not in self._fitting:
-                raise ValueError(self.fit_error(x.dtype))
+            self._check_dtype(x.dtype)
             register_inductor_decompositions()
             drawn = torch.ops.lowfp.draw_seed() if self.rounding == "stochastic" else None
             return torch.ops.lowfp.quantize(x, self._fmt, self.rounding, 32, 0, drawn, 0, x.dtype, count,
