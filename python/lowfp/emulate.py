@@ -207,7 +207,9 @@ class _RoundInGraph(torch.autograd.Function):
     ``_grad_counts``, which autograd accumulates."""
 
     @staticmethod
-    def forward(ctx, x, sink, fwd, count, bwd):
+    def forward(ctx, x, sink, rounders):
+        """rounders: (fwd, count, bwd), one argument (fewer for Dynamo to trace per call)."""
+        fwd, count, bwd = rounders
         ctx.bwd, ctx.count = bwd, sink is not None
         if fwd is None:
             y, counts = x.clone(), x.new_zeros(4 if count else 0, dtype=torch.int64)
@@ -220,9 +222,9 @@ class _RoundInGraph(torch.autograd.Function):
     def backward(ctx, grad, unused):
         bwd = ctx.bwd
         if bwd is None:
-            return grad, None, None, None, None
+            return grad, None, None
         grad, counts = bwd.in_graph(grad, ctx.count)
-        return grad, (counts.to(torch.float64) if ctx.count else None), None, None, None
+        return grad, (counts.to(torch.float64) if ctx.count else None), None
 
 
 class _ClosedStep(NamedTuple):
@@ -505,7 +507,7 @@ class Emulator(ForwardSession):
                 self.counts[fs_row].add_(counts)
             return out
         sink = None if bs_row < 0 else self._grad_counts[bs_row]
-        out, counts = _RoundInGraph.apply(t, sink, fwd, fs_row >= 0, bwd)
+        out, counts = _RoundInGraph.apply(t, sink, (fwd, fs_row >= 0, bwd))
         if fs_row >= 0:
             self.counts[fs_row].add_(counts)
         return out
