@@ -188,7 +188,12 @@ def writes_in_place(fname: str, args, kwargs, out) -> bool:
                 return True
         return False
     outs = out if isinstance(out, (tuple, list)) else (out,)
-    return any(isinstance(o, torch.Tensor) and any(o is a for a in args) for o in outs)
+    for o in outs:  # (loops, not any() over generators: Dynamo traces those step by step)
+        if isinstance(o, torch.Tensor):
+            for a in args:
+                if a is o:
+                    return True
+    return False
 
 
 def _first(new):
@@ -388,7 +393,8 @@ class ForwardSession:
         """args with parameters replaced by self._param(...); TS names of tracked tensors are
         appended to inputs. Returns args itself when nothing was replaced."""
         new = None
-        for i, a in enumerate(args):
+        for i in range(len(args)):  # (not enumerate: Dynamo traces its generator step by step)
+            a = args[i]
             if isinstance(a, torch.Tensor):
                 if not compiling:  # (_see's first case inline: an activation of this forward)
                     tag = getattr(a, _TAG, None)
