@@ -117,15 +117,17 @@ inline uint64_t draw_seed(PyObject* generator) {
   return (uint64_t(words[0]) & 0xffffffffu) | ((uint64_t(words[1]) & 0xffffffffu) << 32);
 }
 
-// The prepared call on x (a plain tensor that ready_on_cpu passed, contiguous, checked by the
-// caller) into out (None: a new tensor of dtype, as _memory.new_output makes it), adding counts at
-// count_at (0: none), keyed by *seed (nullptr: drawn here from `generator` when the call is
-// stochastic).
+inline int64_t numel_of(PyObject* x) { return as_int(steal(PyObject_CallMethodNoArgs(x, objects().numel))); }
+
+// The prepared call on x (a plain tensor of n elements that ready_on_cpu passed, contiguous,
+// checked by the caller) into out (None: a new tensor of dtype, as _memory.new_output makes it),
+// adding counts at count_at (0: none), keyed by *seed (nullptr: drawn here from `generator` when
+// the call is stochastic).
 template <class Run>
-py::object run_prepared(QuantizeCall call, PyObject* x, PyObject* x_dtype, PyObject* dtype, int64_t count_at,
-                        PyObject* out, const uint64_t* seed, PyObject* generator, uint64_t offset, Run& run) {
+py::object run_prepared(QuantizeCall call, PyObject* x, int64_t n, PyObject* x_dtype, PyObject* dtype,
+                        int64_t count_at, PyObject* out, const uint64_t* seed, PyObject* generator, uint64_t offset,
+                        Run& run) {
   const Objects& o = objects();
-  const int64_t n = as_int(steal(PyObject_CallMethodNoArgs(x, o.numel)));
   py::object y;
   if (out != Py_None) {
     y = py::reinterpret_borrow<py::object>(out);
@@ -185,8 +187,8 @@ py::object round_bound(PyObject* requests, PyObject* x, PyObject* counts, PyObje
   py::object keep_request = py::reinterpret_borrow<py::object>(request);
   QuantizeCall call;
   if (!prepared_call(request, call) || !contiguous_on_cpu(x)) return py::none();
-  return run_prepared(call, x, dtype.ptr(), dtype.ptr(), as_int(py::reinterpret_borrow<py::object>(counts)), out,
-                      nullptr, Py_None, 0, run);
+  return run_prepared(call, x, numel_of(x), dtype.ptr(), dtype.ptr(),
+                      as_int(py::reinterpret_borrow<py::object>(counts)), out, nullptr, Py_None, 0, run);
 }
 
 // Whether a call of no arguments answers false (or 0).
@@ -256,8 +258,8 @@ template <class Run>
 py::object run_remembered(const RememberedArgs& a, PyObject* dtype, PyObject* x, PyObject* generator, PyObject* out,
                           Run& run) {
   py::object x_dtype = attr(x, objects().dtype);
-  return run_prepared(a.call, x, x_dtype.ptr(), dtype, a.count_at, out, a.has_seed ? &a.seed : nullptr, generator,
-                      a.offset, run);
+  return run_prepared(a.call, x, numel_of(x), x_dtype.ptr(), dtype, a.count_at, out, a.has_seed ? &a.seed : nullptr,
+                      generator, a.offset, run);
 }
 
 template <class Run>
@@ -285,13 +287,13 @@ py::object record_remembered(const RememberedArgs& a, PyObject* entry, PyObject*
                              PyObject* generator, Run& run) {
   const Objects& o = objects();
   py::object x_dtype = attr(x, o.dtype), dtype = attr(entry, o.dtype);
-  if (x_dtype.ptr() == dtype.ptr() &&  // (torch.dtype objects are one per dtype)
-      as_int(steal(PyObject_CallMethodNoArgs(x, o.numel))) *
-              as_int(steal(PyObject_CallMethodNoArgs(x, o.element_size))) <=
-          kCloneRoundBytes) {
-    py::object y = steal(PyObject_CallMethodNoArgs(x, o.clone));
-    return run_prepared(a.call, y.ptr(), dtype.ptr(), dtype.ptr(), a.count_at, y.ptr(), a.has_seed ? &a.seed : nullptr,
-                        generator, a.offset, run);
+  if (x_dtype.ptr() == dtype.ptr()) {  // (torch.dtype objects are one per dtype)
+    const int64_t n = numel_of(x);
+    if (n * as_int(steal(PyObject_CallMethodNoArgs(x, o.element_size))) <= kCloneRoundBytes) {
+      py::object y = steal(PyObject_CallMethodNoArgs(x, o.clone));
+      return run_prepared(a.call, y.ptr(), n, dtype.ptr(), dtype.ptr(), a.count_at, y.ptr(),
+                          a.has_seed ? &a.seed : nullptr, generator, a.offset, run);
+    }
   }
   const uint64_t seed = a.call.mode != Rounding::Stochastic ? 0 : a.has_seed ? a.seed : draw_seed(generator);
   py::object seed_of = steal(PyLong_FromUnsignedLongLong(seed));

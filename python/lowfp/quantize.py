@@ -418,11 +418,7 @@ class Rounder:
         if self.scaled is None:
             self._check_dtype(x.dtype)
         if torch.compiler.is_compiling() and type(self.precision) is Format:
-            # the operator, a graph node (one Inductor fuses), with the checked format's string
-            register_inductor_decompositions()
-            drawn = torch.ops.lowfp.draw_seed() if self.rounding == "stochastic" else None
-            y, counts = torch.ops.lowfp.quantize(x, self._fmt, self.rounding, 32, 0, drawn, 0, x.dtype,
-                                                 stats is not None, None, "nearest")
+            y, counts = self._operator_node(x, stats is not None)
             if stats is not None:
                 stats.accumulate(counts)
             return y
@@ -445,13 +441,18 @@ class Rounder:
         the format again); other precisions take ``self(x, stats)``."""
         if type(self.precision) is Format and isinstance(x, torch.Tensor):
             self._check_dtype(x.dtype)
-            register_inductor_decompositions()
-            drawn = torch.ops.lowfp.draw_seed() if self.rounding == "stochastic" else None
-            return torch.ops.lowfp.quantize(x, self._fmt, self.rounding, 32, 0, drawn, 0, x.dtype, count,
-                                            None, "nearest")
+            return self._operator_node(x, count)
         stats = Stats(x.device) if count else None
         y = self(x, stats)
         return y, (stats.counts if count else x.new_zeros(0, dtype=torch.int64))
+
+    def _operator_node(self, x: torch.Tensor, count: bool):
+        """lowfp::quantize of x (its dtype checked) by this format: a graph node, one Inductor
+        fuses, with the checked format's string."""
+        register_inductor_decompositions()
+        drawn = torch.ops.lowfp.draw_seed() if self.rounding == "stochastic" else None
+        return torch.ops.lowfp.quantize(x, self._fmt, self.rounding, 32, 0, drawn, 0, x.dtype, count,
+                                        None, "nearest")
 
     def round_in_place(self, x: torch.Tensor, stats: Optional[Stats] = None) -> bool:
         """Round x into its own memory, adding its counts to ``stats``, where this rounder's
