@@ -1134,6 +1134,37 @@ def test_a_rounder_of_a_format_rounds_as_quantize(fmt, rounding):
                 assert got.shape == t.shape and got.stride() == t.stride()
 
 
+@pytest.mark.parametrize("fmt", ["fp(4,3,4)", lowfp.S2FP8()])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_a_rounders_graph_form_gives_its_bits_and_counts(fmt, rounding):
+    """Rounder.in_graph, what a compiled emulation records: the rounder's bits, counts and seed
+    draws as (result, counts), for the tensors a stack passes (non-contiguous, empty, float64,
+    meta, fake), and named errors for the rest."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from lowfp.quantize import Rounder
+    rounder = Rounder(fmt, rounding)
+    x = torch.randn(6, 5) * 40
+    x[0, 0] = float("nan")
+    for t in (x, x.t(), torch.empty(0, 3), x.double(), x.to(torch.bfloat16)):
+        for count in (True, False):
+            stats = lowfp.Stats()
+            torch.manual_seed(3)
+            want = rounder(t, stats)
+            torch.manual_seed(3)
+            got, counts = rounder.in_graph(t, count)
+            assert got.dtype == t.dtype and torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+            assert torch.equal(counts, stats.counts) if count else counts.numel() == 0
+    got, counts = rounder.in_graph(torch.empty(4, 3, device="meta"), True)
+    assert got.shape == (4, 3) and got.device.type == "meta" and counts.shape == (4,)
+    with FakeTensorMode() as mode:
+        got, counts = rounder.in_graph(mode.from_tensor(x), True)
+        assert got.shape == x.shape and counts.shape == (4,)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        rounder.in_graph([1.0], True)
+    with pytest.raises(ValueError, match="cannot be rounded"):
+        rounder.in_graph(torch.zeros(3, dtype=torch.int32), True)
+
+
 def test_any_stats_takes_the_counts_it_shares_with_a_rounding():
     """A ScaledStats takes a plain or S2FP8 rounding's four counts (its block counts stay 0),
     a Stats a scaled rounding's element counts, on every path (native, operator, S2FP8)."""

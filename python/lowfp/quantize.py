@@ -439,7 +439,9 @@ class Rounder:
         rounding is the operator's node itself, its dtype checked against a set made at
         construction (a few steps to trace where ``self(x, stats)`` builds a Stats and checks
         the format again); other precisions take ``self(x, stats)``."""
-        if type(self.precision) is Format and isinstance(x, torch.Tensor):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if type(self.precision) is Format:
             self._check_dtype(x.dtype)
             return self._operator_node(x, count)
         stats = Stats(x.device) if count else None
