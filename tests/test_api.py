@@ -979,6 +979,16 @@ def test_the_c_shortcut_hands_back_every_call_it_does_not_take(monkeypatch):
     g = torch.Generator().manual_seed(3)  # a CPU generator: drawn from, as draw_seed draws
     want = lowfp.quantize(x, "fp(4,3,4)", "stochastic", seed=lowfp.draw_seed(torch.Generator().manual_seed(3)))
     assert torch.equal(call(generator=g), want) and torch.equal(torch.get_rng_state(), state)
+    # the last CPU generator is remembered weakly: freed generators and new ones at their
+    # addresses are each drawn from, as the Python path draws
+    for k in range(4):
+        g, g_python = torch.Generator().manual_seed(k), torch.Generator().manual_seed(k)
+        for _ in range(2):
+            got = call(generator=g)
+            assert torch.equal(got, lowfp.quantize(x, "fp(4,3,4)", "stochastic", seed=lowfp.draw_seed(g_python)))
+        assert torch.equal(g.get_state(), g_python.get_state())
+    if torch.cuda.is_available():  # a CUDA generator after a remembered CPU one: handed back
+        assert call(generator=torch.Generator("cuda")) is None
     with pytest.raises(TypeError, match=r"round_remembered\(request"):  # (internal, but never a crash)
         _C.round_remembered(entry.request, entry.dtype, x)
     with pytest.raises(TypeError, match="requests must be a dict"):

@@ -207,10 +207,28 @@ inline bool as_uint64(PyObject* v, uint64_t& r) {
 
 // Whether `generator` (a torch.Generator) draws on the CPU: its device equals torch.device("cpu")
 // (a device's comparison costs less than making its type's string; a "cpu:0" generator, unequal,
-// takes the Python path).
+// takes the Python path). A generator's device never changes, so the last CPU generator is
+// remembered by a weak reference: a loop that passes one generator makes its device once (making
+// a torch.device costs about half a draw). A freed generator's reference answers None, so a new
+// generator at its address is asked again.
 inline bool cpu_generator(PyObject* generator) {
+  static PyObject* last_cpu = nullptr;  // a weak reference, or nullptr
+  if (last_cpu != nullptr) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject* held = nullptr;
+    if (PyWeakref_GetRef(last_cpu, &held) < 0) throw py::error_already_set();
+    Py_XDECREF(held);  // only its address is compared
+#else
+    PyObject* held = PyWeakref_GetObject(last_cpu);
+#endif
+    if (held == generator) return true;
+  }
   py::object device = attr(generator, objects().device);
-  return truth(PyObject_RichCompareBool(device.ptr(), objects().cpu_device, Py_EQ));
+  if (!truth(PyObject_RichCompareBool(device.ptr(), objects().cpu_device, Py_EQ))) return false;
+  PyObject* fresh = PyWeakref_NewRef(generator, nullptr);
+  if (fresh == nullptr) throw py::error_already_set();
+  Py_XSETREF(last_cpu, fresh);
+  return true;
 }
 
 // A remembered call's arguments past x, checked as the Python path's remembered calls check them.
