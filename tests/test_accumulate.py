@@ -752,22 +752,41 @@ def test_transposed_convolutions_accumulate_as_the_convolution_they_transpose(sh
             odd(torch.randn(1, 2, 5))
 
 
+# The lane form of each kind of request (accumulate.hpp's LaneForm; both devices take the same),
+# so that the GPU test below runs each form and each direction of the in-mode form.
+_FORMS = [
+    (dict(), "by_addition"), (dict(order="blocked", block=128), "by_addition"),
+    (dict(rounding="stochastic"), "in_mode"), (dict(order="pairwise", rounding="stochastic"), "in_mode"),
+    (dict(rounding="toward_zero"), "in_mode"), (dict(rounding="up"), "in_mode"),
+    (dict(rounding="down", order="pairwise"), "in_mode"),
+    (dict(rounding="toward_zero", product="float8_e4m3fn"), "bits"),
+    (dict(compensated=True, rounding="stochastic"), "bits"), (dict(order="blocked", block=128, rounding="up"), "bits"),
+    (dict(rounding="nearest_away"), "bits"),
+]
+
+
+@pytest.mark.parametrize("options, form", _FORMS)
+def test_each_kind_of_accumulation_takes_its_lane_form(options, form):
+    from lowfp import _C
+    from lowfp.accumulate import _prepared
+    acc = lowfp.Accumulate(lowfp.Format(5, 6, 0, specials="ieee"), **options)
+    assert _prepared(_C, acc).form == form
+
+
 # On a GPU (tests/devices.py): the CPU's bits, counts and steps.
 
 @on_cuda
-@pytest.mark.parametrize("options", [
-    dict(), dict(rounding="stochastic"), dict(rounding="toward_zero", product="float8_e4m3fn"),
-    dict(order="blocked", block=128), dict(order="pairwise", rounding="stochastic"),
-    dict(compensated=True, rounding="stochastic"),
-])
+@pytest.mark.parametrize("options, form", _FORMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_accumulation_gives_the_cpus_bits_and_counts(options, dtype):
+def test_accumulation_gives_the_cpus_bits_and_counts(options, form, dtype):
     # (docs/design.md §10: one header's arithmetic on both; the GPU runs one element per thread)
+    from lowfp.accumulate import _prepared
+    acc = lowfp.Accumulate(lowfp.Format(5, 6, 0, specials="ieee"), **options)
+    assert _prepared(lowfp.backends.native(torch.empty(0, device="cuda"), "x")[0], acc).form == form
     g = torch.Generator().manual_seed(1)
     a = (torch.randn(3, 17, 300, generator=g) * 8).to(dtype)
     b = (torch.randn(300, 40, generator=g) * 8).to(dtype)
     a[0, 0, :3] = torch.tensor([float("inf"), 0.0, float("nan")])
-    acc = lowfp.Accumulate(lowfp.Format(5, 6, 0, specials="ieee"), **options)
     st_cpu, st_gpu = lowfp.AccumulateStats(), lowfp.AccumulateStats("cuda")
     cpu = lowfp.gemm(a, b, acc, seed=5, stats=st_cpu)
     gpu = lowfp.gemm(a.cuda(), b.t().contiguous().t().cuda(), acc, seed=5, stats=st_gpu)

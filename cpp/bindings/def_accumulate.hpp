@@ -46,6 +46,12 @@ void def_accumulate(pybind11::module_& mod, Run run) {
            py::arg("sr_bits"), py::arg("order"), py::arg("block"), py::arg("compensated"),
            py::arg("group"), py::arg("align_bits"), py::arg("operand_emin"), py::arg("product"), py::arg("product_overflow"), py::arg("outer"),
            py::arg("outer_overflow"))
+      // The lane form the kernels take for the request (accumulate.hpp's LaneForm), for tests
+      // that check which one a device runs: "by_addition", "in_mode" or "bits".
+      .def_property_readonly("form",
+                             [](const PreparedAccumulate& p) {
+                               return p.p.in_mode ? "in_mode" : p.p.by_addition ? "by_addition" : "bits";
+                             })
       .def("__call__", [run](const PreparedAccumulate& p, uintptr_t a, uintptr_t b, uintptr_t c,
                              int64_t batch, int64_t m, int64_t n, int64_t k,
                              const std::array<int64_t, 3>& a_strides,

@@ -51,9 +51,8 @@ struct AccumulateParams {
   bool by_addition;
   int32_t add_cap;
   int32_t product_add_cap;        // > 0: the products round to nearest by addition with this e_cap
-  // The CPU's form for directed and stochastic rounding, where in_mode_form holds: its driver sets
-  // the floating-point unit's rounding mode for the call, and each sum and rounding is one addition
-  // in it (LaneForm::InMode). CUDA's threads take the sums rounded to odd.
+  // The form for directed and stochastic rounding where in_mode_form holds: each sum and rounding
+  // is one addition in the accumulator's direction (LaneForm::InMode, Direction).
   bool in_mode;
 };
 
@@ -122,15 +121,36 @@ LOWFP_HD int32_t aligned_exponent(double x, int32_t emin) {
 // NaN 0x7fc00000, whatever sign or payload the additions left it.
 LOWFP_HD float stored_sum(double v) { return v == v ? float(v) : bit_cast<float>(0x7fc00000u); }
 
-// LaneForm::InMode. With the carrier's rounding mode set to the accumulator's direction (toward
+// The direction of LaneForm::InMode's additions. The CPU's driver sets the floating-point unit's
+// rounding mode for the call, so a + b rounds in it (Fpu: one instance serves up and down). CUDA
+// has no such mode, but each float64 addition names its direction (__dadd_rz, __dadd_ru,
+// __dadd_rd), so its kernels take the direction as a template parameter. Every other operation of
+// the form is exact (products of float32 operands, powers of two, conversions of 32-bit words),
+// so the two give the same bits.
+enum class Direction { Fpu, TowardZero, Up, Down };
+
+// a + b rounded in kDir (on the CPU: in the floating-point unit's mode).
+template <Direction kDir>
+LOWFP_HD double add_in(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  static_assert(kDir != Direction::Fpu, "CUDA's additions name their direction");
+  if constexpr (kDir == Direction::TowardZero) return __dadd_rz(a, b);
+  else if constexpr (kDir == Direction::Up) return __dadd_ru(a, b);
+  else return __dadd_rd(a, b);
+#else
+  return a + b;
+#endif
+}
+
+// LaneForm::InMode. With the carrier's additions rounded in the accumulator's direction (toward
 // zero for stochastic rounding), a + b is the exact sum rounded in that direction at 53 bits, and
 // rounding that again in the same direction to the format's coarser grid gives the rounding of the
 // exact sum (nested grids, one direction). Stochastic rounding needs the dropped fraction's top
 // sr_bits <= 51 - m bits, which the sum truncated at 53 bits keeps. An exact zero sum is +0 in
 // every mode but downward, where the sign is fixed to the spec's (RN's: -0 only from -0 + -0).
-template <RoundKind Kind>
+template <RoundKind Kind, Direction kDir>
 LOWFP_HD double sum_in_mode(double a, double b) {
-  const double s = a + b;
+  const double s = add_in<kDir>(a, b);
   if constexpr (Kind == RoundKind::Directed) {  // (up or down: the fix is an identity rounding up)
     const uint64_t zero = bit_cast<uint64_t>(a) & bit_cast<uint64_t>(b) & (uint64_t(1) << 63);
     return bit_cast<double>(select(s == 0.0, zero, bit_cast<uint64_t>(s)));
@@ -146,7 +166,7 @@ LOWFP_HD double sum_in_mode(double a, double b) {
 // floor(f 2^R) / 2^R (f: the dropped fraction, R = sr_bits; round.hpp's round_bits), that is when
 // f + (2^R - 1 - r) / 2^R >= 1 for the word's top R bits r: the magnitude plus that many 2^-R
 // steps, truncated to the step (exact: the sum keeps every bit down to 2^-R steps).
-template <RoundKind Kind>
+template <RoundKind Kind, Direction kDir>
 LOWFP_HD uint64_t round_in_mode(uint64_t x, const RoundParams<uint64_t>& p, int32_t e_cap, uint32_t rand,
                                 RoundEvents& ev) {
   constexpr uint64_t kSign = uint64_t(1) << 63;
@@ -160,15 +180,15 @@ LOWFP_HD uint64_t round_in_mode(uint64_t x, const RoundParams<uint64_t>& p, int3
     // (the word widened first: a signed 64-bit conversion is one vector instruction, an
     // unsigned 32-bit one is not)
     const double noise = double(int64_t(uint64_t(~rand) >> p.sr_shift)) * step_fraction;  // (exact)
-    mag = bit_cast<uint64_t>(((bit_cast<double>(a) + noise) + c) - c);
+    mag = bit_cast<uint64_t>(add_in<kDir>(add_in<kDir>(add_in<kDir>(bit_cast<double>(a), noise), c), -c));
   } else {
     const double signed_c = bit_cast<double>(c_bits | (x & kSign));
-    mag = bit_cast<uint64_t>((bit_cast<double>(x) + signed_c) - signed_c) & ~kSign;
+    mag = bit_cast<uint64_t>(add_in<kDir>(add_in<kDir>(bit_cast<double>(x), signed_c), -signed_c)) & ~kSign;
   }
   return rounded_result(x, mag, p, ev);
 }
 
-// Whether the CPU may take LaneForm::InMode (host side): rounding toward zero, up, down or
+// Whether a call may take LaneForm::InMode (host side): rounding toward zero, up, down or
 // stochastic; sequential or pairwise orders (the blocked outer sum and Kahan's corrections need
 // round-to-nearest sums), additions of exact products one at a time; a format whose steps by
 // addition are the ones round_bits takes (round.hpp's steps_by_addition).
@@ -191,8 +211,10 @@ struct PhiloxLaneBlocks {
 
 // The sums of kLanes output elements of one row of C, in consecutive columns, side by side: each
 // step is a loop over the lanes, which the CPU's compiler turns into vector instructions (CUDA
-// runs one lane per thread). kSub: the accumulator's RoundParams::subnormal_exponent.
-template <RoundKind Kind, bool kSub, int kLanes, LaneForm kForm = LaneForm::Bits, class Blocks = PhiloxLaneBlocks>
+// runs one lane per thread). kSub: the accumulator's RoundParams::subnormal_exponent. kDir:
+// LaneForm::InMode's direction.
+template <RoundKind Kind, bool kSub, int kLanes, LaneForm kForm = LaneForm::Bits, class Blocks = PhiloxLaneBlocks,
+          Direction kDir = Direction::Fpu>
 struct AccumulateLanes {
   static_assert(kForm != LaneForm::ByAddition || (Kind == RoundKind::Nearest && !kSub),
                 "nearest by addition: AccumulateParams::by_addition");
@@ -309,7 +331,7 @@ struct AccumulateLanes {
       if constexpr (kForm == LaneForm::ByAddition)
         q[l] = bit_cast<double>(round_nearest_by_addition(bit_cast<uint64_t>(in[l]), p.acc, p.add_cap, ev));
       else if constexpr (kForm == LaneForm::InMode)
-        q[l] = bit_cast<double>(round_in_mode<Kind>(bit_cast<uint64_t>(in[l]), p.acc, p.add_cap, r[l], ev));
+        q[l] = bit_cast<double>(round_in_mode<Kind, kDir>(bit_cast<uint64_t>(in[l]), p.acc, p.add_cap, r[l], ev));
       else if constexpr (kFixed)
         q[l] = bit_cast<double>(round_bits<Kind, uint64_t, false, true>(bit_cast<uint64_t>(in[l]), p.acc, r[l], ev));
       else
@@ -329,7 +351,7 @@ struct AccumulateLanes {
   // out = round_E(x + y), counting a swamped addition
   LOWFP_HD void add(double* out, const double* x, const double* y) {
     const auto sum = [&](int l) {
-      if constexpr (kForm == LaneForm::InMode) return sum_in_mode<Kind>(x[l], y[l]);
+      if constexpr (kForm == LaneForm::InMode) return sum_in_mode<Kind, kDir>(x[l], y[l]);
       else return sum_to_odd(x[l], y[l]);
     };
     if constexpr (kForm == LaneForm::Bits && kLanes >= 64) {  // (round chooses the form per step)
@@ -384,13 +406,13 @@ LOWFP_HD void round_nearest_lanes(double* out, const double* v, const RoundParam
 // kLanes output elements: lane l sums K products a[k·sa] · b[k·sb + l·sl] as the params say
 // (docs/design.md §10), into out[l]; element first_element + l of the output (its stochastic
 // words); the roundings counted into counts. kForm: by_addition or in_mode, else Bits. Blocks:
-// the stochastic words' generator (PhiloxLaneBlocks).
+// the stochastic words' generator (PhiloxLaneBlocks). kDir: InMode's direction (Direction).
 template <RoundKind Kind, bool kSub, int kLanes, LaneForm kForm = LaneForm::Bits, class Blocks = PhiloxLaneBlocks,
-          class In>
+          Direction kDir = Direction::Fpu, class In>
 LOWFP_HD void accumulate_lanes(const AccumulateParams& p, const In* a, int64_t sa, const In* b, int64_t sb,
                                int64_t sl, int64_t K, uint64_t seed, uint64_t offset,
                                uint64_t first_element, double (&out)[kLanes], AccumulateCounts& counts) {
-  AccumulateLanes<Kind, kSub, kLanes, kForm, Blocks> acc(p, counts, seed, offset, first_element, K);
+  AccumulateLanes<Kind, kSub, kLanes, kForm, Blocks, kDir> acc(p, counts, seed, offset, first_element, K);
   // (in_mode_form leaves out products' formats, fused groups, Kahan's corrections and the blocked
   // order: folded away here, so that its loops hold none of their branches)
   constexpr bool kAny = kForm != LaneForm::InMode;
