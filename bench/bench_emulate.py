@@ -254,11 +254,51 @@ def host_per_rounding(device: torch.device, steps: int = 5):
     return row
 
 
+def bytecode_counts(fn, calls: int):
+    """Counter of the Python bytecode instructions that ``calls`` calls of fn run, by
+    "file:function": sys.settrace's opcode events before Python 3.12, sys.monitoring's INSTRUCTION
+    events from 3.12 on (where a frame's f_trace_opcodes set in its call event no longer turns its
+    opcode events on)."""
+    import collections
+    counts = collections.Counter()
+
+    def key(code):
+        return f"{code.co_filename.rsplit('site-packages/', 1)[-1]}:{code.co_name}"
+    if sys.version_info >= (3, 12):
+        mon = sys.monitoring
+        tool = next(t for t in range(6) if mon.get_tool(t) is None)
+        mon.use_tool_id(tool, "lowfp bytecode counts")
+        mon.register_callback(tool, mon.events.INSTRUCTION, lambda code, offset: counts.update((key(code),)))
+        mon.set_events(tool, mon.events.INSTRUCTION)
+        try:
+            for _ in range(calls):
+                fn()
+        finally:
+            mon.set_events(tool, 0)
+            mon.register_callback(tool, mon.events.INSTRUCTION, None)
+            mon.free_tool_id(tool)
+        return counts
+
+    def tracer(frame, event, arg):
+        if event == "call":
+            frame.f_trace_opcodes = True
+        elif event == "opcode":
+            counts[key(frame.f_code)] += 1
+        return tracer
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        sys.settrace(previous)
+    return counts
+
+
 def python_opcodes(case=None, batch: int = 2, steps: int = 5, top: int = 8) -> List[dict]:
-    """Python bytecode instructions per training step (sys.settrace's opcode events: a count of
+    """Python bytecode instructions per training step (bytecode_counts: a count of
     the host's Python work that no other load on the machine changes) of a CASES model at a small
     batch, plain and under each of STRATEGIES, and the functions that run most of them."""
-    import collections
     name, make, _, c, hw = case or CASES[0]
     rows = []
     for strategy, kw in [("plain", None)] + STRATEGIES:
@@ -272,22 +312,7 @@ def python_opcodes(case=None, batch: int = 2, steps: int = 5, top: int = 8) -> L
                                                                 strategy, **kw)))
             for _ in range(3):  # (the first steps prepare the roundings)
                 step()
-            counts = collections.Counter()
-
-            def tracer(frame, event, arg):
-                if event == "call":
-                    frame.f_trace_opcodes = True
-                elif event == "opcode":
-                    code = frame.f_code
-                    counts[f"{code.co_filename.rsplit('site-packages/', 1)[-1]}:{code.co_name}"] += 1
-                return tracer
-            previous = sys.gettrace()
-            sys.settrace(tracer)
-            try:
-                for _ in range(steps):
-                    step()
-            finally:
-                sys.settrace(previous)
+            counts = bytecode_counts(step, steps)
         rows.append({"case": name, "batch": batch, "setup": strategy,
                      "opcodes_per_step": sum(counts.values()) / steps,
                      "top": [(f, n / steps) for f, n in counts.most_common(top)]})

@@ -210,7 +210,8 @@ inline bool as_uint64(PyObject* v, uint64_t& r) {
 // takes the Python path). A generator's device never changes, so the last CPU generator is
 // remembered by a weak reference: a loop that passes one generator makes its device once (making
 // a torch.device costs about half a draw). A freed generator's reference answers None, so a new
-// generator at its address is asked again.
+// generator at its address is asked again. Where torch.Generator takes no weak reference (torch
+// 2.11), nothing is remembered.
 inline bool cpu_generator(PyObject* generator) {
   static PyObject* last_cpu = nullptr;  // a weak reference, or nullptr
   if (last_cpu != nullptr) {
@@ -225,6 +226,7 @@ inline bool cpu_generator(PyObject* generator) {
   }
   py::object device = attr(generator, objects().device);
   if (!truth(PyObject_RichCompareBool(device.ptr(), objects().cpu_device, Py_EQ))) return false;
+  if (!PyType_SUPPORTS_WEAKREFS(Py_TYPE(generator))) return true;
   PyObject* fresh = PyWeakref_NewRef(generator, nullptr);
   if (fresh == nullptr) throw py::error_already_set();
   Py_XSETREF(last_cpu, fresh);

@@ -71,7 +71,10 @@ class Format:
             overflow = DEFAULT_OVERFLOW[specials]
         check_choice(overflow, OVERFLOW_POLICIES, "overflow")
         self._key = (e, m, b, specials, subnormals, overflow)
-        self._hash = hash(self._key)  # (each remembered quantize call hashes its format)
+        # Hashed on first use and kept (each remembered quantize call hashes its format); not
+        # here: some Dynamo versions (torch 2.11's) cannot trace hash() of a tuple, and formats
+        # built inside compiled code run this.
+        self._hash = None
         self._info = _format_info(e, m, b, specials, subnormals)
 
     # -- parameters -------------------------------------------------------------------------
@@ -164,7 +167,10 @@ class Format:
         return isinstance(other, Format) and other._key == self._key
 
     def __hash__(self) -> int:
-        return self._hash
+        h = self._hash
+        if h is None:
+            h = self._hash = hash(self._key)
+        return h
 
     def __str__(self) -> str:
         if self.name is not None:
