@@ -23,7 +23,8 @@ GPU): under Inductor the roundings are generated inside its own kernels (docs/de
 
 Host cost: roundings per emulated step and the CPU µs of each (torch.profiler), printed after
 the first table. ``--python-opcodes``: the Python bytecode instructions per step of the first
-case at batch 2, plain and under each strategy (sys.settrace), a count of the host's Python work
+case at batch 2, plain and under each strategy (sys.settrace's opcode events; sys.monitoring's
+instruction events from Python 3.12), a count of the host's Python work
 that a shared machine's noise leaves as it is.
 
 GEMM recipes (``--gemms-only``): the torch.compile cases eager under
