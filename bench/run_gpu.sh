@@ -13,6 +13,8 @@
 # --implementation cp --platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0 gfloat
 # more_itertools array-api-compat):
 #   bash bench/run_gpu.sh [build] [test] [kernels] [optim] [emulate] [fused] [emulate-compile] [all-tests] [profile]
+# Before a GPU session, .ci/device-torch runs the suite on the device's Python and torch on a CPU
+# machine, at no device time.
 # The default, build test kernels optim emulate fused, runs the most wanted first: the tests at most
 # LOWFP_GPU_TEST_SECONDS (default 180), so that the benchmarks follow. A step starts only while
 # the time it needs is left before the deadline (LOWFP_GPU_DEADLINE seconds from the start,
