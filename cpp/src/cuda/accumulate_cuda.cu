@@ -20,9 +20,9 @@ __global__ void __launch_bounds__(kThreads) accumulate_kernel(AccumulateCall c, 
        e += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = e / c.n, j = e % c.n, batch = r / c.m, i = r % c.m;
     double sum[1];
-    accumulate_lanes<K, kSub, 1, kForm, PhiloxLaneBlocks, kDir>(c.p, c.a + batch * c.a_batch + i * c.a_row, c.a_k,
-                                 c.b + batch * c.b_batch + j * c.b_col, c.b_k, c.b_col, c.k, c.seed,
-                                 c.offset, uint64_t(e), sum, mine);
+    accumulate_lanes<K, kSub, 1, kForm, PhiloxLaneBlocks, kDir>(
+        c.p, c.a + batch * c.a_batch + i * c.a_row, c.a_k, c.b + batch * c.b_batch + j * c.b_col, c.b_k, c.b_col,
+        c.k, c.seed, c.offset, uint64_t(e), sum, mine);
     c.c[e] = stored_sum(sum[0]);
   }
   if (counts == nullptr) return;
