@@ -226,27 +226,38 @@ def host_per_rounding(device: torch.device, steps: int = 5):
     a GPU the host's time, which the GPU waits for when the step is host-bound; on the CPU the
     kernel's too) for the first CASES model under ours(r=0.5). Skipped roundings (ReLU's output,
     docs/design.md §6) are not events, nor are results rounded in their own memory (no node of
-    lowfp's: counted apart, as ``in_place_per_step``)."""
+    lowfp's: counted apart, as ``in_place_per_step``: the native calls that round a tensor in
+    its own memory, and BoundRounder.round_in_place's that do)."""
+    import importlib
+
     from torch.profiler import ProfilerActivity, profile
     from lowfp.quantize import BoundRounder
+    emulation = importlib.import_module("lowfp.emulate")
     model, x, y, step = training_step(CASES[0], device)
-    in_place = BoundRounder.round_in_place
+    in_place, native = BoundRounder.round_in_place, emulation._NATIVE_ROUND_OBJECTS
     done = []
 
     def counted(self, t):
         result = in_place(self, t)
         done.append(result)
         return result
+
+    def round_bound(requests, t, counts, out):
+        result = native["round_bound"](requests, t, counts, out)
+        done.append(out is t and result is not None)
+        return result
     with lowfp.emulate(model, A.ours(A.trace(model, x, F.cross_entropy, y), 0.5)):
         for _ in range(3):
             step()
         BoundRounder.round_in_place = counted
+        lowfp._C.emulator_round_setup(**{**native, "round_bound": round_bound})
         try:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(steps):
                     step()
         finally:
             BoundRounder.round_in_place = in_place
+            lowfp._C.emulator_round_setup(**native)
     row = {"case": CASES[0][0], "in_place_per_step": sum(done) / steps}
     for key, label in (("_Round", "forward"), ("_RoundBackward", "backward")):
         events = [e for e in prof.key_averages() if e.key == key]

@@ -788,6 +788,9 @@ def _steps_with_and_without_rounding_in_place(model, a, x, y, monkeypatch, steps
     copy."""
     emulation = importlib.import_module("lowfp.emulate")
     check = emulation._rounds_in_place
+    # (the Python method, whose _rounds_in_place this replaces; lowfp._C.emulator_round, the
+    # same algorithm, is compared with it in test_the_native_interception_gives_the_python_methods_results)
+    monkeypatch.setattr(emulation.Emulator, "_native_round", False)
     results = []
     for in_place in (True, False):
         calls = []
@@ -961,9 +964,10 @@ class _EveryCallKind(nn.Module):
 
 @pytest.mark.parametrize("name", sorted(MODELS) + ["every call kind"])
 def test_the_native_interception_gives_the_python_methods_results(name, monkeypatch):
-    """ForwardSession.call's eager path in C (lowfp._C.intercept_call) and the Python method
-    record the same trace and train the same bits: parameters, counts and history, with nearest
-    and stochastic rounding and with GEMMs emulated."""
+    """ForwardSession.call's eager path in C (lowfp._C.intercept_call, with Emulator._round's,
+    lowfp._C.emulator_round) and the Python methods record the same trace and train the same
+    bits: parameters, counts, history and a forward without grad, with nearest and stochastic
+    rounding and with GEMMs emulated."""
     intercept = importlib.import_module("lowfp._intercept")
     native = intercept._C.intercept_call
     make = MODELS.get(name, _EveryCallKind)
@@ -975,18 +979,25 @@ def test_the_native_interception_gives_the_python_methods_results(name, monkeypa
         model = make()
         tr = A.trace(model, x, F.cross_entropy, y)
         got = [tr.ops, tr.tensors]
-        for rounding, recipe in (("nearest", None), ("stochastic", None), ("nearest", "mxfp8")):
+        for strategy, rounding, recipe in (("ours", "nearest", None), ("ours", "stochastic", None),
+                                           ("ours", "nearest", "mxfp8"), ("uniform", "nearest", None)):
             m = copy.deepcopy(model)
             opt = torch.optim.SGD(m.parameters(), lr=0.05)
             torch.manual_seed(1)
-            with lowfp.emulate(m, A.make(tr, "ours", r=0.5), rounding=rounding, gemm_recipe=recipe) as em:
+            a = A.make(tr, strategy, **({"r": 0.5} if strategy == "ours" else {}))
+            with lowfp.emulate(m, a, rounding=rounding, gemm_recipe=recipe) as em:
                 assert (em._mode.native is None) == (call is None)
+                counts = []  # (each step's, before the next forward reads them)
                 for _ in range(3):
                     loss = F.cross_entropy(m(x), y)
                     opt.zero_grad()
                     loss.backward()
                     opt.step()
-            got += [[p.detach().clone() for p in m.parameters()], em.counts.clone(), em.history.steps]
+                    counts.append(em.counts.clone())
+                with torch.no_grad():  # (rounded, not counted)
+                    evaluated = m(x)
+            got += [[p.detach().clone() for p in m.parameters()] + [evaluated], torch.stack(counts),
+                    em.history.steps]
         runs.append(got)
     native_run, python_run = runs
     assert native_run[0] == python_run[0] and native_run[1] == python_run[1]

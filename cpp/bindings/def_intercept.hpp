@@ -32,8 +32,12 @@ struct Objects {
   PyObject* tensor = nullptr;     // torch.Tensor
   PyObject* parameter = nullptr;  // torch.nn.Parameter
   PyObject* tag = nullptr;        // the tag's attribute name
+  // The emulation's rounding of a tensor (def_emulate.hpp's round_tensor: Emulator._round's eager
+  // path), taken for a session whose class has _native_round true; null until emulator_round_setup.
+  py::object (*round_tensor)(PyObject* session, PyObject* t, PyObject* name, PyObject* source,
+                             bool is_new) = nullptr;
   // interned names
-  PyObject *getitem, *setitem, *out, *serial, *writes, *module_stack, *repeats, *see, *source_of,
+  PyObject *native_round, *params, *getitem, *setitem, *out, *serial, *writes, *module_stack, *repeats, *see, *source_of,
       *gemms, *output, *records, *op, *outputs_of, *is_floating_point, *v_prefix, *empty,
       *param_names, *param, *theta_prefix;
 };
@@ -71,6 +75,12 @@ inline py::object optional_attr(PyObject* obj, PyObject* name) {
 }
 
 inline py::object attr(PyObject* obj, PyObject* name) { return steal(PyObject_GetAttr(obj, name)); }
+
+// Whether session's roundings take round_tensor (an Emulator's _native_round).
+inline bool rounds_natively(PyObject* session) {
+  const Objects& o = objects();
+  return o.round_tensor != nullptr && attr(session, o.native_round).ptr() == Py_True;
+}
 
 inline bool same_str(PyObject* a, PyObject* b) {
   if (a == b) return true;
@@ -111,7 +121,20 @@ inline py::object see_parameter(PyObject* session, PyObject* t, PyObject* inputs
   }
   py::object name = steal(PyUnicode_Concat(o.theta_prefix, pname));
   if (PyList_Append(inputs, name.ptr()) < 0) throw py::error_already_set();
-  py::object r = steal(PyObject_CallMethodObjArgs(session, o.param, t, name.ptr(), Py_False, nullptr));
+  py::object r;
+  if (rounds_natively(session)) {  // Emulator._param: rounded at its first use in the forward
+    py::object params = attr(session, o.params);
+    PyObject* rounded = PyDict_GetItemWithError(params.ptr(), id.ptr());
+    if (rounded == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    if (rounded != nullptr) {
+      r = py::reinterpret_borrow<py::object>(rounded);
+    } else {
+      r = o.round_tensor(session, t, name.ptr(), Py_None, false);
+      if (PyDict_SetItem(params.ptr(), id.ptr(), r.ptr()) < 0) throw py::error_already_set();
+    }
+  } else {
+    r = steal(PyObject_CallMethodObjArgs(session, o.param, t, name.ptr(), Py_False, nullptr));
+  }
   if (r.ptr() != t) set_tag(r.ptr(), serial, name.ptr());  // (never the user's Parameter)
   return r;
 }
@@ -271,8 +294,10 @@ inline py::object call(PyObject* session, PyObject* func, PyObject* args_in, PyO
   if (PyDict_SetItem(repeats.ptr(), base.ptr(), py::int_(repeat + 1).ptr()) < 0) throw py::error_already_set();
   py::object key = repeat == 0 ? base : steal(PyUnicode_FromFormat("%S#%ld", base.ptr(), repeat));
   py::object name = steal(PyUnicode_Concat(o.v_prefix, key.ptr()));
-  py::object result = steal(PyObject_CallMethodObjArgs(session, o.output, t, name.ptr(), source.ptr(),
-                                                       wrote ? Py_False : Py_True, Py_False, nullptr));
+  py::object result = rounds_natively(session)
+                          ? o.round_tensor(session, t, name.ptr(), source.ptr(), !wrote)
+                          : steal(PyObject_CallMethodObjArgs(session, o.output, t, name.ptr(), source.ptr(),
+                                                             wrote ? Py_False : Py_True, Py_False, nullptr));
   set_tag(result.ptr(), serial.ptr(), name.ptr());
   if (truth(PyObject_IsTrue(attr(session, o.records).ptr()))) {
     py::object names = steal(PyList_New(1));
@@ -324,6 +349,8 @@ inline void def_intercept(py::module_& mod) {
     o.gemm_names = gemm_names.inc_ref().ptr();
     o.tensor = tensor.inc_ref().ptr();
     o.parameter = parameter.inc_ref().ptr();
+    o.native_round = intern("_native_round");
+    o.params = intern("_params");
     o.param_names = intern("param_names");
     o.param = intern("_param");
     o.theta_prefix = intern("theta:");

@@ -5,6 +5,7 @@
 #include "accumulate_cpu.hpp"
 #include "def_accumulate.hpp"
 #include "def_bound_round.hpp"
+#include "def_emulate.hpp"
 #include "def_extra_bits.hpp"
 #include "def_intercept.hpp"
 #include "def_quantize.hpp"
@@ -50,6 +51,7 @@ PYBIND11_MODULE(_C, mod) {
   mod.doc() = "lowfp CPU core (raw-buffer interface; use the lowfp package)";
   def_contract(mod);
   lowfp::intercept::def_intercept(mod);
+  lowfp::emulate_round::def_emulate(mod);
   mod.def("format_info", &format_info);
   mod.attr("S2FP8_SUM_SIZE") = int(kSumSize);  // int64 accumulators an s2fp8 call writes
   def_quantize(mod, [](const QuantizeCall& call, int64_t* counts, int32_t, uintptr_t) {

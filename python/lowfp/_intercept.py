@@ -270,6 +270,11 @@ class ForwardSession:
     ``_param(p, name, compiling)``, ``_input(t, name)``, ``_output(t, name, source, new,
     compiling)`` and ``_operator(...)``."""
 
+    # Whether the native interception (lowfp._C.intercept_call) rounds an output and a
+    # parameter by lowfp._C.emulator_round, the eager path of lowfp.emulate.Emulator._round, in
+    # place of calling _output and _param.
+    _native_round = False
+
     def __init__(self, model: torch.nn.Module):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

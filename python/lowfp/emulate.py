@@ -200,6 +200,15 @@ def _count_unchanged(counts: torch.Tensor, t: torch.Tensor) -> None:
     counts[3].add_(t.numel())
 
 
+# What Emulator._round's eager path in C calls (cpp/bindings/def_emulate.hpp), handed over once
+_NATIVE_ROUND_OBJECTS = dict(
+    tensor=torch.Tensor, is_grad_enabled=torch.is_grad_enabled, round_apply=_round_apply,
+    count_unchanged=_count_unchanged, add_gradient_hook=_add_gradient_hook, rounds_in_place=_rounds_in_place,
+    saves_no_result=_node_saves_no_result, ordered_dict=collections.OrderedDict, hooks_key=_HOOKS_KEY,
+    mark=_MARK, round_bound=_C.round_bound)
+_C.emulator_round_setup(**_NATIVE_ROUND_OBJECTS)
+
+
 class _RoundInGraph(torch.autograd.Function):
     """_Round as torch.compile records it: no writes to state outside the function. Forward
     returns (rounded x, its counts); backward rounds the gradient with ``bwd`` and hands its
@@ -260,6 +269,10 @@ class History:
 
 class Emulator(ForwardSession):
     """The runtime behind :func:`lowfp.emulate` (see the module docs)."""
+
+    # lowfp._C.intercept_call rounds outputs and parameters by lowfp._C.emulator_round (_round's
+    # eager path in C, the same algorithm) without calling _output and _param
+    _native_round = True
 
     def __init__(self, model: torch.nn.Module, assignment: Assignment, *, promote: bool = True,
                  threshold: float = 0.01, rounding: str = "nearest",
