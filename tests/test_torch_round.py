@@ -240,6 +240,35 @@ def test_compiled_out_and_in_place_forms_equal_eager(fused):
     assert torch.equal(stats[0].counts, stats[1].counts)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_results_are_stored_as_their_patterns_where_inductor_computes_in_float32(
+        fused, monkeypatch, dtype):
+    """Inductor's Triton code keeps 16-bit floats in float32 registers and stores them by a
+    conversion, which on a GPU makes every NaN the canonical one. Where it generates Triton, the
+    torch form stores the 16-bit patterns as int16 and returns a view of that memory
+    (_torch_round.stored_as). Checked here with the CPU taking that path (its C++ code keeps the
+    bits either way): the generated code stores int16 and views it, and the result has the
+    native bits, NaNs of either sign and with payloads included."""
+    assert not _torch_round._stores_through_float32(torch.device("cpu"))
+    assert _torch_round._stores_through_float32(torch.device("cuda"))
+    with torch._inductor.config.patch(cpu_backend="triton"):
+        assert _torch_round._stores_through_float32(torch.device("cpu"))
+    monkeypatch.setattr(_torch_round, "_stores_through_float32", lambda device: True)
+    patterns = {torch.bfloat16: [0x7FFF, -1, 0x7FC1, -0x3F, 0x7F80, 0x3F80, -0x4000, 0x0001],
+                torch.float16: [0x7FFF, -1, 0x7E01, -0x1FF, 0x7C00, 0x3C00, -0x4000, 0x0001]}[dtype]
+    x = torch.cat([torch.tensor(patterns, dtype=torch.int16).view(dtype),
+                   (torch.randn(500) * 30).to(dtype)])
+
+    def f(t):
+        return [lowfp.quantize(t, "fp(4,3,4)", "nearest"), lowfp.quantize(t, "float8_e5m2", "stochastic", seed=5)]
+
+    got, code = compiled_code(f, x)
+    assert "lowfp" not in code
+    assert "torch.int16" in code and code.count("view.dtype(") >= 2  # (stored int16, viewed)
+    for g, w in zip(got, f(x)):
+        assert same_bits(g, w) and torch.isnan(w).sum() == 4
+
+
 def test_compiled_gradient_rounding_is_fused_too(fused):
     x = torch.randn(300, requires_grad=True)
 

@@ -294,8 +294,32 @@ def to_storage(result: torch.Tensor, c: Carrier, dtype: torch.dtype) -> torch.Te
         else:
             y = result.to(torch.int32).view(torch.float32).to(dtype)
             bits = torch.where(nan, (upper & 0x8000) | 0x7E00, y.view(torch.int16).to(result.dtype))
-        return (bits - ((bits >> 15) << 16)).to(torch.int16).view(dtype)
+        return stored_as((bits - ((bits >> 15) << 16)).to(torch.int16), dtype)
     return result.to(c.int_dtype).view(c.float_dtype).to(dtype)
+
+
+def stored_as(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """16-bit patterns ``bits`` (int16) as a tensor of the 16-bit float ``dtype``, the patterns
+    themselves. Inductor's Triton code computes 16-bit floats in float32 registers: a view of
+    values in registers widens them there and stores them by a conversion back, which makes
+    every NaN the canonical one on a GPU. So where Inductor generates Triton (CUDA, or a CPU
+    whose Inductor backend is Triton), the patterns are stored first, in bits's own layout, and
+    the view is of that memory (Inductor's reinterpretation of a stored buffer: no copy, no
+    conversion)."""
+    if _stores_through_float32(bits.device):
+        from torch._inductor import inductor_prims  # noqa: F401 (registers the prim)
+        bits = torch.ops.prims.inductor_force_stride_order(bits, bits.stride())
+    return bits.view(dtype)
+
+
+def _stores_through_float32(device: torch.device) -> bool:
+    """Whether Inductor's code for ``device`` is Triton's (see stored_as)."""
+    if device.type == "cuda":
+        return True
+    if device.type != "cpu":
+        return False
+    from torch._inductor import config
+    return config.cpu_backend == "triton"
 
 
 def round_kind(rounding: str) -> str:
