@@ -14,7 +14,8 @@
 # more_itertools array-api-compat):
 #   bash bench/run_gpu.sh [build] [test] [kernels] [optim] [emulate] [fused] [emulate-compile] [all-tests] [profile]
 # Before a GPU session, .ci/device-torch runs the suite on the device's Python and torch on a CPU
-# machine, at no device time.
+# machine, and .ci/triton-interpreter runs the Triton code of lowfp's fused roundings under Triton's
+# interpreter, both at no device time.
 # The default, build test kernels optim emulate fused, runs the most wanted first: the tests at most
 # LOWFP_GPU_TEST_SECONDS (default 180), so that the benchmarks follow. A step starts only while
 # the time it needs is left before the deadline (LOWFP_GPU_DEADLINE seconds from the start,
