@@ -20,7 +20,7 @@ import lowfp
 from lowfp import assign as A
 from lowfp.scaled import ScaledStats
 from test_emulate_compile import _graphs_after, _loss, _train
-from test_scaled_torch_round import CUSTOM, DTYPES, NAMED, bits, decision_points
+from test_scaled_torch_round import CUSTOM, DTYPES, NAMED, bits, decision_points, named_format_values
 from test_torch_round import FORMATS, MODES, boundary_values, fits
 
 
@@ -56,12 +56,7 @@ def test_plain_formats_equal_the_native_kernel(fmt_text):
 
 
 def _scaled_cases():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 256, generator=g, dtype=torch.float64) * torch.exp2(
-        torch.randint(-30, 30, (8, 1), generator=g).double())
-    x[0, 3], x[1, 5], x[3, 7] = float("nan"), float("inf"), -float("inf")
-    x[2, :40] = 0
-    x[4, :16] = 1e-40
+    x = named_format_values()
     cases = [pytest.param(lowfp.scaled.to_scaled(name), x, id=name) for name in NAMED]
     for fmt in CUSTOM:
         shape = (32, 64) if fmt.axis == 0 else (64, 32)

@@ -401,12 +401,7 @@ void def_bound_round(py::module_& mod, Run run) {
   // stack's and functorch's no-argument checks), generator_type, cpu_device, prepared_format,
   // writable_in_one_call, remembered_apply.
   mod.def("round_bound_setup", [](py::kwargs given) {
-    auto take = [&given](const char* name) {
-      if (!given.contains(name)) throw std::invalid_argument(std::string("round_bound_setup: no ") + name + "=");
-      py::object v = given[name];
-      PyDict_DelItemString(given.ptr(), name);
-      return v.release().ptr();  // (kept for the process's life)
-    };
+    auto take = [&given](const char* name) { return intercept::take_kwarg(given, "round_bound_setup", name); };
     Objects o;  // (published whole, below, once every name was given)
     o.tensor = take("tensor");
     o.parameter = take("parameter");
@@ -429,8 +424,7 @@ void def_bound_round(py::module_& mod, Run run) {
     o.prepared_format = take("prepared_format");
     o.writable_in_one_call = take("writable_in_one_call");
     o.remembered_apply = take("remembered_apply");
-    if (PyDict_Size(given.ptr()) != 0)
-      throw std::invalid_argument("round_bound_setup: unknown " + py::str(py::list(given)).cast<std::string>());
+    intercept::check_all_taken(given, "round_bound_setup");
     o.generator_keyword = py::make_tuple("generator").release().ptr();
     o.is_cpu = intercept::intern("is_cpu");
     o.is_cuda = intercept::intern("is_cuda");

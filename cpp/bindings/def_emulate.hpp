@@ -176,12 +176,7 @@ inline void def_emulate(py::module_& mod) {
   // add_gradient_hook, rounds_in_place, saves_no_result, ordered_dict, hooks_key, mark,
   // round_bound (emulate's and lowfp._C's, as Objects says).
   mod.def("emulator_round_setup", [](py::kwargs given) {
-    auto take = [&given](const char* name) {
-      if (!given.contains(name)) throw std::invalid_argument(std::string("emulator_round_setup: no ") + name + "=");
-      py::object v = given[name];
-      PyDict_DelItemString(given.ptr(), name);
-      return v.release().ptr();  // (kept for the process's life)
-    };
+    auto take = [&given](const char* name) { return intercept::take_kwarg(given, "emulator_round_setup", name); };
     Objects o;  // (published whole, below, once every name was given)
     o.tensor = take("tensor");
     o.is_grad_enabled = take("is_grad_enabled");
@@ -195,8 +190,7 @@ inline void def_emulate(py::module_& mod) {
     o.hooks_key = take("hooks_key");
     o.mark = take("mark");
     o.round_bound = take("round_bound");
-    if (PyDict_Size(given.ptr()) != 0)
-      throw std::invalid_argument("emulator_round_setup: unknown " + py::str(py::list(given)).cast<std::string>());
+    intercept::check_all_taken(given, "emulator_round_setup");
     o.round = intern("_round");
     o.observer = intern("observer");
     o.counting = intern("_counting");

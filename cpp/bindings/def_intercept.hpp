@@ -16,6 +16,7 @@
 #include <pybind11/pybind11.h>
 
 #include <stdexcept>
+#include <string>
 
 namespace lowfp::intercept {
 
@@ -332,6 +333,21 @@ inline PyObject* intern(const char* s) {
   PyObject* p = PyUnicode_InternFromString(s);
   if (p == nullptr) throw py::error_already_set();
   return p;  // (kept for the process's life)
+}
+
+// A setup function's keyword argument `name`, taken out of `given` (so that what is left over is
+// unknown), its reference kept for the process's life; `setup` names the function in the error.
+inline PyObject* take_kwarg(py::kwargs& given, const char* setup, const char* name) {
+  if (!given.contains(name)) throw std::invalid_argument(std::string(setup) + ": no " + name + "=");
+  py::object v = given[name];
+  PyDict_DelItemString(given.ptr(), name);
+  return v.release().ptr();
+}
+
+// Raises where `given` holds keyword arguments that take_kwarg did not take.
+inline void check_all_taken(py::kwargs& given, const char* setup) {
+  if (PyDict_Size(given.ptr()) != 0)
+    throw std::invalid_argument(std::string(setup) + ": unknown " + py::str(py::list(given)).cast<std::string>());
 }
 
 inline void def_intercept(py::module_& mod) {
