@@ -4,9 +4,9 @@ plain format family, mode and carrier dtype (16-bit NaNs with a GPU's conversion
 named and custom scaled format, and an emulated training step compiled with Inductor.
 
 Run by .ci/triton-interpreter before a GPU session, not by CI: it needs triton, and the
-interpreter runs each kernel in NumPy (about 15 minutes on 2 cores). It is not named test_*.py, so
-that pytest collects it only when named; run it alone (the import below changes Inductor's CPU
-backend for the process)."""
+interpreter runs each kernel in NumPy (about 20 minutes on 2 cores, and 15 more for the script's
+flushing stage). It is not named test_*.py, so that pytest collects it only when named; run it
+alone (the import below changes Inductor's CPU backend for the process)."""
 
 import copy
 
