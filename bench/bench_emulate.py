@@ -242,8 +242,8 @@ def host_per_rounding(device: torch.device, steps: int = 5):
         done.append(result)
         return result
 
-    def round_bound(requests, t, counts, out):
-        result = native["round_bound"](requests, t, counts, out)
+    def round_bound(requests, t, counts, counts_device, out):
+        result = native["round_bound"](requests, t, counts, counts_device, out)
         done.append(out is t and result is not None)
         return result
     with lowfp.emulate(model, A.ours(A.trace(model, x, F.cross_entropy, y), 0.5)):

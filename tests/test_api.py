@@ -11,7 +11,7 @@ import torch
 
 import lowfp
 from cpu_kernels import outputs_of_each_kernel
-from devices import on_cuda
+from devices import on_cuda, same_bits
 
 F = "fp(4,3,4)"
 
@@ -972,6 +972,18 @@ def test_the_c_shortcut_hands_back_every_call_it_does_not_take(monkeypatch):
         assert call(**args) is None, args
     with Seen():
         assert call() is None
+    counts = lowfp.Stats().counts  # BoundRounder's call with counts said to lie on CUDA device 0
+    assert _C.round_bound({torch.float32: entry.request}, x, counts.data_ptr(), 0, None) is None
+    assert _C.round_bound({torch.float32: entry.request}, x, 0, 0, None) is not None  # (no counts)
+    state = torch.get_rng_state()
+    if lowfp.cuda_built():  # a CUDA request (lowfp._C_cuda's, told apart there) with a CPU x
+        from lowfp import backends
+        from lowfp._native import DTYPE_CODES, ROUNDING_MODES, format_args
+        code = DTYPE_CODES[torch.float32]
+        cuda_request = backends._C_cuda.PreparedQuantize(
+            code, code, *format_args(lowfp.Format(4, 3, 4), ROUNDING_MODES.index("stochastic"), 32))
+        assert call(request=cuda_request) is None
+        assert _C.round_bound({torch.float32: cuda_request}, x, 0, -1, None) is None
     assert torch.equal(torch.get_rng_state(), state)  # (nothing drawn)
     with torch.no_grad():  # a tensor requiring grad, with nothing to record: taken
         assert call(x=x.clone().requires_grad_(), seed=5) is not None
@@ -992,7 +1004,7 @@ def test_the_c_shortcut_hands_back_every_call_it_does_not_take(monkeypatch):
     with pytest.raises(TypeError, match=r"round_remembered\(request"):  # (internal, but never a crash)
         _C.round_remembered(entry.request, entry.dtype, x)
     with pytest.raises(TypeError, match="requests must be a dict"):
-        _C.round_bound([], x, 0, None)
+        _C.round_bound([], x, 0, -1, None)
 
     # quantize's look-up, in quantize's argument order
     def look_up(x=x, fmt="fp(4,3,4)", seed=None, generator=None, offset=0, sr_bits=32, out=None,
@@ -1253,6 +1265,78 @@ def test_native_calls_take_torchs_current_stream_and_device():
     last = torch.cuda.device_count() - 1
     t = torch.randn(8, device=f"cuda:{last}")
     assert backends.native(t, "t")[1:] == (last, torch.cuda.current_stream(last).cuda_stream)
+
+
+@on_cuda
+def test_remembered_calls_on_gpu_are_one_c_call_on_torchs_current_stream(monkeypatch):
+    """A remembered call on a CUDA tensor, and a BoundRounder's call, is one C call of
+    lowfp._C_cuda's kernel, enqueued on torch's current stream (here a side stream whose producer
+    of x is still sleeping when the call is made): the CPU's bits, counts and generator draws,
+    nearest and stochastic, with out= and stats on the device. What C hands back (stats on the
+    CPU, a transposed x) takes the Python path, with the same bits."""
+    from lowfp.quantize import BoundRounder, Rounder
+    taken = _spy_remembered(monkeypatch)
+    x_cpu = torch.randn(64, 300) * 30
+    x_cpu[0, :3] = torch.tensor([float("nan"), 1e9, 1e-9])
+    x_gpu = x_cpu.cuda()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+
+    def produced_late():  # (inside torch.cuda.stream(side)) x made by the side stream after a sleep
+        torch.cuda._sleep(50_000_000)
+        return x_gpu * 1
+
+    cases = [dict(), dict(rounding="stochastic"), dict(rounding="stochastic", seed=5, offset=3),
+             dict(rounding="stochastic", generator=torch.Generator().manual_seed(4)), dict(out_dtype=torch.float64)]
+    for kwargs in cases:
+        with_out = "out_dtype" not in kwargs
+
+        def call(device, stats):
+            kw = {k: (v.clone_state() if isinstance(v, torch.Generator) else v) for k, v in kwargs.items()}
+            torch.manual_seed(1)
+            with torch.cuda.stream(side):
+                x = produced_late() if device == "cuda" else x_cpu
+                y = lowfp.quantize(x, "fp(4,3,4)", stats=stats, **kw)
+                out = torch.empty_like(y)
+                if with_out:
+                    lowfp.quantize(x, "fp(4,3,4)", stats=stats, out=out, **kw)
+            side.synchronize()
+            return y, out if with_out else y, torch.rand(1)
+        want_stats = lowfp.Stats()
+        want = call("cpu", want_stats)
+        for remembered in (False, True):
+            stats = lowfp.Stats("cuda")
+            taken.clear()
+            got = call("cuda", stats)
+            assert taken == ["_quantize_remembered"] * (1 + with_out) * remembered, (kwargs, taken)
+            assert same_bits(got[0], want[0]) and same_bits(got[1], want[1]) and torch.equal(got[2], want[2])
+            assert stats.as_dict() == want_stats.as_dict(), kwargs
+    taken.clear()
+    with torch.cuda.stream(side):
+        y = lowfp.quantize(produced_late(), "fp(4,3,4)", stats=lowfp.Stats())  # (stats on the CPU)
+        t = lowfp.quantize(produced_late().t(), "fp(4,3,4)")  # (transposed: the layout path)
+    side.synchronize()
+    assert taken == []
+    assert same_bits(y, lowfp.quantize(x_cpu, "fp(4,3,4)")) and same_bits(t, lowfp.quantize(x_cpu.t(), "fp(4,3,4)"))
+    # the emulation's BoundRounder: its rounding and its rounding in place, from the second call
+    # (the first learns the prepared request)
+    for rounding in ("nearest", "stochastic"):
+        rounder = Rounder("fp(4,3,4)", rounding, "saturate")
+        want_stats, stats = lowfp.Stats(), lowfp.Stats("cuda")
+        bound, bound_cpu = BoundRounder(rounder, stats), BoundRounder(rounder, want_stats)
+        for call in range(3):
+            torch.manual_seed(call)
+            want_y, want_z = bound_cpu(x_cpu), x_cpu.clone()
+            assert bound_cpu.round_in_place(want_z)
+            torch.manual_seed(call)
+            with torch.cuda.stream(side):
+                y = bound(produced_late())
+                z = produced_late()
+                assert bound.round_in_place(z)
+            side.synchronize()
+            assert same_bits(y, want_y) and same_bits(z, want_z), (rounding, call)
+            assert torch.float32 in bound._requests
+        assert stats.as_dict() == want_stats.as_dict()
 
 
 @on_cuda

@@ -1,16 +1,19 @@
-// lowfp._C.round_bound(requests, x, counts, out): lowfp.quantize.BoundRounder's one native call,
-// in C: where x is a plain, contiguous CPU tensor (backends.ready_on_cpu) of a dtype that
-// `requests` (dict: torch.dtype -> PreparedQuantize) holds, round it by that request into `out`
-// (None: a new tensor like x, as _memory.new_output makes it), adding its counts at the address
-// `counts` (0: none); the result, or None where the call does not take x (nothing was done).
+// lowfp._C.round_bound(requests, x, counts, counts_device, out): lowfp.quantize.BoundRounder's
+// one native call, in C: where x is a plain, contiguous tensor of a dtype that `requests` (dict:
+// torch.dtype -> PreparedQuantize) holds, on that request's backend (a CPU tensor that
+// backends.ready_on_cpu passes, or a CUDA tensor), round it by that request into `out` (None: a
+// new tensor like x, as _memory.new_output makes it), adding its counts at the address `counts`
+// (0: none), which must lie on x's device (`counts_device`: -1 for the CPU, else the CUDA device
+// index); the result, or None where the call does not take x (nothing was done).
 //
 // lowfp._C.round_remembered(request, dtype, x, stats, seed, generator, offset, out):
 // lowfp.quantize's remembered call of a plain format (PreparedFormat.round) in C, where x is a
-// plain, contiguous CPU tensor that runs_natively passes (no autograd to record, no mode or
-// transform that must see lowfp's operator), stats is None or a lowfp.Stats on the CPU, and the
-// seed comes from `seed` or a CPU generator (None: torch's default): x rounded into `out` (which
-// the caller checked: quantize's _writable_in_one_call) or, for None, a new tensor of `dtype`;
-// None, with nothing drawn or written, for any other call (the Python path decides it, or raises).
+// plain, contiguous tensor on request's backend that runs_natively passes (no autograd to record,
+// no mode or transform that must see lowfp's operator), stats is None or a lowfp.Stats on x's
+// device, and the seed comes from `seed` or a CPU generator (None: torch's default): x rounded
+// into `out` (which the caller checked: quantize's _writable_in_one_call) or, for None, a new
+// tensor of `dtype`; None, with nothing drawn or written, for any other call (the Python path
+// decides it, or raises).
 //
 // lowfp._C.eager_key(fmt, rounding, overflow, subnormals, sr_bits, x, out, out_dtype): the key of
 // quantize's table of remembered calls (quantize._EAGER), from the arguments as the caller passed
@@ -23,8 +26,11 @@
 // [0, 2^64), grad_fmt) or is not (its key is unhashable or absent); the result where
 // round_remembered takes it, or, for an x whose result autograd records (no out=), the same checks
 // and the prepared rounding recorded straight through (record_remembered: in torch's clone of a
-// small x, else in lowfp's autograd Function, quantize._remembered_apply); else the table's entry,
-// which the Python path runs.
+// small CPU x, else in lowfp's autograd Function, quantize._remembered_apply); else the table's
+// entry, which the Python path runs.
+//
+// CUDA tensors run lowfp._C_cuda's kernel (device_rounding.hpp) on torch's current stream of
+// their device, as backends.native finds it, and nothing waits for it.
 //
 // A stochastic request draws its seed as lowfp._native.draw_seed_eager does, from the calling
 // thread's buffer (the same words and generator advance), unless the call gives `seed`.
@@ -37,6 +43,7 @@
 
 #include "def_intercept.hpp"
 #include "def_quantize.hpp"
+#include "device_rounding.hpp"
 
 namespace lowfp::bound_round {
 
@@ -69,8 +76,12 @@ struct Objects {
   PyObject* writable_in_one_call = nullptr;  // lowfp.quantize._writable_in_one_call(x, out)
   PyObject* generator_keyword = nullptr;     // ("generator",): random_'s keyword
   PyObject* remembered_apply = nullptr;      // lowfp.quantize._remembered_apply
+  // lowfp._C_cuda's rounding (nullptr: no CUDA build) and torch's raw accessor of a CUDA device's
+  // current stream, torch._C._cuda_getCurrentRawStream (nullptr: a torch without CUDA)
+  const DeviceRounding* cuda = nullptr;
+  PyObject* cuda_raw_stream = nullptr;
   PyObject *dtype, *is_contiguous, *data_ptr, *numel, *element_size, *is_cpu, *is_cuda, *is_nested, *layout,
-      *torch_threads, *requires_grad, *counts, *request, *device, *clone;
+      *torch_threads, *requires_grad, *counts, *request, *device, *clone, *get_device;
 };
 
 inline Objects& objects() {
@@ -119,14 +130,22 @@ inline uint64_t draw_seed(PyObject* generator) {
 
 inline int64_t numel_of(PyObject* x) { return as_int(steal(PyObject_CallMethodNoArgs(x, objects().numel))); }
 
-// The prepared call on x (a plain tensor of n elements that ready_on_cpu passed, contiguous,
-// checked by the caller) into out (None: a new tensor of dtype, as _memory.new_output makes it),
+// Where a prepared call runs: lowfp._C's CPU kernel, or lowfp._C_cuda's on a CUDA device,
+// enqueued on torch's current stream of that device (as backends.native finds it).
+struct Placement {
+  bool cuda = false;
+  int32_t device = -1;  // (-1: the CPU)
+  uintptr_t stream = 0;
+};
+
+// The prepared call on x (a plain contiguous tensor of n elements where `at` runs it, checked by
+// the caller: placed) into out (None: a new tensor of dtype, as _memory.new_output makes it),
 // adding counts at count_at (0: none), keyed by *seed (nullptr: drawn here from `generator` when
 // the call is stochastic).
 template <class Run>
-py::object run_prepared(QuantizeCall call, PyObject* x, int64_t n, PyObject* x_dtype, PyObject* dtype,
-                        int64_t count_at, PyObject* out, const uint64_t* seed, PyObject* generator, uint64_t offset,
-                        Run& run) {
+py::object run_prepared(QuantizeCall call, const Placement& at, PyObject* x, int64_t n, PyObject* x_dtype,
+                        PyObject* dtype, int64_t count_at, PyObject* out, const uint64_t* seed, PyObject* generator,
+                        uint64_t offset, Run& run) {
   const Objects& o = objects();
   py::object y;
   if (out != Py_None) {
@@ -145,17 +164,25 @@ py::object run_prepared(QuantizeCall call, PyObject* x, int64_t n, PyObject* x_d
   call.count = count_at != 0;
   {
     py::gil_scoped_release release;
-    run(call, reinterpret_cast<int64_t*>(count_at));
+    if (at.cuda)
+      o.cuda->run(call, reinterpret_cast<int64_t*>(count_at), at.device, at.stream);
+    else
+      run(call, reinterpret_cast<int64_t*>(count_at));
   }
   return y;
 }
 
-// The QuantizeCall of request, a PreparedQuantize of this module; false for anything else.
-inline bool prepared_call(PyObject* request, QuantizeCall& call) {
+// The QuantizeCall of request, a PreparedQuantize of this module (*on_cuda false) or of
+// lowfp._C_cuda (*on_cuda true); false for anything else.
+inline bool prepared_call(PyObject* request, QuantizeCall& call, bool& on_cuda) {
   const py::handle h(request);
-  if (!py::isinstance<PreparedQuantize>(h)) return false;  // (another module's: a CUDA request)
-  call = h.cast<const PreparedQuantize&>().call;
-  return true;
+  on_cuda = !py::isinstance<PreparedQuantize>(h);
+  if (!on_cuda) {
+    call = h.cast<const PreparedQuantize&>().call;
+    return true;
+  }
+  const DeviceRounding* cuda = objects().cuda;
+  return cuda != nullptr && cuda->prepared_call(request, &call);
 }
 
 inline bool plain_tensor(PyObject* x) {
@@ -164,13 +191,38 @@ inline bool plain_tensor(PyObject* x) {
   return type == reinterpret_cast<PyTypeObject*>(o.tensor) || type == reinterpret_cast<PyTypeObject*>(o.parameter);
 }
 
-inline bool contiguous_on_cpu(PyObject* x) {
-  return ready_on_cpu(x) &&
-         truth(PyObject_IsTrue(steal(PyObject_CallMethodNoArgs(x, objects().is_contiguous)).ptr()));
+inline bool contiguous(PyObject* x) {
+  return truth(PyObject_IsTrue(steal(PyObject_CallMethodNoArgs(x, objects().is_contiguous)).ptr()));
+}
+
+// Whether x, a plain tensor, is one that a prepared call of its backend (on_cuda: lowfp._C_cuda's)
+// reads in one pass: on the CPU, contiguous and passing ready_on_cpu; on CUDA, a strided, not
+// nested, contiguous CUDA tensor, whose device and current stream go into *at.
+inline bool placed(PyObject* x, bool on_cuda, Placement& at) {
+  const Objects& o = objects();
+  at = Placement{};
+  if (!on_cuda) return ready_on_cpu(x) && contiguous(x);
+  if (o.cuda_raw_stream == nullptr || attr(x, o.is_cuda).ptr() != Py_True ||
+      attr(x, o.is_nested).ptr() != Py_False || attr(x, o.layout).ptr() != o.strided || !contiguous(x))
+    return false;
+  py::object device = steal(PyObject_CallMethodNoArgs(x, o.get_device));
+  at.cuda = true;
+  at.device = static_cast<int32_t>(as_int(device));
+  at.stream = static_cast<uintptr_t>(as_int(steal(PyObject_CallOneArg(o.cuda_raw_stream, device.ptr()))));
+  return true;
+}
+
+// Whether `counts` (a Stats' tensor) lives where `at` runs, so its kernel adds to it.
+inline bool counts_at(PyObject* counts, const Placement& at) {
+  const Objects& o = objects();
+  if (!at.cuda) return attr(counts, o.is_cpu).ptr() == Py_True;
+  return attr(counts, o.is_cuda).ptr() == Py_True &&
+         as_int(steal(PyObject_CallMethodNoArgs(counts, o.get_device))) == at.device;
 }
 
 template <class Run>
-py::object round_bound(PyObject* requests, PyObject* x, PyObject* counts, PyObject* out, Run& run) {
+py::object round_bound(PyObject* requests, PyObject* x, PyObject* counts, PyObject* counts_device, PyObject* out,
+                       Run& run) {
   const Objects& o = objects();
   if (o.tensor == nullptr) throw std::runtime_error("lowfp._C.round_bound_setup was not called");
   if (!PyDict_Check(requests)) {
@@ -186,9 +238,13 @@ py::object round_bound(PyObject* requests, PyObject* x, PyObject* counts, PyObje
   }
   py::object keep_request = py::reinterpret_borrow<py::object>(request);
   QuantizeCall call;
-  if (!prepared_call(request, call) || !contiguous_on_cpu(x)) return py::none();
-  return run_prepared(call, x, numel_of(x), dtype.ptr(), dtype.ptr(),
-                      as_int(py::reinterpret_borrow<py::object>(counts)), out, nullptr, Py_None, 0, run);
+  bool on_cuda = false;
+  Placement at;
+  if (!prepared_call(request, call, on_cuda) || !placed(x, on_cuda, at)) return py::none();
+  const int64_t count_at = as_int(py::reinterpret_borrow<py::object>(counts));
+  if (count_at != 0 && as_int(py::reinterpret_borrow<py::object>(counts_device)) != at.device)
+    return py::none();  // (counts on another device than x: the rounder's own call decides)
+  return run_prepared(call, at, x, numel_of(x), dtype.ptr(), dtype.ptr(), count_at, out, nullptr, Py_None, 0, run);
 }
 
 // Whether a call of no arguments answers false (or 0).
@@ -236,6 +292,7 @@ inline bool cpu_generator(PyObject* generator) {
 // A remembered call's arguments past x, checked as the Python path's remembered calls check them.
 struct RememberedArgs {
   QuantizeCall call;
+  Placement at;
   bool recorded = false;  // x requires grad and grad mode is on: lowfp's autograd Function records it
   py::object counts;      // stats.counts (None: no stats)
   int64_t count_at = 0;   // its address (0: none)
@@ -243,25 +300,27 @@ struct RememberedArgs {
   uint64_t seed = 0, offset = 0;  // (offset: checked by the caller)
 };
 
-// Whether x, a plain contiguous CPU tensor, and the rest of a call of request take the C path:
-// nothing that must see lowfp's operator (a mode or functorch transform; autograd sets
-// a.recorded: records_natively rather than runs_natively), stats None or a Stats on the CPU, and
+// Whether x, a plain contiguous tensor on request's backend (placed), and the rest of a call of
+// request take the C path: nothing that must see lowfp's operator (a mode or functorch transform;
+// autograd sets a.recorded: records_natively rather than runs_natively), stats None or a Stats
+// whose counts live on x's device, and
 // the seed as remembered_seed (lowfp._native) takes it: seed= alone, or drawn from a CPU
 // generator (None: torch's default). The offset is the caller's, already in [0, 2^64).
 inline bool remembered_args(PyObject* request, PyObject* x, PyObject* stats, PyObject* seed_arg, PyObject* generator,
                             uint64_t offset, RememberedArgs& a) {
   const Objects& o = objects();
   if (o.tensor == nullptr) throw std::runtime_error("lowfp._C.round_bound_setup was not called");
-  if (!plain_tensor(x) || !prepared_call(request, a.call)) return false;
+  bool on_cuda = false;
+  if (!plain_tensor(x) || !prepared_call(request, a.call, on_cuda)) return false;
   a.recorded = attr(x, o.requires_grad).ptr() == Py_True && !answers_no(o.is_grad_enabled);
   for (PyObject* fn : o.unobserved)
     if (!answers_no(fn)) return false;
-  if (!contiguous_on_cpu(x)) return false;
+  if (!placed(x, on_cuda, a.at)) return false;
   a.counts = py::none();
   if (stats != Py_None) {
     if (Py_TYPE(stats) != reinterpret_cast<PyTypeObject*>(o.stats_type)) return false;
     a.counts = attr(stats, o.counts);
-    if (attr(a.counts.ptr(), o.is_cpu).ptr() != Py_True) return false;
+    if (!counts_at(a.counts.ptr(), a.at)) return false;
     a.count_at = as_int(steal(PyObject_CallMethodNoArgs(a.counts.ptr(), o.data_ptr)));
   }
   a.has_seed = seed_arg != Py_None;
@@ -278,8 +337,8 @@ template <class Run>
 py::object run_remembered(const RememberedArgs& a, PyObject* dtype, PyObject* x, PyObject* generator, PyObject* out,
                           Run& run) {
   py::object x_dtype = attr(x, objects().dtype);
-  return run_prepared(a.call, x, numel_of(x), x_dtype.ptr(), dtype, a.count_at, out, a.has_seed ? &a.seed : nullptr,
-                      generator, a.offset, run);
+  return run_prepared(a.call, a.at, x, numel_of(x), x_dtype.ptr(), dtype, a.count_at, out,
+                      a.has_seed ? &a.seed : nullptr, generator, a.offset, run);
 }
 
 template <class Run>
@@ -294,12 +353,13 @@ py::object round_remembered(PyObject* request, PyObject* dtype, PyObject* x, PyO
 }
 
 // A checked call whose result autograd records (no out=). Where the result keeps x's dtype and x
-// holds at most kCloneRoundBytes, x's copy by torch's clone (a node that saves nothing and passes
+// is a CPU tensor of at most kCloneRoundBytes, x's copy by torch's clone (a node that saves nothing and passes
 // the gradient straight through, recorded by torch in C++) is rounded in place: the operator's
 // formula for a call without grad_fmt, for less than lowfp's Python autograd Function costs. A
 // larger x would pay the copy's pass over memory more than the Function's call, so it takes the
 // Function as _round_remembered makes it: _remembered_apply(x, entry, stats, counts, seed, offset),
-// the seed drawn here.
+// the seed drawn here. (On a GPU the copy is a kernel launch of its own, whose host cost has not
+// been weighed against the Function's: CUDA tensors take the Function.)
 constexpr int64_t kCloneRoundBytes = int64_t(1) << 16;
 
 template <class Run>
@@ -307,11 +367,11 @@ py::object record_remembered(const RememberedArgs& a, PyObject* entry, PyObject*
                              PyObject* generator, Run& run) {
   const Objects& o = objects();
   py::object x_dtype = attr(x, o.dtype), dtype = attr(entry, o.dtype);
-  if (x_dtype.ptr() == dtype.ptr()) {  // (torch.dtype objects are one per dtype)
+  if (x_dtype.ptr() == dtype.ptr() && !a.at.cuda) {  // (torch.dtype objects are one per dtype)
     const int64_t n = numel_of(x);
     if (n * as_int(steal(PyObject_CallMethodNoArgs(x, o.element_size))) <= kCloneRoundBytes) {
       py::object y = steal(PyObject_CallMethodNoArgs(x, o.clone));
-      return run_prepared(a.call, y.ptr(), n, dtype.ptr(), dtype.ptr(), a.count_at, y.ptr(),
+      return run_prepared(a.call, a.at, y.ptr(), n, dtype.ptr(), dtype.ptr(), a.count_at, y.ptr(),
                           a.has_seed ? &a.seed : nullptr, generator, a.offset, run);
     }
   }
@@ -399,7 +459,8 @@ void def_bound_round(py::module_& mod, Run run) {
   // backends (lowfp.backends), get_num_threads, strided, empty_like, new_output, min_bytes,
   // preserve_format, draw_buffer, is_grad_enabled, unobserved (the function mode's, dispatch
   // stack's and functorch's no-argument checks), generator_type, cpu_device, prepared_format,
-  // writable_in_one_call, remembered_apply.
+  // writable_in_one_call, remembered_apply, cuda_kernels (lowfp._C_cuda.ROUNDING_KERNELS, or
+  // None), cuda_raw_stream (torch._C._cuda_getCurrentRawStream, or None).
   mod.def("round_bound_setup", [](py::kwargs given) {
     auto take = [&given](const char* name) { return intercept::take_kwarg(given, "round_bound_setup", name); };
     Objects o;  // (published whole, below, once every name was given)
@@ -424,6 +485,14 @@ void def_bound_round(py::module_& mod, Run run) {
     o.prepared_format = take("prepared_format");
     o.writable_in_one_call = take("writable_in_one_call");
     o.remembered_apply = take("remembered_apply");
+    py::object cuda = py::reinterpret_steal<py::object>(take("cuda_kernels"));
+    if (!cuda.is_none()) {
+      o.cuda = static_cast<const DeviceRounding*>(PyCapsule_GetPointer(cuda.ptr(), kDeviceRoundingCapsule));
+      if (o.cuda == nullptr) throw py::error_already_set();
+      cuda.release();  // (kept with the pointer it holds)
+    }
+    o.cuda_raw_stream = take("cuda_raw_stream");
+    if (o.cuda_raw_stream == Py_None) o.cuda_raw_stream = nullptr;
     intercept::check_all_taken(given, "round_bound_setup");
     o.generator_keyword = py::make_tuple("generator").release().ptr();
     o.is_cpu = intercept::intern("is_cpu");
@@ -441,6 +510,7 @@ void def_bound_round(py::module_& mod, Run run) {
     o.request = intercept::intern("request");
     o.device = intercept::intern("device");
     o.clone = intercept::intern("clone");
+    o.get_device = intercept::intern("get_device");
     objects() = o;
   });
   static Run kept = run;
@@ -448,10 +518,10 @@ void def_bound_round(py::module_& mod, Run run) {
       {"round_bound",
        reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(
            +[](PyObject*, PyObject* const* argv, Py_ssize_t argc) -> PyObject* {
-             return fastcall(argc, 4, "round_bound(requests, x, counts, out)",
-                             [&] { return round_bound(argv[0], argv[1], argv[2], argv[3], kept); });
+             return fastcall(argc, 5, "round_bound(requests, x, counts, counts_device, out)",
+                             [&] { return round_bound(argv[0], argv[1], argv[2], argv[3], argv[4], kept); });
            })),
-       METH_FASTCALL, "round_bound(requests, x, counts, out): BoundRounder's native call"},
+       METH_FASTCALL, "round_bound(requests, x, counts, counts_device, out): BoundRounder's native call"},
       {"round_remembered",
        reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(
            +[](PyObject*, PyObject* const* argv, Py_ssize_t argc) -> PyObject* {

@@ -8,7 +8,7 @@
 // method.
 //
 // A BoundRounder's call (its rounding, or its rounding in place) is lowfp._C.round_bound where the
-// rounder's counts are on the CPU (BoundRounder._counts), and where that does not take the tensor,
+// kernel adds to the rounder's counts (BoundRounder._counts), and where that does not take the tensor,
 // the BoundRounder's own method; a gradient's tensor hook is registered as
 // emulate._add_gradient_hook registers it, without its Python frame; a node type that
 // emulate._node_saves_no_result has answered for is answered from that table.
@@ -46,7 +46,7 @@ struct Objects {
   PyObject* round_bound = nullptr;        // lowfp._C.round_bound
   // interned names
   PyObject *round, *observer, *counting, *entries, *uncounted, *requires_grad, *is_leaf, *base, *grad_fn,
-      *backward_hooks, *register_hook_dict, *counts_slot, *requests, *round_in_place, *counts, *serial, *writes;
+      *backward_hooks, *register_hook_dict, *counts_slot, *counts_device, *requests, *round_in_place, *counts, *serial, *writes;
   bool lean_hooks = true;  // emulate._lean_hooks: false once a torch lacked the lean registration
 };
 
@@ -63,9 +63,9 @@ inline py::object bound_native(PyObject* bound, PyObject* x, PyObject* out) {
   const Objects& o = objects();
   py::object counts = attr(bound, o.counts_slot);
   if (counts.ptr() == Py_None) return py::none();
-  py::object requests = attr(bound, o.requests);
-  PyObject* argv[4] = {requests.ptr(), x, counts.ptr(), out};
-  return steal(PyObject_Vectorcall(o.round_bound, argv, 4, nullptr));
+  py::object requests = attr(bound, o.requests), counts_device = attr(bound, o.counts_device);
+  PyObject* argv[5] = {requests.ptr(), x, counts.ptr(), counts_device.ptr(), out};
+  return steal(PyObject_Vectorcall(o.round_bound, argv, 5, nullptr));
 }
 
 // bound(x): BoundRounder.__call__.
@@ -203,6 +203,7 @@ inline void def_emulate(py::module_& mod) {
     o.backward_hooks = intern("_backward_hooks");
     o.register_hook_dict = intern("_register_hook_dict");
     o.counts_slot = intern("_counts");
+    o.counts_device = intern("_counts_device");
     o.requests = intern("_requests");
     o.round_in_place = intern("round_in_place");
     o.counts = intern("counts");

@@ -8,15 +8,33 @@
 #include "def_extra_bits.hpp"
 #include "def_quantize.hpp"
 #include "def_scaled.hpp"
+#include "device_rounding.hpp"
 #include "extra_bits_cuda.hpp"
 #include "quantize_cuda.hpp"
 #include "s2fp8_cuda.hpp"
 #include "scaled_cuda.hpp"
 
+namespace {
+
+// lowfp::DeviceRounding's prepared_call: this module's PreparedQuantize (a module_local class).
+bool prepared_call(PyObject* request, lowfp::QuantizeCall* call) {
+  const pybind11::handle h(request);
+  if (!pybind11::isinstance<lowfp::PreparedQuantize>(h)) return false;
+  *call = h.cast<const lowfp::PreparedQuantize&>().call;
+  return true;
+}
+
+const lowfp::DeviceRounding kRounding{&prepared_call, &lowfp::quantize_cuda};
+
+}  // namespace
+
 PYBIND11_MODULE(_C_cuda, mod) {
   mod.doc() = "lowfp CUDA core (raw-buffer interface; use the lowfp package)";
   lowfp::def_contract(mod);
   lowfp::def_quantize(mod, &lowfp::quantize_cuda);
+  // the element rounding that lowfp._C's one-call paths run on CUDA tensors (device_rounding.hpp)
+  mod.attr("ROUNDING_KERNELS") =
+      pybind11::capsule(static_cast<const void*>(&kRounding), lowfp::kDeviceRoundingCapsule);
   lowfp::def_s2fp8(mod, &lowfp::s2fp8_cuda);
   lowfp::def_scaled<lowfp::NoForms>(
       mod, [](const lowfp::ScaledRequest&, const lowfp::ScaledCall&) { return lowfp::NoForms{}; },

@@ -295,7 +295,7 @@ def quantize(x: Tensorish, fmt: Union[Format, str], rounding: str = "nearest", *
     """
     if not _is_compiling():  # see _EAGER (whose keys a tracing Dynamo may not hash)
         # a remembered call: rounded in C where it takes it (a plain format on a contiguous CPU
-        # x: _round_remembered's checks and call), else its table entry for the Python path
+        # or CUDA x: _round_remembered's checks and call), else its table entry for the Python path
         found = _quantize_remembered(_EAGER, x, fmt, rounding, overflow, subnormals, seed, generator,
                                      offset, sr_bits, stats, out, out_dtype, grad_fmt)
         if found is not None:
@@ -492,12 +492,14 @@ class Rounder:
         return f"Rounder({self.precision}, {self.rounding!r}, overflow={self.overflow!r})"
 
 
-# BoundRounder's native call (cpp/bindings/def_bound_round.hpp): a plain contiguous CPU tensor
-# that backends.ready_on_cpu passes, rounded by its dtype's prepared request into a tensor that
-# new_output would make (torch.empty_like below its huge-page size).
+# BoundRounder's native call (cpp/bindings/def_bound_round.hpp): a plain contiguous tensor on its
+# prepared request's backend (a CPU tensor that backends.ready_on_cpu passes, or a CUDA tensor),
+# rounded by its dtype's request into a tensor that new_output would make (torch.empty_like below
+# its huge-page size).
 # quantize's remembered call of a plain format, the same checks and call in C where they take it
-# (runs_natively's, PreparedFormat.round's on a contiguous CPU x, a Stats on the CPU); a stochastic
-# request draws its seed as draw_seed_eager does, from the thread's draw_buffer.
+# (runs_natively's, PreparedFormat.round's on a contiguous x, a Stats on x's device); a stochastic
+# request draws its seed as draw_seed_eager does, from the thread's draw_buffer. CUDA tensors run
+# lowfp._C_cuda's kernel (handed over as ROUNDING_KERNELS) on torch's current stream.
 _C.round_bound_setup(
     tensor=torch.Tensor, parameter=torch.nn.Parameter, stats_type=Stats, backends=backends,
     get_num_threads=torch.get_num_threads, strided=torch.strided, empty_like=torch.empty_like,
@@ -506,7 +508,9 @@ _C.round_bound_setup(
     unobserved=(torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack,
                 torch._C._are_functorch_transforms_active),
     generator_type=torch.Generator, cpu_device=torch.device("cpu"), prepared_format=PreparedFormat,
-    writable_in_one_call=_writable_in_one_call, remembered_apply=_remembered_apply)
+    writable_in_one_call=_writable_in_one_call, remembered_apply=_remembered_apply,
+    cuda_kernels=None if backends._C_cuda is None else backends._C_cuda.ROUNDING_KERNELS,
+    cuda_raw_stream=backends._cuda_raw_stream)
 _round_bound = _C.round_bound
 _round_remembered_in_c = _C.round_remembered
 _quantize_remembered = _C.quantize_remembered
@@ -517,32 +521,40 @@ class BoundRounder:
     hook; an emulated tensor's rounding), and ``round_in_place(x)``.
 
     The emulation makes one per tensor and direction, so what a call of the rounder checks each
-    time is known here once: a contiguous CPU tensor or Parameter of a dtype that the rounder
-    has rounded with a plain format (its prepared request learned then) takes one native call,
-    with the counts' address taken at construction (stochastic rounding draws its seed there, as
-    the rounder's own call would). Any other call is the rounder's own (CUDA tensors, other
-    layouts, tensor subclasses)."""
+    time is known here once: a contiguous tensor or Parameter of a dtype that the rounder has
+    rounded with a plain format (its prepared request learned then), on the device of the counts
+    (any CPU or CUDA device without stats), takes one native call, with the counts' address taken
+    at construction (stochastic rounding draws its seed there, as the rounder's own call would).
+    Any other call is the rounder's own (other layouts, devices, tensor subclasses)."""
 
-    __slots__ = ("rounder", "stats", "_counts", "_requests")
+    __slots__ = ("rounder", "stats", "_counts", "_counts_device", "_requests")
 
     def __init__(self, rounder: Rounder, stats: Optional[Stats] = None):
         self.rounder, self.stats = rounder, stats
-        # the counts' address for the CPU kernel (None: counts it cannot add to directly)
-        self._counts = (0 if stats is None else stats.counts.data_ptr()
-                        if type(stats) is Stats and stats.counts.is_cpu else None)
-        self._requests: Dict[torch.dtype, object] = {}  # dtype -> the prepared CPU request
+        # the counts' address and device (-1: the CPU, else a CUDA device's index) for the kernels;
+        # 0 and -1 without stats; None for counts they cannot add to directly
+        counts = None if stats is None else stats.counts
+        self._counts = (0 if counts is None else counts.data_ptr()
+                        if type(stats) is Stats and (counts.is_cpu or counts.is_cuda) else None)
+        self._counts_device = -1 if counts is None else counts.get_device()
+        # dtype -> the prepared request (of lowfp._C or lowfp._C_cuda) that one native call runs
+        self._requests: Dict[torch.dtype, object] = {}
 
     def _learn(self, x: torch.Tensor) -> None:
-        """Remember the rounder's prepared CPU request for x's dtype, once it has one."""
+        """Remember the rounder's prepared request for x's dtype and backend, once it has one: on
+        the counts' backend, or without stats the first backend seen."""
         if self._counts is None or torch.compiler.is_compiling() or x.dtype in self._requests:
             return
-        prepared = self.rounder._requests.get((x.dtype, False))
+        if self.stats is not None and x.is_cuda != (self._counts_device >= 0):
+            return
+        prepared = self.rounder._requests.get((x.dtype, x.is_cuda))
         if type(prepared) is PreparedFormat and prepared.dtype is x.dtype:
             self._requests[x.dtype] = prepared.request
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # (lowfp._C.round_bound: the native call where it takes x, else None)
-        y = None if self._counts is None else _round_bound(self._requests, x, self._counts, None)
+        y = (None if self._counts is None
+             else _round_bound(self._requests, x, self._counts, self._counts_device, None))
         if y is None:
             y = self.rounder(x, self.stats)
             self._learn(x)
@@ -550,7 +562,8 @@ class BoundRounder:
 
     def round_in_place(self, x: torch.Tensor) -> bool:
         """``rounder.round_in_place(x, stats)``."""
-        if self._counts is not None and _round_bound(self._requests, x, self._counts, x) is not None:
+        if (self._counts is not None
+                and _round_bound(self._requests, x, self._counts, self._counts_device, x) is not None):
             return True
         done = self.rounder.round_in_place(x, self.stats)
         if done:
