@@ -15,7 +15,9 @@
 #   bash bench/run_gpu.sh [build] [test] [kernels] [optim] [emulate] [fused] [emulate-compile] [all-tests] [profile]
 # Before a GPU session, .ci/device-torch runs the suite on the device's Python and torch on a CPU
 # machine, and .ci/triton-interpreter runs the Triton code of lowfp's fused roundings under Triton's
-# interpreter, both at no device time.
+# interpreter, both at no device time; bench/prebuild_gpu.sh builds the wheel that the build step
+# then installs in seconds (carry .whl-lowfp too), where it was built from the working tree's
+# sources (bench/gpu_parts.py sources) for this GPU's architecture.
 # The default, build test kernels optim emulate fused, runs the most wanted first: the tests at most
 # LOWFP_GPU_TEST_SECONDS (default 180), so that the benchmarks follow. A step starts only while
 # the time it needs is left before the deadline (LOWFP_GPU_DEADLINE seconds from the start,
@@ -32,6 +34,7 @@ TEST_SECONDS=${LOWFP_GPU_TEST_SECONDS:-180}
 steps=${*:-build test kernels optim emulate fused}
 
 WHEELS=${LOWFP_GPU_WHEELS:-.whl}
+PREBUILT=${LOWFP_GPU_PREBUILT:-.whl-lowfp}  # bench/prebuild_gpu.sh's wheel and its sources' digest
 if compgen -G "$WHEELS/*.whl" >/dev/null; then  # torchao and the tests' other packages the image lacks
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/lowfp-site "$WHEELS"/*.whl && export PYTHONPATH=/tmp/lowfp-site${PYTHONPATH:+:$PYTHONPATH}
@@ -74,8 +77,22 @@ for step in $steps; do
       nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/suite.log"
       # One architecture, the GPU's own: a full build also embeds sm_80 and PTX.
       arch=$($PY -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'{a}{b}')")
+      wheel=$(compgen -G "$PREBUILT/lowfp-*.whl" | head -1)
+      built=""
+      if [ -n "$wheel" ] && [ "$arch" = 90 ] &&
+        [ "$(cat "$PREBUILT/sources.sha256" 2>/dev/null)" = "$($PY bench/gpu_parts.py sources)" ]; then
+        run suite prebuilt $PY -m pip install --no-index --no-deps --force-reinstall -q "$wheel"
+        if $PY -c "import lowfp; assert lowfp.cuda_built()" 2>/dev/null; then
+          built=1
+        else
+          echo "-- prebuilt: $wheel did not import with CUDA; building" | tee -a "$OUT/suite.log"
+        fi
+      elif [ -n "$wheel" ]; then
+        echo "-- prebuilt: $wheel not taken (built from other sources, or the GPU is sm_$arch); building" |
+          tee -a "$OUT/suite.log"
+      fi
       export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
-      run suite build $PY -m pip install --no-build-isolation \
+      [ -n "$built" ] || run suite build $PY -m pip install --no-build-isolation \
         --no-deps -q -Ccmake.define.LOWFP_CUDA=ON -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="${arch}-real" .
       run suite check $PY -c "import lowfp; assert lowfp.cuda_built(); print('lowfp', lowfp.__file__, 'CUDA built')"
       $PY -c "import lowfp; assert lowfp.cuda_built()" 2>/dev/null || exit 1 ;;

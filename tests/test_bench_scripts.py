@@ -21,10 +21,12 @@ from lowfp.experiments import bench  # noqa: E402
 PARTS = ("suite", "kernels", "optim", "emulate")
 
 
-# Stands in for python3 in the GPU script: bench/gpu_parts.py runs for real; a benchmark prints
-# its arguments, writes {"by": "stub"} where --json names a file, and exits with status 3.
+# Stands in for python3 in the GPU script: bench/gpu_parts.py runs for real, the GPU's compute
+# capability is 9.0; a benchmark prints its arguments, writes {"by": "stub"} where --json names a
+# file, and exits with status 3.
 STUB_PYTHON = """#!/usr/bin/env bash
 if [ "$1" = bench/gpu_parts.py ]; then exec "%s" "$@"; fi
+case "$*" in *get_device_capability*) echo 90; exit 0;; esac
 echo "benchmark $*"
 while [ $# -gt 0 ]; do
   if [ "$1" = --json ]; then echo '{"by": "stub"}' > "$2"; fi
@@ -34,12 +36,13 @@ exit 3
 """
 
 
-def run_gpu_script(tmp_path, *steps, deadline=None):
+def run_gpu_script(tmp_path, *steps, deadline=None, prebuilt=None):
     stub = tmp_path / "python"
     stub.write_text(STUB_PYTHON % sys.executable)
     stub.chmod(0o755)
     env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=str(stub),
-               LOWFP_GPU_WHEELS=str(tmp_path / "no-wheels"))
+               LOWFP_GPU_WHEELS=str(tmp_path / "no-wheels"),
+               LOWFP_GPU_PREBUILT=str(prebuilt or tmp_path / "no-prebuilt"))
     if deadline is not None:
         env["LOWFP_GPU_DEADLINE"] = str(deadline)
     r = subprocess.run(["bash", "bench/run_gpu.sh", *steps], cwd=ROOT, env=env,
@@ -75,6 +78,45 @@ def test_the_gpu_script_skips_what_the_deadline_leaves_no_time_for(tmp_path):
     assert "kernels: skipped" in (out / "kernels.log").read_text()  # it needs 60 s
     assert "optim: started" in (out / "optim.log").read_text()  # it needs 30
     assert json.loads((out / "optim.json").read_text()) == {"optim": {"by": "stub"}}
+
+
+def test_the_gpu_script_installs_the_prebuilt_wheel_of_the_same_sources_else_builds(tmp_path):
+    """The build step installs bench/prebuild_gpu.sh's wheel where its digest is the working
+    tree's (bench/gpu_parts.py sources) and the GPU is sm_90; where the wheel does not import with
+    CUDA (here: the stub's import fails), or was built from other sources, it builds."""
+    prebuilt = tmp_path / "prebuilt"
+    prebuilt.mkdir()
+    wheel = prebuilt / "lowfp-0.1.0-cp312-cp312-linux_x86_64.whl"
+    wheel.write_bytes(b"")
+    for digest, taken in ((gpu_parts.sources(str(ROOT)), True), ("0" * 64, False)):
+        (prebuilt / "sources.sha256").write_text(digest + "\n")
+        (tmp_path / digest[:4]).mkdir()
+        r, out = run_gpu_script(tmp_path / digest[:4], "build", prebuilt=prebuilt)
+        log = (out / "suite.log").read_text()
+        assert r.returncode == 1, r.stdout + r.stderr  # (the stub's lowfp does not import)
+        assert (f"benchmark -m pip install --no-index --no-deps --force-reinstall -q {wheel}" in log) == taken, log
+        assert ("did not import with CUDA; building" in log) == taken
+        assert ("not taken (built from other sources" in log) == (not taken)
+        assert "benchmark -m pip install --no-build-isolation" in log  # (built after all)
+
+
+def test_build_inputs_digest_follows_every_source_file_and_no_cache(tmp_path):
+    """gpu_parts.sources: a change to any build input (its bytes or its name) changes the digest;
+    caches and build outputs do not."""
+    for name in ("CMakeLists.txt", "pyproject.toml", "cpp/a.hpp", "python/lowfp/b.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    first = gpu_parts.sources(str(tmp_path))
+    (tmp_path / "python/lowfp/__pycache__").mkdir()
+    (tmp_path / "python/lowfp/__pycache__/b.cpython-312.pyc").write_text("cache")
+    (tmp_path / "python/lowfp/_C.so").write_text("built")
+    (tmp_path / "README.md").write_text("not read by the build")
+    assert gpu_parts.sources(str(tmp_path)) == first
+    (tmp_path / "cpp/a.hpp").write_text("changed")
+    second = gpu_parts.sources(str(tmp_path))
+    assert second != first
+    (tmp_path / "cpp/a.hpp").rename(tmp_path / "cpp/c.hpp")
+    assert gpu_parts.sources(str(tmp_path)) not in (first, second)
 
 
 def test_gpu_parts_merges_benchmarks_and_reads_pytests_report(tmp_path):
