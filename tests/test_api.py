@@ -754,8 +754,9 @@ def _cold_remembered_and_operator(call, taken: list) -> list:
 
 def test_repeated_scaled_calls_take_the_remembered_request_with_the_same_bits(monkeypatch):
     """A scaled-format call whose arguments passed every check once is one prepared kernel call
-    the next time: the bits, block counts and generator draws of the operator, for every kind of
-    block; layouts and stats it does not cover take the full path."""
+    the next time (in C for blocks along the last axis, lowfp._C.round_scaled; in
+    PreparedScaled.round for others): the bits, block counts and generator draws of the operator,
+    for every kind of block; layouts and stats it does not cover take the full path."""
     from lowfp.scaled import Scaled, ScaledStats
     taken = _spy_remembered(monkeypatch)
     x = torch.randn(6, 64) * torch.logspace(-3, 3, 64)
@@ -776,6 +777,9 @@ def test_repeated_scaled_calls_take_the_remembered_request_with_the_same_bits(mo
             got = _cold_remembered_and_operator(call, taken)
             ((y0, o0, c0), r0, n0), ((y1, o1, c1), r1, n1), ((y2, o2, c2), r2, n2) = got
             assert (len(n0), len(n1), len(n2)) == (0, 2, 0), (fmt, kwargs)
+            scaled = lowfp.scaled.to_scaled(fmt)
+            last_axis = scaled.axis == -1 and not isinstance(scaled.block, tuple)
+            assert n1 == ("_quantize_remembered" if last_axis else "_round_remembered",) * 2, (fmt, n1)
             if kwargs.get("rounding") != "stochastic":  # (two draws otherwise)
                 assert torch.equal(o0.view(torch.int16), y0.view(torch.int16)), (fmt, kwargs)
             for y, o, c, r in ((y1, o1, c1, r1), (y2, o2, c2, r2)):
@@ -820,7 +824,7 @@ def test_repeated_scaled_calls_take_the_remembered_request_with_the_same_bits(mo
             lowfp.quantize(torch.empty(0, 32), "mxfp4_e2m1", "stochastic")
         return torch.rand(1)
     assert torch.equal(draw_after(contextlib.nullcontext()), draw_after(_SeesOperators()))
-    assert len(taken) == 2
+    assert taken == ["_quantize_remembered"] * 2
 
 
 def test_repeated_eager_calls_take_the_remembered_plan_with_the_same_bits_and_checks(monkeypatch):
@@ -1041,6 +1045,47 @@ def test_the_c_shortcut_hands_back_every_call_it_does_not_take(monkeypatch):
     assert module._eager_key("fp(4,3,4)", "stochastic", None, None, 32, x, None, None) == key
     assert module._eager_key("fp(4,3,4)", "stochastic", None, None, True, x, None, None) != \
         module._eager_key("fp(4,3,4)", "stochastic", None, None, 1, x, None, None)
+
+
+def test_the_scaled_c_call_hands_back_every_call_it_does_not_take():
+    """lowfp._C.round_scaled (PreparedScaled.round's blocks along the last axis, in C) answers
+    None, drawing and writing nothing, for another entry or blocks along another axis, a tensor
+    subclass, a layout, a 0-d x, counts on another device, a seed or offset out of range, a seed
+    with a generator, another generator type; else the operator's bits, counts and draws."""
+    from lowfp import _C
+    from lowfp.scaled import Scaled, ScaledStats
+    from lowfp.scaled.quantize import PreparedScaled
+    x = torch.randn(4, 64) * 100
+    entry = PreparedScaled(lowfp.scaled.to_scaled("mxfp4_e2m1"), "stochastic", None, 32, x)
+    rows = PreparedScaled(Scaled("fp(4,3,4)", block=4, axis=0), "nearest", None, 32, x)
+
+    class Sub(torch.Tensor):
+        pass
+
+    def call(entry=entry, x=x, counts=None, seed=None, generator=None, offset=0, out=None):
+        return _C.round_scaled(entry, x, counts, seed, generator, offset, out)
+
+    state = torch.get_rng_state()
+    for args in (dict(entry=rows), dict(entry=object()), dict(x=x.as_subclass(Sub)), dict(x=x.t()),
+                 dict(x=torch.tensor(1.0)), dict(x=x.to("meta")), dict(counts=lowfp.Stats("meta").counts),
+                 dict(seed=-1), dict(seed=2**64), dict(offset=-1), dict(offset=2**64),
+                 dict(seed=1, generator=torch.Generator()), dict(generator=object())):
+        assert call(**args) is None, args
+    assert torch.equal(torch.get_rng_state(), state)  # (nothing drawn)
+    stats = ScaledStats()
+    torch.manual_seed(3)
+    got = call(counts=stats.counts)
+    after = torch.rand(1)
+    want_stats = ScaledStats()
+    torch.manual_seed(3)
+    want = lowfp.scaled.quantize_scaled(x, "mxfp4_e2m1", "stochastic", stats=want_stats)
+    assert torch.equal(got, want) and torch.equal(stats.counts, want_stats.counts) and torch.equal(torch.rand(1), after)
+    out = torch.empty_like(x)
+    assert call(seed=7, offset=3, out=out) is out
+    assert torch.equal(out, lowfp.scaled.quantize_scaled(x, "mxfp4_e2m1", "stochastic", seed=7, offset=3))
+    empty = torch.empty(0, 64)
+    torch.manual_seed(3)
+    assert call(x=empty).shape == (0, 64) and torch.equal(torch.rand(1), after)  # (drawn, as the operator draws)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -1269,12 +1314,14 @@ def test_native_calls_take_torchs_current_stream_and_device():
 
 @on_cuda
 def test_remembered_calls_on_gpu_are_one_c_call_on_torchs_current_stream(monkeypatch):
-    """A remembered call on a CUDA tensor, and a BoundRounder's call, is one C call of
-    lowfp._C_cuda's kernel, enqueued on torch's current stream (here a side stream whose producer
-    of x is still sleeping when the call is made): the CPU's bits, counts and generator draws,
-    nearest and stochastic, with out= and stats on the device. What C hands back (stats on the
-    CPU, a transposed x) takes the Python path, with the same bits."""
+    """A remembered call on a CUDA tensor (a plain format, or a scaled one with blocks along the
+    last axis), and a BoundRounder's call, is one C call of lowfp._C_cuda's kernel, enqueued on
+    torch's current stream (here a side stream whose producer of x is still sleeping when the call
+    is made): the CPU's bits, counts and generator draws, nearest and stochastic, with out= and
+    stats on the device. What C hands back (stats on the CPU, a transposed x) takes the Python
+    path, with the same bits."""
     from lowfp.quantize import BoundRounder, Rounder
+    from lowfp.scaled import ScaledStats
     taken = _spy_remembered(monkeypatch)
     x_cpu = torch.randn(64, 300) * 30
     x_cpu[0, :3] = torch.tensor([float("nan"), 1e9, 1e-9])
@@ -1286,31 +1333,35 @@ def test_remembered_calls_on_gpu_are_one_c_call_on_torchs_current_stream(monkeyp
         torch.cuda._sleep(50_000_000)
         return x_gpu * 1
 
-    cases = [dict(), dict(rounding="stochastic"), dict(rounding="stochastic", seed=5, offset=3),
-             dict(rounding="stochastic", generator=torch.Generator().manual_seed(4)), dict(out_dtype=torch.float64)]
-    for kwargs in cases:
+    cases = [("fp(4,3,4)", dict()), ("fp(4,3,4)", dict(rounding="stochastic")),
+             ("fp(4,3,4)", dict(rounding="stochastic", seed=5, offset=3)),
+             ("fp(4,3,4)", dict(rounding="stochastic", generator=torch.Generator().manual_seed(4))),
+             ("fp(4,3,4)", dict(out_dtype=torch.float64)), ("mxfp8_e4m3", dict()),
+             ("nvfp4", dict(rounding="stochastic"))]
+    for fmt, kwargs in cases:
         with_out = "out_dtype" not in kwargs
+        stats_type = lowfp.Stats if fmt == "fp(4,3,4)" else ScaledStats
 
         def call(device, stats):
             kw = {k: (v.clone_state() if isinstance(v, torch.Generator) else v) for k, v in kwargs.items()}
             torch.manual_seed(1)
             with torch.cuda.stream(side):
                 x = produced_late() if device == "cuda" else x_cpu
-                y = lowfp.quantize(x, "fp(4,3,4)", stats=stats, **kw)
+                y = lowfp.quantize(x, fmt, stats=stats, **kw)
                 out = torch.empty_like(y)
                 if with_out:
-                    lowfp.quantize(x, "fp(4,3,4)", stats=stats, out=out, **kw)
+                    lowfp.quantize(x, fmt, stats=stats, out=out, **kw)
             side.synchronize()
             return y, out if with_out else y, torch.rand(1)
-        want_stats = lowfp.Stats()
+        want_stats = stats_type()
         want = call("cpu", want_stats)
         for remembered in (False, True):
-            stats = lowfp.Stats("cuda")
+            stats = stats_type("cuda")
             taken.clear()
             got = call("cuda", stats)
             assert taken == ["_quantize_remembered"] * (1 + with_out) * remembered, (kwargs, taken)
             assert same_bits(got[0], want[0]) and same_bits(got[1], want[1]) and torch.equal(got[2], want[2])
-            assert stats.as_dict() == want_stats.as_dict(), kwargs
+            assert torch.equal(stats.counts.cpu(), want_stats.counts), (fmt, kwargs)
     taken.clear()
     with torch.cuda.stream(side):
         y = lowfp.quantize(produced_late(), "fp(4,3,4)", stats=lowfp.Stats())  # (stats on the CPU)

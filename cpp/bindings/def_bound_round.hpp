@@ -29,8 +29,12 @@
 // small CPU x, else in lowfp's autograd Function, quantize._remembered_apply); else the table's
 // entry, which the Python path runs.
 //
-// CUDA tensors run lowfp._C_cuda's kernel (device_rounding.hpp) on torch's current stream of
-// their device, as backends.native finds it, and nothing waits for it.
+// lowfp._C.round_scaled(entry, x, counts, seed, generator, offset, out): a scaled format's
+// prepared rounding (lowfp.scaled.quantize.PreparedScaled.round) in C where its blocks lie along
+// the last axis; quantize_remembered runs a remembered scaled call by it too.
+//
+// CUDA tensors run lowfp._C_cuda's kernels (rounding_kernels.hpp) on torch's current stream of
+// their device, as backends.native finds it, and nothing waits for them.
 //
 // A stochastic request draws its seed as lowfp._native.draw_seed_eager does, from the calling
 // thread's buffer (the same words and generator advance), unless the call gives `seed`.
@@ -41,9 +45,11 @@
 #include <Python.h>
 #include <pybind11/pybind11.h>
 
+#include <vector>
+
 #include "def_intercept.hpp"
 #include "def_quantize.hpp"
-#include "device_rounding.hpp"
+#include "rounding_kernels.hpp"
 
 namespace lowfp::bound_round {
 
@@ -76,12 +82,16 @@ struct Objects {
   PyObject* writable_in_one_call = nullptr;  // lowfp.quantize._writable_in_one_call(x, out)
   PyObject* generator_keyword = nullptr;     // ("generator",): random_'s keyword
   PyObject* remembered_apply = nullptr;      // lowfp.quantize._remembered_apply
-  // lowfp._C_cuda's rounding (nullptr: no CUDA build) and torch's raw accessor of a CUDA device's
-  // current stream, torch._C._cuda_getCurrentRawStream (nullptr: a torch without CUDA)
-  const DeviceRounding* cuda = nullptr;
+  PyObject* prepared_scaled = nullptr;       // lowfp.scaled.quantize.PreparedScaled
+  PyObject* scaled_stats_type = nullptr;     // lowfp.scaled.ScaledStats
+  PyObject* device_scratch = nullptr;        // (x, n) -> a new float64 tensor of n elements on x's device
+  // lowfp._C's kernels, lowfp._C_cuda's (nullptr: no CUDA build) and torch's raw accessor of a
+  // CUDA device's current stream, torch._C._cuda_getCurrentRawStream (nullptr: a torch without CUDA)
+  const RoundingKernels* cpu = nullptr;
+  const RoundingKernels* cuda = nullptr;
   PyObject* cuda_raw_stream = nullptr;
   PyObject *dtype, *is_contiguous, *data_ptr, *numel, *element_size, *is_cpu, *is_cuda, *is_nested, *layout,
-      *torch_threads, *requires_grad, *counts, *request, *device, *clone, *get_device;
+      *torch_threads, *requires_grad, *counts, *request, *device, *clone, *get_device, *shape, *last_axis_block, *stochastic;
 };
 
 inline Objects& objects() {
@@ -142,19 +152,21 @@ struct Placement {
 // the caller: placed) into out (None: a new tensor of dtype, as _memory.new_output makes it),
 // adding counts at count_at (0: none), keyed by *seed (nullptr: drawn here from `generator` when
 // the call is stochastic).
-template <class Run>
-py::object run_prepared(QuantizeCall call, const Placement& at, PyObject* x, int64_t n, PyObject* x_dtype,
-                        PyObject* dtype, int64_t count_at, PyObject* out, const uint64_t* seed, PyObject* generator,
-                        uint64_t offset, Run& run) {
+// out, or where None, a new tensor of x's shape (n elements) and layout and of `dtype`, as
+// _memory.new_output makes it.
+inline py::object result_for(PyObject* x, int64_t n, PyObject* x_dtype, PyObject* dtype, PyObject* out) {
   const Objects& o = objects();
-  py::object y;
-  if (out != Py_None) {
-    y = py::reinterpret_borrow<py::object>(out);
-  } else if (dtype == x_dtype && n * as_int(steal(PyObject_CallMethodNoArgs(x, o.element_size))) < o.min_bytes) {
-    y = steal(PyObject_CallOneArg(o.empty_like, x));
-  } else {
-    y = steal(PyObject_CallFunctionObjArgs(o.new_output, x, dtype, o.preserve_format, nullptr));
-  }
+  if (out != Py_None) return py::reinterpret_borrow<py::object>(out);
+  if (dtype == x_dtype && n * as_int(steal(PyObject_CallMethodNoArgs(x, o.element_size))) < o.min_bytes)
+    return steal(PyObject_CallOneArg(o.empty_like, x));
+  return steal(PyObject_CallFunctionObjArgs(o.new_output, x, dtype, o.preserve_format, nullptr));
+}
+
+inline py::object run_prepared(QuantizeCall call, const Placement& at, PyObject* x, int64_t n, PyObject* x_dtype,
+                               PyObject* dtype, int64_t count_at, PyObject* out, const uint64_t* seed,
+                               PyObject* generator, uint64_t offset) {
+  const Objects& o = objects();
+  py::object y = result_for(x, n, x_dtype, dtype, out);
   const bool stochastic = call.mode == Rounding::Stochastic;
   call.seed = !stochastic ? 0 : seed != nullptr ? *seed : draw_seed(generator);
   call.offset = offset;
@@ -164,25 +176,19 @@ py::object run_prepared(QuantizeCall call, const Placement& at, PyObject* x, int
   call.count = count_at != 0;
   {
     py::gil_scoped_release release;
-    if (at.cuda)
-      o.cuda->run(call, reinterpret_cast<int64_t*>(count_at), at.device, at.stream);
-    else
-      run(call, reinterpret_cast<int64_t*>(count_at));
+    (at.cuda ? o.cuda : o.cpu)->run(call, reinterpret_cast<int64_t*>(count_at), at.device, at.stream);
   }
   return y;
 }
 
-// The QuantizeCall of request, a PreparedQuantize of this module (*on_cuda false) or of
+// The QuantizeCall of request, a PreparedQuantize of lowfp._C (*on_cuda false) or of
 // lowfp._C_cuda (*on_cuda true); false for anything else.
 inline bool prepared_call(PyObject* request, QuantizeCall& call, bool& on_cuda) {
-  const py::handle h(request);
-  on_cuda = !py::isinstance<PreparedQuantize>(h);
-  if (!on_cuda) {
-    call = h.cast<const PreparedQuantize&>().call;
-    return true;
-  }
-  const DeviceRounding* cuda = objects().cuda;
-  return cuda != nullptr && cuda->prepared_call(request, &call);
+  const Objects& o = objects();
+  on_cuda = false;
+  if (o.cpu->prepared_call(request, &call)) return true;
+  on_cuda = true;
+  return o.cuda != nullptr && o.cuda->prepared_call(request, &call);
 }
 
 inline bool plain_tensor(PyObject* x) {
@@ -220,9 +226,7 @@ inline bool counts_at(PyObject* counts, const Placement& at) {
          as_int(steal(PyObject_CallMethodNoArgs(counts, o.get_device))) == at.device;
 }
 
-template <class Run>
-py::object round_bound(PyObject* requests, PyObject* x, PyObject* counts, PyObject* counts_device, PyObject* out,
-                       Run& run) {
+inline py::object round_bound(PyObject* requests, PyObject* x, PyObject* counts, PyObject* counts_device, PyObject* out) {
   const Objects& o = objects();
   if (o.tensor == nullptr) throw std::runtime_error("lowfp._C.round_bound_setup was not called");
   if (!PyDict_Check(requests)) {
@@ -244,7 +248,7 @@ py::object round_bound(PyObject* requests, PyObject* x, PyObject* counts, PyObje
   const int64_t count_at = as_int(py::reinterpret_borrow<py::object>(counts));
   if (count_at != 0 && as_int(py::reinterpret_borrow<py::object>(counts_device)) != at.device)
     return py::none();  // (counts on another device than x: the rounder's own call decides)
-  return run_prepared(call, at, x, numel_of(x), dtype.ptr(), dtype.ptr(), count_at, out, nullptr, Py_None, 0, run);
+  return run_prepared(call, at, x, numel_of(x), dtype.ptr(), dtype.ptr(), count_at, out, nullptr, Py_None, 0);
 }
 
 // Whether a call of no arguments answers false (or 0).
@@ -289,67 +293,83 @@ inline bool cpu_generator(PyObject* generator) {
   return true;
 }
 
-// A remembered call's arguments past x, checked as the Python path's remembered calls check them.
+// A remembered call's arguments, checked as the Python path's remembered calls check them.
 struct RememberedArgs {
-  QuantizeCall call;
   Placement at;
   bool recorded = false;  // x requires grad and grad mode is on: lowfp's autograd Function records it
   py::object counts;      // stats.counts (None: no stats)
   int64_t count_at = 0;   // its address (0: none)
+  int64_t counts_size = 0;  // its elements: 4 (a Stats), 6 (a ScaledStats)
   bool has_seed = false;  // seed= given (else drawn from the generator, where stochastic)
   uint64_t seed = 0, offset = 0;  // (offset: checked by the caller)
 };
 
-// Whether x, a plain contiguous tensor on request's backend (placed), and the rest of a call of
-// request take the C path: nothing that must see lowfp's operator (a mode or functorch transform;
-// autograd sets a.recorded: records_natively rather than runs_natively), stats None or a Stats
-// whose counts live on x's device, and
-// the seed as remembered_seed (lowfp._native) takes it: seed= alone, or drawn from a CPU
-// generator (None: torch's default). The offset is the caller's, already in [0, 2^64).
-inline bool remembered_args(PyObject* request, PyObject* x, PyObject* stats, PyObject* seed_arg, PyObject* generator,
-                            uint64_t offset, RememberedArgs& a) {
+// Whether x and the rest of a call of a request on the CPU (on_cuda false) or lowfp._C_cuda, a
+// stochastic one or not, take the C path: x a plain contiguous tensor on the request's backend
+// (placed), nothing that must see lowfp's operator (a mode or functorch transform; autograd sets
+// a.recorded: records_natively rather than runs_natively), stats None or a Stats (or, for a
+// scaled request, a ScaledStats) whose counts live on x's device, and the seed as
+// remembered_seed (lowfp._native) takes it: seed= alone, or drawn from a CPU generator (None:
+// torch's default). The offset is the caller's, already in [0, 2^64).
+inline bool remembered_args(PyObject* x, bool on_cuda, bool stochastic, bool scaled, PyObject* stats,
+                            PyObject* seed_arg, PyObject* generator, uint64_t offset, RememberedArgs& a) {
   const Objects& o = objects();
-  if (o.tensor == nullptr) throw std::runtime_error("lowfp._C.round_bound_setup was not called");
-  bool on_cuda = false;
-  if (!plain_tensor(x) || !prepared_call(request, a.call, on_cuda)) return false;
+  if (!plain_tensor(x)) return false;
   a.recorded = attr(x, o.requires_grad).ptr() == Py_True && !answers_no(o.is_grad_enabled);
   for (PyObject* fn : o.unobserved)
     if (!answers_no(fn)) return false;
   if (!placed(x, on_cuda, a.at)) return false;
   a.counts = py::none();
   if (stats != Py_None) {
-    if (Py_TYPE(stats) != reinterpret_cast<PyTypeObject*>(o.stats_type)) return false;
+    if (Py_TYPE(stats) != reinterpret_cast<PyTypeObject*>(o.stats_type) &&
+        !(scaled && Py_TYPE(stats) == reinterpret_cast<PyTypeObject*>(o.scaled_stats_type)))
+      return false;
     a.counts = attr(stats, o.counts);
     if (!counts_at(a.counts.ptr(), a.at)) return false;
     a.count_at = as_int(steal(PyObject_CallMethodNoArgs(a.counts.ptr(), o.data_ptr)));
+    a.counts_size = numel_of(a.counts.ptr());
   }
   a.has_seed = seed_arg != Py_None;
   if (a.has_seed && (generator != Py_None || !as_uint64(seed_arg, a.seed))) return false;
   if (generator != Py_None && (Py_TYPE(generator) != reinterpret_cast<PyTypeObject*>(o.generator_type) ||
-                               (a.call.mode == Rounding::Stochastic && !cpu_generator(generator))))
+                               (stochastic && !cpu_generator(generator))))
     return false;
   a.offset = offset;
   return true;
 }
 
-// The checked call (not recorded) run into out (None: a new tensor of dtype).
-template <class Run>
-py::object run_remembered(const RememberedArgs& a, PyObject* dtype, PyObject* x, PyObject* generator, PyObject* out,
-                          Run& run) {
-  py::object x_dtype = attr(x, objects().dtype);
-  return run_prepared(a.call, a.at, x, numel_of(x), x_dtype.ptr(), dtype, a.count_at, out,
-                      a.has_seed ? &a.seed : nullptr, generator, a.offset, run);
+// A plain format's request and its call, checked with a call's arguments (remembered_args).
+struct RememberedFormat {
+  QuantizeCall call;
+  RememberedArgs args;
+};
+
+inline bool remembered_format(PyObject* request, PyObject* x, PyObject* stats, PyObject* seed_arg, PyObject* generator,
+                              uint64_t offset, RememberedFormat& r) {
+  if (objects().tensor == nullptr) throw std::runtime_error("lowfp._C.round_bound_setup was not called");
+  bool on_cuda = false;
+  return prepared_call(request, r.call, on_cuda) &&
+         remembered_args(x, on_cuda, r.call.mode == Rounding::Stochastic, false, stats, seed_arg, generator, offset,
+                         r.args);
 }
 
-template <class Run>
-py::object round_remembered(PyObject* request, PyObject* dtype, PyObject* x, PyObject* stats, PyObject* seed_arg,
-                            PyObject* generator, PyObject* offset_arg, PyObject* out, Run& run) {
-  RememberedArgs a;
+// The checked call (not recorded) run into out (None: a new tensor of dtype).
+inline py::object run_remembered(const RememberedFormat& r, PyObject* dtype, PyObject* x, PyObject* generator,
+                                 PyObject* out) {
+  const RememberedArgs& a = r.args;
+  py::object x_dtype = attr(x, objects().dtype);
+  return run_prepared(r.call, a.at, x, numel_of(x), x_dtype.ptr(), dtype, a.count_at, out,
+                      a.has_seed ? &a.seed : nullptr, generator, a.offset);
+}
+
+inline py::object round_remembered(PyObject* request, PyObject* dtype, PyObject* x, PyObject* stats,
+                                   PyObject* seed_arg, PyObject* generator, PyObject* offset_arg, PyObject* out) {
+  RememberedFormat r;
   uint64_t offset = 0;
-  if (!as_uint64(offset_arg, offset) || !remembered_args(request, x, stats, seed_arg, generator, offset, a) ||
-      a.recorded)
+  if (!as_uint64(offset_arg, offset) || !remembered_format(request, x, stats, seed_arg, generator, offset, r) ||
+      r.args.recorded)
     return py::none();
-  return run_remembered(a, dtype, x, generator, out, run);
+  return run_remembered(r, dtype, x, generator, out);
 }
 
 // A checked call whose result autograd records (no out=). Where the result keeps x's dtype and x
@@ -362,24 +382,125 @@ py::object round_remembered(PyObject* request, PyObject* dtype, PyObject* x, PyO
 // been weighed against the Function's: CUDA tensors take the Function.)
 constexpr int64_t kCloneRoundBytes = int64_t(1) << 16;
 
-template <class Run>
-py::object record_remembered(const RememberedArgs& a, PyObject* entry, PyObject* x, PyObject* stats,
-                             PyObject* generator, Run& run) {
+inline py::object record_remembered(const RememberedFormat& r, PyObject* entry, PyObject* x, PyObject* stats,
+                                    PyObject* generator) {
   const Objects& o = objects();
+  const RememberedArgs& a = r.args;
   py::object x_dtype = attr(x, o.dtype), dtype = attr(entry, o.dtype);
   if (x_dtype.ptr() == dtype.ptr() && !a.at.cuda) {  // (torch.dtype objects are one per dtype)
     const int64_t n = numel_of(x);
     if (n * as_int(steal(PyObject_CallMethodNoArgs(x, o.element_size))) <= kCloneRoundBytes) {
       py::object y = steal(PyObject_CallMethodNoArgs(x, o.clone));
-      return run_prepared(a.call, a.at, y.ptr(), n, dtype.ptr(), dtype.ptr(), a.count_at, y.ptr(),
-                          a.has_seed ? &a.seed : nullptr, generator, a.offset, run);
+      return run_prepared(r.call, a.at, y.ptr(), n, dtype.ptr(), dtype.ptr(), a.count_at, y.ptr(),
+                          a.has_seed ? &a.seed : nullptr, generator, a.offset);
     }
   }
-  const uint64_t seed = a.call.mode != Rounding::Stochastic ? 0 : a.has_seed ? a.seed : draw_seed(generator);
+  const uint64_t seed = r.call.mode != Rounding::Stochastic ? 0 : a.has_seed ? a.seed : draw_seed(generator);
   py::object seed_of = steal(PyLong_FromUnsignedLongLong(seed));
   py::object offset_of = steal(PyLong_FromUnsignedLongLong(a.offset));
   PyObject* args[7] = {nullptr, x, entry, stats, a.counts.ptr(), seed_of.ptr(), offset_of.ptr()};
   return steal(PyObject_Vectorcall(o.remembered_apply, args + 1, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
+}
+
+// A scaled format's prepared rounding (lowfp.scaled.quantize.PreparedScaled) whose 1-D blocks lie
+// along the last axis, as this path runs it: the request's call and forms, its backend, the blocks'
+// length (0: one block per row) and whether it is stochastic.
+struct ScaledEntry {
+  ScaledCall call;
+  const void* forms = nullptr;  // (valid while the entry lives)
+  bool on_cuda = false, stochastic = false;
+  int64_t block = 0;
+};
+
+// Whether entry is a PreparedScaled whose blocks lie along the last axis (last_axis_block not
+// None), of lowfp._C's or lowfp._C_cuda's request; other blocks take PreparedScaled.round's
+// layout in Python.
+inline bool scaled_entry(PyObject* entry, ScaledEntry& e) {
+  const Objects& o = objects();
+  if (Py_TYPE(entry) != reinterpret_cast<PyTypeObject*>(o.prepared_scaled)) return false;
+  py::object block = attr(entry, o.last_axis_block);
+  if (block.ptr() == Py_None) return false;
+  e.block = as_int(block);
+  e.stochastic = attr(entry, o.stochastic).ptr() == Py_True;
+  py::object request = attr(entry, o.request);  // (the entry holds it)
+  if (o.cpu->prepared_scaled(request.ptr(), &e.call, &e.forms)) return true;
+  e.on_cuda = true;
+  return o.cuda != nullptr && o.cuda->prepared_scaled(request.ptr(), &e.call, &e.forms);
+}
+
+// PreparedScaled.round's call of blocks along the last axis on x (a plain contiguous tensor where
+// e runs, checked by the caller) into out (None: a new tensor of x's dtype), adding to the counts at
+// count_at (0: none; counts_size of them), keyed by *seed (nullptr: drawn from `generator`, even
+// for an empty x, as the Python path draws); None, with nothing drawn, for a 0-d x (which the
+// Python path lays out). x viewed as rows × cols, cols its last dimension; the
+// scales, which are not returned, go to scratch memory: on the CPU each thread's own buffer (the
+// kernel has finished with it when the call returns), on a GPU a new device buffer from torch's
+// allocator (device_scratch), which orders its reuse after the kernel on the stream.
+inline py::object run_scaled_entry(const ScaledEntry& e, const Placement& at, PyObject* x, int64_t count_at,
+                                   int64_t counts_size, const uint64_t* seed, PyObject* generator, uint64_t offset,
+                                   PyObject* out) {
+  const Objects& o = objects();
+  py::object shape = attr(x, o.shape);
+  const Py_ssize_t dims = PyTuple_GET_SIZE(shape.ptr());
+  if (dims == 0) return py::none();
+  int64_t n = 1;
+  for (Py_ssize_t d = 0; d < dims; ++d) n *= as_int(py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(shape.ptr(), d)));
+  const int64_t cols = as_int(py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(shape.ptr(), dims - 1)));
+  const int64_t rows = cols != 0 ? n / cols : 0;
+  const uint64_t key = !e.stochastic ? 0 : seed != nullptr ? *seed : draw_seed(generator);
+  py::object dtype = attr(x, o.dtype);
+  py::object y = result_for(x, n, dtype.ptr(), dtype.ptr(), out);
+  if (rows == 0 || cols == 0) return y;
+  const int64_t block_cols = e.block != 0 ? e.block : cols;
+  const int64_t blocks = rows * ((cols + block_cols - 1) / block_cols);
+  double* scales = nullptr;
+  py::object device_buffer;
+  if (at.cuda) {
+    py::object size = steal(PyLong_FromLongLong(blocks + 1));
+    device_buffer = steal(PyObject_CallFunctionObjArgs(o.device_scratch, x, size.ptr(), nullptr));
+    scales = reinterpret_cast<double*>(as_int(steal(PyObject_CallMethodNoArgs(device_buffer.ptr(), o.data_ptr))));
+  } else {
+    thread_local std::vector<double> buffer;
+    if (buffer.size() < size_t(blocks + 1)) buffer.resize(size_t(blocks + 1));
+    scales = buffer.data();
+  }
+  const auto x_at = reinterpret_cast<const void*>(as_int(steal(PyObject_CallMethodNoArgs(x, o.data_ptr))));
+  const auto y_at = reinterpret_cast<void*>(as_int(steal(PyObject_CallMethodNoArgs(y.ptr(), o.data_ptr))));
+  const ScaledCall call = with_buffers(e.call, x_at, y_at, rows, cols, 1, block_cols, 0, key, offset, scales, nullptr,
+                                       count_at != 0 ? int32_t(counts_size) : 0);
+  {
+    py::gil_scoped_release release;
+    (at.cuda ? o.cuda : o.cpu)
+        ->run_scaled(call, e.forms, scales + blocks, reinterpret_cast<int64_t*>(count_at), at.device, at.stream);
+  }
+  return y;
+}
+
+// lowfp._C.round_scaled(entry, x, counts, seed, generator, offset, out): PreparedScaled.round's
+// call in C where entry's blocks lie along the last axis and x is a plain contiguous tensor on its
+// request's backend, with counts None or a Stats' or ScaledStats' counts on x's device, the seed
+// as remembered_seed takes it and out (None, or checked by the caller); None, with nothing drawn
+// or written, for any other call.
+inline py::object round_scaled(PyObject* entry, PyObject* x, PyObject* counts, PyObject* seed_arg,
+                               PyObject* generator, PyObject* offset_arg, PyObject* out) {
+  const Objects& o = objects();
+  if (o.tensor == nullptr) throw std::runtime_error("lowfp._C.round_bound_setup was not called");
+  ScaledEntry e;
+  Placement at;
+  uint64_t seed = 0, offset = 0;
+  const bool has_seed = seed_arg != Py_None;
+  if (!scaled_entry(entry, e) || !plain_tensor(x) || !placed(x, e.on_cuda, at) || !as_uint64(offset_arg, offset) ||
+      (has_seed && (generator != Py_None || !as_uint64(seed_arg, seed))) ||
+      (generator != Py_None && (Py_TYPE(generator) != reinterpret_cast<PyTypeObject*>(o.generator_type) ||
+                                (e.stochastic && !cpu_generator(generator)))))
+    return py::none();
+  int64_t count_at = 0, counts_size = 0;
+  if (counts != Py_None) {
+    if (!counts_at(counts, at)) return py::none();
+    count_at = as_int(steal(PyObject_CallMethodNoArgs(counts, o.data_ptr)));
+    counts_size = numel_of(counts);
+  }
+  return run_scaled_entry(e, at, x, count_at, counts_size, has_seed ? &seed : nullptr, generator, offset, out);
 }
 
 inline py::object eager_key(PyObject* fmt, PyObject* rounding, PyObject* overflow, PyObject* subnormals,
@@ -394,8 +515,7 @@ inline py::object eager_key(PyObject* fmt, PyObject* rounding, PyObject* overflo
                             out_of.ptr(), out_dtype));
 }
 
-template <class Run>
-py::object quantize_remembered(PyObject* const* argv, Run& run) {
+inline py::object quantize_remembered(PyObject* const* argv) {
   const Objects& o = objects();
   if (o.tensor == nullptr) throw std::runtime_error("lowfp._C.round_bound_setup was not called");
   PyObject *table = argv[0], *x = argv[1], *fmt = argv[2], *rounding = argv[3], *overflow = argv[4],
@@ -421,16 +541,30 @@ py::object quantize_remembered(PyObject* const* argv, Run& run) {
     return py::none();
   }
   py::object found = py::reinterpret_borrow<py::object>(entry);
-  RememberedArgs a;
-  if (Py_TYPE(entry) == reinterpret_cast<PyTypeObject*>(o.prepared_format) &&
-      remembered_args(attr(entry, o.request).ptr(), x, stats, seed, generator, offset_value, a)) {
-    if (a.recorded) {
-      if (out == Py_None) return record_remembered(a, entry, x, stats, generator, run);
-    } else if (out == Py_None || truth(PyObject_IsTrue(
-                                     steal(PyObject_CallFunctionObjArgs(o.writable_in_one_call, x, out, nullptr))
-                                         .ptr()))) {
-      return run_remembered(a, attr(entry, o.dtype).ptr(), x, generator, out, run);
+  auto writable = [&] {
+    return out == Py_None ||
+           truth(PyObject_IsTrue(steal(PyObject_CallFunctionObjArgs(o.writable_in_one_call, x, out, nullptr)).ptr()));
+  };
+  if (Py_TYPE(entry) == reinterpret_cast<PyTypeObject*>(o.prepared_format)) {
+    RememberedFormat r;
+    if (remembered_format(attr(entry, o.request).ptr(), x, stats, seed, generator, offset_value, r)) {
+      if (r.args.recorded) {
+        if (out == Py_None) return record_remembered(r, entry, x, stats, generator);
+      } else if (writable()) {
+        return run_remembered(r, attr(entry, o.dtype).ptr(), x, generator, out);
+      }
     }
+    return found;
+  }
+  // a scaled format (blocks along the last axis; no autograd to record: that takes the full path)
+  ScaledEntry e;
+  RememberedArgs a;
+  if (scaled_entry(entry, e) &&
+      remembered_args(x, e.on_cuda, e.stochastic, true, stats, seed, generator, offset_value, a) && !a.recorded &&
+      writable()) {
+    py::object y = run_scaled_entry(e, a.at, x, a.count_at, a.counts_size, a.has_seed ? &a.seed : nullptr,
+                                    generator, a.offset, out);
+    if (!y.is_none()) return y;
   }
   return found;
 }
@@ -453,15 +587,16 @@ PyObject* fastcall(Py_ssize_t argc, Py_ssize_t want, const char* usage, F&& f) {
   return nullptr;
 }
 
-template <class Run>
-void def_bound_round(py::module_& mod, Run run) {
+inline void def_bound_round(py::module_& mod, const RoundingKernels& cpu_kernels) {
   // The objects, by name: tensor, parameter (the plain tensor types), stats_type (lowfp.Stats),
   // backends (lowfp.backends), get_num_threads, strided, empty_like, new_output, min_bytes,
   // preserve_format, draw_buffer, is_grad_enabled, unobserved (the function mode's, dispatch
   // stack's and functorch's no-argument checks), generator_type, cpu_device, prepared_format,
-  // writable_in_one_call, remembered_apply, cuda_kernels (lowfp._C_cuda.ROUNDING_KERNELS, or
-  // None), cuda_raw_stream (torch._C._cuda_getCurrentRawStream, or None).
-  mod.def("round_bound_setup", [](py::kwargs given) {
+  // writable_in_one_call, remembered_apply, prepared_scaled, scaled_stats_type, device_scratch,
+  // cuda_kernels (lowfp._C_cuda.ROUNDING_KERNELS, or None), cuda_raw_stream
+  // (torch._C._cuda_getCurrentRawStream, or None).
+  const RoundingKernels* cpu = &cpu_kernels;  // (a module's static object)
+  mod.def("round_bound_setup", [cpu](py::kwargs given) {
     auto take = [&given](const char* name) { return intercept::take_kwarg(given, "round_bound_setup", name); };
     Objects o;  // (published whole, below, once every name was given)
     o.tensor = take("tensor");
@@ -485,9 +620,13 @@ void def_bound_round(py::module_& mod, Run run) {
     o.prepared_format = take("prepared_format");
     o.writable_in_one_call = take("writable_in_one_call");
     o.remembered_apply = take("remembered_apply");
+    o.prepared_scaled = take("prepared_scaled");
+    o.scaled_stats_type = take("scaled_stats_type");
+    o.device_scratch = take("device_scratch");
+    o.cpu = cpu;
     py::object cuda = py::reinterpret_steal<py::object>(take("cuda_kernels"));
     if (!cuda.is_none()) {
-      o.cuda = static_cast<const DeviceRounding*>(PyCapsule_GetPointer(cuda.ptr(), kDeviceRoundingCapsule));
+      o.cuda = static_cast<const RoundingKernels*>(PyCapsule_GetPointer(cuda.ptr(), kRoundingKernelsCapsule));
       if (o.cuda == nullptr) throw py::error_already_set();
       cuda.release();  // (kept with the pointer it holds)
     }
@@ -511,27 +650,36 @@ void def_bound_round(py::module_& mod, Run run) {
     o.device = intercept::intern("device");
     o.clone = intercept::intern("clone");
     o.get_device = intercept::intern("get_device");
+    o.shape = intercept::intern("shape");
+    o.last_axis_block = intercept::intern("last_axis_block");
+    o.stochastic = intercept::intern("stochastic");
     objects() = o;
   });
-  static Run kept = run;
   static PyMethodDef methods[] = {
       {"round_bound",
        reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(
            +[](PyObject*, PyObject* const* argv, Py_ssize_t argc) -> PyObject* {
              return fastcall(argc, 5, "round_bound(requests, x, counts, counts_device, out)",
-                             [&] { return round_bound(argv[0], argv[1], argv[2], argv[3], argv[4], kept); });
+                             [&] { return round_bound(argv[0], argv[1], argv[2], argv[3], argv[4]); });
            })),
        METH_FASTCALL, "round_bound(requests, x, counts, counts_device, out): BoundRounder's native call"},
       {"round_remembered",
        reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(
            +[](PyObject*, PyObject* const* argv, Py_ssize_t argc) -> PyObject* {
              return fastcall(argc, 8, "round_remembered(request, dtype, x, stats, seed, generator, offset, out)", [&] {
-               return round_remembered(argv[0], argv[1], argv[2], argv[3], argv[4], argv[5], argv[6], argv[7],
-                                       kept);
+               return round_remembered(argv[0], argv[1], argv[2], argv[3], argv[4], argv[5], argv[6], argv[7]);
              });
            })),
        METH_FASTCALL,
        "round_remembered(request, dtype, x, stats, seed, generator, offset, out): quantize's remembered call"},
+      {"round_scaled",
+       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(
+           +[](PyObject*, PyObject* const* argv, Py_ssize_t argc) -> PyObject* {
+             return fastcall(argc, 7, "round_scaled(entry, x, counts, seed, generator, offset, out)", [&] {
+               return round_scaled(argv[0], argv[1], argv[2], argv[3], argv[4], argv[5], argv[6]);
+             });
+           })),
+       METH_FASTCALL, "round_scaled(entry, x, counts, seed, generator, offset, out): PreparedScaled.round in C"},
       {"eager_key",
        reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(
            +[](PyObject*, PyObject* const* argv, Py_ssize_t argc) -> PyObject* {
@@ -548,7 +696,7 @@ void def_bound_round(py::module_& mod, Run run) {
              return fastcall(argc, 14,
                              "quantize_remembered(table, x, fmt, rounding, overflow, subnormals, seed, generator, "
                              "offset, sr_bits, stats, out, out_dtype, grad_fmt)",
-                             [&] { return quantize_remembered(argv, kept); });
+                             [&] { return quantize_remembered(argv); });
            })),
        METH_FASTCALL, "quantize_remembered(table, x, fmt, ...): quantize's look-up of a remembered call"},
       {nullptr, nullptr, 0, nullptr}};

@@ -14,6 +14,7 @@
 #include "extra_bits_cpu.hpp"
 #include "lowfp/philox.hpp"
 #include "quantize_cpu.hpp"
+#include "rounding_kernels.hpp"
 #include "s2fp8_cpu.hpp"
 #include "scaled_cpu.hpp"
 
@@ -45,6 +46,15 @@ py::tuple philox(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0
   return py::make_tuple(r.w[0], r.w[1], r.w[2], r.w[3]);
 }
 
+// The kernels' entry points with the CUDA module's signatures (device and stream unused here).
+void run_quantize(const QuantizeCall& call, int64_t* counts, int, uintptr_t) { quantize_cpu(call, counts); }
+void run_scaled(const ScaledCall& call, const ScaledCpuForms& forms, double* tensor_scale, int64_t* counts, int,
+                uintptr_t) {
+  scaled_cpu(call, forms, tensor_scale, counts);
+}
+
+using CpuRounding = ModuleRounding<ScaledCpuForms, &run_quantize, &run_scaled>;
+
 }  // namespace
 
 PYBIND11_MODULE(_C, mod) {
@@ -54,17 +64,11 @@ PYBIND11_MODULE(_C, mod) {
   lowfp::emulate_round::def_emulate(mod);
   mod.def("format_info", &format_info);
   mod.attr("S2FP8_SUM_SIZE") = int(kSumSize);  // int64 accumulators an s2fp8 call writes
-  def_quantize(mod, [](const QuantizeCall& call, int64_t* counts, int32_t, uintptr_t) {
-    quantize_cpu(call, counts);  // (device and stream are the CUDA module's)
-  });
-  lowfp::bound_round::def_bound_round(
-      mod, [](const QuantizeCall& call, int64_t* counts) { quantize_cpu(call, counts); });
+  def_quantize(mod, &run_quantize);
+  lowfp::bound_round::def_bound_round(mod, CpuRounding::kernels);
   def_s2fp8(mod, [](const S2fp8Call& call, int64_t* sums, double* params, int64_t* counts,
                     int32_t, uintptr_t) { s2fp8_cpu(call, sums, params, counts); });
-  auto prepared_scaled = def_scaled<ScaledCpuForms>(
-      mod, &prepare_scaled_cpu,
-      [](const ScaledCall& call, const ScaledCpuForms& forms, double* tensor_scale, int64_t* counts,
-         int32_t, uintptr_t) { scaled_cpu(call, forms, tensor_scale, counts); });
+  auto prepared_scaled = def_scaled<ScaledCpuForms>(mod, &prepare_scaled_cpu, &run_scaled);
   // The CPU's element strategy (cpp/src/cpu/scaled/plan.hpp) for a counted call of this request
   // on blocks block_cols wide, with or without its elements q: {"strategy": the one it takes,
   // "allowed": those it allows, "count_by_comparison": bool}. For tests and benchmarks.

@@ -8,7 +8,7 @@
 #include "def_extra_bits.hpp"
 #include "def_quantize.hpp"
 #include "def_scaled.hpp"
-#include "device_rounding.hpp"
+#include "rounding_kernels.hpp"
 #include "extra_bits_cuda.hpp"
 #include "quantize_cuda.hpp"
 #include "s2fp8_cuda.hpp"
@@ -16,15 +16,12 @@
 
 namespace {
 
-// lowfp::DeviceRounding's prepared_call: this module's PreparedQuantize (a module_local class).
-bool prepared_call(PyObject* request, lowfp::QuantizeCall* call) {
-  const pybind11::handle h(request);
-  if (!pybind11::isinstance<lowfp::PreparedQuantize>(h)) return false;
-  *call = h.cast<const lowfp::PreparedQuantize&>().call;
-  return true;
+void run_scaled(const lowfp::ScaledCall& call, const lowfp::NoForms&, double* tensor_scale, int64_t* counts,
+                int device, uintptr_t stream) {
+  lowfp::scaled_cuda(call, tensor_scale, counts, device, stream);
 }
 
-const lowfp::DeviceRounding kRounding{&prepared_call, &lowfp::quantize_cuda};
+using CudaRounding = lowfp::ModuleRounding<lowfp::NoForms, &lowfp::quantize_cuda, &run_scaled>;
 
 }  // namespace
 
@@ -32,14 +29,12 @@ PYBIND11_MODULE(_C_cuda, mod) {
   mod.doc() = "lowfp CUDA core (raw-buffer interface; use the lowfp package)";
   lowfp::def_contract(mod);
   lowfp::def_quantize(mod, &lowfp::quantize_cuda);
-  // the element rounding that lowfp._C's one-call paths run on CUDA tensors (device_rounding.hpp)
+  // the roundings that lowfp._C's one-call paths run on CUDA tensors (rounding_kernels.hpp)
   mod.attr("ROUNDING_KERNELS") =
-      pybind11::capsule(static_cast<const void*>(&kRounding), lowfp::kDeviceRoundingCapsule);
+      pybind11::capsule(static_cast<const void*>(&CudaRounding::kernels), lowfp::kRoundingKernelsCapsule);
   lowfp::def_s2fp8(mod, &lowfp::s2fp8_cuda);
   lowfp::def_scaled<lowfp::NoForms>(
-      mod, [](const lowfp::ScaledRequest&, const lowfp::ScaledCall&) { return lowfp::NoForms{}; },
-      [](const lowfp::ScaledCall& call, const lowfp::NoForms&, double* tensor_scale, int64_t* counts,
-         int32_t device, uintptr_t stream) { lowfp::scaled_cuda(call, tensor_scale, counts, device, stream); });
+      mod, [](const lowfp::ScaledRequest&, const lowfp::ScaledCall&) { return lowfp::NoForms{}; }, &run_scaled);
   lowfp::def_hadamard(mod, &lowfp::hadamard_cuda);
   lowfp::def_accumulate(mod, &lowfp::accumulate_cuda);
   lowfp::def_extra_bits(mod, &lowfp::extra_bits_split_cuda, &lowfp::extra_bits_merge_cuda,

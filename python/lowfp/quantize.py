@@ -25,7 +25,7 @@ from ._inductor import register_inductor_decompositions
 from .formats import Format, S2FP8, as_text, to_precision
 from .scaled import quantize_scaled, to_scaled
 from .scaled.config import kernel_layout as scaled_kernel_layout
-from .scaled.quantize import PreparedScaled
+from .scaled.quantize import PreparedScaled, ScaledStats, device_scratch
 from .stats import S2FP8Stats, Stats
 
 __all__ = ["quantize", "quantize_", "ROUNDING_MODES"]
@@ -497,9 +497,10 @@ class Rounder:
 # rounded by its dtype's request into a tensor that new_output would make (torch.empty_like below
 # its huge-page size).
 # quantize's remembered call of a plain format, the same checks and call in C where they take it
-# (runs_natively's, PreparedFormat.round's on a contiguous x, a Stats on x's device); a stochastic
-# request draws its seed as draw_seed_eager does, from the thread's draw_buffer. CUDA tensors run
-# lowfp._C_cuda's kernel (handed over as ROUNDING_KERNELS) on torch's current stream.
+# (runs_natively's, PreparedFormat.round's on a contiguous x, a Stats on x's device), and of a
+# scaled format with blocks along the last axis (PreparedScaled.round's, in lowfp._C.round_scaled);
+# a stochastic request draws its seed as draw_seed_eager does, from the thread's draw_buffer. CUDA
+# tensors run lowfp._C_cuda's kernels (handed over as ROUNDING_KERNELS) on torch's current stream.
 _C.round_bound_setup(
     tensor=torch.Tensor, parameter=torch.nn.Parameter, stats_type=Stats, backends=backends,
     get_num_threads=torch.get_num_threads, strided=torch.strided, empty_like=torch.empty_like,
@@ -509,6 +510,7 @@ _C.round_bound_setup(
                 torch._C._are_functorch_transforms_active),
     generator_type=torch.Generator, cpu_device=torch.device("cpu"), prepared_format=PreparedFormat,
     writable_in_one_call=_writable_in_one_call, remembered_apply=_remembered_apply,
+    prepared_scaled=PreparedScaled, scaled_stats_type=ScaledStats, device_scratch=device_scratch,
     cuda_kernels=None if backends._C_cuda is None else backends._C_cuda.ROUNDING_KERNELS,
     cuda_raw_stream=backends._cuda_raw_stream)
 _round_bound = _C.round_bound

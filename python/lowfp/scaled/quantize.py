@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .. import backends
+from .. import _C, backends
 from .._checks import check_choice
 from .._dtensor import is_dtensor
 from .._memory import new_output
@@ -128,10 +128,15 @@ class PreparedScaled(Prepared):
     def round(self, x, counts, generator=None, out=None, seed=None, offset=0):
         """x (contiguous) rounded into a new tensor or ``out`` (contiguous, x's dtype), adding to
         counts (4 or 6 int64, or None); None, with nothing allocated, drawn or written, when the
-        call needs the full path (a layout other than blocks along the last axis, a generator
-        the per-thread draw does not cover). The scales and the tensor scale (last), which are
-        not returned, go to one scratch buffer: on the CPU the same one each call of a thread
-        (the kernel has finished with it when the call returns)."""
+        call needs the full path (a layout that needs a copy, a generator the per-thread draw
+        does not cover). The scales and the tensor scale (last), which are not returned, go to
+        one scratch buffer: on the CPU the same one each call of a thread (the kernel has finished
+        with it when the call returns), on a GPU device_scratch's. Blocks along the last axis are
+        laid out and run in C (lowfp._C.round_scaled); this method's own code is the definition of
+        that call and runs the other layouts."""
+        y = _round_scaled(self, x, counts, seed, generator, offset, out)
+        if y is not None:
+            return y
         if not x.is_contiguous():
             return None
         block = self.last_axis_block
@@ -160,7 +165,7 @@ class PreparedScaled(Prepared):
                 if scratch is None or scratch.numel() <= blocks:
                     scratch = _scratch.buffer = torch.empty(max(blocks + 1, 1024), dtype=torch.float64)
             else:
-                scratch = torch.empty(blocks + 1, dtype=torch.float64, device=x.device)
+                scratch = device_scratch(x, blocks + 1)
             scratch_ptr = scratch.data_ptr()
             self.request(x.data_ptr(), y.data_ptr(), rows, cols, block_rows, block_cols, run, seed, offset,
                          scratch_ptr, 0, scratch_ptr + 8 * blocks,
@@ -170,6 +175,13 @@ class PreparedScaled(Prepared):
 
 
 _scratch = threading.local()  # each thread's float64 buffer for scales that are not returned
+_round_scaled = _C.round_scaled
+
+
+def device_scratch(x: torch.Tensor, n: int) -> torch.Tensor:
+    """A new float64 buffer of n elements on x's device, for a call's scales that it does not
+    return (torch's caching allocator orders its reuse after the kernel on the stream)."""
+    return torch.empty(n, dtype=torch.float64, device=x.device)
 _kernel_layout = functools.lru_cache(maxsize=1024)(kernel_layout)  # (eager calls: shapes repeat each step)
 
 
