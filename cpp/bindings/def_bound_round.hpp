@@ -293,6 +293,17 @@ inline bool cpu_generator(PyObject* generator) {
   return true;
 }
 
+// Whether a call's seed arguments take the C path, as remembered_seed (lowfp._native) takes them:
+// seed= alone, an int in [0, 2^64) (*has_seed, *seed), or none, drawn from a torch.Generator on
+// the CPU (None: torch's default) where the call is stochastic.
+inline bool seed_args(PyObject* seed_arg, PyObject* generator, bool stochastic, bool& has_seed, uint64_t& seed) {
+  has_seed = seed_arg != Py_None;
+  if (has_seed && (generator != Py_None || !as_uint64(seed_arg, seed))) return false;
+  return generator == Py_None ||
+         (Py_TYPE(generator) == reinterpret_cast<PyTypeObject*>(objects().generator_type) &&
+          (!stochastic || cpu_generator(generator)));
+}
+
 // A remembered call's arguments, checked as the Python path's remembered calls check them.
 struct RememberedArgs {
   Placement at;
@@ -329,11 +340,7 @@ inline bool remembered_args(PyObject* x, bool on_cuda, bool stochastic, bool sca
     a.count_at = as_int(steal(PyObject_CallMethodNoArgs(a.counts.ptr(), o.data_ptr)));
     a.counts_size = numel_of(a.counts.ptr());
   }
-  a.has_seed = seed_arg != Py_None;
-  if (a.has_seed && (generator != Py_None || !as_uint64(seed_arg, a.seed))) return false;
-  if (generator != Py_None && (Py_TYPE(generator) != reinterpret_cast<PyTypeObject*>(o.generator_type) ||
-                               (stochastic && !cpu_generator(generator))))
-    return false;
+  if (!seed_args(seed_arg, generator, stochastic, a.has_seed, a.seed)) return false;
   a.offset = offset;
   return true;
 }
@@ -488,11 +495,9 @@ inline py::object round_scaled(PyObject* entry, PyObject* x, PyObject* counts, P
   ScaledEntry e;
   Placement at;
   uint64_t seed = 0, offset = 0;
-  const bool has_seed = seed_arg != Py_None;
+  bool has_seed = false;
   if (!scaled_entry(entry, e) || !plain_tensor(x) || !placed(x, e.on_cuda, at) || !as_uint64(offset_arg, offset) ||
-      (has_seed && (generator != Py_None || !as_uint64(seed_arg, seed))) ||
-      (generator != Py_None && (Py_TYPE(generator) != reinterpret_cast<PyTypeObject*>(o.generator_type) ||
-                                (e.stochastic && !cpu_generator(generator)))))
+      !seed_args(seed_arg, generator, e.stochastic, has_seed, seed))
     return py::none();
   int64_t count_at = 0, counts_size = 0;
   if (counts != Py_None) {
