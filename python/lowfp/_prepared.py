@@ -76,14 +76,15 @@ class PreparedFormat(Prepared):
 
 
 _scratch = threading.local()  # each CPU thread's S2FP8 statistics, which the caller does not get
+_S2FP8_SCRATCH_WORDS = _C.S2FP8_SUM_SIZE + 4  # the sums (int64) and the parameters (float64)
 
 
 class PreparedS2FP8(Prepared):
     """S2FP8's rounding (docs/design.md §4): the native call's format and rounding arguments
     (``format_args`` of its 8-bit format), ``log_max``, and whether it draws a stochastic seed.
-    The statistics, which these calls do not return, go to scratch buffers: on the CPU the same
-    ones each call of a thread (the kernel writes every entry before it reads any), on a GPU
-    zeroed new ones (its reduction adds into them)."""
+    The statistics, which these calls do not return, go to a scratch buffer: on the CPU the same
+    one each call of a thread (the kernel writes every entry before it reads any), on a GPU a
+    zeroed new one (its reduction adds into it)."""
 
     __slots__ = ("args", "log_max", "stochastic")
 
@@ -100,17 +101,16 @@ class PreparedS2FP8(Prepared):
         if seed is None:
             return None
         module, device, stream = backends.native(x, "x")
+        # One buffer: the int64 sums, then the 4 float64 parameters (8-byte words each)
         if x.is_cpu:
-            buffers = getattr(_scratch, "buffers", None)
-            if buffers is None:
-                buffers = _scratch.buffers = (torch.empty(_C.S2FP8_SUM_SIZE, dtype=torch.int64),
-                                              torch.empty(4, dtype=torch.float64))
-            sums, params = buffers
-        else:
-            sums = torch.zeros(_C.S2FP8_SUM_SIZE, dtype=torch.int64, device=x.device)
-            params = torch.zeros(4, dtype=torch.float64, device=x.device)
+            scratch = getattr(_scratch, "buffer", None)
+            if scratch is None:
+                scratch = _scratch.buffer = torch.empty(_S2FP8_SCRATCH_WORDS, dtype=torch.int64)
+        else:  # (zeroed by one fill: float64 zeros are all-zero words)
+            scratch = torch.zeros(_S2FP8_SCRATCH_WORDS, dtype=torch.int64, device=x.device)
+        sums_at = scratch.data_ptr()
         y = new_output(x, x.dtype) if out is None else out
         module.s2fp8(x.data_ptr(), DTYPE_CODES[x.dtype], y.data_ptr(), x.numel(), *self.args, seed, offset,
-                     self.log_max, sums.data_ptr(), params.data_ptr(),
+                     self.log_max, sums_at, sums_at + 8 * _C.S2FP8_SUM_SIZE,
                      0 if counts is None else counts.data_ptr(), device, stream)
         return y
