@@ -14,7 +14,7 @@ from lowfp import assign as A
 from lowfp.experiments import models
 from sync_mock import DeviceSync, device_reads_forbidden
 from training import optimizer_step
-from devices import DEVICES, on_cuda, same_bits
+from devices import DEVICES, bit_patterns, on_cuda, same_bits
 
 
 def batch(n=16, c=1, hw=8, classes=10, seed=0):
@@ -1035,3 +1035,19 @@ def test_a_skipped_rounding_counts_its_nans_and_elements(device, dtype, layout):
     counts = torch.zeros(4, dtype=torch.int64, device=device)
     emulation._count_unchanged(counts, clean)
     assert counts.tolist() == [0, 0, 0, 35]
+    # every bit pattern's kind: NaNs of either sign and any payload, infinities, the largest
+    # finite values (their bits beside the infinities')
+    patterns = bit_patterns(4096, dtype).to(device)
+    if dtype == torch.float64:  # (bit_patterns gives normals: add NaNs of both signs and payloads)
+        words = patterns.view(torch.int64).clone()
+        words[::7] = 0x7FF0000000000001
+        words[1::7] = -0x0000000000000001  # (all ones: a negative NaN)
+        patterns = words.view(torch.float64)
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[patterns.element_size()]
+    inf, big = torch.tensor([float("inf"), torch.finfo(dtype).max], dtype=dtype, device=device).view(ints)
+    edges = torch.stack([inf, inf | torch.iinfo(ints).min, big, inf + 1])  # (inf, -inf, max, the first NaN)
+    patterns = torch.cat([patterns, edges.view(dtype)])
+    counts = torch.zeros(4, dtype=torch.int64, device=device)
+    emulation._count_unchanged(counts, patterns)
+    assert counts.tolist() == [0, 0, int(torch.isnan(patterns).sum()), patterns.numel()]
+    assert int(torch.isnan(patterns).sum()) > 10 and int(torch.isinf(patterns).sum()) >= 2

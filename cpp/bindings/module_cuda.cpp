@@ -39,6 +39,14 @@ PYBIND11_MODULE(_C_cuda, mod) {
   lowfp::def_accumulate(mod, &lowfp::accumulate_cuda);
   lowfp::def_extra_bits(mod, &lowfp::extra_bits_split_cuda, &lowfp::extra_bits_merge_cuda,
                         &lowfp::extra_bits_step_cuda);
+  // lowfp._C's count_unchanged on the device, enqueued on `stream` of `device`.
+  mod.def("count_unchanged", [](uintptr_t x, int32_t dtype, int64_t n, uintptr_t counts, int device,
+                                uintptr_t stream) {
+    if (dtype < 0 || dtype > 3) throw std::invalid_argument("bad dtype code");
+    if (n < 0) throw std::invalid_argument("negative element count");
+    lowfp::count_unchanged_cuda(lowfp::DType(dtype), reinterpret_cast<const void*>(x), n,
+                                reinterpret_cast<int64_t*>(counts), device, stream);
+  });
   // lowfp._C's any_non_finite on the device, with the zeroed scratch words it keeps zero
   // (any_non_finite_cuda) and the device and stream that run it.
   mod.def("any_non_finite", [](uintptr_t x, int32_t dtype, int64_t n, uintptr_t out,

@@ -64,7 +64,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional
 import numpy as np
 import torch
 
-from . import _C
+from . import _C, backends
 from ._autograd import function_apply
 from ._native import DTYPE_CODES
 from .backends import is_dense, is_plain
@@ -190,12 +190,18 @@ def _count_unchanged(counts: torch.Tensor, t: torch.Tensor) -> None:
         zero = torch.zeros_like(nan)
         counts.add_(torch.stack((zero, zero, nan, zero + t.numel())))
         return
-    if t.is_cpu and counts.is_cpu and t.dtype in DTYPE_CODES and is_plain(t) and is_dense(t):
-        # one native call: a vectorised pass finds the usual case, no NaN, and the counts are
-        # added in place, where torch would take a mask, a sum and two adds
-        _C.count_unchanged(t.data_ptr(), DTYPE_CODES[t.dtype], t.numel(), counts.data_ptr())
-        return
-    # elsewhere two launches count them, not waited for
+    if t.dtype in DTYPE_CODES and is_plain(t) and is_dense(t):
+        # one native call: on the CPU a vectorised pass finds the usual case, no NaN, and the
+        # counts are added in place, where torch would take a mask, a sum and two adds; on a GPU
+        # one launch on the current stream, where torch's are four
+        if t.is_cpu and counts.is_cpu:
+            _C.count_unchanged(t.data_ptr(), DTYPE_CODES[t.dtype], t.numel(), counts.data_ptr())
+            return
+        if t.is_cuda and counts.is_cuda and backends.same_device(counts, t) and backends.cuda_built():
+            module, device, stream = backends.native(t, "t")
+            module.count_unchanged(t.data_ptr(), DTYPE_CODES[t.dtype], t.numel(), counts.data_ptr(), device, stream)
+            return
+    # elsewhere torch counts them, not waited for
     counts[2].add_(torch.isnan(t).sum())
     counts[3].add_(t.numel())
 

@@ -87,6 +87,11 @@ LOWFP_HD uint64_t exponent_mask(DType t) {
 }
 template <class U>
 LOWFP_HD bool non_finite_bits(U bits, U exponent) { return (bits & exponent) == exponent; }
+// A NaN's raw bits: without the sign, above the exponent field's all-ones (an infinity).
+template <class U>
+LOWFP_HD bool nan_bits(U bits, U exponent) {
+  return U(bits & U(~(U(1) << (8 * sizeof(U) - 1)))) > exponent;
+}
 
 inline TypeLimits type_limits(DType t) {
   switch (t) {

@@ -27,11 +27,12 @@ bool any_non_finite_cpu(DType t, const void* x, int64_t n) {
 
 namespace {
 
-template <class T>
-int64_t count_nans(const void* x, int64_t n) {
-  const T* p = static_cast<const T*>(x);
+template <class U>
+int64_t count_nans(const void* x, int64_t n, DType t) {
+  const U* p = static_cast<const U*>(x);
+  const U exponent = U(exponent_mask(t));
   int64_t nans = 0;
-  for (int64_t i = 0; i < n; ++i) nans += std::isnan(bit_cast<double>(Widen<uint64_t>::from(p[i])));
+  for (int64_t i = 0; i < n; ++i) nans += nan_bits(p[i], exponent);
   return nans;
 }
 
@@ -41,10 +42,10 @@ void count_unchanged_cpu(DType t, const void* x, int64_t n, int64_t* counts) {
   int64_t nans = 0;
   if (any_non_finite_cpu(t, x, n)) {  // (the usual case, no NaN, in one vectorised pass)
     switch (t) {
-      case DType::Float16: nans = count_nans<Half>(x, n); break;
-      case DType::BFloat16: nans = count_nans<BFloat>(x, n); break;
-      case DType::Float32: nans = count_nans<float>(x, n); break;
-      case DType::Float64: nans = count_nans<double>(x, n); break;
+      case DType::Float16:
+      case DType::BFloat16: nans = count_nans<uint16_t>(x, n, t); break;
+      case DType::Float32: nans = count_nans<uint32_t>(x, n, t); break;
+      case DType::Float64: nans = count_nans<uint64_t>(x, n, t); break;
     }
   }
   counts[2] += nans;

@@ -48,7 +48,43 @@ __global__ void any_non_finite_kernel(const U* x, int64_t n, U exponent, bool* o
   for (int64_t i = 0; i < n_counts; ++i) counts[i] += found;
 }
 
+// count_unchanged in one launch: each warp adds its elements' NaNs to counts[2] by one atomic, and
+// the first thread adds n to counts[3].
+template <class U>
+__global__ void __launch_bounds__(kThreads)
+count_unchanged_kernel(const U* x, int64_t n, U exponent, unsigned long long* counts) {
+  uint64_t nans = 0;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    nans += nan_bits(x[i], exponent);
+  nans = warp_sum(nans);
+  if ((threadIdx.x & 31) == 0 && nans != 0) atomicAdd(counts + 2, (unsigned long long)nans);
+  if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(counts + 3, (unsigned long long)n);
+}
+
 }  // namespace
+
+void count_unchanged_cuda(DType t, const void* x, int64_t n, int64_t* counts, int device, uintptr_t stream_handle) {
+  const DeviceGuard guard(device);
+  const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const int blocks = n == 0 ? 1 : grid_size(device, n);
+  auto* c = reinterpret_cast<unsigned long long*>(counts);
+  switch (t) {
+    case DType::Float16:
+    case DType::BFloat16:
+      count_unchanged_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const uint16_t*>(x), n,
+                                                              uint16_t(exponent_mask(t)), c);
+      break;
+    case DType::Float32:
+      count_unchanged_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const uint32_t*>(x), n,
+                                                              uint32_t(exponent_mask(t)), c);
+      break;
+    default:
+      count_unchanged_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const uint64_t*>(x), n,
+                                                              uint64_t(exponent_mask(t)), c);
+      break;
+  }
+  check(cudaGetLastError(), "kernel launch");
+}
 
 void any_non_finite_cuda(DType t, const void* x, int64_t n, bool* out, int64_t* counts,
                          int64_t n_counts, uint32_t* scratch, int device, uintptr_t stream_handle) {

@@ -18,4 +18,8 @@ void quantize_cuda(const QuantizeCall& call, int64_t* counts, int device, uintpt
 void any_non_finite_cuda(DType t, const void* x, int64_t n, bool* out, int64_t* counts,
                          int64_t n_counts, uint32_t* scratch, int device, uintptr_t stream);
 
+// The counts of a rounding that returns the n elements at x (DType t) unchanged, added to the 4
+// int64 at counts (device memory): its NaNs to counts[2], n to counts[3]; one launch on `stream`.
+void count_unchanged_cuda(DType t, const void* x, int64_t n, int64_t* counts, int device, uintptr_t stream);
+
 }  // namespace lowfp
