@@ -1051,7 +1051,8 @@ def test_the_scaled_c_call_hands_back_every_call_it_does_not_take():
     """lowfp._C.round_scaled (PreparedScaled.round's blocks along the last axis, in C) answers
     None, drawing and writing nothing, for another entry or blocks along another axis, a tensor
     subclass, a layout, a 0-d x, counts on another device, a seed or offset out of range, a seed
-    with a generator, another generator type; else the operator's bits, counts and draws."""
+    with a generator, another generator type, an out= of another shape, dtype or layout; else
+    the operator's bits, counts and draws."""
     from lowfp import _C
     from lowfp.scaled import Scaled, ScaledStats
     from lowfp.scaled.quantize import PreparedScaled
@@ -1069,7 +1070,9 @@ def test_the_scaled_c_call_hands_back_every_call_it_does_not_take():
     for args in (dict(entry=rows), dict(entry=object()), dict(x=x.as_subclass(Sub)), dict(x=x.t()),
                  dict(x=torch.tensor(1.0)), dict(x=x.to("meta")), dict(counts=lowfp.Stats("meta").counts),
                  dict(seed=-1), dict(seed=2**64), dict(offset=-1), dict(offset=2**64),
-                 dict(seed=1, generator=torch.Generator()), dict(generator=object())):
+                 dict(seed=1, generator=torch.Generator()), dict(generator=object()),
+                 dict(out=torch.empty(4, 63)), dict(out=torch.empty(4, 64, dtype=torch.float64)),
+                 dict(out=torch.empty(64, 4).t()), dict(out=[0.0] * 256)):
         assert call(**args) is None, args
     assert torch.equal(torch.get_rng_state(), state)  # (nothing drawn)
     stats = ScaledStats()

@@ -91,7 +91,8 @@ struct Objects {
   const RoundingKernels* cuda = nullptr;
   PyObject* cuda_raw_stream = nullptr;
   PyObject *dtype, *is_contiguous, *data_ptr, *numel, *element_size, *is_cpu, *is_cuda, *is_nested, *layout,
-      *torch_threads, *requires_grad, *counts, *request, *device, *clone, *get_device, *shape, *last_axis_block, *stochastic;
+      *torch_threads, *requires_grad, *counts, *request, *device, *clone, *get_device, *shape, *last_axis_block,
+      *stochastic;
 };
 
 inline Objects& objects() {
@@ -148,10 +149,6 @@ struct Placement {
   uintptr_t stream = 0;
 };
 
-// The prepared call on x (a plain contiguous tensor of n elements where `at` runs it, checked by
-// the caller: placed) into out (None: a new tensor of dtype, as _memory.new_output makes it),
-// adding counts at count_at (0: none), keyed by *seed (nullptr: drawn here from `generator` when
-// the call is stochastic).
 // out, or where None, a new tensor of x's shape (n elements) and layout and of `dtype`, as
 // _memory.new_output makes it.
 inline py::object result_for(PyObject* x, int64_t n, PyObject* x_dtype, PyObject* dtype, PyObject* out) {
@@ -162,6 +159,10 @@ inline py::object result_for(PyObject* x, int64_t n, PyObject* x_dtype, PyObject
   return steal(PyObject_CallFunctionObjArgs(o.new_output, x, dtype, o.preserve_format, nullptr));
 }
 
+// The prepared call on x (a plain contiguous tensor of n elements where `at` runs it, checked by
+// the caller: placed) into out (None: result_for's new tensor of dtype), adding counts at
+// count_at (0: none), keyed by *seed (nullptr: drawn here from `generator` when the call is
+// stochastic).
 inline py::object run_prepared(QuantizeCall call, const Placement& at, PyObject* x, int64_t n, PyObject* x_dtype,
                                PyObject* dtype, int64_t count_at, PyObject* out, const uint64_t* seed,
                                PyObject* generator, uint64_t offset) {
@@ -483,11 +484,23 @@ inline py::object run_scaled_entry(const ScaledEntry& e, const Placement& at, Py
   return y;
 }
 
+// Whether out is a plain contiguous tensor of x's shape and dtype where `at` runs, which a call on
+// x may write whole.
+inline bool fits(PyObject* out, PyObject* x, const Placement& at) {
+  const Objects& o = objects();
+  if (!plain_tensor(out) || attr(out, o.dtype).ptr() != attr(x, o.dtype).ptr()) return false;
+  py::object out_shape = attr(out, o.shape), x_shape = attr(x, o.shape);
+  if (!truth(PyObject_RichCompareBool(out_shape.ptr(), x_shape.ptr(), Py_EQ))) return false;
+  Placement out_at;
+  return placed(out, at.cuda, out_at) && out_at.device == at.device;
+}
+
 // lowfp._C.round_scaled(entry, x, counts, seed, generator, offset, out): PreparedScaled.round's
 // call in C where entry's blocks lie along the last axis and x is a plain contiguous tensor on its
 // request's backend, with counts None or a Stats' or ScaledStats' counts on x's device, the seed
-// as remembered_seed takes it and out (None, or checked by the caller); None, with nothing drawn
-// or written, for any other call.
+// as remembered_seed takes it and out None or a contiguous tensor of x's shape, dtype and device
+// (its overlap with x checked by the caller); None, with nothing drawn or written, for any other
+// call.
 inline py::object round_scaled(PyObject* entry, PyObject* x, PyObject* counts, PyObject* seed_arg,
                                PyObject* generator, PyObject* offset_arg, PyObject* out) {
   const Objects& o = objects();
@@ -499,6 +512,7 @@ inline py::object round_scaled(PyObject* entry, PyObject* x, PyObject* counts, P
   if (!scaled_entry(entry, e) || !plain_tensor(x) || !placed(x, e.on_cuda, at) || !as_uint64(offset_arg, offset) ||
       !seed_args(seed_arg, generator, e.stochastic, has_seed, seed))
     return py::none();
+  if (out != Py_None && !fits(out, x, at)) return py::none();
   int64_t count_at = 0, counts_size = 0;
   if (counts != Py_None) {
     if (!counts_at(counts, at)) return py::none();

@@ -176,13 +176,13 @@ class PreparedScaled(Prepared):
 
 _scratch = threading.local()  # each thread's float64 buffer for scales that are not returned
 _round_scaled = _C.round_scaled
+_kernel_layout = functools.lru_cache(maxsize=1024)(kernel_layout)  # (eager calls: shapes repeat each step)
 
 
 def device_scratch(x: torch.Tensor, n: int) -> torch.Tensor:
     """A new float64 buffer of n elements on x's device, for a call's scales that it does not
     return (torch's caching allocator orders its reuse after the kernel on the stream)."""
     return torch.empty(n, dtype=torch.float64, device=x.device)
-_kernel_layout = functools.lru_cache(maxsize=1024)(kernel_layout)  # (eager calls: shapes repeat each step)
 
 
 def _writes_directly(out: torch.Tensor, xm: torch.Tensor, move) -> bool:
