@@ -50,6 +50,11 @@ struct AccumulateParams {
   // results), where nearest_by_addition(acc, add_cap) holds; add_cap: the format's emax + 1
   bool by_addition;
   int32_t add_cap;
+  // One sum at a time by addition (AccumulateLanes::round_lanes with one lane): the high words of
+  // the values in [2^emin, 2^E), E the exponent of the largest finite value, are those whose
+  // exponent field minus quiet_field is below quiet_span (as unsigned words); drop_field is
+  // normal_drop in a high word's exponent field (quiet_nearest_fields).
+  uint32_t quiet_field, quiet_span, drop_field;
   int32_t product_add_cap;        // > 0: the products round to nearest by addition with this e_cap
   // The form for directed and stochastic rounding where in_mode_form holds: each sum and rounding
   // is one addition in the accumulator's direction (LaneForm::InMode, Direction).
@@ -76,10 +81,21 @@ struct AccumulateCounts {
 // keeps its own copy, where the linker would otherwise keep one of them for all.
 namespace {
 
-// a + b rounded to odd at 53 bits (a and b finite): the RN sum, moved to its odd neighbour toward
-// the exact sum when inexact (TwoSum gives the error exactly). An exact zero sum is +0, or -0
-// when both addends are -0 (RN's rule). Infinite or NaN operands: the float64 sum.
+// a + b rounded to odd at 53 bits (a and b finite): the sum truncated toward zero, its last bit
+// set when inexact. An exact zero sum is +0, or -0 when both addends are -0 (RN's rule).
+// Infinite or NaN operands: the float64 sum.
+//
+// On the CPU, from the RN sum moved to its odd neighbour toward the exact sum when inexact
+// (TwoSum gives the error exactly; it vectorises). On a GPU each float64 addition names its
+// rounding: an inexact sum lies between its roundings down and up, adjacent values of which
+// exactly one is odd, and an exact one is both. So the result is the rounding down where that is
+// odd, else the rounding up, whose exact zero sums follow RN's sign rule (the rounding down of
+// x + -x is -0, even) and whose infinities and NaNs are RN's.
 LOWFP_HD double sum_to_odd(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  const double down = __dadd_rd(a, b), up = __dadd_ru(a, b);
+  return (__double2loint(down) & 1) ? down : up;
+#else
   const double hi = a + b;
   const double bv = hi - a;
   const double lo = (a - (hi - bv)) + (b - bv);  // (a + b) - hi exactly (no overflow: |a|, |b| < 2^300)
@@ -88,6 +104,7 @@ LOWFP_HD double sum_to_odd(double a, double b) {
   const uint64_t odd_needed = uint64_t(lo != 0.0) & uint64_t(lo == lo) & ~h & 1u;
   const uint64_t step = select((lo > 0.0) == (hi > 0.0), uint64_t(1), ~uint64_t(0));
   return bit_cast<double>(h + (step & (uint64_t(0) - odd_needed)));
+#endif
 }
 
 // The accumulator's roundings per output element for K products.
@@ -186,6 +203,14 @@ LOWFP_HD uint64_t round_in_mode(uint64_t x, const RoundParams<uint64_t>& p, int3
     mag = bit_cast<uint64_t>(add_in<kDir>(add_in<kDir>(bit_cast<double>(x), signed_c), -signed_c)) & ~kSign;
   }
   return rounded_result(x, mag, p, ev);
+}
+
+// AccumulateParams' quiet_field, quiet_span and drop_field of the accumulator's format (host side).
+inline void quiet_nearest_fields(AccumulateParams& p) {
+  const uint32_t emin_field = uint32_t(p.acc.emin + 1023), max_field = uint32_t(p.acc.max_bits >> 52);
+  p.quiet_field = emin_field << 20;
+  p.quiet_span = max_field > emin_field ? (max_field - emin_field) << 20 : 0u;
+  p.drop_field = uint32_t(p.acc.normal_drop) << 20;
 }
 
 // Whether a call may take LaneForm::InMode (host side): rounding toward zero, up, down or
@@ -316,6 +341,24 @@ struct AccumulateLanes {
   template <bool kFixed, class Value>
   LOWFP_HD void round_lanes(double* out, const Value& value, const double* before, const double* addend,
                             const uint32_t (&rand)[kLanes]) {
+    if constexpr (kForm == LaneForm::ByAddition && kLanes == 1) {
+      // One lane (a GPU thread; the CPU's last columns), where a branch costs nothing across
+      // lanes: a value v in [2^emin, 2^E) rounds by addition with no event, its constant c
+      // needing no clamp (round_nearest_by_addition's result there); c carries v's sign (RN is
+      // symmetric). Other values (zeros, the smallest and largest binades, infinities, NaNs) take
+      // the general form below.
+      const double v = value(0);
+      const uint32_t hi = uint32_t(bit_cast<uint64_t>(v) >> 32);
+      if ((hi & 0x7ff00000u) - p.quiet_field < p.quiet_span) {
+        const double c = bit_cast<double>(uint64_t((hi & 0xfff00000u) + p.drop_field) << 32);
+        const double q = (v + c) - c;
+        // (q nonzero and finite: equal values are equal bits)
+        counts.swamped += int64_t(addend != nullptr && addend[0] != 0.0 && q == before[0]);
+        counts.roundings += 1;
+        out[0] = q;
+        return;
+      }
+    }
     // (local arrays, which nothing else points to: the lane loop then vectorises)
     double in[kLanes], q[kLanes], was[kLanes], added[kLanes];
     uint32_t r[kLanes];
@@ -416,10 +459,12 @@ LOWFP_HD void accumulate_lanes(const AccumulateParams& p, const In* a, int64_t s
   // (in_mode_form leaves out products' formats, fused groups, Kahan's corrections and the blocked
   // order: folded away here, so that its loops hold none of their branches)
   constexpr bool kAny = kForm != LaneForm::InMode;
-  auto product = [&](int64_t k, double (&q)[kLanes]) {
-    const double x = bit_cast<double>(Widen<uint64_t>::from(a[k * sa]));
+  // The products of step k, whose operands are at a_k = a + k sa and b_k = b + k sb (pointers the
+  // loops step, where an index times a stride would be a 64-bit multiply per step on a GPU)
+  auto product = [&](const In* a_k, const In* b_k, double (&q)[kLanes]) {
+    const double x = bit_cast<double>(Widen<uint64_t>::from(*a_k));
     for (int l = 0; l < kLanes; ++l)
-      q[l] = x * bit_cast<double>(Widen<uint64_t>::from(b[k * sb + l * sl]));  // (exact: 48 bits)
+      q[l] = x * bit_cast<double>(Widen<uint64_t>::from(b_k[l * sl]));  // (exact: 48 bits)
     if (kAny && p.has_product) round_nearest_lanes<kLanes>(q, q, p.product, p.product_add_cap, counts);
   };
   // A fused group of products [k0, k1) added to s (docs/design.md §10): every term, s and each
@@ -472,8 +517,10 @@ LOWFP_HD void accumulate_lanes(const AccumulateParams& p, const In* a, int64_t s
       for (int64_t g = k0; g < k1; g += p.group) fused_group(g, min_of(k1, g + p.group), s);
       return;
     }
-    for (int64_t k = k0; k < k1; ++k) {
-      product(k, q);
+    const In* a_k = a + k0 * sa;
+    const In* b_k = b + k0 * sb;
+    for (int64_t k = k0; k < k1; ++k, a_k += sa, b_k += sb) {
+      product(a_k, b_k, q);
       if (kAny && p.compensated) {
         acc.sub(y, q, c);  // y = round(p - c)
         acc.add(t, s, y);  // t = round(s + y)
@@ -513,9 +560,11 @@ LOWFP_HD void accumulate_lanes(const AccumulateParams& p, const In* a, int64_t s
   double value[kDepth][kLanes];
   int64_t size[kDepth];
   int depth = 0;
-  for (int64_t k = 0; k < K; ++k) {
+  const In* a_k = a;
+  const In* b_k = b;
+  for (int64_t k = 0; k < K; ++k, a_k += sa, b_k += sb) {
     double q[kLanes];
-    product(k, q);
+    product(a_k, b_k, q);
     acc.round(value[depth], q, nullptr, nullptr);
     size[depth++] = 1;
     while (depth >= 2 && size[depth - 1] == size[depth - 2]) {
