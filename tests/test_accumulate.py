@@ -4,8 +4,11 @@ once to the accumulator format, in the order the spec fixes, with the spec's Phi
 
 import itertools
 import math
+import shutil
 import struct
+import subprocess
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -301,6 +304,25 @@ def test_sums_at_the_ends_of_the_accumulators_range(fmt, order, device):
     acc = Accumulate(fmt, order=order, block=6 if order == "blocked" else None, overflow="saturate")
     check(a, b, acc, device=device)
     check(a, b.repeat(1, 11), acc, device=device)
+
+
+def test_the_gpu_tile_schedule_on_cpu_threads_gives_the_cpus_bits_and_counts(tmp_path):
+    # cpp/src/cuda/accumulate_tiles.hpp, the CUDA driver's schedule of sums one product at a time
+    # (tiles of 32, 8 or 1 columns staged in shared memory, a grid that strides), built for the
+    # CPU and run by threads with a barrier for __syncthreads: every order, mode and lane form it
+    # takes against the CPU's sums of one column at a time (tests/cpp/, its cases).
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler to build tests/cpp/accumulate_tiles_on_threads.cpp")
+    root = Path(__file__).resolve().parents[1]
+    exe = tmp_path / "accumulate_tiles_on_threads"
+    subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", "-ffp-contract=off",
+                    f"-I{root / 'cpp/include'}", f"-I{root / 'cpp/src/host'}", f"-I{root / 'cpp/src/cuda'}",
+                    str(root / "tests/cpp/accumulate_tiles_on_threads.cpp"),
+                    str(root / "cpp/src/host/accumulate_call.cpp"), "-o", str(exe)], check=True)
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.strip().endswith("0 of 70 cases differ"), run.stdout
 
 
 @pytest.mark.parametrize("rounding", lowfp.ROUNDING_MODES)
@@ -795,14 +817,16 @@ def test_each_kind_of_accumulation_takes_its_lane_form(options, form):
 @on_cuda
 @pytest.mark.parametrize("options, form", _FORMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_accumulation_gives_the_cpus_bits_and_counts(options, form, dtype):
-    # (docs/design.md §10: one header's arithmetic on both; the GPU runs one element per thread)
+@pytest.mark.parametrize("n", [40, 9, 1])
+def test_accumulation_gives_the_cpus_bits_and_counts(options, form, dtype, n):
+    # (docs/design.md §10: one header's arithmetic on both; the GPU sums in tiles of 32, 8 or 1
+    # columns (n), or one element per thread for the other orders)
     from lowfp.accumulate import _prepared
     acc = lowfp.Accumulate(lowfp.Format(5, 6, 0, specials="ieee"), **options)
     assert _prepared(lowfp.backends._C_cuda, acc).form == form  # (the CUDA module's request)
     g = torch.Generator().manual_seed(1)
     a = (torch.randn(3, 17, 300, generator=g) * 8).to(dtype)
-    b = (torch.randn(300, 40, generator=g) * 8).to(dtype)
+    b = (torch.randn(300, n, generator=g) * 8).to(dtype)
     a[0, 0, :3] = torch.tensor([float("inf"), 0.0, float("nan")])
     st_cpu, st_gpu = lowfp.AccumulateStats(), lowfp.AccumulateStats("cuda")
     cpu = lowfp.gemm(a, b, acc, seed=5, stats=st_cpu)

@@ -337,28 +337,37 @@ struct AccumulateLanes {
       else round_lanes<false>(out, value, before, addend, r);
     }
   }
+  // One lane by addition (a GPU thread; the CPU's last columns), where a branch costs nothing
+  // across lanes: a value v in [2^emin, 2^E) rounds by addition with no event, its constant c
+  // needing no clamp (round_nearest_by_addition's result there); c carries v's sign (RN is
+  // symmetric). Other values (zeros, the smallest and largest binades, infinities, NaNs) take the
+  // general form, whose result replaces the first (one register for both on a GPU).
+  LOWFP_HD void round_one_by_addition(double* out, double v, const double* before, const double* addend) {
+    const uint32_t hi = uint32_t(bit_cast<uint64_t>(v) >> 32);
+    const double c = bit_cast<double>(uint64_t((hi & 0xfff00000u) + p.drop_field) << 32);
+    double q = (v + c) - c;
+    if ((hi & 0x7ff00000u) - p.quiet_field >= p.quiet_span) {
+      RoundEvents ev;
+      q = bit_cast<double>(round_nearest_by_addition(bit_cast<uint64_t>(v), p.acc, p.add_cap, ev));
+      counts.overflow += ev.overflow();
+      counts.underflow += ev.underflow;
+      counts.nan += ev.nan;
+    }
+    counts.swamped += int64_t(addend != nullptr && addend[0] != 0.0 &&
+                              bit_cast<uint64_t>(q) == bit_cast<uint64_t>(before[0]));
+    counts.roundings += 1;
+    out[0] = q;
+  }
   // value(l): lane l's value to round.
   template <bool kFixed, class Value>
   LOWFP_HD void round_lanes(double* out, const Value& value, const double* before, const double* addend,
                             const uint32_t (&rand)[kLanes]) {
-    if constexpr (kForm == LaneForm::ByAddition && kLanes == 1) {
-      // One lane (a GPU thread; the CPU's last columns), where a branch costs nothing across
-      // lanes: a value v in [2^emin, 2^E) rounds by addition with no event, its constant c
-      // needing no clamp (round_nearest_by_addition's result there); c carries v's sign (RN is
-      // symmetric). Other values (zeros, the smallest and largest binades, infinities, NaNs) take
-      // the general form below.
-      const double v = value(0);
-      const uint32_t hi = uint32_t(bit_cast<uint64_t>(v) >> 32);
-      if ((hi & 0x7ff00000u) - p.quiet_field < p.quiet_span) {
-        const double c = bit_cast<double>(uint64_t((hi & 0xfff00000u) + p.drop_field) << 32);
-        const double q = (v + c) - c;
-        // (q nonzero and finite: equal values are equal bits)
-        counts.swamped += int64_t(addend != nullptr && addend[0] != 0.0 && q == before[0]);
-        counts.roundings += 1;
-        out[0] = q;
-        return;
-      }
-    }
+    if constexpr (kForm == LaneForm::ByAddition && kLanes == 1) round_one_by_addition(out, value(0), before, addend);
+    else round_general<kFixed>(out, value, before, addend, rand);
+  }
+  template <bool kFixed, class Value>
+  LOWFP_HD void round_general(double* out, const Value& value, const double* before, const double* addend,
+                              const uint32_t (&rand)[kLanes]) {
     // (local arrays, which nothing else points to: the lane loop then vectorises)
     double in[kLanes], q[kLanes], was[kLanes], added[kLanes];
     uint32_t r[kLanes];
@@ -444,6 +453,22 @@ LOWFP_HD void round_nearest_lanes(double* out, const double* v, const RoundParam
   counts.underflow += under;
   counts.nan += nan;
   counts.roundings += kLanes;
+}
+
+// The blocked order's outer sum: out = round_outer(out + inner) lane by lane, nearest, counted
+// (an addition of a nonzero block sum that leaves out as it was is swamped).
+template <int kLanes>
+LOWFP_HD void add_block_sum(double (&out)[kLanes], const double (&inner)[kLanes], const AccumulateParams& p,
+                            AccumulateCounts& counts) {
+  double v[kLanes], next[kLanes];
+  for (int l = 0; l < kLanes; ++l) v[l] = sum_to_odd(out[l], inner[l]);
+  round_nearest_lanes<kLanes>(next, v, p.outer, 0, counts);
+  int64_t swamped = 0;
+  for (int l = 0; l < kLanes; ++l) {
+    swamped += int64_t(inner[l] != 0.0) & int64_t(bit_cast<uint64_t>(next[l]) == bit_cast<uint64_t>(out[l]));
+    out[l] = next[l];
+  }
+  counts.swamped += swamped;
 }
 
 // kLanes output elements: lane l sums K products a[k·sa] · b[k·sb + l·sl] as the params say
@@ -537,19 +562,11 @@ LOWFP_HD void accumulate_lanes(const AccumulateParams& p, const In* a, int64_t s
     return;
   }
   if (kAny && p.order == AccumulateOrder::Blocked) {
-    double inner[kLanes], v[kLanes];
+    double inner[kLanes];
     for (int l = 0; l < kLanes; ++l) out[l] = 0.0;
     for (int64_t k0 = 0; k0 < K; k0 += p.block) {
       sequential(k0, min_of(K, k0 + p.block), inner);
-      int64_t swamped = 0;
-      for (int l = 0; l < kLanes; ++l) v[l] = sum_to_odd(out[l], inner[l]);
-      double next[kLanes];
-      round_nearest_lanes<kLanes>(next, v, p.outer, 0, counts);
-      for (int l = 0; l < kLanes; ++l) {
-        swamped += int64_t(inner[l] != 0.0) & int64_t(bit_cast<uint64_t>(next[l]) == bit_cast<uint64_t>(out[l]));
-        out[l] = next[l];
-      }
-      counts.swamped += swamped;
+      add_block_sum<kLanes>(out, inner, p, counts);
     }
     return;
   }

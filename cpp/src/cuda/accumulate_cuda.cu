@@ -1,11 +1,17 @@
-// The emulated-accumulation GEMM: one thread per output element, grid-stride, each summing its
-// row of A and column of B by cpp/include/lowfp/accumulate.hpp as the CPU does, in the lane form
-// the CPU takes for the call: nearest rounding by addition where AccumulateParams::by_addition
-// holds, directed and stochastic rounding in the accumulator's direction where
-// AccumulateParams::in_mode does (a few float64 additions per sum in place of round_bits' 64-bit
-// integer steps; the CPU sets the floating-point unit's rounding mode, each CUDA addition names
-// its direction: accumulate.hpp's Direction), else each sum rounded by its bits.
+// The emulated-accumulation GEMM: each output element's sums by cpp/include/lowfp/accumulate.hpp
+// as the CPU does, in the lane form the CPU takes for the call: nearest rounding by addition
+// where AccumulateParams::by_addition holds, directed and stochastic rounding in the
+// accumulator's direction where AccumulateParams::in_mode does (a few float64 additions per sum
+// in place of round_bits' 64-bit integer steps; the CPU sets the floating-point unit's rounding
+// mode, each CUDA addition names its direction: accumulate.hpp's Direction), else each sum
+// rounded by its bits.
+//
+// Sums one product at a time (the sequential and blocked orders without Kahan's corrections or
+// fused groups, the common requests) take tiles_kernel, accumulate_tiles.hpp's schedule of
+// staged tiles. The other orders take accumulate_kernel: one output element per thread,
+// grid-stride, reading its row and column.
 #include "accumulate_cuda.hpp"
+#include "accumulate_tiles.hpp"
 #include "common.cuh"
 #include "dispatch.hpp"
 
@@ -33,6 +39,55 @@ __global__ void __launch_bounds__(kThreads) accumulate_kernel(AccumulateCall c, 
   }
 }
 
+// A CUDA thread block as accumulate_tiles sees it.
+template <int kCols>
+struct TileBlock {
+  using Tile = AccumulateTile<kThreads, kCols>;
+  double (*a_chunk)[Tile::kChunk + 1];
+  double (*b_chunk)[kCols];
+  __device__ int thread() const { return int(threadIdx.x); }
+  __device__ int64_t block() const { return blockIdx.x; }
+  __device__ int64_t blocks() const { return gridDim.x; }
+  __device__ void sync() const { __syncthreads(); }
+};
+
+template <RoundKind K, bool kSub, LaneForm kForm, Direction kDir, int kCols>
+__global__ void __launch_bounds__(kThreads) tiles_kernel(AccumulateCall c, unsigned long long* counts) {
+  using Tile = AccumulateTile<kThreads, kCols>;
+  __shared__ double a_chunk[Tile::kRows][Tile::kChunk + 1];
+  __shared__ double b_chunk[Tile::kChunk][kCols];
+  TileBlock<kCols> blk{a_chunk, b_chunk};
+  AccumulateCounts mine;
+  accumulate_tiles<K, kSub, kForm, kDir, kThreads, kCols>(c, blk, mine);
+  const int64_t values[5] = {mine.overflow, mine.underflow, mine.nan, mine.roundings, mine.swamped};
+  for (int v = 0; v < 5; ++v) {
+    const uint64_t sum = warp_sum(uint64_t(values[v]));
+    if ((threadIdx.x & 31) == 0 && sum) atomicAdd(counts + v, (unsigned long long)sum);
+  }
+}
+
+// The call's kernel for one lane form: tiles where the order sums one product at a time.
+template <RoundKind K, bool kSub, LaneForm kForm, Direction kDir = Direction::Fpu>
+void launch(const AccumulateCall& c, unsigned long long* cnt, int device, cudaStream_t stream) {
+  const bool one_at_a_time = (c.p.order == AccumulateOrder::Sequential || c.p.order == AccumulateOrder::Blocked) &&
+                             !c.p.compensated && c.p.group == 0;
+  if (!one_at_a_time) {
+    accumulate_kernel<K, kSub, kForm, kDir><<<grid_size(device, c.batch * c.m * c.n), kThreads, 0, stream>>>(c, cnt);
+    return;
+  }
+  auto tiles = [&](auto cols) {
+    constexpr int kCols = decltype(cols)::value;
+    // (grid_size sizes a grid by elements, kThreads a block: here, by tiles)
+    const int grid = grid_size(device, accumulate_tile_count<kThreads, kCols>(c) * kThreads);
+    tiles_kernel<K, kSub, kForm, kDir, kCols><<<grid, kThreads, 0, stream>>>(c, cnt);
+  };
+  switch (accumulate_tile_columns(c.n)) {
+    case 32: tiles(std::integral_constant<int, 32>{}); break;
+    case 8: tiles(std::integral_constant<int, 8>{}); break;
+    default: tiles(std::integral_constant<int, 1>{}); break;
+  }
+}
+
 }  // namespace
 
 void accumulate_cuda(const AccumulateCall& c, int64_t* counts, int device, uintptr_t stream_handle) {
@@ -41,24 +96,19 @@ void accumulate_cuda(const AccumulateCall& c, int64_t* counts, int device, uintp
   const DeviceGuard guard(device);
   const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
   auto* cnt = reinterpret_cast<unsigned long long*>(counts);
-  const int grid = grid_size(device, total);
   if (c.p.in_mode) {  // (in_mode_form: toward zero, up, down or stochastic)
     switch (c.p.mode) {
       case Rounding::Stochastic:
-        accumulate_kernel<RoundKind::Stochastic, false, LaneForm::InMode, Direction::TowardZero>
-            <<<grid, kThreads, 0, stream>>>(c, cnt);
+        launch<RoundKind::Stochastic, false, LaneForm::InMode, Direction::TowardZero>(c, cnt, device, stream);
         break;
       case Rounding::TowardZero:
-        accumulate_kernel<RoundKind::TowardZero, false, LaneForm::InMode, Direction::TowardZero>
-            <<<grid, kThreads, 0, stream>>>(c, cnt);
+        launch<RoundKind::TowardZero, false, LaneForm::InMode, Direction::TowardZero>(c, cnt, device, stream);
         break;
       case Rounding::Up:
-        accumulate_kernel<RoundKind::Directed, false, LaneForm::InMode, Direction::Up>
-            <<<grid, kThreads, 0, stream>>>(c, cnt);
+        launch<RoundKind::Directed, false, LaneForm::InMode, Direction::Up>(c, cnt, device, stream);
         break;
       default:
-        accumulate_kernel<RoundKind::Directed, false, LaneForm::InMode, Direction::Down>
-            <<<grid, kThreads, 0, stream>>>(c, cnt);
+        launch<RoundKind::Directed, false, LaneForm::InMode, Direction::Down>(c, cnt, device, stream);
         break;
     }
     check(cudaGetLastError(), "kernel launch");
@@ -68,13 +118,12 @@ void accumulate_cuda(const AccumulateCall& c, int64_t* counts, int device, uintp
     constexpr RoundKind K = decltype(kind)::value;
     if constexpr (K == RoundKind::Nearest) {
       if (c.p.by_addition) {  // (which nearest_by_addition holds only without subnormal exponents)
-        accumulate_kernel<K, false, LaneForm::ByAddition><<<grid, kThreads, 0, stream>>>(c, cnt);
+        launch<K, false, LaneForm::ByAddition>(c, cnt, device, stream);
         return;
       }
     }
-    with_flag(c.p.acc.subnormal_exponent, [&](auto sub) {
-      accumulate_kernel<K, decltype(sub)::value, LaneForm::Bits><<<grid, kThreads, 0, stream>>>(c, cnt);
-    });
+    with_flag(c.p.acc.subnormal_exponent,
+              [&](auto sub) { launch<K, decltype(sub)::value, LaneForm::Bits>(c, cnt, device, stream); });
   });
   check(cudaGetLastError(), "kernel launch");
 }
