@@ -51,7 +51,9 @@ struct TileBlock {
   __device__ void sync() const { __syncthreads(); }
 };
 
-template <RoundKind K, bool kSub, LaneForm kForm, Direction kDir, int kCols>
+// kCount: the call counts its roundings (where counts is not null). Without, every count is a
+// dead store that the compiler drops from the step.
+template <RoundKind K, bool kSub, LaneForm kForm, Direction kDir, int kCols, bool kCount>
 __global__ void __launch_bounds__(kThreads) tiles_kernel(AccumulateCall c, unsigned long long* counts) {
   using Tile = AccumulateTile<kThreads, kCols>;
   __shared__ double a_chunk[Tile::kRows][Tile::kChunk + 1];
@@ -59,6 +61,7 @@ __global__ void __launch_bounds__(kThreads) tiles_kernel(AccumulateCall c, unsig
   TileBlock<kCols> blk{a_chunk, b_chunk};
   AccumulateCounts mine;
   accumulate_tiles<K, kSub, kForm, kDir, kThreads, kCols>(c, blk, mine);
+  if (!kCount || counts == nullptr) return;
   const int64_t values[5] = {mine.overflow, mine.underflow, mine.nan, mine.roundings, mine.swamped};
   for (int v = 0; v < 5; ++v) {
     const uint64_t sum = warp_sum(uint64_t(values[v]));
@@ -79,7 +82,14 @@ void launch(const AccumulateCall& c, unsigned long long* cnt, int device, cudaSt
     constexpr int kCols = decltype(cols)::value;
     // (grid_size sizes a grid by elements, kThreads a block: here, by tiles)
     const int grid = grid_size(device, accumulate_tile_count<kThreads, kCols>(c) * kThreads);
-    tiles_kernel<K, kSub, kForm, kDir, kCols><<<grid, kThreads, 0, stream>>>(c, cnt);
+    // (one-column tiles, a matrix times a few vectors, always count: a kernel fewer to build)
+    if constexpr (kCols > 1) {
+      if (cnt == nullptr) {
+        tiles_kernel<K, kSub, kForm, kDir, kCols, false><<<grid, kThreads, 0, stream>>>(c, cnt);
+        return;
+      }
+    }
+    tiles_kernel<K, kSub, kForm, kDir, kCols, true><<<grid, kThreads, 0, stream>>>(c, cnt);
   };
   switch (accumulate_tile_columns(c.n)) {
     case 32: tiles(std::integral_constant<int, 32>{}); break;
