@@ -290,9 +290,11 @@ def test_each_sum_is_rounded_once(rounding, device):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
-@pytest.mark.parametrize("order", ["sequential", "blocked"])
+@pytest.mark.parametrize("order, rounding", [("sequential", "nearest"), ("blocked", "nearest"),
+                                             ("sequential", "toward_zero"), ("sequential", "up"),
+                                             ("sequential", "down"), ("sequential", "stochastic")])
 @pytest.mark.parametrize("device", DEVICES)
-def test_sums_at_the_ends_of_the_accumulators_range(fmt, order, device):
+def test_sums_at_the_ends_of_the_accumulators_range(fmt, order, rounding, device):
     # Running sums that wander through the binades around 2^emin (subnormal steps, underflow)
     # and up to max (the top binade, overflow), where a rounding takes other steps than in the
     # binades between: one sum a column, columns one by one (a GPU thread's form) and side by side.
@@ -301,7 +303,8 @@ def test_sums_at_the_ends_of_the_accumulators_range(fmt, order, device):
     a = torch.randn(2, k, generator=g)
     scale = torch.tensor([fmt.min_normal * 2.0 ** e for e in (-3, -1, 0, 1)] + [fmt.max / 4, fmt.max / 2])
     b = torch.rand(k, 6, generator=g) * scale * (0.5 + torch.rand(k, 1, generator=g))
-    acc = Accumulate(fmt, order=order, block=6 if order == "blocked" else None, overflow="saturate")
+    acc = Accumulate(fmt, order=order, block=6 if order == "blocked" else None, rounding=rounding,
+                     overflow="saturate")
     check(a, b, acc, device=device)
     check(a, b.repeat(1, 11), acc, device=device)
 

@@ -50,10 +50,10 @@ struct AccumulateParams {
   // results), where nearest_by_addition(acc, add_cap) holds; add_cap: the format's emax + 1
   bool by_addition;
   int32_t add_cap;
-  // One sum at a time by addition (AccumulateLanes::round_lanes with one lane): the high words of
+  // One sum at a time by addition or in the mode (AccumulateLanes::round_one): the high words of
   // the values in [2^emin, 2^E), E the exponent of the largest finite value, are those whose
   // exponent field minus quiet_field is below quiet_span (as unsigned words); drop_field is
-  // normal_drop in a high word's exponent field (quiet_nearest_fields).
+  // normal_drop in a high word's exponent field (quiet_fields).
   uint32_t quiet_field, quiet_span, drop_field;
   int32_t product_add_cap;        // > 0: the products round to nearest by addition with this e_cap
   // The form for directed and stochastic rounding where in_mode_form holds: each sum and rounding
@@ -183,30 +183,36 @@ LOWFP_HD double sum_in_mode(double a, double b) {
 // floor(f 2^R) / 2^R (f: the dropped fraction, R = sr_bits; round.hpp's round_bits), that is when
 // f + (2^R - 1 - r) / 2^R >= 1 for the word's top R bits r: the magnitude plus that many 2^-R
 // steps, truncated to the step (exact: the sum keeps every bit down to 2^-R steps).
+// round_in_mode's rounding of x with the constant c = c_bits, before its events and overflow:
+// the rounded value with x's sign.
 template <RoundKind Kind, Direction kDir>
-LOWFP_HD uint64_t round_in_mode(uint64_t x, const RoundParams<uint64_t>& p, int32_t e_cap, uint32_t rand,
-                                RoundEvents& ev) {
+LOWFP_HD uint64_t value_in_mode(uint64_t x, uint64_t c_bits, const RoundParams<uint64_t>& p, uint32_t rand) {
   constexpr uint64_t kSign = uint64_t(1) << 63;
-  const uint64_t a = x & ~kSign;
-  const uint64_t c_bits = addition_constant_bits(a, p, e_cap);
-  const double c = bit_cast<double>(c_bits);
-  uint64_t mag;
   if constexpr (Kind == RoundKind::Stochastic) {
+    const double c = bit_cast<double>(c_bits);
     const int64_t r_bits = 32 - int64_t(p.sr_shift);
     const double step_fraction = bit_cast<double>(c_bits - (uint64_t(52 + r_bits) << 52));  // 2^-R steps
     // (the word widened first: a signed 64-bit conversion is one vector instruction, an
     // unsigned 32-bit one is not)
     const double noise = double(int64_t(uint64_t(~rand) >> p.sr_shift)) * step_fraction;  // (exact)
-    mag = bit_cast<uint64_t>(add_in<kDir>(add_in<kDir>(add_in<kDir>(bit_cast<double>(a), noise), c), -c));
+    const double a = bit_cast<double>(x & ~kSign);
+    return bit_cast<uint64_t>(add_in<kDir>(add_in<kDir>(add_in<kDir>(a, noise), c), -c)) | (x & kSign);
   } else {
     const double signed_c = bit_cast<double>(c_bits | (x & kSign));
-    mag = bit_cast<uint64_t>(add_in<kDir>(add_in<kDir>(bit_cast<double>(x), signed_c), -signed_c)) & ~kSign;
+    return bit_cast<uint64_t>(add_in<kDir>(add_in<kDir>(bit_cast<double>(x), signed_c), -signed_c));
   }
-  return rounded_result(x, mag, p, ev);
+}
+
+template <RoundKind Kind, Direction kDir>
+LOWFP_HD uint64_t round_in_mode(uint64_t x, const RoundParams<uint64_t>& p, int32_t e_cap, uint32_t rand,
+                                RoundEvents& ev) {
+  constexpr uint64_t kSign = uint64_t(1) << 63;
+  const uint64_t c_bits = addition_constant_bits(x & ~kSign, p, e_cap);
+  return rounded_result(x, value_in_mode<Kind, kDir>(x, c_bits, p, rand) & ~kSign, p, ev);
 }
 
 // AccumulateParams' quiet_field, quiet_span and drop_field of the accumulator's format (host side).
-inline void quiet_nearest_fields(AccumulateParams& p) {
+inline void quiet_fields(AccumulateParams& p) {
   const uint32_t emin_field = uint32_t(p.acc.emin + 1023), max_field = uint32_t(p.acc.max_bits >> 52);
   p.quiet_field = emin_field << 20;
   p.quiet_span = max_field > emin_field ? (max_field - emin_field) << 20 : 0u;
@@ -337,32 +343,39 @@ struct AccumulateLanes {
       else round_lanes<false>(out, value, before, addend, r);
     }
   }
-  // One lane by addition (a GPU thread; the CPU's last columns), where a branch costs nothing
-  // across lanes: a value v in [2^emin, 2^E) rounds by addition with no event, its constant c
-  // needing no clamp (round_nearest_by_addition's result there); c carries v's sign (RN is
-  // symmetric). Other values (zeros, the smallest and largest binades, infinities, NaNs) take the
-  // general form, whose result replaces the first (one register for both on a GPU).
-  LOWFP_HD void round_one_by_addition(double* out, double v, const double* before, const double* addend) {
-    const uint32_t hi = uint32_t(bit_cast<uint64_t>(v) >> 32);
-    const double c = bit_cast<double>(uint64_t((hi & 0xfff00000u) + p.drop_field) << 32);
-    double q = (v + c) - c;
+  // One lane (a GPU thread; the CPU's last columns) by addition or in the rounding mode, where a
+  // branch costs nothing across lanes: a value v in [2^emin, 2^E) rounds with no event and its
+  // constant c needs no clamp, so the rounding is its additions alone (round_nearest_by_addition's
+  // and round_in_mode's results there; for nearest, c carries v's sign: RN is symmetric). Other
+  // values (zeros, the smallest and largest binades, infinities, NaNs) take the general form,
+  // whose result replaces the first (one register for both on a GPU).
+  LOWFP_HD void round_one(double* out, double v, const double* before, const double* addend, uint32_t rand) {
+    const uint64_t x = bit_cast<uint64_t>(v);
+    const uint32_t hi = uint32_t(x >> 32);
+    uint64_t q;
+    if constexpr (kForm == LaneForm::ByAddition) {
+      const double c = bit_cast<double>(uint64_t((hi & 0xfff00000u) + p.drop_field) << 32);
+      q = bit_cast<uint64_t>((v + c) - c);
+    } else {
+      q = value_in_mode<Kind, kDir>(x, uint64_t((hi & 0x7ff00000u) + p.drop_field) << 32, p.acc, rand);
+    }
     if ((hi & 0x7ff00000u) - p.quiet_field >= p.quiet_span) {
       RoundEvents ev;
-      q = bit_cast<double>(round_nearest_by_addition(bit_cast<uint64_t>(v), p.acc, p.add_cap, ev));
+      if constexpr (kForm == LaneForm::ByAddition) q = round_nearest_by_addition(x, p.acc, p.add_cap, ev);
+      else q = round_in_mode<Kind, kDir>(x, p.acc, p.add_cap, rand, ev);
       counts.overflow += ev.overflow();
       counts.underflow += ev.underflow;
       counts.nan += ev.nan;
     }
-    counts.swamped += int64_t(addend != nullptr && addend[0] != 0.0 &&
-                              bit_cast<uint64_t>(q) == bit_cast<uint64_t>(before[0]));
+    counts.swamped += int64_t(addend != nullptr && addend[0] != 0.0 && q == bit_cast<uint64_t>(before[0]));
     counts.roundings += 1;
-    out[0] = q;
+    out[0] = bit_cast<double>(q);
   }
   // value(l): lane l's value to round.
   template <bool kFixed, class Value>
   LOWFP_HD void round_lanes(double* out, const Value& value, const double* before, const double* addend,
                             const uint32_t (&rand)[kLanes]) {
-    if constexpr (kForm == LaneForm::ByAddition && kLanes == 1) round_one_by_addition(out, value(0), before, addend);
+    if constexpr (kForm != LaneForm::Bits && kLanes == 1) round_one(out, value(0), before, addend, rand[0]);
     else round_general<kFixed>(out, value, before, addend, rand);
   }
   template <bool kFixed, class Value>

@@ -67,7 +67,7 @@ AccumulateParams prepare_accumulate(const AccumulateRequest& r) {
   p.mode = r.mode;
   p.add_cap = max_exponent(r.accumulator) + 1;
   p.by_addition = r.mode == Rounding::Nearest && nearest_by_addition(p.acc, p.add_cap);
-  quiet_nearest_fields(p);
+  quiet_fields(p);
   p.in_mode = in_mode_form(p);
   return p;
 }
