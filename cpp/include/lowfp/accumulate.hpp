@@ -183,8 +183,9 @@ LOWFP_HD double sum_in_mode(double a, double b) {
 // floor(f 2^R) / 2^R (f: the dropped fraction, R = sr_bits; round.hpp's round_bits), that is when
 // f + (2^R - 1 - r) / 2^R >= 1 for the word's top R bits r: the magnitude plus that many 2^-R
 // steps, truncated to the step (exact: the sum keeps every bit down to 2^-R steps).
-// round_in_mode's rounding of x with the constant c = c_bits, before its events and overflow:
-// the rounded value with x's sign.
+// value_in_mode is that rounding with the constant c = c_bits given, before events and overflow
+// (the rounded value with x's sign); round_in_mode takes c from v's exponent and gives
+// rounded_result's events, overflow and NaNs.
 template <RoundKind Kind, Direction kDir>
 LOWFP_HD uint64_t value_in_mode(uint64_t x, uint64_t c_bits, const RoundParams<uint64_t>& p, uint32_t rand) {
   constexpr uint64_t kSign = uint64_t(1) << 63;
