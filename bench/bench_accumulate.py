@@ -35,6 +35,23 @@ CASES = [
 ]
 
 
+PER_ADD = ("sequential, nearest", "sequential, toward_zero", "sequential, stochastic")
+
+
+def target_lines(rows, device: str):
+    """Issue 58's targets, met or missed, from the table's rows: a rounding per addition at least
+    1e9 products per second on the CPU (1e12 on a GPU) in each mode, and the blocked promotion
+    into float32 within 3× of the sequential nearest sums."""
+    rate = {r["case"]: r["products_per_s"] for r in rows}
+    target = 1e12 if device == "cuda" else 1e9
+    lines = [f"target: {name} >= {target:.0e} products/s: {rate[name]:.3g} "
+             f"({'met' if rate[name] >= target else 'missed'})" for name in PER_ADD]
+    slower = rate[PER_ADD[0]] / rate["blocked 128 (promoted to float32)"]
+    lines.append(f"target: blocked 128 within 3x of sequential, nearest: {slower:.2f}x "
+                 f"({'met' if slower <= 3 else 'missed'})")
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -62,6 +79,8 @@ def main(argv=None) -> int:
         print(f"{name:46s} {best * 1e3:9.2f} {rate:11.3g} {ratio:10.4f} ({paired_ratio(base, ts):.4f})")
         rows.append(dict(case=name, ms=best * 1e3, products_per_s=rate, vs_torch=ratio))
     print(f"({m} x {k} x {n} float32 GEMM on {args.device}; best of {args.repeats} interleaved rounds)")
+    for line in target_lines(rows, args.device):
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -163,6 +163,16 @@ def test_the_scaled_gpu_summary_covers_every_target_from_a_runs_rows():
         assert math.isfinite(value) and met == (value <= target if "counting" in what else value >= target)
 
 
+def test_the_accumulation_benchmark_prints_issue_58s_targets(capsys):
+    import bench_accumulate
+    assert bench_accumulate.main(["--size", "4", "64", "3", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    targets = [line for line in out.splitlines() if line.startswith("target: ")]
+    assert len(targets) == len(bench_accumulate.PER_ADD) + 1
+    assert all(line.endswith(("(met)", "(missed)")) for line in targets)
+    assert any(">= 1e+09 products/s" in line for line in targets)  # (the CPU's target)
+
+
 def test_emulation_benchmarks_train_a_copy_per_case_inside_its_own_context():
     import bench_emulate
     import torch
