@@ -517,23 +517,28 @@ LOWFP_HD void accumulate_lanes(const AccumulateParams& p, const In* a, int64_t s
       e_max[l] = aligned_exponent(s[l], -126);  // (the sum: a float32 value)
       any[l] = false;
     }
-    for (int64_t k = k0; k < k1; ++k) {
-      const int32_t ex = aligned_exponent(bit_cast<double>(Widen<uint64_t>::from(a[k * sa])), p.operand_emin);
+    const In* a_k = a + k0 * sa;
+    const In* b_k = b + k0 * sb;
+    for (int64_t k = k0; k < k1; ++k, a_k += sa, b_k += sb) {
+      const int32_t ex = aligned_exponent(bit_cast<double>(Widen<uint64_t>::from(*a_k)), p.operand_emin);
       for (int l = 0; l < kLanes; ++l) {
-        const double y = bit_cast<double>(Widen<uint64_t>::from(b[k * sb + l * sl]));
+        const double y = bit_cast<double>(Widen<uint64_t>::from(b_k[l * sl]));
         e_max[l] = max_of(e_max[l], ex + aligned_exponent(y, p.operand_emin));
       }
     }
-    for (int l = 0; l < kLanes; ++l) {  // the aligned sum, in units of 2^(E - align_bits)
-      const double up = exact_pow2(p.align_bits - e_max[l]);
-      v[l] = trunc_of(s[l] * up);
+    double up[kLanes];  // 2^(align_bits - E): the aligned sum is in units of 2^(E - align_bits)
+    for (int l = 0; l < kLanes; ++l) {
+      up[l] = exact_pow2(p.align_bits - e_max[l]);
+      v[l] = trunc_of(s[l] * up[l]);
       ip[l] = s[l];  // (the IEEE sum, for a group with an infinity or a NaN)
     }
-    for (int64_t k = k0; k < k1; ++k) {
-      const double x = bit_cast<double>(Widen<uint64_t>::from(a[k * sa]));
+    a_k = a + k0 * sa;
+    b_k = b + k0 * sb;
+    for (int64_t k = k0; k < k1; ++k, a_k += sa, b_k += sb) {
+      const double x = bit_cast<double>(Widen<uint64_t>::from(*a_k));
       for (int l = 0; l < kLanes; ++l) {
-        const double q = x * bit_cast<double>(Widen<uint64_t>::from(b[k * sb + l * sl]));  // exact
-        v[l] += trunc_of(q * exact_pow2(p.align_bits - e_max[l]));  // (exact: integers below 2^53)
+        const double q = x * bit_cast<double>(Widen<uint64_t>::from(b_k[l * sl]));  // exact
+        v[l] += trunc_of(q * up[l]);  // (exact: integers below 2^53)
         ip[l] += q;
         any[l] |= q != 0.0;
       }
