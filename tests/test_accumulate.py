@@ -325,7 +325,7 @@ def test_the_gpu_tile_schedule_on_cpu_threads_gives_the_cpus_bits_and_counts(tmp
                     str(root / "cpp/src/host/accumulate_call.cpp"), "-o", str(exe)], check=True)
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.strip().endswith("0 of 70 cases differ"), run.stdout
+    assert run.stdout.strip().endswith("0 of 95 cases differ"), run.stdout
 
 
 @pytest.mark.parametrize("rounding", lowfp.ROUNDING_MODES)
@@ -804,6 +804,11 @@ _FORMS = [
     (dict(rounding="toward_zero", product="float8_e4m3fn"), "bits"),
     (dict(compensated=True, rounding="stochastic"), "bits"), (dict(order="blocked", block=128, rounding="up"), "bits"),
     (dict(rounding="nearest_away"), "bits"),
+    # fused groups: the presets' (tiles on a GPU), and a group that does not divide the GPU's
+    # chunks (one element per thread there)
+    (dict(rounding="toward_zero", group=32, align_bits=13, operand_emin=-6), "bits"),
+    (dict(order="blocked", block=128, rounding="toward_zero", group=32, align_bits=13, operand_emin=-6), "bits"),
+    (dict(group=5, align_bits=9), "by_addition"),
 ]
 
 

@@ -23,9 +23,9 @@ using namespace lowfp;
 
 constexpr int kThreads = 256;  // (as the CUDA driver's blocks)
 
-template <int kCols>
+template <int kCols, bool kGroups>
 struct ThreadBlock {
-  using Tile = AccumulateTile<kThreads, kCols>;
+  using Tile = AccumulateTile<kThreads, kCols, kGroups>;
   double (*a_chunk)[Tile::kChunk + 1];
   double (*b_chunk)[kCols];
   std::barrier<>* barrier;
@@ -44,9 +44,9 @@ int fpu_mode(const AccumulateParams& p) {
   return p.mode == Rounding::Up ? FE_UPWARD : p.mode == Rounding::Down ? FE_DOWNWARD : FE_TOWARDZERO;
 }
 
-template <RoundKind K, bool kSub, LaneForm kForm, int kCols>
+template <RoundKind K, bool kSub, LaneForm kForm, int kCols, bool kGroups>
 void run_tiles(const AccumulateCall& c, int64_t grid, AccumulateCounts& total) {
-  using Tile = AccumulateTile<kThreads, kCols>;
+  using Tile = AccumulateTile<kThreads, kCols, kGroups>;
   std::vector<double> a_chunk(Tile::kRows * (Tile::kChunk + 1)), b_chunk(Tile::kChunk * kCols);
   std::mutex mutex;
   for (int64_t b = 0; b < grid; ++b) {
@@ -55,10 +55,10 @@ void run_tiles(const AccumulateCall& c, int64_t grid, AccumulateCounts& total) {
     for (int t = 0; t < kThreads; ++t) {
       threads.emplace_back([&, t] {
         std::fesetround(fpu_mode(c.p));
-        ThreadBlock<kCols> blk{reinterpret_cast<double(*)[Tile::kChunk + 1]>(a_chunk.data()),
+        ThreadBlock<kCols, kGroups> blk{reinterpret_cast<double(*)[Tile::kChunk + 1]>(a_chunk.data()),
                                reinterpret_cast<double(*)[kCols]>(b_chunk.data()), &barrier, t, b, grid};
         AccumulateCounts mine;
-        accumulate_tiles<K, kSub, kForm, Direction::Fpu, kThreads, kCols>(c, blk, mine);
+        accumulate_tiles<K, kSub, kForm, Direction::Fpu, kThreads, kCols, kGroups>(c, blk, mine);
         const std::lock_guard<std::mutex> lock(mutex);
         total.overflow += mine.overflow;
         total.underflow += mine.underflow;
@@ -86,23 +86,32 @@ void columns_one_by_one(const AccumulateCall& c, AccumulateCounts& total) {
   std::fesetround(saved);
 }
 
-// Both ways for the call's lane form, as the drivers choose it; false if they differ.
+// Both ways for the call's lane form and tile, as the CUDA driver chooses them (launch in
+// accumulate_cuda.cu); false if they differ.
 template <RoundKind K, bool kSub, LaneForm kForm>
 bool same_both_ways(AccumulateCall c, std::vector<float>& want, std::vector<float>& got) {
   AccumulateCounts expected, counted;
   c.c = want.data();
   columns_one_by_one<K, kSub, kForm>(c, expected);
   c.c = got.data();
-  auto tiles = [&](auto cols) {
+  auto tiles = [&](auto cols, auto groups) {
     constexpr int kCols = decltype(cols)::value;
     // (fewer blocks than tiles where there are several: the grid strides)
     const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(accumulate_tile_count<kThreads, kCols>(c), 3));
-    run_tiles<K, kSub, kForm, kCols>(c, grid, counted);
+    run_tiles<K, kSub, kForm, kCols, decltype(groups)::value>(c, grid, counted);
   };
-  switch (accumulate_tile_columns(c.n)) {
-    case 32: tiles(std::integral_constant<int, 32>{}); break;
-    case 8: tiles(std::integral_constant<int, 8>{}); break;
-    default: tiles(std::integral_constant<int, 1>{}); break;
+  if (c.p.group > 0) {
+    if (!accumulate_tile_groups(c.p) || accumulate_tile_columns(c.n) != 32) {
+      std::printf("a case the tiles do not take\n");
+      return false;
+    }
+    tiles(std::integral_constant<int, 32>{}, std::true_type{});
+  } else {
+    switch (accumulate_tile_columns(c.n)) {
+      case 32: tiles(std::integral_constant<int, 32>{}, std::false_type{}); break;
+      case 8: tiles(std::integral_constant<int, 8>{}, std::false_type{}); break;
+      default: tiles(std::integral_constant<int, 1>{}, std::false_type{}); break;
+    }
   }
   bool same = std::memcmp(want.data(), got.data(), want.size() * sizeof(float)) == 0;
   const int64_t e[5] = {expected.overflow, expected.underflow, expected.nan, expected.roundings, expected.swamped};
@@ -143,6 +152,7 @@ struct Case {
   int64_t block;
   bool product;
   Overflow overflow;
+  int32_t group = 0, align_bits = 0, operand_emin = 0;  // fused groups
 };
 
 }  // namespace
@@ -153,7 +163,7 @@ int main() {
   const std::vector<Shape> shapes = {{1, 5, 40, 37, false, false}, {2, 9, 8, 70, true, false},
                                      {1, 3, 3, 33, false, true},   {1, 300, 1, 20, false, false},
                                      {3, 17, 33, 64, true, true},  {1, 1, 9, 0, false, false},
-                                     {1, 40, 12, 100, false, false}};
+                                     {1, 40, 12, 100, false, false}, {1, 9, 32, 300, false, true}};
   const FormatSpec e5m2{5, 2, 0, Specials::None, true}, e8m13{8, 13, 0, Specials::IEEE, true},
       e4m3b4{4, 3, 4, Specials::None, true}, e8m7{8, 7, 0, Specials::IEEE, true},
       e4m3_no_subnormals{4, 3, 0, Specials::None, false};
@@ -168,12 +178,20 @@ int main() {
       {e8m7, Rounding::TowardZero, AccumulateOrder::Sequential, 0, false, Overflow::Inf},
       {e5m2, Rounding::Up, AccumulateOrder::Sequential, 0, false, Overflow::Saturate},
       {e5m2, Rounding::Down, AccumulateOrder::Blocked, 9, false, Overflow::Saturate},
+      // Fused groups (32-column tiles): Hopper's FP8 accumulation and DeepSeek-V3's promotion
+      // (python/lowfp/accumulate.py's presets), and groups of other divisors of a chunk
+      {e8m13, Rounding::TowardZero, AccumulateOrder::Sequential, 0, false, Overflow::Saturate, 32, 13, -6},
+      {e8m13, Rounding::TowardZero, AccumulateOrder::Blocked, 128, false, Overflow::Saturate, 32, 13, -6},
+      {e5m2, Rounding::Nearest, AccumulateOrder::Blocked, 24, false, Overflow::Saturate, 8, 9, -10},
+      {e4m3b4, Rounding::Stochastic, AccumulateOrder::Sequential, 0, false, Overflow::Saturate, 16, 20, -126},
+      {e8m7, Rounding::Nearest, AccumulateOrder::Sequential, 0, false, Overflow::Inf, 64, 30, -126},
   };
   std::mt19937 gen(5);
   std::normal_distribution<float> normal;
   int differ = 0, runs = 0;
   for (const Case& q : cases) {
     for (const Shape& s : shapes) {
+      if (q.group > 0 && accumulate_tile_columns(s.n) != 32) continue;  // (fused groups: 32-column tiles)
       AccumulateRequest r{};
       r.accumulator = q.accumulator;
       r.overflow = q.overflow;
@@ -182,6 +200,9 @@ int main() {
       r.order = q.order;
       r.block = q.block;
       r.has_product = q.product;
+      r.group = q.group;
+      r.align_bits = q.align_bits;
+      r.operand_emin = q.operand_emin;
       r.product = FormatSpec{4, 3, 0, Specials::FN, true};
       r.product_overflow = Overflow::Saturate;
       r.outer = FormatSpec{5, 10, 0, Specials::IEEE, true};

@@ -485,6 +485,57 @@ LOWFP_HD void add_block_sum(double (&out)[kLanes], const double (&inner)[kLanes]
   counts.swamped += swamped;
 }
 
+// A fused group of n products added to s (docs/design.md §10), lane l's i-th of them
+// a[i sa] · b[i sb + l sl]: every term, s and each product (its exponent the sum of its
+// operands'), cut toward zero to a multiple of 2^(E - align_bits), E the largest exponent among
+// them; their exact sum rounded once by acc (an AccumulateLanes).
+template <class Lanes, int kLanes, class In>
+LOWFP_HD void add_fused_group(Lanes& acc, const AccumulateParams& p, const In* a, int64_t sa, const In* b, int64_t sb,
+                              int64_t sl, int64_t n, double (&s)[kLanes]) {
+  double v[kLanes], ip[kLanes];
+  int32_t e_max[kLanes];
+  bool any[kLanes];
+  for (int l = 0; l < kLanes; ++l) {
+    e_max[l] = aligned_exponent(s[l], -126);  // (the sum: a float32 value)
+    any[l] = false;
+  }
+  const In* a_k = a;
+  const In* b_k = b;
+  for (int64_t k = 0; k < n; ++k, a_k += sa, b_k += sb) {
+    const int32_t ex = aligned_exponent(bit_cast<double>(Widen<uint64_t>::from(*a_k)), p.operand_emin);
+    for (int l = 0; l < kLanes; ++l) {
+      const double y = bit_cast<double>(Widen<uint64_t>::from(b_k[l * sl]));
+      e_max[l] = max_of(e_max[l], ex + aligned_exponent(y, p.operand_emin));
+    }
+  }
+  double up[kLanes];  // 2^(align_bits - E): the aligned sum is in units of 2^(E - align_bits)
+  for (int l = 0; l < kLanes; ++l) {
+    up[l] = exact_pow2(p.align_bits - e_max[l]);
+    v[l] = trunc_of(s[l] * up[l]);
+    ip[l] = s[l];  // (the IEEE sum, for a group with an infinity or a NaN)
+  }
+  a_k = a;
+  b_k = b;
+  for (int64_t k = 0; k < n; ++k, a_k += sa, b_k += sb) {
+    const double x = bit_cast<double>(Widen<uint64_t>::from(*a_k));
+    for (int l = 0; l < kLanes; ++l) {
+      const double q = x * bit_cast<double>(Widen<uint64_t>::from(b_k[l * sl]));  // exact
+      v[l] += trunc_of(q * up[l]);  // (exact: integers below 2^53)
+      ip[l] += q;
+      any[l] |= q != 0.0;
+    }
+  }
+  double sum[kLanes], before[kLanes], added[kLanes];
+  for (int l = 0; l < kLanes; ++l) {
+    // (the IEEE sum is infinite or NaN exactly when a term is: finite terms cannot overflow it)
+    const bool special = !(ip[l] - ip[l] == 0.0);
+    sum[l] = special ? ip[l] : v[l] * exact_pow2(e_max[l] - p.align_bits);
+    before[l] = s[l];
+    added[l] = any[l] ? 1.0 : 0.0;
+  }
+  acc.round(s, sum, before, added);
+}
+
 // kLanes output elements: lane l sums K products a[k·sa] · b[k·sb + l·sl] as the params say
 // (docs/design.md §10), into out[l]; element first_element + l of the output (its stochastic
 // words); the roundings counted into counts. kForm: by_addition or in_mode, else Bits. Blocks:
@@ -506,52 +557,8 @@ LOWFP_HD void accumulate_lanes(const AccumulateParams& p, const In* a, int64_t s
       q[l] = x * bit_cast<double>(Widen<uint64_t>::from(b_k[l * sl]));  // (exact: 48 bits)
     if (kAny && p.has_product) round_nearest_lanes<kLanes>(q, q, p.product, p.product_add_cap, counts);
   };
-  // A fused group of products [k0, k1) added to s (docs/design.md §10): every term, s and each
-  // product (its exponent the sum of its operands'), cut toward zero to a multiple of
-  // 2^(E - align_bits), E the largest exponent among them; their exact sum rounded once.
   auto fused_group = [&](int64_t k0, int64_t k1, double (&s)[kLanes]) {
-    double v[kLanes], ip[kLanes];
-    int32_t e_max[kLanes];
-    bool any[kLanes];
-    for (int l = 0; l < kLanes; ++l) {
-      e_max[l] = aligned_exponent(s[l], -126);  // (the sum: a float32 value)
-      any[l] = false;
-    }
-    const In* a_k = a + k0 * sa;
-    const In* b_k = b + k0 * sb;
-    for (int64_t k = k0; k < k1; ++k, a_k += sa, b_k += sb) {
-      const int32_t ex = aligned_exponent(bit_cast<double>(Widen<uint64_t>::from(*a_k)), p.operand_emin);
-      for (int l = 0; l < kLanes; ++l) {
-        const double y = bit_cast<double>(Widen<uint64_t>::from(b_k[l * sl]));
-        e_max[l] = max_of(e_max[l], ex + aligned_exponent(y, p.operand_emin));
-      }
-    }
-    double up[kLanes];  // 2^(align_bits - E): the aligned sum is in units of 2^(E - align_bits)
-    for (int l = 0; l < kLanes; ++l) {
-      up[l] = exact_pow2(p.align_bits - e_max[l]);
-      v[l] = trunc_of(s[l] * up[l]);
-      ip[l] = s[l];  // (the IEEE sum, for a group with an infinity or a NaN)
-    }
-    a_k = a + k0 * sa;
-    b_k = b + k0 * sb;
-    for (int64_t k = k0; k < k1; ++k, a_k += sa, b_k += sb) {
-      const double x = bit_cast<double>(Widen<uint64_t>::from(*a_k));
-      for (int l = 0; l < kLanes; ++l) {
-        const double q = x * bit_cast<double>(Widen<uint64_t>::from(b_k[l * sl]));  // exact
-        v[l] += trunc_of(q * up[l]);  // (exact: integers below 2^53)
-        ip[l] += q;
-        any[l] |= q != 0.0;
-      }
-    }
-    double sum[kLanes], before[kLanes], added[kLanes];
-    for (int l = 0; l < kLanes; ++l) {
-      // (the IEEE sum is infinite or NaN exactly when a term is: finite terms cannot overflow it)
-      const bool special = !(ip[l] - ip[l] == 0.0);
-      sum[l] = special ? ip[l] : v[l] * exact_pow2(e_max[l] - p.align_bits);
-      before[l] = s[l];
-      added[l] = any[l] ? 1.0 : 0.0;
-    }
-    acc.round(s, sum, before, added);
+    add_fused_group(acc, p, a + k0 * sa, sa, b + k0 * sb, sb, sl, k1 - k0, s);
   };
   // Sequential sums of products [k0, k1) from +0 into s, compensated or not, or in fused groups
   auto sequential = [&](int64_t k0, int64_t k1, double (&s)[kLanes]) {

@@ -6,10 +6,10 @@
 // mode, each CUDA addition names its direction: accumulate.hpp's Direction), else each sum
 // rounded by its bits.
 //
-// Sums one product at a time (the sequential and blocked orders without Kahan's corrections or
-// fused groups, the common requests) take tiles_kernel, accumulate_tiles.hpp's schedule of
-// staged tiles. The other orders take accumulate_kernel: one output element per thread,
-// grid-stride, reading its row and column.
+// The sequential and blocked orders without Kahan's corrections (the common requests) take
+// tiles_kernel, accumulate_tiles.hpp's schedule of staged tiles (fused groups where they fit
+// its chunks). The others take accumulate_kernel: one output element per thread, grid-stride,
+// reading its row and column.
 #include "accumulate_cuda.hpp"
 #include "accumulate_tiles.hpp"
 #include "common.cuh"
@@ -40,9 +40,9 @@ __global__ void __launch_bounds__(kThreads) accumulate_kernel(AccumulateCall c, 
 }
 
 // A CUDA thread block as accumulate_tiles sees it.
-template <int kCols>
+template <int kCols, bool kGroups>
 struct TileBlock {
-  using Tile = AccumulateTile<kThreads, kCols>;
+  using Tile = AccumulateTile<kThreads, kCols, kGroups>;
   double (*a_chunk)[Tile::kChunk + 1];
   double (*b_chunk)[kCols];
   __device__ int thread() const { return int(threadIdx.x); }
@@ -52,15 +52,15 @@ struct TileBlock {
 };
 
 // kCount: the call counts its roundings (where counts is not null). Without, every count is a
-// dead store that the compiler drops from the step.
-template <RoundKind K, bool kSub, LaneForm kForm, Direction kDir, int kCols, bool kCount>
+// dead store that the compiler drops from the step. kGroups: fused groups.
+template <RoundKind K, bool kSub, LaneForm kForm, Direction kDir, int kCols, bool kCount, bool kGroups>
 __global__ void __launch_bounds__(kThreads) tiles_kernel(AccumulateCall c, unsigned long long* counts) {
-  using Tile = AccumulateTile<kThreads, kCols>;
+  using Tile = AccumulateTile<kThreads, kCols, kGroups>;
   __shared__ double a_chunk[Tile::kRows][Tile::kChunk + 1];
   __shared__ double b_chunk[Tile::kChunk][kCols];
-  TileBlock<kCols> blk{a_chunk, b_chunk};
+  TileBlock<kCols, kGroups> blk{a_chunk, b_chunk};
   AccumulateCounts mine;
-  accumulate_tiles<K, kSub, kForm, kDir, kThreads, kCols>(c, blk, mine);
+  accumulate_tiles<K, kSub, kForm, kDir, kThreads, kCols, kGroups>(c, blk, mine);
   if (!kCount || counts == nullptr) return;
   const int64_t values[5] = {mine.overflow, mine.underflow, mine.nan, mine.roundings, mine.swamped};
   for (int v = 0; v < 5; ++v) {
@@ -69,33 +69,43 @@ __global__ void __launch_bounds__(kThreads) tiles_kernel(AccumulateCall c, unsig
   }
 }
 
-// The call's kernel for one lane form: tiles where the order sums one product at a time.
+template <RoundKind K, bool kSub, LaneForm kForm, Direction kDir, int kCols, bool kGroups>
+void launch_tiles(const AccumulateCall& c, unsigned long long* cnt, int device, cudaStream_t stream) {
+  // (grid_size sizes a grid by elements, kThreads a block: here, by tiles)
+  const int grid = grid_size(device, accumulate_tile_count<kThreads, kCols>(c) * kThreads);
+  // (one-column tiles, a matrix times a few vectors, always count: a kernel fewer to build)
+  if constexpr (kCols > 1) {
+    if (cnt == nullptr) {
+      tiles_kernel<K, kSub, kForm, kDir, kCols, false, kGroups><<<grid, kThreads, 0, stream>>>(c, cnt);
+      return;
+    }
+  }
+  tiles_kernel<K, kSub, kForm, kDir, kCols, true, kGroups><<<grid, kThreads, 0, stream>>>(c, cnt);
+}
+
+// The call's kernel for one lane form: tiles for the sequential and blocked orders without
+// Kahan's corrections, one product at a time, or in fused groups that fit the staged chunks
+// (accumulate_tile_groups; 32-column tiles only, a kernel fewer per form to build); else one
+// element per thread.
 template <RoundKind K, bool kSub, LaneForm kForm, Direction kDir = Direction::Fpu>
 void launch(const AccumulateCall& c, unsigned long long* cnt, int device, cudaStream_t stream) {
-  const bool one_at_a_time = (c.p.order == AccumulateOrder::Sequential || c.p.order == AccumulateOrder::Blocked) &&
-                             !c.p.compensated && c.p.group == 0;
-  if (!one_at_a_time) {
-    accumulate_kernel<K, kSub, kForm, kDir><<<grid_size(device, c.batch * c.m * c.n), kThreads, 0, stream>>>(c, cnt);
+  const bool tiled_order = (c.p.order == AccumulateOrder::Sequential || c.p.order == AccumulateOrder::Blocked) &&
+                           !c.p.compensated;
+  if (tiled_order && c.p.group == 0) {
+    switch (accumulate_tile_columns(c.n)) {
+      case 32: launch_tiles<K, kSub, kForm, kDir, 32, false>(c, cnt, device, stream); break;
+      case 8: launch_tiles<K, kSub, kForm, kDir, 8, false>(c, cnt, device, stream); break;
+      default: launch_tiles<K, kSub, kForm, kDir, 1, false>(c, cnt, device, stream); break;
+    }
     return;
   }
-  auto tiles = [&](auto cols) {
-    constexpr int kCols = decltype(cols)::value;
-    // (grid_size sizes a grid by elements, kThreads a block: here, by tiles)
-    const int grid = grid_size(device, accumulate_tile_count<kThreads, kCols>(c) * kThreads);
-    // (one-column tiles, a matrix times a few vectors, always count: a kernel fewer to build)
-    if constexpr (kCols > 1) {
-      if (cnt == nullptr) {
-        tiles_kernel<K, kSub, kForm, kDir, kCols, false><<<grid, kThreads, 0, stream>>>(c, cnt);
-        return;
-      }
+  if constexpr (kForm != LaneForm::InMode) {  // (fused groups add exact products: never in the mode)
+    if (tiled_order && accumulate_tile_groups(c.p) && accumulate_tile_columns(c.n) == 32) {
+      launch_tiles<K, kSub, kForm, kDir, 32, true>(c, cnt, device, stream);
+      return;
     }
-    tiles_kernel<K, kSub, kForm, kDir, kCols, true><<<grid, kThreads, 0, stream>>>(c, cnt);
-  };
-  switch (accumulate_tile_columns(c.n)) {
-    case 32: tiles(std::integral_constant<int, 32>{}); break;
-    case 8: tiles(std::integral_constant<int, 8>{}); break;
-    default: tiles(std::integral_constant<int, 1>{}); break;
   }
+  accumulate_kernel<K, kSub, kForm, kDir><<<grid_size(device, c.batch * c.m * c.n), kThreads, 0, stream>>>(c, cnt);
 }
 
 }  // namespace

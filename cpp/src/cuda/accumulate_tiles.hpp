@@ -1,5 +1,5 @@
-// The CUDA driver's schedule for sums one product at a time (the sequential and blocked orders
-// without Kahan's corrections or fused groups, docs/design.md §10): a thread block computes a tile
+// The CUDA driver's schedule for the sequential and blocked orders without Kahan's corrections
+// (docs/design.md §10), one product at a time or in fused groups: a thread block computes a tile
 // of kRows × kCols output elements, one a thread, from chunks of kChunk steps of A's rows and B's
 // columns staged in the block's shared memory as float64. Each operand is read from global memory
 // and widened once per tile, not once per product, and a step is two shared-memory reads, the
@@ -25,21 +25,50 @@ namespace lowfp {
 // A tile's shape for blocks of kThreads threads. Narrow B (attention's heads, a matrix times a
 // vector) takes narrow tiles, so that threads are not left without a column; a one-column tile's
 // rows stage fewer steps, to stay within shared memory's 48 KiB.
-template <int kThreads, int kCols>
+// kGroups: fused groups, which stage kAccumulateMaxGroup steps, so that a group of a divisor of
+// that many products never straddles two chunks (accumulate_tile_groups).
+template <int kThreads, int kCols, bool kGroups = false>
 struct AccumulateTile {
   static constexpr int kRows = kThreads / kCols;
-  static constexpr int kChunk = kCols == 1 ? 16 : 32;
+  static constexpr int kChunk = kGroups ? kAccumulateMaxGroup : kCols == 1 ? 16 : 32;
   static_assert(kRows * kCols == kThreads, "a tile has a thread per output element");
 };
 
 // The tile's columns for a call: 32, 8 or 1 as B has at least that many.
 inline int accumulate_tile_columns(int64_t n) { return n >= 32 ? 32 : n >= 8 ? 8 : 1; }
 
+// Whether a call's fused groups can be summed from staged chunks: groups of a divisor of the
+// chunk's steps, which then start at multiples of the group size as the spec's do (from k = 0,
+// and from each block's start, a multiple of the group).
+inline bool accumulate_tile_groups(const AccumulateParams& p) {
+  return p.group > 0 && kAccumulateMaxGroup % p.group == 0 &&
+         (p.order == AccumulateOrder::Sequential || (p.order == AccumulateOrder::Blocked && p.block % p.group == 0));
+}
+
 // The tiles of a call (the grid strides over them).
 template <int kThreads, int kCols>
 inline int64_t accumulate_tile_count(const AccumulateCall& c) {
-  constexpr int kRows = AccumulateTile<kThreads, kCols>::kRows;
+  constexpr int kRows = AccumulateTile<kThreads, kCols>::kRows;  // (kRows does not depend on kGroups)
   return c.batch * ((c.m + kRows - 1) / kRows) * ((c.n + kCols - 1) / kCols);
+}
+
+// One thread's fused groups of a staged chunk (chunk_sums' arguments): a group ends at the
+// group's size, the chunk's end (the reduction's) or the block's, whichever comes first.
+template <int kCols, class Sums>
+LOWFP_TILE_FN void chunk_groups(Sums& acc, const double* a, const double* b, int steps, int64_t block,
+                                int64_t& block_left, double (&sum)[1], double (&out)[1], const AccumulateParams& p,
+                                AccumulateCounts& counts) {
+  for (int kk = 0; kk < steps;) {
+    const int n = int(min_of<int64_t>(min_of(steps - kk, p.group), block_left));
+    add_fused_group(acc, p, a + kk, 1, b + kk * kCols, kCols, 0, n, sum);
+    kk += n;
+    block_left -= n;
+    if (block_left == 0) {
+      add_block_sum<1>(out, sum, p, counts);
+      sum[0] = 0.0;
+      block_left = block;
+    }
+  }
 }
 
 // One thread's steps of a staged chunk: a its row's operands (consecutive), b its column's (kCols
@@ -70,9 +99,9 @@ LOWFP_UNROLL_4
 // the staged chunks a_chunk[kRows][kChunk + 1] (+1: a warp's rows in different banks) and
 // b_chunk[kChunk][kCols]. Every thread of a block takes every chunk and barrier, whether or not
 // it has an element of the tile.
-template <RoundKind K, bool kSub, LaneForm kForm, Direction kDir, int kThreads, int kCols, class Block>
+template <RoundKind K, bool kSub, LaneForm kForm, Direction kDir, int kThreads, int kCols, bool kGroups, class Block>
 LOWFP_TILE_FN void accumulate_tiles(const AccumulateCall& c, Block& blk, AccumulateCounts& counts) {
-  using Tile = AccumulateTile<kThreads, kCols>;
+  using Tile = AccumulateTile<kThreads, kCols, kGroups>;
   constexpr int kRows = Tile::kRows, kChunk = Tile::kChunk;
   const int row = blk.thread() / kCols, col = blk.thread() % kCols;
   const int64_t row_tiles = (c.m + kRows - 1) / kRows, col_tiles = (c.n + kCols - 1) / kCols;
@@ -102,7 +131,10 @@ LOWFP_TILE_FN void accumulate_tiles(const AccumulateCall& c, Block& blk, Accumul
       blk.sync();
       if (!active) continue;
       // (the products' format chosen once a chunk, not in its loop)
-      if (c.p.has_product) {
+      if constexpr (kGroups) {
+        chunk_groups<kCols>(acc, &blk.a_chunk[row][0], &blk.b_chunk[0][col], steps, block, block_left, sum, out, c.p,
+                            counts);
+      } else if (c.p.has_product) {
         chunk_sums<kCols, true>(acc, &blk.a_chunk[row][0], &blk.b_chunk[0][col], steps, block, block_left, sum, out,
                                 c.p, counts);
       } else {
