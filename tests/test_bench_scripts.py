@@ -173,6 +173,26 @@ def test_the_accumulation_benchmark_prints_issue_58s_targets(capsys):
     assert any(">= 1e+09 products/s" in line for line in targets)  # (the CPU's target)
 
 
+def test_the_sass_loop_count_skips_the_ranges_that_forward_branches_jump_over():
+    import sass_loops
+    listing = """
+\t\tFunction : _Z6kernelv
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDS R2, [R3] ;
+        /*0020*/              @!P0 BRA 0x50 ;
+        /*0030*/                   IADD3 R4, R4, 0x1, RZ ;
+        /*0040*/                   IADD3 R4, R4, 0x2, RZ ;
+        /*0050*/                   FADD R5, R5, R2 ;
+        /*0060*/               @P1 BRA 0x10 ;
+        /*0070*/                   EXIT ;
+"""
+    (name, instructions), = sass_loops.functions(listing).items()
+    assert name == "_Z6kernelv" and len(instructions) == 8
+    # the loop 0x10-0x60 holds 6 instructions; its fall-through path skips the two the branch at
+    # 0x20 jumps over
+    assert sass_loops.loops(instructions) == [(0x10, 0x60, 6, 4)]
+
+
 def test_emulation_benchmarks_train_a_copy_per_case_inside_its_own_context():
     import bench_emulate
     import torch
