@@ -102,6 +102,9 @@ for step in $steps; do
       run kernels scaled $PY bench/bench_scaled.py --device cuda --json "$WORK/kernels/scaled.json"
       run kernels s2fp8 $PY bench/bench_s2fp8.py --device cuda --json "$WORK/kernels/s2fp8.json"
       run kernels accumulate $PY bench/bench_accumulate.py --device cuda --json "$WORK/kernels/accumulate.json"
+      # (B of 8 columns, attention's per-head products: the narrow tiles)
+      run kernels accumulate-narrow $PY bench/bench_accumulate.py --device cuda --size 8192 4096 8 \
+        --json "$WORK/kernels/accumulate_narrow.json"
       run kernels host $PY bench/bench_host.py --device cuda
       merge kernels ;;
     fused)

@@ -64,11 +64,12 @@ def test_the_gpu_script_runs_each_part_into_one_log_and_one_json(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == [
         f"{part}.{kind}" for part in ("emulate", "kernels", "optim") for kind in ("json", "log")]
     log = (out / "kernels.log").read_text()
-    for name in ("quantize", "scaled", "s2fp8", "accumulate", "host"):
+    for name in ("quantize", "scaled", "s2fp8", "accumulate", "accumulate-narrow", "host"):
         assert f"-- {name}: " in log
     assert "benchmark bench/bench_scaled.py --device cuda" in log and "exit status 3" in log
     # the benchmarks that write JSON, merged under their names
-    assert sorted(json.loads((out / "kernels.json").read_text())) == ["accumulate", "quantize", "s2fp8", "scaled"]
+    assert sorted(json.loads((out / "kernels.json").read_text())) == [
+        "accumulate", "accumulate_narrow", "quantize", "s2fp8", "scaled"]
     assert sorted(json.loads((out / "emulate.json").read_text())) == ["eager", "gemms"]
 
 
