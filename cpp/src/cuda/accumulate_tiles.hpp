@@ -52,6 +52,16 @@ inline int64_t accumulate_tile_count(const AccumulateCall& c) {
   return c.batch * ((c.m + kRows - 1) / kRows) * ((c.n + kCols - 1) / kCols);
 }
 
+// Where the steps just taken ended a block (block_left reached 0): the block's sum into the outer
+// sum, and the next block from +0.
+LOWFP_TILE_FN void end_of_block(int64_t block, int64_t& block_left, double (&sum)[1], double (&out)[1],
+                                const AccumulateParams& p, AccumulateCounts& counts) {
+  if (block_left != 0) return;
+  add_block_sum<1>(out, sum, p, counts);
+  sum[0] = 0.0;
+  block_left = block;
+}
+
 // One thread's fused groups of a staged chunk (chunk_sums' arguments): a group ends at the
 // group's size, the chunk's end (the reduction's) or the block's, whichever comes first.
 template <int kCols, class Sums>
@@ -63,11 +73,7 @@ LOWFP_TILE_FN void chunk_groups(Sums& acc, const double* a, const double* b, int
     add_fused_group(acc, p, a + kk, 1, b + kk * kCols, kCols, 0, n, sum);
     kk += n;
     block_left -= n;
-    if (block_left == 0) {
-      add_block_sum<1>(out, sum, p, counts);
-      sum[0] = 0.0;
-      block_left = block;
-    }
+    end_of_block(block, block_left, sum, out, p, counts);
   }
 }
 
@@ -86,11 +92,7 @@ LOWFP_UNROLL_4
       acc.add(sum, sum, q);
     }
     block_left -= run;
-    if (block_left == 0) {
-      add_block_sum<1>(out, sum, p, counts);
-      sum[0] = 0.0;
-      block_left = block;
-    }
+    end_of_block(block, block_left, sum, out, p, counts);
   }
 }
 
