@@ -75,6 +75,11 @@ LOWFP_HD double pow2(int32_t k) {  // k clamped to [-1022, 1023]
 LOWFP_HD bool is_pow2(double a) {  // a > 0, normal
   return (bit_cast<uint64_t>(a) & 0x000fffffffffffffull) == 0;
 }
+// 1 / s, exactly, for s = 2^k with |k| <= 1022 (every power-of-two block scale, and the empty
+// scale 2^-127): 2^-k, the exponent field reflected about the bias, where 1 / s is a division.
+LOWFP_HD double pow2_inverse(double s) {
+  return bit_cast<double>((uint64_t(2046) << 52) - bit_cast<uint64_t>(s));
+}
 LOWFP_HD double fma_rn(double a, double b, double c) {
 #ifdef __CUDA_ARCH__
   return __fma_rn(a, b, c);

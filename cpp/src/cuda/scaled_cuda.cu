@@ -151,6 +151,12 @@ __device__ void count_blocks(const ScaledCall& c, uint64_t saturated, int64_t bl
   if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(counts + 5, (unsigned long long)blocks);
 }
 
+// 1 / s: by its bits for power-of-two scales (kPow2: pow2_inverse), else a division.
+template <bool kPow2>
+__device__ double inverse_of(double s) {
+  return kPow2 ? pow2_inverse(s) : 1.0 / s;
+}
+
 // One element's rounding given its block's scale s (inverse inv) and random word: q into c.q when
 // asked, s · q returned in the storage type, its events into tc when kCount. kFaster, kOnce:
 // scaled_element's faster forms (with_float64_forms).
@@ -166,14 +172,16 @@ __device__ In round_scaled(const ScaledCall& c, In x, int64_t i, double s, doubl
 }
 
 // round_scaled in the float32 carrier (ScaledCall::narrow), given the block's scale and inverse
-// as float32 (2^±k: exact). kSteps: stochastic rounding by steps (ScaledCall::steps32).
-template <class In, RoundKind K, bool kCount, bool kSteps>
+// as float32 (2^±k: exact). kFaster32: narrow_element's faster form (nearest by addition where
+// ScaledCall::add32 holds, stochastic by steps where ScaledCall::steps32 does).
+template <class In, RoundKind K, bool kCount, bool kFaster32>
 __device__ In round_narrow(const ScaledCall& c, In x, int64_t i, float s32, float inv32, uint32_t word,
                            ThreadCounts& tc) {
   // (a quotient that underflowed to 0 kept nonzero unless only its nearest rounding is wanted)
   constexpr bool kKeep = kCount || K != RoundKind::Nearest;
   RoundEvents ev;
-  const float q = narrow_element<K, kKeep, kSteps>(Widen<uint32_t>::from(x), inv32, c.p32, word, ev);
+  const float q = narrow_element<K, kKeep, kFaster32>(Widen<uint32_t>::from(x), inv32, c.p32, word, ev,
+                                                    c.addition_cap);
   if (c.q != nullptr) c.q[i] = q;
   if (kCount) tc.add(ev);
   return store_narrow<In>(q * s32, c.out32);
@@ -182,10 +190,10 @@ __device__ In round_narrow(const ScaledCall& c, In x, int64_t i, float s32, floa
 // The one-pass form (row_blocks): blocks of c.block_cols = 4 · lanes consecutive elements, block b
 // holding elements b · block_cols ... (row-major), so quad g (elements 4g .. 4g + 3) lies in block
 // g / lanes and takes Philox block offset + g. A warp takes 32 / lanes blocks at a time (its loop
-// bound the same for all its lanes, which all shuffle). kNarrow: the float32 carrier, kSteps:
+// bound the same for all its lanes, which all shuffle). kNarrow: the float32 carrier, kFaster32:
 // round_narrow's; kFaster, kOnce: round_scaled's.
 template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kNarrow, bool kFaster, bool kOnce,
-          bool kSteps = false>
+          bool kFaster32 = false>
 __global__ void __launch_bounds__(kThreads)
 row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
   using U = RawOf<In>;
@@ -215,7 +223,7 @@ row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned l
     const double a = raw_value<In>(group_max(m, lanes));
     if (live) {
       bool sat = false;
-      const double s = a > 0.0 ? block_scale(c.scale, a, t, sat) : empty, inv = 1.0 / s;
+      const double s = a > 0.0 ? block_scale(c.scale, a, t, sat) : empty, inv = inverse_of<kPow2>(s);
       if (part == 0) {
         c.scales[b] = s;
         saturated += sat;
@@ -226,7 +234,7 @@ row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned l
       if constexpr (kNarrow) {
         const float s32 = float(s), inv32 = float(inv);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) out.v[k] = round_narrow<In, K, kCount, kSteps>(c, in.v[k], 4 * g + k, s32, inv32, r.w[k], tc);
+        for (int k = 0; k < 4; ++k) out.v[k] = round_narrow<In, K, kCount, kFaster32>(c, in.v[k], 4 * g + k, s32, inv32, r.w[k], tc);
       } else {
 #pragma unroll
         for (int k = 0; k < 4; ++k)
@@ -245,7 +253,7 @@ row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned l
 // columns (coalesced), reading its block_rows elements for the maximum and again (from cache)
 // to round them. Template parameters: row_blocks_kernel's.
 template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kNarrow, bool kFaster, bool kOnce,
-          bool kSteps = false>
+          bool kFaster32 = false>
 __global__ void __launch_bounds__(kThreads)
 column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
   using U = RawOf<In>;
@@ -268,7 +276,7 @@ column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigne
     }
     const double a = raw_value<In>(m);
     bool sat = false;
-    const double s = a > 0.0 ? block_scale(c.scale, a, t, sat) : empty, inv = 1.0 / s;
+    const double s = a > 0.0 ? block_scale(c.scale, a, t, sat) : empty, inv = inverse_of<kPow2>(s);
     c.scales[b] = s;
     saturated += sat;
     // Stochastic: each row's word w, the next one along with a word_run (a block lies within one
@@ -288,7 +296,7 @@ column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigne
         }
         word = words.w[w % 4];
       }
-      if constexpr (kNarrow) y[i] = round_narrow<In, K, kCount, kSteps>(c, x[i], i, float(s), float(inv), word, tc);
+      if constexpr (kNarrow) y[i] = round_narrow<In, K, kCount, kFaster32>(c, x[i], i, float(s), float(inv), word, tc);
       else y[i] = round_scaled<In, K, kCount, kPow2, kSubExp, kFaster, kOnce>(c, x[i], i, s, inv, word, tc);
     }
   }
@@ -302,7 +310,7 @@ column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigne
 // rounds the block's elements, read again (from the L2 cache where it holds the block), a Philox
 // block a quad. Template parameters: row_blocks_kernel's.
 template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kNarrow, bool kFaster, bool kOnce,
-          bool kSteps>
+          bool kFaster32>
 __global__ void __launch_bounds__(kThreads)
 tile_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
   using U = RawOf<In>;
@@ -339,7 +347,7 @@ tile_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned 
       saturated += sat;
     }
     __syncthreads();
-    const double s = block_s, inv = 1.0 / s;
+    const double s = block_s, inv = inverse_of<kPow2>(s);
     share.each(at.h, at.w / 4, [&](int64_t r, int64_t u) {
       const int64_t i = first(r, u);
       const Quad<In> in = *reinterpret_cast<const Quad<In>*>(x + i);
@@ -350,7 +358,7 @@ tile_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned 
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         if constexpr (kNarrow)
-          out.v[k] = round_narrow<In, K, kCount, kSteps>(c, in.v[k], i + k, float(s), float(inv), words.w[k], tc);
+          out.v[k] = round_narrow<In, K, kCount, kFaster32>(c, in.v[k], i + k, float(s), float(inv), words.w[k], tc);
         else
           out.v[k] = round_scaled<In, K, kCount, kPow2, kSubExp, kFaster, kOnce>(c, in.v[k], i + k, s, inv,
                                                                               words.w[k], tc);
@@ -418,28 +426,30 @@ void one_pass(const ScaledCall& c, OnePass form, int device, cudaStream_t stream
       tensor_amax_kernel<In><<<grid_size(device, (n + 3) / 4), kThreads, 0, stream>>>(c, quad_aligned<In>(c.x),
                                                                                      tmax, nullptr);
     // the form's kernel for the remaining template parameters (kCount, kPow2, kSubExp, kNarrow,
-    // kFaster, kOnce, kSteps)
-    auto launch = [&](auto count, auto pow2, auto sub, auto narrow, auto faster, auto once, auto steps) {
+    // kFaster, kOnce, kFaster32)
+    auto launch = [&](auto count, auto pow2, auto sub, auto narrow, auto faster, auto once, auto faster32) {
       constexpr bool kCount = decltype(count)::value, kPow2 = decltype(pow2)::value, kSub = decltype(sub)::value,
                      kNarrow = decltype(narrow)::value, kFaster = decltype(faster)::value,
-                     kOnce = decltype(once)::value, kSteps = decltype(steps)::value;
+                     kOnce = decltype(once)::value, kFaster32 = decltype(faster32)::value;
       if (form == OnePass::Rows)
-        row_blocks_kernel<In, K, kCount, kPow2, kSub, kNarrow, kFaster, kOnce, kSteps>
+        row_blocks_kernel<In, K, kCount, kPow2, kSub, kNarrow, kFaster, kOnce, kFaster32>
             <<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
       else if (form == OnePass::Columns)
-        column_blocks_kernel<In, K, kCount, kPow2, kSub, kNarrow, kFaster, kOnce, kSteps>
+        column_blocks_kernel<In, K, kCount, kPow2, kSub, kNarrow, kFaster, kOnce, kFaster32>
             <<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
       else if constexpr (!kWide)  // (tile_blocks: no float64 inputs)
-        tile_blocks_kernel<In, K, kCount, kPow2, kSub, kNarrow, kFaster, kOnce, kSteps>
+        tile_blocks_kernel<In, K, kCount, kPow2, kSub, kNarrow, kFaster, kOnce, kFaster32>
             <<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
     };
     using No = Flag<false>;
     with_flag(c.count, [&](auto count) {
       if (c.narrow && !kWide) {
-        with_flag(K == RoundKind::Stochastic && c.steps32, [&](auto steps) {
+        constexpr bool kHasFaster32 = K == RoundKind::Nearest || K == RoundKind::Stochastic;
+        const bool faster32 = K == RoundKind::Nearest ? c.add32 : K == RoundKind::Stochastic && c.steps32;
+        with_flag(faster32, [&](auto faster) {
           // (!kWide: float64 inputs never come here; no float32-carrier instance of them)
           launch(count, Flag<true>{}, No{}, Flag<!kWide>{}, No{}, No{},
-                 Flag<decltype(steps)::value && K == RoundKind::Stochastic>{});
+                 Flag<decltype(faster)::value && kHasFaster32>{});
         });
         return;
       }
@@ -510,7 +520,7 @@ elements_kernel(ScaledCall c, bool quad_io, unsigned long long* counts) {
   const int64_t n = c.rows * c.cols, gc = c.block_grid_cols();
   ThreadCounts tc;
   if constexpr (kSingle) {
-    const double s = c.scales[0], inv = 1.0 / s;
+    const double s = c.scales[0], inv = inverse_of<kPow2>(s);
     transform_groups(x, y, n, quad_io, [&](int64_t g, const Quad<In>& in) {
       Philox4x32Block words = {{0u, 0u, 0u, 0u}};
       if constexpr (K == RoundKind::Stochastic) words = philox_block(c.seed, c.offset + uint64_t(g));
@@ -531,7 +541,7 @@ elements_kernel(ScaledCall c, bool quad_io, unsigned long long* counts) {
         const uint64_t w = c.word_index(r, col);
         word = philox_block(c.seed, c.offset + w / 4).w[w % 4];
       }
-      y[i] = round_scaled<In, K, kCount, kPow2, kSubExp>(c, x[i], i, s, 1.0 / s, word, tc);
+      y[i] = round_scaled<In, K, kCount, kPow2, kSubExp>(c, x[i], i, s, inverse_of<kPow2>(s), word, tc);
     }
   }
   if constexpr (kCount) finish_counts(tc, counts, n);

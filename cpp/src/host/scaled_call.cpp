@@ -64,6 +64,7 @@ ScaledCall prepare_scaled_call(const ScaledRequest& r) {
   c.p = make_round_params<uint64_t>(r.element, r.overflow, r.mode, r.sr_bits);
   const bool nearest = r.mode == Rounding::Nearest;
   c.addition_cap = max_exponent(r.element) + 1;
+  c.add32 = nearest && r.dtype != DType::Float64 && nearest_by_addition(c.p32, c.addition_cap);
   c.add64 = nearest && nearest_by_addition(c.p, c.addition_cap);
   c.steps64 = r.mode == Rounding::Stochastic && stochastic_by_steps(c.p);
   // s = S · t: S's significand bits, and the float32 tensor scale's 24

@@ -52,6 +52,10 @@ struct ScaledCall {
   // narrow, stochastic, and round.hpp's stochastic_by_steps(p32): the float32 carrier rounds E
   // by steps (round_stochastic_by_steps)
   bool steps32;
+  // nearest, and round.hpp's nearest_by_addition(p32, addition_cap): E's nearest rounding in the
+  // float32 carrier may take the addition (round_nearest_by_addition) wherever that carrier is
+  // exact (narrow, or the CPU's checked quotient)
+  bool add32;
   // The float64 carrier's faster forms (scaled_element's kFaster and kOnce, with_float64_forms):
   // E's nearest rounding by addition where nearest_by_addition(p, addition_cap) holds (add64),
   // its stochastic rounding by steps where stochastic_by_steps(p) holds (steps64), x / s rounded

@@ -154,7 +154,7 @@ void scaled_lanes(const ScaledCall& c, int64_t r0, int64_t r1,
                                                 : run_tile<K, kC, kZ, kS, 0>;
           for_each_tile(c, r0, r1, [&](const Tile& k) {
             t.place32(static_cast<float*>(c.y) + k.first);
-            block_forms(k, 1.0, t);  // (2^±k: exact)
+            block_forms<true>(k, 1.0, t);  // (2^±k: exact)
             if (c.block_cols != 16 && c.block_cols != 32) spread32(c, k, t);
             if constexpr (K == RoundKind::Stochastic) draw_words(c, k, t);
             run(c, k, t, counts);

@@ -102,7 +102,7 @@ void scaled_narrow(const ScaledCall& c, const ScaledCpuForms& f, const ScaledPla
               for_each_tile(c, r0, r1, [&](const Tile& k) {
                 round_tile(c, f, plan, k, t, counts, [&] {
                   t.place32(static_cast<In*>(c.y) + k.first);
-                  block_forms(k, 1.0, t);  // (2^±k: exact)
+                  block_forms<true>(k, 1.0, t);  // (2^±k: exact)
                   if (c.block_cols != 32) spread32(c, k, t);
                   if constexpr (K == RoundKind::Stochastic) draw_words(c, k, t);
                   run(c, k, t, counts);

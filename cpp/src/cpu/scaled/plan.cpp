@@ -119,7 +119,7 @@ ScaledCpuForms prepare_scaled_cpu(const ScaledRequest& r, const ScaledCall& c) {
   const bool checkable = format_scales && r.dtype == DType::Float32 && smallest_exponent(e) >= -22 &&
                          e.m <= 18 && exact_product;
   const bool nearest = r.mode == Rounding::Nearest;
-  f.add32 = nearest && (c.narrow || checkable) && nearest_by_addition(c.p32, c.addition_cap);
+  f.add32 = c.add32 && (c.narrow || checkable);
   // (stochastic: a margin of 2^(m + 13) in 2^32, so that few elements are rounded twice)
   const bool stochastic_checked = r.mode == Rounding::Stochastic && e.m <= kCheckedStochasticMaxM &&
                                   stochastic_by_steps(c.p32);

@@ -166,8 +166,10 @@ void for_each_tile(const ScaledCall& c, int64_t r0, int64_t r1, Fn&& fn) {
 }
 
 // Each block's 1 / s into t.block_inv (a loop over the tile's blocks of its own: it vectorises).
+// kPow2: power-of-two scales (pow2_inverse).
+template <bool kPow2>
 inline void block_inverses(const Tile& k, TileScales& t) {
-  for (int64_t b = 0; b < k.blocks; ++b) t.block_inv[b] = 1.0 / k.bs[b];
+  for (int64_t b = 0; b < k.blocks; ++b) t.block_inv[b] = kPow2 ? pow2_inverse(k.bs[b]) : 1.0 / k.bs[b];
 }
 
 // The float32 forms of each block's scale after block_inverses: s / over_t (exact: 2^±k for
@@ -184,12 +186,13 @@ inline bool block_scales32(const Tile& k, double over_t, TileScales& t) {
   return bad == 0;
 }
 
-// block_inverses and block_scales32(k, over_t, t) (its answer returned), once for a run of tiles
-// of the same blocks (the same scales and count, over_t the same within a call): the rows of a
-// block row. (A tile's forms depend on its blocks' scales alone, k.bs[0 .. k.blocks).)
+// block_inverses<kPow2> and block_scales32(k, over_t, t) (its answer returned), once for a run of
+// tiles of the same blocks (the same scales and count, over_t the same within a call): the rows
+// of a block row. (A tile's forms depend on its blocks' scales alone, k.bs[0 .. k.blocks).)
+template <bool kPow2 = false>
 inline bool block_forms(const Tile& k, double over_t, TileScales& t) {
   if (k.bs == t.forms_bs && k.blocks == t.forms_blocks) return t.forms_checkable;
-  block_inverses(k, t);
+  block_inverses<kPow2>(k, t);
   t.forms_checkable = block_scales32(k, over_t, t);
   t.forms_bs = k.bs;
   t.forms_blocks = k.blocks;
