@@ -136,11 +136,12 @@ inline bool nearest_divides_once(int32_t m, int32_t scale_bits, DType input) {
   return input != DType::Float64 && scale_bits + m + 2 <= 51;
 }
 
-// ScaleRule::Format: s = round_S(a / (max_E · t)) (nearest, saturating; the quotient rounded to
-// odd first, so rounding it to S is rounding the exact quotient), held at S's smallest value.
-// kOnce, kAdd: sp.divide_once and sp.by_addition, which must hold.
+// ScaleRule::Format: the stored scale S = round_S(a / (max_E · t)) (nearest, saturating; the
+// quotient rounded to odd first, so rounding it to S is rounding the exact quotient), held at S's
+// smallest value; the block's scale is S · t (format_block_scale). kOnce, kAdd: sp.divide_once
+// and sp.by_addition, which must hold.
 template <bool kOnce = false, bool kAdd = false>
-LOWFP_HD double format_block_scale(const ScaleSpec& sp, double a, double t, bool& saturated) {
+LOWFP_HD double format_stored_scale(const ScaleSpec& sp, double a, double t, bool& saturated) {
   RoundEvents ev;  // (true: carrier subnormals need their true exponent for any S)
   const double d = sp.max_e * t;  // exact: 3 + 24 bits
   const uint64_t want = kOnce ? bit_cast<uint64_t>(a / d) : divide_nudged(a, d);
@@ -148,7 +149,21 @@ LOWFP_HD double format_block_scale(const ScaleSpec& sp, double a, double t, bool
       kAdd ? round_nearest_by_addition(want, sp.s, sp.s_cap, ev)
            : round_bits<RoundKind::Nearest, uint64_t, true>(want, sp.s, 0u, ev));
   saturated = ev.above_max | (s == 0.0);
-  return (s == 0.0 ? sp.s_smallest : s) * t;
+  return s == 0.0 ? sp.s_smallest : s;
+}
+template <bool kOnce = false, bool kAdd = false>
+LOWFP_HD double format_block_scale(const ScaleSpec& sp, double a, double t, bool& saturated) {
+  return format_stored_scale<kOnce, kAdd>(sp, a, t, saturated) * t;
+}
+
+// format_stored_scale in the faster forms sp allows (sp.divide_once, sp.by_addition): one call's
+// choice, the same for all its blocks.
+LOWFP_HD double stored_scale(const ScaleSpec& sp, double a, double t, bool& saturated) {
+  if (sp.divide_once)
+    return sp.by_addition ? format_stored_scale<true, true>(sp, a, t, saturated)
+                          : format_stored_scale<true, false>(sp, a, t, saturated);
+  return sp.by_addition ? format_stored_scale<false, true>(sp, a, t, saturated)
+                        : format_stored_scale<false, false>(sp, a, t, saturated);
 }
 
 // The tensor scale of a tensor whose largest finite magnitude is a: t = a / (max_S · max_E)
@@ -199,7 +214,7 @@ LOWFP_HD double pow2_block_scale(const ScaleSpec& sp, double a, bool& saturated)
 // their product with t). saturated: the ideal scale lay outside the scale format's range.
 LOWFP_HD double block_scale(const ScaleSpec& sp, double a, double t, bool& saturated) {
   switch (sp.rule) {
-    case ScaleRule::Format: return format_block_scale(sp, a, t, saturated);
+    case ScaleRule::Format: return stored_scale(sp, a, t, saturated) * t;
     case ScaleRule::Floor: return pow2_block_scale<ScaleRule::Floor>(sp, a, saturated);
     case ScaleRule::Ceil: return pow2_block_scale<ScaleRule::Ceil>(sp, a, saturated);
     case ScaleRule::RCeil: return pow2_block_scale<ScaleRule::RCeil>(sp, a, saturated);
@@ -245,6 +260,54 @@ LOWFP_HD float narrow_element(uint32_t x, float inv, const RoundParams<uint32_t>
   else if constexpr (kFaster)
     return bit_cast<float>(round_stochastic_by_steps<false>(quotient, p32, rand, ev));
   else return bit_cast<float>(round_bits<Kind, uint32_t, false>(quotient, p32, rand, ev));
+}
+
+LOWFP_HD float abs32(float v) {
+#ifdef __CUDA_ARCH__
+  return fabsf(v);
+#else
+  return std::fabs(v);
+#endif
+}
+
+// One float32 element x of the checked carrier (scales s = S · t in a format, ScaledCall::checked):
+// the quotient approximated as a = x · inv, inv = fl(1 / s) a normal float32 (two roundings:
+// within 2^-22.9 of x / s), rounded to E in its faster form, q returned and its events in ev.
+// near: a may lie on the other side than the exact quotient of a point where the rounding
+// decides, and the element must be rounded again exactly (scaled_element); else q and ev are the
+// exact quotient's. Such elements are rare on real data.
+// - Nearest (by addition, ScaledCall::add32): a within 2^-21 of one of E's decision points (a
+//   midpoint of its grid; past E's range, of the grid continued, which may flag overflowing
+//   elements needlessly).
+// - Stochastic (by steps, stochastic_by_steps(p32)): the decision for word r' (its low sr_shift
+//   bits set) changes where a's steps_position X passes r' + 1, and at a grid point, where X wraps
+//   from 2^32 to 0. a lies below 2^(m + 1) of its steps (one step: E's smallest below 2^emin), so
+//   the exact quotient's position differs from a's by less than 2^(m + 10.1) of the 2^32, and by
+//   less than three times that measured circularly across a grid point into a binade of half or
+//   twice the step: an element is rounded again where X - (r' + 1), circularly, lies within
+//   `margin` (ScaledCall::checked_margin, 2^(m + 13)).
+// kKeep: as narrow_element's.
+template <RoundKind Kind, bool kKeep>
+LOWFP_HD float checked_element(uint32_t x, float inv, const RoundParams<uint32_t>& p, int32_t e_cap, uint32_t rand,
+                               uint32_t margin, RoundEvents& ev, uint32_t& near) {
+  static_assert(Kind == RoundKind::Nearest || Kind == RoundKind::Stochastic, "no checked form");
+  const uint32_t qb = bit_cast<uint32_t>(bit_cast<float>(x) * inv);
+  const uint32_t quotient = kKeep ? nonzero_quotient(qb, x) : qb;
+  const uint32_t ab = quotient & 0x7fffffffu;
+  if constexpr (Kind == RoundKind::Nearest) {
+    const float a = bit_cast<float>(ab);
+    float step_c;  // 2^23 times E's step at a
+    const float mag = magnitude_by_addition(ab, p, e_cap, step_c);
+    // distance to the nearer decision point: |a - mag| is exact and at most half a step
+    const float off = abs32(abs32(a - mag) - step_c * 0x1p-24f);
+    near = uint32_t(off <= a * 0x1p-21f);
+    return bit_cast<float>(rounded_result(quotient, bit_cast<uint32_t>(mag), p, ev));
+  } else {
+    const uint32_t low_bits = (1u << p.sr_shift) - 1u;
+    const uint32_t from_change = steps_position(ab, p) - ((rand | low_bits) + 1u);  // (mod 2^32)
+    near = uint32_t(from_change + margin <= 2u * margin) & uint32_t(ab < 0x7f800000u);
+    return bit_cast<float>(round_stochastic_by_steps<false>(quotient, p, rand, ev));
+  }
 }
 
 // A float32 value on a 16-bit storage type's grid: lowfp's nearest rounding to it (out32).

@@ -1,7 +1,9 @@
 // Scaled formats on the GPU (docs/design.md §9), with the element and scale math of
-// cpp/include/lowfp/scaled.hpp; elements take the float64 carrier, or the CPU's float32 carrier
-// where a call allows it (ScaledCall::narrow, in the one-pass forms), whose results the CPU's
-// other carriers equal (tests/test_scaled.py), so CPU = GPU bit for bit. Four forms of a call:
+// cpp/include/lowfp/scaled.hpp; elements take the float64 carrier, or in the one-pass forms one
+// of the CPU's float32 carriers where a call allows it (ScaledCall::narrow for power-of-two
+// scales, ScaledCall::checked for scales in a format), whose results the CPU's other carriers
+// equal (tests/test_scaled.py, tests/test_scaled_strategies.py), so CPU = GPU bit for bit. Four
+// forms of a call:
 // - 1-D blocks along the rows whose width is a power of two from 4 to 128 dividing the row (MX,
 //   NVFP4) and a single scale candidate: one pass (row_blocks_kernel), a group of lanes per block
 //   holding four consecutive elements each, the block's largest magnitude by shuffles, its scale
@@ -187,13 +189,79 @@ __device__ In round_narrow(const ScaledCall& c, In x, int64_t i, float s32, floa
   return store_narrow<In>(q * s32, c.out32);
 }
 
+// Where a one-pass kernel's elements are rounded: the float64 carrier (round_scaled), the float32
+// carrier of power-of-two scales (round_narrow, ScaledCall::narrow), or the checked float32
+// carrier of scales in a format (round_checked, ScaledCall::checked).
+enum class Carrier { Float64, Narrow, Checked };
+
+// One block's scale as its elements take it: s and 1 / s; for Narrow, s and 1 / s as float32 (2^±k:
+// exact); for Checked, S = s / t, fl(1 / s) and t as float32, and whether fl(1 / s) is a normal
+// float32 (checkable: else the block's elements take the float64 carrier, as on the CPU).
+struct BlockForms {
+  double s, inv;
+  float s32, inv32, t32;
+  bool checkable;
+};
+
+// The forms of the scale of a block with largest finite magnitude a (0: an empty block, whose
+// scale is `empty`) under the tensor scale t; saturated as block_scale's.
+template <Carrier kCarrier, bool kPow2>
+__device__ BlockForms block_forms(const ScaledCall& c, double a, double t, double empty, bool& saturated) {
+  BlockForms f{};
+  if constexpr (kCarrier == Carrier::Checked) {
+    const double big_s = a > 0.0 ? stored_scale(c.scale, a, t, saturated) : c.scale.s_smallest;
+    f.s = big_s * t;  // (block_scale's and empty_block_scale's value)
+    f.inv = 1.0 / f.s;
+    f.s32 = float(big_s);
+    f.inv32 = float(f.inv);
+    f.t32 = float(t);
+    f.checkable = bit_cast<uint32_t>(f.inv32) - 0x00800000u <= 0x7e800000u;  // in [2^-126, 2^127]
+  } else {
+    f.s = a > 0.0 ? block_scale(c.scale, a, t, saturated) : empty;
+    f.inv = inverse_of<kPow2>(f.s);
+    f.s32 = float(f.s);
+    f.inv32 = float(f.inv);
+  }
+  return f;
+}
+
+// round_scaled in the checked float32 carrier (float32 inputs): checked_element, and where its
+// check fails or the block is not checkable, the float64 carrier's exact rounding (E's finest
+// step of at least 2^-22: no float64 subnormal needs its true exponent). s · q as (q · S) · t.
+template <RoundKind K, bool kCount>
+__device__ float round_checked(const ScaledCall& c, float x, int64_t i, const BlockForms& f, uint32_t word,
+                               ThreadCounts& tc) {
+  if (f.checkable) {
+    RoundEvents ev;
+    uint32_t near;
+    const float q = checked_element<K, kCount>(bit_cast<uint32_t>(x), f.inv32, c.p32, c.addition_cap, word,
+                                               c.checked_margin, ev, near);
+    if (!near) {
+      if (c.q != nullptr) c.q[i] = q;
+      if (kCount) tc.add(ev);
+      return (q * f.s32) * f.t32;
+    }
+  }
+  return round_scaled<float, K, kCount, false, false>(c, x, i, f.s, f.inv, word, tc);
+}
+
+// One element of a one-pass kernel in its carrier (template parameters: row_blocks_kernel's).
+template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, Carrier kCarrier, bool kFaster, bool kOnce,
+          bool kFaster32>
+__device__ In round_in_carrier(const ScaledCall& c, In x, int64_t i, const BlockForms& f, uint32_t word,
+                               ThreadCounts& tc) {
+  if constexpr (kCarrier == Carrier::Narrow) return round_narrow<In, K, kCount, kFaster32>(c, x, i, f.s32, f.inv32, word, tc);
+  else if constexpr (kCarrier == Carrier::Checked) return round_checked<K, kCount>(c, x, i, f, word, tc);
+  else return round_scaled<In, K, kCount, kPow2, kSubExp, kFaster, kOnce>(c, x, i, f.s, f.inv, word, tc);
+}
+
 // The one-pass form (row_blocks): blocks of c.block_cols = 4 · lanes consecutive elements, block b
 // holding elements b · block_cols ... (row-major), so quad g (elements 4g .. 4g + 3) lies in block
 // g / lanes and takes Philox block offset + g. A warp takes 32 / lanes blocks at a time (its loop
-// bound the same for all its lanes, which all shuffle). kNarrow: the float32 carrier, kFaster32:
-// round_narrow's; kFaster, kOnce: round_scaled's.
-template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kNarrow, bool kFaster, bool kOnce,
-          bool kFaster32 = false>
+// bound the same for all its lanes, which all shuffle). kCarrier: where the elements are rounded;
+// kFaster32: round_narrow's; kFaster, kOnce: round_scaled's.
+template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, Carrier kCarrier, bool kFaster, bool kOnce,
+          bool kFaster32>
 __global__ void __launch_bounds__(kThreads)
 row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
   using U = RawOf<In>;
@@ -223,24 +291,18 @@ row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned l
     const double a = raw_value<In>(group_max(m, lanes));
     if (live) {
       bool sat = false;
-      const double s = a > 0.0 ? block_scale(c.scale, a, t, sat) : empty, inv = inverse_of<kPow2>(s);
+      const BlockForms f = block_forms<kCarrier, kPow2>(c, a, t, empty, sat);
       if (part == 0) {
-        c.scales[b] = s;
+        c.scales[b] = f.s;
         saturated += sat;
       }
       Philox4x32Block r = {{0u, 0u, 0u, 0u}};
       if constexpr (K == RoundKind::Stochastic) r = philox_block(c.seed, c.offset + uint64_t(g));
       Quad<In> out;
-      if constexpr (kNarrow) {
-        const float s32 = float(s), inv32 = float(inv);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) out.v[k] = round_narrow<In, K, kCount, kFaster32>(c, in.v[k], 4 * g + k, s32, inv32, r.w[k], tc);
-      } else {
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          out.v[k] = round_scaled<In, K, kCount, kPow2, kSubExp, kFaster, kOnce>(c, in.v[k], 4 * g + k, s, inv,
-                                                                           r.w[k], tc);
-      }
+      for (int k = 0; k < 4; ++k)
+        out.v[k] = round_in_carrier<In, K, kCount, kPow2, kSubExp, kCarrier, kFaster, kOnce, kFaster32>(
+            c, in.v[k], 4 * g + k, f, r.w[k], tc);
       y[g] = out;
     }
   }
@@ -252,8 +314,8 @@ row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned l
 // axis, scaled.config.kernel_layout): a thread per block, consecutive threads on consecutive
 // columns (coalesced), reading its block_rows elements for the maximum and again (from cache)
 // to round them. Template parameters: row_blocks_kernel's.
-template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kNarrow, bool kFaster, bool kOnce,
-          bool kFaster32 = false>
+template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, Carrier kCarrier, bool kFaster, bool kOnce,
+          bool kFaster32>
 __global__ void __launch_bounds__(kThreads)
 column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
   using U = RawOf<In>;
@@ -276,8 +338,8 @@ column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigne
     }
     const double a = raw_value<In>(m);
     bool sat = false;
-    const double s = a > 0.0 ? block_scale(c.scale, a, t, sat) : empty, inv = inverse_of<kPow2>(s);
-    c.scales[b] = s;
+    const BlockForms f = block_forms<kCarrier, kPow2>(c, a, t, empty, sat);
+    c.scales[b] = f.s;
     saturated += sat;
     // Stochastic: each row's word w, the next one along with a word_run (a block lies within one
     // run: with_buffers) or cols further on, and each Philox block drawn once (with a word_run,
@@ -296,8 +358,8 @@ column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigne
         }
         word = words.w[w % 4];
       }
-      if constexpr (kNarrow) y[i] = round_narrow<In, K, kCount, kFaster32>(c, x[i], i, float(s), float(inv), word, tc);
-      else y[i] = round_scaled<In, K, kCount, kPow2, kSubExp, kFaster, kOnce>(c, x[i], i, s, inv, word, tc);
+      y[i] = round_in_carrier<In, K, kCount, kPow2, kSubExp, kCarrier, kFaster, kOnce, kFaster32>(c, x[i], i, f, word,
+                                                                                            tc);
     }
   }
   if constexpr (kCount) finish_counts(tc, counts, c.rows * c.cols);
@@ -309,7 +371,7 @@ column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigne
 // largest magnitude (BlockShare over its quads: coalesced vector loads), takes its scale, and
 // rounds the block's elements, read again (from the L2 cache where it holds the block), a Philox
 // block a quad. Template parameters: row_blocks_kernel's.
-template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kNarrow, bool kFaster, bool kOnce,
+template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, Carrier kCarrier, bool kFaster, bool kOnce,
           bool kFaster32>
 __global__ void __launch_bounds__(kThreads)
 tile_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
@@ -320,7 +382,7 @@ tile_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned 
   const U exponent = U(exponent_mask(c.dtype));
   const double t = tensor_scale_of(c, tensor_max), empty = empty_block_scale(c.scale, t);
   __shared__ uint64_t warp_maxima[kThreads / 32];
-  __shared__ double block_s;
+  __shared__ BlockForms block_f;
   ThreadCounts tc;
   uint64_t saturated = 0;
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
@@ -342,12 +404,12 @@ tile_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned 
     if (threadIdx.x == 0) {
       const double a = bit_cast<double>(bm);
       bool sat = false;
-      block_s = a > 0.0 ? block_scale(c.scale, a, t, sat) : empty;
-      c.scales[b] = block_s;
+      block_f = block_forms<kCarrier, kPow2>(c, a, t, empty, sat);
+      c.scales[b] = block_f.s;
       saturated += sat;
     }
     __syncthreads();
-    const double s = block_s, inv = inverse_of<kPow2>(s);
+    const BlockForms f = block_f;
     share.each(at.h, at.w / 4, [&](int64_t r, int64_t u) {
       const int64_t i = first(r, u);
       const Quad<In> in = *reinterpret_cast<const Quad<In>*>(x + i);
@@ -356,16 +418,12 @@ tile_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned 
       if constexpr (K == RoundKind::Stochastic) words = philox_block(c.seed, c.offset + uint64_t(i / 4));
       Quad<In> out;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if constexpr (kNarrow)
-          out.v[k] = round_narrow<In, K, kCount, kFaster32>(c, in.v[k], i + k, float(s), float(inv), words.w[k], tc);
-        else
-          out.v[k] = round_scaled<In, K, kCount, kPow2, kSubExp, kFaster, kOnce>(c, in.v[k], i + k, s, inv,
-                                                                              words.w[k], tc);
-      }
+      for (int k = 0; k < 4; ++k)
+        out.v[k] = round_in_carrier<In, K, kCount, kPow2, kSubExp, kCarrier, kFaster, kOnce, kFaster32>(
+            c, in.v[k], i + k, f, words.w[k], tc);
       *reinterpret_cast<Quad<In>*>(y + i) = out;
     });
-    __syncthreads();  // (before block_s and warp_maxima are written again)
+    __syncthreads();  // (before block_f and warp_maxima are written again)
   }
   if constexpr (kCount) finish_counts(tc, counts, c.rows * c.cols);
   count_blocks(c, saturated, blocks, counts);
@@ -408,9 +466,9 @@ enum class OnePass { Rows, Columns, Tiles };
 
 // Enqueues a call of one of the one-pass forms (row_blocks, column_blocks, tile_blocks): the
 // tensor's largest magnitude first for a tensor scale, then the kernel's instantiation for the
-// call (with_float64_forms: its storage type, rounding kind, faster forms; the float32 carrier
-// where ScaledCall::narrow holds, which needs neither the power-of-two flag nor subnormal
-// exponents).
+// call (with_float64_forms: its storage type, rounding kind, faster forms), in the float32
+// carrier where ScaledCall::narrow holds (power-of-two scales), the checked one where
+// ScaledCall::checked does, else the float64 carrier.
 void one_pass(const ScaledCall& c, OnePass form, int device, cudaStream_t stream, unsigned long long* tmax,
               const unsigned long long* tmax_in, unsigned long long* cnt) {
   const int64_t n = c.rows * c.cols;
@@ -425,40 +483,48 @@ void one_pass(const ScaledCall& c, OnePass form, int device, cudaStream_t stream
     if (c.tensor_scale)
       tensor_amax_kernel<In><<<grid_size(device, (n + 3) / 4), kThreads, 0, stream>>>(c, quad_aligned<In>(c.x),
                                                                                      tmax, nullptr);
-    // the form's kernel for the remaining template parameters (kCount, kPow2, kSubExp, kNarrow,
-    // kFaster, kOnce, kFaster32)
-    auto launch = [&](auto count, auto pow2, auto sub, auto narrow, auto faster, auto once, auto faster32) {
+    // the form's kernel for the remaining template parameters
+    auto launch = [&](auto count, auto pow2, auto sub, auto carrier, auto faster, auto once, auto faster32) {
       constexpr bool kCount = decltype(count)::value, kPow2 = decltype(pow2)::value, kSub = decltype(sub)::value,
-                     kNarrow = decltype(narrow)::value, kFaster = decltype(faster)::value,
-                     kOnce = decltype(once)::value, kFaster32 = decltype(faster32)::value;
+                     kFaster = decltype(faster)::value, kOnce = decltype(once)::value,
+                     kFaster32 = decltype(faster32)::value;
+      constexpr Carrier kCarrier = decltype(carrier)::value;
       if (form == OnePass::Rows)
-        row_blocks_kernel<In, K, kCount, kPow2, kSub, kNarrow, kFaster, kOnce, kFaster32>
+        row_blocks_kernel<In, K, kCount, kPow2, kSub, kCarrier, kFaster, kOnce, kFaster32>
             <<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
       else if (form == OnePass::Columns)
-        column_blocks_kernel<In, K, kCount, kPow2, kSub, kNarrow, kFaster, kOnce, kFaster32>
+        column_blocks_kernel<In, K, kCount, kPow2, kSub, kCarrier, kFaster, kOnce, kFaster32>
             <<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
       else if constexpr (!kWide)  // (tile_blocks: no float64 inputs)
-        tile_blocks_kernel<In, K, kCount, kPow2, kSub, kNarrow, kFaster, kOnce, kFaster32>
+        tile_blocks_kernel<In, K, kCount, kPow2, kSub, kCarrier, kFaster, kOnce, kFaster32>
             <<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
     };
     using No = Flag<false>;
     with_flag(c.count, [&](auto count) {
-      if (c.narrow && !kWide) {
-        constexpr bool kHasFaster32 = K == RoundKind::Nearest || K == RoundKind::Stochastic;
-        const bool faster32 = K == RoundKind::Nearest ? c.add32 : K == RoundKind::Stochastic && c.steps32;
-        with_flag(faster32, [&](auto faster) {
-          // (!kWide: float64 inputs never come here; no float32-carrier instance of them)
-          launch(count, Flag<true>{}, No{}, Flag<!kWide>{}, No{}, No{},
-                 Flag<decltype(faster)::value && kHasFaster32>{});
-        });
-        return;
+      // (the float32 carriers: never for float64 inputs, whose kernels have no such instance)
+      constexpr bool kHasFaster32 = !kWide && (K == RoundKind::Nearest || K == RoundKind::Stochastic);
+      if constexpr (!kWide) {
+        if (c.narrow) {  // (power-of-two scales, no subnormal exponents)
+          const bool faster32 = K == RoundKind::Nearest ? c.add32 : K == RoundKind::Stochastic && c.steps32;
+          with_flag(faster32, [&](auto faster) {
+            launch(count, Flag<true>{}, No{}, std::integral_constant<Carrier, Carrier::Narrow>{}, No{}, No{},
+                   Flag<decltype(faster)::value && kHasFaster32>{});
+          });
+          return;
+        }
+      }
+      if constexpr (std::is_same_v<In, float> && kHasFaster32) {
+        if (c.checked) {  // (scales in a format, E's finest step at least 2^-22)
+          launch(count, No{}, No{}, std::integral_constant<Carrier, Carrier::Checked>{}, No{}, No{}, No{});
+          return;
+        }
       }
       with_flag(c.scale.rule != ScaleRule::Format, [&](auto pow2) {
         with_flag(c.p.subnormal_exponent, [&](auto sub) {
           constexpr bool kPow2 = decltype(pow2)::value, kSub = decltype(sub)::value;
           // (the faster forms: no subnormal exponents; dividing once: scales in a format)
-          launch(count, pow2, sub, No{}, Flag<decltype(faster_c)::value && !kSub>{},
-                 Flag<decltype(once_c)::value && !kPow2>{}, No{});
+          launch(count, pow2, sub, std::integral_constant<Carrier, Carrier::Float64>{},
+                 Flag<decltype(faster_c)::value && !kSub>{}, Flag<decltype(once_c)::value && !kPow2>{}, No{});
         });
       });
     });

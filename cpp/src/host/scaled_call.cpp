@@ -65,6 +65,20 @@ ScaledCall prepare_scaled_call(const ScaledRequest& r) {
   const bool nearest = r.mode == Rounding::Nearest;
   c.addition_cap = max_exponent(r.element) + 1;
   c.add32 = nearest && r.dtype != DType::Float64 && nearest_by_addition(c.p32, c.addition_cap);
+  {
+    const FormatSpec& e = r.element;
+    const FormatSpec& sf = r.scale_format;
+    const bool exact_product =  // q · S: at most 24 significand bits, within float32's normal range
+        !r.tensor_scale || (e.m + sf.m + 2 <= 24 && smallest_exponent(e) + smallest_exponent(sf) >= -126 &&
+                            max_exponent(e) + max_exponent(sf) + 2 <= 127);
+    const bool checkable = r.rule == ScaleRule::Format && r.dtype == DType::Float32 &&
+                           smallest_exponent(e) >= -22 && e.m <= 18 && exact_product;
+    // (stochastic: a margin of 2^(m + 13) in 2^32, so that few elements are rounded twice)
+    const bool stochastic_checked = r.mode == Rounding::Stochastic && e.m <= kCheckedStochasticMaxM &&
+                                    stochastic_by_steps(c.p32);
+    c.checked = checkable && (c.add32 || stochastic_checked);
+    c.checked_margin = uint32_t(1) << (e.m + 13);
+  }
   c.add64 = nearest && nearest_by_addition(c.p, c.addition_cap);
   c.steps64 = r.mode == Rounding::Stochastic && stochastic_by_steps(c.p);
   // s = S · t: S's significand bits, and the float32 tensor scale's 24

@@ -18,6 +18,10 @@ struct ScaledBlock {
   int64_t r0, c0, h, w;
 };
 
+// Checked's stochastic rounding needs a margin of 2^(m + 13) of the 2^32 positions: beyond m = 5
+// more than one element in 2^12 would be rounded twice.
+constexpr int32_t kCheckedStochasticMaxM = 5;
+
 struct ScaledCall {
   const void* x;
   void* y;                       // s · q in x's dtype (may be x)
@@ -56,6 +60,12 @@ struct ScaledCall {
   // float32 carrier may take the addition (round_nearest_by_addition) wherever that carrier is
   // exact (narrow, or the CPU's checked quotient)
   bool add32;
+  // The checked float32 carrier (scaled.hpp's checked_element): float32 inputs, scales in a
+  // format, E's finest step at least 2^-22 and m <= 18, q · S exact in float32 when there is a
+  // tensor scale, and E's rounding nearest by addition (add32) or stochastic by steps (m at most
+  // kCheckedStochasticMaxM) in float32. checked_margin: its stochastic check's margin.
+  bool checked;
+  uint32_t checked_margin;
   // The float64 carrier's faster forms (scaled_element's kFaster and kOnce, with_float64_forms):
   // E's nearest rounding by addition where nearest_by_addition(p, addition_cap) holds (add64),
   // its stochastic rounding by steps where stochastic_by_steps(p) holds (steps64), x / s rounded

@@ -7,26 +7,14 @@ namespace lowfp {
 namespace LOWFP_ISA_NS {
 namespace {
 
-// A tile of float32 inputs with scales s = S · t in a format (ScaledCpuForms::checked), in the
-// float32 carrier: the quotient approximated as a = x · fl(1 / s) (two roundings: within 2^-22.9
-// of x / s) and rounded to E in its faster form. Where a lies
-// strictly on the exact quotient's side of every point where the rounding decides, q and the
-// events are the exact quotient's; each element where it might not is rounded again exactly in
-// float64 (`again`). Such elements are rare on real data.
-// - Nearest (by addition): a within 2^-21 of one of E's decision points (a midpoint of its grid;
-//   past E's range, of the grid continued, which may flag overflowing elements needlessly).
-// - Stochastic (by steps): the decision for word r' (its low sr_shift bits set) changes where
-//   a's steps_position X passes r' + 1, and at a grid point, where X wraps from 2^32 to 0. a lies
-//   below 2^(m + 1) of its steps (one step: E's smallest below 2^emin), so the exact quotient's
-//   position differs from a's by less than 2^(m + 10.1) of the 2^32, and by less than three
-//   times that measured circularly across a grid point into a binade of half or twice the step:
-//   an element is rounded again where X - (r' + 1), circularly, lies within checked_margin,
-//   2^(m + 13).
+// A tile of float32 inputs with scales s = S · t in a format (ScaledCall::checked), in the float32
+// carrier: each element by scaled.hpp's checked_element, and each element whose check fails
+// rounded again exactly in float64 (`again`).
 // s · q into y as (q · S) · t (q · S exact: the one rounding of the float64 path's float(q · s));
 // q into c.q + k.first (kParts). kBlock: see for_tile_elements. y: not x's memory (rounding in
 // place, the caller passes a buffer: the elements rounded again read x after the loop).
 template <RoundKind Kind, bool kCount, bool kParts, int64_t kBlock>
-void run_tile(const ScaledCall& c, const ScaledCpuForms& f, const Tile& k, const TileScales& t, float* y,
+void run_tile(const ScaledCall& c, const Tile& k, const TileScales& t, float* y,
               EventCounts& counts) {
   static_assert(Kind == RoundKind::Nearest || Kind == RoundKind::Stochastic, "no checked form");
   const int64_t n = k.len;
@@ -36,35 +24,17 @@ void run_tile(const ScaledCall& c, const ScaledCpuForms& f, const Tile& k, const
   const float ts = float(c.t);
   const RoundParams<uint32_t> p = c.p32;
   const int32_t e_cap = c.addition_cap;
-  const uint32_t low_bits = (1u << p.sr_shift) - 1u, margin = f.checked_margin;
+  const uint32_t margin = c.checked_margin;
   // Per lane of a block, so that the block loop keeps them in vector registers
   constexpr int64_t kLanes = kBlock > 0 ? kBlock : 1;
   TileEvents<int32_t, kLanes> events;
   uint32_t any_again[kLanes] = {};
   // element i (lane l), given S and fl(1 / s)
   auto element = [&](int64_t i, int64_t l, float big_s, float inv) {
-    const uint32_t xb = bit_cast<uint32_t>(x[i]);
-    const uint32_t qb = bit_cast<uint32_t>(x[i] * inv);
-    // (a product that underflowed to 0 stays nonzero when counting: nonzero_quotient)
-    const uint32_t quotient = kCount ? nonzero_quotient(qb, xb) : qb;
-    const uint32_t ab = quotient & 0x7fffffffu;
     RoundEvents ev;
-    float q;
     uint32_t near;
-    if constexpr (Kind == RoundKind::Nearest) {
-      const float a = bit_cast<float>(ab);
-      float step_c;  // 2^23 times E's step at a
-      const float mag = magnitude_by_addition(ab, p, e_cap, step_c);
-      // distance to the nearer decision point: |a - mag| is exact and at most half a step
-      const float off = std::fabs(std::fabs(a - mag) - step_c * 0x1p-24f);
-      near = uint32_t(off <= a * 0x1p-21f);
-      q = bit_cast<float>(rounded_result(quotient, bit_cast<uint32_t>(mag), p, ev));
-    } else {
-      const uint32_t rw = t.rand[i];
-      const uint32_t from_change = steps_position(ab, p) - ((rw | low_bits) + 1u);  // (mod 2^32)
-      near = uint32_t(from_change + margin <= 2u * margin) & uint32_t(ab < 0x7f800000u);
-      q = bit_cast<float>(round_stochastic_by_steps<false>(quotient, p, rw, ev));
-    }
+    const float q = checked_element<Kind, kCount>(bit_cast<uint32_t>(x[i]), inv, p, e_cap,
+                                                  Kind == RoundKind::Stochastic ? t.rand[i] : 0u, margin, ev, near);
     if constexpr (kParts) q_out[i] = q;
     y[i] = (q * big_s) * ts;
     again[i] = near;
@@ -124,10 +94,10 @@ void scaled_checked(const ScaledCall& c, const ScaledCpuForms& f, const ScaledPl
               if (!checkable) {
                 float64_tile(c, count, k, t, counts);
               } else if (plan.in_place) {  // (the results wait in a buffer until the tile is done)
-                run_tile<K, kCount, kParts, kBlock>(c, f, k, t, t.checked_out, counts);
+                run_tile<K, kCount, kParts, kBlock>(c, k, t, t.checked_out, counts);
                 std::memcpy(y, t.checked_out, sizeof(float) * size_t(k.len));
               } else {
-                run_tile<K, kCount, kParts, kBlock>(c, f, k, t, y, counts);
+                run_tile<K, kCount, kParts, kBlock>(c, k, t, y, counts);
               }
             });
           });

@@ -113,18 +113,8 @@ ScaledCpuForms prepare_scaled_cpu(const ScaledRequest& r, const ScaledCall& c) {
   const FormatSpec& e = r.element;
   const FormatSpec& sf = r.scale_format;
   const bool format_scales = r.rule == ScaleRule::Format;
-  const bool exact_product =  // q · S: at most 24 significand bits, within float32's normal range
-      !r.tensor_scale || (e.m + sf.m + 2 <= 24 && smallest_exponent(e) + smallest_exponent(sf) >= -126 &&
-                          max_exponent(e) + max_exponent(sf) + 2 <= 127);
-  const bool checkable = format_scales && r.dtype == DType::Float32 && smallest_exponent(e) >= -22 &&
-                         e.m <= 18 && exact_product;
   const bool nearest = r.mode == Rounding::Nearest;
-  f.add32 = c.add32 && (c.narrow || checkable);
-  // (stochastic: a margin of 2^(m + 13) in 2^32, so that few elements are rounded twice)
-  const bool stochastic_checked = r.mode == Rounding::Stochastic && e.m <= kCheckedStochasticMaxM &&
-                                  stochastic_by_steps(c.p32);
-  f.checked = checkable && (f.add32 || stochastic_checked);
-  f.checked_margin = uint32_t(1) << (e.m + 13);
+  f.add32 = c.add32 && (c.narrow || c.checked);
   // s = S · t: S's significand bits, and the float32 tensor scale's 24
   const int32_t scale_bits = sf.m + 1 + (r.tensor_scale ? 24 : 0);
   const bool saturates = !c.p.inf_stays_inf && c.p.overflow_pos == c.p.max_bits;
@@ -150,7 +140,7 @@ uint32_t scaled_strategies(const ScaledCall& c, const ScaledCpuForms& f) {
   const bool float32_whole = c.dtype == DType::Float32 && c.q == nullptr;  // (no q to write)
   const RoundKind kind = round_kind(c.mode);
   uint32_t allowed = bit(ScaledStrategy::Float64);
-  if (f.checked) allowed |= bit(ScaledStrategy::Checked);
+  if (c.checked) allowed |= bit(ScaledStrategy::Checked);
   if (c.narrow) allowed |= bit(ScaledStrategy::Narrow);
   // (the vector loops round to nearest by addition, or stochastically by steps)
   if (c.narrow && float32_whole && ((kind == RoundKind::Stochastic && c.steps32) || f.add32))

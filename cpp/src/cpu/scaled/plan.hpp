@@ -37,18 +37,11 @@ bool scaled_strategy_named(const char* name, ScaledStrategy& s);
 
 // What the CPU strategies may use for one request, prepared with it (prepare_scaled_cpu).
 // (The carriers' conditions and parameters common to the CPU and GPU are the call's:
-// ScaledCall::narrow, p32, out32, addition_cap, add64, divide_once.)
+// ScaledCall::narrow, p32, out32, addition_cap, add32, add64, divide_once, checked.)
 struct ScaledCpuForms {
   // Nearest with ties to even, and round.hpp's nearest_by_addition in the float32 carrier (p32)
   // of the narrow or checked strategy: E's rounding by addition
   bool add32;
-  // Checked: float32 inputs, scales in a format, E's finest step at least 2^-22 and m <= 18, q · S
-  // exact in float32 when there is a tensor scale, and E's rounding nearest by addition or
-  // stochastic by steps (m at most kCheckedStochasticMaxM) in float32
-  bool checked;
-  // Checked's stochastic rounding: an element is rounded again where its approximate quotient's
-  // steps_position lies within this of r + 1 (circularly, in 2^32), where the decision changes
-  uint32_t checked_margin;
   // Few: float32 inputs, scales in a format, nearest rounding that saturates, E with at most
   // kFewMagnitudes magnitudes and a signed zero, and every mu · s exact in float64 (scaled.hpp)
   bool few;
@@ -64,10 +57,6 @@ struct ScaledCpuForms {
   bool count_by_comparison;
   EventPoints events;
 };
-
-// Checked's stochastic rounding needs a margin of 2^(m + 13) of the 2^32 positions: beyond m = 5
-// more than one element in 2^12 would be rounded twice.
-constexpr int32_t kCheckedStochasticMaxM = 5;
 
 // At most this many keys of scale values for Few's cache of thresholds (E4M3: 144).
 constexpr int64_t kFewKeys = 1024;
