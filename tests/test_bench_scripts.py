@@ -192,6 +192,11 @@ def test_the_sass_loop_count_skips_the_ranges_that_forward_branches_jump_over():
     # the loop 0x10-0x60 holds 6 instructions; its fall-through path skips the two the branch at
     # 0x20 jumps over
     assert sass_loops.loops(instructions) == [(0x10, 0x60, 6, 4)]
+    # one pass through the body, the branch at 0x20 falling through, then taken: 6 and 4
+    assert sass_loops.path(instructions, 0x10, 0x60) == 6
+    assert sass_loops.path(instructions, 0x10, 0x60, taken={0x20: 1}) == 4
+    # the loop's own branch taken once: twice through the body, the end at its second pass
+    assert sass_loops.path(instructions, 0x10, 0x70, taken={0x60: 1}) == 6 + 6 + 1
 
 
 def test_emulation_benchmarks_train_a_copy_per_case_inside_its_own_context():

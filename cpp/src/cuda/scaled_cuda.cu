@@ -576,25 +576,37 @@ __global__ void tensor_scale_kernel(ScaledCall c, const unsigned long long* tens
 }
 
 // The elements pass, after the scales. kSingle: one scale and row-major words (a tensor's scale):
-// groups of four consecutive elements, one vector access (quad_io) and one Philox block a group;
-// else an element a thread, its block's scale found from its row and column.
-template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kSingle>
+// groups of four consecutive elements, one vector access (quad_io) and one Philox block a group,
+// in the checked float32 carrier where kChecked (ScaledCall::checked: float32 inputs, the scale
+// in a format); else an element a thread, its block's scale found from its row and column.
+template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, bool kSingle, bool kChecked>
 __global__ void __launch_bounds__(kThreads)
-elements_kernel(ScaledCall c, bool quad_io, unsigned long long* counts) {
+elements_kernel(ScaledCall c, bool quad_io, const unsigned long long* tensor_max, unsigned long long* counts) {
   const In* x = static_cast<const In*>(c.x);
   In* y = static_cast<In*>(c.y);
   const int64_t n = c.rows * c.cols, gc = c.block_grid_cols();
   ThreadCounts tc;
   if constexpr (kSingle) {
-    const double s = c.scales[0], inv = inverse_of<kPow2>(s);
+    BlockForms f{};
+    f.s = c.scales[0];
+    f.inv = inverse_of<kPow2>(f.s);
+    if constexpr (kChecked) {  // (block_forms' checked forms, from the scale s = S · t)
+      const double t = tensor_scale_of(c, tensor_max);
+      f.s32 = float(f.s / t);  // (S, exactly)
+      f.inv32 = float(f.inv);
+      f.t32 = float(t);
+      f.checkable = bit_cast<uint32_t>(f.inv32) - 0x00800000u <= 0x7e800000u;
+    }
     transform_groups(x, y, n, quad_io, [&](int64_t g, const Quad<In>& in) {
       Philox4x32Block words = {{0u, 0u, 0u, 0u}};
       if constexpr (K == RoundKind::Stochastic) words = philox_block(c.seed, c.offset + uint64_t(g));
       Quad<In> out = in;
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if (4 * g + k < n)  // (a short last group's padding is neither rounded nor stored)
-          out.v[k] = round_scaled<In, K, kCount, kPow2, kSubExp>(c, in.v[k], 4 * g + k, s, inv, words.w[k], tc);
+      for (int k = 0; k < 4; ++k) {
+        if (4 * g + k >= n) continue;  // (a short last group's padding is neither rounded nor stored)
+        if constexpr (kChecked) out.v[k] = round_checked<K, kCount>(c, in.v[k], 4 * g + k, f, words.w[k], tc);
+        else out.v[k] = round_scaled<In, K, kCount, kPow2, kSubExp>(c, in.v[k], 4 * g + k, f.s, f.inv, words.w[k], tc);
+      }
       return out;
     });
   } else {
@@ -658,10 +670,18 @@ void scaled_cuda(const ScaledCall& c, double* tensor_scale, int64_t* counts, int
           with_flag(c.scale.rule != ScaleRule::Format, [&](auto pow2) {
             with_flag(c.p.subnormal_exponent, [&](auto sub) {
               with_flag(single, [&](auto single_c) {
-                elements_kernel<In, decltype(kind)::value, decltype(count)::value, decltype(pow2)::value,
-                                decltype(sub)::value, decltype(single_c)::value>
-                    <<<grid_size(device, single ? (n + 3) / 4 : n), kThreads, 0, stream>>>(
-                        c, quad_aligned<In>(c.x) && quad_aligned<In>(c.y), cnt);
+                constexpr RoundKind K = decltype(kind)::value;
+                constexpr bool kPow2 = decltype(pow2)::value, kSub = decltype(sub)::value,
+                               kSingle = decltype(single_c)::value;
+                // (the checked carrier: c.checked's float32 inputs and scales in a format)
+                constexpr bool kMayCheck = std::is_same_v<In, float> && kSingle && !kPow2 && !kSub &&
+                                           (K == RoundKind::Nearest || K == RoundKind::Stochastic);
+                with_flag(kMayCheck && c.checked, [&](auto checked) {
+                  elements_kernel<In, K, decltype(count)::value, kPow2, kSub, kSingle,
+                                  decltype(checked)::value && kMayCheck>
+                      <<<grid_size(device, single ? (n + 3) / 4 : n), kThreads, 0, stream>>>(
+                          c, quad_aligned<In>(c.x) && quad_aligned<In>(c.y), tmax_in, cnt);
+                });
               });
             });
           });
