@@ -140,7 +140,10 @@ def gemm_recipe(cfg: TrainConfig, model: Optional[torch.nn.Module] = None):
             raise ValueError(f"accumulate_gemms must be a comma-separated subset of {ACCUMULATE_GEMMS}, "
                              f"got {cfg.accumulate_gemms!r}")
         acc = Accumulate.parse(cfg.accumulate)
-        recipe = replace(GemmRecipe() if recipe is None else recipe, accumulate={g: acc for g in gemms})
+        # (torch's float32 GEMM on its own is the plain run: no recipe, so that no GEMM is
+        # rewritten, whose float32 sums could then differ from autograd's in their last bits)
+        if recipe is not None or not acc.is_torch:
+            recipe = replace(GemmRecipe() if recipe is None else recipe, accumulate={g: acc for g in gemms})
     if not isinstance(cfg.high_precision, (int, float)) or not 0 <= cfg.high_precision <= 1:
         raise ValueError(f"high_precision must be a fraction between 0 and 1, got {cfg.high_precision!r}")
     if cfg.high_precision and recipe is None:
