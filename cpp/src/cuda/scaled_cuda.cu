@@ -203,26 +203,33 @@ struct BlockForms {
   bool checkable;
 };
 
+// The checked carrier's forms of a scale s = S · t (S its value in the scale format).
+__device__ BlockForms checked_forms(double s, double big_s, double t) {
+  BlockForms f{};
+  f.s = s;
+  f.inv = 1.0 / s;
+  f.s32 = float(big_s);
+  f.inv32 = float(f.inv);
+  f.t32 = float(t);
+  f.checkable = bit_cast<uint32_t>(f.inv32) - 0x00800000u <= 0x7e800000u;  // in [2^-126, 2^127]
+  return f;
+}
+
 // The forms of the scale of a block with largest finite magnitude a (0: an empty block, whose
 // scale is `empty`) under the tensor scale t; saturated as block_scale's.
 template <Carrier kCarrier, bool kPow2>
 __device__ BlockForms block_forms(const ScaledCall& c, double a, double t, double empty, bool& saturated) {
-  BlockForms f{};
   if constexpr (kCarrier == Carrier::Checked) {
     const double big_s = a > 0.0 ? stored_scale(c.scale, a, t, saturated) : c.scale.s_smallest;
-    f.s = big_s * t;  // (block_scale's and empty_block_scale's value)
-    f.inv = 1.0 / f.s;
-    f.s32 = float(big_s);
-    f.inv32 = float(f.inv);
-    f.t32 = float(t);
-    f.checkable = bit_cast<uint32_t>(f.inv32) - 0x00800000u <= 0x7e800000u;  // in [2^-126, 2^127]
+    return checked_forms(big_s * t, big_s, t);  // (block_scale's and empty_block_scale's s)
   } else {
+    BlockForms f{};
     f.s = a > 0.0 ? block_scale(c.scale, a, t, saturated) : empty;
     f.inv = inverse_of<kPow2>(f.s);
     f.s32 = float(f.s);
     f.inv32 = float(f.inv);
+    return f;
   }
-  return f;
 }
 
 // round_scaled in the checked float32 carrier (float32 inputs): checked_element, and where its
@@ -590,12 +597,9 @@ elements_kernel(ScaledCall c, bool quad_io, const unsigned long long* tensor_max
     BlockForms f{};
     f.s = c.scales[0];
     f.inv = inverse_of<kPow2>(f.s);
-    if constexpr (kChecked) {  // (block_forms' checked forms, from the scale s = S · t)
+    if constexpr (kChecked) {
       const double t = tensor_scale_of(c, tensor_max);
-      f.s32 = float(f.s / t);  // (S, exactly)
-      f.inv32 = float(f.inv);
-      f.t32 = float(t);
-      f.checkable = bit_cast<uint32_t>(f.inv32) - 0x00800000u <= 0x7e800000u;
+      f = checked_forms(f.s, f.s / t, t);  // (s / t: S, exactly)
     }
     transform_groups(x, y, n, quad_io, [&](int64_t g, const Quad<In>& in) {
       Philox4x32Block words = {{0u, 0u, 0u, 0u}};
