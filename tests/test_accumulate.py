@@ -4,11 +4,8 @@ once to the accumulator format, in the order the spec fixes, with the spec's Phi
 
 import itertools
 import math
-import shutil
 import struct
-import subprocess
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +15,7 @@ from lowfp import Accumulate, AccumulateStats
 from lowfp.accumulate import DEEPSEEK_V3, HOPPER_FP8, PRESETS
 from reference import Spec, code_is_odd, exceeds_max, overflow_result, philox_word, round_exact
 from devices import DEVICES, on_cuda, same_bits
+from host_programs import run_host_program
 
 
 def spec_of(fmt: lowfp.Format) -> Spec:
@@ -314,18 +312,8 @@ def test_the_gpu_tile_schedule_on_cpu_threads_gives_the_cpus_bits_and_counts(tmp
     # (tiles of 32, 8 or 1 columns staged in shared memory, a grid that strides), built for the
     # CPU and run by threads with a barrier for __syncthreads: every order, mode and lane form it
     # takes against the CPU's sums of one column at a time (tests/cpp/, its cases).
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        pytest.skip("no C++ compiler to build tests/cpp/accumulate_tiles_on_threads.cpp")
-    root = Path(__file__).resolve().parents[1]
-    exe = tmp_path / "accumulate_tiles_on_threads"
-    subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", "-ffp-contract=off",
-                    f"-I{root / 'cpp/include'}", f"-I{root / 'cpp/src/host'}", f"-I{root / 'cpp/src/cuda'}",
-                    str(root / "tests/cpp/accumulate_tiles_on_threads.cpp"),
-                    str(root / "cpp/src/host/accumulate_call.cpp"), "-o", str(exe)], check=True)
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.strip().endswith("0 of 95 cases differ"), run.stdout
+    out = run_host_program(tmp_path, "accumulate_tiles_on_threads.cpp", "cpp/src/host/accumulate_call.cpp")
+    assert out.strip().endswith("0 of 95 cases differ"), out
 
 
 @pytest.mark.parametrize("rounding", lowfp.ROUNDING_MODES)

@@ -19,6 +19,7 @@ from torchao.prototype.mx_formats.config import ScaleCalculationMode
 from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
 from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
 from devices import DEVICES, bit_patterns, on_cuda, same_bits
+from host_programs import run_host_program
 
 MX = {  # lowfp name: torchao element dtype
     "mxfp8_e4m3": torch.float8_e4m3fn,
@@ -971,3 +972,10 @@ def test_hadamard_kernel_on_gpu_equals_cpu_and_the_torch_form(dtype):
     y = lowfp.scaled.quantize_scaled(x.cuda(), "nvfp4", "stochastic", seed=1, hadamard_seed=4)
     assert same_bits(y.cpu().nan_to_num(0.0), lowfp.scaled.quantize_scaled(
         x, "nvfp4", "stochastic", seed=1, hadamard_seed=4).nan_to_num(0.0))
+
+
+def test_the_gpu_row_blocks_schedule_holds_each_quad_once_in_its_blocks_shuffle_group(tmp_path):
+    # cpp/src/cuda/row_blocks_schedule.hpp, which lanes of row_blocks_kernel (MX, NVFP4 on a GPU)
+    # hold which quads, followed lane by lane on the CPU for every block width (tests/cpp/).
+    out = run_host_program(tmp_path, "row_blocks_schedule.cpp")
+    assert out.strip() == "0 failures in 420 cases", out

@@ -6,8 +6,9 @@
 // forms of a call:
 // - 1-D blocks along the rows whose width is a power of two from 4 to 128 dividing the row (MX,
 //   NVFP4) and a single scale candidate: one pass (row_blocks_kernel), a group of lanes per block
-//   holding four consecutive elements each, the block's largest magnitude by shuffles, its scale
-//   and elements from registers; a tensor scale takes a coalesced reduction first.
+//   holding one or two quads of it each (row_blocks_schedule.hpp), the block's largest magnitude
+//   by shuffles, its scale and elements from registers; a tensor scale takes a coalesced
+//   reduction first.
 // - Blocks down the columns (block_cols 1, a GEMM operand along its reduction axis): one pass
 //   (column_blocks_kernel), a thread per block, consecutive threads on consecutive columns.
 // - Blocks of 256 to 2^16 elements whose rows are whole quads (a row's scale, 128 × 128 tiles) and
@@ -22,6 +23,7 @@
 #include "dispatch.hpp"
 #include "lowfp/philox.hpp"
 #include "lowfp/scaled.hpp"
+#include "row_blocks_schedule.hpp"
 #include "scaled_cuda.hpp"
 
 namespace lowfp {
@@ -262,11 +264,12 @@ __device__ In round_in_carrier(const ScaledCall& c, In x, int64_t i, const Block
   else return round_scaled<In, K, kCount, kPow2, kSubExp, kFaster, kOnce>(c, x, i, f.s, f.inv, word, tc);
 }
 
-// The one-pass form (row_blocks): blocks of c.block_cols = 4 · lanes consecutive elements, block b
-// holding elements b · block_cols ... (row-major), so quad g (elements 4g .. 4g + 3) lies in block
-// g / lanes and takes Philox block offset + g. A warp takes 32 / lanes blocks at a time (its loop
-// bound the same for all its lanes, which all shuffle). kCarrier: where the elements are rounded;
-// kFaster32: round_narrow's; kFaster, kOnce: round_scaled's.
+// The one-pass form (row_blocks): blocks of c.block_cols consecutive elements, block b holding
+// elements b · block_cols ... (row-major), each held by a group of lanes of a warp, a lane holding
+// one or two of its quads (RowBlocksSchedule); quad g (elements 4g .. 4g + 3) takes Philox block
+// offset + g. A warp takes per_warp blocks at a time (its loop bound the same for all its lanes,
+// which all shuffle). kCarrier: where the elements are rounded; kFaster32: round_narrow's;
+// kFaster, kOnce: round_scaled's.
 template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, Carrier kCarrier, bool kFaster, bool kOnce,
           bool kFaster32>
 __global__ void __launch_bounds__(kThreads)
@@ -274,43 +277,51 @@ row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned l
   using U = RawOf<In>;
   const Quad<In>* x = static_cast<const Quad<In>*>(c.x);
   Quad<In>* y = static_cast<Quad<In>*>(c.y);
-  const int lanes = int(c.block_cols / 4), lane = int(threadIdx.x & 31);
-  const int per_warp = 32 / lanes, group = lane / lanes, part = lane % lanes;
+  const RowBlocksSchedule s(c.block_cols, int(threadIdx.x & 31));
   const int64_t blocks = c.rows * (c.cols / c.block_cols);
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   const U exponent = U(exponent_mask(c.dtype));
   const double t = tensor_scale_of(c, tensor_max), empty = empty_block_scale(c.scale, t);
   ThreadCounts tc;
   uint64_t saturated = 0;
-  for (int64_t b0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32 * per_warp; b0 < blocks;
-       b0 += warps * per_warp) {
-    const int64_t b = b0 + group, g = b * lanes + part;
+  for (int64_t b0 = s.first_block((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32); b0 < blocks;
+       b0 += s.stride(warps)) {
+    const int64_t b = s.block(b0);
     const bool live = b < blocks;
-    Quad<In> in = {};
-    if (live) in = x[g];
+    Quad<In> in[kRowBlocksQuads] = {};  // (a quad not held reads as 0s, which leave the maximum)
+#pragma unroll
+    for (int q = 0; q < kRowBlocksQuads; ++q)
+      if (live && q < s.quads) in[q] = x[s.quad(b, q)];
     U m = 0;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      U bits;
-      memcpy(&bits, &in.v[k], sizeof(U));
-      m = max_of(m, finite_magnitude(bits, exponent));
-    }
-    const double a = raw_value<In>(group_max(m, lanes));
+    for (int q = 0; q < kRowBlocksQuads; ++q)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        U bits;
+        memcpy(&bits, &in[q].v[k], sizeof(U));
+        m = max_of(m, finite_magnitude(bits, exponent));
+      }
+    const double a = raw_value<In>(group_max(m, s.lanes));
     if (live) {
       bool sat = false;
       const BlockForms f = block_forms<kCarrier, kPow2>(c, a, t, empty, sat);
-      if (part == 0) {
+      if (s.part == 0) {
         c.scales[b] = f.s;
         saturated += sat;
       }
-      Philox4x32Block r = {{0u, 0u, 0u, 0u}};
-      if constexpr (K == RoundKind::Stochastic) r = philox_block(c.seed, c.offset + uint64_t(g));
-      Quad<In> out;
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-        out.v[k] = round_in_carrier<In, K, kCount, kPow2, kSubExp, kCarrier, kFaster, kOnce, kFaster32>(
-            c, in.v[k], 4 * g + k, f, r.w[k], tc);
-      y[g] = out;
+      for (int q = 0; q < kRowBlocksQuads; ++q) {
+        if (q >= s.quads) break;
+        const int64_t g = s.quad(b, q);
+        Philox4x32Block r = {{0u, 0u, 0u, 0u}};
+        if constexpr (K == RoundKind::Stochastic) r = philox_block(c.seed, c.offset + uint64_t(g));
+        Quad<In> out;
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          out.v[k] = round_in_carrier<In, K, kCount, kPow2, kSubExp, kCarrier, kFaster, kOnce, kFaster32>(
+              c, in[q].v[k], 4 * g + k, f, r.w[k], tc);
+        y[g] = out;
+      }
     }
   }
   if constexpr (kCount) finish_counts(tc, counts, c.rows * c.cols);
@@ -480,9 +491,10 @@ void one_pass(const ScaledCall& c, OnePass form, int device, cudaStream_t stream
               const unsigned long long* tmax_in, unsigned long long* cnt) {
   const int64_t n = c.rows * c.cols;
   const int64_t blocks = c.block_grid_rows() * c.block_grid_cols();
-  const int grid = grid_size(device, form == OnePass::Rows      ? n / 4
-                                     : form == OnePass::Columns ? c.block_grid_rows() * c.cols
-                                                                : blocks * kThreads);
+  const int64_t threads = form == OnePass::Rows      ? n / (4 * RowBlocksSchedule(c.block_cols, 0).quads)
+                          : form == OnePass::Columns ? c.block_grid_rows() * c.cols
+                                                     : blocks * kThreads;
+  const int grid = grid_size(device, threads);
   with_float64_forms(c, [&](auto type, auto kind, auto faster_c, auto once_c) {
     using In = typename decltype(type)::type;
     constexpr RoundKind K = decltype(kind)::value;
