@@ -8,20 +8,12 @@
 
 #include "lowfp/philox.hpp"
 #include "lowfp/round.hpp"
+#include "thread_values.hpp"
 
 namespace lowfp {
 namespace {
 
 constexpr int kThreads = 256;
-
-struct ThreadCounts {
-  uint32_t overflow = 0, underflow = 0, nan = 0;
-  __device__ void add(const RoundEvents& ev) {
-    overflow += ev.overflow();
-    underflow += ev.underflow;
-    nan += ev.nan;
-  }
-};
 
 __device__ uint64_t warp_sum(uint64_t v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
@@ -37,10 +29,6 @@ __device__ void flush_counts(const ThreadCounts& c, unsigned long long* counts) 
     if (n) atomicAdd(counts + 2, (unsigned long long)n);
   }
 }
-
-// Four consecutive elements, loaded or stored with one vector access (16 bytes for float32 in and
-// out; two accesses for float64). Four because a Philox block holds four random words.
-template <class T> struct alignas(4 * sizeof(T) > 16 ? 16 : 4 * sizeof(T)) Quad { T v[4]; };
 
 template <class T> bool quad_aligned(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % alignof(Quad<T>) == 0;
