@@ -982,16 +982,17 @@ def test_the_gpu_row_blocks_schedule_holds_each_quad_once_in_its_blocks_shuffle_
 
 
 def test_the_gpu_one_pass_kernels_on_cpu_lanes_give_the_float64_carriers_bits_and_counts(tmp_path):
-    # row_blocks_kernel's turns warp by warp and column_blocks_kernel's blocks, with their own
-    # per-thread code (cpp/src/cuda/scaled_one_pass.hpp: the loads, the block's shuffles, the
-    # scale, the rounding in the carrier the call takes, the words down a column) on the CPU, for
-    # MX, NVFP4, 1 × 128 and blocks of 4 and 8 along the rows, and down the columns with and
-    # without a word_run, four storage types and four modes, against each block rounded in the
-    # float64 carrier without faster forms (tests/cpp/). (-O0: its many kernel instances build
-    # in a third of -O1's time, and run in a second.)
+    # row_blocks_kernel's turns warp by warp, column_blocks_kernel's blocks and tile_blocks_kernel's
+    # thread blocks thread by thread, with their own per-thread code (cpp/src/cuda/
+    # scaled_one_pass.hpp: the loads, the block's maximum, the scale, the rounding in the carrier
+    # the call takes, the words) on the CPU, for MX, NVFP4, 1 × 128 and blocks of 4 and 8 along
+    # the rows, down the columns with and without a word_run, and in 2-D tiles, four storage
+    # types and four modes, against each block rounded in the float64 carrier without faster
+    # forms (tests/cpp/). (-O0: its many kernel instances build in a third of -O1's time, and
+    # run in a second.)
     out = run_host_program(tmp_path, "scaled_one_pass_on_lanes.cpp", "cpp/src/host/scaled_call.cpp",
                            optimize="-O0")
-    assert out.strip().endswith("0 of 1000 cases differ"), out
+    assert out.strip().endswith("0 of 1144 cases differ"), out
     taken = {line.split(":")[0].removeprefix("instance ") for line in out.splitlines()
              if line.startswith("instance ")}
     assert taken == {"checked", "narrow", "narrow faster", "float64", "float64 faster", "float64 faster once"}, out

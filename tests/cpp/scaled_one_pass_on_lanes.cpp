@@ -7,7 +7,10 @@
 //   block's maximum by the same butterfly of shuffles as group_max, then the second half
 //   (row_blocks_round);
 // - column_blocks_kernel (blocks down the columns: a GEMM operand along its reduction axis, with
-//   and without a word_run) block by block (column_block).
+//   and without a word_run) block by block (column_block);
+// - tile_blocks_kernel (2-D blocks of 256 elements or more, short ones at the edges) thread block
+//   by thread block: each thread's share of the block's maximum (tile_block_max), their maximum,
+//   the block's forms, then each thread's share rounded (tile_block_round).
 // Each case's outputs, scales, elements and counts must equal, bit for bit, the float64
 // carrier's plain rounding of each block (block_scale, then scaled_element without faster
 // forms, words by ScaledCall::word_index: the CPU's form that tests/test_scaled.py checks
@@ -32,6 +35,8 @@ constexpr FormatSpec kE5M2{5, 2, 0, Specials::IEEE, true};
 constexpr FormatSpec kE3M2{3, 2, 0, Specials::None, true};
 constexpr FormatSpec kE2M1{2, 1, 0, Specials::None, true};
 constexpr FormatSpec kFloat32{8, 23, 0, Specials::IEEE, true};
+
+constexpr unsigned kThreads = 256;  // (as the CUDA kernels' thread blocks)
 
 struct Counts {
   uint64_t overflow = 0, underflow = 0, nan = 0, saturated = 0;
@@ -127,8 +132,9 @@ Outputs<In> reference(const ScaledCall& c, const std::vector<In>& x, double t) {
   return o;
 }
 
-// The kernel's work: row_blocks_kernel's on a grid of `warps` warps, warp by warp, or
-// column_blocks_kernel's block by block; its instance's name into `instance`.
+// The kernel's work: row_blocks_kernel's on a grid of `warps` warps, warp by warp,
+// column_blocks_kernel's block by block, or tile_blocks_kernel's block by block, thread by
+// thread; its instance's name into `instance`.
 template <class In>
 Outputs<In> kernel_on_lanes(ScaledCall c, const std::vector<In>& x, double t, int64_t warps, std::string& instance) {
   const int64_t blocks = c.block_grid_rows() * c.block_grid_cols();
@@ -155,6 +161,22 @@ Outputs<In> kernel_on_lanes(ScaledCall c, const std::vector<In>& x, double t, in
         for (int64_t b = 0; b < blocks; ++b)
           column_block<In, K, kCount, kPow2, kSub, kCarrier, kFaster, kOnce, kFaster32>(c, b, exponent, t, empty, tc[0],
                                                                                        saturated[0]);
+      } else if (!row_blocks(c)) {  // (tile_blocks: a thread block of kThreads threads a block)
+        for (int64_t b = 0; b < blocks; ++b) {
+          const ScaledBlock at = c.block(b);
+          uint64_t block_max = 0;  // (thread_block_max: the largest of the threads' raw float64 bits)
+          for (unsigned thread = 0; thread < kThreads; ++thread) {
+            const BlockShare share(at.w / 4, thread, kThreads);
+            block_max = max_of(block_max, bit_cast<uint64_t>(raw_value<In>(tile_block_max<In>(c, at, share, exponent))));
+          }
+          bool sat = false;
+          const BlockForms f = block_forms<kCarrier, kPow2>(c, bit_cast<double>(block_max), t, empty, sat);
+          c.scales[b] = f.s;
+          saturated[0] += sat;
+          for (unsigned thread = 0; thread < kThreads; ++thread)
+            tile_block_round<In, K, kCount, kPow2, kSub, kCarrier, kFaster, kOnce, kFaster32>(
+                c, at, BlockShare(at.w / 4, thread, kThreads), f, tc[thread % 32]);
+        }
       } else {
         for (int64_t warp = 0; warp < warps; ++warp) {
           const RowBlocksSchedule first(c.block_cols, 0);
@@ -203,28 +225,33 @@ int failures = 0, cases = 0;
 std::map<std::string, int> instances;  // the kernel instances the cases took
 
 // Where a case's blocks lie: along the rows (row_blocks_kernel), down the columns (blocks of
-// k.block rows, column_blocks_kernel), or down the columns with a word_run of all its rows.
-enum class Layout { Rows, Columns, ColumnsInRuns };
+// k.block rows, column_blocks_kernel), down the columns with a word_run of all its rows, or in
+// tiles of k.block × k.block (tile_blocks_kernel where they hold 256 elements or more).
+enum class Layout { Rows, Columns, ColumnsInRuns, Tiles };
 
 template <class In>
 void run(const Case& k, Layout layout, DType dtype, Rounding mode, Overflow overflow, bool count) {
   ScaledRequest r{k.element, overflow, mode, 32, k.rule, k.scale_format, k.tensor_scale, BlockChoice::Fixed, dtype};
-  const bool rows_layout = layout == Layout::Rows;
-  // (down the columns without runs, a last block of 6 rows)
-  const int64_t rows = rows_layout ? 5 : 2 * k.block + (layout == Layout::Columns ? 6 : 0);
-  const int64_t cols = rows_layout ? 7 * k.block : 5;
-  const int64_t block_rows = rows_layout ? 1 : k.block, block_cols = rows_layout ? k.block : 1;
+  const bool rows_layout = layout == Layout::Rows, tiles = layout == Layout::Tiles;
+  if (tiles && (k.block * k.block < kThreads || dtype == DType::Float64)) return;  // (not tile_blocks calls)
+  // (down the columns without runs, a last block of 6 rows; tiles: a last row of blocks of 4 rows,
+  // a last column of blocks of 8 columns)
+  const int64_t rows = rows_layout ? 5 : 2 * k.block + (layout == Layout::Columns ? 6 : tiles ? 4 : 0);
+  const int64_t cols = rows_layout ? 7 * k.block : tiles ? k.block + 8 : 5;
+  const int64_t block_rows = rows_layout ? 1 : k.block, block_cols = rows_layout ? k.block : tiles ? k.block : 1;
   const int64_t word_run = layout == Layout::ColumnsInRuns ? rows : 0;
-  const int64_t blocks = ((rows + block_rows - 1) / block_rows) * (cols / block_cols);
+  const int64_t grid_cols = (cols + block_cols - 1) / block_cols;
+  const int64_t blocks = ((rows + block_rows - 1) / block_rows) * grid_cols;
   const std::vector<In> x = inputs<In>(rows * cols, blocks, [&](int64_t i) {
-    return rows_layout ? i / k.block : (i / cols / k.block) * cols + i % cols;
+    return (i / cols / block_rows) * grid_cols + (i % cols) / block_cols;
   }, uint32_t(cases + 1));
   std::vector<In> y(x.size());
   std::vector<double> scales(blocks);
   const ScaledCall c = with_buffers(prepare_scaled_call(r), x.data(), y.data(), rows, cols, block_rows, block_cols,
                                     word_run, 0x1234567890abcdefull + cases, 1000 + cases, scales.data(), nullptr,
                                     count ? 6 : 0);
-  if (rows_layout ? !row_blocks(c) : !column_blocks(c)) {
+  if (rows_layout ? !row_blocks(c) : tiles ? row_blocks(c) || column_blocks(c) || !tile_blocks(c, kThreads)
+                                           : !column_blocks(c)) {
     std::printf("%s: not a call of the layout's kernel\n", k.name);
     ++failures;
     return;
@@ -281,7 +308,7 @@ int main() {
       {"e5m2, E4M3 scales and a tensor scale, blocks of 64", kE5M2, ScaleRule::Format, kE4M3, true, 64},
   };
   for (const Case& k : all)
-    for (Layout layout : {Layout::Rows, Layout::Columns, Layout::ColumnsInRuns})
+    for (Layout layout : {Layout::Rows, Layout::Columns, Layout::ColumnsInRuns, Layout::Tiles})
       for (Rounding mode : {Rounding::Nearest, Rounding::TowardZero, Rounding::Up, Rounding::Stochastic})
         for (bool count : {false, true}) {
           run<float>(k, layout, DType::Float32, mode, Overflow::Saturate, count);

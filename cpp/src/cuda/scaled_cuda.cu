@@ -67,28 +67,6 @@ tensor_amax_kernel(ScaledCall c, bool quad_io, unsigned long long* target, unsig
   if (also != nullptr) warp_max_into(also, a);
 }
 
-// A thread's share of one block of `units` units a row (a unit: an element, or a quad of four
-// consecutive ones): rows row0, row0 + down, ... of the block and, in each, units unit0,
-// unit0 + across, ... Consecutive threads take consecutive units of a row (coalesced), as many
-// rows at a time as the thread block covers; threads past across · down take none. (One division
-// a thread and block, none an element.)
-struct BlockShare {
-  int64_t across, down, row0, unit0;
-  __device__ explicit BlockShare(int64_t units) {
-    across = min_of<int64_t>(units, blockDim.x);
-    down = blockDim.x / unsigned(across);
-    row0 = threadIdx.x / unsigned(across);
-    unit0 = threadIdx.x % unsigned(across);
-  }
-  // fn(r, u) for this thread's units (r, u) of a block of h rows of `units` units
-  template <class Fn>
-  __device__ void each(int64_t h, int64_t units, Fn&& fn) const {
-    if (row0 >= down) return;
-    for (int64_t r = row0; r < h; r += down)
-      for (int64_t u = unit0; u < units; u += across) fn(r, u);
-  }
-};
-
 // The largest of this thread block's values m (raw bits of nonnegative doubles), through
 // `maxima` (one slot a warp); every thread calls it, thread 0 gets the answer. The caller
 // synchronises before `maxima` is written again.
@@ -116,7 +94,7 @@ block_amax_kernel(ScaledCall c, unsigned long long* tensor_max) {
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
     const ScaledBlock at = c.block(b);
     U m = 0;
-    BlockShare(at.w).each(at.h, at.w, [&](int64_t r, int64_t u) {
+    BlockShare(at.w, threadIdx.x, blockDim.x).each(at.h, at.w, [&](int64_t r, int64_t u) {
       m = max_of(m, finite_magnitude(x[(at.r0 + r) * c.cols + at.c0 + u], exponent));
     });
     tensor_m = max_of(tensor_m, m);
@@ -203,11 +181,8 @@ template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, Carrier 
           bool kFaster32>
 __global__ void __launch_bounds__(kThreads)
 tile_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
-  using U = RawOf<In>;
-  const In* x = static_cast<const In*>(c.x);
-  In* y = static_cast<In*>(c.y);
-  const int64_t gc = c.block_grid_cols(), blocks = c.block_grid_rows() * gc;
-  const U exponent = U(exponent_mask(c.dtype));
+  const int64_t blocks = c.block_grid_rows() * c.block_grid_cols();
+  const RawOf<In> exponent = RawOf<In>(exponent_mask(c.dtype));
   const double t = tensor_scale_of(c, tensor_max), empty = empty_block_scale(c.scale, t);
   __shared__ uint64_t warp_maxima[kThreads / 32];
   __shared__ BlockForms block_f;
@@ -215,63 +190,22 @@ tile_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned 
   uint64_t saturated = 0;
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
     const ScaledBlock at = c.block(b);
-    const BlockShare share(at.w / 4);
-    // quad (r, u) of the block starts at element first(r, u)
-    auto first = [&](int64_t r, int64_t u) { return (at.r0 + r) * c.cols + at.c0 + 4 * u; };
-    U m = 0;
-    share.each(at.h, at.w / 4, [&](int64_t r, int64_t u) {
-      const Quad<In> in = *reinterpret_cast<const Quad<In>*>(x + first(r, u));
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        U bits;
-        memcpy(&bits, &in.v[k], sizeof(U));
-        m = max_of(m, finite_magnitude(bits, exponent));
-      }
-    });
+    const BlockShare share(at.w / 4, threadIdx.x, blockDim.x);
+    const RawOf<In> m = tile_block_max<In>(c, at, share, exponent);
     const uint64_t bm = thread_block_max(bit_cast<uint64_t>(raw_value<In>(m)), warp_maxima);
     if (threadIdx.x == 0) {
-      const double a = bit_cast<double>(bm);
       bool sat = false;
-      block_f = block_forms<kCarrier, kPow2>(c, a, t, empty, sat);
+      block_f = block_forms<kCarrier, kPow2>(c, bit_cast<double>(bm), t, empty, sat);
       c.scales[b] = block_f.s;
       saturated += sat;
     }
     __syncthreads();
-    const BlockForms f = block_f;
-    share.each(at.h, at.w / 4, [&](int64_t r, int64_t u) {
-      const int64_t i = first(r, u);
-      const Quad<In> in = *reinterpret_cast<const Quad<In>*>(x + i);
-      // (element i takes word i % 4 of Philox block offset + i / 4: row-major words, i % 4 == 0)
-      Philox4x32Block words = {{0u, 0u, 0u, 0u}};
-      if constexpr (K == RoundKind::Stochastic) words = philox_block(c.seed, c.offset + uint64_t(i / 4));
-      Quad<In> out;
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        out.v[k] = round_in_carrier<In, K, kCount, kPow2, kSubExp, kCarrier, kFaster, kOnce, kFaster32>(
-            c, in.v[k], i + k, f, words.w[k], tc);
-      *reinterpret_cast<Quad<In>*>(y + i) = out;
-    });
+    const BlockForms f = block_f;  // (in registers, not read from shared memory for each element)
+    tile_block_round<In, K, kCount, kPow2, kSubExp, kCarrier, kFaster, kOnce, kFaster32>(c, at, share, f, tc);
     __syncthreads();  // (before block_f and warp_maxima are written again)
   }
   if constexpr (kCount) finish_counts(tc, counts, c.rows * c.cols);
   count_blocks(c, saturated, blocks, counts);
-}
-
-// The most elements of a block that tile_blocks_kernel takes: a larger block would keep one
-// multiprocessor busy alone for long (the passes over the maxima, the scales and the elements
-// spread it over the grid).
-constexpr int64_t kTileMost = int64_t(1) << 16;
-
-// Whether a call takes tile_blocks_kernel (when neither row_blocks nor column_blocks does): one
-// scale candidate, row-major words, at least two blocks, each of kThreads to kTileMost elements,
-// rows and blocks of whole quads, an input of at most 32 bits, x and y aligned for quads.
-bool tile_blocks(const ScaledCall& c) {
-  const int64_t h = min_of(c.rows, c.block_rows), w = min_of(c.cols, c.block_cols);
-  const uintptr_t align = uintptr_t(4 * dtype_size(c.dtype));
-  return c.scale.choice == BlockChoice::Fixed && c.word_run == 0 && c.block_grid_rows() * c.block_grid_cols() > 1 &&
-         h * w >= kThreads && h * w <= kTileMost && c.cols % 4 == 0 && c.block_cols % 4 == 0 &&
-         c.dtype != DType::Float64 && reinterpret_cast<uintptr_t>(c.x) % align == 0 &&
-         reinterpret_cast<uintptr_t>(c.y) % align == 0;
 }
 
 enum class OnePass { Rows, Columns, Tiles };
@@ -418,7 +352,7 @@ void scaled_cuda(const ScaledCall& c, double* tensor_scale, int64_t* counts, int
     check(cudaGetLastError(), "kernel launch");
     return;
   }
-  const bool rows = row_blocks(c), columns = !rows && column_blocks(c), tiles = !rows && !columns && tile_blocks(c);
+  const bool rows = row_blocks(c), columns = !rows && column_blocks(c), tiles = !rows && !columns && tile_blocks(c, kThreads);
   if (rows || columns || tiles) {
     one_pass(c, rows ? OnePass::Rows : columns ? OnePass::Columns : OnePass::Tiles, device, stream, tmax, tmax_in, cnt);
   } else {

@@ -2,10 +2,11 @@
 // the host compiler: a block's scale in the forms its elements take (block_forms), an element's
 // rounding in the call's carrier (round_in_carrier), a lane's turn of row_blocks_kernel in its
 // two halves on either side of the block's shuffle (row_blocks_load, row_blocks_round), a
-// thread's block of column_blocks_kernel (column_block), and the kernel instance a call takes
+// thread's block of column_blocks_kernel (column_block), a thread's share of a block of
+// tile_blocks_kernel in its two halves on either side of the block's maximum (tile_block_max,
+// tile_block_round), which calls take which kernel, and the kernel instance a call takes
 // (with_one_pass_instance). tests/cpp/scaled_one_pass_on_lanes.cpp runs them on the CPU in CI,
-// the rows kernel warp by warp and lane by lane, against the float64 carrier's plain rounding of
-// every block.
+// warp by warp and lane by lane, against the float64 carrier's plain rounding of every block.
 #pragma once
 #include <cstring>
 #include <type_traits>
@@ -259,6 +260,91 @@ LOWFP_HD void column_block(const ScaledCall& c, int64_t b, RawOf<In> exponent, d
     y[i] = round_in_carrier<In, K, kCount, kPow2, kSubExp, kCarrier, kFaster, kOnce, kFaster32>(c, x[i], i, f, word,
                                                                                           tc);
   }
+}
+
+// The most elements of a block that tile_blocks_kernel takes: a larger block would keep one
+// multiprocessor busy alone for long (the passes over the maxima, the scales and the elements
+// spread it over the grid).
+constexpr int64_t kTileMost = int64_t(1) << 16;
+
+// Whether a call takes tile_blocks_kernel, of `threads` threads a thread block (when neither
+// row_blocks nor column_blocks does): one scale candidate, row-major words, at least two blocks,
+// each of `threads` to kTileMost elements, rows and blocks of whole quads, an input of at most 32
+// bits, x and y aligned for quads.
+inline bool tile_blocks(const ScaledCall& c, int threads) {
+  const int64_t h = min_of(c.rows, c.block_rows), w = min_of(c.cols, c.block_cols);
+  const uintptr_t align = uintptr_t(4 * dtype_size(c.dtype));
+  return c.scale.choice == BlockChoice::Fixed && c.word_run == 0 && c.block_grid_rows() * c.block_grid_cols() > 1 &&
+         h * w >= threads && h * w <= kTileMost && c.cols % 4 == 0 && c.block_cols % 4 == 0 &&
+         c.dtype != DType::Float64 && reinterpret_cast<uintptr_t>(c.x) % align == 0 &&
+         reinterpret_cast<uintptr_t>(c.y) % align == 0;
+}
+
+// A thread's share of one block of `units` units a row (a unit: an element, or a quad of four
+// consecutive ones): rows row0, row0 + down, ... of the block and, in each, units unit0,
+// unit0 + across, ... Consecutive threads take consecutive units of a row (coalesced), as many
+// rows at a time as the thread block covers; threads past across · down take none. (One division
+// a thread and block, none an element.)
+struct BlockShare {
+  int64_t across, down, row0, unit0;
+  // thread `thread` of a thread block of `threads`
+  LOWFP_HD BlockShare(int64_t units, unsigned thread, unsigned threads) {
+    across = min_of<int64_t>(units, threads);
+    down = threads / unsigned(across);
+    row0 = thread / unsigned(across);
+    unit0 = thread % unsigned(across);
+  }
+  // fn(r, u) for this thread's units (r, u) of a block of h rows of `units` units
+  template <class Fn>
+  LOWFP_HD void each(int64_t h, int64_t units, Fn&& fn) const {
+    if (row0 >= down) return;
+    for (int64_t r = row0; r < h; r += down)
+      for (int64_t u = unit0; u < units; u += across) fn(r, u);
+  }
+};
+
+// tile_blocks_kernel's two halves of a thread's work on block `at` (its share of the block's
+// quads), on either side of the block's maximum over the thread block: the largest finite
+// magnitude of the quads it holds (raw bits; exponent: exponent_mask(c.dtype)), then, given the
+// block's forms f, those quads read again, rounded and stored. Quad (r, u) of the block starts at
+// element (at.r0 + r) · cols + at.c0 + 4u, and element i takes word i % 4 of Philox block
+// offset + i / 4 (row-major words; rows and blocks of whole quads: i % 4 == 0). Template
+// parameters: row_blocks_kernel's.
+template <class In>
+LOWFP_HD RawOf<In> tile_block_max(const ScaledCall& c, const ScaledBlock& at, const BlockShare& share,
+                                  RawOf<In> exponent) {
+  using U = RawOf<In>;
+  const In* x = static_cast<const In*>(c.x);
+  U m = 0;
+  share.each(at.h, at.w / 4, [&](int64_t r, int64_t u) {
+    const Quad<In> in = *reinterpret_cast<const Quad<In>*>(x + (at.r0 + r) * c.cols + at.c0 + 4 * u);
+    LOWFP_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      U bits;
+      memcpy(&bits, &in.v[k], sizeof(U));
+      m = max_of(m, finite_magnitude(bits, exponent));
+    }
+  });
+  return m;
+}
+template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, Carrier kCarrier, bool kFaster, bool kOnce,
+          bool kFaster32>
+LOWFP_HD void tile_block_round(const ScaledCall& c, const ScaledBlock& at, const BlockShare& share,
+                               const BlockForms& f, ThreadCounts& tc) {
+  const In* x = static_cast<const In*>(c.x);
+  In* y = static_cast<In*>(c.y);
+  share.each(at.h, at.w / 4, [&](int64_t r, int64_t u) {
+    const int64_t i = (at.r0 + r) * c.cols + at.c0 + 4 * u;
+    const Quad<In> in = *reinterpret_cast<const Quad<In>*>(x + i);
+    Philox4x32Block words = {{0u, 0u, 0u, 0u}};
+    if constexpr (K == RoundKind::Stochastic) words = philox_block(c.seed, c.offset + uint64_t(i / 4));
+    Quad<In> out;
+    LOWFP_UNROLL
+    for (int k = 0; k < 4; ++k)
+      out.v[k] = round_in_carrier<In, K, kCount, kPow2, kSubExp, kCarrier, kFaster, kOnce, kFaster32>(
+          c, in.v[k], i + k, f, words.w[k], tc);
+    *reinterpret_cast<Quad<In>*>(y + i) = out;
+  });
 }
 
 // fn(type, kind, count, pow2, sub, carrier, faster, once, faster32): the instance of a one-pass
