@@ -986,12 +986,10 @@ def test_the_gpu_one_pass_kernels_on_cpu_lanes_give_the_float64_carriers_bits_an
     # thread blocks thread by thread, with their own per-thread code (cpp/src/cuda/
     # scaled_one_pass.hpp: the loads, the block's maximum, the scale, the rounding in the carrier
     # the call takes, the words) on the CPU, for MX, NVFP4, 1 × 128 and blocks of 4 and 8 along
-    # the rows, down the columns with and without a word_run, and in 2-D tiles, four storage
-    # types and four modes, against each block rounded in the float64 carrier without faster
-    # forms (tests/cpp/). (-O0: its many kernel instances build in a third of -O1's time, and
-    # run in a second.)
-    out = run_host_program(tmp_path, "scaled_one_pass_on_lanes.cpp", "cpp/src/host/scaled_call.cpp",
-                           optimize="-O0")
+    # the rows, down the columns with and without a word_run, and in 2-D tiles, float32,
+    # bfloat16 and float64 inputs, four modes, against each block rounded in the float64
+    # carrier without faster forms (tests/cpp/).
+    out = run_host_program(tmp_path, "scaled_one_pass_on_lanes.cpp", "cpp/src/host/scaled_call.cpp")
     assert out.strip().endswith("0 of 1144 cases differ"), out
     taken = {line.split(":")[0].removeprefix("instance ") for line in out.splitlines()
              if line.startswith("instance ")}
