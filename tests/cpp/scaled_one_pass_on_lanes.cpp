@@ -1,5 +1,5 @@
-// The CUDA one-pass kernels for 1-D blocks (scaled_cuda.cu) followed on the CPU with their own
-// per-thread code (scaled_one_pass.hpp), in the kernel instance each call takes
+// The CUDA one-pass kernels (scaled_rows.cu, scaled_columns.cu, scaled_tiles.cu) followed on the
+// CPU with their own per-thread code (scaled_one_pass.hpp), in the kernel instance each call takes
 // (with_one_pass_instance: the float32 carriers, checked or narrow, or the float64 carrier's
 // faster forms):
 // - row_blocks_kernel (MX, NVFP4, rows of 1 × 128) warp by warp: each lane's turns by its
@@ -13,10 +13,9 @@
 //   the block's forms, then each thread's share rounded (tile_block_round).
 // (float16 inputs take bfloat16's code but for their conversions, tested elsewhere: left out, as
 // its kernel instances would add a third to the build.) Each case's outputs, scales, elements
-// and counts must equal, bit for bit, the float64
-// carrier's plain rounding of each block (block_scale, then scaled_element without faster
-// forms, words by ScaledCall::word_index: the CPU's form that tests/test_scaled.py checks
-// against the exact reference). Built and run by tests/test_scaled.py; prints the kernel
+// and counts must equal, bit for bit, the float64 carrier's plain rounding of each block
+// (block_scale, then scaled_element without faster forms, words by ScaledCall::word_index: the
+// CPU's form that tests/test_scaled.py checks against the exact reference). Built and run by tests/test_scaled.py; prints the kernel
 // instances taken and one line per differing case, and exits 1 if any differs.
 #include <cmath>
 #include <cstdio>

@@ -1,5 +1,5 @@
 // Which elements each lane of a warp holds in the one-pass kernel for 1-D blocks along the rows
-// (scaled_cuda.cu's row_blocks_kernel: MX, NVFP4). A block of w = 4 · 2^k consecutive elements
+// (scaled_rows.cu's row_blocks_kernel: MX, NVFP4). A block of w = 4 · 2^k consecutive elements
 // (4 to 128, cutting each row evenly) is held by `lanes` consecutive lanes, aligned to `lanes`
 // (a power of two), so that its largest magnitude is a shuffle reduction of that width. Each lane
 // holds `quads` quads (quad g: elements 4g .. 4g + 3 of the row-major tensor), two where a block

@@ -5,208 +5,27 @@
 // equal (tests/test_scaled.py, tests/test_scaled_strategies.py), so CPU = GPU bit for bit. Four
 // forms of a call:
 // - 1-D blocks along the rows whose width is a power of two from 4 to 128 dividing the row (MX,
-//   NVFP4) and a single scale candidate: one pass (row_blocks_kernel), a group of lanes per block
+//   NVFP4) and a single scale candidate: one pass (row_blocks_kernel in scaled_rows.cu), a group of lanes per block
 //   holding one or two quads of it each (row_blocks_schedule.hpp), the block's largest magnitude
 //   by shuffles, its scale and elements from registers (the per-thread code in
 //   scaled_one_pass.hpp, which a test runs on the CPU); a tensor scale takes a coalesced
 //   reduction first.
 // - Blocks down the columns (block_cols 1, a GEMM operand along its reduction axis): one pass
-//   (column_blocks_kernel), a thread per block, consecutive threads on consecutive columns.
+//   (column_blocks_kernel in scaled_columns.cu), a thread per block, consecutive threads on consecutive columns.
 // - Blocks of 256 to 2^16 elements whose rows are whole quads (a row's scale, 128 × 128 tiles) and
-//   a single scale candidate: one pass a block (tile_blocks_kernel), a thread block reading the
+//   a single scale candidate: one pass a block (tile_blocks_kernel in scaled_tiles.cu), a thread block reading the
 //   block coalesced for its largest magnitude and again to round it.
 // - Any other blocks: each block's largest finite magnitude by a thread block of its own reading
 //   its rows coalesced (the whole grid for a single block), the scales in place, then the elements
 //   in a grid-stride loop (a single block's in groups of four).
 #include <type_traits>
 
-#include "common.cuh"
-#include "dispatch.hpp"
 #include "lowfp/philox.hpp"
-#include "lowfp/scaled.hpp"
 #include "scaled_cuda.hpp"
-#include "scaled_one_pass.hpp"
+#include "scaled_device.cuh"
 
 namespace lowfp {
 namespace {
-
-// The largest of v over the `width` lanes of this lane's aligned group (width a power of two up
-// to 32; every lane of the warp calls it).
-template <class U>
-__device__ U group_max(U v, int width) {
-  using Shuffled = std::conditional_t<sizeof(U) == 8, unsigned long long, unsigned>;
-  for (int o = width / 2; o > 0; o >>= 1) v = max_of(v, U(__shfl_xor_sync(0xffffffffu, Shuffled(v), o)));
-  return v;
-}
-
-// a >= 0 into the maximum whose float64 bits *target holds (nonnegative doubles order as their
-// bits), once per warp.
-__device__ void warp_max_into(unsigned long long* target, double a) {
-  const uint64_t m = group_max(bit_cast<uint64_t>(a), 32);
-  if ((threadIdx.x & 31) == 0 && m != 0) atomicMax(target, (unsigned long long)m);
-}
-
-// The largest finite magnitude of the call's elements into *target and, when not null, *also
-// (both zeroed before): the whole grid reading quads of consecutive elements.
-template <class In>
-__global__ void __launch_bounds__(kThreads)
-tensor_amax_kernel(ScaledCall c, bool quad_io, unsigned long long* target, unsigned long long* also) {
-  using U = RawOf<In>;
-  const U* x = static_cast<const U*>(c.x);
-  const U exponent = U(exponent_mask(c.dtype));
-  const int64_t n = c.rows * c.cols, groups = (n + 3) / 4, full_groups = quad_io ? n / 4 : 0;
-  U m = 0;
-  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
-       g += int64_t(gridDim.x) * blockDim.x) {
-    const Quad<U> v = load_group(x, g, n, full_groups);  // (a short last group reads 0s)
-#pragma unroll
-    for (int k = 0; k < 4; ++k) m = max_of(m, finite_magnitude(v.v[k], exponent));
-  }
-  const double a = raw_value<In>(m);
-  warp_max_into(target, a);
-  if (also != nullptr) warp_max_into(also, a);
-}
-
-// The largest of this thread block's values m (raw bits of nonnegative doubles), through
-// `maxima` (one slot a warp); every thread calls it, thread 0 gets the answer. The caller
-// synchronises before `maxima` is written again.
-__device__ uint64_t thread_block_max(uint64_t m, uint64_t* maxima) {
-  m = group_max(m, 32);
-  if ((threadIdx.x & 31) == 0) maxima[threadIdx.x / 32] = m;
-  __syncthreads();
-  if (threadIdx.x != 0) return 0;
-  for (int i = 0; i < kThreads / 32; ++i) m = max_of(m, maxima[i]);
-  return m;
-}
-
-// Each block's largest finite magnitude into c.scales, one thread block per block (grid-stride
-// over the blocks), its threads reading the block row by row (BlockShare); the tensor's into
-// *tensor_max when not null (zeroed before).
-template <class In>
-__global__ void __launch_bounds__(kThreads)
-block_amax_kernel(ScaledCall c, unsigned long long* tensor_max) {
-  using U = RawOf<In>;
-  const U* x = static_cast<const U*>(c.x);
-  const U exponent = U(exponent_mask(c.dtype));
-  const int64_t gc = c.block_grid_cols(), blocks = c.block_grid_rows() * gc;
-  __shared__ uint64_t warp_maxima[kThreads / 32];
-  U tensor_m = 0;
-  for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
-    const ScaledBlock at = c.block(b);
-    U m = 0;
-    BlockShare(at.w, threadIdx.x, blockDim.x).each(at.h, at.w, [&](int64_t r, int64_t u) {
-      m = max_of(m, finite_magnitude(x[(at.r0 + r) * c.cols + at.c0 + u], exponent));
-    });
-    tensor_m = max_of(tensor_m, m);
-    const uint64_t bm = thread_block_max(bit_cast<uint64_t>(raw_value<In>(m)), warp_maxima);
-    if (threadIdx.x == 0) c.scales[b] = bit_cast<double>(bm);
-    __syncthreads();
-  }
-  if (tensor_max != nullptr) warp_max_into(tensor_max, raw_value<In>(tensor_m));
-}
-
-// The tensor scale from the tensor's largest magnitude (bits in *tensor_max), as scaled_cpu.
-__device__ double tensor_scale_of(const ScaledCall& c, const unsigned long long* tensor_max) {
-  if (tensor_max == nullptr) return 1.0;
-  return tensor_scale(c.scale, bit_cast<double>(uint64_t(*tensor_max)));
-}
-
-// The block counts of a pass over the scales: its threads' saturated blocks, and all blocks once.
-__device__ void count_blocks(const ScaledCall& c, uint64_t saturated, int64_t blocks, unsigned long long* counts) {
-  if (counts == nullptr || !c.count_blocks) return;
-  saturated = warp_sum(saturated);
-  if ((threadIdx.x & 31) == 0 && saturated) atomicAdd(counts + 4, (unsigned long long)saturated);
-  if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(counts + 5, (unsigned long long)blocks);
-}
-
-// The one-pass form (row_blocks): blocks of c.block_cols consecutive elements, block b holding
-// elements b · block_cols ... (row-major), each held by a group of lanes of a warp, a lane holding
-// one or two of its quads (RowBlocksSchedule); quad g (elements 4g .. 4g + 3) takes Philox block
-// offset + g. A warp takes per_warp blocks at a time (its loop bound the same for all its lanes,
-// which all shuffle). kCarrier: where the elements are rounded; kFaster32: round_narrow's;
-// kFaster, kOnce: round_scaled's.
-template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, Carrier kCarrier, bool kFaster, bool kOnce,
-          bool kFaster32>
-__global__ void __launch_bounds__(kThreads)
-row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
-  const RowBlocksSchedule s(c.block_cols, int(threadIdx.x & 31));
-  const int64_t blocks = c.rows * (c.cols / c.block_cols);
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
-  const RawOf<In> exponent = RawOf<In>(exponent_mask(c.dtype));
-  const double t = tensor_scale_of(c, tensor_max), empty = empty_block_scale(c.scale, t);
-  ThreadCounts tc;
-  uint64_t saturated = 0;
-  for (int64_t b0 = s.first_block((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32); b0 < blocks;
-       b0 += s.stride(warps)) {
-    const int64_t b = s.block(b0);
-    const bool live = b < blocks;
-    Quad<In> in[kRowBlocksQuads];
-    const RawOf<In> m = row_blocks_load(c, s, b, live, exponent, in);
-    const double a = raw_value<In>(group_max(m, s.lanes));
-    if (live)
-      row_blocks_round<In, K, kCount, kPow2, kSubExp, kCarrier, kFaster, kOnce, kFaster32>(c, s, b, in, a, t, empty,
-                                                                                          tc, saturated);
-  }
-  if constexpr (kCount) finish_counts(tc, counts, c.rows * c.cols);
-  count_blocks(c, saturated, blocks, counts);
-}
-
-// The one-pass form of blocks down the columns (block_cols 1: a GEMM operand along its reduction
-// axis, scaled.config.kernel_layout): a thread per block, consecutive threads on consecutive
-// columns (coalesced), reading its block_rows elements for the maximum and again (from cache)
-// to round them. Template parameters: row_blocks_kernel's.
-template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, Carrier kCarrier, bool kFaster, bool kOnce,
-          bool kFaster32>
-__global__ void __launch_bounds__(kThreads)
-column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
-  const int64_t blocks = c.block_grid_rows() * c.cols;
-  const RawOf<In> exponent = RawOf<In>(exponent_mask(c.dtype));
-  const double t = tensor_scale_of(c, tensor_max), empty = empty_block_scale(c.scale, t);
-  ThreadCounts tc;
-  uint64_t saturated = 0;
-  for (int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; b < blocks;
-       b += int64_t(gridDim.x) * blockDim.x)
-    column_block<In, K, kCount, kPow2, kSubExp, kCarrier, kFaster, kOnce, kFaster32>(c, b, exponent, t, empty, tc,
-                                                                                    saturated);
-  if constexpr (kCount) finish_counts(tc, counts, c.rows * c.cols);
-  count_blocks(c, saturated, blocks, counts);
-}
-
-// The one-pass form of blocks of kThreads to kTileMost elements (a row's scale, 128 × 128 tiles:
-// tile_blocks): a thread block per block (grid-stride over the blocks) reads the block for its
-// largest magnitude (BlockShare over its quads: coalesced vector loads), takes its scale, and
-// rounds the block's elements, read again (from the L2 cache where it holds the block), a Philox
-// block a quad. Template parameters: row_blocks_kernel's.
-template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, Carrier kCarrier, bool kFaster, bool kOnce,
-          bool kFaster32>
-__global__ void __launch_bounds__(kThreads)
-tile_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
-  const int64_t blocks = c.block_grid_rows() * c.block_grid_cols();
-  const RawOf<In> exponent = RawOf<In>(exponent_mask(c.dtype));
-  const double t = tensor_scale_of(c, tensor_max), empty = empty_block_scale(c.scale, t);
-  __shared__ uint64_t warp_maxima[kThreads / 32];
-  __shared__ BlockForms block_f;
-  ThreadCounts tc;
-  uint64_t saturated = 0;
-  for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
-    const ScaledBlock at = c.block(b);
-    const BlockShare share(at.w / 4, threadIdx.x, blockDim.x);
-    const RawOf<In> m = tile_block_max<In>(c, at, share, exponent);
-    const uint64_t bm = thread_block_max(bit_cast<uint64_t>(raw_value<In>(m)), warp_maxima);
-    if (threadIdx.x == 0) {
-      bool sat = false;
-      block_f = block_forms<kCarrier, kPow2>(c, bit_cast<double>(bm), t, empty, sat);
-      c.scales[b] = block_f.s;
-      saturated += sat;
-    }
-    __syncthreads();
-    const BlockForms f = block_f;  // (in registers, not read from shared memory for each element)
-    tile_block_round<In, K, kCount, kPow2, kSubExp, kCarrier, kFaster, kOnce, kFaster32>(c, at, share, f, tc);
-    __syncthreads();  // (before block_f and warp_maxima are written again)
-  }
-  if constexpr (kCount) finish_counts(tc, counts, c.rows * c.cols);
-  count_blocks(c, saturated, blocks, counts);
-}
 
 enum class OnePass { Rows, Columns, Tiles };
 
@@ -221,27 +40,15 @@ void one_pass(const ScaledCall& c, OnePass form, int device, cudaStream_t stream
                           : form == OnePass::Columns ? c.block_grid_rows() * c.cols
                                                      : blocks * kThreads;
   const int grid = grid_size(device, threads);
-  with_one_pass_instance(c, [&](auto type, auto kind, auto count, auto pow2, auto sub, auto carrier, auto faster,
-                                auto once, auto faster32) {
-    using In = typename decltype(type)::type;
-    constexpr RoundKind K = decltype(kind)::value;
-    constexpr bool kCount = decltype(count)::value, kPow2 = decltype(pow2)::value, kSub = decltype(sub)::value,
-                   kFaster = decltype(faster)::value, kOnce = decltype(once)::value,
-                   kFaster32 = decltype(faster32)::value;
-    constexpr Carrier kCarrier = decltype(carrier)::value;
-    if (c.tensor_scale)
-      tensor_amax_kernel<In><<<grid_size(device, (n + 3) / 4), kThreads, 0, stream>>>(c, quad_aligned<In>(c.x),
-                                                                                     tmax, nullptr);
-    if (form == OnePass::Rows)
-      row_blocks_kernel<In, K, kCount, kPow2, kSub, kCarrier, kFaster, kOnce, kFaster32>
-          <<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
-    else if (form == OnePass::Columns)
-      column_blocks_kernel<In, K, kCount, kPow2, kSub, kCarrier, kFaster, kOnce, kFaster32>
-          <<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
-    else if constexpr (!std::is_same_v<In, double>)  // (tile_blocks: no float64 inputs)
-      tile_blocks_kernel<In, K, kCount, kPow2, kSub, kCarrier, kFaster, kOnce, kFaster32>
-          <<<grid, kThreads, 0, stream>>>(c, tmax_in, cnt);
-  });
+  if (c.tensor_scale)
+    with_storage_type(c.dtype, [&](auto type) {
+      using In = typename decltype(type)::type;
+      tensor_amax_kernel<In><<<grid_size(device, (n + 3) / 4), kThreads, 0, stream>>>(c, quad_aligned<In>(c.x), tmax,
+                                                                                     nullptr);
+    });
+  if (form == OnePass::Rows) row_blocks_cuda(c, grid, stream, tmax_in, cnt);
+  else if (form == OnePass::Columns) column_blocks_cuda(c, grid, stream, tmax_in, cnt);
+  else tile_blocks_cuda(c, grid, stream, tmax_in, cnt);
 }
 
 // The scales pass: each block's largest finite magnitude a in c.scales becomes its scale,

@@ -1,12 +1,13 @@
-// The per-thread math of the one-pass scaled kernels (scaled_cuda.cu), written for nvcc and for
-// the host compiler: a block's scale in the forms its elements take (block_forms), an element's
-// rounding in the call's carrier (round_in_carrier), a lane's turn of row_blocks_kernel in its
-// two halves on either side of the block's shuffle (row_blocks_load, row_blocks_round), a
-// thread's block of column_blocks_kernel (column_block), a thread's share of a block of
-// tile_blocks_kernel in its two halves on either side of the block's maximum (tile_block_max,
-// tile_block_round), which calls take which kernel, and the kernel instance a call takes
-// (with_one_pass_instance). tests/cpp/scaled_one_pass_on_lanes.cpp runs them on the CPU in CI,
-// warp by warp and lane by lane, against the float64 carrier's plain rounding of every block.
+// The per-thread math of the one-pass scaled kernels (scaled_rows.cu, scaled_columns.cu,
+// scaled_tiles.cu), written for nvcc and for the host compiler: a block's scale in the forms its
+// elements take (block_forms), an element's rounding in the call's carrier (round_in_carrier), a
+// lane's turn of row_blocks_kernel in its two halves on either side of the block's shuffle
+// (row_blocks_load, row_blocks_round), a thread's block of column_blocks_kernel (column_block), a
+// thread's share of a block of tile_blocks_kernel in its two halves on either side of the block's
+// maximum (tile_block_max, tile_block_round), which calls take which kernel, and the kernel
+// instance a call takes (with_one_pass_instance). tests/cpp/scaled_one_pass_on_lanes.cpp runs them
+// on the CPU in CI, warp by warp and lane by lane, against the float64 carrier's plain rounding of
+// every block.
 #pragma once
 #include <cstring>
 #include <type_traits>

@@ -1,0 +1,142 @@
+// Device code shared by the scaled formats' CUDA files: scaled_cuda.cu (the driver and the
+// three-pass form) and the one-pass kernels, each in a file of its own so that their many
+// instances compile in parallel (scaled_rows.cu, scaled_columns.cu, scaled_tiles.cu). Maxima by
+// shuffles and atomics, the tensor's largest magnitude, the tensor scale and the block counts;
+// and the one-pass kernels' launchers.
+#pragma once
+#include <type_traits>
+
+#include "common.cuh"
+#include "dispatch.hpp"
+#include "lowfp/scaled.hpp"
+#include "scaled_call.hpp"
+#include "scaled_one_pass.hpp"
+
+namespace lowfp {
+namespace {
+
+// The largest of v over the `width` lanes of this lane's aligned group (width a power of two up
+// to 32; every lane of the warp calls it).
+template <class U>
+__device__ U group_max(U v, int width) {
+  using Shuffled = std::conditional_t<sizeof(U) == 8, unsigned long long, unsigned>;
+  for (int o = width / 2; o > 0; o >>= 1) v = max_of(v, U(__shfl_xor_sync(0xffffffffu, Shuffled(v), o)));
+  return v;
+}
+
+// a >= 0 into the maximum whose float64 bits *target holds (nonnegative doubles order as their
+// bits), once per warp.
+__device__ void warp_max_into(unsigned long long* target, double a) {
+  const uint64_t m = group_max(bit_cast<uint64_t>(a), 32);
+  if ((threadIdx.x & 31) == 0 && m != 0) atomicMax(target, (unsigned long long)m);
+}
+
+// The largest finite magnitude of the call's elements into *target and, when not null, *also
+// (both zeroed before): the whole grid reading quads of consecutive elements.
+template <class In>
+__global__ void __launch_bounds__(kThreads)
+tensor_amax_kernel(ScaledCall c, bool quad_io, unsigned long long* target, unsigned long long* also) {
+  using U = RawOf<In>;
+  const U* x = static_cast<const U*>(c.x);
+  const U exponent = U(exponent_mask(c.dtype));
+  const int64_t n = c.rows * c.cols, groups = (n + 3) / 4, full_groups = quad_io ? n / 4 : 0;
+  U m = 0;
+  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
+       g += int64_t(gridDim.x) * blockDim.x) {
+    const Quad<U> v = load_group(x, g, n, full_groups);  // (a short last group reads 0s)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) m = max_of(m, finite_magnitude(v.v[k], exponent));
+  }
+  const double a = raw_value<In>(m);
+  warp_max_into(target, a);
+  if (also != nullptr) warp_max_into(also, a);
+}
+
+// The largest of this thread block's values m (raw bits of nonnegative doubles), through
+// `maxima` (one slot a warp); every thread calls it, thread 0 gets the answer. The caller
+// synchronises before `maxima` is written again.
+__device__ uint64_t thread_block_max(uint64_t m, uint64_t* maxima) {
+  m = group_max(m, 32);
+  if ((threadIdx.x & 31) == 0) maxima[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x != 0) return 0;
+  for (int i = 0; i < kThreads / 32; ++i) m = max_of(m, maxima[i]);
+  return m;
+}
+
+// Each block's largest finite magnitude into c.scales, one thread block per block (grid-stride
+// over the blocks), its threads reading the block row by row (BlockShare); the tensor's into
+// *tensor_max when not null (zeroed before).
+template <class In>
+__global__ void __launch_bounds__(kThreads)
+block_amax_kernel(ScaledCall c, unsigned long long* tensor_max) {
+  using U = RawOf<In>;
+  const U* x = static_cast<const U*>(c.x);
+  const U exponent = U(exponent_mask(c.dtype));
+  const int64_t gc = c.block_grid_cols(), blocks = c.block_grid_rows() * gc;
+  __shared__ uint64_t warp_maxima[kThreads / 32];
+  U tensor_m = 0;
+  for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+    const ScaledBlock at = c.block(b);
+    U m = 0;
+    BlockShare(at.w, threadIdx.x, blockDim.x).each(at.h, at.w, [&](int64_t r, int64_t u) {
+      m = max_of(m, finite_magnitude(x[(at.r0 + r) * c.cols + at.c0 + u], exponent));
+    });
+    tensor_m = max_of(tensor_m, m);
+    const uint64_t bm = thread_block_max(bit_cast<uint64_t>(raw_value<In>(m)), warp_maxima);
+    if (threadIdx.x == 0) c.scales[b] = bit_cast<double>(bm);
+    __syncthreads();
+  }
+  if (tensor_max != nullptr) warp_max_into(tensor_max, raw_value<In>(tensor_m));
+}
+
+// The tensor scale from the tensor's largest magnitude (bits in *tensor_max), as scaled_cpu.
+__device__ double tensor_scale_of(const ScaledCall& c, const unsigned long long* tensor_max) {
+  if (tensor_max == nullptr) return 1.0;
+  return tensor_scale(c.scale, bit_cast<double>(uint64_t(*tensor_max)));
+}
+
+// The block counts of a pass over the scales: its threads' saturated blocks, and all blocks once.
+__device__ void count_blocks(const ScaledCall& c, uint64_t saturated, int64_t blocks, unsigned long long* counts) {
+  if (counts == nullptr || !c.count_blocks) return;
+  saturated = warp_sum(saturated);
+  if ((threadIdx.x & 31) == 0 && saturated) atomicAdd(counts + 4, (unsigned long long)saturated);
+  if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(counts + 5, (unsigned long long)blocks);
+}
+
+// A one-pass kernel's template arguments, as with_one_pass_instance chooses them for a call.
+template <class InType, RoundKind kKind, bool kCountV, bool kPow2V, bool kSubExpV, Carrier kCarrierV, bool kFasterV,
+          bool kOnceV, bool kFaster32V>
+struct OnePassInstance {
+  using In = InType;
+  static constexpr RoundKind K = kKind;
+  static constexpr bool kCount = kCountV, kPow2 = kPow2V, kSubExp = kSubExpV, kFaster = kFasterV, kOnce = kOnceV,
+                        kFaster32 = kFaster32V;
+  static constexpr Carrier kCarrier = kCarrierV;
+};
+
+// fn(OnePassInstance<...>{}) for the instance a call takes (with_one_pass_instance).
+template <class Fn>
+void with_one_pass_kernel(const ScaledCall& c, Fn&& fn) {
+  with_one_pass_instance(c, [&](auto type, auto kind, auto count, auto pow2, auto sub, auto carrier, auto faster,
+                                auto once, auto faster32) {
+    fn(OnePassInstance<typename decltype(type)::type, decltype(kind)::value, decltype(count)::value,
+                       decltype(pow2)::value, decltype(sub)::value, decltype(carrier)::value, decltype(faster)::value,
+                       decltype(once)::value, decltype(faster32)::value>{});
+  });
+}
+
+}  // namespace
+
+// The one-pass kernels' launchers: each enqueues its kernel's instance for call c on `stream`,
+// `grid` thread blocks of kThreads. tensor_max: the tensor's largest magnitude, already reduced
+// (null without a tensor scale); counts: the device counts buffer (or null).
+void row_blocks_cuda(const ScaledCall& c, int grid, cudaStream_t stream, const unsigned long long* tensor_max,
+                     unsigned long long* counts);
+void column_blocks_cuda(const ScaledCall& c, int grid, cudaStream_t stream, const unsigned long long* tensor_max,
+                        unsigned long long* counts);
+// (no float64 inputs: tile_blocks never takes them)
+void tile_blocks_cuda(const ScaledCall& c, int grid, cudaStream_t stream, const unsigned long long* tensor_max,
+                      unsigned long long* counts);
+
+}  // namespace lowfp
