@@ -12,6 +12,7 @@ import torch
 import lowfp
 from cpu_kernels import outputs_of_each_kernel
 from devices import on_cuda, same_bits
+from host_programs import run_host_program
 
 F = "fp(4,3,4)"
 
@@ -1423,3 +1424,12 @@ def test_torch_func_transforms_are_refused_by_name():
     w = torch.randn(4, 32)
     grad = torch.func.grad(lambda t: (t * lowfp.quantize(w, "fp(4,3,4)")).sum())(x)
     assert torch.equal(grad, lowfp.quantize(w, "fp(4,3,4)"))
+
+
+def test_the_gpu_element_loop_on_cpu_threads_takes_each_element_once_with_its_word(tmp_path):
+    # cpp/src/cuda/element_groups.hpp, the loop of the element-wise CUDA kernels (quantize, S2FP8,
+    # a scaled call's single block) over groups of four, followed thread by thread on the CPU:
+    # each group once, each element's Philox word, nothing past the end, only real elements
+    # counted; 32-, 16- (two groups in flight) and 64-bit elements, in place too (tests/cpp/).
+    out = run_host_program(tmp_path, "element_groups_on_threads.cpp")
+    assert out.strip() == "0 failures in 3360 cases", out
