@@ -15,16 +15,12 @@ template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, Carrier 
 __global__ void __launch_bounds__(kThreads)
 column_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
   const int64_t blocks = c.block_grid_rows() * c.cols;
-  const RawOf<In> exponent = RawOf<In>(exponent_mask(c.dtype));
-  const double t = tensor_scale_of(c, tensor_max), empty = empty_block_scale(c.scale, t);
-  ThreadCounts tc;
-  uint64_t saturated = 0;
+  OnePassThread<In> th(c, tensor_max);
   for (int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; b < blocks;
        b += int64_t(gridDim.x) * blockDim.x)
-    column_block<In, K, kCount, kPow2, kSubExp, kCarrier, kFaster, kOnce, kFaster32>(c, b, exponent, t, empty, tc,
-                                                                                    saturated);
-  if constexpr (kCount) finish_counts(tc, counts, c.rows * c.cols);
-  count_blocks(c, saturated, blocks, counts);
+    column_block<In, K, kCount, kPow2, kSubExp, kCarrier, kFaster, kOnce, kFaster32>(c, b, th.exponent, th.t, th.empty,
+                                                                                    th.tc, th.saturated);
+  th.template finish<kCount>(c, blocks, counts);
 }
 
 }  // namespace

@@ -104,6 +104,27 @@ __device__ void count_blocks(const ScaledCall& c, uint64_t saturated, int64_t bl
   if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(counts + 5, (unsigned long long)blocks);
 }
 
+// What a thread of a one-pass kernel holds across its blocks: the input's exponent mask, the
+// tensor scale t and an empty block's scale, its events and its saturated blocks.
+template <class In>
+struct OnePassThread {
+  RawOf<In> exponent;
+  double t, empty;
+  ThreadCounts tc;
+  uint64_t saturated = 0;
+
+  __device__ OnePassThread(const ScaledCall& c, const unsigned long long* tensor_max)
+      : exponent(RawOf<In>(exponent_mask(c.dtype))), t(tensor_scale_of(c, tensor_max)),
+        empty(empty_block_scale(c.scale, t)) {}
+
+  // The kernel's end: the events (kCount) and the block counts into the device counts.
+  template <bool kCount>
+  __device__ void finish(const ScaledCall& c, int64_t blocks, unsigned long long* counts) const {
+    if constexpr (kCount) finish_counts(tc, counts, c.rows * c.cols);
+    count_blocks(c, saturated, blocks, counts);
+  }
+};
+
 // A one-pass kernel's template arguments, as with_one_pass_instance chooses them for a call.
 template <class InType, RoundKind kKind, bool kCountV, bool kPow2V, bool kSubExpV, Carrier kCarrierV, bool kFasterV,
           bool kOnceV, bool kFaster32V>

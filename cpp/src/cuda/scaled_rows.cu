@@ -18,23 +18,19 @@ row_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned l
   const RowBlocksSchedule s(c.block_cols, int(threadIdx.x & 31));
   const int64_t blocks = c.rows * (c.cols / c.block_cols);
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
-  const RawOf<In> exponent = RawOf<In>(exponent_mask(c.dtype));
-  const double t = tensor_scale_of(c, tensor_max), empty = empty_block_scale(c.scale, t);
-  ThreadCounts tc;
-  uint64_t saturated = 0;
+  OnePassThread<In> th(c, tensor_max);
   for (int64_t b0 = s.first_block((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32); b0 < blocks;
        b0 += s.stride(warps)) {
     const int64_t b = s.block(b0);
     const bool live = b < blocks;
     Quad<In> in[kRowBlocksQuads];
-    const RawOf<In> m = row_blocks_load(c, s, b, live, exponent, in);
+    const RawOf<In> m = row_blocks_load(c, s, b, live, th.exponent, in);
     const double a = raw_value<In>(group_max(m, s.lanes));
     if (live)
-      row_blocks_round<In, K, kCount, kPow2, kSubExp, kCarrier, kFaster, kOnce, kFaster32>(c, s, b, in, a, t, empty,
-                                                                                          tc, saturated);
+      row_blocks_round<In, K, kCount, kPow2, kSubExp, kCarrier, kFaster, kOnce, kFaster32>(
+          c, s, b, in, a, th.t, th.empty, th.tc, th.saturated);
   }
-  if constexpr (kCount) finish_counts(tc, counts, c.rows * c.cols);
-  count_blocks(c, saturated, blocks, counts);
+  th.template finish<kCount>(c, blocks, counts);
 }
 
 }  // namespace

@@ -16,30 +16,26 @@ template <class In, RoundKind K, bool kCount, bool kPow2, bool kSubExp, Carrier 
 __global__ void __launch_bounds__(kThreads)
 tile_blocks_kernel(ScaledCall c, const unsigned long long* tensor_max, unsigned long long* counts) {
   const int64_t blocks = c.block_grid_rows() * c.block_grid_cols();
-  const RawOf<In> exponent = RawOf<In>(exponent_mask(c.dtype));
-  const double t = tensor_scale_of(c, tensor_max), empty = empty_block_scale(c.scale, t);
+  OnePassThread<In> th(c, tensor_max);
   __shared__ uint64_t warp_maxima[kThreads / 32];
   __shared__ BlockForms block_f;
-  ThreadCounts tc;
-  uint64_t saturated = 0;
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
     const ScaledBlock at = c.block(b);
     const BlockShare share(at.w / 4, threadIdx.x, blockDim.x);
-    const RawOf<In> m = tile_block_max<In>(c, at, share, exponent);
+    const RawOf<In> m = tile_block_max<In>(c, at, share, th.exponent);
     const uint64_t bm = thread_block_max(bit_cast<uint64_t>(raw_value<In>(m)), warp_maxima);
     if (threadIdx.x == 0) {
       bool sat = false;
-      block_f = block_forms<kCarrier, kPow2>(c, bit_cast<double>(bm), t, empty, sat);
+      block_f = block_forms<kCarrier, kPow2>(c, bit_cast<double>(bm), th.t, th.empty, sat);
       c.scales[b] = block_f.s;
-      saturated += sat;
+      th.saturated += sat;
     }
     __syncthreads();
     const BlockForms f = block_f;  // (in registers, not read from shared memory for each element)
-    tile_block_round<In, K, kCount, kPow2, kSubExp, kCarrier, kFaster, kOnce, kFaster32>(c, at, share, f, tc);
+    tile_block_round<In, K, kCount, kPow2, kSubExp, kCarrier, kFaster, kOnce, kFaster32>(c, at, share, f, th.tc);
     __syncthreads();  // (before block_f and warp_maxima are written again)
   }
-  if constexpr (kCount) finish_counts(tc, counts, c.rows * c.cols);
-  count_blocks(c, saturated, blocks, counts);
+  th.template finish<kCount>(c, blocks, counts);
 }
 
 }  // namespace
