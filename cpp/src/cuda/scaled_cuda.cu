@@ -27,6 +27,53 @@
 namespace lowfp {
 namespace {
 
+// The largest finite magnitude of the call's elements into *target and, when not null, *also
+// (both zeroed before): the whole grid reading quads of consecutive elements.
+template <class In>
+__global__ void __launch_bounds__(kThreads)
+tensor_amax_kernel(ScaledCall c, bool quad_io, unsigned long long* target, unsigned long long* also) {
+  using U = RawOf<In>;
+  const U* x = static_cast<const U*>(c.x);
+  const U exponent = U(exponent_mask(c.dtype));
+  const int64_t n = c.rows * c.cols, groups = (n + 3) / 4, full_groups = quad_io ? n / 4 : 0;
+  U m = 0;
+  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
+       g += int64_t(gridDim.x) * blockDim.x) {
+    const Quad<U> v = load_group(x, g, n, full_groups);  // (a short last group reads 0s)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) m = max_of(m, finite_magnitude(v.v[k], exponent));
+  }
+  const double a = raw_value<In>(m);
+  warp_max_into(target, a);
+  if (also != nullptr) warp_max_into(also, a);
+}
+
+// Each block's largest finite magnitude into c.scales, one thread block per block (grid-stride
+// over the blocks), its threads reading the block row by row (BlockShare); the tensor's into
+// *tensor_max when not null (zeroed before).
+template <class In>
+__global__ void __launch_bounds__(kThreads)
+block_amax_kernel(ScaledCall c, unsigned long long* tensor_max) {
+  using U = RawOf<In>;
+  const U* x = static_cast<const U*>(c.x);
+  const U exponent = U(exponent_mask(c.dtype));
+  const int64_t gc = c.block_grid_cols(), blocks = c.block_grid_rows() * gc;
+  __shared__ uint64_t warp_maxima[kThreads / 32];
+  U tensor_m = 0;
+  for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+    const ScaledBlock at = c.block(b);
+    U m = 0;
+    BlockShare(at.w, threadIdx.x, blockDim.x).each(at.h, at.w, [&](int64_t r, int64_t u) {
+      m = max_of(m, finite_magnitude(x[(at.r0 + r) * c.cols + at.c0 + u], exponent));
+    });
+    tensor_m = max_of(tensor_m, m);
+    const uint64_t bm = thread_block_max(bit_cast<uint64_t>(raw_value<In>(m)), warp_maxima);
+    if (threadIdx.x == 0) c.scales[b] = bit_cast<double>(bm);
+    __syncthreads();
+  }
+  if (tensor_max != nullptr) warp_max_into(tensor_max, raw_value<In>(tensor_m));
+}
+
 enum class OnePass { Rows, Columns, Tiles };
 
 // Enqueues a call of one of the one-pass forms (row_blocks, column_blocks, tile_blocks): the
